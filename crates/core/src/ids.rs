@@ -1,0 +1,241 @@
+//! Validated identifiers: who holds a lease ([`InstanceId`]), what it is on ([`StreamId`],
+//! [`PerspectiveName`]) and which aggregate a write lock protects ([`AggregateType`]).
+//!
+//! Each newtype checks its value once, at construction, so a value that the database would
+//! truncate, reject or misread can never reach SQL.
+
+use std::fmt;
+use std::sync::OnceLock;
+
+use uuid::Uuid;
+
+use crate::error::ValidationError;
+
+/// The identity of one running process of the application: the holder recorded on every lease
+/// it takes.
+///
+/// [`InstanceId::process`] is fresh at each process start and stable for the process's life, so
+/// a restarted instance never mistakes a lease of its previous life for its own (that lease
+/// simply expires). Tests that play several instances in one process use
+/// [`InstanceId::random`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InstanceId(Uuid);
+
+impl InstanceId {
+    /// The id of this process, drawn once (UUIDv7, so ids sort by start time).
+    pub fn process() -> InstanceId {
+        static PROCESS: OnceLock<InstanceId> = OnceLock::new();
+        *PROCESS.get_or_init(InstanceId::random)
+    }
+
+    /// A new, unique id (UUIDv7).
+    pub fn random() -> InstanceId {
+        InstanceId(Uuid::now_v7())
+    }
+
+    /// Wraps an id read back from storage or chosen by the caller.
+    pub const fn from_uuid(uuid: Uuid) -> InstanceId {
+        InstanceId(uuid)
+    }
+
+    /// The underlying UUID.
+    pub const fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+impl fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl From<Uuid> for InstanceId {
+    fn from(uuid: Uuid) -> Self {
+        InstanceId(uuid)
+    }
+}
+
+/// The id of an event stream (one aggregate instance's events).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(Uuid);
+
+impl StreamId {
+    /// Wraps a stream's UUID.
+    pub const fn from_uuid(uuid: Uuid) -> StreamId {
+        StreamId(uuid)
+    }
+
+    /// A new stream id (UUIDv7).
+    pub fn new_v7() -> StreamId {
+        StreamId(Uuid::now_v7())
+    }
+
+    /// The underlying UUID.
+    pub const fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl From<Uuid> for StreamId {
+    fn from(uuid: Uuid) -> Self {
+        StreamId(uuid)
+    }
+}
+
+/// The name of a perspective (a read model), e.g. `OrderPerspective`.
+///
+/// Not blank, at most [`PerspectiveName::MAX_CHARS`] characters, no NUL. Any other text —
+/// quotes, semicolons, SQL — is kept verbatim: backends always bind it as a parameter.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PerspectiveName(String);
+
+impl PerspectiveName {
+    /// The longest name accepted, in characters.
+    pub const MAX_CHARS: usize = 200;
+
+    /// Validates and wraps a name.
+    pub fn new(name: impl Into<String>) -> Result<PerspectiveName, ValidationError> {
+        let name = name.into();
+        if name.trim().is_empty() {
+            return Err(ValidationError::BlankPerspectiveName);
+        }
+        let chars = name.chars().count();
+        if chars > Self::MAX_CHARS {
+            return Err(ValidationError::PerspectiveNameTooLong {
+                chars,
+                max: Self::MAX_CHARS,
+            });
+        }
+        if name.contains('\0') {
+            return Err(ValidationError::ContainsNul {
+                field: "perspective name",
+            });
+        }
+        Ok(PerspectiveName(name))
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PerspectiveName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl TryFrom<&str> for PerspectiveName {
+    type Error = ValidationError;
+    fn try_from(value: &str) -> Result<Self, Self::Error> {
+        PerspectiveName::new(value)
+    }
+}
+
+impl AsRef<str> for PerspectiveName {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The type name of an aggregate, the `{type}` of the write-lock key
+/// `relay:aggregate:{type}:{id}`.
+///
+/// Not blank, no `:` (otherwise `A:B`/`c` and `A`/`B:c` would share a key), no NUL, at most
+/// [`AggregateType::MAX_CHARS`] characters. Case and surrounding text are kept exactly: `Stock`
+/// and `stock` are different types.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AggregateType(String);
+
+impl AggregateType {
+    /// The longest type name accepted, in characters.
+    pub const MAX_CHARS: usize = 200;
+
+    /// Validates and wraps a type name.
+    pub fn new(name: impl Into<String>) -> Result<AggregateType, ValidationError> {
+        let name = name.into();
+        if name.trim().is_empty() {
+            return Err(ValidationError::BlankAggregateType);
+        }
+        if name.contains(':') {
+            return Err(ValidationError::AggregateTypeContainsColon(name));
+        }
+        if name.contains('\0') {
+            return Err(ValidationError::ContainsNul {
+                field: "aggregate type",
+            });
+        }
+        let chars = name.chars().count();
+        if chars > Self::MAX_CHARS {
+            return Err(ValidationError::AggregateTypeTooLong {
+                chars,
+                max: Self::MAX_CHARS,
+            });
+        }
+        Ok(AggregateType(name))
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for AggregateType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn process_instance_id_is_stable_and_random_ones_differ() {
+        assert_eq!(InstanceId::process(), InstanceId::process());
+        assert_ne!(InstanceId::random(), InstanceId::random());
+    }
+
+    #[test]
+    fn perspective_names_are_validated_but_otherwise_verbatim() {
+        assert_eq!(
+            PerspectiveName::new(""),
+            Err(ValidationError::BlankPerspectiveName)
+        );
+        assert_eq!(
+            PerspectiveName::new("  \t"),
+            Err(ValidationError::BlankPerspectiveName)
+        );
+        assert!(matches!(
+            PerspectiveName::new("x".repeat(201)),
+            Err(ValidationError::PerspectiveNameTooLong { chars: 201, max: 200 })
+        ));
+        assert!(PerspectiveName::new("é".repeat(200)).is_ok());
+        assert!(PerspectiveName::new("a\0b").is_err());
+        let sql = "x'); DROP TABLE wh_perspective_cursors; --";
+        assert_eq!(PerspectiveName::new(sql).map(|n| n.0), Ok(sql.to_owned()));
+    }
+
+    #[test]
+    fn aggregate_types_refuse_blank_and_colon() {
+        assert_eq!(
+            AggregateType::new(" "),
+            Err(ValidationError::BlankAggregateType)
+        );
+        assert_eq!(
+            AggregateType::new("A:B"),
+            Err(ValidationError::AggregateTypeContainsColon("A:B".into()))
+        );
+        assert!(AggregateType::new("x".repeat(201)).is_err());
+        assert_eq!(AggregateType::new("StockItem").map(|t| t.0), Ok("StockItem".into()));
+    }
+}

@@ -1,0 +1,58 @@
+//! # lockstep-core
+//!
+//! The contracts of lockstep, a library that makes event-sourced systems on PostgreSQL safe to
+//! run on many instances at once. Application code depends on this crate only; a backend
+//! (`lockstep-pg-stream`, `lockstep-pg-advisory`, …) is chosen at the composition root, and the
+//! in-memory fakes of `lockstep-testkit` stand in for it in tests.
+//!
+//! - [`StreamLocker`] / [`StreamLockAdmin`] — leases per `(stream, perspective)` for rewind,
+//!   bootstrap and purge ([`stream_lease`]).
+//! - [`DistributedLock`] / [`SessionLocks`] — transaction- and session-scoped exclusive locks
+//!   on a [`ResourceKey`] ([`distributed_lock`]).
+//! - [`AggregateWriteLock`] / [`DistributedAggregateWriteLock`] — the pessimistic
+//!   per-aggregate write lock `relay:aggregate:{type}:{id}` ([`aggregate_lock`]).
+//! - Validated values ([`InstanceId`], [`StreamId`], [`PerspectiveName`], [`LockReason`],
+//!   [`AggregateType`], [`StreamLockOptions`]) and one [`Error`] with an [`ErrorKind`].
+//!
+//! This crate has no database driver and no async runtime.
+//!
+//! ```
+//! use lockstep_core::{LockReason, PerspectiveName, StreamLockOptions, ErrorKind, Error};
+//! use std::time::Duration;
+//!
+//! let name = PerspectiveName::new("OrderPerspective")?;
+//! let too_long: Result<LockReason, Error> = LockReason::custom("x".repeat(51)).map_err(Error::from);
+//! assert_eq!(too_long.unwrap_err().kind(), ErrorKind::InvalidInput);
+//! let opts = StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))?;
+//! # let _ = (name, opts);
+//! # Ok::<(), lockstep_core::ValidationError>(())
+//! ```
+
+pub mod aggregate_lock;
+pub mod distributed_lock;
+pub mod error;
+pub mod ids;
+pub mod options;
+pub mod reason;
+pub mod resource_key;
+pub mod stream_lease;
+
+pub use aggregate_lock::{
+    AGGREGATE_KEY_PREFIX, AggregateWriteLock, DistributedAggregateWriteLock, aggregate_key,
+    canonical_order,
+};
+pub use distributed_lock::{DistributedLock, SessionLockGuard, SessionLocks};
+pub use error::{BoxError, Error, ErrorKind, Result, ValidationError};
+pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
+pub use options::StreamLockOptions;
+pub use reason::{CustomReason, LockReason};
+pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
+pub use stream_lease::{
+    AcquireOutcome, CursorLease, LeaseEpoch, LeaseHolder, LeaseId, LeaseInfo, LeaseStatus,
+    ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin, StreamLocker,
+};
+
+/// Re-exported so implementors and users name the same versions.
+pub use async_trait::async_trait;
+pub use time::OffsetDateTime;
+pub use uuid::Uuid;

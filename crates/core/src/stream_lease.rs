@@ -1,0 +1,289 @@
+//! The stream-lease contract: one instance at a time may rewind, bootstrap or purge a
+//! `(stream, perspective)` pair.
+//!
+//! A lease lives on the pair's perspective cursor row. [`StreamLocker`] is the hot path used by
+//! the perspective worker (try-acquire, renew, release); [`StreamLockAdmin`] is for operators
+//! (list, inspect, force-release, release everything an instance holds).
+//!
+//! Semantics every implementation shares (checked by the testkit's conformance suite):
+//!
+//! - **try-acquire** succeeds when the pair is unlocked, its lease has expired, or the same
+//!   instance already holds it (refreshing the expiry and overwriting the reason). It is denied
+//!   when another instance holds a live lease, and the denial says who, why and until when. A
+//!   pair without a cursor row is never acquired.
+//! - **epoch** (the fencing token) increases whenever a lease is established anew: a new holder,
+//!   or a takeover of an expired lease (even by the same instance). A same-instance re-acquire of
+//!   a live lease keeps the epoch. Force-release also increases it.
+//! - **renew** extends only a live lease held by the caller with the same epoch, and reports
+//!   whether it did; it never resurrects an expired lease.
+//! - **release** clears the lease only if held by the caller with the same epoch, and reports
+//!   whether it did; releasing what one does not hold is not an error.
+//! - Expiry is computed and compared on one clock, the backend's (the database clock for
+//!   Postgres), never on the clients'.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use time::OffsetDateTime;
+
+use crate::error::Result;
+use crate::ids::{InstanceId, PerspectiveName, StreamId};
+use crate::options::StreamLockOptions;
+use crate::reason::LockReason;
+
+/// The fencing token of a lease: increases every time the lease is established anew, so work
+/// done under an older epoch can be refused at commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseEpoch(i64);
+
+impl LeaseEpoch {
+    /// Wraps a stored epoch.
+    pub const fn new(value: i64) -> LeaseEpoch {
+        LeaseEpoch(value)
+    }
+
+    /// The epoch as stored (`stream_lock_epoch bigint`).
+    pub const fn get(self) -> i64 {
+        self.0
+    }
+}
+
+impl fmt::Display for LeaseEpoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// Names one held lease: the pair, the holder and the epoch it was acquired at. Renew and
+/// release act only on a lease that still matches all four.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LeaseId {
+    /// The stream.
+    pub stream_id: StreamId,
+    /// The perspective.
+    pub perspective: PerspectiveName,
+    /// The instance that holds (or believes it holds) the lease.
+    pub holder: InstanceId,
+    /// The epoch the lease was acquired at.
+    pub epoch: LeaseEpoch,
+}
+
+/// A lease the caller acquired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamLease {
+    /// Which lease (pass it to renew, release and fenced commits).
+    pub id: LeaseId,
+    /// Why it was taken.
+    pub reason: LockReason,
+    /// When it expires unless renewed, on the backend's clock.
+    pub expires_at: OffsetDateTime,
+}
+
+/// Who holds a lease the caller was denied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseHolder {
+    /// The holding instance.
+    pub instance: InstanceId,
+    /// Why it holds the lease.
+    pub reason: LockReason,
+    /// When its lease expires unless renewed, on the backend's clock.
+    pub expires_at: OffsetDateTime,
+    /// The holder's epoch.
+    pub epoch: LeaseEpoch,
+}
+
+/// The result of [`StreamLocker::try_acquire`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum AcquireOutcome {
+    /// The caller holds the lease.
+    Acquired(StreamLease),
+    /// Another instance holds a live lease; skip the pair and retry later.
+    Denied(LeaseHolder),
+    /// The pair has no cursor row, so there is nothing to lease.
+    NoCursor,
+}
+
+impl AcquireOutcome {
+    /// Whether the lease was acquired (the seed's `bool`).
+    pub fn is_acquired(&self) -> bool {
+        matches!(self, AcquireOutcome::Acquired(_))
+    }
+
+    /// The acquired lease, if any.
+    pub fn lease(&self) -> Option<&StreamLease> {
+        match self {
+            AcquireOutcome::Acquired(lease) => Some(lease),
+            _ => None,
+        }
+    }
+
+    /// The acquired lease, if any, by value.
+    pub fn into_lease(self) -> Option<StreamLease> {
+        match self {
+            AcquireOutcome::Acquired(lease) => Some(lease),
+            _ => None,
+        }
+    }
+}
+
+/// The result of [`StreamLocker::renew`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum RenewOutcome {
+    /// The lease is extended until `expires_at` (backend clock).
+    Renewed {
+        /// The new expiry.
+        expires_at: OffsetDateTime,
+    },
+    /// The lease is not held by this holder at this epoch, or has expired: the work it protects
+    /// must stop.
+    Lost,
+}
+
+impl RenewOutcome {
+    /// Whether the lease was extended.
+    pub fn is_renewed(&self) -> bool {
+        matches!(self, RenewOutcome::Renewed { .. })
+    }
+}
+
+/// The result of [`StreamLocker::release`] and [`StreamLockAdmin::force_release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum ReleaseOutcome {
+    /// The lease was cleared.
+    Released,
+    /// There was nothing to clear for this holder and epoch (not an error).
+    NotHeld,
+}
+
+impl ReleaseOutcome {
+    /// Whether a lease was cleared.
+    pub fn is_released(&self) -> bool {
+        matches!(self, ReleaseOutcome::Released)
+    }
+}
+
+/// The hot-path lease operations.
+///
+/// Object safe: the perspective worker holds an `Option<Arc<dyn StreamLocker>>`. Bad input is
+/// rejected by the value types before a call can be made; implementations run one atomic
+/// operation per call.
+#[async_trait]
+pub trait StreamLocker: Send + Sync {
+    /// The timing this locker grants leases with.
+    fn options(&self) -> StreamLockOptions;
+
+    /// Tries to take the lease on `(stream_id, perspective)` for `instance`, without waiting.
+    async fn try_acquire(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        instance: InstanceId,
+        reason: &LockReason,
+    ) -> Result<AcquireOutcome>;
+
+    /// Extends a live lease held by `lease.holder` at `lease.epoch` by the lock timeout.
+    async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome>;
+
+    /// Clears the lease if held by `lease.holder` at `lease.epoch`.
+    async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome>;
+
+    /// Renews several leases; the outcomes are in the order of `leases`.
+    ///
+    /// The default renews one at a time; backends override it with a single statement.
+    async fn renew_many(&self, leases: &[LeaseId]) -> Result<Vec<RenewOutcome>> {
+        let mut outcomes = Vec::with_capacity(leases.len());
+        for lease in leases {
+            outcomes.push(self.renew(lease).await?);
+        }
+        Ok(outcomes)
+    }
+}
+
+/// The lease columns of one cursor row, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CursorLease {
+    /// Holder (`None` = unlocked).
+    pub holder: Option<InstanceId>,
+    /// Reason (`None` = unlocked).
+    pub reason: Option<LockReason>,
+    /// Expiry (`None` = unlocked).
+    pub expires_at: Option<OffsetDateTime>,
+    /// The current epoch (kept after release; only ever increases).
+    pub epoch: LeaseEpoch,
+}
+
+impl CursorLease {
+    /// Whether no lease fields are set.
+    pub fn is_unlocked(&self) -> bool {
+        self.holder.is_none() && self.reason.is_none() && self.expires_at.is_none()
+    }
+}
+
+/// Whether a listed lease is still live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseStatus {
+    /// The lease has not expired.
+    Held,
+    /// The lease has expired but was not cleared; any instance may take it over.
+    Expired,
+}
+
+/// One lease, as listed for operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseInfo {
+    /// The stream.
+    pub stream_id: StreamId,
+    /// The perspective.
+    pub perspective: PerspectiveName,
+    /// The holder.
+    pub holder: InstanceId,
+    /// Why it is held.
+    pub reason: LockReason,
+    /// Its epoch.
+    pub epoch: LeaseEpoch,
+    /// Its expiry (backend clock).
+    pub expires_at: OffsetDateTime,
+    /// Time left before expiry, computed on the backend clock (zero once expired).
+    pub time_left: Duration,
+    /// Held or expired.
+    pub status: LeaseStatus,
+}
+
+/// Operator operations on stream leases, kept apart from the hot path.
+#[async_trait]
+pub trait StreamLockAdmin: Send + Sync {
+    /// Every lease that is set (held or expired but not cleared), ordered by stream, then
+    /// perspective.
+    async fn list_leases(&self) -> Result<Vec<LeaseInfo>>;
+
+    /// The lease columns of one cursor row; `None` if the row does not exist.
+    async fn inspect(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<CursorLease>>;
+
+    /// Clears the lease whoever holds it and increases the epoch, so the old holder's renews,
+    /// releases and fenced commits fail.
+    async fn force_release(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<ReleaseOutcome>;
+
+    /// Clears every lease `instance` holds (for shutdown); returns how many were cleared.
+    async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Compile-time check that the worker can keep these behind `dyn`.
+    #[allow(dead_code)]
+    fn object_safe(_: &dyn StreamLocker, _: &dyn StreamLockAdmin) {}
+}
