@@ -1,0 +1,258 @@
+//! The Postgres test-database harness: every test gets a database of its own, created on a
+//! real server and dropped afterwards, so Postgres tests run in parallel and leave nothing
+//! behind.
+//!
+//! Where the server comes from, in order:
+//!
+//! 1. `DATABASE_URL`, if set (it must be reachable: a set but broken URL fails the test rather
+//!    than quietly testing something else);
+//! 2. the local server at `postgres://postgres@127.0.0.1:5432/postgres`;
+//! 3. a `postgres:15-alpine` container started with testcontainers (feature `testcontainers`,
+//!    on by default; needs a Docker engine);
+//! 4. otherwise the test fails with a message saying how to provide a database.
+//!
+//! A database per test (not a schema) because advisory locks are scoped to a database: tests
+//! using the same lock keys in one database would block each other.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! let db = lockstep_testkit::pg_harness::test_database().await;
+//! let pool = db.pool(4);
+//! let client = pool.get().await.expect("connection");
+//! client.batch_execute("SELECT 1").await.expect("query");
+//! # }
+//! ```
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use tokio::sync::OnceCell;
+use tokio_postgres::{Config, NoTls};
+
+/// The local server tried when `DATABASE_URL` is not set.
+pub const LOCAL_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// Prefix of every database the harness creates (`lockstep_t_<32 hex>`).
+pub const DATABASE_PREFIX: &str = "lockstep_t_";
+
+const HOW_TO_PROVIDE: &str = "no PostgreSQL server for the tests: set DATABASE_URL \
+(e.g. postgres://postgres@127.0.0.1:5432/postgres), start a local server on 127.0.0.1:5432, \
+or run a Docker engine so the harness can start a container (feature `testcontainers`)";
+
+/// Where the harness found a server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerSource {
+    /// From `DATABASE_URL`.
+    Environment,
+    /// The local server at [`LOCAL_SERVER_URL`].
+    Local,
+    /// A container started by the harness.
+    Container,
+}
+
+#[derive(Debug, Clone)]
+struct Server {
+    admin: Config,
+    source: ServerSource,
+}
+
+static SERVER: OnceCell<Server> = OnceCell::const_new();
+
+/// One test's own database. Dropping it drops the database (terminating leftover connections).
+#[derive(Debug)]
+pub struct TestDatabase {
+    name: String,
+    config: Config,
+    admin: Config,
+    source: ServerSource,
+}
+
+/// Creates a fresh, empty database for one test. Panics, saying how to provide a server, when
+/// none can be reached.
+pub async fn test_database() -> TestDatabase {
+    let server = SERVER.get_or_init(find_server).await;
+    let name = format!("{DATABASE_PREFIX}{}", uuid::Uuid::new_v4().simple());
+    let admin = connect(&server.admin)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to the test server failed: {e}"));
+    admin
+        .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+        .await
+        .unwrap_or_else(|e| panic!("CREATE DATABASE {name} failed: {e}"));
+    let mut config = server.admin.clone();
+    config.dbname(&name);
+    TestDatabase {
+        name,
+        config,
+        admin: server.admin.clone(),
+        source: server.source,
+    }
+}
+
+impl TestDatabase {
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Connection settings for this database.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Where the server came from.
+    pub fn source(&self) -> ServerSource {
+        self.source
+    }
+
+    /// A pool of at most `max_size` connections to this database.
+    pub fn pool(&self, max_size: usize) -> deadpool_postgres::Pool {
+        let manager = deadpool_postgres::Manager::from_config(
+            self.config.clone(),
+            NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        deadpool_postgres::Pool::builder(manager)
+            .max_size(max_size)
+            .build()
+            .unwrap_or_else(|e| panic!("building a pool failed: {e}"))
+    }
+
+    /// One direct connection (its connection task runs on the current runtime).
+    pub async fn connect(&self) -> tokio_postgres::Client {
+        connect(&self.config)
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {} failed: {e}", self.name))
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        // Drop runs inside (or outside) some runtime; a thread with its own runtime works in
+        // both cases and lets the test's runtime shut down independently.
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async move {
+                let client = connect(&admin).await.ok()?;
+                client
+                    .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                    .await
+                    .ok()
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Some(()))) {
+            eprintln!("lockstep-testkit: could not drop test database {}", self.name);
+        }
+    }
+}
+
+async fn connect(config: &Config) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = config.connect(NoTls).await?;
+    tokio::spawn(async move {
+        // Ends with the client; an error here surfaces on the client's next call.
+        let _ = connection.await;
+    });
+    Ok(client)
+}
+
+async fn reachable(config: &Config) -> Result<(), String> {
+    match tokio::time::timeout(Duration::from_secs(5), connect(config)).await {
+        Ok(Ok(client)) => client
+            .simple_query("SELECT 1")
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("timed out after 5 s".into()),
+    }
+}
+
+async fn find_server() -> Server {
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        let admin = Config::from_str(&url)
+            .unwrap_or_else(|e| panic!("DATABASE_URL is not a valid PostgreSQL URL: {e}"));
+        if let Err(e) = reachable(&admin).await {
+            panic!("DATABASE_URL is set but its server is unreachable ({e}); {HOW_TO_PROVIDE}");
+        }
+        return Server {
+            admin,
+            source: ServerSource::Environment,
+        };
+    }
+    let local = Config::from_str(LOCAL_SERVER_URL).unwrap_or_else(|e| unreachable!("{e}"));
+    let local_error = match reachable(&local).await {
+        Ok(()) => {
+            return Server {
+                admin: local,
+                source: ServerSource::Local,
+            };
+        }
+        Err(e) => e,
+    };
+    #[cfg(feature = "testcontainers")]
+    {
+        match container::start().await {
+            Ok(admin) => {
+                return Server {
+                    admin,
+                    source: ServerSource::Container,
+                };
+            }
+            Err(container_error) => panic!(
+                "{HOW_TO_PROVIDE} (local server: {local_error}; container: {container_error})"
+            ),
+        }
+    }
+    #[cfg(not(feature = "testcontainers"))]
+    panic!("{HOW_TO_PROVIDE} (local server: {local_error}; feature `testcontainers` is off)");
+}
+
+#[cfg(feature = "testcontainers")]
+mod container {
+    //! The last resort: a throwaway PostgreSQL 15 container, kept for the whole test process.
+
+    use std::sync::OnceLock;
+
+    use testcontainers::core::{IntoContainerPort, WaitFor, wait::LogWaitStrategy};
+    use testcontainers::runners::AsyncRunner;
+    use testcontainers::{ContainerAsync, GenericImage, ImageExt};
+    use tokio_postgres::Config;
+
+    // Never dropped: statics are not, and testcontainers' reaper removes the container when
+    // the process exits.
+    static CONTAINER: OnceLock<ContainerAsync<GenericImage>> = OnceLock::new();
+
+    pub(super) async fn start() -> Result<Config, String> {
+        let container = GenericImage::new("postgres", "15-alpine")
+            .with_exposed_port(5432.tcp())
+            // The server logs "ready" once during initdb and once for real.
+            .with_wait_for(WaitFor::Log(
+                LogWaitStrategy::stderr("database system is ready to accept connections")
+                    .with_times(2),
+            ))
+            .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
+            .start()
+            .await
+            .map_err(|e| e.to_string())?;
+        let port = container
+            .get_host_port_ipv4(5432)
+            .await
+            .map_err(|e| e.to_string())?;
+        let host = container.get_host().await.map_err(|e| e.to_string())?;
+        let _ = CONTAINER.set(container);
+        let mut config = Config::new();
+        config
+            .host(host.to_string())
+            .port(port)
+            .user("postgres")
+            .dbname("postgres");
+        Ok(config)
+    }
+}
