@@ -263,6 +263,9 @@ mod tests {
         let err: Error = ValidationError::BlankReason.into();
         assert_eq!(err.kind(), ErrorKind::InvalidInput);
         assert_eq!(err.validation(), Some(&ValidationError::BlankReason));
-        assert_eq!(err.to_string(), "invalid input: lock reason must not be blank");
+        assert_eq!(
+            err.to_string(),
+            "invalid input: lock reason must not be blank"
+        );
     }
 }

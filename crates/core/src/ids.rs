@@ -217,7 +217,10 @@ mod tests {
         );
         assert!(matches!(
             PerspectiveName::new("x".repeat(201)),
-            Err(ValidationError::PerspectiveNameTooLong { chars: 201, max: 200 })
+            Err(ValidationError::PerspectiveNameTooLong {
+                chars: 201,
+                max: 200
+            })
         ));
         assert!(PerspectiveName::new("é".repeat(200)).is_ok());
         assert!(PerspectiveName::new("a\0b").is_err());
@@ -236,6 +239,9 @@ mod tests {
             Err(ValidationError::AggregateTypeContainsColon("A:B".into()))
         );
         assert!(AggregateType::new("x".repeat(201)).is_err());
-        assert_eq!(AggregateType::new("StockItem").map(|t| t.0), Ok("StockItem".into()));
+        assert_eq!(
+            AggregateType::new("StockItem").map(|t| t.0),
+            Ok("StockItem".into())
+        );
     }
 }

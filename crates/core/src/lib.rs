@@ -48,8 +48,8 @@ pub use options::StreamLockOptions;
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
 pub use stream_lease::{
-    AcquireOutcome, CursorLease, LeaseEpoch, LeaseHolder, LeaseId, LeaseInfo, LeaseStatus,
-    ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin, StreamLocker,
+    AcquireOutcome, CursorLease, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo,
+    LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin, StreamLocker,
 };
 
 /// Re-exported so implementors and users name the same versions.

@@ -107,7 +107,10 @@ mod tests {
     #[test]
     fn custom_reason_of_fifty_characters_is_kept_and_fifty_one_refused() {
         let fifty = "ü".repeat(50);
-        assert_eq!(LockReason::custom(fifty.clone()).map(|r| r.to_string()), Ok(fifty));
+        assert_eq!(
+            LockReason::custom(fifty.clone()).map(|r| r.to_string()),
+            Ok(fifty)
+        );
         assert_eq!(
             LockReason::custom("x".repeat(51)),
             Err(ValidationError::ReasonTooLong { chars: 51, max: 50 })

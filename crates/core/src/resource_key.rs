@@ -111,7 +111,10 @@ mod tests {
     fn advisory_key_matches_the_golden_vectors() {
         for (key, expected) in ADVISORY_KEY_GOLDEN_VECTORS {
             assert_eq!(advisory_key(key), *expected, "key {key:?}");
-            assert_eq!(ResourceKey::new(*key).map(|k| k.advisory_key()), Ok(*expected));
+            assert_eq!(
+                ResourceKey::new(*key).map(|k| k.advisory_key()),
+                Ok(*expected)
+            );
         }
     }
 

@@ -279,6 +279,22 @@ pub trait StreamLockAdmin: Send + Sync {
     async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64>;
 }
 
+/// The fenced commit: work protected by a lease checks, inside its own transaction `Tx`, that the
+/// lease is still held by the same holder at the same epoch, and fails with
+/// [`crate::ErrorKind::LeaseLost`] otherwise (the transaction must then roll back).
+///
+/// Implementations also make the check stick until the transaction ends (on Postgres the check
+/// locks the cursor row, so a takeover waits for this transaction), so a holder that stalled past
+/// its expiry can never commit over the new holder's work.
+pub trait LeaseFence<Tx: ?Sized + Sync>: Send + Sync {
+    /// Checks that `lease` is still held, unexpired, at its epoch; binds the check to `tx`.
+    fn check_lease<'a>(
+        &'a self,
+        tx: &'a Tx,
+        lease: &'a LeaseId,
+    ) -> impl std::future::Future<Output = Result<()>> + Send + 'a;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -148,7 +148,10 @@ impl Drop for TestDatabase {
         })
         .join();
         if !matches!(dropped, Ok(Some(()))) {
-            eprintln!("lockstep-testkit: could not drop test database {}", self.name);
+            eprintln!(
+                "lockstep-testkit: could not drop test database {}",
+                self.name
+            );
         }
     }
 }

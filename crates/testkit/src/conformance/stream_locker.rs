@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, InstanceId, LeaseId, LockReason, PerspectiveName, ReleaseOutcome,
-    RenewOutcome, StreamId, StreamLease, StreamLockAdmin, StreamLocker, async_trait,
+    AcquireOutcome, InstanceId, LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
+    StreamId, StreamLease, StreamLockAdmin, StreamLocker, async_trait,
 };
 
 /// What the suite needs from a backend.

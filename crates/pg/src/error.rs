@@ -1,0 +1,95 @@
+//! SQLSTATE → [`ErrorKind`]. Every Postgres backend maps driver errors through here, so the
+//! same failure has the same kind everywhere; message text is never inspected.
+
+use lockstep_core::{Error, ErrorKind};
+use tokio_postgres::error::SqlState;
+
+/// The kind of a driver error: by SQLSTATE when the server sent one, else connection loss for
+/// closed connections and I/O failures.
+pub fn kind_of(err: &tokio_postgres::Error) -> ErrorKind {
+    if let Some(code) = err.code() {
+        return kind_of_sqlstate(code);
+    }
+    if err.is_closed() || std::error::Error::source(err).is_some_and(|s| s.is::<std::io::Error>()) {
+        return ErrorKind::ConnectionLost;
+    }
+    ErrorKind::Backend
+}
+
+/// The kind of one SQLSTATE.
+pub fn kind_of_sqlstate(code: &SqlState) -> ErrorKind {
+    match code.code() {
+        "55P03" => ErrorKind::LockTimeout,        // lock_not_available
+        "57014" => ErrorKind::Cancelled,          // query_canceled
+        "40P01" => ErrorKind::Deadlock,           // deadlock_detected
+        "40001" => ErrorKind::Conflict,           // serialization_failure
+        "25P02" => ErrorKind::TransactionAborted, // in_failed_sql_transaction
+        "23505" => ErrorKind::Conflict,           // unique_violation
+        "22001" | "22P02" | "23514" => ErrorKind::InvalidInput, // too long, bad text, check
+        // admin_shutdown, crash_shutdown, cannot_connect_now, idle-session/idle-in-transaction
+        // timeouts end the connection
+        "57P01" | "57P02" | "57P03" | "57P05" | "25P03" => ErrorKind::ConnectionLost,
+        c if c.starts_with("08") => ErrorKind::ConnectionLost, // connection_exception class
+        _ => ErrorKind::Backend,
+    }
+}
+
+/// Wraps a driver error with its kind and what was being done.
+pub fn map_error(err: tokio_postgres::Error, doing: &'static str) -> Error {
+    let kind = kind_of(&err);
+    Error::new(kind, doing).with_source(err)
+}
+
+/// Wraps a pool error: a failed checkout is a lost connection (retryable), a bad pool setup is
+/// a backend error.
+pub fn map_pool_error(err: deadpool_postgres::PoolError) -> Error {
+    use deadpool_postgres::PoolError;
+    let kind = match &err {
+        PoolError::Backend(e) => kind_of(e),
+        PoolError::Timeout(_) => ErrorKind::ConnectionLost,
+        PoolError::Closed => ErrorKind::ConnectionLost,
+        _ => ErrorKind::Backend,
+    };
+    Error::new(kind, "getting a connection from the pool").with_source(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_related_sqlstates_have_their_kinds() {
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::LOCK_NOT_AVAILABLE),
+            ErrorKind::LockTimeout
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::QUERY_CANCELED),
+            ErrorKind::Cancelled
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::T_R_DEADLOCK_DETECTED),
+            ErrorKind::Deadlock
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::IN_FAILED_SQL_TRANSACTION),
+            ErrorKind::TransactionAborted
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::UNIQUE_VIOLATION),
+            ErrorKind::Conflict
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::ADMIN_SHUTDOWN),
+            ErrorKind::ConnectionLost
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::CONNECTION_FAILURE),
+            ErrorKind::ConnectionLost
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::SYNTAX_ERROR),
+            ErrorKind::Backend
+        );
+    }
+}

@@ -1,0 +1,146 @@
+//! Transactions as the Postgres backends see them.
+//!
+//! [`PgTransactionRef`] is what the transaction-bound contracts (`DistributedLock<Tx>`,
+//! `EventStore<Tx>`, lease fences) are implemented over, so one backend impl serves both a
+//! borrowed `tokio_postgres::Transaction` and the owned [`PgTransaction`].
+//!
+//! [`PgTransaction`] owns its pooled connection, so it is `'static` and a handler holding it can
+//! be spawned. It runs at READ COMMITTED (lock-then-load needs each statement to see the latest
+//! committed data). Dropping it without commit or rollback discards the connection instead of
+//! returning it to the pool mid-transaction; the server rolls the transaction back and releases
+//! its locks.
+
+use deadpool_postgres::{Object, Pool};
+use lockstep_core::{Error, ErrorKind, Result};
+use tokio_postgres::{CancelToken, Client, GenericClient};
+
+use crate::error::{map_error, map_pool_error};
+
+/// A transaction a Postgres backend can run statements on.
+pub trait PgTransactionRef: Send + Sync {
+    /// The statement executor (the transaction itself, or the connection it runs on).
+    type Executor: GenericClient + Sync;
+
+    /// Where to send statements that belong to this transaction.
+    fn executor(&self) -> &Self::Executor;
+
+    /// A token to cancel the statement in flight on this transaction's connection.
+    fn cancel_token(&self) -> CancelToken;
+}
+
+impl PgTransactionRef for tokio_postgres::Transaction<'_> {
+    type Executor = Self;
+
+    fn executor(&self) -> &Self {
+        self
+    }
+
+    fn cancel_token(&self) -> CancelToken {
+        tokio_postgres::Transaction::cancel_token(self)
+    }
+}
+
+/// An owned READ COMMITTED transaction on a pooled connection.
+pub struct PgTransaction {
+    // `None` once committed or rolled back.
+    conn: Option<Object>,
+}
+
+impl std::fmt::Debug for PgTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgTransaction")
+            .field("open", &self.conn.is_some())
+            .finish()
+    }
+}
+
+impl PgTransaction {
+    /// Checks a connection out of `pool` and begins a READ COMMITTED transaction on it.
+    pub async fn begin(pool: &Pool) -> Result<PgTransaction> {
+        let conn = pool.get().await.map_err(map_pool_error)?;
+        PgTransaction::begin_on(conn).await
+    }
+
+    /// Begins a READ COMMITTED transaction on a connection already checked out.
+    pub async fn begin_on(conn: Object) -> Result<PgTransaction> {
+        conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+            .map_err(|e| map_error(e, "beginning a transaction"))?;
+        Ok(PgTransaction { conn: Some(conn) })
+    }
+
+    /// The connection the transaction runs on.
+    pub fn client(&self) -> &Client {
+        // Invariant: `conn` is `Some` for as long as `self` is reachable (commit and rollback
+        // take `self` by value).
+        match &self.conn {
+            Some(conn) => conn,
+            None => unreachable!("PgTransaction used after it ended"),
+        }
+    }
+
+    /// Commits. Transaction-scoped locks are released by the server. A transaction that had
+    /// failed is rolled back by the server instead, reported as
+    /// [`ErrorKind::TransactionAborted`].
+    pub async fn commit(mut self) -> Result<()> {
+        let Some(conn) = self.conn.take() else {
+            return Ok(());
+        };
+        // COMMIT of a failed transaction "succeeds" (the server answers ROLLBACK), so probe
+        // first in the same round trip: in a failed transaction `SELECT 1` errors with 25P02
+        // and the rest of the batch, COMMIT included, is skipped.
+        match conn.batch_execute("SELECT 1; COMMIT").await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let kind = crate::error::kind_of(&e);
+                // Never pool a connection still inside a transaction.
+                if conn.batch_execute("ROLLBACK").await.is_err() {
+                    let _ = Object::take(conn);
+                }
+                if kind == ErrorKind::TransactionAborted {
+                    Err(Error::new(
+                        ErrorKind::TransactionAborted,
+                        "the transaction had failed and was rolled back instead of committed",
+                    )
+                    .with_source(e))
+                } else {
+                    Err(map_error(e, "committing"))
+                }
+            }
+        }
+    }
+
+    /// Rolls back. Transaction-scoped locks are released by the server.
+    pub async fn rollback(mut self) -> Result<()> {
+        let Some(conn) = self.conn.take() else {
+            return Ok(());
+        };
+        if let Err(e) = conn.batch_execute("ROLLBACK").await {
+            let _ = Object::take(conn);
+            return Err(map_error(e, "rolling back"));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PgTransaction {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // Never hand a connection back to the pool inside an open transaction (it may hold
+            // locks or be waiting for one): detach it, closing it; the server rolls back.
+            let _ = Object::take(conn);
+        }
+    }
+}
+
+impl PgTransactionRef for PgTransaction {
+    type Executor = Client;
+
+    fn executor(&self) -> &Client {
+        self.client()
+    }
+
+    fn cancel_token(&self) -> CancelToken {
+        self.client().cancel_token()
+    }
+}
