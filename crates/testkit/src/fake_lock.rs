@@ -574,3 +574,25 @@ impl Drop for FakeSessionGuard {
         }
     }
 }
+
+/// The fake lock as a conformance fixture: transactions are begun on its database.
+impl crate::conformance::distributed_lock::DistributedLockFixture for FakeDistributedLock {
+    type Tx = FakeTransaction;
+    type Lock = FakeDistributedLock;
+
+    fn lock(&self) -> &FakeDistributedLock {
+        self
+    }
+
+    fn begin(&self) -> impl Future<Output = FakeTransaction> + Send {
+        std::future::ready(self.db.begin())
+    }
+
+    async fn commit(&self, tx: FakeTransaction) {
+        tx.commit().await.expect("commit");
+    }
+
+    async fn rollback(&self, tx: FakeTransaction) {
+        tx.rollback().await;
+    }
+}

@@ -4,15 +4,30 @@
 //!
 //! - In-memory implementations of every contract, on tokio's clock so tests can expire leases
 //!   with paused time.
+//!   [`InMemoryStreamLocker`] for stream leases; [`FakeDatabase`], [`FakeTransaction`],
+//!   [`FakeDistributedLock`] and [`FakeSessionLocks`] for the distributed lock and, through
+//!   `lockstep_core::DistributedAggregateWriteLock`, the aggregate write lock.
+//! - Wrappers users can drive: [`RecordingStreamLocker`] / [`RecordingDistributedLock`] (what
+//!   was called, with which reason or key, in order) and [`FaultyStreamLocker`] /
+//!   [`FaultyDistributedLock`] with a [`FaultHandle`] (deny the next acquire, fail the next N
+//!   renews, add latency).
 //! - The shared [`conformance`] suites that the fakes and every Postgres backend pass.
 //! - [`pg_harness`]: a fresh PostgreSQL database per test (feature `postgres`).
 
 pub mod conformance;
 pub mod fake_lock;
+pub mod faults;
 #[cfg(feature = "postgres")]
 pub mod pg_harness;
+pub mod recording;
+pub mod stream_locker;
 
 pub use fake_lock::{
     FakeDatabase, FakeDistributedLock, FakeSessionGuard, FakeSessionLocks, FakeTransaction,
     LockOwner, TxEnd,
 };
+pub use faults::{FaultHandle, FaultyDistributedLock, FaultyStreamLocker};
+pub use recording::{
+    LockCall, LockMode, RecordingDistributedLock, RecordingStreamLocker, StreamLockCall,
+};
+pub use stream_locker::InMemoryStreamLocker;

@@ -29,3 +29,192 @@ pub trait DistributedLockFixture: Send + Sync + 'static {
     /// Rolls `tx` back; its transaction-scoped locks are released.
     fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
 }
+
+fn fresh_key() -> ResourceKey {
+    ResourceKey::new(format!("conformance:{}", uuid::Uuid::new_v4())).expect("valid key")
+}
+
+async fn try_lock<F: DistributedLockFixture>(fixture: &F, tx: &F::Tx, key: &ResourceKey) -> bool {
+    fixture
+        .lock()
+        .try_acquire_for_transaction(tx, key)
+        .await
+        .expect("try_acquire_for_transaction")
+}
+
+/// While one transaction holds a key, another transaction's try-acquire is denied.
+pub async fn same_key_in_two_transactions_excludes<F: DistributedLockFixture>(fixture: Arc<F>) {
+    let key = fresh_key();
+    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    assert!(try_lock(&*fixture, &a, &key).await);
+    assert!(!try_lock(&*fixture, &b, &key).await);
+    fixture.rollback(b).await;
+    fixture.rollback(a).await;
+}
+
+/// Different keys never block each other.
+pub async fn different_keys_never_block<F: DistributedLockFixture>(fixture: Arc<F>) {
+    let (k1, k2) = (fresh_key(), fresh_key());
+    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    assert!(try_lock(&*fixture, &a, &k1).await);
+    assert!(try_lock(&*fixture, &b, &k2).await);
+    let blocking = fixture
+        .lock()
+        .acquire_for_transaction(&b, &fresh_key(), Some(Duration::from_secs(5)))
+        .await;
+    assert!(
+        blocking.is_ok(),
+        "a free key is acquired at once: {blocking:?}"
+    );
+    fixture.commit(a).await;
+    fixture.commit(b).await;
+}
+
+/// The lock is re-entrant within one transaction, and still exclusive to it.
+pub async fn reentrant_within_one_transaction<F: DistributedLockFixture>(fixture: Arc<F>) {
+    let key = fresh_key();
+    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    assert!(try_lock(&*fixture, &a, &key).await);
+    assert!(try_lock(&*fixture, &a, &key).await);
+    fixture
+        .lock()
+        .acquire_for_transaction(&a, &key, Some(Duration::from_secs(5)))
+        .await
+        .expect("re-entrant blocking acquire");
+    assert!(!try_lock(&*fixture, &b, &key).await);
+    fixture.rollback(b).await;
+    fixture.commit(a).await;
+}
+
+/// Commit releases the transaction's locks.
+pub async fn released_at_commit<F: DistributedLockFixture>(fixture: Arc<F>) {
+    let key = fresh_key();
+    let a = fixture.begin().await;
+    assert!(try_lock(&*fixture, &a, &key).await);
+    assert!(try_lock(&*fixture, &a, &key).await, "held twice");
+    fixture.commit(a).await;
+    let b = fixture.begin().await;
+    assert!(
+        try_lock(&*fixture, &b, &key).await,
+        "released by commit, however deep"
+    );
+    fixture.rollback(b).await;
+}
+
+/// Rollback releases the transaction's locks.
+pub async fn released_at_rollback<F: DistributedLockFixture>(fixture: Arc<F>) {
+    let key = fresh_key();
+    let a = fixture.begin().await;
+    assert!(try_lock(&*fixture, &a, &key).await);
+    fixture.rollback(a).await;
+    let b = fixture.begin().await;
+    assert!(try_lock(&*fixture, &b, &key).await, "released by rollback");
+    fixture.rollback(b).await;
+}
+
+/// A blocking acquire waits while the holder's transaction is open (still pending 200 ms
+/// later) and completes once the holder ends (within 5 s), by commit or rollback.
+pub async fn blocking_acquire_completes_once_the_holder_ends<F: DistributedLockFixture>(
+    fixture: Arc<F>,
+) {
+    for end_by_commit in [true, false] {
+        let key = fresh_key();
+        let a = fixture.begin().await;
+        assert!(try_lock(&*fixture, &a, &key).await);
+        let waiter = {
+            let (fixture, key) = (Arc::clone(&fixture), key.clone());
+            tokio::spawn(async move {
+                let b = fixture.begin().await;
+                let result = fixture.lock().acquire_for_transaction(&b, &key, None).await;
+                (b, result)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !waiter.is_finished(),
+            "the waiter is still waiting 200 ms later"
+        );
+        if end_by_commit {
+            fixture.commit(a).await;
+        } else {
+            fixture.rollback(a).await;
+        }
+        let (b, result) = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter completes within 5 s of the holder ending")
+            .expect("waiter task");
+        result.expect("the waiter holds the lock");
+        let c = fixture.begin().await;
+        assert!(
+            !try_lock(&*fixture, &c, &key).await,
+            "now the waiter holds it"
+        );
+        fixture.rollback(c).await;
+        fixture.commit(b).await;
+    }
+}
+
+/// A blocking acquire with a timeout fails with [`lockstep_core::ErrorKind::LockTimeout`] and
+/// leaves the holder holding.
+pub async fn acquire_with_timeout_fails_with_lock_timeout<F: DistributedLockFixture>(
+    fixture: Arc<F>,
+) {
+    let key = fresh_key();
+    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    assert!(try_lock(&*fixture, &a, &key).await);
+    let err = fixture
+        .lock()
+        .acquire_for_transaction(&b, &key, Some(Duration::from_millis(100)))
+        .await
+        .expect_err("the wait times out");
+    assert_eq!(err.kind(), lockstep_core::ErrorKind::LockTimeout, "{err}");
+    assert!(err.is_retryable());
+    fixture.rollback(b).await;
+    let c = fixture.begin().await;
+    assert!(
+        !try_lock(&*fixture, &c, &key).await,
+        "the holder still holds"
+    );
+    fixture.rollback(c).await;
+    fixture.commit(a).await;
+}
+
+/// Dropping a waiting acquire leaves no waiter behind: once the holder ends, the key is free
+/// for anyone at once.
+pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(fixture: Arc<F>) {
+    let key = fresh_key();
+    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    assert!(try_lock(&*fixture, &a, &key).await);
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(100),
+        fixture.lock().acquire_for_transaction(&b, &key, None),
+    )
+    .await;
+    assert!(
+        abandoned.is_err(),
+        "the acquire was still waiting when dropped"
+    );
+    fixture.rollback(b).await;
+    fixture.commit(a).await;
+    let c = fixture.begin().await;
+    let acquired = tokio::time::timeout(
+        Duration::from_secs(5),
+        fixture.lock().acquire_for_transaction(&c, &key, None),
+    )
+    .await
+    .expect("no ghost waiter holds the key");
+    acquired.expect("acquired");
+    fixture.commit(c).await;
+}
+
+/// Runs every case, in order.
+pub async fn run_all<F: DistributedLockFixture>(fixture: Arc<F>) {
+    same_key_in_two_transactions_excludes(Arc::clone(&fixture)).await;
+    different_keys_never_block(Arc::clone(&fixture)).await;
+    reentrant_within_one_transaction(Arc::clone(&fixture)).await;
+    released_at_commit(Arc::clone(&fixture)).await;
+    released_at_rollback(Arc::clone(&fixture)).await;
+    blocking_acquire_completes_once_the_holder_ends(Arc::clone(&fixture)).await;
+    acquire_with_timeout_fails_with_lock_timeout(Arc::clone(&fixture)).await;
+    dropped_waiting_acquire_leaves_no_ghost(fixture).await;
+}

@@ -25,3 +25,510 @@ pub trait StreamLockerFixture: Send + Sync {
     /// Creates the cursor row of `(stream_id, perspective)`, unlocked.
     async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName);
 }
+
+fn name() -> PerspectiveName {
+    PerspectiveName::new("ConformancePerspective").expect("valid name")
+}
+
+async fn fresh_cursor<F: StreamLockerFixture + ?Sized>(fixture: &F) -> (StreamId, PerspectiveName) {
+    let (stream, name) = (StreamId::new_v7(), name());
+    fixture.create_cursor(stream, &name).await;
+    (stream, name)
+}
+
+async fn acquire<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+    instance: InstanceId,
+    reason: &LockReason,
+) -> StreamLease {
+    match fixture
+        .locker()
+        .try_acquire(stream, name, instance, reason)
+        .await
+        .expect("try_acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        other => panic!("expected the lease to be acquired, got {other:?}"),
+    }
+}
+
+async fn state<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> lockstep_core::CursorLease {
+    fixture
+        .admin()
+        .inspect(stream, name)
+        .await
+        .expect("inspect")
+        .expect("cursor row exists")
+}
+
+/// Waits until a lease taken now has expired on the backend's clock.
+async fn wait_past_expiry<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let timeout = fixture.locker().options().lock_timeout();
+    tokio::time::sleep(timeout + timeout / 2 + Duration::from_millis(50)).await;
+}
+
+/// An unlocked cursor is acquired, with holder, reason, expiry and a new epoch stored.
+pub async fn acquires_an_unlocked_cursor<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let before = state(fixture, stream, &name).await;
+    assert!(before.is_unlocked());
+    let a = InstanceId::random();
+    let lease = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert_eq!(lease.id.holder, a);
+    assert_eq!(lease.id.stream_id, stream);
+    assert_eq!(lease.reason, LockReason::Rewind);
+    assert!(
+        lease.id.epoch > before.epoch,
+        "a new lease gets a new epoch"
+    );
+    let after = state(fixture, stream, &name).await;
+    assert_eq!(after.holder, Some(a));
+    assert_eq!(after.reason, Some(LockReason::Rewind));
+    assert_eq!(after.expires_at, Some(lease.expires_at));
+    assert_eq!(after.epoch, lease.id.epoch);
+}
+
+/// A pair without a cursor row is never acquired (the seed's own test).
+pub async fn missing_cursor_row_is_not_acquired<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = (StreamId::new_v7(), name());
+    let outcome = fixture
+        .locker()
+        .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire");
+    assert_eq!(outcome, AcquireOutcome::NoCursor);
+    assert_eq!(
+        fixture
+            .admin()
+            .inspect(stream, &name)
+            .await
+            .expect("inspect"),
+        None
+    );
+}
+
+/// Another instance is denied while the lease is live; the denial names the holder, reason
+/// and expiry, and the row is unchanged.
+pub async fn held_by_another_is_denied_and_unchanged<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    let lease = acquire(fixture, stream, &name, a, &LockReason::Bootstrap).await;
+    let before = state(fixture, stream, &name).await;
+    let outcome = fixture
+        .locker()
+        .try_acquire(stream, &name, b, &LockReason::Rewind)
+        .await
+        .expect("try_acquire");
+    match outcome {
+        AcquireOutcome::Denied(holder) => {
+            assert_eq!(holder.instance, a);
+            assert_eq!(holder.reason, LockReason::Bootstrap);
+            assert_eq!(holder.expires_at, lease.expires_at);
+            assert_eq!(holder.epoch, lease.id.epoch);
+        }
+        other => panic!("expected a denial, got {other:?}"),
+    }
+    assert_eq!(state(fixture, stream, &name).await, before);
+}
+
+/// The holder re-acquires idempotently: the reason is overwritten, the expiry refreshed, the
+/// epoch kept.
+pub async fn same_instance_reacquires_and_the_reason_changes<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let a = InstanceId::random();
+    let first = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    tokio::time::sleep(fixture.locker().options().lock_timeout() / 8).await;
+    let second = acquire(fixture, stream, &name, a, &LockReason::Purge).await;
+    assert_eq!(second.id, first.id, "same holder, same epoch");
+    assert_eq!(second.reason, LockReason::Purge);
+    assert!(second.expires_at > first.expires_at, "expiry refreshed");
+    assert_eq!(
+        state(fixture, stream, &name).await.reason,
+        Some(LockReason::Purge)
+    );
+}
+
+/// Once a lease has expired, another instance takes it over with a higher epoch.
+pub async fn expired_lease_is_taken_over_by_another_instance<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    let old = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    wait_past_expiry(fixture).await;
+    let new = acquire(fixture, stream, &name, b, &LockReason::Bootstrap).await;
+    assert_eq!(new.id.holder, b);
+    assert!(new.id.epoch > old.id.epoch);
+    let listed = fixture.admin().list_leases().await.expect("list");
+    let row = listed
+        .iter()
+        .find(|l| l.stream_id == stream)
+        .expect("the new lease is listed");
+    assert_eq!(row.holder, b);
+}
+
+/// The holder's own expired lease is established anew, with a new epoch: work done under the
+/// lapsed lease stays fenced out.
+pub async fn reacquiring_an_own_expired_lease_bumps_the_epoch<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let a = InstanceId::random();
+    let old = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    wait_past_expiry(fixture).await;
+    let new = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert!(new.id.epoch > old.id.epoch);
+    let locker = fixture.locker();
+    assert_eq!(
+        locker.renew(&old.id).await.expect("renew"),
+        RenewOutcome::Lost
+    );
+}
+
+/// Leasing one pair leaves the other perspective of the stream and other streams unlocked.
+pub async fn only_the_target_cursor_is_locked<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let other_name = PerspectiveName::new("OtherPerspective").expect("valid");
+    fixture.create_cursor(stream, &other_name).await;
+    let (other_stream, _) = fresh_cursor(fixture).await;
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert!(state(fixture, stream, &other_name).await.is_unlocked());
+    assert!(state(fixture, other_stream, &name).await.is_unlocked());
+    acquire(fixture, stream, &other_name, b, &LockReason::Rewind).await;
+    acquire(fixture, other_stream, &name, b, &LockReason::Rewind).await;
+}
+
+/// Renew by the holder extends the expiry.
+pub async fn renew_extends_the_lease<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let lease = acquire(
+        fixture,
+        stream,
+        &name,
+        InstanceId::random(),
+        &LockReason::Rewind,
+    )
+    .await;
+    tokio::time::sleep(fixture.locker().options().lock_timeout() / 4).await;
+    match fixture.locker().renew(&lease.id).await.expect("renew") {
+        RenewOutcome::Renewed { expires_at } => {
+            assert!(expires_at > lease.expires_at);
+            assert_eq!(
+                state(fixture, stream, &name).await.expires_at,
+                Some(expires_at)
+            );
+        }
+        RenewOutcome::Lost => panic!("the holder's renew must succeed"),
+    }
+}
+
+/// A renew by another instance (or a stale epoch) reports `Lost` and changes nothing.
+pub async fn renew_by_another_instance_changes_nothing<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let lease = acquire(
+        fixture,
+        stream,
+        &name,
+        InstanceId::random(),
+        &LockReason::Rewind,
+    )
+    .await;
+    let before = state(fixture, stream, &name).await;
+    let imposter = LeaseId {
+        holder: InstanceId::random(),
+        ..lease.id.clone()
+    };
+    let stale = LeaseId {
+        epoch: lockstep_core::LeaseEpoch::new(lease.id.epoch.get() - 1),
+        ..lease.id.clone()
+    };
+    let locker = fixture.locker();
+    assert_eq!(
+        locker.renew(&imposter).await.expect("renew"),
+        RenewOutcome::Lost
+    );
+    assert_eq!(
+        locker.renew(&stale).await.expect("renew"),
+        RenewOutcome::Lost
+    );
+    assert_eq!(state(fixture, stream, &name).await, before);
+}
+
+/// An expired lease is never resurrected by a late renew.
+pub async fn renew_after_expiry_is_lost<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let lease = acquire(
+        fixture,
+        stream,
+        &name,
+        InstanceId::random(),
+        &LockReason::Rewind,
+    )
+    .await;
+    wait_past_expiry(fixture).await;
+    let before = state(fixture, stream, &name).await;
+    assert_eq!(
+        fixture.locker().renew(&lease.id).await.expect("renew"),
+        RenewOutcome::Lost
+    );
+    assert_eq!(state(fixture, stream, &name).await, before);
+}
+
+/// Release by the holder clears holder, expiry and reason (the epoch stays).
+pub async fn release_clears_all_lease_fields<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let lease = acquire(
+        fixture,
+        stream,
+        &name,
+        InstanceId::random(),
+        &LockReason::Purge,
+    )
+    .await;
+    assert_eq!(
+        fixture.locker().release(&lease.id).await.expect("release"),
+        ReleaseOutcome::Released
+    );
+    let after = state(fixture, stream, &name).await;
+    assert!(
+        after.is_unlocked(),
+        "holder, expiry and reason cleared: {after:?}"
+    );
+    assert_eq!(after.epoch, lease.id.epoch, "the epoch survives release");
+}
+
+/// A release by another instance (or a stale epoch) reports `NotHeld` and changes nothing.
+pub async fn release_by_another_instance_changes_nothing<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let lease = acquire(
+        fixture,
+        stream,
+        &name,
+        InstanceId::random(),
+        &LockReason::Rewind,
+    )
+    .await;
+    let before = state(fixture, stream, &name).await;
+    let imposter = LeaseId {
+        holder: InstanceId::random(),
+        ..lease.id.clone()
+    };
+    let stale = LeaseId {
+        epoch: lockstep_core::LeaseEpoch::new(lease.id.epoch.get() + 1),
+        ..lease.id.clone()
+    };
+    let locker = fixture.locker();
+    assert_eq!(
+        locker.release(&imposter).await.expect("release"),
+        ReleaseOutcome::NotHeld
+    );
+    assert_eq!(
+        locker.release(&stale).await.expect("release"),
+        ReleaseOutcome::NotHeld
+    );
+    assert_eq!(state(fixture, stream, &name).await, before);
+}
+
+/// Releasing an unlocked pair, or a pair without a cursor row, is fine and changes nothing.
+pub async fn release_when_unlocked_is_fine<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let before = state(fixture, stream, &name).await;
+    let id = LeaseId {
+        stream_id: stream,
+        perspective: name.clone(),
+        holder: InstanceId::random(),
+        epoch: before.epoch,
+    };
+    let locker = fixture.locker();
+    assert_eq!(
+        locker.release(&id).await.expect("release"),
+        ReleaseOutcome::NotHeld
+    );
+    assert_eq!(state(fixture, stream, &name).await, before);
+    let missing = LeaseId {
+        stream_id: StreamId::new_v7(),
+        ..id
+    };
+    assert_eq!(
+        locker.release(&missing).await.expect("release"),
+        ReleaseOutcome::NotHeld
+    );
+}
+
+/// After a release another instance acquires at once, with a higher epoch.
+pub async fn release_makes_it_acquirable_by_another<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    let first = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    let _ = fixture.locker().release(&first.id).await.expect("release");
+    let second = acquire(fixture, stream, &name, b, &LockReason::Rewind).await;
+    assert!(second.id.epoch > first.id.epoch);
+}
+
+/// acquire → 3 renews → release → another instance acquires.
+pub async fn full_cycle<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    let locker = fixture.locker();
+    let lease = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    let mut last = lease.expires_at;
+    for _ in 0..3 {
+        tokio::time::sleep(locker.options().keepalive_interval()).await;
+        match locker.renew(&lease.id).await.expect("renew") {
+            RenewOutcome::Renewed { expires_at } => {
+                assert!(expires_at > last);
+                last = expires_at;
+            }
+            RenewOutcome::Lost => panic!("renew within the keepalive interval must succeed"),
+        }
+    }
+    assert!(
+        locker
+            .release(&lease.id)
+            .await
+            .expect("release")
+            .is_released()
+    );
+    let next = acquire(fixture, stream, &name, b, &LockReason::Bootstrap).await;
+    assert_eq!(next.id.holder, b);
+}
+
+/// `renew_many` renews the live leases and reports the lost ones, in input order.
+pub async fn renew_many_reports_lost_leases_in_order<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let a = InstanceId::random();
+    let (s1, name) = fresh_cursor(fixture).await;
+    let (s2, _) = fresh_cursor(fixture).await;
+    let (s3, _) = fresh_cursor(fixture).await;
+    let l1 = acquire(fixture, s1, &name, a, &LockReason::Rewind).await;
+    let l2 = acquire(fixture, s2, &name, a, &LockReason::Rewind).await;
+    let l3 = acquire(fixture, s3, &name, a, &LockReason::Rewind).await;
+    let _ = fixture
+        .admin()
+        .force_release(s2, &name)
+        .await
+        .expect("force release");
+    let locker = fixture.locker();
+    let outcomes = locker
+        .renew_many(&[l1.id.clone(), l2.id.clone(), l3.id.clone()])
+        .await
+        .expect("renew_many");
+    assert_eq!(outcomes.len(), 3);
+    assert!(outcomes[0].is_renewed());
+    assert_eq!(outcomes[1], RenewOutcome::Lost);
+    assert!(outcomes[2].is_renewed());
+    assert!(locker.renew_many(&[]).await.expect("empty").is_empty());
+}
+
+/// Force-release clears the lease whoever holds it and bumps the epoch, so the old holder's
+/// renew and release fail and a new holder gets a higher epoch still.
+pub async fn force_release_fences_the_old_holder<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    let old = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    let admin = fixture.admin();
+    assert!(
+        admin
+            .force_release(stream, &name)
+            .await
+            .expect("force")
+            .is_released()
+    );
+    let after = state(fixture, stream, &name).await;
+    assert!(after.is_unlocked());
+    assert!(after.epoch > old.id.epoch, "force-release bumps the epoch");
+    let locker = fixture.locker();
+    assert_eq!(
+        locker.renew(&old.id).await.expect("renew"),
+        RenewOutcome::Lost
+    );
+    assert_eq!(
+        locker.release(&old.id).await.expect("release"),
+        ReleaseOutcome::NotHeld
+    );
+    let new = acquire(fixture, stream, &name, b, &LockReason::Rewind).await;
+    assert!(new.id.epoch > after.epoch);
+    assert_eq!(
+        admin
+            .force_release(StreamId::new_v7(), &name)
+            .await
+            .expect("missing"),
+        ReleaseOutcome::NotHeld
+    );
+}
+
+/// `release_all_held_by` clears exactly the instance's leases.
+pub async fn release_all_clears_only_that_instances_leases<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+) {
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    let (s1, name) = fresh_cursor(fixture).await;
+    let (s2, _) = fresh_cursor(fixture).await;
+    let (s3, _) = fresh_cursor(fixture).await;
+    acquire(fixture, s1, &name, a, &LockReason::Rewind).await;
+    acquire(fixture, s2, &name, a, &LockReason::Bootstrap).await;
+    acquire(fixture, s3, &name, b, &LockReason::Rewind).await;
+    let admin = fixture.admin();
+    assert_eq!(admin.release_all_held_by(a).await.expect("release all"), 2);
+    assert!(state(fixture, s1, &name).await.is_unlocked());
+    assert!(state(fixture, s2, &name).await.is_unlocked());
+    assert_eq!(state(fixture, s3, &name).await.holder, Some(b));
+}
+
+/// The admin listing shows held leases with time left, and expired ones as expired.
+pub async fn list_shows_held_and_expired_leases<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let a = InstanceId::random();
+    let lease = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    let timeout = fixture.locker().options().lock_timeout();
+    let find = |leases: Vec<lockstep_core::LeaseInfo>| {
+        leases
+            .into_iter()
+            .find(|l| l.stream_id == stream && l.perspective == name)
+            .expect("lease listed")
+    };
+    let held = find(fixture.admin().list_leases().await.expect("list"));
+    assert_eq!(held.status, lockstep_core::LeaseStatus::Held);
+    assert_eq!((held.holder, held.epoch), (a, lease.id.epoch));
+    assert_eq!(held.reason, LockReason::Rewind);
+    assert!(held.time_left > Duration::ZERO && held.time_left <= timeout);
+    wait_past_expiry(fixture).await;
+    let expired = find(fixture.admin().list_leases().await.expect("list"));
+    assert_eq!(expired.status, lockstep_core::LeaseStatus::Expired);
+    assert_eq!(expired.time_left, Duration::ZERO);
+}
+
+/// Runs every case, in order.
+pub async fn run_all<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+    acquires_an_unlocked_cursor(fixture).await;
+    missing_cursor_row_is_not_acquired(fixture).await;
+    held_by_another_is_denied_and_unchanged(fixture).await;
+    same_instance_reacquires_and_the_reason_changes(fixture).await;
+    expired_lease_is_taken_over_by_another_instance(fixture).await;
+    reacquiring_an_own_expired_lease_bumps_the_epoch(fixture).await;
+    only_the_target_cursor_is_locked(fixture).await;
+    renew_extends_the_lease(fixture).await;
+    renew_by_another_instance_changes_nothing(fixture).await;
+    renew_after_expiry_is_lost(fixture).await;
+    release_clears_all_lease_fields(fixture).await;
+    release_by_another_instance_changes_nothing(fixture).await;
+    release_when_unlocked_is_fine(fixture).await;
+    release_makes_it_acquirable_by_another(fixture).await;
+    full_cycle(fixture).await;
+    renew_many_reports_lost_leases_in_order(fixture).await;
+    force_release_fences_the_old_holder(fixture).await;
+    release_all_clears_only_that_instances_leases(fixture).await;
+    list_shows_held_and_expired_leases(fixture).await;
+}

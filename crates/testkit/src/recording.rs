@@ -1,0 +1,278 @@
+//! Recording wrappers: forward every call to the wrapped implementation and remember what was
+//! asked and what came back, in order, so a test can assert on it (which reasons a worker
+//! used, whether it released what it acquired, which keys a handler locked).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
+//! use lockstep_core::*;
+//! use lockstep_testkit::{InMemoryStreamLocker, RecordingStreamLocker};
+//!
+//! let inner = InMemoryStreamLocker::new(StreamLockOptions::default());
+//! let (stream, name) = (StreamId::new_v7(), PerspectiveName::new("P")?);
+//! inner.create_cursor(stream, &name);
+//! let locker = RecordingStreamLocker::new(inner);
+//! let _ = locker.try_acquire(stream, &name, InstanceId::random(), &LockReason::Bootstrap).await?;
+//! assert_eq!(locker.acquire_reasons(), vec![LockReason::Bootstrap]);
+//! # Ok(()) }
+//! ```
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use lockstep_core::{
+    AcquireOutcome, DistributedLock, InstanceId, LeaseId, LockReason, PerspectiveName,
+    ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId, StreamLockOptions, StreamLocker,
+    async_trait,
+};
+
+/// One call to a [`StreamLocker`], with its result (`Err` as the error's text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamLockCall {
+    /// `try_acquire`.
+    TryAcquire {
+        /// Stream asked for.
+        stream_id: StreamId,
+        /// Perspective asked for.
+        perspective: PerspectiveName,
+        /// Instance asking.
+        instance: InstanceId,
+        /// Reason given.
+        reason: LockReason,
+        /// What came back.
+        outcome: std::result::Result<AcquireOutcome, String>,
+    },
+    /// `renew` (also one per lease of `renew_many`).
+    Renew {
+        /// Lease renewed.
+        lease: LeaseId,
+        /// What came back.
+        outcome: std::result::Result<RenewOutcome, String>,
+    },
+    /// `release`.
+    Release {
+        /// Lease released.
+        lease: LeaseId,
+        /// What came back.
+        outcome: std::result::Result<ReleaseOutcome, String>,
+    },
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Records every call to the wrapped [`StreamLocker`]. Clones share the record.
+#[derive(Debug, Clone)]
+pub struct RecordingStreamLocker<L> {
+    inner: L,
+    calls: Arc<Mutex<Vec<StreamLockCall>>>,
+}
+
+impl<L> RecordingStreamLocker<L> {
+    /// Wraps `inner`.
+    pub fn new(inner: L) -> Self {
+        RecordingStreamLocker {
+            inner,
+            calls: Arc::default(),
+        }
+    }
+
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<StreamLockCall> {
+        lock(&self.calls).clone()
+    }
+
+    /// The reasons of every `try_acquire`, in order.
+    pub fn acquire_reasons(&self) -> Vec<LockReason> {
+        lock(&self.calls)
+            .iter()
+            .filter_map(|c| match c {
+                StreamLockCall::TryAcquire { reason, .. } => Some(reason.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Leases acquired and not (successfully) released since, in acquisition order.
+    pub fn unreleased(&self) -> Vec<LeaseId> {
+        let mut held: Vec<LeaseId> = Vec::new();
+        for call in lock(&self.calls).iter() {
+            match call {
+                StreamLockCall::TryAcquire {
+                    outcome: Ok(AcquireOutcome::Acquired(lease)),
+                    ..
+                } => {
+                    if !held.contains(&lease.id) {
+                        held.push(lease.id.clone());
+                    }
+                }
+                StreamLockCall::Release {
+                    lease,
+                    outcome: Ok(_),
+                } => held.retain(|h| h != lease),
+                _ => {}
+            }
+        }
+        held
+    }
+
+    /// The wrapped locker.
+    pub fn inner(&self) -> &L {
+        &self.inner
+    }
+
+    fn record(&self, call: StreamLockCall) {
+        lock(&self.calls).push(call);
+    }
+}
+
+fn text<T: Clone>(r: &Result<T>) -> std::result::Result<T, String> {
+    r.as_ref().map(Clone::clone).map_err(ToString::to_string)
+}
+
+#[async_trait]
+impl<L: StreamLocker> StreamLocker for RecordingStreamLocker<L> {
+    fn options(&self) -> StreamLockOptions {
+        self.inner.options()
+    }
+
+    async fn try_acquire(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        instance: InstanceId,
+        reason: &LockReason,
+    ) -> Result<AcquireOutcome> {
+        let result = self
+            .inner
+            .try_acquire(stream_id, perspective, instance, reason)
+            .await;
+        self.record(StreamLockCall::TryAcquire {
+            stream_id,
+            perspective: perspective.clone(),
+            instance,
+            reason: reason.clone(),
+            outcome: text(&result),
+        });
+        result
+    }
+
+    async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
+        let result = self.inner.renew(lease).await;
+        self.record(StreamLockCall::Renew {
+            lease: lease.clone(),
+            outcome: text(&result),
+        });
+        result
+    }
+
+    async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
+        let result = self.inner.release(lease).await;
+        self.record(StreamLockCall::Release {
+            lease: lease.clone(),
+            outcome: text(&result),
+        });
+        result
+    }
+
+    async fn renew_many(&self, leases: &[LeaseId]) -> Result<Vec<RenewOutcome>> {
+        let result = self.inner.renew_many(leases).await;
+        for (i, lease) in leases.iter().enumerate() {
+            let outcome = match &result {
+                Ok(outcomes) => outcomes
+                    .get(i)
+                    .copied()
+                    .ok_or_else(|| "missing outcome".to_owned()),
+                Err(e) => Err(e.to_string()),
+            };
+            self.record(StreamLockCall::Renew {
+                lease: lease.clone(),
+                outcome,
+            });
+        }
+        result
+    }
+}
+
+/// How a [`DistributedLock`] was called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockMode {
+    /// `acquire_for_transaction`, with its timeout.
+    Acquire(Option<Duration>),
+    /// `try_acquire_for_transaction`.
+    TryAcquire,
+}
+
+/// One call to a [`DistributedLock`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockCall {
+    /// The key.
+    pub key: ResourceKey,
+    /// How it was asked for.
+    pub mode: LockMode,
+    /// `Ok(true)` acquired, `Ok(false)` denied (try only), `Err` the error's text.
+    pub outcome: std::result::Result<bool, String>,
+}
+
+/// Records every call to the wrapped [`DistributedLock`] (for any transaction type).
+#[derive(Debug, Clone)]
+pub struct RecordingDistributedLock<L> {
+    inner: L,
+    calls: Arc<Mutex<Vec<LockCall>>>,
+}
+
+impl<L> RecordingDistributedLock<L> {
+    /// Wraps `inner`.
+    pub fn new(inner: L) -> Self {
+        RecordingDistributedLock {
+            inner,
+            calls: Arc::default(),
+        }
+    }
+
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<LockCall> {
+        lock(&self.calls).clone()
+    }
+
+    /// The keys of every call, in order.
+    pub fn keys(&self) -> Vec<ResourceKey> {
+        lock(&self.calls).iter().map(|c| c.key.clone()).collect()
+    }
+
+    /// The wrapped lock.
+    pub fn inner(&self) -> &L {
+        &self.inner
+    }
+}
+
+impl<Tx, L> DistributedLock<Tx> for RecordingDistributedLock<L>
+where
+    Tx: ?Sized + Sync,
+    L: DistributedLock<Tx>,
+{
+    async fn acquire_for_transaction(
+        &self,
+        tx: &Tx,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let result = self.inner.acquire_for_transaction(tx, key, timeout).await;
+        lock(&self.calls).push(LockCall {
+            key: key.clone(),
+            mode: LockMode::Acquire(timeout),
+            outcome: result.as_ref().map(|()| true).map_err(ToString::to_string),
+        });
+        result
+    }
+
+    async fn try_acquire_for_transaction(&self, tx: &Tx, key: &ResourceKey) -> Result<bool> {
+        let result = self.inner.try_acquire_for_transaction(tx, key).await;
+        lock(&self.calls).push(LockCall {
+            key: key.clone(),
+            mode: LockMode::TryAcquire,
+            outcome: text(&result),
+        });
+        result
+    }
+}

@@ -1,0 +1,294 @@
+//! [`InMemoryStreamLocker`]: stream leases in memory, on tokio's clock, with exactly the
+//! semantics of the Postgres locker (it passes the same conformance suite).
+//!
+//! Tests expire leases with paused time instead of sleeping:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() -> lockstep_core::Result<()> {
+//! use lockstep_core::*;
+//! use lockstep_testkit::InMemoryStreamLocker;
+//!
+//! let locker = InMemoryStreamLocker::new(StreamLockOptions::default());
+//! let (stream, name) = (StreamId::new_v7(), PerspectiveName::new("Orders")?);
+//! locker.create_cursor(stream, &name);
+//! let (a, b) = (InstanceId::random(), InstanceId::random());
+//! assert!(locker.try_acquire(stream, &name, a, &LockReason::Rewind).await?.is_acquired());
+//! assert!(!locker.try_acquire(stream, &name, b, &LockReason::Rewind).await?.is_acquired());
+//! tokio::time::advance(StreamLockOptions::DEFAULT_LOCK_TIMEOUT).await;
+//! assert!(locker.try_acquire(stream, &name, b, &LockReason::Rewind).await?.is_acquired());
+//! # Ok(()) }
+//! ```
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use lockstep_core::{
+    AcquireOutcome, CursorLease, InstanceId, LeaseEpoch, LeaseHolder, LeaseId, LeaseInfo,
+    LeaseStatus, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId,
+    StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker, async_trait,
+};
+use time::OffsetDateTime;
+use tokio::time::Instant;
+
+/// One cursor row's lease columns: the three seed columns are set or cleared together.
+#[derive(Debug, Clone, Default)]
+struct Row {
+    lease: Option<Held>,
+    epoch: i64,
+}
+
+#[derive(Debug, Clone)]
+struct Held {
+    holder: InstanceId,
+    reason: LockReason,
+    expires: Instant,
+}
+
+impl Row {
+    /// The lease, if set and not expired at `now`.
+    fn live(&self, now: Instant) -> Option<&Held> {
+        self.lease.as_ref().filter(|l| l.expires > now)
+    }
+
+    fn held_by(&self, lease: &LeaseId) -> bool {
+        self.epoch == lease.epoch.get()
+            && self
+                .lease
+                .as_ref()
+                .is_some_and(|l| l.holder == lease.holder)
+    }
+}
+
+type Key = (StreamId, PerspectiveName);
+
+/// The clock of the fake: tokio's (pausable) monotonic clock, shown as wall-clock times
+/// anchored at construction.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    origin: Instant,
+    origin_wall: OffsetDateTime,
+}
+
+impl Clock {
+    fn wall(&self, at: Instant) -> OffsetDateTime {
+        self.origin_wall + at.saturating_duration_since(self.origin)
+    }
+}
+
+/// In-memory stream leases. Clones share state, like lockers on one database.
+#[derive(Debug, Clone)]
+pub struct InMemoryStreamLocker {
+    rows: Arc<Mutex<BTreeMap<Key, Row>>>,
+    options: StreamLockOptions,
+    clock: Clock,
+}
+
+impl InMemoryStreamLocker {
+    /// An empty store (no cursor rows) granting leases with `options`.
+    pub fn new(options: StreamLockOptions) -> InMemoryStreamLocker {
+        InMemoryStreamLocker {
+            rows: Arc::default(),
+            options,
+            clock: Clock {
+                origin: Instant::now(),
+                origin_wall: OffsetDateTime::now_utc(),
+            },
+        }
+    }
+
+    /// Creates the cursor row of a pair (unlocked); does nothing if it exists.
+    pub fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
+        self.rows()
+            .entry((stream_id, perspective.clone()))
+            .or_default();
+    }
+
+    /// Deletes the cursor row of a pair (and with it any lease).
+    pub fn delete_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
+        self.rows().remove(&(stream_id, perspective.clone()));
+    }
+
+    fn rows(&self) -> MutexGuard<'_, BTreeMap<Key, Row>> {
+        // Every update below completes before the guard drops, so a poisoned map is consistent.
+        self.rows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn expiry_from(&self, now: Instant) -> Instant {
+        now + self.options.lock_timeout()
+    }
+}
+
+#[async_trait]
+impl StreamLocker for InMemoryStreamLocker {
+    fn options(&self) -> StreamLockOptions {
+        self.options
+    }
+
+    async fn try_acquire(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        instance: InstanceId,
+        reason: &LockReason,
+    ) -> Result<AcquireOutcome> {
+        let now = Instant::now();
+        let expires = self.expiry_from(now);
+        let mut rows = self.rows();
+        let Some(row) = rows.get_mut(&(stream_id, perspective.clone())) else {
+            return Ok(AcquireOutcome::NoCursor);
+        };
+        match row.live(now) {
+            Some(held) if held.holder != instance => {
+                return Ok(AcquireOutcome::Denied(LeaseHolder {
+                    instance: held.holder,
+                    reason: held.reason.clone(),
+                    expires_at: self.clock.wall(held.expires),
+                    epoch: LeaseEpoch::new(row.epoch),
+                }));
+            }
+            // Same instance, live: idempotent re-acquire keeps the epoch.
+            Some(_) => {}
+            // Unlocked or expired: a new lease, a new epoch.
+            None => row.epoch += 1,
+        }
+        row.lease = Some(Held {
+            holder: instance,
+            reason: reason.clone(),
+            expires,
+        });
+        Ok(AcquireOutcome::Acquired(StreamLease {
+            id: LeaseId {
+                stream_id,
+                perspective: perspective.clone(),
+                holder: instance,
+                epoch: LeaseEpoch::new(row.epoch),
+            },
+            reason: reason.clone(),
+            expires_at: self.clock.wall(expires),
+        }))
+    }
+
+    async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
+        let now = Instant::now();
+        let mut rows = self.rows();
+        let Some(row) = rows.get_mut(&(lease.stream_id, lease.perspective.clone())) else {
+            return Ok(RenewOutcome::Lost);
+        };
+        if !row.held_by(lease) || row.live(now).is_none() {
+            return Ok(RenewOutcome::Lost);
+        }
+        let expires = self.expiry_from(now);
+        if let Some(held) = row.lease.as_mut() {
+            held.expires = expires;
+        }
+        Ok(RenewOutcome::Renewed {
+            expires_at: self.clock.wall(expires),
+        })
+    }
+
+    async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
+        let mut rows = self.rows();
+        match rows.get_mut(&(lease.stream_id, lease.perspective.clone())) {
+            Some(row) if row.held_by(lease) => {
+                row.lease = None;
+                Ok(ReleaseOutcome::Released)
+            }
+            _ => Ok(ReleaseOutcome::NotHeld),
+        }
+    }
+}
+
+#[async_trait]
+impl StreamLockAdmin for InMemoryStreamLocker {
+    async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
+        let now = Instant::now();
+        let rows = self.rows();
+        Ok(rows
+            .iter()
+            .filter_map(|((stream_id, perspective), row)| {
+                let held = row.lease.as_ref()?;
+                Some(LeaseInfo {
+                    stream_id: *stream_id,
+                    perspective: perspective.clone(),
+                    holder: held.holder,
+                    reason: held.reason.clone(),
+                    epoch: LeaseEpoch::new(row.epoch),
+                    expires_at: self.clock.wall(held.expires),
+                    time_left: held.expires.saturating_duration_since(now),
+                    status: if held.expires > now {
+                        LeaseStatus::Held
+                    } else {
+                        LeaseStatus::Expired
+                    },
+                })
+            })
+            .collect())
+    }
+
+    async fn inspect(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<CursorLease>> {
+        let rows = self.rows();
+        Ok(rows
+            .get(&(stream_id, perspective.clone()))
+            .map(|row| CursorLease {
+                holder: row.lease.as_ref().map(|l| l.holder),
+                reason: row.lease.as_ref().map(|l| l.reason.clone()),
+                expires_at: row.lease.as_ref().map(|l| self.clock.wall(l.expires)),
+                epoch: LeaseEpoch::new(row.epoch),
+            }))
+    }
+
+    async fn force_release(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<ReleaseOutcome> {
+        let mut rows = self.rows();
+        match rows.get_mut(&(stream_id, perspective.clone())) {
+            Some(row) if row.lease.is_some() => {
+                row.lease = None;
+                row.epoch += 1;
+                Ok(ReleaseOutcome::Released)
+            }
+            _ => Ok(ReleaseOutcome::NotHeld),
+        }
+    }
+
+    async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64> {
+        let mut rows = self.rows();
+        let mut released = 0;
+        for row in rows.values_mut() {
+            if row.lease.as_ref().is_some_and(|l| l.holder == instance) {
+                row.lease = None;
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+}
+
+#[async_trait]
+impl crate::conformance::stream_locker::StreamLockerFixture for InMemoryStreamLocker {
+    fn locker(&self) -> Arc<dyn StreamLocker> {
+        Arc::new(self.clone())
+    }
+
+    fn admin(&self) -> Arc<dyn StreamLockAdmin> {
+        Arc::new(self.clone())
+    }
+
+    async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
+        InMemoryStreamLocker::create_cursor(self, stream_id, perspective);
+    }
+}
+
+/// A lock timeout short enough for suites on real clocks, valid with [`SHORT_KEEPALIVE`].
+pub const SHORT_LOCK_TIMEOUT: Duration = Duration::from_millis(400);
+/// A keepalive interval valid with [`SHORT_LOCK_TIMEOUT`].
+pub const SHORT_KEEPALIVE: Duration = Duration::from_millis(100);
