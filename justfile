@@ -1,0 +1,29 @@
+# Commands people actually run; each is a thin line over cargo. `just --list` shows them.
+
+# Run every test (PostgreSQL from DATABASE_URL, else the local server, else a container).
+test:
+    cargo test --workspace
+
+# What CI runs: Postgres up, tests, fmt, clippy, docs.
+ci:
+    bash .ci/run
+
+# Build the docs with warnings as errors.
+doc:
+    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+
+# Format everything.
+fmt:
+    cargo fmt --all
+
+# Lint like CI.
+lint:
+    cargo clippy --workspace --all-targets -- -D warnings
+
+# Run a benchmark: `just bench locker` or `just bench aggregate`.
+bench which:
+    cargo run --release -p lockstep-bench -- {{which}}
+
+# The demo (in memory by default, Postgres when DATABASE_URL is set).
+demo:
+    cargo run -p lockstep-example-inventory
