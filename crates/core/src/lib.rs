@@ -13,6 +13,8 @@
 //!   per-aggregate write lock `relay:aggregate:{type}:{id}` ([`aggregate_lock`]).
 //! - Validated values ([`InstanceId`], [`StreamId`], [`PerspectiveName`], [`LockReason`],
 //!   [`AggregateType`], [`StreamLockOptions`]) and one [`Error`] with an [`ErrorKind`].
+//! - [`EventStore`] — append with an [`ExpectedVersion`], load in order ([`event_store`]), and
+//!   [`RetryPolicy`], the bounded retry loop of the optimistic default ([`retry`]).
 //!
 //! This crate has no database driver and no async runtime.
 //!
@@ -31,10 +33,12 @@
 pub mod aggregate_lock;
 pub mod distributed_lock;
 pub mod error;
+pub mod event_store;
 pub mod ids;
 pub mod options;
 pub mod reason;
 pub mod resource_key;
+pub mod retry;
 pub mod stream_lease;
 
 pub use aggregate_lock::{
@@ -43,10 +47,14 @@ pub use aggregate_lock::{
 };
 pub use distributed_lock::{DistributedLock, SessionLockGuard, SessionLocks};
 pub use error::{BoxError, Error, ErrorKind, Result, ValidationError};
+pub use event_store::{
+    EventStore, ExpectedVersion, NewEvent, RecordedEvent, VersionConflict, version_conflict,
+};
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
+pub use retry::RetryPolicy;
 pub use stream_lease::{
     AcquireOutcome, CursorLease, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo,
     LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin, StreamLocker,

@@ -1,0 +1,334 @@
+//! The event-store contract: append events to a stream with an expected version, load a stream
+//! in version order — on the caller's unit-of-work transaction.
+//!
+//! Optimistic concurrency is intrinsic to [`EventStore::append`]: every event gets the next
+//! version of its stream, `(stream_id, version)` is unique, and an append whose
+//! [`ExpectedVersion`] no longer matches fails with [`ErrorKind::Conflict`] (retryable; details
+//! in [`VersionConflict`]). The pessimistic per-aggregate write lock
+//! ([`crate::AggregateWriteLock`]) only removes those conflicts on hot aggregates; it never
+//! replaces the check.
+//!
+//! # Versions
+//!
+//! A stream's version is the number of events in it: an empty stream is at version 0 and the
+//! first event has version 1. [`EventStore::append`] returns the version of the last event it
+//! appended.
+//!
+//! # Transactions
+//!
+//! Like [`crate::DistributedLock`], the transaction is a type parameter: the testkit's
+//! in-memory store runs on its fake transactions, the Postgres store on a Postgres transaction.
+//! Both behave like READ COMMITTED: a transaction sees what other transactions committed before
+//! each call, plus its own appends; its appends become visible to others at commit and vanish
+//! at rollback.
+//!
+//! A failed append (a conflict, a deadlock, a lost connection) leaves the transaction
+//! **aborted**, as a failed statement does in PostgreSQL: every later call on it fails with
+//! [`ErrorKind::TransactionAborted`] and committing it rolls it back. Retry in a new transaction
+//! (see [`crate::retry`]).
+//!
+//! # Lock first, then load — in one step
+//!
+//! [`EventStore::load_locked`] takes the transaction-scoped lock on a key (the lock a
+//! [`crate::DistributedLock`] of the same backend takes, with the same timeout and abort
+//! semantics) and then loads the stream, as one operation. A backend that can pipeline sends
+//! both statements together (Postgres: one round trip instead of two), and the load always
+//! runs after the lock is held, so it sees what the previous holder committed.
+//!
+//! ```
+//! use lockstep_core::{ExpectedVersion, NewEvent};
+//!
+//! let event = NewEvent::new("StockReserved", serde_json::json!({ "quantity": 2 }))?;
+//! assert_eq!(ExpectedVersion::Exact(0), ExpectedVersion::NoStream.into_exact());
+//! # let _ = event;
+//! # Ok::<(), lockstep_core::Error>(())
+//! ```
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::error::{BoxError, Error, ErrorKind, Result};
+use crate::ids::StreamId;
+use crate::resource_key::ResourceKey;
+
+/// What the appender believes the stream's current version to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExpectedVersion {
+    /// No check: append after whatever the stream holds. Two concurrent `Any` appends to one
+    /// stream can still conflict (both pick the same next version; the second one fails).
+    Any,
+    /// The stream must be empty (version 0).
+    NoStream,
+    /// The stream must be at exactly this version (0 = empty).
+    Exact(u64),
+}
+
+impl ExpectedVersion {
+    /// `NoStream` as `Exact(0)`; `Any` and `Exact` unchanged.
+    pub fn into_exact(self) -> ExpectedVersion {
+        match self {
+            ExpectedVersion::NoStream => ExpectedVersion::Exact(0),
+            other => other,
+        }
+    }
+
+    /// The version the stream must be at, or `None` for [`ExpectedVersion::Any`].
+    pub fn as_version(self) -> Option<u64> {
+        match self {
+            ExpectedVersion::Any => None,
+            ExpectedVersion::NoStream => Some(0),
+            ExpectedVersion::Exact(v) => Some(v),
+        }
+    }
+}
+
+impl fmt::Display for ExpectedVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExpectedVersion::Any => f.write_str("any version"),
+            ExpectedVersion::NoStream => f.write_str("no stream"),
+            ExpectedVersion::Exact(v) => write!(f, "version {v}"),
+        }
+    }
+}
+
+/// An event to append: its type name and a JSON payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    event_type: String,
+    payload: serde_json::Value,
+}
+
+impl NewEvent {
+    /// The longest event type accepted, in characters.
+    pub const MAX_TYPE_CHARS: usize = 200;
+
+    /// Validates the type name (not blank, at most [`NewEvent::MAX_TYPE_CHARS`] characters,
+    /// no NUL) and wraps the event. The payload is stored as given (Postgres: `jsonb`).
+    pub fn new(event_type: impl Into<String>, payload: serde_json::Value) -> Result<NewEvent> {
+        let event_type = event_type.into();
+        if event_type.trim().is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "event type must not be blank",
+            ));
+        }
+        if event_type.chars().count() > Self::MAX_TYPE_CHARS {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "event type has more than {} characters",
+                    Self::MAX_TYPE_CHARS
+                ),
+            ));
+        }
+        if event_type.contains('\0') {
+            return Err(crate::error::ValidationError::ContainsNul {
+                field: "event type",
+            }
+            .into());
+        }
+        Ok(NewEvent {
+            event_type,
+            payload,
+        })
+    }
+
+    /// The event's type name.
+    pub fn event_type(&self) -> &str {
+        &self.event_type
+    }
+
+    /// The event's payload.
+    pub fn payload(&self) -> &serde_json::Value {
+        &self.payload
+    }
+}
+
+/// An event as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedEvent {
+    /// The event's id, a UUIDv7 chosen at append time (sorts by append time).
+    pub event_id: Uuid,
+    /// The stream it belongs to.
+    pub stream_id: StreamId,
+    /// Its version in the stream, from 1.
+    pub version: u64,
+    /// Its type name.
+    pub event_type: String,
+    /// Its payload.
+    pub payload: serde_json::Value,
+    /// When it was recorded (the backend's clock; Postgres: `clock_timestamp()` at insert).
+    pub recorded_at: OffsetDateTime,
+}
+
+/// The details of an [`ErrorKind::Conflict`] from [`EventStore::append`], kept as the error's
+/// [`source`](std::error::Error::source); read it back with [`version_conflict`].
+#[derive(Debug)]
+pub struct VersionConflict {
+    stream_id: StreamId,
+    expected: ExpectedVersion,
+    actual: Option<u64>,
+    source: Option<BoxError>,
+}
+
+impl VersionConflict {
+    /// A conflict on `stream_id`: the append expected `expected`; the stream was at `actual`
+    /// (when the backend knows).
+    pub fn new(stream_id: StreamId, expected: ExpectedVersion, actual: Option<u64>) -> Self {
+        VersionConflict {
+            stream_id,
+            expected,
+            actual,
+            source: None,
+        }
+    }
+
+    /// Attaches the backend's own error (e.g. the unique violation).
+    #[must_use]
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// The stream appended to.
+    pub fn stream_id(&self) -> StreamId {
+        self.stream_id
+    }
+
+    /// What the append expected.
+    pub fn expected(&self) -> ExpectedVersion {
+        self.expected
+    }
+
+    /// The stream's version as the backend saw it, when known. `None` when another writer's
+    /// append of the same version won while this one waited for it (the version is then at
+    /// least the one this append tried to write).
+    pub fn actual(&self) -> Option<u64> {
+        self.actual
+    }
+
+    /// Wraps the conflict in an [`Error`] of kind [`ErrorKind::Conflict`].
+    pub fn into_error(self) -> Error {
+        Error::new(
+            ErrorKind::Conflict,
+            format!("appending to stream {}", self.stream_id),
+        )
+        .with_source(self)
+    }
+}
+
+impl fmt::Display for VersionConflict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.actual {
+            Some(actual) => write!(
+                f,
+                "expected {}, but the stream is at version {actual}",
+                self.expected
+            ),
+            None => write!(
+                f,
+                "expected {}, but another writer appended that version first",
+                self.expected
+            ),
+        }
+    }
+}
+
+impl std::error::Error for VersionConflict {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// The [`VersionConflict`] behind an error, if it is one.
+pub fn version_conflict(err: &Error) -> Option<&VersionConflict> {
+    std::error::Error::source(err)?.downcast_ref::<VersionConflict>()
+}
+
+/// Event streams with optimistic concurrency, on the unit-of-work transaction `Tx`.
+pub trait EventStore<Tx: ?Sized + Sync>: Send + Sync {
+    /// Every event of `stream_id` visible to `tx`, in version order (empty for a stream that
+    /// does not exist).
+    fn load<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+    ) -> impl Future<Output = Result<Vec<RecordedEvent>>> + Send + 'a;
+
+    /// Takes the transaction-scoped lock on `key` for `tx` (waiting at most `timeout`, like
+    /// [`crate::DistributedLock::acquire_for_transaction`], with the same errors), then loads
+    /// `stream_id` — as one step, so that a backend can pipeline the two (see the module docs).
+    /// The load always sees what the lock's previous holder committed.
+    fn load_locked<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        key: &'a ResourceKey,
+        timeout: Option<Duration>,
+    ) -> impl Future<Output = Result<Vec<RecordedEvent>>> + Send + 'a;
+
+    /// Appends `events` (at least one) to `stream_id` if it is at `expected`, returning the
+    /// stream's new version. Fails with [`ErrorKind::Conflict`] (details:
+    /// [`version_conflict`]) when the stream is elsewhere or another transaction appended the
+    /// same version first; the transaction is then aborted. An empty `events` is
+    /// [`ErrorKind::InvalidInput`].
+    fn append<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &'a [NewEvent],
+    ) -> impl Future<Output = Result<u64>> + Send + 'a;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conflicts_are_retryable_and_keep_their_details() {
+        let stream = StreamId::from_uuid(Uuid::nil());
+        let err = VersionConflict::new(stream, ExpectedVersion::Exact(3), Some(5)).into_error();
+        assert_eq!(err.kind(), ErrorKind::Conflict);
+        assert!(err.is_retryable());
+        let conflict = version_conflict(&err).expect("details");
+        assert_eq!(conflict.expected(), ExpectedVersion::Exact(3));
+        assert_eq!(conflict.actual(), Some(5));
+        assert_eq!(
+            err.to_string(),
+            "concurrency conflict: appending to stream 00000000-0000-0000-0000-000000000000"
+        );
+        assert_eq!(
+            conflict.to_string(),
+            "expected version 3, but the stream is at version 5"
+        );
+    }
+
+    #[test]
+    fn event_types_are_validated() {
+        for bad in ["", "  ", "a\0b"] {
+            let err = NewEvent::new(bad, serde_json::Value::Null).expect_err("refused");
+            assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        }
+        assert!(NewEvent::new("x".repeat(201), serde_json::Value::Null).is_err());
+        let ok = NewEvent::new("StockAdded", serde_json::json!({"q": 1})).expect("valid");
+        assert_eq!(ok.event_type(), "StockAdded");
+    }
+
+    #[test]
+    fn expected_versions_normalize() {
+        assert_eq!(ExpectedVersion::NoStream.as_version(), Some(0));
+        assert_eq!(ExpectedVersion::Any.as_version(), None);
+        assert_eq!(
+            ExpectedVersion::Exact(4).into_exact(),
+            ExpectedVersion::Exact(4)
+        );
+    }
+}
