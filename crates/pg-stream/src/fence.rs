@@ -1,0 +1,81 @@
+//! The fenced commit on PostgreSQL: [`LeaseFence`] for [`PostgresStreamLocker`] over any
+//! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`] or a borrowed
+//! `tokio_postgres::Transaction`).
+//!
+//! Inside the caller's transaction, [`crate::sql::FENCE`] selects the cursor row where the
+//! holder and epoch match and the lease is live on the database clock, `FOR NO KEY UPDATE`.
+//! No row means the lease was lost ([`ErrorKind::LeaseLost`]); the caller must roll back.
+//!
+//! A row means the lease is held *and stays held until the transaction ends*: the row lock
+//! conflicts with every lease write (takeover, renew, release, force-release are all non-key
+//! `UPDATE`s of that row), so a would-be new holder waits for the fenced transaction to commit
+//! or roll back and then re-evaluates the lease. A holder that stalled past its expiry can
+//! therefore never commit over its successor's work.
+//!
+//! Why `FOR NO KEY UPDATE` rather than `FOR SHARE`: both block the lease writes, but fenced work
+//! usually goes on to update the same cursor row (advance the position, clear the rewind flag).
+//! Under `FOR SHARE` two fenced transactions of one holder could both hold the share lock and
+//! then deadlock upgrading it; `FOR NO KEY UPDATE` is the lock that update needs anyway, and it
+//! still lets foreign-key checks (`FOR KEY SHARE`) on the cursor row through.
+//!
+//! The check is one round trip: an unnamed statement with typed parameters (the transaction's
+//! connection is not the pool's, so there is no per-connection statement cache to use).
+
+use std::future::Future;
+
+use lockstep_core::{Error, ErrorKind, LeaseFence, LeaseId, Result};
+use lockstep_pg::{PgTransactionRef, map_error};
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::Type;
+use tracing::Instrument;
+
+use crate::locker::PostgresStreamLocker;
+use crate::sql;
+use crate::telemetry::{self, count};
+
+impl<T: PgTransactionRef> LeaseFence<T> for PostgresStreamLocker {
+    fn check_lease<'a>(
+        &'a self,
+        tx: &'a T,
+        lease: &'a LeaseId,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = tracing::info_span!(
+            "check_lease",
+            stream_id = %lease.stream_id,
+            perspective = %lease.perspective,
+            epoch = lease.epoch.get(),
+        );
+        async move {
+            let stream = lease.stream_id.as_uuid();
+            let perspective = lease.perspective.as_str();
+            let holder = lease.holder.as_uuid();
+            let epoch = lease.epoch.get();
+            let row = tx
+                .executor()
+                .query_typed_opt(
+                    sql::FENCE,
+                    &[
+                        (&stream, Type::UUID),
+                        (&perspective, Type::TEXT),
+                        (&holder, Type::UUID),
+                        (&epoch, Type::INT8),
+                    ],
+                )
+                .await
+                .map_err(|e| map_error(e, "checking the stream lease fence"))?;
+            match row {
+                Some(_) => Ok(()),
+                None => {
+                    count(telemetry::FENCE_LOST, 1);
+                    tracing::warn!("fenced commit refused: lease lost");
+                    Err(Error::new(
+                        ErrorKind::LeaseLost,
+                        "the stream lease is no longer held at this epoch (expired and taken \
+                         over, released, or force-released); roll the transaction back",
+                    ))
+                }
+            }
+        }
+        .instrument(span)
+    }
+}

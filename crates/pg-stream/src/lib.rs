@@ -1,0 +1,98 @@
+//! # lockstep-pg-stream
+//!
+//! Stream leases on PostgreSQL: [`PostgresStreamLocker`] implements the
+//! [`StreamLocker`](lockstep_core::StreamLocker) hot path, the
+//! [`StreamLockAdmin`](lockstep_core::StreamLockAdmin) operator view and the
+//! [`LeaseFence`](lockstep_core::LeaseFence) fenced commit of `lockstep-core`, storing each
+//! lease on its `(stream_id, perspective_name)` row of `wh_perspective_cursors` (the schema is
+//! applied by [`lockstep_pg::migrate`]).
+//!
+//! What it guarantees, beyond the contract in [`lockstep_core::stream_lease`]:
+//!
+//! - **One statement, one round trip** per try-acquire, renew, release and batched renew: an
+//!   atomic `UPDATE … WHERE` (for try-acquire, a CTE that also reports the current holder on
+//!   denial and tells "no cursor row" apart), sent as a prepared statement with bound
+//!   parameters. No read-then-write. The statements are in [`sql`].
+//! - **The database clock only**: expiry is `clock_timestamp() + lock_timeout` (the timeout
+//!   bound as an `interval` parameter) and is compared with `clock_timestamp()`; the clients'
+//!   clocks never matter.
+//! - **Fencing**: the epoch increases whenever a lease is established anew and on
+//!   force-release; renew, release and the fenced commit ([`fence`]) match holder *and* epoch.
+//! - **Observability**: `tracing` spans with fixed fields and `metrics` counters, listed in
+//!   [`telemetry`].
+//!
+//! Domain code should depend on `lockstep-core` only and receive the locker as an
+//! `Arc<dyn StreamLocker>`; this crate is for the composition root.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use lockstep_core::{
+//!     InstanceId, LockReason, PerspectiveName, StreamId, StreamLockOptions, StreamLocker,
+//!     AcquireOutcome, LeaseFence,
+//! };
+//! use lockstep_pg::PgTransaction;
+//! use lockstep_pg_stream::PostgresStreamLocker;
+//!
+//! # async fn demo(pool: deadpool_postgres::Pool, stream_id: StreamId) -> lockstep_core::Result<()> {
+//! lockstep_pg::migrate(&pool).await?;
+//! let options = StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))?;
+//! let locker = PostgresStreamLocker::new(pool.clone(), options);
+//!
+//! let perspective = PerspectiveName::new("OrderPerspective")?;
+//! let instance = InstanceId::process();
+//! match locker
+//!     .try_acquire(stream_id, &perspective, instance, &LockReason::Rewind)
+//!     .await?
+//! {
+//!     AcquireOutcome::Acquired(lease) => {
+//!         // ... rebuild the read model; a keepalive calls `locker.renew(&lease.id)` ...
+//!         let tx = PgTransaction::begin(&pool).await?;
+//!         locker.check_lease(&tx, &lease.id).await?; // LeaseLost if taken over meanwhile
+//!         // ... write the rebuilt state on `tx` ...
+//!         tx.commit().await?;
+//!         let _ = locker.release(&lease.id).await?;
+//!     }
+//!     AcquireOutcome::Denied(holder) => {
+//!         // Another instance is rewinding this stream: skip it this cycle.
+//!         let _ = (holder.instance, holder.reason, holder.expires_at);
+//!     }
+//!     AcquireOutcome::NoCursor => {}
+//! }
+//! // As a trait object, the way the perspective worker takes it:
+//! let _shared: Arc<dyn StreamLocker> = Arc::new(locker);
+//! # Ok(()) }
+//! ```
+
+pub mod admin;
+pub mod fence;
+pub mod interval;
+pub mod locker;
+pub mod sql;
+pub mod telemetry;
+
+pub use interval::PgInterval;
+pub use locker::PostgresStreamLocker;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Compile-time checks: the locker can be shared as the worker takes it, and it fences both
+    // kinds of Postgres transaction.
+    #[allow(dead_code)]
+    fn usable_as_trait_objects(locker: PostgresStreamLocker) {
+        let _: std::sync::Arc<dyn lockstep_core::StreamLocker> =
+            std::sync::Arc::new(locker.clone());
+        let _: std::sync::Arc<dyn lockstep_core::StreamLockAdmin> = std::sync::Arc::new(locker);
+    }
+
+    #[allow(dead_code)]
+    fn fences_owned_and_borrowed_transactions<'t>()
+    where
+        PostgresStreamLocker: lockstep_core::LeaseFence<lockstep_pg::PgTransaction>
+            + lockstep_core::LeaseFence<tokio_postgres::Transaction<'t>>,
+    {
+    }
+}

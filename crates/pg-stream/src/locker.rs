@@ -1,0 +1,324 @@
+//! [`PostgresStreamLocker`]: the hot path (try-acquire, renew, release, batched renew) over a
+//! `deadpool_postgres` pool.
+//!
+//! Each call checks a connection out of the pool, runs exactly one prepared statement from
+//! [`crate::sql`] (one round trip) and returns the connection. The statements are prepared once
+//! per connection (`prepare_cached`).
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Object, Pool};
+use lockstep_core::{
+    AcquireOutcome, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseHolder, LeaseId, LockReason,
+    PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
+    StreamLockOptions, StreamLocker,
+};
+use lockstep_pg::{map_error, map_pool_error};
+use time::OffsetDateTime;
+use tokio_postgres::Statement;
+use tracing::{Span, instrument};
+use uuid::Uuid;
+
+use crate::interval::PgInterval;
+use crate::sql;
+use crate::telemetry::{self, count};
+
+/// Stream leases on `wh_perspective_cursors`, one atomic statement per operation, on the
+/// database clock.
+///
+/// Cheap to clone (the pool is reference-counted). The locker holds no lease state of its own:
+/// the instance is passed to every call, so one locker serves a whole process.
+#[derive(Clone)]
+pub struct PostgresStreamLocker {
+    pub(crate) pool: Pool,
+    options: StreamLockOptions,
+    timeout: PgInterval,
+}
+
+impl std::fmt::Debug for PostgresStreamLocker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStreamLocker")
+            .field("options", &self.options)
+            .field("pool_status", &self.pool.status())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStreamLocker {
+    /// A locker over `pool` granting leases with `options` (already validated).
+    ///
+    /// Does not touch the database: apply the schema first with [`lockstep_pg::migrate`].
+    pub fn new(pool: Pool, options: StreamLockOptions) -> PostgresStreamLocker {
+        let timeout = match PgInterval::from_duration(options.lock_timeout()) {
+            Some(timeout) => timeout,
+            // `StreamLockOptions::new` refuses timeouts beyond i64 microseconds.
+            None => unreachable!("StreamLockOptions guarantees the lock timeout fits"),
+        };
+        PostgresStreamLocker {
+            pool,
+            options,
+            timeout,
+        }
+    }
+
+    /// The pool the locker runs on.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub(crate) async fn connection(&self) -> Result<Object> {
+        self.pool.get().await.map_err(map_pool_error)
+    }
+}
+
+pub(crate) async fn prepare(conn: &Object, sql: &str, doing: &'static str) -> Result<Statement> {
+    conn.prepare_cached(sql)
+        .await
+        .map_err(|e| map_error(e, doing))
+}
+
+pub(crate) fn stored_reason(reason: String) -> Result<LockReason> {
+    LockReason::parse(reason).map_err(|e| {
+        Error::new(
+            ErrorKind::Backend,
+            "a stored lease reason does not pass validation",
+        )
+        .with_source(e)
+    })
+}
+
+pub(crate) fn stored_name(name: String) -> Result<PerspectiveName> {
+    PerspectiveName::new(name).map_err(|e| {
+        Error::new(
+            ErrorKind::Backend,
+            "a stored perspective name does not pass validation",
+        )
+        .with_source(e)
+    })
+}
+
+fn inconsistent(what: &'static str) -> Error {
+    Error::new(ErrorKind::Backend, what)
+}
+
+#[async_trait]
+impl StreamLocker for PostgresStreamLocker {
+    fn options(&self) -> StreamLockOptions {
+        self.options
+    }
+
+    #[instrument(
+        name = "try_acquire",
+        skip_all,
+        fields(
+            stream_id = %stream_id,
+            perspective = %perspective,
+            reason = %reason,
+            epoch = tracing::field::Empty,
+        )
+    )]
+    async fn try_acquire(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        instance: InstanceId,
+        reason: &LockReason,
+    ) -> Result<AcquireOutcome> {
+        let conn = self.connection().await?;
+        let stmt = prepare(&conn, sql::TRY_ACQUIRE, "preparing try-acquire").await?;
+        let row = conn
+            .query_opt(
+                &stmt,
+                &[
+                    &stream_id.as_uuid(),
+                    &perspective.as_str(),
+                    &instance.as_uuid(),
+                    &reason.as_str(),
+                    &self.timeout,
+                ],
+            )
+            .await
+            .map_err(|e| map_error(e, "acquiring a stream lease"))?;
+        drop(conn);
+        let Some(row) = row else {
+            count(telemetry::NO_CURSOR, 1);
+            tracing::debug!("no cursor row");
+            return Ok(AcquireOutcome::NoCursor);
+        };
+        let acquired_epoch: Option<i64> = row.get("acquired_epoch");
+        if let Some(epoch) = acquired_epoch {
+            let expires_at: OffsetDateTime = row
+                .get::<_, Option<OffsetDateTime>>("acquired_expiry")
+                .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
+            let took_over: Option<bool> = row.get("took_over");
+            Span::current().record("epoch", epoch);
+            count(telemetry::ACQUIRED, 1);
+            if took_over == Some(true) {
+                count(telemetry::TAKEOVERS, 1);
+                tracing::info!("took over an expired lease");
+            } else {
+                tracing::debug!("acquired");
+            }
+            return Ok(AcquireOutcome::Acquired(StreamLease {
+                id: LeaseId {
+                    stream_id,
+                    perspective: perspective.clone(),
+                    holder: instance,
+                    epoch: LeaseEpoch::new(epoch),
+                },
+                reason: reason.clone(),
+                expires_at,
+            }));
+        }
+        // Denied: `cur` is the row as locked, i.e. its latest committed version.
+        let holder: Option<Uuid> = row.get("holder");
+        let stored: Option<String> = row.get("reason");
+        let expires_at: Option<OffsetDateTime> = row.get("expiry");
+        let epoch: i64 = row.get("epoch");
+        let (Some(holder), Some(stored), Some(expires_at)) = (holder, stored, expires_at) else {
+            return Err(inconsistent(
+                "try-acquire was denied but the cursor row holds no lease",
+            ));
+        };
+        Span::current().record("epoch", epoch);
+        count(telemetry::DENIED, 1);
+        tracing::debug!(holder = %holder, "denied");
+        Ok(AcquireOutcome::Denied(LeaseHolder {
+            instance: InstanceId::from_uuid(holder),
+            reason: stored_reason(stored)?,
+            expires_at,
+            epoch: LeaseEpoch::new(epoch),
+        }))
+    }
+
+    #[instrument(
+        name = "renew",
+        skip_all,
+        fields(
+            stream_id = %lease.stream_id,
+            perspective = %lease.perspective,
+            epoch = lease.epoch.get(),
+        )
+    )]
+    async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
+        let conn = self.connection().await?;
+        let stmt = prepare(&conn, sql::RENEW, "preparing renew").await?;
+        let row = conn
+            .query_opt(
+                &stmt,
+                &[
+                    &lease.stream_id.as_uuid(),
+                    &lease.perspective.as_str(),
+                    &lease.holder.as_uuid(),
+                    &lease.epoch.get(),
+                    &self.timeout,
+                ],
+            )
+            .await
+            .map_err(|e| map_error(e, "renewing a stream lease"))?;
+        drop(conn);
+        match row {
+            Some(row) => {
+                count(telemetry::RENEWED, 1);
+                Ok(RenewOutcome::Renewed {
+                    expires_at: row.get(0),
+                })
+            }
+            None => {
+                count(telemetry::RENEW_LOST, 1);
+                tracing::warn!("renew found the lease lost");
+                Ok(RenewOutcome::Lost)
+            }
+        }
+    }
+
+    #[instrument(
+        name = "release",
+        skip_all,
+        fields(
+            stream_id = %lease.stream_id,
+            perspective = %lease.perspective,
+            epoch = lease.epoch.get(),
+        )
+    )]
+    async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
+        let conn = self.connection().await?;
+        let stmt = prepare(&conn, sql::RELEASE, "preparing release").await?;
+        let cleared = conn
+            .execute(
+                &stmt,
+                &[
+                    &lease.stream_id.as_uuid(),
+                    &lease.perspective.as_str(),
+                    &lease.holder.as_uuid(),
+                    &lease.epoch.get(),
+                ],
+            )
+            .await
+            .map_err(|e| map_error(e, "releasing a stream lease"))?;
+        drop(conn);
+        if cleared > 0 {
+            count(telemetry::RELEASED, 1);
+            Ok(ReleaseOutcome::Released)
+        } else {
+            tracing::debug!("release found nothing to clear");
+            Ok(ReleaseOutcome::NotHeld)
+        }
+    }
+
+    #[instrument(name = "renew_many", skip_all, fields(leases = leases.len()))]
+    async fn renew_many(&self, leases: &[LeaseId]) -> Result<Vec<RenewOutcome>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Sorted by pair, so concurrent batches lock the rows in one order.
+        let mut order: Vec<&LeaseId> = leases.iter().collect();
+        order.sort_by(|a, b| {
+            (a.stream_id, a.perspective.as_str()).cmp(&(b.stream_id, b.perspective.as_str()))
+        });
+        let streams: Vec<Uuid> = order.iter().map(|l| l.stream_id.as_uuid()).collect();
+        let perspectives: Vec<&str> = order.iter().map(|l| l.perspective.as_str()).collect();
+        let holders: Vec<Uuid> = order.iter().map(|l| l.holder.as_uuid()).collect();
+        let epochs: Vec<i64> = order.iter().map(|l| l.epoch.get()).collect();
+
+        let conn = self.connection().await?;
+        let stmt = prepare(&conn, sql::RENEW_MANY, "preparing batched renew").await?;
+        let rows = conn
+            .query(
+                &stmt,
+                &[&streams, &perspectives, &holders, &epochs, &self.timeout],
+            )
+            .await
+            .map_err(|e| map_error(e, "renewing stream leases"))?;
+        drop(conn);
+
+        // Keyed by the whole lease id, so a lease listed twice is reported twice.
+        let renewed: HashMap<(Uuid, String, Uuid, i64), OffsetDateTime> = rows
+            .iter()
+            .map(|row| ((row.get(0), row.get(1), row.get(2), row.get(3)), row.get(4)))
+            .collect();
+        let outcomes: Vec<RenewOutcome> = leases
+            .iter()
+            .map(|l| {
+                let key = (
+                    l.stream_id.as_uuid(),
+                    l.perspective.as_str().to_owned(),
+                    l.holder.as_uuid(),
+                    l.epoch.get(),
+                );
+                match renewed.get(&key) {
+                    Some(&expires_at) => RenewOutcome::Renewed { expires_at },
+                    None => RenewOutcome::Lost,
+                }
+            })
+            .collect();
+        let lost = outcomes.iter().filter(|o| !o.is_renewed()).count();
+        count(telemetry::RENEWED, (outcomes.len() - lost) as u64);
+        if lost > 0 {
+            count(telemetry::RENEW_LOST, lost as u64);
+            tracing::warn!(lost, "batched renew found leases lost");
+        }
+        Ok(outcomes)
+    }
+}

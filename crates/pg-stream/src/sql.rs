@@ -1,0 +1,131 @@
+//! The SQL of the stream locker, one constant per operation.
+//!
+//! Every statement is a single atomic statement on `wh_perspective_cursors`, sent as a prepared
+//! statement with bound parameters (names and reasons are never spliced into the text). Times
+//! are computed and compared on the database clock, `clock_timestamp()`, and the lock timeout is
+//! bound as an `interval` parameter. A lease is *live* while `stream_lock_expiry >
+//! clock_timestamp()` and *expired* once `stream_lock_expiry <= clock_timestamp()`.
+//!
+//! The statements are public so that tools (the `lockstep-bench` benchmark drives `pgbench`
+//! with exactly these texts) and operators can run the very SQL the locker sends. Why they look
+//! the way they do is recorded in `docs/adr/0002-stream-lease-sql.md`.
+
+/// Try-acquire: `$1` stream id (`uuid`), `$2` perspective (`text`), `$3` instance (`uuid`),
+/// `$4` reason (`text`, at most 50 characters), `$5` lock timeout (`interval`).
+///
+/// - `cur` locks the cursor row (`FOR NO KEY UPDATE`) and reads its lease as it is *now*: under
+///   READ COMMITTED a row updated by a transaction that committed after the statement's
+///   snapshot is re-read at its latest version, so the decision and the denial report never
+///   see a stale lease.
+/// - `upd` takes the lease when it is free, expired, or already held by `$3`, in the same
+///   statement. The epoch is kept only when `$3` re-acquires its own live lease; otherwise
+///   (new holder, unlocked row, expired lease — even `$3`'s own) it increases by one.
+///   `took_over` says whether an expired, uncleared lease was replaced.
+/// - No row: the pair has no cursor. A row without `acquired_epoch`: denied, and the `holder`,
+///   `reason`, `expiry`, `epoch` columns say by whom.
+pub const TRY_ACQUIRE: &str = "\
+WITH cur AS MATERIALIZED (
+    SELECT stream_id, perspective_name,
+           stream_lock_instance_id AS holder, stream_lock_reason AS reason,
+           stream_lock_expiry AS expiry, stream_lock_epoch AS epoch
+      FROM wh_perspective_cursors
+     WHERE stream_id = $1::uuid AND perspective_name = $2::text
+       FOR NO KEY UPDATE
+), upd AS (
+    UPDATE wh_perspective_cursors c
+       SET stream_lock_instance_id = $3::uuid,
+           stream_lock_reason = $4::text,
+           stream_lock_expiry = n.now + $5::interval,
+           stream_lock_epoch = CASE WHEN cur.holder = $3::uuid AND cur.expiry > n.now
+                                    THEN cur.epoch ELSE cur.epoch + 1 END
+      FROM cur, (SELECT clock_timestamp() AS now) n
+     WHERE c.stream_id = cur.stream_id AND c.perspective_name = cur.perspective_name
+       AND (cur.holder IS NULL OR cur.expiry <= n.now OR cur.holder = $3::uuid)
+ RETURNING c.stream_lock_epoch AS acquired_epoch, c.stream_lock_expiry AS acquired_expiry,
+           (cur.holder IS NOT NULL AND cur.expiry <= n.now) AS took_over
+)
+SELECT upd.acquired_epoch, upd.acquired_expiry, upd.took_over,
+       cur.holder, cur.reason, cur.expiry, cur.epoch
+  FROM cur LEFT JOIN upd ON true";
+
+/// Renew: `$1` stream id, `$2` perspective, `$3` holder, `$4` epoch (`bigint`), `$5` lock
+/// timeout (`interval`). Extends only a live lease held by `$3` at `$4`; returns the new expiry,
+/// or no row when the lease is lost. Never resurrects an expired lease.
+pub const RENEW: &str = "\
+UPDATE wh_perspective_cursors
+   SET stream_lock_expiry = clock_timestamp() + $5::interval
+ WHERE stream_id = $1::uuid AND perspective_name = $2::text
+   AND stream_lock_instance_id = $3::uuid AND stream_lock_epoch = $4::bigint
+   AND stream_lock_expiry > clock_timestamp()
+RETURNING stream_lock_expiry";
+
+/// Release: `$1` stream id, `$2` perspective, `$3` holder, `$4` epoch. Clears the lease when
+/// held by `$3` at `$4` (live or expired but uncleared); the epoch is kept. One row affected
+/// means released, none means not held.
+pub const RELEASE: &str = "\
+UPDATE wh_perspective_cursors
+   SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL
+ WHERE stream_id = $1::uuid AND perspective_name = $2::text
+   AND stream_lock_instance_id = $3::uuid AND stream_lock_epoch = $4::bigint";
+
+/// Batched renew: `$1` stream ids (`uuid[]`), `$2` perspectives (`text[]`), `$3` holders
+/// (`uuid[]`), `$4` epochs (`bigint[]`), `$5` lock timeout. One statement for any number of
+/// leases; returns the key and new expiry of each lease it renewed. The caller sorts the input
+/// by pair so that concurrent batches lock rows in the same order.
+pub const RENEW_MANY: &str = "\
+UPDATE wh_perspective_cursors c
+   SET stream_lock_expiry = clock_timestamp() + $5::interval
+  FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bigint[])
+       AS l(stream_id, perspective_name, holder, epoch)
+ WHERE c.stream_id = l.stream_id AND c.perspective_name = l.perspective_name
+   AND c.stream_lock_instance_id = l.holder AND c.stream_lock_epoch = l.epoch
+   AND c.stream_lock_expiry > clock_timestamp()
+RETURNING c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_epoch,
+          c.stream_lock_expiry";
+
+/// The fenced-commit check, run inside the caller's transaction: `$1` stream id, `$2`
+/// perspective, `$3` holder, `$4` epoch. Returns a row only when the lease is live, held by
+/// `$3` at `$4`, and then keeps the row locked (`FOR NO KEY UPDATE`) until the transaction ends,
+/// so a takeover, renew, release or force-release waits for it.
+pub const FENCE: &str = "\
+SELECT stream_lock_epoch
+  FROM wh_perspective_cursors
+ WHERE stream_id = $1::uuid AND perspective_name = $2::text
+   AND stream_lock_instance_id = $3::uuid AND stream_lock_epoch = $4::bigint
+   AND stream_lock_expiry > clock_timestamp()
+   FOR NO KEY UPDATE";
+
+/// Admin listing: every set lease (held or expired but uncleared), with the time left and the
+/// status computed on the database clock, ordered by stream then perspective (byte order, so it
+/// matches Rust's `str` ordering whatever the database collation).
+pub const LIST_LEASES: &str = "\
+SELECT c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_reason,
+       c.stream_lock_epoch, c.stream_lock_expiry,
+       GREATEST(0, floor(extract(epoch FROM c.stream_lock_expiry - n.now) * 1000000))::bigint
+           AS time_left_us,
+       c.stream_lock_expiry > n.now AS live
+  FROM wh_perspective_cursors c, (SELECT clock_timestamp() AS now) n
+ WHERE c.stream_lock_instance_id IS NOT NULL
+ ORDER BY c.stream_id, c.perspective_name COLLATE \"C\"";
+
+/// Admin inspect: `$1` stream id, `$2` perspective. The lease columns of one cursor row.
+pub const INSPECT: &str = "\
+SELECT stream_lock_instance_id, stream_lock_reason, stream_lock_expiry, stream_lock_epoch
+  FROM wh_perspective_cursors
+ WHERE stream_id = $1::uuid AND perspective_name = $2::text";
+
+/// Admin force-release: `$1` stream id, `$2` perspective. Clears a set lease whoever holds it
+/// and increases the epoch, so the old holder's renew, release and fenced commits fail.
+pub const FORCE_RELEASE: &str = "\
+UPDATE wh_perspective_cursors
+   SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
+       stream_lock_epoch = stream_lock_epoch + 1
+ WHERE stream_id = $1::uuid AND perspective_name = $2::text
+   AND stream_lock_instance_id IS NOT NULL";
+
+/// Admin release-all: `$1` instance. Clears every lease the instance holds (live or expired),
+/// keeping the epochs, as a release would. Returns the number of rows cleared.
+pub const RELEASE_ALL_HELD_BY: &str = "\
+UPDATE wh_perspective_cursors
+   SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL
+ WHERE stream_lock_instance_id = $1::uuid";

@@ -1,0 +1,130 @@
+//! Shared set-up of the Postgres tests: a fresh, migrated database per test and short lease
+//! timings.
+
+// Each test binary uses a different subset of these helpers.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use lockstep_core::{PerspectiveName, StreamId, StreamLockOptions};
+use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+
+/// Lock timeout of the short-lived leases the tests expire.
+pub const LOCK_TIMEOUT: Duration = Duration::from_millis(400);
+/// Keepalive interval that goes with [`LOCK_TIMEOUT`].
+pub const KEEPALIVE: Duration = Duration::from_millis(100);
+/// How long to wait for a [`LOCK_TIMEOUT`] lease to be expired on the database clock.
+pub const PAST_EXPIRY: Duration = Duration::from_millis(600);
+
+pub fn short_options() -> StreamLockOptions {
+    StreamLockOptions::new(LOCK_TIMEOUT, KEEPALIVE).expect("400 ms / 100 ms is a valid pair")
+}
+
+pub fn long_options() -> StreamLockOptions {
+    StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))
+        .expect("60 s / 20 s is a valid pair")
+}
+
+/// A migrated database of this test's own.
+pub struct Db {
+    pub db: TestDatabase,
+    pub pool: Pool,
+}
+
+impl Db {
+    /// A fresh database with the schema applied; commits do not wait for the WAL flush (the
+    /// tests check lease semantics, not durability, and run faster that way).
+    pub async fn new(pool_size: usize) -> Db {
+        let db = test_database().await;
+        let admin = db.connect().await;
+        admin
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" SET synchronous_commit = off",
+                db.name()
+            ))
+            .await
+            .expect("setting synchronous_commit for the test database");
+        let pool = db.pool(pool_size);
+        lockstep_pg::migrate(&pool).await.expect("migrations apply");
+        Db { db, pool }
+    }
+
+    pub fn locker(&self, options: StreamLockOptions) -> PostgresStreamLocker {
+        PostgresStreamLocker::new(self.pool.clone(), options)
+    }
+
+    /// Another pool on the same database (a second "process").
+    pub fn other_pool(&self, size: usize) -> Pool {
+        self.db.pool(size)
+    }
+
+    pub async fn client(&self) -> tokio_postgres::Client {
+        self.db.connect().await
+    }
+
+    /// Creates the unlocked cursor row of a pair.
+    pub async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
+        create_cursor(&self.pool, stream_id, perspective).await;
+    }
+
+    /// Every row's lease columns, in key order, to show that nothing else changed.
+    pub async fn lease_snapshot(&self) -> Vec<LeaseRow> {
+        let client = self.pool.get().await.expect("connection");
+        client
+            .query(
+                "SELECT stream_id, perspective_name, stream_lock_instance_id, \
+                        stream_lock_reason, stream_lock_expiry, stream_lock_epoch \
+                   FROM wh_perspective_cursors ORDER BY stream_id, perspective_name COLLATE \"C\"",
+                &[],
+            )
+            .await
+            .expect("snapshot of the cursor table")
+            .iter()
+            .map(|r| LeaseRow {
+                stream_id: r.get(0),
+                perspective: r.get(1),
+                holder: r.get(2),
+                reason: r.get(3),
+                expiry: r.get(4),
+                epoch: r.get(5),
+            })
+            .collect()
+    }
+
+    /// The database clock.
+    pub async fn db_now(&self) -> time::OffsetDateTime {
+        let client = self.pool.get().await.expect("connection");
+        client
+            .query_one("SELECT clock_timestamp()", &[])
+            .await
+            .expect("clock_timestamp()")
+            .get(0)
+    }
+}
+
+pub async fn create_cursor(pool: &Pool, stream_id: StreamId, perspective: &PerspectiveName) {
+    let client = pool.get().await.expect("connection");
+    client
+        .execute(
+            "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) VALUES ($1, $2)",
+            &[&stream_id.as_uuid(), &perspective.as_str()],
+        )
+        .await
+        .expect("inserting a cursor row");
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRow {
+    pub stream_id: uuid::Uuid,
+    pub perspective: String,
+    pub holder: Option<uuid::Uuid>,
+    pub reason: Option<String>,
+    pub expiry: Option<time::OffsetDateTime>,
+    pub epoch: i64,
+}
+
+pub fn name(s: &str) -> PerspectiveName {
+    PerspectiveName::new(s).expect("a valid perspective name")
+}
