@@ -131,30 +131,16 @@ where
     Tx: ?Sized + Sync,
     L: DistributedLock<Tx>,
 {
-    fn acquire<'a>(
-        &'a self,
-        tx: &'a Tx,
-        aggregate_type: &'a str,
-        id: Uuid,
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        async move {
-            let key = Self::resource_key(aggregate_type, id)?;
-            self.lock
-                .acquire_for_transaction(tx, &key, self.timeout)
-                .await
-        }
+    async fn acquire(&self, tx: &Tx, aggregate_type: &str, id: Uuid) -> Result<()> {
+        let key = Self::resource_key(aggregate_type, id)?;
+        self.lock
+            .acquire_for_transaction(tx, &key, self.timeout)
+            .await
     }
 
-    fn try_acquire<'a>(
-        &'a self,
-        tx: &'a Tx,
-        aggregate_type: &'a str,
-        id: Uuid,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        async move {
-            let key = Self::resource_key(aggregate_type, id)?;
-            self.lock.try_acquire_for_transaction(tx, &key).await
-        }
+    async fn try_acquire(&self, tx: &Tx, aggregate_type: &str, id: Uuid) -> Result<bool> {
+        let key = Self::resource_key(aggregate_type, id)?;
+        self.lock.try_acquire_for_transaction(tx, &key).await
     }
 }
 

@@ -47,7 +47,7 @@ pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
         applied: report
             .applied_migrations()
             .iter()
-            .map(|m| (m.version() as i32, m.name().to_owned()))
+            .map(|m| (m.version(), m.name().to_owned()))
             .collect(),
     })
 }
@@ -57,6 +57,6 @@ pub fn embedded_migrations() -> Vec<(i32, String)> {
     embedded::migrations::runner()
         .get_migrations()
         .iter()
-        .map(|m| (m.version() as i32, m.name().to_owned()))
+        .map(|m| (m.version(), m.name().to_owned()))
         .collect()
 }

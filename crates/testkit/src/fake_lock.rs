@@ -424,47 +424,42 @@ impl FakeDistributedLock {
 }
 
 impl DistributedLock<FakeTransaction> for FakeDistributedLock {
-    fn acquire_for_transaction<'a>(
-        &'a self,
-        tx: &'a FakeTransaction,
-        key: &'a ResourceKey,
+    async fn acquire_for_transaction(
+        &self,
+        tx: &FakeTransaction,
+        key: &ResourceKey,
         timeout: Option<Duration>,
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        async move {
-            self.check(tx)?;
-            // Aborts the transaction if the wait ends any way but success (drop included).
-            let abort_guard = AbortOnDrop(Some(tx));
-            let owner = LockOwner::Transaction(tx.id);
-            let result = match timeout {
-                None => self.db.acquire(key, owner).await,
-                Some(limit) => match tokio::time::timeout(limit, self.db.acquire(key, owner)).await
-                {
-                    Ok(result) => result,
-                    Err(_) => Err(Error::new(
-                        ErrorKind::LockTimeout,
-                        format!("canceling statement due to lock timeout on {key} after {limit:?}"),
-                    )),
-                },
-            };
-            if result.is_ok() {
-                abort_guard.disarm();
-            }
-            result
+    ) -> Result<()> {
+        self.check(tx)?;
+        // Aborts the transaction if the wait ends any way but success (drop included).
+        let abort_guard = AbortOnDrop(Some(tx));
+        let owner = LockOwner::Transaction(tx.id);
+        let result = match timeout {
+            None => self.db.acquire(key, owner).await,
+            Some(limit) => match tokio::time::timeout(limit, self.db.acquire(key, owner)).await {
+                Ok(result) => result,
+                Err(_) => Err(Error::new(
+                    ErrorKind::LockTimeout,
+                    format!("canceling statement due to lock timeout on {key} after {limit:?}"),
+                )),
+            },
+        };
+        if result.is_ok() {
+            abort_guard.disarm();
         }
+        result
     }
 
-    fn try_acquire_for_transaction<'a>(
-        &'a self,
-        tx: &'a FakeTransaction,
-        key: &'a ResourceKey,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        async move {
-            self.check(tx)?;
-            let mut table = self.db.table();
-            Ok(self
-                .db
-                .try_take(&mut table, key, LockOwner::Transaction(tx.id)))
-        }
+    async fn try_acquire_for_transaction(
+        &self,
+        tx: &FakeTransaction,
+        key: &ResourceKey,
+    ) -> Result<bool> {
+        self.check(tx)?;
+        let mut table = self.db.table();
+        Ok(self
+            .db
+            .try_take(&mut table, key, LockOwner::Transaction(tx.id)))
     }
 }
 
@@ -509,12 +504,12 @@ pub struct FakeSessionGuard {
 impl SessionLocks for FakeSessionLocks {
     type Guard = FakeSessionGuard;
 
-    fn acquire_session<'a>(
-        &'a self,
-        key: &'a ResourceKey,
+    async fn acquire_session(
+        &self,
+        key: &ResourceKey,
         timeout: Option<Duration>,
-    ) -> impl Future<Output = Result<FakeSessionGuard>> + Send + 'a {
-        async move {
+    ) -> Result<FakeSessionGuard> {
+        {
             let owner = LockOwner::Session(self.db.next_id());
             let wait = self.db.acquire(key, owner);
             match timeout {
@@ -535,11 +530,8 @@ impl SessionLocks for FakeSessionLocks {
         }
     }
 
-    fn try_acquire_session<'a>(
-        &'a self,
-        key: &'a ResourceKey,
-    ) -> impl Future<Output = Result<Option<FakeSessionGuard>>> + Send + 'a {
-        async move {
+    async fn try_acquire_session(&self, key: &ResourceKey) -> Result<Option<FakeSessionGuard>> {
+        {
             let owner = LockOwner::Session(self.db.next_id());
             let mut table = self.db.table();
             if !self.db.try_take(&mut table, key, owner) {

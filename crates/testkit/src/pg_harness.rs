@@ -200,17 +200,13 @@ async fn find_server() -> Server {
         Err(e) => e,
     };
     #[cfg(feature = "testcontainers")]
-    {
-        match container::start().await {
-            Ok(admin) => {
-                return Server {
-                    admin,
-                    source: ServerSource::Container,
-                };
-            }
-            Err(container_error) => panic!(
-                "{HOW_TO_PROVIDE} (local server: {local_error}; container: {container_error})"
-            ),
+    match container::start().await {
+        Ok(admin) => Server {
+            admin,
+            source: ServerSource::Container,
+        },
+        Err(container_error) => {
+            panic!("{HOW_TO_PROVIDE} (local server: {local_error}; container: {container_error})")
         }
     }
     #[cfg(not(feature = "testcontainers"))]

@@ -101,11 +101,7 @@ impl<L> RecordingStreamLocker<L> {
                 StreamLockCall::TryAcquire {
                     outcome: Ok(AcquireOutcome::Acquired(lease)),
                     ..
-                } => {
-                    if !held.contains(&lease.id) {
-                        held.push(lease.id.clone());
-                    }
-                }
+                } if !held.contains(&lease.id) => held.push(lease.id.clone()),
                 StreamLockCall::Release {
                     lease,
                     outcome: Ok(_),
@@ -127,7 +123,10 @@ impl<L> RecordingStreamLocker<L> {
 }
 
 fn text<T: Clone>(r: &Result<T>) -> std::result::Result<T, String> {
-    r.as_ref().map(Clone::clone).map_err(ToString::to_string)
+    match r {
+        Ok(value) => Ok(value.clone()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[async_trait]
