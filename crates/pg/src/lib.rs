@@ -3,7 +3,7 @@
 //! The PostgreSQL plumbing shared by the lockstep backends (`lockstep-pg-stream`,
 //! `lockstep-pg-advisory`, `lockstep-pg-store`):
 //!
-//! - [`migrate`]: applies the numbered SQL files of the workspace's `migrations/` folder, the
+//! - [`migrate()`]: applies the numbered SQL files of the workspace's `migrations/` folder, the
 //!   single source of the schema. Explicit, idempotent, and safe from several processes at once.
 //! - [`error`]: SQLSTATE → [`lockstep_core::ErrorKind`], never by message text.
 //! - [`transaction`]: [`PgTransaction`], an owned unit-of-work transaction (`'static`, so a
