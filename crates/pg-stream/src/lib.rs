@@ -5,7 +5,7 @@
 //! [`StreamLockAdmin`](lockstep_core::StreamLockAdmin) operator view and the
 //! [`LeaseFence`](lockstep_core::LeaseFence) fenced commit of `lockstep-core`, storing each
 //! lease on its `(stream_id, perspective_name)` row of `wh_perspective_cursors` (the schema is
-//! applied by [`lockstep_pg::migrate`]).
+//! applied by [`lockstep_pg::migrate()`]).
 //!
 //! What it guarantees, beyond the contract in [`lockstep_core::stream_lease`]:
 //!

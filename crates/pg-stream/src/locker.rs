@@ -48,7 +48,7 @@ impl std::fmt::Debug for PostgresStreamLocker {
 impl PostgresStreamLocker {
     /// A locker over `pool` granting leases with `options` (already validated).
     ///
-    /// Does not touch the database: apply the schema first with [`lockstep_pg::migrate`].
+    /// Does not touch the database: apply the schema first with [`lockstep_pg::migrate()`].
     pub fn new(pool: Pool, options: StreamLockOptions) -> PostgresStreamLocker {
         let timeout = match PgInterval::from_duration(options.lock_timeout()) {
             Some(timeout) => timeout,

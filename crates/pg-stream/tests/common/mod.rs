@@ -12,31 +12,31 @@ use lockstep_pg_stream::PostgresStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 
 /// Lock timeout of the short-lived leases the tests expire.
-pub const LOCK_TIMEOUT: Duration = Duration::from_millis(400);
+pub(crate) const LOCK_TIMEOUT: Duration = Duration::from_millis(400);
 /// Keepalive interval that goes with [`LOCK_TIMEOUT`].
-pub const KEEPALIVE: Duration = Duration::from_millis(100);
+pub(crate) const KEEPALIVE: Duration = Duration::from_millis(100);
 /// How long to wait for a [`LOCK_TIMEOUT`] lease to be expired on the database clock.
-pub const PAST_EXPIRY: Duration = Duration::from_millis(600);
+pub(crate) const PAST_EXPIRY: Duration = Duration::from_millis(600);
 
-pub fn short_options() -> StreamLockOptions {
+pub(crate) fn short_options() -> StreamLockOptions {
     StreamLockOptions::new(LOCK_TIMEOUT, KEEPALIVE).expect("400 ms / 100 ms is a valid pair")
 }
 
-pub fn long_options() -> StreamLockOptions {
+pub(crate) fn long_options() -> StreamLockOptions {
     StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))
         .expect("60 s / 20 s is a valid pair")
 }
 
 /// A migrated database of this test's own.
-pub struct Db {
-    pub db: TestDatabase,
-    pub pool: Pool,
+pub(crate) struct Db {
+    pub(crate) db: TestDatabase,
+    pub(crate) pool: Pool,
 }
 
 impl Db {
     /// A fresh database with the schema applied; commits do not wait for the WAL flush (the
     /// tests check lease semantics, not durability, and run faster that way).
-    pub async fn new(pool_size: usize) -> Db {
+    pub(crate) async fn new(pool_size: usize) -> Db {
         let db = test_database().await;
         let admin = db.connect().await;
         admin
@@ -51,26 +51,26 @@ impl Db {
         Db { db, pool }
     }
 
-    pub fn locker(&self, options: StreamLockOptions) -> PostgresStreamLocker {
+    pub(crate) fn locker(&self, options: StreamLockOptions) -> PostgresStreamLocker {
         PostgresStreamLocker::new(self.pool.clone(), options)
     }
 
     /// Another pool on the same database (a second "process").
-    pub fn other_pool(&self, size: usize) -> Pool {
+    pub(crate) fn other_pool(&self, size: usize) -> Pool {
         self.db.pool(size)
     }
 
-    pub async fn client(&self) -> tokio_postgres::Client {
+    pub(crate) async fn client(&self) -> tokio_postgres::Client {
         self.db.connect().await
     }
 
     /// Creates the unlocked cursor row of a pair.
-    pub async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
+    pub(crate) async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
         create_cursor(&self.pool, stream_id, perspective).await;
     }
 
     /// Every row's lease columns, in key order, to show that nothing else changed.
-    pub async fn lease_snapshot(&self) -> Vec<LeaseRow> {
+    pub(crate) async fn lease_snapshot(&self) -> Vec<LeaseRow> {
         let client = self.pool.get().await.expect("connection");
         client
             .query(
@@ -94,7 +94,7 @@ impl Db {
     }
 
     /// The database clock.
-    pub async fn db_now(&self) -> time::OffsetDateTime {
+    pub(crate) async fn db_now(&self) -> time::OffsetDateTime {
         let client = self.pool.get().await.expect("connection");
         client
             .query_one("SELECT clock_timestamp()", &[])
@@ -104,7 +104,7 @@ impl Db {
     }
 }
 
-pub async fn create_cursor(pool: &Pool, stream_id: StreamId, perspective: &PerspectiveName) {
+pub(crate) async fn create_cursor(pool: &Pool, stream_id: StreamId, perspective: &PerspectiveName) {
     let client = pool.get().await.expect("connection");
     client
         .execute(
@@ -116,15 +116,15 @@ pub async fn create_cursor(pool: &Pool, stream_id: StreamId, perspective: &Persp
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseRow {
-    pub stream_id: uuid::Uuid,
-    pub perspective: String,
-    pub holder: Option<uuid::Uuid>,
-    pub reason: Option<String>,
-    pub expiry: Option<time::OffsetDateTime>,
-    pub epoch: i64,
+pub(crate) struct LeaseRow {
+    pub(crate) stream_id: uuid::Uuid,
+    pub(crate) perspective: String,
+    pub(crate) holder: Option<uuid::Uuid>,
+    pub(crate) reason: Option<String>,
+    pub(crate) expiry: Option<time::OffsetDateTime>,
+    pub(crate) epoch: i64,
 }
 
-pub fn name(s: &str) -> PerspectiveName {
+pub(crate) fn name(s: &str) -> PerspectiveName {
     PerspectiveName::new(s).expect("a valid perspective name")
 }
