@@ -1,0 +1,112 @@
+//! # lockstep-pg-advisory
+//!
+//! The PostgreSQL advisory-lock backend of lockstep's lock contracts (`lockstep-core`):
+//!
+//! - [`PostgresDistributedLock`] implements [`DistributedLock`](lockstep_core::DistributedLock)
+//!   for every [`PgTransactionRef`](lockstep_pg::PgTransactionRef): a **transaction-scoped**
+//!   advisory lock (`pg_advisory_xact_lock`) taken on the caller's own unit-of-work
+//!   transaction, released by the server at commit or rollback — and when the client dies.
+//! - It also implements [`SessionLocks`](lockstep_core::SessionLocks): a **session-scoped**
+//!   lock held by a [`PgSessionGuard`] that owns its pooled connection ([`session`]).
+//! - [`PostgresAggregateWriteLock`] is the per-aggregate write lock
+//!   `relay:aggregate:{type}:{id}`: the pure
+//!   [`DistributedAggregateWriteLock`](lockstep_core::DistributedAggregateWriteLock) of
+//!   `lockstep-core` over this lock.
+//!
+//! ```no_run
+//! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
+//! use lockstep_core::AggregateWriteLock;
+//! use lockstep_pg::PgTransaction;
+//! use lockstep_pg_advisory::PostgresDistributedLock;
+//!
+//! let lock = PostgresDistributedLock::new(pool.clone());
+//! let aggregate_lock = lock.aggregate_write_lock();
+//!
+//! let tx = PgTransaction::begin(&pool).await?;
+//! let sku = uuid::Uuid::now_v7();
+//! aggregate_lock.acquire(&tx, "StockItem", sku).await?; // lock first …
+//! // … then load, decide, append on &tx …
+//! tx.commit().await?; // the server releases the lock
+//! # Ok(()) }
+//! ```
+//!
+//! # Keys
+//!
+//! A [`ResourceKey`](lockstep_core::ResourceKey) maps to the `bigint` advisory key by
+//! [`ResourceKey::advisory_key`](lockstep_core::ResourceKey::advisory_key) (first 8 bytes of
+//! SHA-256, big-endian). Migration `V2` installs the same function in SQL,
+//! `lockstep_advisory_key(text)`, and a view `lockstep_advisory_locks` that puts the key back
+//! together from `pg_locks` (which shows a `bigint` advisory key as `classid` = high 32 bits,
+//! `objid` = low 32 bits, `objsubid = 1`). Who holds or waits for an aggregate's lock:
+//!
+//! ```sql
+//! SELECT pid, granted, state, transaction_age
+//! FROM lockstep_advisory_locks
+//! WHERE advisory_key = lockstep_advisory_key('relay:aggregate:StockItem:0123456789abcdef0123456789abcdef');
+//! ```
+//!
+//! # Semantics (see `docs/adr/0003-advisory-lock-design.md`)
+//!
+//! - **Timeouts** map to a transaction-local `lock_timeout` for the one statement (restored in
+//!   the same statement) and fail with [`ErrorKind::LockTimeout`](lockstep_core::ErrorKind).
+//!   As in plain PostgreSQL, a failed wait **aborts the caller's transaction**: roll it back
+//!   and retry in a new one. The testkit fake behaves the same. (No savepoint: a lock taken
+//!   inside a savepoint is released when the savepoint is rolled back, which is exactly the
+//!   silent-loss hazard below.)
+//! - **Cancellation**: dropping a waiting acquire sends a cancel request for the connection
+//!   (tokio-postgres sends nothing on drop), so the server-side wait ends at once and the
+//!   backend never gets the lock for a caller that is gone. A session lock's waiting
+//!   connection is closed rather than pooled. After a dropped acquire the transaction's state
+//!   is unspecified (aborted by the cancel, or holding the lock if the grant won the race, or
+//!   untouched if it was still queued in process): roll it back.
+//! - **SQLSTATEs** map through `lockstep_pg::error`: `55P03` → `LockTimeout`, `57014` →
+//!   `Cancelled`, `40P01` → `Deadlock`, `25P02` → `TransactionAborted`, `08xxx`/`57P0x`/I/O →
+//!   `ConnectionLost`. Never by message text.
+//! - **Isolation**: lock-then-load needs READ COMMITTED (each statement sees the latest
+//!   commits). The isolation level is checked **in the lock statement itself** (no extra round
+//!   trip) and a REPEATABLE READ or SERIALIZABLE transaction is refused with
+//!   [`ErrorKind::Unsupported`](lockstep_core::ErrorKind) before any lock is taken.
+//! - **Savepoints**: a transaction-scoped advisory lock taken inside a savepoint is released
+//!   by `ROLLBACK TO SAVEPOINT`, silently. PostgreSQL offers no cheap way to detect a
+//!   savepoint, so this is documented, not refused: take the lock at the top level of the
+//!   transaction, before any savepoint.
+//! - **In-process queue**: waiters of one process for one key queue in memory and only the
+//!   head of the queue waits at the server, so a hot aggregate has one waiting backend per
+//!   instance, not one per waiter. The permit is held only while waiting at the server (never
+//!   while the lock is held, so a transaction that never commits cannot wedge the queue). A
+//!   waiter that finds the queue busy first tries the lock without waiting (its transaction
+//!   may already hold it: re-entrancy), and waits in memory at most
+//!   [`PostgresDistributedLock::with_local_patience`] before going to the server anyway.
+//! - **No extra round trip**: [`PostgresDistributedLock::acquire_then`] pipelines the lock
+//!   statement with the statements that follow (the aggregate load); the event store's
+//!   `load_locked` uses it. Every statement is sent with `query_typed` (no prepare round trip).
+//!
+//! # Operations
+//!
+//! A transaction-scoped lock is released when its transaction ends — including when the
+//! client process dies, **once the server notices**. A backend whose client vanished without
+//! closing the socket (power loss, network partition) keeps its transaction, and the lock,
+//! until the server finds out. Make that prompt:
+//!
+//! - `idle_in_transaction_session_timeout` (e.g. `30s`): ends sessions that sit in an open
+//!   transaction without sending anything — a crashed or stalled holder.
+//! - `tcp_keepalives_idle` / `tcp_keepalives_interval` / `tcp_keepalives_count` (server side;
+//!   and `keepalives` on the client): detect a dead peer on an idle connection in seconds
+//!   instead of the OS default of hours.
+//! - `client_connection_check_interval` (PostgreSQL 14+, e.g. `5s`): lets a backend that is
+//!   busy running a statement notice that its client is gone.
+//!
+//! **Connection poolers**: transaction-scoped locks work behind PgBouncer in transaction
+//! pooling mode (the lock lives and dies with the transaction, which stays on one server
+//! connection). Session-scoped locks do **not**: the unlock may run on another server
+//! connection, and the lock stays with a connection another client now uses. Use session
+//! locks only on direct connections or session-pooled ones.
+
+mod cancel;
+mod lock;
+mod queue;
+pub mod session;
+mod sql;
+
+pub use lock::{PostgresAggregateWriteLock, PostgresDistributedLock};
+pub use session::PgSessionGuard;

@@ -1,0 +1,291 @@
+//! [`PostgresDistributedLock`]: transaction-scoped advisory locks on the caller's transaction,
+//! with an in-process queue in front, pipelining, timeouts, cancellation and an isolation check.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use lockstep_core::{
+    DistributedAggregateWriteLock, DistributedLock, Error, ErrorKind, ResourceKey, Result,
+    ValidationError,
+};
+use lockstep_pg::PgTransactionRef;
+use lockstep_pg::error::kind_of;
+use tokio::time::Instant;
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::Type;
+
+use crate::cancel::CancelOnDrop;
+use crate::queue::LocalQueue;
+use crate::sql;
+
+/// The Postgres aggregate write lock: the pure [`DistributedAggregateWriteLock`] of
+/// `lockstep-core` over [`PostgresDistributedLock`] (no second implementation).
+pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDistributedLock>;
+
+/// Exclusive locks on [`ResourceKey`]s, as PostgreSQL advisory locks on
+/// [`ResourceKey::advisory_key`].
+///
+/// - [`DistributedLock`] for every [`PgTransactionRef`] (the owned
+///   [`lockstep_pg::PgTransaction`], `tokio_postgres::Transaction`, and through deref
+///   `deadpool_postgres::Transaction`): `pg_advisory_xact_lock` / `pg_try_advisory_xact_lock`
+///   on the caller's transaction, released by the server at commit, rollback or disconnect.
+/// - [`lockstep_core::SessionLocks`] (needs a pool, see [`PostgresDistributedLock::new`]): a
+///   guard that owns a pooled connection holding `pg_advisory_lock`.
+///
+/// Clones share the in-process queue; use one instance (or its clones) per process.
+#[derive(Clone)]
+pub struct PostgresDistributedLock {
+    pub(crate) pool: Option<Pool>,
+    pub(crate) queue: Arc<LocalQueue>,
+    pub(crate) local_queue: bool,
+    pub(crate) local_patience: Duration,
+}
+
+impl std::fmt::Debug for PostgresDistributedLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresDistributedLock")
+            .field("session_locks", &self.pool.is_some())
+            .field("local_queue", &self.local_queue)
+            .field("local_patience", &self.local_patience)
+            .finish()
+    }
+}
+
+impl PostgresDistributedLock {
+    /// How long a waiter queues in process before it waits at the server regardless
+    /// (default 1 s); see [`PostgresDistributedLock::with_local_patience`].
+    pub const DEFAULT_LOCAL_PATIENCE: Duration = Duration::from_secs(1);
+
+    /// Transaction-scoped locks, plus session-scoped locks on connections from `pool`.
+    pub fn new(pool: Pool) -> PostgresDistributedLock {
+        PostgresDistributedLock {
+            pool: Some(pool),
+            ..PostgresDistributedLock::transaction_scoped()
+        }
+    }
+
+    /// Transaction-scoped locks only (session acquires fail with
+    /// [`ErrorKind::Unsupported`]).
+    pub fn transaction_scoped() -> PostgresDistributedLock {
+        PostgresDistributedLock {
+            pool: None,
+            queue: Arc::new(LocalQueue::default()),
+            local_queue: true,
+            local_patience: Self::DEFAULT_LOCAL_PATIENCE,
+        }
+    }
+
+    /// Turns the in-process queue on (default) or off. Off, every waiter waits at the server
+    /// (one waiting backend per waiter).
+    #[must_use]
+    pub fn with_local_queue(mut self, enabled: bool) -> Self {
+        self.local_queue = enabled;
+        self
+    }
+
+    /// How long a waiter queues in process before it goes to wait at the server anyway
+    /// (default [`Self::DEFAULT_LOCAL_PATIENCE`]). The bound exists because the server's
+    /// deadlock detector cannot see the in-process queue: with locks taken in inconsistent
+    /// orders, a cycle through the queue is found only once its waiters reach the server.
+    #[must_use]
+    pub fn with_local_patience(mut self, patience: Duration) -> Self {
+        self.local_patience = patience;
+        self
+    }
+
+    /// The per-aggregate write lock over this lock (shares its queue).
+    pub fn aggregate_write_lock(&self) -> PostgresAggregateWriteLock {
+        DistributedAggregateWriteLock::new(self.clone())
+    }
+
+    /// How many keys have local waiters right now (0 when idle: entries are removed when their
+    /// last waiter leaves).
+    pub fn locally_queued_keys(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Takes `key` for `tx` (like [`DistributedLock::acquire_for_transaction`]) and runs the
+    /// statements of `then` **pipelined behind the lock statement**: both go to the server in
+    /// one round trip, and the server runs `then`'s statements only once the lock is held, so
+    /// they see what the previous holder committed.
+    ///
+    /// `then` must issue its statements on `tx` on its first poll (any tokio-postgres query
+    /// future does). It may be called twice: when another local waiter is already waiting at
+    /// the server, the lock is first tried on its own, and `then` runs once the lock is held.
+    /// If the lock fails, `then`'s result is discarded (its statements then fail too: the
+    /// transaction is aborted).
+    pub async fn acquire_then<T, R, F, Fut>(
+        &self,
+        tx: &T,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+        mut then: F,
+    ) -> Result<R>
+    where
+        T: PgTransactionRef + ?Sized,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<R>>,
+    {
+        let advisory = key.advisory_key();
+        if let Some(limit) = timeout {
+            lock_timeout_setting(limit)?; // refuse a bad timeout before anything is sent
+        }
+        let deadline = timeout.map(|limit| Instant::now() + limit);
+        let slot = self.local_queue.then(|| self.queue.slot(advisory));
+        let mut permit = None;
+        if let Some(slot) = &slot {
+            match slot.mutex().try_lock() {
+                Ok(free) => permit = Some(free),
+                Err(_) => {
+                    // Another transaction of this process waits at the server for this key.
+                    // If ours already holds it (re-entrant) or it just came free, it is ours
+                    // now — and queueing behind that waiter would deadlock unseen.
+                    if self.try_statement(tx, key, advisory).await? {
+                        return then().await;
+                    }
+                    let patience_end = Instant::now() + self.local_patience;
+                    let until = deadline.map_or(patience_end, |d| d.min(patience_end));
+                    permit = tokio::time::timeout_at(until, slot.mutex().lock())
+                        .await
+                        .ok();
+                }
+            }
+        }
+        // Past the deadline this is a last 1 ms chance, so a timeout always comes from the
+        // server and leaves the transaction aborted, like any other failed lock wait.
+        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let outcome =
+            futures_util::try_join!(self.lock_statement(tx, key, advisory, remaining), then());
+        drop(permit);
+        outcome.map(|((), value)| value)
+    }
+
+    /// One blocking lock statement (with the isolation check, and `lock_timeout` for its
+    /// duration when `timeout` is set). Dropping it mid-wait sends a cancel request.
+    async fn lock_statement<T: PgTransactionRef + ?Sized>(
+        &self,
+        tx: &T,
+        key: &ResourceKey,
+        advisory: i64,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let client = tx.executor();
+        let setting = timeout.map(lock_timeout_setting).transpose()?;
+        let cancel = CancelOnDrop::arm(tx.cancel_token());
+        let row = match &setting {
+            None => {
+                client
+                    .query_typed_one(sql::LOCK_XACT, &[(&advisory, Type::INT8)])
+                    .await
+            }
+            Some(setting) => {
+                client
+                    .query_typed_one(
+                        sql::LOCK_XACT_TIMEOUT,
+                        &[(&advisory, Type::INT8), (setting, Type::TEXT)],
+                    )
+                    .await
+            }
+        };
+        cancel.disarm();
+        let row = row.map_err(|e| lock_error(e, key, "waiting for"))?;
+        check_isolation(row.try_get(0).ok(), key)
+    }
+
+    /// One `pg_try_advisory_xact_lock` statement, with the isolation check.
+    async fn try_statement<T: PgTransactionRef + ?Sized>(
+        &self,
+        tx: &T,
+        key: &ResourceKey,
+        advisory: i64,
+    ) -> Result<bool> {
+        let row = tx
+            .executor()
+            .query_typed_one(sql::TRY_XACT, &[(&advisory, Type::INT8)])
+            .await
+            .map_err(|e| lock_error(e, key, "trying"))?;
+        check_isolation(row.try_get(0).ok(), key)?;
+        Ok(row.try_get::<_, Option<bool>>(1).ok().flatten() == Some(true))
+    }
+}
+
+impl<T: PgTransactionRef> DistributedLock<T> for PostgresDistributedLock {
+    fn acquire_for_transaction<'a>(
+        &'a self,
+        tx: &'a T,
+        key: &'a ResourceKey,
+        timeout: Option<Duration>,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        self.acquire_then(tx, key, timeout, || std::future::ready(Ok(())))
+    }
+
+    fn try_acquire_for_transaction<'a>(
+        &'a self,
+        tx: &'a T,
+        key: &'a ResourceKey,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        self.try_statement(tx, key, key.advisory_key())
+    }
+}
+
+/// `lock_timeout` for a wait of `limit`: whole milliseconds, rounded up, at least 1 ms
+/// (`0` would mean "no timeout").
+pub(crate) fn lock_timeout_setting(limit: Duration) -> Result<String> {
+    let millis = limit.as_micros().div_ceil(1000).max(1);
+    if millis > i32::MAX as u128 {
+        return Err(ValidationError::DurationTooLarge {
+            field: "lock timeout",
+        }
+        .into());
+    }
+    Ok(format!("{millis}ms"))
+}
+
+/// Refuses transactions that are not READ COMMITTED (lock-then-load would read a snapshot
+/// that may predate the previous holder's commit). The statement took no lock in that case.
+fn check_isolation(isolation: Option<&str>, key: &ResourceKey) -> Result<()> {
+    match isolation {
+        Some(sql::READ_COMMITTED | sql::READ_UNCOMMITTED) => Ok(()),
+        other => Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "refusing to lock {key} in a {} transaction: lock-then-load needs READ COMMITTED \
+                 (a REPEATABLE READ or SERIALIZABLE snapshot can predate the previous holder's \
+                 commit)",
+                other.unwrap_or("non-READ COMMITTED")
+            ),
+        )),
+    }
+}
+
+pub(crate) fn lock_error(err: tokio_postgres::Error, key: &ResourceKey, doing: &str) -> Error {
+    Error::new(kind_of(&err), format!("{doing} advisory lock {key}")).with_source(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_timeouts_round_up_to_whole_milliseconds() {
+        let s = |d| lock_timeout_setting(d).expect("valid");
+        assert_eq!(s(Duration::ZERO), "1ms");
+        assert_eq!(s(Duration::from_micros(1)), "1ms");
+        assert_eq!(s(Duration::from_micros(1500)), "2ms");
+        assert_eq!(s(Duration::from_secs(2)), "2000ms");
+        let err = lock_timeout_setting(Duration::from_secs(60 * 60 * 24 * 30)).expect_err("big");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn only_read_committed_passes_the_isolation_check() {
+        let key = ResourceKey::new("k").expect("key");
+        assert!(check_isolation(Some("read committed"), &key).is_ok());
+        for other in [Some("repeatable read"), Some("serializable"), None] {
+            let err = check_isolation(other, &key).expect_err("refused");
+            assert_eq!(err.kind(), ErrorKind::Unsupported);
+        }
+    }
+}

@@ -1,0 +1,679 @@
+//! lockstep-pg-advisory against a real PostgreSQL (each test on a database of its own): the
+//! distributed-lock conformance suite, cancellation, timeouts, crash release, deadlock-free
+//! multi-aggregate locking, the isolation check, session locks, the in-process queue and the
+//! SQL key function.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use lockstep_core::{
+    ADVISORY_KEY_GOLDEN_VECTORS, AggregateWriteLock, DistributedLock, ErrorKind, ResourceKey,
+    SessionLockGuard, SessionLocks,
+};
+use lockstep_pg::{PgTransaction, migrate};
+use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_testkit::conformance::distributed_lock::{self, DistributedLockFixture};
+use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+struct Fixture {
+    _db: TestDatabase,
+    pool: Pool,
+    lock: PostgresDistributedLock,
+}
+
+impl DistributedLockFixture for Fixture {
+    type Tx = PgTransaction;
+    type Lock = PostgresDistributedLock;
+
+    fn lock(&self) -> &PostgresDistributedLock {
+        &self.lock
+    }
+
+    async fn begin(&self) -> PgTransaction {
+        PgTransaction::begin(&self.pool).await.expect("begin")
+    }
+
+    async fn commit(&self, tx: PgTransaction) {
+        tx.commit().await.expect("commit");
+    }
+
+    async fn rollback(&self, tx: PgTransaction) {
+        tx.rollback().await.expect("rollback");
+    }
+}
+
+async fn setup(pool_size: usize) -> (TestDatabase, Pool, PostgresDistributedLock) {
+    let db = test_database().await;
+    let pool = db.pool(pool_size);
+    let lock = PostgresDistributedLock::new(pool.clone());
+    (db, pool, lock)
+}
+
+fn fresh_key() -> ResourceKey {
+    ResourceKey::new(format!("test:{}", Uuid::new_v4())).expect("key")
+}
+
+/// Advisory locks on `key` in this database: (granted, waiting).
+async fn lock_counts(client: &Client, key: &ResourceKey) -> (i64, i64) {
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) \
+             FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             AND ((classid::bigint << 32) | objid::bigint) = $1",
+            &[&key.advisory_key()],
+        )
+        .await
+        .expect("pg_locks");
+    (row.get(0), row.get(1))
+}
+
+/// Polls (every 20 ms, at most `limit`) until `check` holds; false if it never did.
+async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn backend_pid(tx: &PgTransaction) -> i32 {
+    tx.client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distributed_lock_conformance_suite_passes_on_postgres() {
+    let (db, pool, lock) = setup(8).await;
+    distributed_lock::run_all(Arc::new(Fixture {
+        _db: db,
+        pool,
+        lock,
+    }))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distributed_lock_conformance_suite_passes_without_the_local_queue() {
+    let (db, pool, lock) = setup(8).await;
+    distributed_lock::run_all(Arc::new(Fixture {
+        _db: db,
+        pool,
+        lock: lock.with_local_queue(false),
+    }))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_waiting_acquire_leaves_no_waiting_backend_and_the_pool_stays_healthy() {
+    let (db, pool, lock) = setup(3).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    assert!(
+        lock.try_acquire_for_transaction(&holder, &key)
+            .await
+            .expect("try")
+    );
+
+    let waiter = PgTransaction::begin(&pool).await.expect("begin");
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(300),
+        lock.acquire_for_transaction(&waiter, &key, None),
+    )
+    .await;
+    assert!(abandoned.is_err(), "the acquire was still waiting");
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            lock_counts(&admin, &key).await.1 == 0
+        })
+        .await,
+        "the server-side wait ended within 2 s of the drop"
+    );
+    assert_eq!(lock.locally_queued_keys(), 0);
+    waiter
+        .rollback()
+        .await
+        .expect("the waiter's connection is usable");
+    holder.commit().await.expect("commit");
+
+    // Every pooled connection works, and the key is free.
+    let txs = [
+        PgTransaction::begin(&pool).await.expect("begin"),
+        PgTransaction::begin(&pool).await.expect("begin"),
+        PgTransaction::begin(&pool).await.expect("begin"),
+    ];
+    for tx in &txs {
+        tx.client()
+            .query_one("SELECT 1", &[])
+            .await
+            .expect("healthy");
+    }
+    assert!(
+        lock.try_acquire_for_transaction(&txs[0], &key)
+            .await
+            .expect("try")
+    );
+    for tx in txs {
+        tx.rollback().await.expect("rollback");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_is_a_typed_lock_timeout_that_aborts_the_transaction() {
+    let (_db, pool, lock) = setup(3).await;
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&holder, &key, None)
+        .await
+        .expect("free");
+    let waiter = PgTransaction::begin(&pool).await.expect("begin");
+    let err = lock
+        .acquire_for_transaction(&waiter, &key, Some(Duration::from_millis(100)))
+        .await
+        .expect_err("times out");
+    assert_eq!(err.kind(), ErrorKind::LockTimeout, "{err}");
+    assert!(err.is_retryable());
+    let after = lock.try_acquire_for_transaction(&waiter, &key).await;
+    assert_eq!(
+        after.expect_err("aborted").kind(),
+        ErrorKind::TransactionAborted,
+        "like a failed statement, a timed-out wait aborts the transaction"
+    );
+    waiter.rollback().await.expect("rollback");
+    holder.commit().await.expect("commit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_acquire_restores_the_previous_lock_timeout() {
+    let (_db, pool, lock) = setup(2).await;
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client()
+        .batch_execute("SET LOCAL lock_timeout = '7s'")
+        .await
+        .expect("set");
+    lock.acquire_for_transaction(&tx, &fresh_key(), Some(Duration::from_millis(250)))
+        .await
+        .expect("free key");
+    let setting: String = tx
+        .client()
+        .query_one("SHOW lock_timeout", &[])
+        .await
+        .expect("show")
+        .get(0);
+    assert_eq!(setting, "7s");
+    tx.commit().await.expect("commit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminating_the_holder_lets_the_waiter_in_and_fails_the_holders_commit() {
+    let (db, pool, lock) = setup(3).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&holder, &key, None)
+        .await
+        .expect("free");
+    let holder_pid = backend_pid(&holder).await;
+
+    let waiter = {
+        let (pool, lock, key) = (pool.clone(), lock.clone(), key.clone());
+        tokio::spawn(async move {
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            let acquired = lock.acquire_for_transaction(&tx, &key, None).await;
+            (tx, acquired)
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            lock_counts(&admin, &key).await.1 == 1
+        })
+        .await,
+        "the waiter waits at the server"
+    );
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&holder_pid])
+        .await
+        .expect("terminate");
+
+    let (tx, acquired) = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter gets the lock once the holder's backend is gone")
+        .expect("task");
+    acquired.expect("acquired");
+    let err = holder
+        .commit()
+        .await
+        .expect_err("the holder's session is gone");
+    assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
+    tx.commit().await.expect("commit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_commands_locking_two_aggregates_in_opposite_order_never_deadlock() {
+    let (_db, pool, lock) = setup(4).await;
+    let aggregates = lock.aggregate_write_lock();
+    let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+    let command = |order: [(&'static str, Uuid); 2]| {
+        let (pool, aggregates) = (pool.clone(), aggregates.clone());
+        tokio::spawn(async move {
+            for _ in 0..40 {
+                let tx = PgTransaction::begin(&pool).await.expect("begin");
+                aggregates
+                    .acquire_all(&tx, &order)
+                    .await
+                    .expect("no deadlock, no error");
+                tokio::task::yield_now().await;
+                tx.commit().await.expect("commit");
+            }
+        })
+    };
+    let forward = command([("StockItem", a), ("StockItem", b)]);
+    let backward = command([("StockItem", b), ("StockItem", a)]);
+    forward.await.expect("forward");
+    backward.await.expect("backward");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locking_in_inconsistent_order_is_reported_as_a_deadlock() {
+    let (_db, pool, lock) = setup(4).await;
+    let (k1, k2) = (fresh_key(), fresh_key());
+    let t1 = PgTransaction::begin(&pool).await.expect("begin");
+    let t2 = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&t1, &k1, None)
+        .await
+        .expect("k1");
+    lock.acquire_for_transaction(&t2, &k2, None)
+        .await
+        .expect("k2");
+    // Each side rolls back as soon as it fails, so the survivor can go on.
+    let second = |tx: PgTransaction, key: ResourceKey| {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            match lock.acquire_for_transaction(&tx, &key, None).await {
+                Ok(()) => {
+                    tx.commit().await.expect("commit");
+                    None
+                }
+                Err(e) => {
+                    tx.rollback().await.expect("rollback");
+                    Some(e.kind())
+                }
+            }
+        })
+    };
+    let (r1, r2) = (second(t1, k2), second(t2, k1));
+    let kinds: Vec<_> = [r1.await.expect("t1"), r2.await.expect("t2")]
+        .into_iter()
+        .flatten()
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![ErrorKind::Deadlock],
+        "exactly one victim, typed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn golden_vectors_equal_the_sql_function_and_the_view_finds_a_held_key() {
+    let (db, pool, lock) = setup(2).await;
+    migrate(&pool).await.expect("migrate");
+    let client = db.connect().await;
+    for (key, expected) in ADVISORY_KEY_GOLDEN_VECTORS {
+        let row = client
+            .query_one("SELECT lockstep_advisory_key($1)", &[key])
+            .await
+            .expect("function");
+        assert_eq!(row.get::<_, i64>(0), *expected, "key {key:?}");
+    }
+    let key = ResourceKey::new("relay:aggregate:StockItem:0123456789abcdef0123456789abcdef")
+        .expect("key");
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&tx, &key, None)
+        .await
+        .expect("lock");
+    let pid = backend_pid(&tx).await;
+    let row = client
+        .query_one(
+            "SELECT pid, granted FROM lockstep_advisory_locks \
+             WHERE advisory_key = lockstep_advisory_key($1)",
+            &[&key.as_str()],
+        )
+        .await
+        .expect("the operator's query finds the lock");
+    assert_eq!(row.get::<_, i32>(0), pid);
+    assert!(row.get::<_, bool>(1));
+    tx.commit().await.expect("commit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_that_are_not_read_committed_are_refused_before_locking() {
+    let (db, _pool, lock) = setup(2).await;
+    let admin = db.connect().await;
+    let mut client = db.connect().await;
+    let key = fresh_key();
+    for level in [
+        tokio_postgres::IsolationLevel::RepeatableRead,
+        tokio_postgres::IsolationLevel::Serializable,
+    ] {
+        let tx = client
+            .build_transaction()
+            .isolation_level(level)
+            .start()
+            .await
+            .expect("begin");
+        let err = lock
+            .acquire_for_transaction(&tx, &key, None)
+            .await
+            .expect_err("refused");
+        assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+        let err = lock
+            .acquire_for_transaction(&tx, &key, Some(Duration::from_secs(1)))
+            .await
+            .expect_err("refused");
+        assert_eq!(err.kind(), ErrorKind::Unsupported);
+        let err = lock
+            .try_acquire_for_transaction(&tx, &key)
+            .await
+            .expect_err("refused");
+        assert_eq!(err.kind(), ErrorKind::Unsupported);
+        assert_eq!(lock_counts(&admin, &key).await, (0, 0), "nothing locked");
+        tx.query_one("SELECT 1", &[])
+            .await
+            .expect("the transaction is still usable");
+        tx.rollback().await.expect("rollback");
+    }
+    // A borrowed READ COMMITTED tokio_postgres::Transaction works.
+    let tx = client.transaction().await.expect("begin");
+    assert!(
+        lock.try_acquire_for_transaction(&tx, &key)
+            .await
+            .expect("try")
+    );
+    tx.commit().await.expect("commit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_taken_inside_a_rolled_back_savepoint_is_silently_released() {
+    // Documents the hazard (see the crate docs): lock at the top level of the transaction.
+    let (_db, pool, lock) = setup(3).await;
+    let key = fresh_key();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client()
+        .batch_execute("SAVEPOINT s")
+        .await
+        .expect("savepoint");
+    lock.acquire_for_transaction(&tx, &key, None)
+        .await
+        .expect("lock");
+    tx.client()
+        .batch_execute("ROLLBACK TO SAVEPOINT s")
+        .await
+        .expect("rollback to");
+    let other = PgTransaction::begin(&pool).await.expect("begin");
+    assert!(
+        lock.try_acquire_for_transaction(&other, &key)
+            .await
+            .expect("try"),
+        "the lock went with the savepoint"
+    );
+    other.rollback().await.expect("rollback");
+    tx.rollback().await.expect("rollback");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reentrant_acquire_does_not_queue_behind_a_local_waiter() {
+    // Patience of an hour: if the re-entrant acquire queued behind the local waiter (which
+    // waits for this very transaction), it would hang instead of returning.
+    let (db, pool, lock) = setup(3).await;
+    let lock = lock.with_local_patience(Duration::from_secs(3600));
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let t1 = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&t1, &key, None)
+        .await
+        .expect("lock");
+    let waiter = {
+        let (pool, lock, key) = (pool.clone(), lock.clone(), key.clone());
+        tokio::spawn(async move {
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            lock.acquire_for_transaction(&tx, &key, None)
+                .await
+                .expect("eventually");
+            tx.commit().await.expect("commit");
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            lock_counts(&admin, &key).await.1 == 1
+        })
+        .await
+    );
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        lock.acquire_for_transaction(&t1, &key, None),
+    )
+    .await
+    .expect("re-entrant acquire returns")
+    .expect("held");
+    t1.commit().await.expect("commit");
+    waiter.await.expect("waiter");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_waiters_for_one_key_keep_one_waiting_backend() {
+    let (db, pool, lock) = setup(8).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&holder, &key, None)
+        .await
+        .expect("lock");
+    let waiters: Vec<_> = (0..5)
+        .map(|_| {
+            let (pool, lock, key) = (pool.clone(), lock.clone(), key.clone());
+            tokio::spawn(async move {
+                let tx = PgTransaction::begin(&pool).await.expect("begin");
+                lock.acquire_for_transaction(&tx, &key, None)
+                    .await
+                    .expect("lock");
+                tx.commit().await.expect("commit");
+            })
+        })
+        .collect();
+    // Four waiters have tried and are now queued in process; one waits at the server.
+    let settled = eventually(Duration::from_secs(10), || async {
+        let tried: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND state = 'idle in transaction' AND query LIKE '%pg_try_advisory_xact_lock%'",
+                &[],
+            )
+            .await
+            .expect("activity")
+            .get(0);
+        tried == 4 && lock_counts(&admin, &key).await.1 == 1
+    })
+    .await;
+    assert!(settled, "one waiting backend, four local waiters");
+    assert_eq!(lock_counts(&admin, &key).await, (1, 1));
+    holder.commit().await.expect("commit");
+    for waiter in waiters {
+        waiter.await.expect("every waiter gets the lock in turn");
+    }
+    assert_eq!(lock.locally_queued_keys(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_then_pipelines_a_query_that_sees_the_previous_holders_commit() {
+    let (db, pool, lock) = setup(3).await;
+    let admin = db.connect().await;
+    admin
+        .batch_execute("CREATE TABLE t (x int)")
+        .await
+        .expect("table");
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&holder, &key, None)
+        .await
+        .expect("lock");
+    holder
+        .client()
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .expect("insert");
+    let reader = {
+        let (pool, lock, key) = (pool.clone(), lock.clone(), key.clone());
+        tokio::spawn(async move {
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            let count = lock
+                .acquire_then(&tx, &key, None, || async {
+                    let row = tx
+                        .client()
+                        .query_typed_one("SELECT count(*) FROM t", &[])
+                        .await
+                        .map_err(|e| lockstep_pg::map_error(e, "counting"))?;
+                    Ok(row.get::<_, i64>(0))
+                })
+                .await
+                .expect("lock and count");
+            tx.commit().await.expect("commit");
+            count
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            lock_counts(&admin, &key).await.1 == 1
+        })
+        .await
+    );
+    holder.commit().await.expect("commit");
+    assert_eq!(reader.await.expect("reader"), 1, "loaded after the lock");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_locks_exclude_and_release_returns_the_connection_to_the_pool() {
+    let (db, pool, lock) = setup(3).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let guard = lock.acquire_session(&key, None).await.expect("lock");
+    assert_eq!(guard.key(), &key);
+    assert!(lock.try_acquire_session(&key).await.expect("try").is_none());
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    assert!(
+        !lock
+            .try_acquire_for_transaction(&tx, &key)
+            .await
+            .expect("try"),
+        "session and transaction locks exclude each other"
+    );
+    tx.rollback().await.expect("rollback");
+    let err = lock
+        .acquire_session(&key, Some(Duration::from_millis(100)))
+        .await
+        .expect_err("times out");
+    assert_eq!(err.kind(), ErrorKind::LockTimeout);
+    guard.release().await.expect("release");
+    assert_eq!(lock_counts(&admin, &key).await, (0, 0));
+    let again = lock
+        .try_acquire_session(&key)
+        .await
+        .expect("try")
+        .expect("free after release");
+    let setting: String = again
+        .client()
+        .query_one("SHOW lock_timeout", &[])
+        .await
+        .expect("show")
+        .get(0);
+    assert_eq!(setting, "0", "session lock_timeout restored");
+    again.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_session_guard_closes_its_connection_and_the_server_releases_the_lock() {
+    let (db, _pool, lock) = setup(2).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let guard = lock.acquire_session(&key, None).await.expect("lock");
+    let pid: i32 = guard
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    drop(guard);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            lock_counts(&admin, &key).await == (0, 0)
+        })
+        .await,
+        "released by the server once the connection closed"
+    );
+    let reused = lock
+        .try_acquire_session(&key)
+        .await
+        .expect("try")
+        .expect("free");
+    let new_pid: i32 = reused
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    assert_ne!(
+        pid, new_pid,
+        "the dropped guard's connection was not pooled"
+    );
+    reused.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_waiting_session_acquire_ends_its_wait() {
+    let (db, _pool, lock) = setup(3).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let guard = lock.acquire_session(&key, None).await.expect("lock");
+    let abandoned =
+        tokio::time::timeout(Duration::from_millis(300), lock.acquire_session(&key, None)).await;
+    assert!(abandoned.is_err(), "still waiting when dropped");
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            lock_counts(&admin, &key).await.1 == 0
+        })
+        .await,
+        "no waiting backend within 2 s"
+    );
+    guard.release().await.expect("release");
+    let next = lock
+        .try_acquire_session(&key)
+        .await
+        .expect("try")
+        .expect("free");
+    next.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn session_locks_need_a_pool() {
+    let lock = PostgresDistributedLock::transaction_scoped();
+    let err = lock
+        .try_acquire_session(&fresh_key())
+        .await
+        .expect_err("no pool");
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+}
