@@ -142,7 +142,7 @@ impl FakeDatabase {
         self.table().waiters.get(key).copied().unwrap_or(0)
     }
 
-    fn next_id(&self) -> u64 {
+    pub(crate) fn next_id(&self) -> u64 {
         self.inner.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
@@ -155,7 +155,7 @@ impl FakeDatabase {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn same(&self, other: &FakeDatabase) -> bool {
+    pub(crate) fn same(&self, other: &FakeDatabase) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
@@ -202,7 +202,7 @@ impl FakeDatabase {
         self.inner.released.notify_waiters();
     }
 
-    fn release_one(&self, key: &ResourceKey, owner: LockOwner) {
+    pub(crate) fn release_one(&self, key: &ResourceKey, owner: LockOwner) {
         let mut table = self.table();
         if let Some((holder, depth)) = table.held.get_mut(key)
             && *holder == owner
@@ -217,7 +217,7 @@ impl FakeDatabase {
     }
 
     /// Waits until `owner` holds `key`. Dropping the returned future leaves no waiter behind.
-    async fn acquire(&self, key: &ResourceKey, owner: LockOwner) -> Result<()> {
+    pub(crate) async fn acquire(&self, key: &ResourceKey, owner: LockOwner) -> Result<()> {
         let mut registration: Option<WaiterRegistration<'_>> = None;
         loop {
             let notified = self.inner.released.notified();
@@ -309,6 +309,11 @@ impl FakeTransaction {
     /// The database it was begun on.
     pub fn database(&self) -> &FakeDatabase {
         &self.db
+    }
+
+    /// This transaction as a lock owner.
+    pub fn owner(&self) -> LockOwner {
+        LockOwner::Transaction(self.id)
     }
 
     /// Whether the transaction is open and usable (not aborted, not ended).

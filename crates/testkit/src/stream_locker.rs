@@ -1,6 +1,11 @@
 //! [`InMemoryStreamLocker`]: stream leases in memory, on tokio's clock, with exactly the
 //! semantics of the Postgres locker (it passes the same conformance suite).
 //!
+//! Built [`with_database`](InMemoryStreamLocker::with_database), it also implements
+//! [`LeaseFence`] over [`FakeTransaction`]s of that database, like Postgres: the fence check
+//! locks the cursor row until the transaction ends, and every lease operation on that row waits
+//! for it (a takeover cannot slip in between a fenced check and its commit).
+//!
 //! Tests expire leases with paused time instead of sleeping:
 //!
 //! ```
@@ -24,12 +29,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, CursorLease, InstanceId, LeaseEpoch, LeaseHolder, LeaseId, LeaseInfo,
-    LeaseStatus, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId,
-    StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker, async_trait,
+    AcquireOutcome, CursorLease, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseFence, LeaseHolder,
+    LeaseId, LeaseInfo, LeaseStatus, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
+    ResourceKey, Result, StreamId, StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    async_trait,
 };
 use time::OffsetDateTime;
 use tokio::time::Instant;
+
+use crate::fake_lock::{FakeDatabase, FakeTransaction, LockOwner};
 
 /// One cursor row's lease columns: the three seed columns are set or cleared together.
 #[derive(Debug, Clone, Default)]
@@ -82,6 +90,8 @@ pub struct InMemoryStreamLocker {
     rows: Arc<Mutex<BTreeMap<Key, Row>>>,
     options: StreamLockOptions,
     clock: Clock,
+    // Where cursor-row locks live, when fenced commits are used.
+    db: Option<FakeDatabase>,
 }
 
 impl InMemoryStreamLocker {
@@ -94,7 +104,35 @@ impl InMemoryStreamLocker {
                 origin: Instant::now(),
                 origin_wall: OffsetDateTime::now_utc(),
             },
+            db: None,
         }
+    }
+
+    /// Like [`new`](InMemoryStreamLocker::new), and fenced commits ([`LeaseFence`]) work on
+    /// transactions of `db`.
+    pub fn with_database(options: StreamLockOptions, db: &FakeDatabase) -> InMemoryStreamLocker {
+        InMemoryStreamLocker {
+            db: Some(db.clone()),
+            ..InMemoryStreamLocker::new(options)
+        }
+    }
+
+    /// The key of a cursor row's lock in the fake database.
+    fn row_key(stream_id: StreamId, perspective: &PerspectiveName) -> ResourceKey {
+        // Bounded: a UUID and a perspective name of at most 200 characters.
+        ResourceKey::new(format!("lockstep:cursor-row:{stream_id}:{perspective}"))
+            .unwrap_or_else(|e| unreachable!("cursor row key is valid: {e}"))
+    }
+
+    /// Waits while a fenced transaction holds the row, as an `UPDATE` waits for a row lock.
+    async fn wait_for_row(&self, stream_id: StreamId, perspective: &PerspectiveName) -> Result<()> {
+        if let Some(db) = &self.db {
+            let key = Self::row_key(stream_id, perspective);
+            let owner = LockOwner::Session(db.next_id());
+            db.acquire(&key, owner).await?;
+            db.release_one(&key, owner);
+        }
+        Ok(())
     }
 
     /// Creates the cursor row of a pair (unlocked); does nothing if it exists.
@@ -134,6 +172,7 @@ impl StreamLocker for InMemoryStreamLocker {
         instance: InstanceId,
         reason: &LockReason,
     ) -> Result<AcquireOutcome> {
+        self.wait_for_row(stream_id, perspective).await?;
         let now = Instant::now();
         let expires = self.expiry_from(now);
         let mut rows = self.rows();
@@ -172,6 +211,8 @@ impl StreamLocker for InMemoryStreamLocker {
     }
 
     async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
+        self.wait_for_row(lease.stream_id, &lease.perspective)
+            .await?;
         let now = Instant::now();
         let mut rows = self.rows();
         let Some(row) = rows.get_mut(&(lease.stream_id, lease.perspective.clone())) else {
@@ -190,6 +231,8 @@ impl StreamLocker for InMemoryStreamLocker {
     }
 
     async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
+        self.wait_for_row(lease.stream_id, &lease.perspective)
+            .await?;
         let mut rows = self.rows();
         match rows.get_mut(&(lease.stream_id, lease.perspective.clone())) {
             Some(row) if row.held_by(lease) => {
@@ -249,6 +292,7 @@ impl StreamLockAdmin for InMemoryStreamLocker {
         stream_id: StreamId,
         perspective: &PerspectiveName,
     ) -> Result<ReleaseOutcome> {
+        self.wait_for_row(stream_id, perspective).await?;
         let mut rows = self.rows();
         match rows.get_mut(&(stream_id, perspective.clone())) {
             Some(row) if row.lease.is_some() => {
@@ -261,6 +305,15 @@ impl StreamLockAdmin for InMemoryStreamLocker {
     }
 
     async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64> {
+        let held: Vec<Key> = self
+            .rows()
+            .iter()
+            .filter(|(_, row)| row.lease.as_ref().is_some_and(|l| l.holder == instance))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for (stream_id, perspective) in &held {
+            self.wait_for_row(*stream_id, perspective).await?;
+        }
         let mut rows = self.rows();
         let mut released = 0;
         for row in rows.values_mut() {
@@ -270,6 +323,36 @@ impl StreamLockAdmin for InMemoryStreamLocker {
             }
         }
         Ok(released)
+    }
+}
+
+impl LeaseFence<FakeTransaction> for InMemoryStreamLocker {
+    async fn check_lease(&self, tx: &FakeTransaction, lease: &LeaseId) -> Result<()> {
+        let Some(db) = self.db.as_ref().filter(|db| db.same(tx.database())) else {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "fenced commits need InMemoryStreamLocker::with_database on the transaction's database",
+            ));
+        };
+        tx.check_usable()?;
+        // Lock the row for the rest of the transaction (FOR NO KEY UPDATE), then check.
+        db.acquire(
+            &Self::row_key(lease.stream_id, &lease.perspective),
+            tx.owner(),
+        )
+        .await?;
+        let now = Instant::now();
+        let rows = self.rows();
+        match rows.get(&(lease.stream_id, lease.perspective.clone())) {
+            Some(row) if row.held_by(lease) && row.live(now).is_some() => Ok(()),
+            _ => Err(Error::new(
+                ErrorKind::LeaseLost,
+                format!(
+                    "lease on ({}, {}) is no longer held by {} at epoch {}",
+                    lease.stream_id, lease.perspective, lease.holder, lease.epoch
+                ),
+            )),
+        }
     }
 }
 
@@ -292,3 +375,27 @@ impl crate::conformance::stream_locker::StreamLockerFixture for InMemoryStreamLo
 pub const SHORT_LOCK_TIMEOUT: Duration = Duration::from_millis(400);
 /// A keepalive interval valid with [`SHORT_LOCK_TIMEOUT`].
 pub const SHORT_KEEPALIVE: Duration = Duration::from_millis(100);
+
+impl crate::conformance::lease_fence::LeaseFenceFixture for InMemoryStreamLocker {
+    type Tx = FakeTransaction;
+    type Fence = InMemoryStreamLocker;
+
+    fn fence(&self) -> &InMemoryStreamLocker {
+        self
+    }
+
+    async fn begin(&self) -> FakeTransaction {
+        self.db
+            .as_ref()
+            .expect("the fence fixture needs InMemoryStreamLocker::with_database")
+            .begin()
+    }
+
+    async fn commit(&self, tx: FakeTransaction) -> Result<()> {
+        tx.commit().await
+    }
+
+    async fn rollback(&self, tx: FakeTransaction) {
+        tx.rollback().await;
+    }
+}

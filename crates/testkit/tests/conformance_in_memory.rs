@@ -35,3 +35,14 @@ async fn fake_distributed_lock_passes_the_distributed_lock_suite_on_real_time_an
     distributed_lock::run_all(Arc::new(FakeDistributedLock::new(&db))).await;
     assert!(db.held_keys().is_empty());
 }
+
+#[tokio::test(start_paused = true)]
+async fn in_memory_stream_locker_passes_the_lease_fence_suite() {
+    let db = FakeDatabase::new();
+    let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), &db);
+    lockstep_testkit::conformance::lease_fence::run_all(Arc::new(locker)).await;
+    assert!(
+        db.held_keys().is_empty(),
+        "no row lock outlives its transaction"
+    );
+}

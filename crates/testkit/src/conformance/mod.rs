@@ -17,4 +17,5 @@
 //! ```
 
 pub mod distributed_lock;
+pub mod lease_fence;
 pub mod stream_locker;

@@ -1,0 +1,176 @@
+//! The fenced-commit conformance suite: work protected by a stream lease commits only while the
+//! lease is still held at the same epoch, and a takeover cannot slip in between the check and
+//! the commit.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockstep_core::{
+    AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, PerspectiveName, StreamId,
+    StreamLease,
+};
+
+use super::stream_locker::StreamLockerFixture;
+
+/// What the suite needs beyond a [`StreamLockerFixture`]: the fence and transactions of the type
+/// it checks in.
+pub trait LeaseFenceFixture: StreamLockerFixture + 'static {
+    /// An owned, open transaction.
+    type Tx: Send + Sync + 'static;
+    /// The fence under test (normally the locker itself).
+    type Fence: LeaseFence<Self::Tx> + 'static;
+
+    /// The fence under test, over the same storage as the locker.
+    fn fence(&self) -> &Self::Fence;
+
+    /// Begins a transaction.
+    fn begin(&self) -> impl Future<Output = Self::Tx> + Send;
+
+    /// Commits, reporting failure.
+    fn commit(&self, tx: Self::Tx) -> impl Future<Output = lockstep_core::Result<()>> + Send;
+
+    /// Rolls back.
+    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+}
+
+async fn leased<F: LeaseFenceFixture>(fixture: &F) -> (StreamId, PerspectiveName, StreamLease) {
+    let (stream, name) = (
+        StreamId::new_v7(),
+        PerspectiveName::new("FencedPerspective").expect("valid"),
+    );
+    fixture.create_cursor(stream, &name).await;
+    let lease = match fixture
+        .locker()
+        .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        other => panic!("expected to acquire, got {other:?}"),
+    };
+    (stream, name, lease)
+}
+
+async fn wait_past_expiry<F: LeaseFenceFixture>(fixture: &F) {
+    let timeout = fixture.locker().options().lock_timeout();
+    tokio::time::sleep(timeout + timeout / 2 + Duration::from_millis(50)).await;
+}
+
+/// The current holder's fence check passes and its transaction commits.
+pub async fn fence_passes_for_the_current_holder<F: LeaseFenceFixture>(fixture: Arc<F>) {
+    let (_, _, lease) = leased(&*fixture).await;
+    let tx = fixture.begin().await;
+    fixture
+        .fence()
+        .check_lease(&tx, &lease.id)
+        .await
+        .expect("the holder passes the fence");
+    fixture.commit(tx).await.expect("commit");
+    let _ = fixture.locker().release(&lease.id).await.expect("release");
+}
+
+/// After expiry and takeover by another instance, the old holder's fence fails with
+/// `LeaseLost`.
+pub async fn fence_fails_after_takeover<F: LeaseFenceFixture>(fixture: Arc<F>) {
+    let (stream, name, old) = leased(&*fixture).await;
+    wait_past_expiry(&*fixture).await;
+    let taken = fixture
+        .locker()
+        .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire");
+    assert!(taken.is_acquired());
+    let tx = fixture.begin().await;
+    let err = fixture
+        .fence()
+        .check_lease(&tx, &old.id)
+        .await
+        .expect_err("stale holder is fenced out");
+    assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
+    fixture.rollback(tx).await;
+}
+
+/// An expired lease fails the fence even before anyone takes it over.
+pub async fn fence_fails_after_expiry<F: LeaseFenceFixture>(fixture: Arc<F>) {
+    let (_, _, lease) = leased(&*fixture).await;
+    wait_past_expiry(&*fixture).await;
+    let tx = fixture.begin().await;
+    let err = fixture
+        .fence()
+        .check_lease(&tx, &lease.id)
+        .await
+        .expect_err("expired");
+    assert_eq!(err.kind(), ErrorKind::LeaseLost);
+    fixture.rollback(tx).await;
+}
+
+/// Force-release fences the old holder out at once.
+pub async fn fence_fails_after_force_release<F: LeaseFenceFixture>(fixture: Arc<F>) {
+    let (stream, name, lease) = leased(&*fixture).await;
+    let released = fixture
+        .admin()
+        .force_release(stream, &name)
+        .await
+        .expect("force release");
+    assert!(released.is_released());
+    let tx = fixture.begin().await;
+    let err = fixture
+        .fence()
+        .check_lease(&tx, &lease.id)
+        .await
+        .expect_err("force-released");
+    assert_eq!(err.kind(), ErrorKind::LeaseLost);
+    fixture.rollback(tx).await;
+}
+
+/// A takeover of an expired lease waits while a fenced transaction is open (still pending
+/// 200 ms later) and proceeds once it ends.
+pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFenceFixture>(
+    fixture: Arc<F>,
+) {
+    let (stream, name, lease) = leased(&*fixture).await;
+    let tx = fixture.begin().await;
+    fixture
+        .fence()
+        .check_lease(&tx, &lease.id)
+        .await
+        .expect("holder passes");
+    wait_past_expiry(&*fixture).await;
+    let takeover = {
+        let (fixture, name) = (Arc::clone(&fixture), name.clone());
+        tokio::spawn(async move {
+            fixture
+                .locker()
+                .try_acquire(stream, &name, InstanceId::random(), &LockReason::Bootstrap)
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !takeover.is_finished(),
+        "the takeover waits for the fenced transaction"
+    );
+    fixture
+        .commit(tx)
+        .await
+        .expect("the fenced commit succeeds");
+    let outcome = tokio::time::timeout(Duration::from_secs(5), takeover)
+        .await
+        .expect("the takeover proceeds within 5 s")
+        .expect("task")
+        .expect("try_acquire");
+    assert!(
+        outcome.is_acquired(),
+        "expired lease taken over: {outcome:?}"
+    );
+}
+
+/// Runs every case, in order.
+pub async fn run_all<F: LeaseFenceFixture>(fixture: Arc<F>) {
+    fence_passes_for_the_current_holder(Arc::clone(&fixture)).await;
+    fence_fails_after_takeover(Arc::clone(&fixture)).await;
+    fence_fails_after_expiry(Arc::clone(&fixture)).await;
+    fence_fails_after_force_release(Arc::clone(&fixture)).await;
+    fence_holds_off_a_takeover_until_the_transaction_ends(fixture).await;
+}
