@@ -7,6 +7,7 @@
 //!   [`InMemoryStreamLocker`] for stream leases; [`FakeDatabase`], [`FakeTransaction`],
 //!   [`FakeDistributedLock`] and [`FakeSessionLocks`] for the distributed lock and, through
 //!   `lockstep_core::DistributedAggregateWriteLock`, the aggregate write lock.
+//!   [`InMemoryEventStore`] for the event store, on the same fake transactions.
 //! - Wrappers users can drive: [`RecordingStreamLocker`] / [`RecordingDistributedLock`] (what
 //!   was called, with which reason or key, in order) and [`FaultyStreamLocker`] /
 //!   [`FaultyDistributedLock`] with a [`FaultHandle`] (deny the next acquire, fail the next N
@@ -15,6 +16,7 @@
 //! - [`pg_harness`]: a fresh PostgreSQL database per test (feature `postgres`).
 
 pub mod conformance;
+pub mod event_store;
 pub mod fake_lock;
 pub mod faults;
 #[cfg(feature = "postgres")]
@@ -22,6 +24,7 @@ pub mod pg_harness;
 pub mod recording;
 pub mod stream_locker;
 
+pub use event_store::InMemoryEventStore;
 pub use fake_lock::{
     FakeDatabase, FakeDistributedLock, FakeSessionGuard, FakeSessionLocks, FakeTransaction,
     LockOwner, TxEnd,

@@ -17,5 +17,6 @@
 //! ```
 
 pub mod distributed_lock;
+pub mod event_store;
 pub mod lease_fence;
 pub mod stream_locker;
