@@ -1,0 +1,219 @@
+//! # lockstep-pg-store
+//!
+//! The PostgreSQL implementation of [`lockstep_core::EventStore`]: [`PgEventStore`], on any
+//! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`] or a borrowed
+//! `tokio_postgres::Transaction`).
+//!
+//! - Storage: table `wh_events` (migration `V3`): `event_id uuid` primary key (UUIDv7, chosen
+//!   at append), `stream_id`, `version bigint`, `event_type`, `payload jsonb`, `recorded_at
+//!   timestamptz DEFAULT clock_timestamp()`, and **`UNIQUE (stream_id, version)`**.
+//! - [`append`](lockstep_core::EventStore::append) calls the SQL function
+//!   `lockstep_append_events` (one statement, one round trip): it reads the stream's version,
+//!   checks the expected version and inserts the events with the next versions. A stale
+//!   expectation raises `unique_violation`, exactly like losing a race on the unique index, so
+//!   every conflict is SQLSTATE `23505` → [`ErrorKind::Conflict`](lockstep_core::ErrorKind)
+//!   with a [`VersionConflict`](lockstep_core::VersionConflict), and every conflict leaves the
+//!   transaction aborted. Of two transactions appending the same version, the second waits for
+//!   the first and fails only if the first commits.
+//! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
+//!   of the unique index).
+//! - [`load_locked`](lockstep_core::EventStore::load_locked) takes the advisory lock through
+//!   [`PostgresDistributedLock::acquire_then`] and **pipelines** the load behind it: lock and
+//!   load cost one round trip together, and the load runs once the lock is held.
+//!
+//! Every statement is sent with `query_typed` (no separate prepare round trip). Apply the
+//! schema first with [`lockstep_pg::migrate`].
+//!
+//! ```no_run
+//! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
+//! use lockstep_core::{EventStore, ExpectedVersion, NewEvent, StreamId, aggregate_key, AggregateType};
+//! use lockstep_pg::PgTransaction;
+//! use lockstep_pg_advisory::PostgresDistributedLock;
+//! use lockstep_pg_store::PgEventStore;
+//!
+//! lockstep_pg::migrate(&pool).await?;
+//! let lock = PostgresDistributedLock::new(pool.clone());
+//! let store = PgEventStore::with_lock(lock.clone());
+//!
+//! let sku = uuid::Uuid::now_v7();
+//! let key = aggregate_key(&AggregateType::new("StockItem")?, sku);
+//! let tx = PgTransaction::begin(&pool).await?;
+//! let events = store.load_locked(&tx, StreamId::from_uuid(sku), &key, None).await?; // 1 round trip
+//! let event = NewEvent::new("StockReserved", serde_json::json!({ "quantity": 1 }))?;
+//! let expected = ExpectedVersion::Exact(events.len() as u64);
+//! store.append(&tx, StreamId::from_uuid(sku), expected, &[event]).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+
+use std::time::Duration;
+
+use lockstep_core::{
+    Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent, ResourceKey, Result,
+    StreamId, VersionConflict,
+};
+use lockstep_pg::PgTransactionRef;
+use lockstep_pg::error::kind_of;
+use lockstep_pg_advisory::PostgresDistributedLock;
+use time::OffsetDateTime;
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::Type;
+use uuid::Uuid;
+
+const LOAD: &str = "SELECT event_id, version, event_type, payload, recorded_at \
+     FROM wh_events WHERE stream_id = $1 ORDER BY version";
+
+const APPEND: &str = "SELECT lockstep_append_events($1, $2, $3, $4, $5)";
+
+/// The prefix of the `DETAIL` that `lockstep_append_events` puts on a stale expectation.
+const ACTUAL_VERSION_DETAIL: &str = "actual_version=";
+
+/// The Postgres event store. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct PgEventStore {
+    lock: PostgresDistributedLock,
+}
+
+impl Default for PgEventStore {
+    fn default() -> Self {
+        PgEventStore::new()
+    }
+}
+
+impl PgEventStore {
+    /// A store whose [`EventStore::load_locked`] uses a transaction-scoped lock of its own.
+    /// Prefer [`PgEventStore::with_lock`] with the process's lock, so that the in-process
+    /// queue is shared with the aggregate write lock.
+    pub fn new() -> PgEventStore {
+        PgEventStore::with_lock(PostgresDistributedLock::transaction_scoped())
+    }
+
+    /// A store whose [`EventStore::load_locked`] takes its locks through `lock`.
+    pub fn with_lock(lock: PostgresDistributedLock) -> PgEventStore {
+        PgEventStore { lock }
+    }
+
+    /// The lock [`EventStore::load_locked`] uses.
+    pub fn lock(&self) -> &PostgresDistributedLock {
+        &self.lock
+    }
+
+    async fn load_on<T: PgTransactionRef + ?Sized>(
+        tx: &T,
+        stream_id: StreamId,
+    ) -> Result<Vec<RecordedEvent>> {
+        let rows = tx
+            .executor()
+            .query_typed(LOAD, &[(&stream_id.as_uuid(), Type::UUID)])
+            .await
+            .map_err(|e| statement_error(e, "loading stream", stream_id))?;
+        rows.iter()
+            .map(|row| {
+                let version: i64 = row.try_get(1).map_err(decode_error)?;
+                Ok(RecordedEvent {
+                    event_id: row.try_get::<_, Uuid>(0).map_err(decode_error)?,
+                    stream_id,
+                    version: u64::try_from(version).map_err(|_| {
+                        Error::new(ErrorKind::Backend, "stored version is negative")
+                    })?,
+                    event_type: row.try_get(2).map_err(decode_error)?,
+                    payload: row
+                        .try_get::<_, serde_json::Value>(3)
+                        .map_err(decode_error)?,
+                    recorded_at: row.try_get::<_, OffsetDateTime>(4).map_err(decode_error)?,
+                })
+            })
+            .collect()
+    }
+}
+
+impl<T: PgTransactionRef> EventStore<T> for PgEventStore {
+    async fn load(&self, tx: &T, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
+        Self::load_on(tx, stream_id).await
+    }
+
+    async fn load_locked(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<RecordedEvent>> {
+        self.lock
+            .acquire_then(tx, key, timeout, || Self::load_on(tx, stream_id))
+            .await
+    }
+
+    async fn append(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<u64> {
+        if events.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "an append needs at least one event",
+            ));
+        }
+        let expected_version = expected
+            .as_version()
+            .map(|v| {
+                i64::try_from(v).map_err(|_| {
+                    Error::new(ErrorKind::InvalidInput, "expected version out of range")
+                })
+            })
+            .transpose()?;
+        let ids: Vec<Uuid> = events.iter().map(|_| Uuid::now_v7()).collect();
+        let types: Vec<&str> = events.iter().map(NewEvent::event_type).collect();
+        let payloads: Vec<&serde_json::Value> = events.iter().map(NewEvent::payload).collect();
+        let row = tx
+            .executor()
+            .query_typed_one(
+                APPEND,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&expected_version, Type::INT8),
+                    (&ids, Type::UUID_ARRAY),
+                    (&types, Type::TEXT_ARRAY),
+                    (&payloads, Type::JSONB_ARRAY),
+                ],
+            )
+            .await
+            .map_err(|e| append_error(e, stream_id, expected))?;
+        let version: i64 = row.try_get(0).map_err(decode_error)?;
+        u64::try_from(version)
+            .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))
+    }
+}
+
+fn statement_error(err: tokio_postgres::Error, doing: &str, stream_id: StreamId) -> Error {
+    Error::new(kind_of(&err), format!("{doing} {stream_id}")).with_source(err)
+}
+
+fn decode_error(err: tokio_postgres::Error) -> Error {
+    Error::new(ErrorKind::Backend, "decoding an event row").with_source(err)
+}
+
+/// `23505` (the unique index, or the function's stale-expectation check) → a
+/// [`VersionConflict`]; anything else by its SQLSTATE.
+fn append_error(
+    err: tokio_postgres::Error,
+    stream_id: StreamId,
+    expected: ExpectedVersion,
+) -> Error {
+    if err.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+        // The function reports the version it saw in a machine-readable DETAIL of its own;
+        // a race lost on the index has none.
+        let actual = err
+            .as_db_error()
+            .and_then(|db| db.detail())
+            .and_then(|d| d.strip_prefix(ACTUAL_VERSION_DETAIL))
+            .and_then(|v| v.parse::<u64>().ok());
+        return VersionConflict::new(stream_id, expected, actual)
+            .with_source(err)
+            .into_error();
+    }
+    statement_error(err, "appending to stream", stream_id)
+}
