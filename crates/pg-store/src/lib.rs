@@ -12,7 +12,7 @@
 //!   checks the expected version and inserts the events with the next versions. A stale
 //!   expectation raises `unique_violation`, exactly like losing a race on the unique index, so
 //!   every conflict is SQLSTATE `23505` → [`ErrorKind::Conflict`](lockstep_core::ErrorKind)
-//!   with a [`VersionConflict`](lockstep_core::VersionConflict), and every conflict leaves the
+//!   with a [`VersionConflict`], and every conflict leaves the
 //!   transaction aborted. Of two transactions appending the same version, the second waits for
 //!   the first and fails only if the first commits.
 //! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
@@ -22,7 +22,7 @@
 //!   load cost one round trip together, and the load runs once the lock is held.
 //!
 //! Every statement is sent with `query_typed` (no separate prepare round trip). Apply the
-//! schema first with [`lockstep_pg::migrate`].
+//! schema first with [`lockstep_pg::migrate()`].
 //!
 //! ```no_run
 //! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
