@@ -1,0 +1,116 @@
+//! A small flash sale: 32 concurrent customers reserve 4 units each of a SKU stocked with 100,
+//! in every [`LockMode`]. On PostgreSQL when `DATABASE_URL` is set (the schema is migrated
+//! first), otherwise on the in-memory fakes. Prints what each mode did; never oversells.
+
+// A demo program: printing is its job.
+#![allow(clippy::print_stdout)]
+
+use std::sync::Arc;
+
+use lockstep_core::{AggregateWriteLock, EventStore};
+use lockstep_example_inventory::handler::{self, LockMode, ReserveStock, ReserveStockHandler};
+use lockstep_example_inventory::wiring::{self, FakeUnitOfWork, PgUnitOfWork};
+use lockstep_example_inventory::{InventoryError, UnitOfWork};
+use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
+use uuid::Uuid;
+
+const CUSTOMERS: usize = 32;
+const STOCK: u32 = 100;
+const EACH: u32 = 4;
+
+#[derive(Debug, Default)]
+struct Tally {
+    reserved: u64,
+    sold_out: usize,
+    busy: usize,
+    failed: usize,
+    retries: u64,
+}
+
+async fn flash_sale<U, L, S>(
+    uow: Arc<U>,
+    reserve: Arc<ReserveStockHandler<L, S>>,
+    store: &S,
+) -> Result<(Tally, u64), InventoryError>
+where
+    U: UnitOfWork + 'static,
+    U::Tx: 'static,
+    L: AggregateWriteLock<U::Tx> + 'static,
+    S: EventStore<U::Tx> + 'static,
+{
+    let sku = Uuid::now_v7();
+    handler::stock_new_item(&*uow, store, sku, STOCK).await?;
+    let customers: Vec<_> = (0..CUSTOMERS)
+        .map(|_| {
+            let (uow, reserve) = (Arc::clone(&uow), Arc::clone(&reserve));
+            tokio::spawn(async move {
+                let cmd = ReserveStock {
+                    sku,
+                    quantity: EACH,
+                    reservation_id: Uuid::now_v7(),
+                };
+                reserve.handle(&*uow, tokio::time::sleep, &cmd).await
+            })
+        })
+        .collect();
+    let mut tally = Tally::default();
+    for customer in customers {
+        match customer.await {
+            Ok(Ok(done)) => {
+                tally.reserved += u64::from(EACH);
+                tally.retries += u64::from(done.attempts - 1);
+            }
+            Ok(Err(InventoryError::InsufficientStock { .. })) => tally.sold_out += 1,
+            Ok(Err(InventoryError::Busy { .. })) => tally.busy += 1,
+            Ok(Err(_)) | Err(_) => tally.failed += 1,
+        }
+    }
+    let item = handler::load_item(&*uow, store, sku).await?;
+    Ok((tally, item.available()))
+}
+
+fn report(mode: LockMode, tally: &Tally, available: u64) {
+    println!(
+        "{mode:?}: reserved {} units, {} left (stock {STOCK}); sold out: {}, busy: {}, failed: {}, retries: {}",
+        tally.reserved, available, tally.sold_out, tally.busy, tally.failed, tally.retries
+    );
+    assert_eq!(
+        tally.reserved + available,
+        u64::from(STOCK),
+        "every unit accounted for"
+    );
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) => {
+            let config: tokio_postgres::Config = url.parse()?;
+            let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+            let pool = deadpool_postgres::Pool::builder(manager)
+                .max_size(16)
+                .build()?;
+            lockstep_pg::migrate(&pool).await?;
+            println!("flash sale on PostgreSQL");
+            let uow = Arc::new(PgUnitOfWork::new(pool.clone()));
+            for mode in LockMode::ALL {
+                let reserve = wiring::postgres_handler(&pool, mode);
+                let store = lockstep_pg_store::PgEventStore::new();
+                let (tally, available) =
+                    flash_sale(Arc::clone(&uow), Arc::new(reserve), &store).await?;
+                report(mode, &tally, available);
+            }
+        }
+        Err(_) => {
+            println!("flash sale in memory (set DATABASE_URL to run it on PostgreSQL)");
+            let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
+            let uow = Arc::new(FakeUnitOfWork::new(&db));
+            for mode in LockMode::ALL {
+                let reserve = Arc::new(wiring::fake_handler(&db, &store, mode));
+                let (tally, available) = flash_sale(Arc::clone(&uow), reserve, &store).await?;
+                report(mode, &tally, available);
+            }
+        }
+    }
+    Ok(())
+}
