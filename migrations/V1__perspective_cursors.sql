@@ -27,7 +27,9 @@ CREATE TABLE IF NOT EXISTS wh_perspective_cursors (
     )
 );
 
--- Held (or expired but uncleared) leases: what admin listing, release-all and batched renew scan.
+-- Held (or expired but uncleared) leases: what admin listing and release-all scan (batched
+-- renew goes by primary key). The expiry is deliberately not indexed: a renew then changes no
+-- indexed column, so the keepalive's update is HOT (no index writes, no index bloat).
 CREATE INDEX IF NOT EXISTS wh_perspective_cursors_held_leases
-    ON wh_perspective_cursors (stream_lock_instance_id, stream_lock_expiry)
+    ON wh_perspective_cursors (stream_lock_instance_id)
     WHERE stream_lock_instance_id IS NOT NULL;

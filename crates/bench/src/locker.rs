@@ -1,0 +1,458 @@
+//! `locker`: `PostgresStreamLocker` against `pgbench` running the very statements the locker
+//! sends, in the same run, on the same database.
+//!
+//! Set-up: a fresh database, the migrations, 10 000 cursor rows (one stream, perspectives
+//! `"1"` … `"10000"`: pgbench can draw integers but not UUIDs, and a decimal name is a valid
+//! perspective name, so both clients address rows the same way).
+//!
+//! Workloads, each at every concurrency (pool size = pgbench `-c`/`-j` = concurrency):
+//!
+//! - **acquire+release**: a cycle over a random row: try-acquire, then release the lease at the
+//!   epoch the acquire returned (pgbench: the acquire statement, `\gset`, the release statement).
+//!   One operation = one cycle = two statements.
+//! - **renew**: every row is held by the benchmark instance at one epoch; renew a random row.
+//!   One operation = one statement.
+//!
+//! Each side runs `--duration-secs` per round, for `--rounds` rounds, alternating which side
+//! goes first so drift on a shared machine hits both. The ratio for a concurrency is the lower
+//! of the two workloads' locker/pgbench throughput ratios.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use hdrhistogram::Histogram;
+use lockstep_core::{
+    InstanceId, LeaseEpoch, LeaseId, LockReason, PerspectiveName, StreamId, StreamLockOptions,
+    StreamLocker,
+};
+use lockstep_pg_stream::{PgInterval, PostgresStreamLocker, sql};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::bench_db::{BenchDatabase, admin_url};
+use crate::pgbench::{self, PgbenchRun, to_pgbench};
+use crate::report::{self, Measurement, Row, new_histogram};
+use crate::server_stats::StatementCounter;
+
+/// Options of the `locker` benchmark.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct Args {
+    /// Seconds each client runs per round, workload and concurrency.
+    #[arg(long, default_value_t = 5)]
+    duration_secs: u64,
+    /// Rounds per workload and concurrency (the side that goes first alternates).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Cursor rows to spread the operations over.
+    #[arg(long, default_value_t = 10_000)]
+    rows: usize,
+    /// Concurrency levels, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8])]
+    concurrency: Vec<usize>,
+    /// Server to create the benchmark database on (default: `DATABASE_URL`, else
+    /// postgres://postgres@127.0.0.1:5432/postgres).
+    #[arg(long)]
+    database_url: Option<String>,
+    /// The pgbench program.
+    #[arg(long, default_value = "pgbench")]
+    pgbench: String,
+    /// Keep the benchmark database instead of dropping it.
+    #[arg(long)]
+    keep_database: bool,
+}
+
+/// The stream all benchmark rows belong to.
+const BENCH_STREAM: uuid::Uuid = uuid::Uuid::from_u128(0x0190_0000_0000_7000_8000_0000_0000_0001);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Workload {
+    AcquireRelease,
+    Renew,
+}
+
+impl Workload {
+    fn label(self) -> &'static str {
+        match self {
+            Workload::AcquireRelease => "acquire+release",
+            Workload::Renew => "renew",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Locker,
+    Pgbench,
+}
+
+/// Everything both sides share.
+struct Setup {
+    db: BenchDatabase,
+    counter: StatementCounter,
+    instance: InstanceId,
+    names: Arc<Vec<PerspectiveName>>,
+    options: StreamLockOptions,
+    work_dir: PathBuf,
+}
+
+/// Runs the benchmark and prints its report.
+pub(crate) async fn run(args: Args) -> Result<()> {
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) {
+        bail!("--concurrency needs positive values");
+    }
+    if args.rows == 0 || args.rounds == 0 || args.duration_secs == 0 {
+        bail!("--rows, --rounds and --duration-secs must be positive");
+    }
+    let db = BenchDatabase::create(&admin_url(args.database_url.clone())).await?;
+    let work_dir = std::env::temp_dir().join(db.name());
+    std::fs::create_dir_all(&work_dir).context("creating a work directory")?;
+    let name = db.name().to_owned();
+    let outcome = run_on(db, &args, work_dir.clone()).await;
+    std::fs::remove_dir_all(&work_dir).ok();
+    let db = match outcome {
+        Ok((db, report)) => {
+            println!("{report}");
+            db
+        }
+        Err((db, e)) => {
+            if let Some(db) = db {
+                db.drop_database().await.ok();
+            }
+            return Err(e);
+        }
+    };
+    if args.keep_database {
+        eprintln!("kept database {name}");
+    } else {
+        db.drop_database().await?;
+    }
+    Ok(())
+}
+
+type Failure = (Option<BenchDatabase>, anyhow::Error);
+
+async fn run_on(
+    db: BenchDatabase,
+    args: &Args,
+    work_dir: PathBuf,
+) -> Result<(BenchDatabase, String), Failure> {
+    let setup = match prepare(db, args, work_dir).await {
+        Ok(setup) => setup,
+        Err(e) => return Err((None, e)),
+    };
+    match measure_all(&setup, args).await {
+        Ok(report) => Ok((setup.db, report)),
+        Err(e) => Err((Some(setup.db), e)),
+    }
+}
+
+async fn prepare(db: BenchDatabase, args: &Args, work_dir: PathBuf) -> Result<Setup> {
+    {
+        let pool = db.pool(2)?;
+        lockstep_pg::migrate(&pool).await?;
+        let client = pool.get().await?;
+        let rows = i32::try_from(args.rows).context("--rows")?;
+        client
+            .execute(
+                "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) \
+                 SELECT $1, g::text FROM generate_series(1, $2) AS g",
+                &[&BENCH_STREAM, &rows],
+            )
+            .await
+            .context("creating cursor rows")?;
+        client
+            .batch_execute("VACUUM ANALYZE wh_perspective_cursors")
+            .await?;
+        drop(client);
+        pool.close();
+    }
+    let counter = StatementCounter::new(&db, "wh_perspective_cursors").await?;
+    let names = (1..=args.rows)
+        .map(|i| PerspectiveName::new(i.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Setup {
+        db,
+        counter,
+        instance: InstanceId::random(),
+        names: Arc::new(names),
+        options: StreamLockOptions::default(),
+        work_dir,
+    })
+}
+
+async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
+    let duration = Duration::from_secs(args.duration_secs);
+    let mut lines = vec![report::header()];
+    let mut ratios: Vec<(usize, Workload, f64)> = Vec::new();
+    for workload in [Workload::AcquireRelease, Workload::Renew] {
+        let epoch = match workload {
+            Workload::AcquireRelease => None,
+            Workload::Renew => Some(hold_every_row(setup).await?),
+        };
+        for &concurrency in &args.concurrency {
+            let mut locker = Measurement::empty();
+            let mut pgbench = Measurement::empty();
+            for round in 0..args.rounds {
+                let order = if round % 2 == 0 {
+                    [Side::Locker, Side::Pgbench]
+                } else {
+                    [Side::Pgbench, Side::Locker]
+                };
+                for side in order {
+                    eprintln!(
+                        "{} c={concurrency} round {}/{}: {side:?}",
+                        workload.label(),
+                        round + 1,
+                        args.rounds
+                    );
+                    let m =
+                        measure(setup, args, workload, side, concurrency, duration, epoch).await?;
+                    match side {
+                        Side::Locker => locker.merge(&m),
+                        Side::Pgbench => pgbench.merge(&m),
+                    }
+                }
+            }
+            for (side, m) in [("lockstep", &locker), ("pgbench", &pgbench)] {
+                lines.push(report::row(&Row {
+                    workload: workload.label(),
+                    concurrency,
+                    side,
+                    measurement: m,
+                }));
+            }
+            ratios.push((
+                concurrency,
+                workload,
+                locker.ops_per_sec() / pgbench.ops_per_sec(),
+            ));
+        }
+    }
+    lines.push(String::new());
+    lines.push(setup.counter.describe().to_owned());
+    lines.push(format!(
+        "duration {} s x {} rounds per client, workload and concurrency; {} rows; pgbench -M prepared",
+        args.duration_secs, args.rounds, args.rows
+    ));
+    lines.push(String::new());
+    for (concurrency, workload, ratio) in &ratios {
+        lines.push(format!(
+            "ratio {} c{concurrency} = {ratio:.3}",
+            workload.label()
+        ));
+    }
+    for &concurrency in &args.concurrency {
+        let worst = ratios
+            .iter()
+            .filter(|(c, _, _)| *c == concurrency)
+            .map(|(_, _, r)| *r)
+            .fold(f64::INFINITY, f64::min);
+        lines.push(format!("locker_vs_pgbench_c{concurrency}={worst:.3}"));
+    }
+    Ok(lines.join("\n"))
+}
+
+/// Puts every row under a lease of the benchmark instance, at one new epoch above every epoch
+/// used so far, so renews by both clients address them the same way. Returns that epoch.
+async fn hold_every_row(setup: &Setup) -> Result<i64> {
+    let client = setup.db.client().await?;
+    let held = client
+        .execute(
+            "WITH next AS (SELECT max(stream_lock_epoch) + 1 AS epoch FROM wh_perspective_cursors) \
+             UPDATE wh_perspective_cursors \
+                SET stream_lock_instance_id = $1, stream_lock_reason = 'bench', \
+                    stream_lock_expiry = clock_timestamp() + interval '1 day', \
+                    stream_lock_epoch = next.epoch \
+               FROM next \
+              WHERE stream_id = $2",
+            &[&setup.instance.as_uuid(), &BENCH_STREAM],
+        )
+        .await
+        .context("holding every row for the renew workload")?;
+    if held != setup.names.len() as u64 {
+        bail!("held {held} rows instead of {}", setup.names.len());
+    }
+    let epoch: i64 = client
+        .query_one(
+            "SELECT min(stream_lock_epoch) FROM wh_perspective_cursors \
+              WHERE stream_lock_instance_id = $1",
+            &[&setup.instance.as_uuid()],
+        )
+        .await?
+        .get(0);
+    let spread: i64 = client
+        .query_one(
+            "SELECT count(DISTINCT stream_lock_epoch) FROM wh_perspective_cursors",
+            &[],
+        )
+        .await?
+        .get(0);
+    if spread != 1 {
+        bail!("setting up the renew workload left {spread} different epochs");
+    }
+    client
+        .batch_execute("VACUUM ANALYZE wh_perspective_cursors")
+        .await?;
+    Ok(epoch)
+}
+
+async fn measure(
+    setup: &Setup,
+    args: &Args,
+    workload: Workload,
+    side: Side,
+    concurrency: usize,
+    duration: Duration,
+    epoch: Option<i64>,
+) -> Result<Measurement> {
+    let before = setup.counter.read(&setup.db).await?;
+    let mut m = match side {
+        Side::Locker => run_locker(setup, workload, concurrency, duration, epoch).await?,
+        Side::Pgbench => run_pgbench(setup, args, workload, concurrency, duration, epoch).await?,
+    };
+    let after = setup.counter.read(&setup.db).await?;
+    m.statements = Some(after.saturating_sub(before));
+    Ok(m)
+}
+
+async fn run_locker(
+    setup: &Setup,
+    workload: Workload,
+    concurrency: usize,
+    duration: Duration,
+    epoch: Option<i64>,
+) -> Result<Measurement> {
+    let pool = setup.db.pool(concurrency)?;
+    let locker = PostgresStreamLocker::new(pool.clone(), setup.options);
+    // Open every connection and prepare the statements before the clock starts (pgbench also
+    // reports its rate without connection set-up).
+    {
+        let mut conns = Vec::with_capacity(concurrency);
+        for _ in 0..concurrency {
+            conns.push(pool.get().await?);
+        }
+        for conn in &conns {
+            for statement in [sql::TRY_ACQUIRE, sql::RELEASE, sql::RENEW] {
+                conn.prepare_cached(statement).await?;
+            }
+        }
+    }
+    let leases: Option<Arc<Vec<LeaseId>>> = epoch.map(|epoch| {
+        Arc::new(
+            setup
+                .names
+                .iter()
+                .map(|name| LeaseId {
+                    stream_id: StreamId::from_uuid(BENCH_STREAM),
+                    perspective: name.clone(),
+                    holder: setup.instance,
+                    epoch: LeaseEpoch::new(epoch),
+                })
+                .collect(),
+        )
+    });
+
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = Vec::with_capacity(concurrency);
+    for _ in 0..concurrency {
+        let locker = locker.clone();
+        let names = Arc::clone(&setup.names);
+        let leases = leases.clone();
+        let instance = setup.instance;
+        tasks.push(tokio::spawn(async move {
+            let mut rng = StdRng::from_os_rng();
+            let mut histogram = new_histogram();
+            let mut ops = 0_usize;
+            let stream = StreamId::from_uuid(BENCH_STREAM);
+            let reason = LockReason::Rewind;
+            while Instant::now() < deadline {
+                let i = rng.random_range(0..names.len());
+                let t = Instant::now();
+                match (&leases, workload) {
+                    (Some(leases), Workload::Renew) => {
+                        let outcome = locker.renew(&leases[i]).await?;
+                        if !outcome.is_renewed() {
+                            bail!("a benchmark lease was lost");
+                        }
+                    }
+                    _ => {
+                        let lease = locker
+                            .try_acquire(stream, &names[i], instance, &reason)
+                            .await?
+                            .into_lease()
+                            .context("the benchmark instance is the only holder")?;
+                        let _ = locker.release(&lease.id).await?;
+                    }
+                }
+                histogram.saturating_record(t.elapsed().as_micros().try_into().unwrap_or(u64::MAX));
+                ops += 1;
+            }
+            Ok::<(usize, Histogram<u64>), anyhow::Error>((ops, histogram))
+        }));
+    }
+    let mut m = Measurement::empty();
+    for task in tasks {
+        let (ops, histogram) = task.await??;
+        m.ops += ops;
+        let _ = m.latency_us.add(&histogram);
+    }
+    m.elapsed = start.elapsed();
+    drop(locker);
+    pool.close();
+    Ok(m)
+}
+
+async fn run_pgbench(
+    setup: &Setup,
+    args: &Args,
+    workload: Workload,
+    concurrency: usize,
+    duration: Duration,
+    epoch: Option<i64>,
+) -> Result<Measurement> {
+    let timeout = PgInterval::from_duration(setup.options.lock_timeout())
+        .context("lock timeout")?
+        .micros();
+    let pick = format!("\\set p random(1, {})\n", args.rows);
+    let script = match workload {
+        Workload::AcquireRelease => format!(
+            "{pick}{}\n\\gset out_\n{};\n",
+            to_pgbench(
+                sql::TRY_ACQUIRE,
+                &["stream", "p", "instance", "reason", "timeout"]
+            )?,
+            to_pgbench(
+                sql::RELEASE,
+                &["stream", "p", "instance", "out_acquired_epoch"]
+            )?,
+        ),
+        Workload::Renew => format!(
+            "{pick}{};\n",
+            to_pgbench(sql::RENEW, &["stream", "p", "instance", "epoch", "timeout"])?
+        ),
+    };
+    let defines = [
+        ("stream", BENCH_STREAM.to_string()),
+        ("instance", setup.instance.to_string()),
+        ("reason", LockReason::Rewind.to_string()),
+        ("timeout", format!("{timeout} microseconds")),
+        ("epoch", epoch.unwrap_or(0).to_string()),
+    ];
+    let tag = format!("{}_c{concurrency}", workload.label().replace('+', "_"));
+    pgbench::run(
+        &args.pgbench,
+        &setup.db,
+        &setup.work_dir,
+        &tag,
+        &PgbenchRun {
+            script: &script,
+            clients: concurrency,
+            duration,
+            defines: &defines,
+        },
+    )
+    .await
+}
