@@ -43,3 +43,49 @@ BEGIN
     RETURN current_version + n;
 END
 $$;
+
+-- Takes the transaction-scoped advisory lock p_key, then loads a stream — one statement, one
+-- round trip (lockstep-pg-store's load_locked, run by lockstep-pg-advisory's acquire_with, which
+-- adds the in-process queue, the deadline and the cancel-on-drop). The isolation level is
+-- checked before anything is locked: outside READ COMMITTED it returns a single row naming the
+-- level and locks nothing. p_lock_timeout (e.g. '250ms'; NULL = wait without limit) applies to
+-- the wait only and is restored. The load is a new statement of a VOLATILE function, so under
+-- READ COMMITTED it reads a fresh snapshot, taken after the lock was granted: it sees what the
+-- previous holder committed.
+CREATE OR REPLACE FUNCTION lockstep_lock_and_load(
+    p_key          bigint,
+    p_lock_timeout text,
+    p_stream_id    uuid
+) RETURNS TABLE (
+    refused_isolation text,
+    event_id          uuid,
+    version           bigint,
+    event_type        text,
+    payload           jsonb,
+    recorded_at       timestamptz
+)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    isolation text := current_setting('transaction_isolation');
+    previous  text;
+BEGIN
+    IF isolation NOT IN ('read committed', 'read uncommitted') THEN
+        refused_isolation := isolation;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF p_lock_timeout IS NULL THEN
+        PERFORM pg_advisory_xact_lock(p_key);
+    ELSE
+        previous := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', p_lock_timeout, true);
+        PERFORM pg_advisory_xact_lock(p_key);
+        PERFORM set_config('lock_timeout', previous, true);
+    END IF;
+    RETURN QUERY
+        SELECT NULL::text, e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+        FROM wh_events e
+        WHERE e.stream_id = p_stream_id
+        ORDER BY e.version;
+END
+$$;

@@ -54,9 +54,15 @@ pub(crate) struct Args {
     /// Writer counts, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4, 16, 32])]
     writers: Vec<usize>,
-    /// Commits per scenario (throughput pass).
-    #[arg(long, default_value_t = 1000)]
+    /// Commits per hot scenario and round (throughput pass).
+    #[arg(long, default_value_t = 500)]
     commits: usize,
+    /// Cold scenarios: commits per writer (at least `--commits` in all).
+    #[arg(long, default_value_t = 150)]
+    cold_commits_per_writer: usize,
+    /// Rounds per scenario; the mode that goes first alternates.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Commits per scenario in the round-trip counting pass.
     #[arg(long, default_value_t = 200)]
     rt_commits: usize,
@@ -75,6 +81,11 @@ pub(crate) struct Args {
     /// Optimistic retries: backoff cap, in milliseconds.
     #[arg(long, default_value_t = 100)]
     max_backoff_ms: u64,
+    /// `synchronous_commit` of the benchmark database. Off by default, so the figures measure
+    /// locking rather than the machine's WAL flush latency (which every hot-aggregate commit
+    /// otherwise holds the lock through); `on` measures durable commits.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    synchronous_commit: String,
     /// Server to create the benchmark database on (default: `DATABASE_URL`, else
     /// postgres://postgres@127.0.0.1:5432/postgres).
     #[arg(long)]
@@ -83,8 +94,8 @@ pub(crate) struct Args {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
-    Optimistic,
-    Pessimistic,
+    Optimistic = 0,
+    Pessimistic = 1,
 }
 
 impl Mode {
@@ -122,6 +133,27 @@ struct Outcome {
 }
 
 impl Outcome {
+    fn empty() -> Outcome {
+        Outcome {
+            commits: 0,
+            attempts: 0,
+            conflicts: 0,
+            failed: 0,
+            elapsed: Duration::ZERO,
+            latency_us: new_histogram(),
+        }
+    }
+
+    fn merge(&mut self, other: Outcome) {
+        self.commits += other.commits;
+        self.attempts += other.attempts;
+        self.conflicts += other.conflicts;
+        self.failed += other.failed;
+        self.elapsed += other.elapsed;
+        // Same bounds on both sides; values beyond them were saturated on record.
+        let _ = self.latency_us.add(&other.latency_us);
+    }
+
     fn commits_per_sec(&self) -> f64 {
         self.commits as f64 / self.elapsed.as_secs_f64().max(f64::EPSILON)
     }
@@ -154,6 +186,17 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
     lockstep_pg::migrate(&setup_pool)
         .await
         .context("migrating the benchmark database")?;
+    // `on`/`off` only (checked by clap): safe to inline.
+    db.client()
+        .await?
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET synchronous_commit = {}",
+            db.name(),
+            args.synchronous_commit
+        ))
+        .await
+        .context("setting synchronous_commit")?;
+    setup_pool.close();
     let retry = RetryPolicy::new(
         std::num::NonZeroU32::new(args.max_attempts.max(1)).unwrap_or(std::num::NonZeroU32::MIN),
         Duration::from_millis(args.initial_backoff_ms),
@@ -162,12 +205,13 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
     let hold = Duration::from_millis(args.hold_ms);
     println!(
         "# aggregate: {} seed events, {} ms held in each transaction, {} commits per scenario \
-         ({} in the round-trip pass); optimistic retry: {} attempts, backoff ceiling {} ms doubling \
-         to {} ms, full jitter",
+         ({} in the round-trip pass), synchronous_commit = {}; optimistic retry: {} attempts, \
+         backoff ceiling {} ms doubling to {} ms, full jitter",
         args.seed_events,
         args.hold_ms,
         args.commits,
         args.rt_commits,
+        args.synchronous_commit,
         args.max_attempts,
         args.initial_backoff_ms,
         args.max_backoff_ms
@@ -186,25 +230,41 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
     let mut cold16 = (None, None);
     for &writers in &args.writers {
         for heat in [Heat::Hot, Heat::Cold] {
-            for mode in [Mode::Optimistic, Mode::Pessimistic] {
-                let pool = db.pool(writers)?;
-                let setup = Setup {
-                    store: PgEventStore::with_lock(PostgresDistributedLock::new(pool.clone())),
-                    retry,
-                    hold,
+            let commits = match heat {
+                Heat::Hot => args.commits,
+                Heat::Cold => args.commits.max(args.cold_commits_per_writer * writers),
+            };
+            // Rounds alternate which mode goes first, so drift on a shared machine hits both.
+            let mut totals = [Outcome::empty(), Outcome::empty()];
+            for round in 0..args.rounds.max(1) {
+                let order = if round % 2 == 0 {
+                    [Mode::Optimistic, Mode::Pessimistic]
+                } else {
+                    [Mode::Pessimistic, Mode::Optimistic]
                 };
-                let outcome = scenario(
-                    &pool,
-                    &setup,
-                    writers,
-                    heat,
-                    mode,
-                    args.seed_events,
-                    args.commits,
-                )
-                .await?;
-                pool.close();
-
+                for mode in order {
+                    let pool = db.pool(writers)?;
+                    let setup = Setup {
+                        store: PgEventStore::with_lock(PostgresDistributedLock::new(pool.clone())),
+                        retry,
+                        hold,
+                    };
+                    warm_up(&pool, writers).await?;
+                    let outcome = scenario(
+                        &pool,
+                        &setup,
+                        writers,
+                        heat,
+                        mode,
+                        args.seed_events,
+                        commits,
+                    )
+                    .await?;
+                    pool.close();
+                    totals[mode as usize].merge(outcome);
+                }
+            }
+            for mode in [Mode::Optimistic, Mode::Pessimistic] {
                 let rt_pool = relayed_pool(writers)?;
                 let rt_setup = Setup {
                     store: PgEventStore::with_lock(PostgresDistributedLock::new(rt_pool.clone())),
@@ -224,9 +284,12 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                     args.rt_commits,
                 )
                 .await?;
-                let round_trips = relay.round_trips() - before - seed_round_trips(heat, writers);
+                let round_trips = relay
+                    .round_trips()
+                    .saturating_sub(before + seed_round_trips(heat, writers));
                 rt_pool.close();
 
+                let outcome = &totals[mode as usize];
                 let ms = |q: f64| outcome.latency_us.value_at_quantile(q) as f64 / 1000.0;
                 println!(
                     "| {writers} | {} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2} | {:.2} |",
@@ -452,11 +515,19 @@ fn upstream(url: &str) -> Result<(String, u16)> {
 }
 
 fn relay_pool(url: &str, dbname: &str, relay: SocketAddr, size: usize) -> Result<Pool> {
-    let mut config = tokio_postgres::Config::from_str(url).context("parsing the database URL")?;
+    let admin = tokio_postgres::Config::from_str(url).context("parsing the database URL")?;
+    // A fresh config: `host()` adds a host, and the relay must be the only one.
+    let mut config = tokio_postgres::Config::new();
     config
         .dbname(dbname)
         .host(relay.ip().to_string())
         .port(relay.port());
+    if let Some(user) = admin.get_user() {
+        config.user(user);
+    }
+    if let Some(password) = admin.get_password() {
+        config.password(password);
+    }
     let manager = Manager::from_config(
         config,
         NoTls,

@@ -108,5 +108,5 @@ mod queue;
 pub mod session;
 mod sql;
 
-pub use lock::{PostgresAggregateWriteLock, PostgresDistributedLock};
+pub use lock::{LockCall, PostgresAggregateWriteLock, PostgresDistributedLock, check_isolation};
 pub use session::PgSessionGuard;

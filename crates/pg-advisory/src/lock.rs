@@ -112,10 +112,8 @@ impl PostgresDistributedLock {
     /// they see what the previous holder committed.
     ///
     /// `then` must issue its statements on `tx` on its first poll (any tokio-postgres query
-    /// future does). It may be called twice: when another local waiter is already waiting at
-    /// the server, the lock is first tried on its own, and `then` runs once the lock is held.
-    /// If the lock fails, `then`'s result is discarded (its statements then fail too: the
-    /// transaction is aborted).
+    /// future does). If the lock fails, `then`'s result is discarded (its statements then fail
+    /// too: the transaction is aborted).
     pub async fn acquire_then<T, R, F, Fut>(
         &self,
         tx: &T,
@@ -126,6 +124,34 @@ impl PostgresDistributedLock {
     where
         T: PgTransactionRef + ?Sized,
         F: FnMut() -> Fut,
+        Fut: Future<Output = Result<R>>,
+    {
+        self.acquire_with(tx, key, timeout, |call| {
+            let lock = lock_statement(tx, key, call);
+            let then = then();
+            async move { futures_util::try_join!(lock, then).map(|((), value)| value) }
+        })
+        .await
+    }
+
+    /// Like [`PostgresDistributedLock::acquire_then`], for a statement that **takes the lock
+    /// itself** (e.g. a server-side function that locks and then loads, in one statement):
+    /// `locking` gets the advisory key and the `lock_timeout` to apply while waiting, and runs
+    /// under the same in-process queue, deadline and cancellation as every acquire (dropped
+    /// mid-wait, a cancel request ends the server-side wait). The statement must check the
+    /// isolation level first (see [`check_isolation`]), take `pg_advisory_xact_lock` with
+    /// `lock_timeout` set for the wait (and restored), and only then read, in a fresh snapshot.
+    /// It may be called with the lock already held by `tx` (re-entrant).
+    pub async fn acquire_with<T, R, F, Fut>(
+        &self,
+        tx: &T,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+        mut locking: F,
+    ) -> Result<R>
+    where
+        T: PgTransactionRef + ?Sized,
+        F: FnMut(LockCall) -> Fut,
         Fut: Future<Output = Result<R>>,
     {
         let advisory = key.advisory_key();
@@ -143,7 +169,11 @@ impl PostgresDistributedLock {
                     // If ours already holds it (re-entrant) or it just came free, it is ours
                     // now — and queueing behind that waiter would deadlock unseen.
                     if self.try_statement(tx, key, advisory).await? {
-                        return then().await;
+                        return locking(LockCall {
+                            advisory_key: advisory,
+                            lock_timeout: None,
+                        })
+                        .await;
                     }
                     let patience_end = Instant::now() + self.local_patience;
                     let until = deadline.map_or(patience_end, |d| d.min(patience_end));
@@ -155,43 +185,19 @@ impl PostgresDistributedLock {
         }
         // Past the deadline this is a last 1 ms chance, so a timeout always comes from the
         // server and leaves the transaction aborted, like any other failed lock wait.
-        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let outcome =
-            futures_util::try_join!(self.lock_statement(tx, key, advisory, remaining), then());
-        drop(permit);
-        outcome.map(|((), value)| value)
-    }
-
-    /// One blocking lock statement (with the isolation check, and `lock_timeout` for its
-    /// duration when `timeout` is set). Dropping it mid-wait sends a cancel request.
-    async fn lock_statement<T: PgTransactionRef + ?Sized>(
-        &self,
-        tx: &T,
-        key: &ResourceKey,
-        advisory: i64,
-        timeout: Option<Duration>,
-    ) -> Result<()> {
-        let client = tx.executor();
-        let setting = timeout.map(lock_timeout_setting).transpose()?;
+        let lock_timeout = deadline
+            .map(|d| lock_timeout_setting(d.saturating_duration_since(Instant::now())))
+            .transpose()?;
+        // Dropped before the statement returns: a cancel request ends the server-side wait.
         let cancel = CancelOnDrop::arm(tx.cancel_token());
-        let row = match &setting {
-            None => {
-                client
-                    .query_typed_one(sql::LOCK_XACT, &[(&advisory, Type::INT8)])
-                    .await
-            }
-            Some(setting) => {
-                client
-                    .query_typed_one(
-                        sql::LOCK_XACT_TIMEOUT,
-                        &[(&advisory, Type::INT8), (setting, Type::TEXT)],
-                    )
-                    .await
-            }
-        };
+        let outcome = locking(LockCall {
+            advisory_key: advisory,
+            lock_timeout,
+        })
+        .await;
         cancel.disarm();
-        let row = row.map_err(|e| lock_error(e, key, "waiting for"))?;
-        check_isolation(row.try_get(0).ok(), key)
+        drop(permit);
+        outcome
     }
 
     /// One `pg_try_advisory_xact_lock` statement, with the isolation check.
@@ -209,6 +215,43 @@ impl PostgresDistributedLock {
         check_isolation(row.try_get(0).ok(), key)?;
         Ok(row.try_get::<_, Option<bool>>(1).ok().flatten() == Some(true))
     }
+}
+
+/// What a locking statement run by [`PostgresDistributedLock::acquire_with`] must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockCall {
+    /// The key to pass to `pg_advisory_xact_lock`.
+    pub advisory_key: i64,
+    /// The `lock_timeout` to set (transaction-locally) for the wait, e.g. `"250ms"`, and to
+    /// restore afterwards; `None`: wait without limit (leave `lock_timeout` alone).
+    pub lock_timeout: Option<String>,
+}
+
+/// One blocking lock statement (with the isolation check, and `lock_timeout` for its duration
+/// when set).
+async fn lock_statement<T: PgTransactionRef + ?Sized>(
+    tx: &T,
+    key: &ResourceKey,
+    call: LockCall,
+) -> Result<()> {
+    let client = tx.executor();
+    let row = match &call.lock_timeout {
+        None => {
+            client
+                .query_typed_one(sql::LOCK_XACT, &[(&call.advisory_key, Type::INT8)])
+                .await
+        }
+        Some(setting) => {
+            client
+                .query_typed_one(
+                    sql::LOCK_XACT_TIMEOUT,
+                    &[(&call.advisory_key, Type::INT8), (setting, Type::TEXT)],
+                )
+                .await
+        }
+    };
+    let row = row.map_err(|e| lock_error(e, key, "waiting for"))?;
+    check_isolation(row.try_get(0).ok(), key)
 }
 
 impl<T: PgTransactionRef> DistributedLock<T> for PostgresDistributedLock {
@@ -245,7 +288,7 @@ pub(crate) fn lock_timeout_setting(limit: Duration) -> Result<String> {
 
 /// Refuses transactions that are not READ COMMITTED (lock-then-load would read a snapshot
 /// that may predate the previous holder's commit). The statement took no lock in that case.
-fn check_isolation(isolation: Option<&str>, key: &ResourceKey) -> Result<()> {
+pub fn check_isolation(isolation: Option<&str>, key: &ResourceKey) -> Result<()> {
     match isolation {
         Some(sql::READ_COMMITTED | sql::READ_UNCOMMITTED) => Ok(()),
         other => Err(Error::new(

@@ -17,9 +17,11 @@
 //!   the first and fails only if the first commits.
 //! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
 //!   of the unique index).
-//! - [`load_locked`](lockstep_core::EventStore::load_locked) takes the advisory lock through
-//!   [`PostgresDistributedLock::acquire_then`] and **pipelines** the load behind it: lock and
-//!   load cost one round trip together, and the load runs once the lock is held.
+//! - [`load_locked`](lockstep_core::EventStore::load_locked) locks and loads in **one
+//!   statement**, the SQL function `lockstep_lock_and_load` (it checks the isolation level,
+//!   takes the advisory lock, then loads in a fresh READ COMMITTED snapshot), run through
+//!   [`PostgresDistributedLock::acquire_with`] (in-process queue, deadline, cancel on drop).
+//!   Lock and load cost one round trip and one statement together, like a plain load.
 //!
 //! Every statement is sent with `query_typed` (no separate prepare round trip). Apply the
 //! schema first with [`lockstep_pg::migrate()`].
@@ -28,7 +30,7 @@
 //! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
 //! use lockstep_core::{EventStore, ExpectedVersion, NewEvent, StreamId, aggregate_key, AggregateType};
 //! use lockstep_pg::PgTransaction;
-//! use lockstep_pg_advisory::PostgresDistributedLock;
+//! use lockstep_pg_advisory::{PostgresDistributedLock, check_isolation};
 //! use lockstep_pg_store::PgEventStore;
 //!
 //! lockstep_pg::migrate(&pool).await?;
@@ -54,7 +56,7 @@ use lockstep_core::{
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::error::kind_of;
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg_advisory::{PostgresDistributedLock, check_isolation};
 use time::OffsetDateTime;
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
@@ -62,6 +64,9 @@ use uuid::Uuid;
 
 const LOAD: &str = "SELECT event_id, version, event_type, payload, recorded_at \
      FROM wh_events WHERE stream_id = $1 ORDER BY version";
+
+const LOCK_AND_LOAD: &str = "SELECT refused_isolation, event_id, version, event_type, payload, recorded_at \
+     FROM lockstep_lock_and_load($1, $2, $3)";
 
 const APPEND: &str = "SELECT lockstep_append_events($1, $2, $3, $4, $5)";
 
@@ -107,24 +112,26 @@ impl PgEventStore {
             .query_typed(LOAD, &[(&stream_id.as_uuid(), Type::UUID)])
             .await
             .map_err(|e| statement_error(e, "loading stream", stream_id))?;
-        rows.iter()
-            .map(|row| {
-                let version: i64 = row.try_get(1).map_err(decode_error)?;
-                Ok(RecordedEvent {
-                    event_id: row.try_get::<_, Uuid>(0).map_err(decode_error)?,
-                    stream_id,
-                    version: u64::try_from(version).map_err(|_| {
-                        Error::new(ErrorKind::Backend, "stored version is negative")
-                    })?,
-                    event_type: row.try_get(2).map_err(decode_error)?,
-                    payload: row
-                        .try_get::<_, serde_json::Value>(3)
-                        .map_err(decode_error)?,
-                    recorded_at: row.try_get::<_, OffsetDateTime>(4).map_err(decode_error)?,
-                })
-            })
-            .collect()
+        rows.iter().map(|row| decode(row, 0, stream_id)).collect()
     }
+}
+
+/// An event row whose columns start at `offset`: id, version, type, payload, recorded_at.
+fn decode(row: &tokio_postgres::Row, offset: usize, stream_id: StreamId) -> Result<RecordedEvent> {
+    let version: i64 = row.try_get(offset + 1).map_err(decode_error)?;
+    Ok(RecordedEvent {
+        event_id: row.try_get::<_, Uuid>(offset).map_err(decode_error)?,
+        stream_id,
+        version: u64::try_from(version)
+            .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))?,
+        event_type: row.try_get(offset + 2).map_err(decode_error)?,
+        payload: row
+            .try_get::<_, serde_json::Value>(offset + 3)
+            .map_err(decode_error)?,
+        recorded_at: row
+            .try_get::<_, OffsetDateTime>(offset + 4)
+            .map_err(decode_error)?,
+    })
 }
 
 impl<T: PgTransactionRef> EventStore<T> for PgEventStore {
@@ -139,8 +146,30 @@ impl<T: PgTransactionRef> EventStore<T> for PgEventStore {
         key: &ResourceKey,
         timeout: Option<Duration>,
     ) -> Result<Vec<RecordedEvent>> {
+        // One statement: the function checks the isolation level, locks, then loads in a fresh
+        // snapshot; acquire_with adds the in-process queue, the deadline and cancel-on-drop.
         self.lock
-            .acquire_then(tx, key, timeout, || Self::load_on(tx, stream_id))
+            .acquire_with(tx, key, timeout, |call| async move {
+                let rows = tx
+                    .executor()
+                    .query_typed(
+                        LOCK_AND_LOAD,
+                        &[
+                            (&call.advisory_key, Type::INT8),
+                            (&call.lock_timeout, Type::TEXT),
+                            (&stream_id.as_uuid(), Type::UUID),
+                        ],
+                    )
+                    .await
+                    .map_err(|e| statement_error(e, "locking and loading stream", stream_id))?;
+                if let Some(first) = rows.first() {
+                    let refused: Option<&str> = first.try_get(0).map_err(decode_error)?;
+                    if refused.is_some() {
+                        check_isolation(refused, key)?;
+                    }
+                }
+                rows.iter().map(|row| decode(row, 1, stream_id)).collect()
+            })
             .await
     }
 

@@ -101,3 +101,99 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     assert_eq!(events[0].payload["by"], "test");
     tx.commit().await.expect("commit");
 }
+
+fn fresh_key() -> lockstep_core::ResourceKey {
+    lockstep_core::ResourceKey::new(format!("test:{}", uuid::Uuid::new_v4())).expect("key")
+}
+
+async fn waiting_for(client: &tokio_postgres::Client, key: &lockstep_core::ResourceKey) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1",
+            &[&key.advisory_key()],
+        )
+        .await
+        .expect("pg_locks")
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_locked_refuses_a_repeatable_read_transaction_before_locking() {
+    let (db, _pool) = migrated(1).await;
+    let admin = db.connect().await;
+    let mut client = db.connect().await;
+    let store = PgEventStore::new();
+    let key = fresh_key();
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .await
+        .expect("begin");
+    let err = store
+        .load_locked(&tx, StreamId::new_v7(), &key, None)
+        .await
+        .expect_err("refused");
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    let held: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+             AND ((classid::bigint << 32) | objid::bigint) = $1",
+            &[&key.advisory_key()],
+        )
+        .await
+        .expect("pg_locks")
+        .get(0);
+    assert_eq!(held, 0, "nothing locked");
+    tx.query_one("SELECT 1", &[]).await.expect("still usable");
+    tx.rollback().await.expect("rollback");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_waiting_load_locked_ends_its_server_side_wait() {
+    let (db, pool) = migrated(3).await;
+    let admin = db.connect().await;
+    let store = PgEventStore::with_lock(PostgresDistributedLock::new(pool.clone()));
+    let (key, stream) = (fresh_key(), StreamId::new_v7());
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .load_locked(&holder, stream, &key, None)
+        .await
+        .expect("free");
+    let waiter = PgTransaction::begin(&pool).await.expect("begin");
+    let abandoned = tokio::time::timeout(
+        std::time::Duration::from_millis(300),
+        store.load_locked(&waiter, stream, &key, None),
+    )
+    .await;
+    assert!(abandoned.is_err(), "still waiting when dropped");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    while waiting_for(&admin, &key).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no waiting backend within 2 s of the drop"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    waiter.rollback().await.expect("rollback");
+    holder.commit().await.expect("commit");
+    let err = {
+        let (a, b) = (
+            PgTransaction::begin(&pool).await.expect("begin"),
+            PgTransaction::begin(&pool).await.expect("begin"),
+        );
+        store
+            .load_locked(&a, stream, &key, None)
+            .await
+            .expect("free");
+        let err = store
+            .load_locked(&b, stream, &key, Some(std::time::Duration::from_millis(50)))
+            .await
+            .expect_err("times out");
+        a.rollback().await.expect("rollback");
+        b.rollback().await.expect("rollback");
+        err
+    };
+    assert_eq!(err.kind(), ErrorKind::LockTimeout);
+}
