@@ -14,8 +14,9 @@
 //!   One operation = one statement.
 //!
 //! Each side runs `--duration-secs` per round, for `--rounds` rounds, alternating which side
-//! goes first so drift on a shared machine hits both. The ratio for a concurrency is the lower
-//! of the two workloads' locker/pgbench throughput ratios.
+//! goes first (ABBA…) so drift on a shared machine hits both. A workload's ratio is the median
+//! over rounds of lockstep ops/s divided by pgbench ops/s in the same round; the headline ratio
+//! for a concurrency is the lower of the two workloads' ratios.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -40,11 +41,16 @@ use crate::server_stats::StatementCounter;
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct Args {
     /// Seconds each client runs per round, workload and concurrency.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 3)]
     duration_secs: u64,
-    /// Rounds per workload and concurrency (the side that goes first alternates).
-    #[arg(long, default_value_t = 2)]
+    /// Rounds per workload and concurrency; the side that goes first alternates, and the
+    /// ratio is the median of the rounds' ratios (robust to a noisy neighbour on the machine).
+    #[arg(long, default_value_t = 7)]
     rounds: usize,
+    /// `synchronous_commit` of the benchmark database: `on` (the server default; every
+    /// operation waits for its WAL flush) or `off` (measures CPU and protocol cost only).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    synchronous_commit: String,
     /// Cursor rows to spread the operations over.
     #[arg(long, default_value_t = 10_000)]
     rows: usize,
@@ -150,6 +156,19 @@ async fn run_on(
 
 async fn prepare(db: BenchDatabase, args: &Args, work_dir: PathBuf) -> Result<Setup> {
     {
+        let admin = db.admin_client().await?;
+        admin
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" SET synchronous_commit = {}",
+                db.name(),
+                if args.synchronous_commit == "off" {
+                    "off"
+                } else {
+                    "on"
+                }
+            ))
+            .await
+            .context("setting synchronous_commit")?;
         let pool = db.pool(2)?;
         lockstep_pg::migrate(&pool).await?;
         let client = pool.get().await?;
@@ -177,7 +196,8 @@ async fn prepare(db: BenchDatabase, args: &Args, work_dir: PathBuf) -> Result<Se
         counter,
         instance: InstanceId::random(),
         names: Arc::new(names),
-        options: StreamLockOptions::default(),
+        // Long enough that no benchmark lease expires between two renews of a random row.
+        options: StreamLockOptions::new(Duration::from_secs(3600), Duration::from_secs(1200))?,
         work_dir,
     })
 }
@@ -185,7 +205,7 @@ async fn prepare(db: BenchDatabase, args: &Args, work_dir: PathBuf) -> Result<Se
 async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
     let duration = Duration::from_secs(args.duration_secs);
     let mut lines = vec![report::header()];
-    let mut ratios: Vec<(usize, Workload, f64)> = Vec::new();
+    let mut ratios: Vec<(usize, Workload, Vec<f64>)> = Vec::new();
     for workload in [Workload::AcquireRelease, Workload::Renew] {
         let epoch = match workload {
             Workload::AcquireRelease => None,
@@ -194,7 +214,9 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
         for &concurrency in &args.concurrency {
             let mut locker = Measurement::empty();
             let mut pgbench = Measurement::empty();
+            let mut round_ratios = Vec::with_capacity(args.rounds);
             for round in 0..args.rounds {
+                let mut this_round = [0.0_f64; 2];
                 let order = if round % 2 == 0 {
                     [Side::Locker, Side::Pgbench]
                 } else {
@@ -210,10 +232,17 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
                     let m =
                         measure(setup, args, workload, side, concurrency, duration, epoch).await?;
                     match side {
-                        Side::Locker => locker.merge(&m),
-                        Side::Pgbench => pgbench.merge(&m),
+                        Side::Locker => {
+                            this_round[0] = m.ops_per_sec();
+                            locker.merge(&m);
+                        }
+                        Side::Pgbench => {
+                            this_round[1] = m.ops_per_sec();
+                            pgbench.merge(&m);
+                        }
                     }
                 }
+                round_ratios.push(this_round[0] / this_round[1]);
             }
             for (side, m) in [("lockstep", &locker), ("pgbench", &pgbench)] {
                 lines.push(report::row(&Row {
@@ -223,35 +252,52 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
                     measurement: m,
                 }));
             }
-            ratios.push((
-                concurrency,
-                workload,
-                locker.ops_per_sec() / pgbench.ops_per_sec(),
-            ));
+            ratios.push((concurrency, workload, round_ratios));
         }
     }
     lines.push(String::new());
     lines.push(setup.counter.describe().to_owned());
     lines.push(format!(
-        "duration {} s x {} rounds per client, workload and concurrency; {} rows; pgbench -M prepared",
-        args.duration_secs, args.rounds, args.rows
+        "{} rounds of {} s per client, workload and concurrency (sides alternate: ABBA...); \
+         {} rows; pgbench -M prepared; synchronous_commit = {}",
+        args.rounds, args.duration_secs, args.rows, args.synchronous_commit
     ));
+    lines.push(
+        "ratio = median over rounds of (lockstep ops/s / pgbench ops/s) of the same round; \
+         the headline per concurrency is the lower of the two workloads' ratios"
+            .to_owned(),
+    );
     lines.push(String::new());
-    for (concurrency, workload, ratio) in &ratios {
+    let mut medians: Vec<(usize, f64)> = Vec::new();
+    for (concurrency, workload, round_ratios) in &ratios {
+        let median = median(round_ratios);
+        medians.push((*concurrency, median));
+        let rounds: Vec<String> = round_ratios.iter().map(|r| format!("{r:.3}")).collect();
         lines.push(format!(
-            "ratio {} c{concurrency} = {ratio:.3}",
-            workload.label()
+            "ratio {} c{concurrency} = {median:.3} (rounds: {})",
+            workload.label(),
+            rounds.join(", ")
         ));
     }
     for &concurrency in &args.concurrency {
-        let worst = ratios
+        let worst = medians
             .iter()
-            .filter(|(c, _, _)| *c == concurrency)
-            .map(|(_, _, r)| *r)
+            .filter(|(c, _)| *c == concurrency)
+            .map(|(_, r)| *r)
             .fold(f64::INFINITY, f64::min);
         lines.push(format!("locker_vs_pgbench_c{concurrency}={worst:.3}"));
     }
     Ok(lines.join("\n"))
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
 }
 
 /// Puts every row under a lease of the benchmark instance, at one new epoch above every epoch
