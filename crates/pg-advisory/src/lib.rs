@@ -78,8 +78,11 @@
 //!   may already hold it: re-entrancy), and waits in memory at most
 //!   [`PostgresDistributedLock::with_local_patience`] before going to the server anyway.
 //! - **No extra round trip**: [`PostgresDistributedLock::acquire_then`] pipelines the lock
-//!   statement with the statements that follow (the aggregate load); the event store's
-//!   `load_locked` uses it. Every statement is sent with `query_typed` (no prepare round trip).
+//!   statement with the statements that follow (the aggregate load), and
+//!   [`PostgresDistributedLock::acquire_with`] runs a statement that takes the lock itself
+//!   (the event store's `load_locked` calls a SQL function that locks, then loads) under the
+//!   same queue, deadline and cancellation. Every statement is sent with `query_typed` (no
+//!   prepare round trip).
 //!
 //! # Operations
 //!
