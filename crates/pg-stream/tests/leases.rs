@@ -183,7 +183,7 @@ async fn renew_extends_only_the_holders_lease_at_its_epoch() {
 #[tokio::test]
 async fn renew_many_renews_in_one_batch_and_reports_in_input_order() {
     let db = Db::new(2).await;
-    let locker = db.locker(short_options());
+    let locker = db.locker(long_options());
     let a = InstanceId::random();
     let perspective = name("OrderPerspective");
     let streams: Vec<StreamId> = (0..4).map(|_| StreamId::new_v7()).collect();

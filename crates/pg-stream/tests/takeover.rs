@@ -1,4 +1,5 @@
-//! Expiry, takeover and fencing against a real PostgreSQL, with a 400 ms lock timeout.
+//! Expiry, takeover and fencing against a real PostgreSQL, with lock timeouts of 400 ms (or
+//! 2 s where a lease must first stay live across a few statements).
 //!
 //! Waiting for expiry never asserts on elapsed time: the tests wait until the *database* clock
 //! has passed the lease's expiry, then check what the lease operations report.
@@ -7,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Db, long_options, name, short_options};
+use common::{Db, long_options, medium_options, name, short_options};
 use lockstep_core::{
     AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, ReleaseOutcome, RenewOutcome,
     StreamId, StreamLease, StreamLockAdmin, StreamLocker,
@@ -59,7 +60,7 @@ async fn fence_outcome(
 #[tokio::test]
 async fn an_expired_lease_is_taken_over_with_a_new_epoch_and_the_old_holder_is_fenced_out() {
     let db = Db::new(4).await;
-    let locker = db.locker(short_options());
+    let locker = db.locker(medium_options());
     let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
     db.create_cursor(stream, &perspective).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
@@ -262,9 +263,9 @@ async fn a_fence_check_makes_a_takeover_wait_until_the_fenced_transaction_ends()
         .batch_execute("CREATE TABLE rebuilt (holder uuid NOT NULL, epoch bigint NOT NULL)")
         .await
         .expect("work table");
-    let locker = db.locker(short_options());
+    let locker = db.locker(medium_options());
     // B runs on a pool of its own, like another process.
-    let other = PostgresStreamLocker::new(db.other_pool(2), short_options());
+    let other = PostgresStreamLocker::new(db.other_pool(2), medium_options());
     let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
     db.create_cursor(stream, &perspective).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());

@@ -22,6 +22,13 @@ pub(crate) fn short_options() -> StreamLockOptions {
     StreamLockOptions::new(LOCK_TIMEOUT, KEEPALIVE).expect("400 ms / 100 ms is a valid pair")
 }
 
+/// Leases that expire within a test but stay live across a few statements even on a loaded
+/// machine (for tests that need a live lease first and an expired one later).
+pub(crate) fn medium_options() -> StreamLockOptions {
+    StreamLockOptions::new(Duration::from_secs(2), Duration::from_millis(500))
+        .expect("2 s / 500 ms is a valid pair")
+}
+
 pub(crate) fn long_options() -> StreamLockOptions {
     StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))
         .expect("60 s / 20 s is a valid pair")
