@@ -19,9 +19,13 @@
 //! scenario runs through a TCP relay that counts each burst of client bytes following server
 //! bytes (pipelined statements travel in one burst). Throughput comes from the direct pass.
 //!
-//! The last three lines are the headline figures:
-//! `hot32_pessimistic_vs_optimistic`, `cold16_pessimistic_vs_optimistic` (commits/s ratios)
-//! and `hot32_pessimistic_conflicts`.
+//! Each scenario runs `--rounds` rounds, alternating which mode goes first; the table shows the
+//! totals over all rounds, and the ratio row under each pair is the **median of the per-round
+//! ratios** (each round's two modes ran back to back, so drift on a shared machine hits both).
+//!
+//! The last three lines are the headline figures: `hot32_pessimistic_vs_optimistic`,
+//! `cold16_pessimistic_vs_optimistic` (median commits/s ratios) and
+//! `hot32_pessimistic_conflicts` (over all rounds).
 
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -55,13 +59,14 @@ pub(crate) struct Args {
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4, 16, 32])]
     writers: Vec<usize>,
     /// Commits per hot scenario and round (throughput pass).
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 300)]
     commits: usize,
     /// Cold scenarios: commits per writer (at least `--commits` in all).
-    #[arg(long, default_value_t = 150)]
+    #[arg(long, default_value_t = 100)]
     cold_commits_per_writer: usize,
-    /// Rounds per scenario; the mode that goes first alternates.
-    #[arg(long, default_value_t = 3)]
+    /// Rounds per scenario; the mode that goes first alternates, and the headline ratio is the
+    /// median of the rounds' ratios (robust to a noisy neighbour on the machine).
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Commits per scenario in the round-trip counting pass.
     #[arg(long, default_value_t = 200)]
@@ -72,14 +77,16 @@ pub(crate) struct Args {
     /// Simulated work inside each transaction, in milliseconds.
     #[arg(long, default_value_t = 1)]
     hold_ms: u64,
-    /// Optimistic retries: attempt cap.
-    #[arg(long, default_value_t = 100)]
+    /// Optimistic retries: attempt cap (default: `RetryPolicy::default()`, 10).
+    #[arg(long, default_value_t = 10)]
     max_attempts: u32,
-    /// Optimistic retries: first backoff ceiling, in milliseconds (doubles per retry).
-    #[arg(long, default_value_t = 2)]
+    /// Optimistic retries: first backoff ceiling, in milliseconds, doubling per retry
+    /// (default: `RetryPolicy::default()`, 5).
+    #[arg(long, default_value_t = 5)]
     initial_backoff_ms: u64,
-    /// Optimistic retries: backoff cap, in milliseconds.
-    #[arg(long, default_value_t = 100)]
+    /// Optimistic retries: backoff cap, in milliseconds (default: `RetryPolicy::default()`,
+    /// 200).
+    #[arg(long, default_value_t = 200)]
     max_backoff_ms: u64,
     /// `synchronous_commit` of the benchmark database. Off by default, so the figures measure
     /// locking rather than the machine's WAL flush latency (which every hot-aggregate commit
@@ -226,8 +233,7 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
     let relay = Relay::start(upstream(url)?).await?;
     let relayed_pool = |size: usize| relay_pool(url, db.name(), relay.addr, size);
 
-    let mut hot32 = (None, None, None);
-    let mut cold16 = (None, None);
+    let (mut hot32, mut cold16, mut hot32_conflicts) = (None, None, None);
     for &writers in &args.writers {
         for heat in [Heat::Hot, Heat::Cold] {
             let commits = match heat {
@@ -236,7 +242,9 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
             };
             // Rounds alternate which mode goes first, so drift on a shared machine hits both.
             let mut totals = [Outcome::empty(), Outcome::empty()];
+            let mut ratios = Vec::new();
             for round in 0..args.rounds.max(1) {
+                let mut this_round = [0.0f64; 2];
                 let order = if round % 2 == 0 {
                     [Mode::Optimistic, Mode::Pessimistic]
                 } else {
@@ -261,9 +269,15 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                     )
                     .await?;
                     pool.close();
+                    this_round[mode as usize] = outcome.commits_per_sec();
                     totals[mode as usize].merge(outcome);
                 }
+                if this_round[0] > 0.0 {
+                    ratios.push(this_round[1] / this_round[0]);
+                }
             }
+            ratios.sort_by(f64::total_cmp);
+            let median_ratio = ratios.get(ratios.len() / 2).copied();
             for mode in [Mode::Optimistic, Mode::Pessimistic] {
                 let rt_pool = relayed_pool(writers)?;
                 let rt_setup = Setup {
@@ -304,39 +318,30 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                     round_trips as f64 / rt.commits.max(1) as f64,
                     round_trips as f64 / rt.attempts.max(1) as f64,
                 );
-                match (heat, writers, mode) {
-                    (Heat::Hot, 32, Mode::Optimistic) => hot32.0 = Some(outcome.commits_per_sec()),
-                    (Heat::Hot, 32, Mode::Pessimistic) => {
-                        hot32.1 = Some(outcome.commits_per_sec());
-                        hot32.2 = Some(outcome.conflicts);
-                    }
-                    (Heat::Cold, 16, Mode::Optimistic) => {
-                        cold16.0 = Some(outcome.commits_per_sec())
-                    }
-                    (Heat::Cold, 16, Mode::Pessimistic) => {
-                        cold16.1 = Some(outcome.commits_per_sec())
-                    }
-                    _ => {}
+                if (heat, writers, mode) == (Heat::Hot, 32, Mode::Pessimistic) {
+                    hot32_conflicts = Some(outcome.conflicts);
                 }
+            }
+            println!(
+                "|  |  | *pessimistic / optimistic, median of {} rounds* | **{}** |  |  |  |  |  |  |  |",
+                ratios.len(),
+                median_ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}"))
+            );
+            match (heat, writers) {
+                (Heat::Hot, 32) => hot32 = median_ratio,
+                (Heat::Cold, 16) => cold16 = median_ratio,
+                _ => {}
             }
         }
     }
     relay.stop();
     println!();
-    let ratio = |pair: (Option<f64>, Option<f64>)| match pair {
-        (Some(optimistic), Some(pessimistic)) if optimistic > 0.0 => {
-            format!("{:.2}", pessimistic / optimistic)
-        }
-        _ => "n/a".to_owned(),
-    };
-    println!(
-        "hot32_pessimistic_vs_optimistic={}",
-        ratio((hot32.0, hot32.1))
-    );
-    println!("cold16_pessimistic_vs_optimistic={}", ratio(cold16));
+    let figure = |r: Option<f64>| r.map_or("n/a".to_owned(), |r| format!("{r:.2}"));
+    println!("hot32_pessimistic_vs_optimistic={}", figure(hot32));
+    println!("cold16_pessimistic_vs_optimistic={}", figure(cold16));
     println!(
         "hot32_pessimistic_conflicts={}",
-        hot32.2.map_or("n/a".to_owned(), |c| c.to_string())
+        hot32_conflicts.map_or("n/a".to_owned(), |c: u64| c.to_string())
     );
     Ok(())
 }
