@@ -151,7 +151,7 @@ impl Outcome {
         }
     }
 
-    fn merge(&mut self, other: Outcome) {
+    fn merge(&mut self, other: &Outcome) {
         self.commits += other.commits;
         self.attempts += other.attempts;
         self.conflicts += other.conflicts;
@@ -270,7 +270,7 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                     .await?;
                     pool.close();
                     this_round[mode as usize] = outcome.commits_per_sec();
-                    totals[mode as usize].merge(outcome);
+                    totals[mode as usize].merge(&outcome);
                 }
                 if this_round[0] > 0.0 {
                     ratios.push(this_round[1] / this_round[0]);
