@@ -1,5 +1,5 @@
-//! The testkit's stream-locker conformance suite, run against PostgreSQL: the same cases the
-//! in-memory locker passes.
+//! The testkit's stream-locker and lease-fence conformance suites, run against PostgreSQL: the
+//! same cases the in-memory locker passes.
 
 mod common;
 
@@ -7,8 +7,10 @@ use std::sync::Arc;
 
 use common::{Db, create_cursor, short_options};
 use lockstep_core::{PerspectiveName, StreamId, StreamLockAdmin, StreamLocker, async_trait};
+use lockstep_pg::PgTransaction;
 use lockstep_pg_stream::PostgresStreamLocker;
-use lockstep_testkit::conformance::stream_locker::{StreamLockerFixture, run_all};
+use lockstep_testkit::conformance::lease_fence::{self, LeaseFenceFixture};
+use lockstep_testkit::conformance::stream_locker::{self, StreamLockerFixture};
 
 /// A locker with a 400 ms lock timeout (keepalive 100 ms) on a database of the test's own.
 struct PgFixture {
@@ -31,10 +33,42 @@ impl StreamLockerFixture for PgFixture {
     }
 }
 
-#[tokio::test]
-async fn postgres_stream_locker_passes_the_conformance_suite() {
+/// Fenced commits in owned `PgTransaction`s on the locker's pool.
+impl LeaseFenceFixture for PgFixture {
+    type Tx = PgTransaction;
+    type Fence = PostgresStreamLocker;
+
+    fn fence(&self) -> &PostgresStreamLocker {
+        &self.locker
+    }
+
+    async fn begin(&self) -> PgTransaction {
+        PgTransaction::begin(&self.db.pool)
+            .await
+            .expect("beginning a transaction")
+    }
+
+    async fn commit(&self, tx: PgTransaction) -> lockstep_core::Result<()> {
+        tx.commit().await
+    }
+
+    async fn rollback(&self, tx: PgTransaction) {
+        tx.rollback().await.expect("rolling back");
+    }
+}
+
+async fn fixture() -> PgFixture {
     let db = Db::new(4).await;
     let locker = Arc::new(db.locker(short_options()));
-    let fixture = PgFixture { db, locker };
-    run_all(&fixture).await;
+    PgFixture { db, locker }
+}
+
+#[tokio::test]
+async fn postgres_stream_locker_passes_the_conformance_suite() {
+    stream_locker::run_all(&fixture().await).await;
+}
+
+#[tokio::test]
+async fn postgres_lease_fence_passes_the_conformance_suite() {
+    lease_fence::run_all(Arc::new(fixture().await)).await;
 }
