@@ -188,14 +188,18 @@ impl PostgresDistributedLock {
         let lock_timeout = deadline
             .map(|d| lock_timeout_setting(d.saturating_duration_since(Instant::now())))
             .transpose()?;
-        // Dropped before the statement returns: a cancel request ends the server-side wait.
+        // Dropped before the statement returns: a cancel request ends the server-side wait, and
+        // the connection is closed rather than pooled when the transaction ends (the request
+        // may arrive late and would cancel the next borrower's statement).
         let cancel = CancelOnDrop::arm(tx.cancel_token());
+        let discard = DiscardOnDrop(Some(tx));
         let outcome = locking(LockCall {
             advisory_key: advisory,
             lock_timeout,
         })
         .await;
         cancel.disarm();
+        discard.disarm();
         drop(permit);
         outcome
     }
@@ -329,6 +333,23 @@ mod tests {
         for other in [Some("repeatable read"), Some("serializable"), None] {
             let err = check_isolation(other, &key).expect_err("refused");
             assert_eq!(err.kind(), ErrorKind::Unsupported);
+        }
+    }
+}
+
+/// Marks the transaction's connection for discarding if the lock statement is abandoned.
+struct DiscardOnDrop<'a, T: PgTransactionRef + ?Sized>(Option<&'a T>);
+
+impl<T: PgTransactionRef + ?Sized> DiscardOnDrop<'_, T> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl<T: PgTransactionRef + ?Sized> Drop for DiscardOnDrop<'_, T> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0 {
+            tx.discard_connection_after_end();
         }
     }
 }

@@ -132,6 +132,12 @@ async fn a_dropped_waiting_acquire_leaves_no_waiting_backend_and_the_pool_stays_
     );
 
     let waiter = PgTransaction::begin(&pool).await.expect("begin");
+    let waiter_pid: i32 = waiter
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
     let abandoned = tokio::time::timeout(
         Duration::from_millis(300),
         lock.acquire_for_transaction(&waiter, &key, None),
@@ -159,10 +165,17 @@ async fn a_dropped_waiting_acquire_leaves_no_waiting_backend_and_the_pool_stays_
         PgTransaction::begin(&pool).await.expect("begin"),
     ];
     for tx in &txs {
-        tx.client()
-            .query_one("SELECT 1", &[])
+        let pid: i32 = tx
+            .client()
+            .query_one("SELECT pg_backend_pid()", &[])
             .await
-            .expect("healthy");
+            .expect("healthy")
+            .get(0);
+        assert_ne!(
+            pid, waiter_pid,
+            "the abandoned waiter's connection is closed, not pooled (a late cancel request \
+             must not hit another borrower)"
+        );
     }
     assert!(
         lock.try_acquire_for_transaction(&txs[0], &key)

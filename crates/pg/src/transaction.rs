@@ -10,6 +10,8 @@
 //! returning it to the pool mid-transaction; the server rolls the transaction back and releases
 //! its locks.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use deadpool_postgres::{Object, Pool};
 use lockstep_core::{Error, ErrorKind, Result};
 use tokio_postgres::{CancelToken, Client, GenericClient};
@@ -26,6 +28,15 @@ pub trait PgTransactionRef: Send + Sync {
 
     /// A token to cancel the statement in flight on this transaction's connection.
     fn cancel_token(&self) -> CancelToken;
+
+    /// Called when a statement on this transaction was abandoned and a cancel request for its
+    /// connection may still be in flight. A cancel request travels on its own connection and
+    /// can arrive late, after the abandoned statement ended; so the connection must not serve
+    /// anyone else afterwards. [`PgTransaction`] then closes its connection when the
+    /// transaction ends instead of returning it to the pool. The default does nothing: a
+    /// borrowed transaction's connection belongs to the caller, who should discard it (e.g.
+    /// `deadpool_postgres::Object::take`) after abandoning a waiting lock.
+    fn discard_connection_after_end(&self) {}
 }
 
 impl PgTransactionRef for tokio_postgres::Transaction<'_> {
@@ -44,6 +55,8 @@ impl PgTransactionRef for tokio_postgres::Transaction<'_> {
 pub struct PgTransaction {
     // `None` once committed or rolled back.
     conn: Option<Object>,
+    // Set when a cancel request may still arrive for this connection: close it at the end.
+    discard: AtomicBool,
 }
 
 impl std::fmt::Debug for PgTransaction {
@@ -66,7 +79,10 @@ impl PgTransaction {
         conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
             .map_err(|e| map_error(e, "beginning a transaction"))?;
-        Ok(PgTransaction { conn: Some(conn) })
+        Ok(PgTransaction {
+            conn: Some(conn),
+            discard: AtomicBool::new(false),
+        })
     }
 
     /// The connection the transaction runs on.
@@ -90,12 +106,17 @@ impl PgTransaction {
         // first in the same round trip: in a failed transaction `SELECT 1` errors with 25P02
         // and the rest of the batch, COMMIT included, is skipped.
         match conn.batch_execute("SELECT 1; COMMIT").await {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.release(conn);
+                Ok(())
+            }
             Err(e) => {
                 let kind = crate::error::kind_of(&e);
                 // Never pool a connection still inside a transaction.
                 if conn.batch_execute("ROLLBACK").await.is_err() {
                     let _ = Object::take(conn);
+                } else {
+                    self.release(conn);
                 }
                 if kind == ErrorKind::TransactionAborted {
                     Err(Error::new(
@@ -119,7 +140,15 @@ impl PgTransaction {
             let _ = Object::take(conn);
             return Err(map_error(e, "rolling back"));
         }
+        self.release(conn);
         Ok(())
+    }
+
+    /// Returns the connection to the pool, or closes it if a late cancel request may hit it.
+    fn release(&self, conn: Object) {
+        if self.discard.load(Ordering::Acquire) {
+            let _ = Object::take(conn);
+        }
     }
 }
 
@@ -142,5 +171,9 @@ impl PgTransactionRef for PgTransaction {
 
     fn cancel_token(&self) -> CancelToken {
         self.client().cancel_token()
+    }
+
+    fn discard_connection_after_end(&self) {
+        self.discard.store(true, Ordering::Release);
     }
 }
