@@ -311,6 +311,23 @@ pub(crate) fn lock_error(err: tokio_postgres::Error, key: &ResourceKey, doing: &
     Error::new(kind_of(&err), format!("{doing} advisory lock {key}")).with_source(err)
 }
 
+/// Marks the transaction's connection for discarding if the lock statement is abandoned.
+struct DiscardOnDrop<'a, T: PgTransactionRef + ?Sized>(Option<&'a T>);
+
+impl<T: PgTransactionRef + ?Sized> DiscardOnDrop<'_, T> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl<T: PgTransactionRef + ?Sized> Drop for DiscardOnDrop<'_, T> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0 {
+            tx.discard_connection_after_end();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,23 +350,6 @@ mod tests {
         for other in [Some("repeatable read"), Some("serializable"), None] {
             let err = check_isolation(other, &key).expect_err("refused");
             assert_eq!(err.kind(), ErrorKind::Unsupported);
-        }
-    }
-}
-
-/// Marks the transaction's connection for discarding if the lock statement is abandoned.
-struct DiscardOnDrop<'a, T: PgTransactionRef + ?Sized>(Option<&'a T>);
-
-impl<T: PgTransactionRef + ?Sized> DiscardOnDrop<'_, T> {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl<T: PgTransactionRef + ?Sized> Drop for DiscardOnDrop<'_, T> {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0 {
-            tx.discard_connection_after_end();
         }
     }
 }
