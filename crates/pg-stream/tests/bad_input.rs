@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Db, long_options, name};
+use common::{Db, acquire, inspect_row, long_options, name};
 use lockstep_core::{
     AcquireOutcome, Error, ErrorKind, InstanceId, LockReason, PerspectiveName, StreamId,
     StreamLockAdmin, StreamLocker, ValidationError,
@@ -79,12 +79,7 @@ async fn a_perspective_name_and_a_reason_containing_sql_are_stored_verbatim() {
     db.create_cursor(stream, &perspective).await;
     let instance = InstanceId::random();
 
-    let lease = locker
-        .try_acquire(stream, &perspective, instance, &reason)
-        .await
-        .expect("try_acquire runs")
-        .into_lease()
-        .expect("acquired");
+    let lease = acquire(&locker, stream, &perspective, instance, reason.clone()).await;
     assert_eq!(lease.id.perspective.as_str(), SQL_NAME);
 
     // The table is still there, the other rows are untouched, and the new row holds the
@@ -120,21 +115,10 @@ async fn a_perspective_name_and_a_reason_containing_sql_are_stored_verbatim() {
 async fn a_fifty_character_multibyte_reason_is_stored_whole() {
     let db = Db::new(2).await;
     let locker = db.locker(long_options());
-    let perspective = name("OrderPerspective");
-    let stream = StreamId::new_v7();
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let text = "ü".repeat(50);
     let reason = LockReason::custom(text.clone()).expect("50 characters fit");
-    let _ = locker
-        .try_acquire(stream, &perspective, InstanceId::random(), &reason)
-        .await
-        .expect("try_acquire runs")
-        .into_lease()
-        .expect("acquired");
-    let row = locker
-        .inspect(stream, &perspective)
-        .await
-        .expect("inspect runs")
-        .expect("row");
+    acquire(&locker, stream, &perspective, InstanceId::random(), reason).await;
+    let row = inspect_row(&locker, stream, &perspective).await;
     assert_eq!(row.reason.map(|r| r.to_string()), Some(text));
 }

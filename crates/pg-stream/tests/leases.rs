@@ -5,29 +5,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Db, long_options, name, short_options};
+use common::{Db, acquire, acquire_by_anyone, inspect_row, long_options, name, short_options};
 use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseEpoch, LeaseId, LeaseStatus, LockReason, ReleaseOutcome,
-    RenewOutcome, StreamId, StreamLease, StreamLockAdmin, StreamLocker,
+    RenewOutcome, StreamId, StreamLockAdmin, StreamLocker,
 };
-use lockstep_pg_stream::PostgresStreamLocker;
-
-async fn acquire(
-    locker: &PostgresStreamLocker,
-    stream_id: StreamId,
-    perspective: &lockstep_core::PerspectiveName,
-    instance: InstanceId,
-    reason: LockReason,
-) -> StreamLease {
-    match locker
-        .try_acquire(stream_id, perspective, instance, &reason)
-        .await
-        .expect("try_acquire runs")
-    {
-        AcquireOutcome::Acquired(lease) => lease,
-        other => panic!("expected the lease to be acquired, got {other:?}"),
-    }
-}
 
 #[tokio::test]
 async fn try_acquire_without_a_cursor_row_reports_no_cursor_and_creates_none() {
@@ -50,19 +32,11 @@ async fn try_acquire_without_a_cursor_row_reports_no_cursor_and_creates_none() {
 async fn the_first_acquire_starts_epoch_one_and_expires_on_the_database_clock() {
     let db = Db::new(2).await;
     let locker = db.locker(long_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let timeout = long_options().lock_timeout();
 
     let before = db.db_now().await;
-    let lease = acquire(
-        &locker,
-        stream,
-        &perspective,
-        InstanceId::random(),
-        LockReason::Rewind,
-    )
-    .await;
+    let lease = acquire_by_anyone(&locker, stream, &perspective).await;
     let after = db.db_now().await;
     assert_eq!(lease.id.epoch, LeaseEpoch::new(1));
     // expiry = the server's clock_timestamp() during the statement + the lock timeout.
@@ -78,19 +52,14 @@ async fn reacquiring_an_own_live_lease_keeps_the_epoch_refreshes_the_expiry_and_
  {
     let db = Db::new(2).await;
     let locker = db.locker(long_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let a = InstanceId::random();
 
     let first = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
     let again = acquire(&locker, stream, &perspective, a, LockReason::Bootstrap).await;
     assert_eq!(again.id, first.id);
     assert!(again.expires_at > first.expires_at);
-    let row = locker
-        .inspect(stream, &perspective)
-        .await
-        .expect("inspect runs")
-        .expect("row");
+    let row = inspect_row(&locker, stream, &perspective).await;
     assert_eq!(row.reason, Some(LockReason::Bootstrap));
     assert_eq!(row.expires_at, Some(again.expires_at));
     assert_eq!(row.epoch, first.id.epoch);
@@ -100,8 +69,7 @@ async fn reacquiring_an_own_live_lease_keeps_the_epoch_refreshes_the_expiry_and_
 async fn release_clears_the_lease_but_keeps_the_epoch_and_the_next_holder_gets_the_next_one() {
     let db = Db::new(2).await;
     let locker = db.locker(long_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
 
     let lease = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
@@ -118,11 +86,7 @@ async fn release_clears_the_lease_but_keeps_the_epoch_and_the_next_holder_gets_t
         locker.release(&lease.id).await.expect("release runs"),
         ReleaseOutcome::Released
     );
-    let row = locker
-        .inspect(stream, &perspective)
-        .await
-        .expect("inspect runs")
-        .expect("row");
+    let row = inspect_row(&locker, stream, &perspective).await;
     assert!(row.is_unlocked());
     assert_eq!(row.epoch, lease.id.epoch);
     // Releasing twice is not an error.
@@ -145,8 +109,7 @@ async fn release_clears_the_lease_but_keeps_the_epoch_and_the_next_holder_gets_t
 async fn renew_extends_only_the_holders_lease_at_its_epoch() {
     let db = Db::new(2).await;
     let locker = db.locker(long_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let lease = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
 
@@ -185,11 +148,7 @@ async fn renew_many_renews_in_one_batch_and_reports_in_input_order() {
     let db = Db::new(2).await;
     let locker = db.locker(long_options());
     let a = InstanceId::random();
-    let perspective = name("OrderPerspective");
-    let streams: Vec<StreamId> = (0..4).map(|_| StreamId::new_v7()).collect();
-    for s in &streams {
-        db.create_cursor(*s, &perspective).await;
-    }
+    let (streams, perspective) = db.order_cursors(4).await;
     let held_1 = acquire(&locker, streams[0], &perspective, a, LockReason::Rewind).await;
     let held_2 = acquire(&locker, streams[1], &perspective, a, LockReason::Rewind).await;
     let forced = acquire(&locker, streams[2], &perspective, a, LockReason::Rewind).await;
@@ -227,11 +186,7 @@ async fn renew_many_renews_in_one_batch_and_reports_in_input_order() {
     assert!(expiry_of(0) > held_2.expires_at);
     assert!(expiry_of(2) > held_1.expires_at);
     assert_eq!(expiry_of(0), expiry_of(5));
-    let stored = locker
-        .inspect(streams[0], &perspective)
-        .await
-        .expect("inspect runs")
-        .expect("row");
+    let stored = inspect_row(&locker, streams[0], &perspective).await;
     assert_eq!(stored.expires_at, Some(expiry_of(2)));
     assert_eq!(
         locker.renew_many(&[]).await.expect("empty batch"),
@@ -243,22 +198,9 @@ async fn renew_many_renews_in_one_batch_and_reports_in_input_order() {
 async fn renew_many_never_resurrects_an_expired_lease() {
     let db = Db::new(2).await;
     let locker = db.locker(short_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
-    let lease = acquire(
-        &locker,
-        stream,
-        &perspective,
-        InstanceId::random(),
-        LockReason::Rewind,
-    )
-    .await;
-    for _ in 0..200 {
-        if db.db_now().await > lease.expires_at {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (stream, perspective) = db.order_cursor().await;
+    let lease = acquire_by_anyone(&locker, stream, &perspective).await;
+    db.wait_until_expired_on_db_clock(lease.expires_at).await;
     assert_eq!(
         locker
             .renew_many(std::slice::from_ref(&lease.id))
@@ -284,12 +226,7 @@ async fn admin_lists_held_and_expired_leases_with_time_left_on_the_database_cloc
     let held_b = acquire(&long, streams[1], &p2, b, LockReason::Bootstrap).await;
     let held_a = acquire(&long, streams[1], &p1, a, LockReason::Rewind).await;
     let expired = acquire(&short, streams[0], &p2, a, LockReason::Purge).await;
-    for _ in 0..200 {
-        if db.db_now().await > expired.expires_at {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    db.wait_until_expired_on_db_clock(expired.expires_at).await;
 
     let leases = long.list_leases().await.expect("list_leases runs");
     let keys: Vec<(StreamId, &str)> = leases
@@ -326,11 +263,7 @@ async fn release_all_held_by_clears_only_that_instances_leases_and_keeps_their_e
     let db = Db::new(2).await;
     let locker = db.locker(long_options());
     let (a, b) = (InstanceId::random(), InstanceId::random());
-    let perspective = name("OrderPerspective");
-    let streams: Vec<StreamId> = (0..3).map(|_| StreamId::new_v7()).collect();
-    for s in &streams {
-        db.create_cursor(*s, &perspective).await;
-    }
+    let (streams, perspective) = db.order_cursors(3).await;
     let a1 = acquire(&locker, streams[0], &perspective, a, LockReason::Rewind).await;
     let a2 = acquire(&locker, streams[1], &perspective, a, LockReason::Bootstrap).await;
     let b1 = acquire(&locker, streams[2], &perspective, b, LockReason::Rewind).await;
@@ -343,19 +276,11 @@ async fn release_all_held_by_clears_only_that_instances_leases_and_keeps_their_e
         2
     );
     for lease in [&a1, &a2] {
-        let row = locker
-            .inspect(lease.id.stream_id, &perspective)
-            .await
-            .expect("inspect runs")
-            .expect("row");
+        let row = inspect_row(&locker, lease.id.stream_id, &perspective).await;
         assert!(row.is_unlocked());
         assert_eq!(row.epoch, lease.id.epoch);
     }
-    let kept = locker
-        .inspect(streams[2], &perspective)
-        .await
-        .expect("inspect runs")
-        .expect("row");
+    let kept = inspect_row(&locker, streams[2], &perspective).await;
     assert_eq!(kept.holder, Some(b));
     assert_eq!(kept.epoch, b1.id.epoch);
     assert_eq!(

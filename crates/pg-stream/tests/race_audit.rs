@@ -30,7 +30,7 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use common::{Db, long_options, name};
+use common::{Db, acquire, long_options};
 use lockstep_core::{
     AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, PerspectiveName, ReleaseOutcome,
     StreamId, StreamLocker,
@@ -225,6 +225,17 @@ fn audit_work(intervals: &[Interval], work: &[(Uuid, i64, OffsetDateTime)]) -> V
     violations
 }
 
+/// A database of the test's own with the audit trigger and tables, and a client on it.
+async fn audited_db(pool_size: usize) -> (Db, tokio_postgres::Client) {
+    let db = Db::new(pool_size).await;
+    let setup = db.client().await;
+    setup
+        .batch_execute(AUDIT_SCHEMA)
+        .await
+        .expect("audit schema");
+    (db, setup)
+}
+
 async fn load_history(client: &tokio_postgres::Client) -> Vec<Change> {
     client
         .query("SELECT * FROM lease_log ORDER BY seq", &[])
@@ -315,14 +326,8 @@ async fn run_task(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_lockers_racing_on_one_pair_never_hold_it_at_the_same_time() {
-    let db = Db::new(4).await;
-    let setup = db.client().await;
-    setup
-        .batch_execute(AUDIT_SCHEMA)
-        .await
-        .expect("audit schema");
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (db, setup) = audited_db(4).await;
+    let (stream, perspective) = db.order_cursor().await;
 
     let outcomes = Arc::new(Mutex::new(Outcomes::default()));
     let mut tasks = Vec::new();
@@ -471,22 +476,11 @@ fn the_audit_detects_a_live_lease_taken_by_another_holder() {
 
 #[tokio::test]
 async fn the_audit_detects_an_overlap_produced_by_a_broken_acquire_on_a_real_database() {
-    let db = Db::new(2).await;
-    let setup = db.client().await;
-    setup
-        .batch_execute(AUDIT_SCHEMA)
-        .await
-        .expect("audit schema");
+    let (db, setup) = audited_db(2).await;
     let locker = db.locker(long_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
-    let _ = locker
-        .try_acquire(stream, &perspective, a, &LockReason::Rewind)
-        .await
-        .expect("try_acquire runs")
-        .into_lease()
-        .expect("acquired");
+    acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
     // The classic bug: an acquire that forgets to check the current holder.
     setup
         .execute(

@@ -8,61 +8,21 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Db, long_options, medium_options, name, short_options};
+use common::{
+    Db, acquire, acquire_by_anyone, inspect_row, long_options, medium_options, short_options,
+};
 use lockstep_core::{
-    AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, ReleaseOutcome, RenewOutcome,
-    StreamId, StreamLease, StreamLockAdmin, StreamLocker,
+    AcquireOutcome, InstanceId, LeaseFence, LockReason, ReleaseOutcome, RenewOutcome,
+    StreamLockAdmin, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_stream::PostgresStreamLocker;
-use time::OffsetDateTime;
-
-async fn acquire(
-    locker: &PostgresStreamLocker,
-    stream_id: StreamId,
-    perspective: &lockstep_core::PerspectiveName,
-    instance: InstanceId,
-    reason: LockReason,
-) -> StreamLease {
-    match locker
-        .try_acquire(stream_id, perspective, instance, &reason)
-        .await
-        .expect("try_acquire runs")
-    {
-        AcquireOutcome::Acquired(lease) => lease,
-        other => panic!("expected the lease to be acquired, got {other:?}"),
-    }
-}
-
-/// Waits until the database clock is past `expires_at` (bounded, so a broken clock fails the
-/// test instead of hanging it).
-async fn wait_until_expired_on_db_clock(db: &Db, expires_at: OffsetDateTime) {
-    for _ in 0..200 {
-        if db.db_now().await > expires_at {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the database clock never passed {expires_at}");
-}
-
-async fn fence_outcome(
-    db: &Db,
-    locker: &PostgresStreamLocker,
-    lease: &lockstep_core::LeaseId,
-) -> lockstep_core::Result<()> {
-    let tx = PgTransaction::begin(&db.pool).await.expect("begin");
-    let checked = locker.check_lease(&tx, lease).await;
-    tx.rollback().await.expect("rollback");
-    checked
-}
 
 #[tokio::test]
 async fn an_expired_lease_is_taken_over_with_a_new_epoch_and_the_old_holder_is_fenced_out() {
     let db = Db::new(4).await;
     let locker = db.locker(medium_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
 
     let old = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
@@ -81,35 +41,21 @@ async fn an_expired_lease_is_taken_over_with_a_new_epoch_and_the_old_holder_is_f
         other => panic!("expected a denial, got {other:?}"),
     }
 
-    wait_until_expired_on_db_clock(&db, old.expires_at).await;
+    db.wait_until_expired_on_db_clock(old.expires_at).await;
     let new = acquire(&locker, stream, &perspective, b, LockReason::Bootstrap).await;
     assert_eq!(new.id.epoch.get(), old.id.epoch.get() + 1);
     assert_eq!(new.id.holder, b);
 
     // The old holder's renew, release and fenced commit all fail; B's lease is untouched.
-    assert_eq!(
-        locker.renew(&old.id).await.expect("renew runs"),
-        RenewOutcome::Lost
-    );
-    assert_eq!(
-        locker.release(&old.id).await.expect("release runs"),
-        ReleaseOutcome::NotHeld
-    );
-    let fenced = fence_outcome(&db, &locker, &old.id)
-        .await
-        .expect_err("the old holder's fence must fail");
-    assert_eq!(fenced.kind(), ErrorKind::LeaseLost);
+    db.assert_lease_lost(&locker, &old.id, "the old holder's fence must fail")
+        .await;
 
-    let row = locker
-        .inspect(stream, &perspective)
-        .await
-        .expect("inspect runs")
-        .expect("the row exists");
+    let row = inspect_row(&locker, stream, &perspective).await;
     assert_eq!(row.holder, Some(b));
     assert_eq!(row.reason, Some(LockReason::Bootstrap));
     assert_eq!(row.epoch, new.id.epoch);
     assert_eq!(row.expires_at, Some(new.expires_at));
-    fence_outcome(&db, &locker, &new.id)
+    db.fence_outcome(&locker, &new.id)
         .await
         .expect("the new holder's fence passes");
 }
@@ -118,12 +64,11 @@ async fn an_expired_lease_is_taken_over_with_a_new_epoch_and_the_old_holder_is_f
 async fn reacquiring_an_own_expired_lease_starts_a_new_epoch_and_fences_the_old_one() {
     let db = Db::new(4).await;
     let locker = db.locker(short_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let a = InstanceId::random();
 
     let first = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
-    wait_until_expired_on_db_clock(&db, first.expires_at).await;
+    db.wait_until_expired_on_db_clock(first.expires_at).await;
     // An expired lease cannot be renewed back to life, not even by its holder.
     assert_eq!(
         locker.renew(&first.id).await.expect("renew runs"),
@@ -131,13 +76,8 @@ async fn reacquiring_an_own_expired_lease_starts_a_new_epoch_and_fences_the_old_
     );
     let second = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
     assert_eq!(second.id.epoch.get(), first.id.epoch.get() + 1);
-    assert_eq!(
-        fence_outcome(&db, &locker, &first.id)
-            .await
-            .expect_err("the first epoch is fenced out")
-            .kind(),
-        ErrorKind::LeaseLost
-    );
+    db.assert_fenced_out(&locker, &first.id, "the first epoch is fenced out")
+        .await;
     assert_eq!(
         locker.release(&first.id).await.expect("release runs"),
         ReleaseOutcome::NotHeld
@@ -152,35 +92,10 @@ async fn reacquiring_an_own_expired_lease_starts_a_new_epoch_and_fences_the_old_
 }
 
 #[tokio::test]
-async fn an_expired_but_uncleared_lease_fails_its_holders_fence_before_anyone_takes_it() {
-    let db = Db::new(4).await;
-    let locker = db.locker(short_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
-    let lease = acquire(
-        &locker,
-        stream,
-        &perspective,
-        InstanceId::random(),
-        LockReason::Rewind,
-    )
-    .await;
-    wait_until_expired_on_db_clock(&db, lease.expires_at).await;
-    assert_eq!(
-        fence_outcome(&db, &locker, &lease.id)
-            .await
-            .expect_err("an expired lease does not pass the fence")
-            .kind(),
-        ErrorKind::LeaseLost
-    );
-}
-
-#[tokio::test]
 async fn force_release_bumps_the_epoch_and_fences_the_old_holder_out() {
     let db = Db::new(4).await;
     let locker = db.locker(long_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let old = acquire(&locker, stream, &perspective, a, LockReason::Purge).await;
 
@@ -191,29 +106,12 @@ async fn force_release_bumps_the_epoch_and_fences_the_old_holder_out() {
             .expect("force_release runs"),
         ReleaseOutcome::Released
     );
-    let row = locker
-        .inspect(stream, &perspective)
-        .await
-        .expect("inspect runs")
-        .expect("the row exists");
+    let row = inspect_row(&locker, stream, &perspective).await;
     assert!(row.is_unlocked());
     assert_eq!(row.epoch.get(), old.id.epoch.get() + 1);
 
-    assert_eq!(
-        locker.renew(&old.id).await.expect("renew runs"),
-        RenewOutcome::Lost
-    );
-    assert_eq!(
-        locker.release(&old.id).await.expect("release runs"),
-        ReleaseOutcome::NotHeld
-    );
-    assert_eq!(
-        fence_outcome(&db, &locker, &old.id)
-            .await
-            .expect_err("the force-released holder is fenced out")
-            .kind(),
-        ErrorKind::LeaseLost
-    );
+    db.assert_lease_lost(&locker, &old.id, "the force-released holder is fenced out")
+        .await;
     // Nothing left to force-release: no change, not even to the epoch.
     assert_eq!(
         locker
@@ -266,8 +164,7 @@ async fn a_fence_check_makes_a_takeover_wait_until_the_fenced_transaction_ends()
     let locker = db.locker(medium_options());
     // B runs on a pool of its own, like another process.
     let other = PostgresStreamLocker::new(db.other_pool(2), medium_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
+    let (stream, perspective) = db.order_cursor().await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
 
     let lease = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
@@ -285,7 +182,7 @@ async fn a_fence_check_makes_a_takeover_wait_until_the_fenced_transaction_ends()
         .expect("fenced work");
 
     // A's lease expires while its fenced transaction is still open ...
-    wait_until_expired_on_db_clock(&db, lease.expires_at).await;
+    db.wait_until_expired_on_db_clock(lease.expires_at).await;
     let persp = perspective.clone();
     let takeover = tokio::spawn(async move {
         other
@@ -327,16 +224,8 @@ async fn a_fence_check_makes_a_force_release_wait_and_changes_no_lease_column() 
     let db = Db::new(4).await;
     let locker = db.locker(long_options());
     let admin = PostgresStreamLocker::new(db.other_pool(2), long_options());
-    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
-    db.create_cursor(stream, &perspective).await;
-    let lease = acquire(
-        &locker,
-        stream,
-        &perspective,
-        InstanceId::random(),
-        LockReason::Rewind,
-    )
-    .await;
+    let (stream, perspective) = db.order_cursor().await;
+    let lease = acquire_by_anyone(&locker, stream, &perspective).await;
     let before = db.lease_snapshot().await;
 
     let tx = PgTransaction::begin(&db.pool).await.expect("begin");
@@ -362,11 +251,6 @@ async fn a_fence_check_makes_a_force_release_wait_and_changes_no_lease_column() 
             .expect("force_release runs"),
         ReleaseOutcome::Released
     );
-    assert_eq!(
-        fence_outcome(&db, &locker, &lease.id)
-            .await
-            .expect_err("fenced out after the force-release")
-            .kind(),
-        ErrorKind::LeaseLost
-    );
+    db.assert_fenced_out(&locker, &lease.id, "fenced out after the force-release")
+        .await;
 }

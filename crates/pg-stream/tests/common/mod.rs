@@ -1,5 +1,6 @@
-//! Shared set-up of the Postgres tests: a fresh, migrated database per test and short lease
-//! timings.
+//! Shared set-up of the Postgres tests: a fresh, migrated database per test, short lease
+//! timings, and the helpers several test files use (acquiring, waiting on the database clock,
+//! checking the fence).
 
 // Each test binary uses a different subset of these helpers.
 #![allow(dead_code)]
@@ -7,9 +8,15 @@
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use lockstep_core::{PerspectiveName, StreamId, StreamLockOptions};
+use lockstep_core::{
+    AcquireOutcome, CursorLease, ErrorKind, InstanceId, LeaseFence, LeaseId, LockReason,
+    PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLease, StreamLockAdmin,
+    StreamLockOptions, StreamLocker,
+};
+use lockstep_pg::PgTransaction;
 use lockstep_pg_stream::PostgresStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+use time::OffsetDateTime;
 
 /// Lock timeout of the short-lived leases the tests expire.
 pub(crate) const LOCK_TIMEOUT: Duration = Duration::from_millis(400);
@@ -76,6 +83,23 @@ impl Db {
         create_cursor(&self.pool, stream_id, perspective).await;
     }
 
+    /// A fresh stream with an unlocked `OrderPerspective` cursor row.
+    pub(crate) async fn order_cursor(&self) -> (StreamId, PerspectiveName) {
+        let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
+        self.create_cursor(stream, &perspective).await;
+        (stream, perspective)
+    }
+
+    /// `count` fresh streams, each with an unlocked `OrderPerspective` cursor row.
+    pub(crate) async fn order_cursors(&self, count: usize) -> (Vec<StreamId>, PerspectiveName) {
+        let perspective = name("OrderPerspective");
+        let streams: Vec<StreamId> = (0..count).map(|_| StreamId::new_v7()).collect();
+        for s in &streams {
+            self.create_cursor(*s, &perspective).await;
+        }
+        (streams, perspective)
+    }
+
     /// Every row's lease columns, in key order, to show that nothing else changed.
     pub(crate) async fn lease_snapshot(&self) -> Vec<LeaseRow> {
         let client = self.pool.get().await.expect("connection");
@@ -109,6 +133,110 @@ impl Db {
             .expect("clock_timestamp()")
             .get(0)
     }
+
+    /// Waits until the database clock is past `expires_at` (bounded, so a broken clock fails the
+    /// test instead of hanging it).
+    pub(crate) async fn wait_until_expired_on_db_clock(&self, expires_at: OffsetDateTime) {
+        for _ in 0..200 {
+            if self.db_now().await > expires_at {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the database clock never passed {expires_at}");
+    }
+
+    /// What `locker`'s fence says about `lease`, checked in a transaction of its own on this
+    /// database's pool (rolled back afterwards).
+    pub(crate) async fn fence_outcome(
+        &self,
+        locker: &PostgresStreamLocker,
+        lease: &LeaseId,
+    ) -> lockstep_core::Result<()> {
+        let tx = PgTransaction::begin(&self.pool).await.expect("begin");
+        let checked = locker.check_lease(&tx, lease).await;
+        tx.rollback().await.expect("rollback");
+        checked
+    }
+
+    /// Asserts that `lease` fails `locker`'s fence with `LeaseLost`; `why` is the message if the
+    /// fence passes instead.
+    pub(crate) async fn assert_fenced_out(
+        &self,
+        locker: &PostgresStreamLocker,
+        lease: &LeaseId,
+        why: &str,
+    ) {
+        let err = self.fence_outcome(locker, lease).await.expect_err(why);
+        assert_eq!(err.kind(), ErrorKind::LeaseLost, "{why}: {err}");
+    }
+
+    /// Asserts that the holder of `lease`, which it has lost (to a takeover or a force-release),
+    /// can no longer renew it, release it, or pass the fence with it; `why` is the message if
+    /// the fence passes.
+    pub(crate) async fn assert_lease_lost(
+        &self,
+        locker: &PostgresStreamLocker,
+        lease: &LeaseId,
+        why: &str,
+    ) {
+        assert_eq!(
+            locker.renew(lease).await.expect("renew runs"),
+            RenewOutcome::Lost
+        );
+        assert_eq!(
+            locker.release(lease).await.expect("release runs"),
+            ReleaseOutcome::NotHeld
+        );
+        self.assert_fenced_out(locker, lease, why).await;
+    }
+}
+
+/// The admin view of a pair's cursor row, which must exist.
+pub(crate) async fn inspect_row(
+    locker: &PostgresStreamLocker,
+    stream_id: StreamId,
+    perspective: &PerspectiveName,
+) -> CursorLease {
+    locker
+        .inspect(stream_id, perspective)
+        .await
+        .expect("inspect runs")
+        .expect("the cursor row exists")
+}
+
+/// Acquires the lease of a pair, panicking on any outcome but `Acquired`.
+pub(crate) async fn acquire(
+    locker: &PostgresStreamLocker,
+    stream_id: StreamId,
+    perspective: &PerspectiveName,
+    instance: InstanceId,
+    reason: LockReason,
+) -> StreamLease {
+    match locker
+        .try_acquire(stream_id, perspective, instance, &reason)
+        .await
+        .expect("try_acquire runs")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        other => panic!("expected the lease to be acquired, got {other:?}"),
+    }
+}
+
+/// Acquires the lease of a pair for a new, random instance, for `Rewind`.
+pub(crate) async fn acquire_by_anyone(
+    locker: &PostgresStreamLocker,
+    stream_id: StreamId,
+    perspective: &PerspectiveName,
+) -> StreamLease {
+    acquire(
+        locker,
+        stream_id,
+        perspective,
+        InstanceId::random(),
+        LockReason::Rewind,
+    )
+    .await
 }
 
 pub(crate) async fn create_cursor(pool: &Pool, stream_id: StreamId, perspective: &PerspectiveName) {
