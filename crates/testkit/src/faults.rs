@@ -1,6 +1,6 @@
 //! Fault-injecting wrappers: forward to the wrapped implementation unless the test, through a
 //! handle, has asked for a fault — deny the next acquires, fail or lose the next renews, fail
-//! the next lock calls with a chosen kind, add latency to every call.
+//! the next lock calls, loads or appends with a chosen kind, add latency to every call.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
@@ -22,9 +22,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseHolder,
-    LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
-    StreamId, StreamLockOptions, StreamLocker, async_trait,
+    AcquireOutcome, DistributedLock, Error, ErrorKind, EventStore, ExpectedVersion, InstanceId,
+    LeaseEpoch, LeaseHolder, LeaseId, LockReason, NewEvent, PerspectiveName, RecordedEvent,
+    ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId, StreamLockOptions, StreamLocker,
+    VersionConflict, async_trait,
 };
 use time::OffsetDateTime;
 
@@ -35,6 +36,8 @@ struct Faults {
     fail_renews: Option<(u32, ErrorKind)>,
     lose_renews: u32,
     fail_releases: Option<(u32, ErrorKind)>,
+    fail_loads: Option<(u32, ErrorKind)>,
+    fail_appends: Option<(u32, ErrorKind)>,
     latency: Duration,
 }
 
@@ -72,12 +75,13 @@ impl FaultHandle {
     }
 
     /// The next `n` acquires are denied (stream locker: `Denied` by a made-up holder;
-    /// distributed lock: try-acquire returns `false`, blocking acquire times out).
+    /// distributed lock: try-acquire returns `false`, blocking acquire times out; event store:
+    /// `load_locked` times out).
     pub fn deny_next_acquires(&self, n: u32) {
         self.faults().deny_acquires = n;
     }
 
-    /// The next `n` acquires fail with an error of `kind`.
+    /// The next `n` acquires (event store: `load_locked` calls) fail with an error of `kind`.
     pub fn fail_next_acquires(&self, n: u32, kind: ErrorKind) {
         self.faults().fail_acquires = Some((n, kind));
     }
@@ -95,6 +99,21 @@ impl FaultHandle {
     /// The next `n` releases fail with an error of `kind` (the lease stays held).
     pub fn fail_next_releases(&self, n: u32, kind: ErrorKind) {
         self.faults().fail_releases = Some((n, kind));
+    }
+
+    /// The next `n` loads (`load` or `load_locked`, which then takes no lock) fail with an
+    /// error of `kind`.
+    pub fn fail_next_loads(&self, n: u32, kind: ErrorKind) {
+        self.faults().fail_loads = Some((n, kind));
+    }
+
+    /// The next `n` appends fail with an error of `kind` and append nothing. A
+    /// [`ErrorKind::Conflict`] carries a [`VersionConflict`] (read it with
+    /// [`lockstep_core::version_conflict`]) whose actual version is unknown, as when another
+    /// writer appended the same version first; use it to drive an application's optimistic
+    /// retry path.
+    pub fn fail_next_appends(&self, n: u32, kind: ErrorKind) {
+        self.faults().fail_appends = Some((n, kind));
     }
 
     /// Every call sleeps `latency` (on tokio's clock) before doing anything.
@@ -277,5 +296,95 @@ where
             return Ok(false);
         }
         self.inner.try_acquire_for_transaction(tx, key).await
+    }
+}
+
+/// An [`EventStore`] that injects the faults its [`FaultHandle`] asks for: failed loads
+/// ([`FaultHandle::fail_next_loads`]), failed appends ([`FaultHandle::fail_next_appends`]),
+/// and for `load_locked` also failed or denied acquires (a denial is a
+/// [`ErrorKind::LockTimeout`]); latency applies to every call. One fault per call, a load
+/// failure before an acquire fault.
+///
+/// An injected failure never reaches the wrapped store, so unlike a real failed statement it
+/// does **not** abort the caller's transaction (the wrapper cannot reach into an arbitrary
+/// transaction type). Code under test must still retry in a new transaction, as the contract
+/// requires; this wrapper will not catch a retry on the failed one.
+#[derive(Debug, Clone)]
+pub struct FaultyEventStore<S> {
+    inner: S,
+    handle: FaultHandle,
+}
+
+impl<S> FaultyEventStore<S> {
+    /// Wraps `inner`; returns the wrapper and its handle.
+    pub fn new(inner: S) -> (Self, FaultHandle) {
+        let handle = FaultHandle::default();
+        (
+            FaultyEventStore {
+                inner,
+                handle: handle.clone(),
+            },
+            handle,
+        )
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<Tx, S> EventStore<Tx> for FaultyEventStore<S>
+where
+    Tx: ?Sized + Sync,
+    S: EventStore<Tx>,
+{
+    async fn load(&self, tx: &Tx, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
+        self.handle.delay().await;
+        let fail = take_kind(&mut self.handle.faults().fail_loads);
+        if let Some(kind) = fail {
+            return Err(injected(kind, "load"));
+        }
+        self.inner.load(tx, stream_id).await
+    }
+
+    async fn load_locked(
+        &self,
+        tx: &Tx,
+        stream_id: StreamId,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<RecordedEvent>> {
+        self.handle.delay().await;
+        let fail = take_kind(&mut self.handle.faults().fail_loads);
+        if let Some(kind) = fail {
+            return Err(injected(kind, "load_locked"));
+        }
+        let (deny, fail) = self.handle.next_acquire_fault();
+        if let Some(kind) = fail {
+            return Err(injected(kind, "load_locked"));
+        }
+        if deny {
+            return Err(injected(ErrorKind::LockTimeout, "load_locked"));
+        }
+        self.inner.load_locked(tx, stream_id, key, timeout).await
+    }
+
+    async fn append(
+        &self,
+        tx: &Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<u64> {
+        self.handle.delay().await;
+        let fail = take_kind(&mut self.handle.faults().fail_appends);
+        match fail {
+            Some(ErrorKind::Conflict) => Err(VersionConflict::new(stream_id, expected, None)
+                .with_source(injected(ErrorKind::Conflict, "append"))
+                .into_error()),
+            Some(kind) => Err(injected(kind, "append")),
+            None => self.inner.append(tx, stream_id, expected, events).await,
+        }
     }
 }

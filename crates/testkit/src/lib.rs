@@ -8,10 +8,11 @@
 //!   [`FakeDistributedLock`] and [`FakeSessionLocks`] for the distributed lock and, through
 //!   `lockstep_core::DistributedAggregateWriteLock`, the aggregate write lock.
 //!   [`InMemoryEventStore`] for the event store, on the same fake transactions.
-//! - Wrappers users can drive: [`RecordingStreamLocker`] / [`RecordingDistributedLock`] (what
-//!   was called, with which reason or key, in order) and [`FaultyStreamLocker`] /
-//!   [`FaultyDistributedLock`] with a [`FaultHandle`] (deny the next acquire, fail the next N
-//!   renews, add latency).
+//! - Wrappers users can drive: [`RecordingStreamLocker`] / [`RecordingDistributedLock`] /
+//!   [`RecordingEventStore`] (what was called, with which reason, key or events, in order, and
+//!   what came back) and [`FaultyStreamLocker`] / [`FaultyDistributedLock`] /
+//!   [`FaultyEventStore`] with a [`FaultHandle`] (deny the next acquire, fail the next N renews,
+//!   fail the next N appends with a conflict, add latency).
 //! - The shared [`conformance`] suites that the fakes and every Postgres backend pass.
 //! - [`pg_harness`]: a fresh PostgreSQL database per test (feature `postgres`).
 
@@ -29,8 +30,9 @@ pub use fake_lock::{
     FakeDatabase, FakeDistributedLock, FakeSessionGuard, FakeSessionLocks, FakeTransaction,
     LockOwner, TxEnd,
 };
-pub use faults::{FaultHandle, FaultyDistributedLock, FaultyStreamLocker};
+pub use faults::{FaultHandle, FaultyDistributedLock, FaultyEventStore, FaultyStreamLocker};
 pub use recording::{
-    LockCall, LockMode, RecordingDistributedLock, RecordingStreamLocker, StreamLockCall,
+    EventStoreCall, LockCall, LockMode, RecordingDistributedLock, RecordingEventStore,
+    RecordingStreamLocker, StreamLockCall,
 };
 pub use stream_locker::InMemoryStreamLocker;

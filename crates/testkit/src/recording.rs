@@ -1,6 +1,7 @@
 //! Recording wrappers: forward every call to the wrapped implementation and remember what was
 //! asked and what came back, in order, so a test can assert on it (which reasons a worker
-//! used, whether it released what it acquired, which keys a handler locked).
+//! used, whether it released what it acquired, which keys a handler locked, which events a
+//! handler appended and how often it had to retry).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
@@ -20,9 +21,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, DistributedLock, InstanceId, LeaseId, LockReason, PerspectiveName,
-    ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId, StreamLockOptions, StreamLocker,
-    async_trait,
+    AcquireOutcome, DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseId, LockReason,
+    NewEvent, PerspectiveName, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
+    StreamId, StreamLockOptions, StreamLocker, async_trait,
 };
 
 /// One call to a [`StreamLocker`], with its result (`Err` as the error's text).
@@ -270,6 +271,180 @@ where
         lock(&self.calls).push(LockCall {
             key: key.clone(),
             mode: LockMode::TryAcquire,
+            outcome: text(&result),
+        });
+        result
+    }
+}
+
+/// One call to an [`EventStore`], with its result: `Ok` the stream's version (for a load, the
+/// version of the last event loaded, 0 for an empty stream; for an append, the new version),
+/// `Err` the error's text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventStoreCall {
+    /// `load`.
+    Load {
+        /// Stream loaded.
+        stream_id: StreamId,
+        /// What came back.
+        outcome: std::result::Result<u64, String>,
+    },
+    /// `load_locked`.
+    LoadLocked {
+        /// Stream loaded.
+        stream_id: StreamId,
+        /// Key locked first.
+        key: ResourceKey,
+        /// Lock timeout given.
+        timeout: Option<Duration>,
+        /// What came back.
+        outcome: std::result::Result<u64, String>,
+    },
+    /// `append`.
+    Append {
+        /// Stream appended to.
+        stream_id: StreamId,
+        /// Version expected.
+        expected: ExpectedVersion,
+        /// Types of the events, in order.
+        event_types: Vec<String>,
+        /// What came back.
+        outcome: std::result::Result<u64, String>,
+    },
+}
+
+impl EventStoreCall {
+    /// The stream the call was about.
+    pub fn stream_id(&self) -> StreamId {
+        match self {
+            EventStoreCall::Load { stream_id, .. }
+            | EventStoreCall::LoadLocked { stream_id, .. }
+            | EventStoreCall::Append { stream_id, .. } => *stream_id,
+        }
+    }
+
+    /// What came back.
+    pub fn outcome(&self) -> &std::result::Result<u64, String> {
+        match self {
+            EventStoreCall::Load { outcome, .. }
+            | EventStoreCall::LoadLocked { outcome, .. }
+            | EventStoreCall::Append { outcome, .. } => outcome,
+        }
+    }
+}
+
+/// Records every call to the wrapped [`EventStore`] (for any transaction type). Clones share
+/// the record.
+///
+/// A call is recorded when it returns, so concurrent calls appear in the order they finished.
+/// It records calls, not transactions: a successful append whose transaction is later rolled
+/// back stays in the record as a success.
+#[derive(Debug, Clone)]
+pub struct RecordingEventStore<S> {
+    inner: S,
+    calls: Arc<Mutex<Vec<EventStoreCall>>>,
+}
+
+impl<S> RecordingEventStore<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S) -> Self {
+        RecordingEventStore {
+            inner,
+            calls: Arc::default(),
+        }
+    }
+
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<EventStoreCall> {
+        lock(&self.calls).clone()
+    }
+
+    /// Every `append`, successful or not, in order.
+    pub fn appends(&self) -> Vec<EventStoreCall> {
+        lock(&self.calls)
+            .iter()
+            .filter(|c| matches!(c, EventStoreCall::Append { .. }))
+            .cloned()
+            .collect()
+    }
+
+    /// The event types of every successful `append`, flattened, in order.
+    pub fn appended_event_types(&self) -> Vec<String> {
+        lock(&self.calls)
+            .iter()
+            .filter_map(|c| match c {
+                EventStoreCall::Append {
+                    event_types,
+                    outcome: Ok(_),
+                    ..
+                } => Some(event_types.iter().cloned()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn record(&self, call: EventStoreCall) {
+        lock(&self.calls).push(call);
+    }
+}
+
+/// The version a load saw: that of its last event (0 for an empty stream).
+fn loaded_version(result: &Result<Vec<RecordedEvent>>) -> std::result::Result<u64, String> {
+    match result {
+        Ok(events) => Ok(events.last().map_or(0, |e| e.version)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+impl<Tx, S> EventStore<Tx> for RecordingEventStore<S>
+where
+    Tx: ?Sized + Sync,
+    S: EventStore<Tx>,
+{
+    async fn load(&self, tx: &Tx, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
+        let result = self.inner.load(tx, stream_id).await;
+        self.record(EventStoreCall::Load {
+            stream_id,
+            outcome: loaded_version(&result),
+        });
+        result
+    }
+
+    async fn load_locked(
+        &self,
+        tx: &Tx,
+        stream_id: StreamId,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<RecordedEvent>> {
+        let result = self.inner.load_locked(tx, stream_id, key, timeout).await;
+        self.record(EventStoreCall::LoadLocked {
+            stream_id,
+            key: key.clone(),
+            timeout,
+            outcome: loaded_version(&result),
+        });
+        result
+    }
+
+    async fn append(
+        &self,
+        tx: &Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<u64> {
+        let result = self.inner.append(tx, stream_id, expected, events).await;
+        self.record(EventStoreCall::Append {
+            stream_id,
+            expected,
+            event_types: events.iter().map(|e| e.event_type().to_owned()).collect(),
             outcome: text(&result),
         });
         result
