@@ -120,6 +120,17 @@ async fn distributed_lock_conformance_suite_passes_without_the_local_queue() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_lock_conformance_suite_passes_on_postgres() {
+    let (db, pool, lock) = setup(8).await;
+    lockstep_testkit::conformance::session_lock::run_all(Arc::new(Fixture {
+        _db: db,
+        pool,
+        lock,
+    }))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_waiting_acquire_leaves_no_waiting_backend_and_the_pool_stays_healthy() {
     let (db, pool, lock) = setup(3).await;
     let admin = db.connect().await;

@@ -572,6 +572,28 @@ impl Drop for FakeSessionGuard {
     }
 }
 
+/// Session locks on the same database, so one value offers both scopes (as the Postgres lock
+/// does); same as [`FakeSessionLocks`].
+impl SessionLocks for FakeDistributedLock {
+    type Guard = FakeSessionGuard;
+
+    async fn acquire_session(
+        &self,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<FakeSessionGuard> {
+        FakeSessionLocks::new(&self.db)
+            .acquire_session(key, timeout)
+            .await
+    }
+
+    async fn try_acquire_session(&self, key: &ResourceKey) -> Result<Option<FakeSessionGuard>> {
+        FakeSessionLocks::new(&self.db)
+            .try_acquire_session(key)
+            .await
+    }
+}
+
 /// The fake lock as a conformance fixture: transactions are begun on its database.
 impl crate::conformance::distributed_lock::DistributedLockFixture for FakeDistributedLock {
     type Tx = FakeTransaction;

@@ -46,3 +46,11 @@ async fn in_memory_stream_locker_passes_the_lease_fence_suite() {
         "no row lock outlives its transaction"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn fake_session_locks_pass_the_session_lock_suite() {
+    let db = FakeDatabase::new();
+    lockstep_testkit::conformance::session_lock::run_all(Arc::new(FakeDistributedLock::new(&db)))
+        .await;
+    assert!(db.held_keys().is_empty());
+}

@@ -19,4 +19,5 @@
 pub mod distributed_lock;
 pub mod event_store;
 pub mod lease_fence;
+pub mod session_lock;
 pub mod stream_locker;
