@@ -132,6 +132,14 @@ impl NewEvent {
             }
             .into());
         }
+        // PostgreSQL's jsonb cannot store U+0000 in any string (key or value); refuse it here so
+        // every backend rejects the same event the same way, before anything is written.
+        if json_contains_nul(&payload) {
+            return Err(crate::error::ValidationError::ContainsNul {
+                field: "event payload",
+            }
+            .into());
+        }
         Ok(NewEvent {
             event_type,
             payload,
@@ -288,6 +296,17 @@ pub trait EventStore<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<u64>> + Send + 'a;
 }
 
+fn json_contains_nul(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(items) => items.iter().any(json_contains_nul),
+        serde_json::Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| k.contains('\0') || json_contains_nul(v)),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -330,5 +349,18 @@ mod tests {
             ExpectedVersion::Exact(4).into_exact(),
             ExpectedVersion::Exact(4)
         );
+    }
+
+    #[test]
+    fn a_payload_with_a_nul_character_anywhere_is_refused() {
+        for payload in [
+            serde_json::json!({ "note": "a\u{0}b" }),
+            serde_json::json!({ "a\u{0}": 1 }),
+            serde_json::json!([[{ "deep": ["x\u{0}"] }]]),
+        ] {
+            let err = NewEvent::new("Noted", payload).expect_err("refused");
+            assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        }
+        assert!(NewEvent::new("Noted", serde_json::json!({ "note": "ok" })).is_ok());
     }
 }
