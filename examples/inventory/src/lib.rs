@@ -10,6 +10,7 @@
 //!   and the [`lockstep_core::AggregateWriteLock`].
 //! - [`wiring`] is the composition root: PostgreSQL (`lockstep-pg-advisory`,
 //!   `lockstep-pg-store`) or the testkit fakes.
+//! - [`flash_sale`] runs concurrent customers against one SKU and tallies their answers.
 //! - `main` runs a small flash sale: on PostgreSQL when `DATABASE_URL` is set, else in memory.
 //!
 //! ```
@@ -29,6 +30,7 @@
 //! ```
 
 pub mod domain;
+pub mod flash_sale;
 pub mod handler;
 pub mod wiring;
 

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use lockstep_core::{AggregateWriteLock, EventStore};
-use lockstep_example_inventory::handler::{self, LockMode, ReserveStock, ReserveStockHandler};
+use lockstep_example_inventory::flash_sale::{self, Tally};
+use lockstep_example_inventory::handler::{self, LockMode, ReserveStockHandler};
 use lockstep_example_inventory::wiring::{self, FakeUnitOfWork, PgUnitOfWork};
 use lockstep_example_inventory::{InventoryError, UnitOfWork};
 use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
@@ -18,20 +19,12 @@ const CUSTOMERS: usize = 32;
 const STOCK: u32 = 100;
 const EACH: u32 = 4;
 
-#[derive(Debug, Default)]
-struct Tally {
-    reserved: u64,
-    sold_out: usize,
-    busy: usize,
-    failed: usize,
-    retries: u64,
-}
-
-async fn flash_sale<U, L, S>(
+/// Stocks a new SKU and runs the sale on it.
+async fn sale<U, L, S>(
     uow: Arc<U>,
     reserve: Arc<ReserveStockHandler<L, S>>,
     store: &S,
-) -> Result<(Tally, u64), InventoryError>
+) -> Result<Tally, InventoryError>
 where
     U: UnitOfWork + 'static,
     U::Tx: 'static,
@@ -40,42 +33,21 @@ where
 {
     let sku = Uuid::now_v7();
     handler::stock_new_item(&*uow, store, sku, STOCK).await?;
-    let customers: Vec<_> = (0..CUSTOMERS)
-        .map(|_| {
-            let (uow, reserve) = (Arc::clone(&uow), Arc::clone(&reserve));
-            tokio::spawn(async move {
-                let cmd = ReserveStock {
-                    sku,
-                    quantity: EACH,
-                    reservation_id: Uuid::now_v7(),
-                };
-                reserve.handle(&*uow, tokio::time::sleep, &cmd).await
-            })
-        })
-        .collect();
-    let mut tally = Tally::default();
-    for customer in customers {
-        match customer.await {
-            Ok(Ok(done)) => {
-                tally.reserved += u64::from(EACH);
-                tally.retries += u64::from(done.attempts - 1);
-            }
-            Ok(Err(InventoryError::InsufficientStock { .. })) => tally.sold_out += 1,
-            Ok(Err(InventoryError::Busy { .. })) => tally.busy += 1,
-            Ok(Err(_)) | Err(_) => tally.failed += 1,
-        }
-    }
-    let item = handler::load_item(&*uow, store, sku).await?;
-    Ok((tally, item.available()))
+    flash_sale::run(uow, reserve, store, sku, CUSTOMERS, EACH).await
 }
 
-fn report(mode: LockMode, tally: &Tally, available: u64) {
+fn report(mode: LockMode, tally: &Tally) {
     println!(
         "{mode:?}: reserved {} units, {} left (stock {STOCK}); sold out: {}, busy: {}, failed: {}, retries: {}",
-        tally.reserved, available, tally.sold_out, tally.busy, tally.failed, tally.retries
+        tally.reserved,
+        tally.available,
+        tally.sold_out,
+        tally.busy,
+        tally.failures.len(),
+        tally.retries
     );
     assert_eq!(
-        tally.reserved + available,
+        tally.reserved + tally.available,
         u64::from(STOCK),
         "every unit accounted for"
     );
@@ -96,9 +68,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             for mode in LockMode::ALL {
                 let reserve = wiring::postgres_handler(&pool, mode);
                 let store = lockstep_pg_store::PgEventStore::new();
-                let (tally, available) =
-                    flash_sale(Arc::clone(&uow), Arc::new(reserve), &store).await?;
-                report(mode, &tally, available);
+                let tally = sale(Arc::clone(&uow), Arc::new(reserve), &store).await?;
+                report(mode, &tally);
             }
         }
         Err(_) => {
@@ -107,8 +78,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let uow = Arc::new(FakeUnitOfWork::new(&db));
             for mode in LockMode::ALL {
                 let reserve = Arc::new(wiring::fake_handler(&db, &store, mode));
-                let (tally, available) = flash_sale(Arc::clone(&uow), reserve, &store).await?;
-                report(mode, &tally, available);
+                let tally = sale(Arc::clone(&uow), reserve, &store).await?;
+                report(mode, &tally);
             }
         }
     }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use lockstep_core::{AggregateWriteLock, DistributedAggregateWriteLock, EventStore, StreamId};
+use lockstep_example_inventory::flash_sale::{self, Tally};
 use lockstep_example_inventory::handler::{self, stock_item_key};
 use lockstep_example_inventory::wiring::{FakeUnitOfWork, fake_handler};
 use lockstep_example_inventory::{InventoryError, LockMode, ReserveStock, STOCK_ITEM};
@@ -94,7 +95,7 @@ async fn the_lock_key_is_namespaced_by_aggregate_type_and_id() {
     );
 }
 
-async fn flash_sale(mode: LockMode) -> (usize, usize, usize, u64) {
+async fn flash_sale(mode: LockMode) -> Tally {
     let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
     let uow = Arc::new(FakeUnitOfWork::new(&db));
     let sku = Uuid::now_v7();
@@ -102,46 +103,35 @@ async fn flash_sale(mode: LockMode) -> (usize, usize, usize, u64) {
         .await
         .expect("stock");
     let reserve = Arc::new(fake_handler(&db, &store, mode));
-    let writers: Vec<_> = (0..32)
-        .map(|_| {
-            let (uow, reserve) = (Arc::clone(&uow), Arc::clone(&reserve));
-            tokio::spawn(async move {
-                let cmd = ReserveStock {
-                    sku,
-                    quantity: 4,
-                    reservation_id: Uuid::now_v7(),
-                };
-                reserve.handle(&*uow, tokio::time::sleep, &cmd).await
-            })
-        })
-        .collect();
-    let (mut ok, mut sold_out, mut busy) = (0, 0, 0);
-    for writer in writers {
-        match writer.await.expect("writer") {
-            Ok(_) => ok += 1,
-            Err(InventoryError::InsufficientStock { .. }) => sold_out += 1,
-            Err(InventoryError::Busy { .. }) => busy += 1,
-            Err(other) => panic!("{mode:?}: unexpected failure: {other}"),
-        }
-    }
-    let item = handler::load_item(&*uow, &store, sku).await.expect("load");
+    let tally = flash_sale::run(uow, reserve, &store, sku, 32, 4)
+        .await
+        .expect("sale");
+    assert!(
+        tally.failures.is_empty(),
+        "{mode:?}: unexpected failures: {:?}",
+        tally.failures
+    );
     assert!(db.held_keys().is_empty(), "every lock released");
-    (ok, sold_out, busy, item.available())
+    tally
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thirty_two_writers_never_oversell_in_any_mode() {
     for mode in LockMode::ALL {
-        let (ok, sold_out, busy, available) = flash_sale(mode).await;
-        assert_eq!(ok + sold_out + busy, 32, "{mode:?}: every command answered");
+        let tally = flash_sale(mode).await;
+        assert_eq!(tally.answered(), 32, "{mode:?}: every command answered");
         assert_eq!(
-            ok as u64 * 4 + available,
+            tally.ok * 4 + tally.available,
             100,
             "{mode:?}: every unit accounted for"
         );
         if mode != LockMode::FailFast {
-            assert_eq!((ok, sold_out, busy), (25, 7, 0), "{mode:?}");
-            assert_eq!(available, 0);
+            assert_eq!(
+                (tally.ok, tally.sold_out, tally.busy),
+                (25, 7, 0),
+                "{mode:?}"
+            );
+            assert_eq!(tally.available, 0);
         }
     }
 }

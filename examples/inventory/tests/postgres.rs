@@ -4,9 +4,10 @@
 use std::sync::Arc;
 
 use lockstep_core::RetryPolicy;
+use lockstep_example_inventory::LockMode;
+use lockstep_example_inventory::flash_sale;
 use lockstep_example_inventory::handler;
 use lockstep_example_inventory::wiring::{PgUnitOfWork, postgres_handler};
-use lockstep_example_inventory::{InventoryError, LockMode, ReserveStock};
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::pg_harness::test_database;
 use uuid::Uuid;
@@ -30,33 +31,17 @@ async fn thirty_two_concurrent_writers_never_oversell_on_postgres_in_any_mode() 
             std::time::Duration::from_millis(50),
         );
         let reserve = Arc::new(postgres_handler(&pool, mode).with_retry(retry));
-        let writers: Vec<_> = (0..32)
-            .map(|_| {
-                let (uow, reserve) = (Arc::clone(&uow), Arc::clone(&reserve));
-                tokio::spawn(async move {
-                    let cmd = ReserveStock {
-                        sku,
-                        quantity: 4,
-                        reservation_id: Uuid::now_v7(),
-                    };
-                    reserve.handle(&*uow, tokio::time::sleep, &cmd).await
-                })
-            })
-            .collect();
-        let (mut ok, mut sold_out, mut busy, mut conflicts) = (0u64, 0, 0, 0);
-        for writer in writers {
-            match writer.await.expect("writer") {
-                Ok(done) => {
-                    ok += 1;
-                    conflicts += done.conflicts;
-                }
-                Err(InventoryError::InsufficientStock { .. }) => sold_out += 1,
-                Err(InventoryError::Busy { .. }) => busy += 1,
-                Err(other) => panic!("{mode:?}: unexpected failure: {other}"),
-            }
-        }
+        let tally = flash_sale::run(Arc::clone(&uow), reserve, &store, sku, 32, 4)
+            .await
+            .expect("sale");
+        let (ok, sold_out, busy) = (tally.ok, tally.sold_out, tally.busy);
+        assert!(
+            tally.failures.is_empty(),
+            "{mode:?}: unexpected failures: {:?}",
+            tally.failures
+        );
         let item = handler::load_item(&*uow, &store, sku).await.expect("load");
-        assert_eq!(ok + sold_out + busy, 32, "{mode:?}: every command answered");
+        assert_eq!(tally.answered(), 32, "{mode:?}: every command answered");
         assert_eq!(item.reserved(), ok * 4, "{mode:?}: one event per success");
         assert_eq!(
             item.reserved() + item.available(),
@@ -69,7 +54,10 @@ async fn thirty_two_concurrent_writers_never_oversell_on_postgres_in_any_mode() 
             _ => assert_eq!((ok, sold_out, busy), (25, 7, 0), "{mode:?}"),
         }
         if matches!(mode, LockMode::Pessimistic | LockMode::PessimisticPipelined) {
-            assert_eq!(conflicts, 0, "{mode:?}: writers queue instead of racing");
+            assert_eq!(
+                tally.conflicts, 0,
+                "{mode:?}: writers queue instead of racing"
+            );
         }
     }
 }
