@@ -67,6 +67,37 @@ async fn state<F: StreamLockerFixture + ?Sized>(
         .expect("cursor row exists")
 }
 
+/// A fresh cursor leased by a random instance for `rewind`.
+async fn leased<F: StreamLockerFixture + ?Sized>(
+    fixture: &F,
+) -> (StreamId, PerspectiveName, StreamLease) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let lease = acquire(
+        fixture,
+        stream,
+        &name,
+        InstanceId::random(),
+        &LockReason::Rewind,
+    )
+    .await;
+    (stream, name, lease)
+}
+
+/// Two lease ids that do not hold `lease`: another instance, and the holder at an epoch moved
+/// by `epoch_delta`.
+fn not_the_holder(lease: &LeaseId, epoch_delta: i64) -> [LeaseId; 2] {
+    [
+        LeaseId {
+            holder: InstanceId::random(),
+            ..lease.clone()
+        },
+        LeaseId {
+            epoch: lockstep_core::LeaseEpoch::new(lease.epoch.get() + epoch_delta),
+            ..lease.clone()
+        },
+    ]
+}
+
 /// Waits until a lease taken now has expired on the backend's clock.
 async fn wait_past_expiry<F: StreamLockerFixture + ?Sized>(fixture: &F) {
     let timeout = fixture.locker().options().lock_timeout();
@@ -209,15 +240,7 @@ pub async fn only_the_target_cursor_is_locked<F: StreamLockerFixture + ?Sized>(f
 
 /// Renew by the holder extends the expiry.
 pub async fn renew_extends_the_lease<F: StreamLockerFixture + ?Sized>(fixture: &F) {
-    let (stream, name) = fresh_cursor(fixture).await;
-    let lease = acquire(
-        fixture,
-        stream,
-        &name,
-        InstanceId::random(),
-        &LockReason::Rewind,
-    )
-    .await;
+    let (stream, name, lease) = leased(fixture).await;
     tokio::time::sleep(fixture.locker().options().lock_timeout() / 4).await;
     match fixture.locker().renew(&lease.id).await.expect("renew") {
         RenewOutcome::Renewed { expires_at } => {
@@ -235,24 +258,9 @@ pub async fn renew_extends_the_lease<F: StreamLockerFixture + ?Sized>(fixture: &
 pub async fn renew_by_another_instance_changes_nothing<F: StreamLockerFixture + ?Sized>(
     fixture: &F,
 ) {
-    let (stream, name) = fresh_cursor(fixture).await;
-    let lease = acquire(
-        fixture,
-        stream,
-        &name,
-        InstanceId::random(),
-        &LockReason::Rewind,
-    )
-    .await;
+    let (stream, name, lease) = leased(fixture).await;
     let before = state(fixture, stream, &name).await;
-    let imposter = LeaseId {
-        holder: InstanceId::random(),
-        ..lease.id.clone()
-    };
-    let stale = LeaseId {
-        epoch: lockstep_core::LeaseEpoch::new(lease.id.epoch.get() - 1),
-        ..lease.id.clone()
-    };
+    let [imposter, stale] = not_the_holder(&lease.id, -1);
     let locker = fixture.locker();
     assert_eq!(
         locker.renew(&imposter).await.expect("renew"),
@@ -267,15 +275,7 @@ pub async fn renew_by_another_instance_changes_nothing<F: StreamLockerFixture + 
 
 /// An expired lease is never resurrected by a late renew.
 pub async fn renew_after_expiry_is_lost<F: StreamLockerFixture + ?Sized>(fixture: &F) {
-    let (stream, name) = fresh_cursor(fixture).await;
-    let lease = acquire(
-        fixture,
-        stream,
-        &name,
-        InstanceId::random(),
-        &LockReason::Rewind,
-    )
-    .await;
+    let (stream, name, lease) = leased(fixture).await;
     wait_past_expiry(fixture).await;
     let before = state(fixture, stream, &name).await;
     assert_eq!(
@@ -312,24 +312,9 @@ pub async fn release_clears_all_lease_fields<F: StreamLockerFixture + ?Sized>(fi
 pub async fn release_by_another_instance_changes_nothing<F: StreamLockerFixture + ?Sized>(
     fixture: &F,
 ) {
-    let (stream, name) = fresh_cursor(fixture).await;
-    let lease = acquire(
-        fixture,
-        stream,
-        &name,
-        InstanceId::random(),
-        &LockReason::Rewind,
-    )
-    .await;
+    let (stream, name, lease) = leased(fixture).await;
     let before = state(fixture, stream, &name).await;
-    let imposter = LeaseId {
-        holder: InstanceId::random(),
-        ..lease.id.clone()
-    };
-    let stale = LeaseId {
-        epoch: lockstep_core::LeaseEpoch::new(lease.id.epoch.get() + 1),
-        ..lease.id.clone()
-    };
+    let [imposter, stale] = not_the_holder(&lease.id, 1);
     let locker = fixture.locker();
     assert_eq!(
         locker.release(&imposter).await.expect("release"),
