@@ -13,6 +13,12 @@ use lockstep_core::{DistributedLock, ErrorKind, ResourceKey, SessionLockGuard, S
 
 use super::distributed_lock::DistributedLockFixture;
 
+/// A [`DistributedLockFixture`] whose lock also offers session locks (implemented for every
+/// such fixture).
+pub trait SessionLockFixture: DistributedLockFixture<Lock: SessionLocks<Guard: 'static>> {}
+
+impl<F> SessionLockFixture for F where F: DistributedLockFixture<Lock: SessionLocks<Guard: 'static>> {}
+
 fn fresh_key() -> ResourceKey {
     ResourceKey::new(format!("conformance:session:{}", uuid::Uuid::new_v4())).expect("valid key")
 }
@@ -37,11 +43,9 @@ async fn eventually_free<L: SessionLocks>(locks: &L, key: &ResourceKey) -> L::Gu
 }
 
 /// A held session lock excludes other sessions until released; then it is free at once.
-pub async fn session_lock_excludes_other_sessions_until_released<F>(fixture: Arc<F>)
-where
-    F: DistributedLockFixture,
-    F::Lock: SessionLocks,
-{
+pub async fn session_lock_excludes_other_sessions_until_released<F: SessionLockFixture>(
+    fixture: Arc<F>,
+) {
     let locks = fixture.lock();
     let key = fresh_key();
     let guard = locks.acquire_session(&key, None).await.expect("acquire");
@@ -56,11 +60,7 @@ where
 }
 
 /// Dropping a guard gives the lock up.
-pub async fn dropping_a_session_guard_releases_the_lock<F>(fixture: Arc<F>)
-where
-    F: DistributedLockFixture,
-    F::Lock: SessionLocks,
-{
+pub async fn dropping_a_session_guard_releases_the_lock<F: SessionLockFixture>(fixture: Arc<F>) {
     let locks = fixture.lock();
     let key = fresh_key();
     let guard = try_session(locks, &key).await.expect("free");
@@ -73,11 +73,9 @@ where
 }
 
 /// Session and transaction-scoped locks on one key exclude each other, both ways.
-pub async fn session_and_transaction_locks_exclude_each_other<F>(fixture: Arc<F>)
-where
-    F: DistributedLockFixture,
-    F::Lock: SessionLocks,
-{
+pub async fn session_and_transaction_locks_exclude_each_other<F: SessionLockFixture>(
+    fixture: Arc<F>,
+) {
     let locks = fixture.lock();
     let key = fresh_key();
     let guard = try_session(locks, &key).await.expect("free");
@@ -107,11 +105,9 @@ where
 
 /// A blocking session acquire with a timeout fails with `LockTimeout`; the holder keeps the
 /// lock.
-pub async fn session_acquire_with_timeout_fails_with_lock_timeout<F>(fixture: Arc<F>)
-where
-    F: DistributedLockFixture,
-    F::Lock: SessionLocks,
-{
+pub async fn session_acquire_with_timeout_fails_with_lock_timeout<F: SessionLockFixture>(
+    fixture: Arc<F>,
+) {
     let locks = fixture.lock();
     let key = fresh_key();
     let guard = try_session(locks, &key).await.expect("free");
@@ -127,12 +123,9 @@ where
 
 /// A blocking session acquire waits while the key is held (still pending 200 ms later) and
 /// completes once the holder releases (within 5 s).
-pub async fn blocking_session_acquire_completes_once_released<F>(fixture: Arc<F>)
-where
-    F: DistributedLockFixture,
-    F::Lock: SessionLocks,
-    <F::Lock as SessionLocks>::Guard: 'static,
-{
+pub async fn blocking_session_acquire_completes_once_released<F: SessionLockFixture>(
+    fixture: Arc<F>,
+) {
     let key = fresh_key();
     let guard = try_session(fixture.lock(), &key).await.expect("free");
     let waiter = {
@@ -155,11 +148,7 @@ where
 }
 
 /// Different keys never block each other.
-pub async fn session_locks_on_different_keys_never_block<F>(fixture: Arc<F>)
-where
-    F: DistributedLockFixture,
-    F::Lock: SessionLocks,
-{
+pub async fn session_locks_on_different_keys_never_block<F: SessionLockFixture>(fixture: Arc<F>) {
     let locks = fixture.lock();
     let a = try_session(locks, &fresh_key()).await.expect("free");
     let b = locks
@@ -171,12 +160,7 @@ where
 }
 
 /// Runs every case, in order.
-pub async fn run_all<F>(fixture: Arc<F>)
-where
-    F: DistributedLockFixture,
-    F::Lock: SessionLocks,
-    <F::Lock as SessionLocks>::Guard: 'static,
-{
+pub async fn run_all<F: SessionLockFixture>(fixture: Arc<F>) {
     session_lock_excludes_other_sessions_until_released(Arc::clone(&fixture)).await;
     dropping_a_session_guard_releases_the_lock(Arc::clone(&fixture)).await;
     session_and_transaction_locks_exclude_each_other(Arc::clone(&fixture)).await;
