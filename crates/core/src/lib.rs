@@ -40,6 +40,7 @@ pub mod reason;
 pub mod resource_key;
 pub mod retry;
 pub mod stream_lease;
+pub mod unit_of_work;
 
 pub use aggregate_lock::{
     AGGREGATE_KEY_PREFIX, AggregateWriteLock, DistributedAggregateWriteLock, aggregate_key,
@@ -55,10 +56,13 @@ pub use options::StreamLockOptions;
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
 pub use retry::RetryPolicy;
+#[cfg(feature = "tokio")]
+pub use retry::tokio_sleep;
 pub use stream_lease::{
     AcquireOutcome, CursorLease, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo,
     LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin, StreamLocker,
 };
+pub use unit_of_work::{Retryable, TransactionSource};
 
 /// Re-exported so implementors and users name the same versions.
 pub use async_trait::async_trait;

@@ -45,6 +45,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use crate::error::Result;
+use crate::unit_of_work::Retryable;
 
 /// How often and how patiently to retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,17 +93,42 @@ impl RetryPolicy {
     }
 
     /// The backoff before retry `retry` for a uniform `unit` in `[0, 1)`: `unit × ceiling`.
+    /// A `unit` outside `[0, 1]` is clamped, and one that is not a number counts as 0; the
+    /// result never exceeds the ceiling (no panic for any input, `Duration::MAX` included).
     pub fn backoff(&self, retry: u32, unit: f64) -> Duration {
-        self.ceiling(retry).mul_f64(unit.clamp(0.0, 1.0))
+        let ceiling = self.ceiling(retry);
+        let unit = if unit.is_nan() {
+            0.0
+        } else {
+            unit.clamp(0.0, 1.0)
+        };
+        // `mul_f64` panics when the product does not fit (float rounding near Duration::MAX).
+        Duration::try_from_secs_f64(ceiling.as_secs_f64() * unit)
+            .map_or(ceiling, |d| d.min(ceiling))
+    }
+
+    /// Whether attempt `attempt` (1-based), which failed with `err`, should be followed by
+    /// another: `Some(backoff)` to wait before it (jittered, see [`RetryPolicy::backoff`]), or
+    /// `None` when `err` is not retryable or the attempts are used up. The decision of
+    /// [`RetryPolicy::run`], for loops of one's own.
+    pub fn retry_after<E: Retryable + ?Sized>(&self, attempt: u32, err: &E) -> Option<Duration> {
+        (err.is_retryable() && attempt < self.max_attempts.get())
+            .then(|| self.backoff(attempt, random_unit()))
     }
 
     /// Runs `attempt(n)` (n = 1, 2, …) until it succeeds, fails with an error that is not
-    /// retryable, or `max_attempts` attempts have failed; sleeps with `sleep(backoff)` between
-    /// attempts. Returns the first success or the last error, unchanged.
-    pub async fn run<T, A, AFut, S, SFut>(&self, mut sleep: S, mut attempt: A) -> Result<T>
+    /// [retryable](Retryable), or `max_attempts` attempts have failed; sleeps with
+    /// `sleep(backoff)` between attempts. Returns the first success or the last error,
+    /// unchanged.
+    ///
+    /// For a unit of work on a database, prefer
+    /// [`TransactionSource::transaction_with_retry`](crate::TransactionSource::transaction_with_retry),
+    /// which begins and ends the transaction of every attempt.
+    pub async fn run<T, E, A, AFut, S, SFut>(&self, mut sleep: S, mut attempt: A) -> Result<T, E>
     where
+        E: Retryable,
         A: FnMut(u32) -> AFut,
-        AFut: Future<Output = Result<T>>,
+        AFut: Future<Output = Result<T, E>>,
         S: FnMut(Duration) -> SFut,
         SFut: Future<Output = ()>,
     {
@@ -110,17 +136,26 @@ impl RetryPolicy {
         loop {
             match attempt(n).await {
                 Ok(value) => return Ok(value),
-                Err(err) if err.is_retryable() && n < self.max_attempts.get() => {
-                    let delay = self.backoff(n, random_unit());
-                    if !delay.is_zero() {
-                        sleep(delay).await;
+                Err(err) => match self.retry_after(n, &err) {
+                    Some(delay) => {
+                        if !delay.is_zero() {
+                            sleep(delay).await;
+                        }
+                        n += 1;
                     }
-                    n += 1;
-                }
-                Err(err) => return Err(err),
+                    None => return Err(err),
+                },
             }
         }
     }
+}
+
+/// `tokio::time::sleep`, as the `sleep` argument of [`RetryPolicy::run`] and
+/// [`TransactionSource::transaction_with_retry`](crate::TransactionSource::transaction_with_retry)
+/// (feature `tokio`; tokio's clock, so tests can run with paused time).
+#[cfg(feature = "tokio")]
+pub fn tokio_sleep(delay: Duration) -> tokio::time::Sleep {
+    tokio::time::sleep(delay)
 }
 
 /// A uniform sample in `[0, 1)` from the standard library's randomly keyed hasher.
@@ -168,6 +203,29 @@ mod tests {
             let u = random_unit();
             assert!((0.0..1.0).contains(&u));
         }
+    }
+
+    #[test]
+    fn backoff_never_panics_and_never_exceeds_its_ceiling() {
+        let huge = RetryPolicy::new(NonZeroU32::MIN, Duration::MAX, Duration::MAX);
+        for unit in [
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            -1.0,
+            0.0,
+            0.5,
+            0.999_999,
+            1.0,
+            2.0,
+        ] {
+            for retry in [0, 1, 2, 40, u32::MAX] {
+                assert!(huge.backoff(retry, unit) <= Duration::MAX);
+                assert!(policy(3).backoff(retry, unit) <= policy(3).ceiling(retry));
+            }
+        }
+        assert_eq!(policy(3).backoff(1, f64::NAN), Duration::ZERO);
+        assert_eq!(huge.backoff(1, 1.0), Duration::MAX);
     }
 
     #[test]

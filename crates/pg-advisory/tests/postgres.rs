@@ -11,7 +11,7 @@ use lockstep_core::{
     ADVISORY_KEY_GOLDEN_VECTORS, AggregateWriteLock, DistributedLock, ErrorKind, ResourceKey,
     SessionLockGuard, SessionLocks,
 };
-use lockstep_pg::{PgTransaction, migrate};
+use lockstep_pg::{PgTransaction, PgTransactionSource, migrate};
 use lockstep_pg_advisory::PostgresDistributedLock;
 use lockstep_testkit::conformance::distributed_lock::{self, DistributedLockFixture};
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
@@ -20,28 +20,21 @@ use uuid::Uuid;
 
 struct Fixture {
     _db: TestDatabase,
-    pool: Pool,
+    source: PgTransactionSource,
     lock: PostgresDistributedLock,
 }
 
 impl DistributedLockFixture for Fixture {
     type Tx = PgTransaction;
+    type Source = PgTransactionSource;
     type Lock = PostgresDistributedLock;
 
     fn lock(&self) -> &PostgresDistributedLock {
         &self.lock
     }
 
-    async fn begin(&self) -> PgTransaction {
-        PgTransaction::begin(&self.pool).await.expect("begin")
-    }
-
-    async fn commit(&self, tx: PgTransaction) {
-        tx.commit().await.expect("commit");
-    }
-
-    async fn rollback(&self, tx: PgTransaction) {
-        tx.rollback().await.expect("rollback");
+    fn source(&self) -> &PgTransactionSource {
+        &self.source
     }
 }
 
@@ -102,7 +95,7 @@ async fn distributed_lock_conformance_suite_passes_on_postgres() {
     let (db, pool, lock) = setup(8).await;
     distributed_lock::run_all(Arc::new(Fixture {
         _db: db,
-        pool,
+        source: PgTransactionSource::new(pool),
         lock,
     }))
     .await;
@@ -113,7 +106,7 @@ async fn distributed_lock_conformance_suite_passes_without_the_local_queue() {
     let (db, pool, lock) = setup(8).await;
     distributed_lock::run_all(Arc::new(Fixture {
         _db: db,
-        pool,
+        source: PgTransactionSource::new(pool),
         lock: lock.with_local_queue(false),
     }))
     .await;
@@ -124,7 +117,7 @@ async fn session_lock_conformance_suite_passes_on_postgres() {
     let (db, pool, lock) = setup(8).await;
     lockstep_testkit::conformance::session_lock::run_all(Arc::new(Fixture {
         _db: db,
-        pool,
+        source: PgTransactionSource::new(pool),
         lock,
     }))
     .await;

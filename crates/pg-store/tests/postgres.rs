@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use deadpool_postgres::Pool;
-use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, Result, StreamId};
-use lockstep_pg::{PgTransaction, migrate};
+use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, StreamId};
+use lockstep_pg::{PgTransaction, PgTransactionSource, migrate};
 use lockstep_pg_advisory::PostgresDistributedLock;
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::conformance::event_store::{self, EventStoreFixture};
@@ -13,28 +13,21 @@ use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 
 struct Fixture {
     _db: TestDatabase,
-    pool: Pool,
+    source: PgTransactionSource,
     store: PgEventStore,
 }
 
 impl EventStoreFixture for Fixture {
     type Tx = PgTransaction;
+    type Source = PgTransactionSource;
     type Store = PgEventStore;
 
     fn store(&self) -> &PgEventStore {
         &self.store
     }
 
-    async fn begin(&self) -> PgTransaction {
-        PgTransaction::begin(&self.pool).await.expect("begin")
-    }
-
-    async fn commit(&self, tx: PgTransaction) -> Result<()> {
-        tx.commit().await
-    }
-
-    async fn rollback(&self, tx: PgTransaction) {
-        tx.rollback().await.expect("rollback");
+    fn source(&self) -> &PgTransactionSource {
+        &self.source
     }
 }
 
@@ -51,7 +44,7 @@ async fn postgres_event_store_passes_the_event_store_suite() {
     let store = PgEventStore::with_lock(PostgresDistributedLock::new(pool.clone()));
     event_store::run_all(Arc::new(Fixture {
         _db: db,
-        pool,
+        source: PgTransactionSource::new(pool),
         store,
     }))
     .await;
@@ -62,7 +55,7 @@ async fn postgres_event_store_passes_the_event_store_suite_with_its_own_lock() {
     let (db, pool) = migrated(8).await;
     event_store::run_all(Arc::new(Fixture {
         _db: db,
-        pool,
+        source: PgTransactionSource::new(pool),
         store: PgEventStore::new(),
     }))
     .await;

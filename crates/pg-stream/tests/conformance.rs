@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::{Db, create_cursor, short_options};
 use lockstep_core::{PerspectiveName, StreamId, StreamLockAdmin, StreamLocker, async_trait};
-use lockstep_pg::PgTransaction;
+use lockstep_pg::{PgTransaction, PgTransactionSource};
 use lockstep_pg_stream::PostgresStreamLocker;
 use lockstep_testkit::conformance::lease_fence::{self, LeaseFenceFixture};
 use lockstep_testkit::conformance::stream_locker::{self, StreamLockerFixture};
@@ -15,6 +15,7 @@ use lockstep_testkit::conformance::stream_locker::{self, StreamLockerFixture};
 /// A locker with a 400 ms lock timeout (keepalive 100 ms) on a database of the test's own.
 struct PgFixture {
     db: Db,
+    source: PgTransactionSource,
     locker: Arc<PostgresStreamLocker>,
 }
 
@@ -36,31 +37,23 @@ impl StreamLockerFixture for PgFixture {
 /// Fenced commits in owned `PgTransaction`s on the locker's pool.
 impl LeaseFenceFixture for PgFixture {
     type Tx = PgTransaction;
+    type Source = PgTransactionSource;
     type Fence = PostgresStreamLocker;
 
     fn fence(&self) -> &PostgresStreamLocker {
         &self.locker
     }
 
-    async fn begin(&self) -> PgTransaction {
-        PgTransaction::begin(&self.db.pool)
-            .await
-            .expect("beginning a transaction")
-    }
-
-    async fn commit(&self, tx: PgTransaction) -> lockstep_core::Result<()> {
-        tx.commit().await
-    }
-
-    async fn rollback(&self, tx: PgTransaction) {
-        tx.rollback().await.expect("rolling back");
+    fn source(&self) -> &PgTransactionSource {
+        &self.source
     }
 }
 
 async fn fixture() -> PgFixture {
     let db = Db::new(4).await;
     let locker = Arc::new(db.locker(short_options()));
-    PgFixture { db, locker }
+    let source = PgTransactionSource::new(db.pool.clone());
+    PgFixture { db, source, locker }
 }
 
 #[tokio::test]

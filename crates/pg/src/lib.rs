@@ -10,6 +10,9 @@
 //!   handler holding it can be spawned), and [`PgTransactionRef`], the view every Postgres
 //!   backend takes of a transaction, implemented by [`PgTransaction`] and by
 //!   `tokio_postgres::Transaction` (which `deadpool_postgres::Transaction` derefs to).
+//! - [`source`]: [`PgTransactionSource`], the unit-of-work contract
+//!   ([`lockstep_core::TransactionSource`]) over a pool, whose transactions are
+//!   [`PgTransaction`]s.
 //!
 //! ```no_run
 //! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
@@ -22,10 +25,12 @@
 
 pub mod error;
 pub mod migrate;
+pub mod source;
 pub mod transaction;
 
 pub use error::{map_error, map_pool_error};
 pub use migrate::migrate;
+pub use source::PgTransactionSource;
 pub use transaction::{PgTransaction, PgTransactionRef};
 
 /// Re-exported so users name the same driver versions as the backends.

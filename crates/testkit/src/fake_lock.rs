@@ -96,6 +96,25 @@ impl Default for FakeDatabase {
     }
 }
 
+/// The unit-of-work contract on the fake database: `begin` never fails; `commit` of an aborted
+/// transaction rolls it back and fails with [`ErrorKind::TransactionAborted`], as on Postgres.
+impl lockstep_core::TransactionSource for FakeDatabase {
+    type Tx = FakeTransaction;
+
+    fn begin(&self) -> impl Future<Output = Result<FakeTransaction>> + Send {
+        std::future::ready(Ok(FakeDatabase::begin(self)))
+    }
+
+    fn commit(&self, tx: FakeTransaction) -> impl Future<Output = Result<()>> + Send {
+        tx.commit()
+    }
+
+    async fn rollback(&self, tx: FakeTransaction) -> Result<()> {
+        tx.rollback().await;
+        Ok(())
+    }
+}
+
 impl FakeDatabase {
     /// A new, empty fake server.
     pub fn new() -> FakeDatabase {
@@ -597,21 +616,14 @@ impl SessionLocks for FakeDistributedLock {
 /// The fake lock as a conformance fixture: transactions are begun on its database.
 impl crate::conformance::distributed_lock::DistributedLockFixture for FakeDistributedLock {
     type Tx = FakeTransaction;
+    type Source = FakeDatabase;
     type Lock = FakeDistributedLock;
 
     fn lock(&self) -> &FakeDistributedLock {
         self
     }
 
-    fn begin(&self) -> impl Future<Output = FakeTransaction> + Send {
-        std::future::ready(self.db.begin())
-    }
-
-    async fn commit(&self, tx: FakeTransaction) {
-        tx.commit().await.expect("commit");
-    }
-
-    async fn rollback(&self, tx: FakeTransaction) {
-        tx.rollback().await;
+    fn source(&self) -> &FakeDatabase {
+        &self.db
     }
 }

@@ -378,24 +378,16 @@ pub const SHORT_KEEPALIVE: Duration = Duration::from_millis(100);
 
 impl crate::conformance::lease_fence::LeaseFenceFixture for InMemoryStreamLocker {
     type Tx = FakeTransaction;
+    type Source = FakeDatabase;
     type Fence = InMemoryStreamLocker;
 
     fn fence(&self) -> &InMemoryStreamLocker {
         self
     }
 
-    async fn begin(&self) -> FakeTransaction {
+    fn source(&self) -> &FakeDatabase {
         self.db
             .as_ref()
             .expect("the fence fixture needs InMemoryStreamLocker::with_database")
-            .begin()
-    }
-
-    async fn commit(&self, tx: FakeTransaction) -> Result<()> {
-        tx.commit().await
-    }
-
-    async fn rollback(&self, tx: FakeTransaction) {
-        tx.rollback().await;
     }
 }

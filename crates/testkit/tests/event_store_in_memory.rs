@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, Result, StreamId};
+use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, StreamId};
 use lockstep_testkit::conformance::event_store::{self, EventStoreFixture};
 use lockstep_testkit::{FakeDatabase, FakeTransaction, InMemoryEventStore};
 
@@ -14,22 +14,15 @@ struct Fixture {
 
 impl EventStoreFixture for Fixture {
     type Tx = FakeTransaction;
+    type Source = FakeDatabase;
     type Store = InMemoryEventStore;
 
     fn store(&self) -> &InMemoryEventStore {
         &self.store
     }
 
-    async fn begin(&self) -> FakeTransaction {
-        self.db.begin()
-    }
-
-    async fn commit(&self, tx: FakeTransaction) -> Result<()> {
-        tx.commit().await
-    }
-
-    async fn rollback(&self, tx: FakeTransaction) {
-        tx.rollback().await;
+    fn source(&self) -> &FakeDatabase {
+        &self.db
     }
 }
 

@@ -308,22 +308,15 @@ struct Fixture {
 
 impl EventStoreFixture for Fixture {
     type Tx = FakeTransaction;
+    type Source = FakeDatabase;
     type Store = RecordingEventStore<FaultyEventStore<InMemoryEventStore>>;
 
     fn store(&self) -> &Self::Store {
         &self.store
     }
 
-    async fn begin(&self) -> FakeTransaction {
-        self.db.begin()
-    }
-
-    async fn commit(&self, tx: FakeTransaction) -> Result<()> {
-        tx.commit().await
-    }
-
-    async fn rollback(&self, tx: FakeTransaction) {
-        tx.rollback().await;
+    fn source(&self) -> &FakeDatabase {
+        &self.db
     }
 }
 

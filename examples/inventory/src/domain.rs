@@ -173,6 +173,13 @@ impl From<lockstep_core::Error> for InventoryError {
     }
 }
 
+/// Only a store failure may go away on a new attempt; business answers never do.
+impl lockstep_core::Retryable for InventoryError {
+    fn is_retryable(&self) -> bool {
+        matches!(self, InventoryError::Store(err) if err.is_retryable())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

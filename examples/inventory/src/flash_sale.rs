@@ -5,11 +5,11 @@
 
 use std::sync::Arc;
 
-use lockstep_core::{AggregateWriteLock, EventStore};
+use lockstep_core::{AggregateWriteLock, EventStore, TransactionSource};
 use uuid::Uuid;
 
 use crate::domain::InventoryError;
-use crate::handler::{self, ReserveStock, ReserveStockHandler, UnitOfWork};
+use crate::handler::{self, ReserveStock, ReserveStockHandler};
 
 /// What the customers of one flash sale were answered.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -41,7 +41,7 @@ impl Tally {
 
 /// Runs the sale against `sku` (already stocked) and loads what is left.
 pub async fn run<U, L, S>(
-    uow: Arc<U>,
+    source: Arc<U>,
     reserve: Arc<ReserveStockHandler<L, S>>,
     store: &S,
     sku: Uuid,
@@ -49,21 +49,20 @@ pub async fn run<U, L, S>(
     each: u32,
 ) -> Result<Tally, InventoryError>
 where
-    U: UnitOfWork + 'static,
-    U::Tx: 'static,
+    U: TransactionSource + 'static,
     L: AggregateWriteLock<U::Tx> + 'static,
     S: EventStore<U::Tx> + 'static,
 {
     let tasks: Vec<_> = (0..customers)
         .map(|_| {
-            let (uow, reserve) = (Arc::clone(&uow), Arc::clone(&reserve));
+            let (source, reserve) = (Arc::clone(&source), Arc::clone(&reserve));
             tokio::spawn(async move {
                 let cmd = ReserveStock {
                     sku,
                     quantity: each,
                     reservation_id: Uuid::now_v7(),
                 };
-                reserve.handle(&*uow, tokio::time::sleep, &cmd).await
+                reserve.handle(&*source, &cmd).await
             })
         })
         .collect();
@@ -82,6 +81,6 @@ where
             Err(panicked) => tally.failures.push(panicked.to_string()),
         }
     }
-    tally.available = handler::load_item(&*uow, store, sku).await?.available();
+    tally.available = handler::load_item(&*source, store, sku).await?.available();
     Ok(tally)
 }

@@ -15,13 +15,11 @@
 //! Whatever the mode, the expected-version check stays on and [`StockItem::reserve`] enforces
 //! the invariant.
 
-use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
 
 use lockstep_core::{
     AggregateType, AggregateWriteLock, ErrorKind, EventStore, ExpectedVersion, ResourceKey,
-    RetryPolicy, StreamId, aggregate_key,
+    RetryPolicy, StreamId, TransactionSource, aggregate_key, tokio_sleep,
 };
 use uuid::Uuid;
 
@@ -59,21 +57,6 @@ pub struct ReserveStock {
     pub quantity: u32,
     /// The reservation's id.
     pub reservation_id: Uuid,
-}
-
-/// A unit of work: how the composition root begins and ends transactions of type `Tx`.
-pub trait UnitOfWork: Send + Sync {
-    /// The transaction type the store and the lock run on.
-    type Tx: Send + Sync;
-
-    /// Begins a transaction.
-    fn begin(&self) -> impl Future<Output = lockstep_core::Result<Self::Tx>> + Send;
-
-    /// Commits it (the server releases its write locks).
-    fn commit(&self, tx: Self::Tx) -> impl Future<Output = lockstep_core::Result<()>> + Send;
-
-    /// Rolls it back.
-    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
 }
 
 /// A reservation that was committed.
@@ -176,50 +159,38 @@ impl<L, S> ReserveStockHandler<L, S> {
         Ok((version, item.available()))
     }
 
-    /// Runs the command as whole units of work — begin, attempt, commit — retrying retryable
-    /// failures (conflicts, deadlocks, timeouts, lost connections) with the retry policy;
-    /// `sleep` waits between attempts (`tokio::time::sleep`). Business answers
-    /// (insufficient stock, busy) are returned at once, after rolling back.
-    pub async fn handle<U, Sl, SlFut>(
+    /// Runs the command as whole units of work — begin, attempt, commit — on transactions from
+    /// `source`, retrying retryable failures (conflicts, deadlocks, timeouts, lost connections)
+    /// with the retry policy ([`TransactionSource::transaction_with_retry`], sleeping on tokio's
+    /// clock). Business answers (insufficient stock, busy) are returned at once, after rolling
+    /// back.
+    pub async fn handle<Src>(
         &self,
-        uow: &U,
-        sleep: Sl,
+        source: &Src,
         cmd: &ReserveStock,
     ) -> Result<Reserved, InventoryError>
     where
-        U: UnitOfWork,
-        L: AggregateWriteLock<U::Tx>,
-        S: EventStore<U::Tx>,
-        Sl: FnMut(Duration) -> SlFut,
-        SlFut: Future<Output = ()>,
+        Src: TransactionSource,
+        L: AggregateWriteLock<Src::Tx>,
+        S: EventStore<Src::Tx>,
     {
         let attempts = AtomicU32::new(0);
         let conflicts = AtomicU32::new(0);
-        let outcome = self
-            .retry
-            .run(sleep, |_| async {
+        let (version, available) = source
+            .transaction_with_retry(&self.retry, tokio_sleep, |tx| {
                 attempts.fetch_add(1, Ordering::Relaxed);
-                let tx = uow.begin().await?;
-                match self.attempt(&tx, cmd).await {
-                    Ok(done) => {
-                        uow.commit(tx).await?;
-                        Ok(Ok(done))
-                    }
-                    Err(InventoryError::Store(err)) => {
+                let conflicts = &conflicts;
+                async move {
+                    let outcome = self.attempt(&*tx, cmd).await;
+                    if let Err(InventoryError::Store(err)) = &outcome {
                         if err.kind() == ErrorKind::Conflict {
                             conflicts.fetch_add(1, Ordering::Relaxed);
                         }
-                        uow.rollback(tx).await;
-                        Err(err) // retried if retryable
                     }
-                    Err(answer) => {
-                        uow.rollback(tx).await;
-                        Ok(Err(answer))
-                    }
+                    outcome
                 }
             })
             .await?;
-        let (version, available) = outcome?;
         Ok(Reserved {
             version,
             available,
@@ -230,46 +201,41 @@ impl<L, S> ReserveStockHandler<L, S> {
 }
 
 /// Stocks `quantity` units of a new SKU (expects the stream not to exist).
-pub async fn stock_new_item<U, S>(
-    uow: &U,
+pub async fn stock_new_item<Src, S>(
+    source: &Src,
     store: &S,
     sku: Uuid,
     quantity: u32,
 ) -> Result<u64, InventoryError>
 where
-    U: UnitOfWork,
-    S: EventStore<U::Tx>,
+    Src: TransactionSource,
+    S: EventStore<Src::Tx>,
 {
-    let tx = uow.begin().await?;
     let event = StockEvent::Stocked { quantity }.to_new_event()?;
-    match store
-        .append(
-            &tx,
-            StreamId::from_uuid(sku),
-            ExpectedVersion::NoStream,
-            &[event],
-        )
-        .await
-    {
-        Ok(version) => {
-            uow.commit(tx).await?;
+    let stream = StreamId::from_uuid(sku);
+    source
+        .transaction(|tx| async move {
+            let version = store
+                .append(&*tx, stream, ExpectedVersion::NoStream, &[event])
+                .await?;
             Ok(version)
-        }
-        Err(err) => {
-            uow.rollback(tx).await;
-            Err(err.into())
-        }
-    }
+        })
+        .await
 }
 
-/// The committed state of a SKU, read in its own transaction.
-pub async fn load_item<U, S>(uow: &U, store: &S, sku: Uuid) -> Result<StockItem, InventoryError>
+/// The committed state of a SKU, read in its own transaction (rolled back: it writes nothing).
+pub async fn load_item<Src, S>(
+    source: &Src,
+    store: &S,
+    sku: Uuid,
+) -> Result<StockItem, InventoryError>
 where
-    U: UnitOfWork,
-    S: EventStore<U::Tx>,
+    Src: TransactionSource,
+    S: EventStore<Src::Tx>,
 {
-    let tx = uow.begin().await?;
+    let tx = source.begin().await?;
     let events = store.load(&tx, StreamId::from_uuid(sku)).await;
-    uow.rollback(tx).await;
+    // A read-only transaction: how it ends changes nothing, and a failed rollback still ends it.
+    let _ = source.rollback(tx).await;
     StockItem::from_events(sku, &events?)
 }

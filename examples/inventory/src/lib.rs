@@ -19,12 +19,12 @@
 //! use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
 //!
 //! let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
-//! let uow = wiring::FakeUnitOfWork::new(&db);
 //! let sku = uuid::Uuid::now_v7();
-//! handler::stock_new_item(&uow, &store, sku, 10).await?;
+//! // The fake database is the unit-of-work source (lockstep_core::TransactionSource).
+//! handler::stock_new_item(&db, &store, sku, 10).await?;
 //! let reserve = wiring::fake_handler(&db, &store, LockMode::Pessimistic);
 //! let cmd = ReserveStock { sku, quantity: 3, reservation_id: uuid::Uuid::now_v7() };
-//! let done = reserve.handle(&uow, tokio::time::sleep, &cmd).await?;
+//! let done = reserve.handle(&db, &cmd).await?;
 //! assert_eq!(done.available, 7);
 //! # Ok(()) }
 //! ```
@@ -35,4 +35,4 @@ pub mod handler;
 pub mod wiring;
 
 pub use domain::{InventoryError, STOCK_ITEM, StockEvent, StockItem};
-pub use handler::{LockMode, ReserveStock, ReserveStockHandler, Reserved, UnitOfWork};
+pub use handler::{LockMode, ReserveStock, ReserveStockHandler, Reserved};

@@ -7,11 +7,12 @@
 
 use std::sync::Arc;
 
-use lockstep_core::{AggregateWriteLock, EventStore};
+use lockstep_core::{AggregateWriteLock, EventStore, TransactionSource};
+use lockstep_example_inventory::InventoryError;
 use lockstep_example_inventory::flash_sale::{self, Tally};
 use lockstep_example_inventory::handler::{self, LockMode, ReserveStockHandler};
-use lockstep_example_inventory::wiring::{self, FakeUnitOfWork, PgUnitOfWork};
-use lockstep_example_inventory::{InventoryError, UnitOfWork};
+use lockstep_example_inventory::wiring;
+use lockstep_pg::PgTransactionSource;
 use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
 use uuid::Uuid;
 
@@ -21,19 +22,18 @@ const EACH: u32 = 4;
 
 /// Stocks a new SKU and runs the sale on it.
 async fn sale<U, L, S>(
-    uow: Arc<U>,
+    source: Arc<U>,
     reserve: Arc<ReserveStockHandler<L, S>>,
     store: &S,
 ) -> Result<Tally, InventoryError>
 where
-    U: UnitOfWork + 'static,
-    U::Tx: 'static,
+    U: TransactionSource + 'static,
     L: AggregateWriteLock<U::Tx> + 'static,
     S: EventStore<U::Tx> + 'static,
 {
     let sku = Uuid::now_v7();
-    handler::stock_new_item(&*uow, store, sku, STOCK).await?;
-    flash_sale::run(uow, reserve, store, sku, CUSTOMERS, EACH).await
+    handler::stock_new_item(&*source, store, sku, STOCK).await?;
+    flash_sale::run(source, reserve, store, sku, CUSTOMERS, EACH).await
 }
 
 fn report(mode: LockMode, tally: &Tally) {
@@ -64,21 +64,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .build()?;
             lockstep_pg::migrate(&pool).await?;
             println!("flash sale on PostgreSQL");
-            let uow = Arc::new(PgUnitOfWork::new(pool.clone()));
+            let source = Arc::new(PgTransactionSource::new(pool.clone()));
             for mode in LockMode::ALL {
                 let reserve = wiring::postgres_handler(&pool, mode);
                 let store = lockstep_pg_store::PgEventStore::new();
-                let tally = sale(Arc::clone(&uow), Arc::new(reserve), &store).await?;
+                let tally = sale(Arc::clone(&source), Arc::new(reserve), &store).await?;
                 report(mode, &tally);
             }
         }
         Err(_) => {
             println!("flash sale in memory (set DATABASE_URL to run it on PostgreSQL)");
             let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
-            let uow = Arc::new(FakeUnitOfWork::new(&db));
+            let source = Arc::new(db.clone());
             for mode in LockMode::ALL {
                 let reserve = Arc::new(wiring::fake_handler(&db, &store, mode));
-                let tally = sale(Arc::clone(&uow), reserve, &store).await?;
+                let tally = sale(Arc::clone(&source), reserve, &store).await?;
                 report(mode, &tally);
             }
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use lockstep_core::{AggregateWriteLock, DistributedAggregateWriteLock, EventStore, StreamId};
 use lockstep_example_inventory::flash_sale::{self, Tally};
 use lockstep_example_inventory::handler::{self, stock_item_key};
-use lockstep_example_inventory::wiring::{FakeUnitOfWork, fake_handler};
+use lockstep_example_inventory::wiring::fake_handler;
 use lockstep_example_inventory::{InventoryError, LockMode, ReserveStock, STOCK_ITEM};
 use lockstep_testkit::{FakeDatabase, FakeDistributedLock, InMemoryEventStore, LockOwner};
 use uuid::Uuid;
@@ -97,7 +97,7 @@ async fn the_lock_key_is_namespaced_by_aggregate_type_and_id() {
 
 async fn flash_sale(mode: LockMode) -> Tally {
     let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
-    let uow = Arc::new(FakeUnitOfWork::new(&db));
+    let uow = Arc::new(db.clone());
     let sku = Uuid::now_v7();
     handler::stock_new_item(&*uow, &store, sku, 100)
         .await
@@ -139,7 +139,7 @@ async fn thirty_two_writers_never_oversell_in_any_mode() {
 #[tokio::test]
 async fn fail_fast_answers_busy_while_another_writer_holds_the_sku() {
     let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
-    let uow = FakeUnitOfWork::new(&db);
+    let uow = db.clone();
     let sku = Uuid::now_v7();
     handler::stock_new_item(&uow, &store, sku, 10)
         .await
@@ -157,19 +157,13 @@ async fn fail_fast_answers_busy_while_another_writer_holds_the_sku() {
         quantity: 1,
         reservation_id: Uuid::now_v7(),
     };
-    let err = reserve
-        .handle(&uow, tokio::time::sleep, &cmd)
-        .await
-        .expect_err("busy");
+    let err = reserve.handle(&uow, &cmd).await.expect_err("busy");
     assert!(
         matches!(err, InventoryError::Busy { sku: s } if s == sku),
         "{err}"
     );
     holder.rollback().await;
-    let done = reserve
-        .handle(&uow, tokio::time::sleep, &cmd)
-        .await
-        .expect("free now");
+    let done = reserve.handle(&uow, &cmd).await.expect("free now");
     assert_eq!(done.available, 9);
     let tx = db.begin();
     assert_eq!(

@@ -7,7 +7,8 @@ use lockstep_core::RetryPolicy;
 use lockstep_example_inventory::LockMode;
 use lockstep_example_inventory::flash_sale;
 use lockstep_example_inventory::handler;
-use lockstep_example_inventory::wiring::{PgUnitOfWork, postgres_handler};
+use lockstep_example_inventory::wiring::postgres_handler;
+use lockstep_pg::PgTransactionSource;
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::pg_harness::test_database;
 use uuid::Uuid;
@@ -17,7 +18,7 @@ async fn thirty_two_concurrent_writers_never_oversell_on_postgres_in_any_mode() 
     let db = test_database().await;
     let pool = db.pool(16);
     lockstep_pg::migrate(&pool).await.expect("migrate");
-    let uow = Arc::new(PgUnitOfWork::new(pool.clone()));
+    let uow = Arc::new(PgTransactionSource::new(pool.clone()));
     let store = PgEventStore::new();
     for mode in LockMode::ALL {
         let sku = Uuid::now_v7();

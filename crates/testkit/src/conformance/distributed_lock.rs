@@ -3,31 +3,29 @@
 //!
 //! Every case uses fresh random keys, so the suite can run against a shared database.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockstep_core::{DistributedLock, ResourceKey};
+use lockstep_core::{DistributedLock, ResourceKey, TransactionSource};
+
+use super::{begin, commit, rollback};
 
 /// What the suite needs from a backend: the lock under test and owned transactions of the type
 /// it locks on.
 pub trait DistributedLockFixture: Send + Sync + 'static {
     /// An owned, open transaction (must be `'static` so a waiting writer can be spawned).
     type Tx: Send + Sync + 'static;
+    /// Where the suite's transactions come from (each on its own connection, for a database
+    /// backend).
+    type Source: TransactionSource<Tx = Self::Tx>;
     /// The lock under test.
     type Lock: DistributedLock<Self::Tx> + 'static;
 
     /// The lock under test.
     fn lock(&self) -> &Self::Lock;
 
-    /// Begins a new transaction (on its own connection, for a database backend).
-    fn begin(&self) -> impl Future<Output = Self::Tx> + Send;
-
-    /// Commits `tx`; its transaction-scoped locks are released.
-    fn commit(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
-
-    /// Rolls `tx` back; its transaction-scoped locks are released.
-    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+    /// The transaction source.
+    fn source(&self) -> &Self::Source;
 }
 
 fn fresh_key() -> ResourceKey {
@@ -45,17 +43,17 @@ async fn try_lock<F: DistributedLockFixture>(fixture: &F, tx: &F::Tx, key: &Reso
 /// While one transaction holds a key, another transaction's try-acquire is denied.
 pub async fn same_key_in_two_transactions_excludes<F: DistributedLockFixture>(fixture: Arc<F>) {
     let key = fresh_key();
-    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    let (a, b) = (begin(fixture.source()).await, begin(fixture.source()).await);
     assert!(try_lock(&*fixture, &a, &key).await);
     assert!(!try_lock(&*fixture, &b, &key).await);
-    fixture.rollback(b).await;
-    fixture.rollback(a).await;
+    rollback(fixture.source(), b).await;
+    rollback(fixture.source(), a).await;
 }
 
 /// Different keys never block each other.
 pub async fn different_keys_never_block<F: DistributedLockFixture>(fixture: Arc<F>) {
     let (k1, k2) = (fresh_key(), fresh_key());
-    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    let (a, b) = (begin(fixture.source()).await, begin(fixture.source()).await);
     assert!(try_lock(&*fixture, &a, &k1).await);
     assert!(try_lock(&*fixture, &b, &k2).await);
     let blocking = fixture
@@ -66,14 +64,14 @@ pub async fn different_keys_never_block<F: DistributedLockFixture>(fixture: Arc<
         blocking.is_ok(),
         "a free key is acquired at once: {blocking:?}"
     );
-    fixture.commit(a).await;
-    fixture.commit(b).await;
+    commit(fixture.source(), a).await.expect("commit");
+    commit(fixture.source(), b).await.expect("commit");
 }
 
 /// The lock is re-entrant within one transaction, and still exclusive to it.
 pub async fn reentrant_within_one_transaction<F: DistributedLockFixture>(fixture: Arc<F>) {
     let key = fresh_key();
-    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    let (a, b) = (begin(fixture.source()).await, begin(fixture.source()).await);
     assert!(try_lock(&*fixture, &a, &key).await);
     assert!(try_lock(&*fixture, &a, &key).await);
     fixture
@@ -82,34 +80,34 @@ pub async fn reentrant_within_one_transaction<F: DistributedLockFixture>(fixture
         .await
         .expect("re-entrant blocking acquire");
     assert!(!try_lock(&*fixture, &b, &key).await);
-    fixture.rollback(b).await;
-    fixture.commit(a).await;
+    rollback(fixture.source(), b).await;
+    commit(fixture.source(), a).await.expect("commit");
 }
 
 /// Commit releases the transaction's locks.
 pub async fn released_at_commit<F: DistributedLockFixture>(fixture: Arc<F>) {
     let key = fresh_key();
-    let a = fixture.begin().await;
+    let a = begin(fixture.source()).await;
     assert!(try_lock(&*fixture, &a, &key).await);
     assert!(try_lock(&*fixture, &a, &key).await, "held twice");
-    fixture.commit(a).await;
-    let b = fixture.begin().await;
+    commit(fixture.source(), a).await.expect("commit");
+    let b = begin(fixture.source()).await;
     assert!(
         try_lock(&*fixture, &b, &key).await,
         "released by commit, however deep"
     );
-    fixture.rollback(b).await;
+    rollback(fixture.source(), b).await;
 }
 
 /// Rollback releases the transaction's locks.
 pub async fn released_at_rollback<F: DistributedLockFixture>(fixture: Arc<F>) {
     let key = fresh_key();
-    let a = fixture.begin().await;
+    let a = begin(fixture.source()).await;
     assert!(try_lock(&*fixture, &a, &key).await);
-    fixture.rollback(a).await;
-    let b = fixture.begin().await;
+    rollback(fixture.source(), a).await;
+    let b = begin(fixture.source()).await;
     assert!(try_lock(&*fixture, &b, &key).await, "released by rollback");
-    fixture.rollback(b).await;
+    rollback(fixture.source(), b).await;
 }
 
 /// A blocking acquire waits while the holder's transaction is open (still pending 200 ms
@@ -119,12 +117,12 @@ pub async fn blocking_acquire_completes_once_the_holder_ends<F: DistributedLockF
 ) {
     for end_by_commit in [true, false] {
         let key = fresh_key();
-        let a = fixture.begin().await;
+        let a = begin(fixture.source()).await;
         assert!(try_lock(&*fixture, &a, &key).await);
         let waiter = {
             let (fixture, key) = (Arc::clone(&fixture), key.clone());
             tokio::spawn(async move {
-                let b = fixture.begin().await;
+                let b = begin(fixture.source()).await;
                 let result = fixture.lock().acquire_for_transaction(&b, &key, None).await;
                 (b, result)
             })
@@ -135,22 +133,22 @@ pub async fn blocking_acquire_completes_once_the_holder_ends<F: DistributedLockF
             "the waiter is still waiting 200 ms later"
         );
         if end_by_commit {
-            fixture.commit(a).await;
+            commit(fixture.source(), a).await.expect("commit");
         } else {
-            fixture.rollback(a).await;
+            rollback(fixture.source(), a).await;
         }
         let (b, result) = tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
             .expect("the waiter completes within 5 s of the holder ending")
             .expect("waiter task");
         result.expect("the waiter holds the lock");
-        let c = fixture.begin().await;
+        let c = begin(fixture.source()).await;
         assert!(
             !try_lock(&*fixture, &c, &key).await,
             "now the waiter holds it"
         );
-        fixture.rollback(c).await;
-        fixture.commit(b).await;
+        rollback(fixture.source(), c).await;
+        commit(fixture.source(), b).await.expect("commit");
     }
 }
 
@@ -160,7 +158,7 @@ pub async fn acquire_with_timeout_fails_with_lock_timeout<F: DistributedLockFixt
     fixture: Arc<F>,
 ) {
     let key = fresh_key();
-    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    let (a, b) = (begin(fixture.source()).await, begin(fixture.source()).await);
     assert!(try_lock(&*fixture, &a, &key).await);
     let err = fixture
         .lock()
@@ -169,21 +167,21 @@ pub async fn acquire_with_timeout_fails_with_lock_timeout<F: DistributedLockFixt
         .expect_err("the wait times out");
     assert_eq!(err.kind(), lockstep_core::ErrorKind::LockTimeout, "{err}");
     assert!(err.is_retryable());
-    fixture.rollback(b).await;
-    let c = fixture.begin().await;
+    rollback(fixture.source(), b).await;
+    let c = begin(fixture.source()).await;
     assert!(
         !try_lock(&*fixture, &c, &key).await,
         "the holder still holds"
     );
-    fixture.rollback(c).await;
-    fixture.commit(a).await;
+    rollback(fixture.source(), c).await;
+    commit(fixture.source(), a).await.expect("commit");
 }
 
 /// Dropping a waiting acquire leaves no waiter behind: once the holder ends, the key is free
 /// for anyone at once.
 pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(fixture: Arc<F>) {
     let key = fresh_key();
-    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    let (a, b) = (begin(fixture.source()).await, begin(fixture.source()).await);
     assert!(try_lock(&*fixture, &a, &key).await);
     let abandoned = tokio::time::timeout(
         Duration::from_millis(100),
@@ -194,9 +192,9 @@ pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(
         abandoned.is_err(),
         "the acquire was still waiting when dropped"
     );
-    fixture.rollback(b).await;
-    fixture.commit(a).await;
-    let c = fixture.begin().await;
+    rollback(fixture.source(), b).await;
+    commit(fixture.source(), a).await.expect("commit");
+    let c = begin(fixture.source()).await;
     let acquired = tokio::time::timeout(
         Duration::from_secs(5),
         fixture.lock().acquire_for_transaction(&c, &key, None),
@@ -204,7 +202,7 @@ pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(
     .await
     .expect("no ghost waiter holds the key");
     acquired.expect("acquired");
-    fixture.commit(c).await;
+    commit(fixture.source(), c).await.expect("commit");
 }
 
 /// Runs every case, in order.

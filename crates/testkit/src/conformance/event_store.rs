@@ -5,14 +5,15 @@
 //! database. No case asserts on timing: a concurrent writer is spawned and the suite waits for
 //! its outcome after ending the transaction it waits for.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
-    ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, Result, StreamId,
+    ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, StreamId, TransactionSource,
     version_conflict,
 };
+
+use super::{begin, commit, rollback};
 
 /// What the suite needs from a backend: the store under test and owned transactions of the
 /// type it runs on.
@@ -21,19 +22,16 @@ pub trait EventStoreFixture: Send + Sync + 'static {
     type Tx: Send + Sync + 'static;
     /// The store under test.
     type Store: EventStore<Self::Tx> + 'static;
+    /// The transaction source.
+    type Source: TransactionSource<Tx = Self::Tx>;
 
     /// The store under test.
     fn store(&self) -> &Self::Store;
 
-    /// Begins a new transaction (on its own connection, for a database backend).
-    fn begin(&self) -> impl Future<Output = Self::Tx> + Send;
-
-    /// Commits `tx`, reporting failure (a transaction aborted by a failed append fails with
-    /// [`ErrorKind::TransactionAborted`]).
-    fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<()>> + Send;
-
-    /// Rolls `tx` back.
-    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+    /// Where the suite's transactions come from (each on its own connection, for a database
+    /// backend). Committing a transaction aborted by a failed append must fail with
+    /// [`ErrorKind::TransactionAborted`].
+    fn source(&self) -> &Self::Source;
 }
 
 fn event(event_type: &str, n: u64) -> NewEvent {
@@ -50,9 +48,9 @@ async fn versions<F: EventStoreFixture>(fixture: &F, tx: &F::Tx, stream: StreamI
 }
 
 async fn committed_versions<F: EventStoreFixture>(fixture: &F, stream: StreamId) -> Vec<u64> {
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     let seen = versions(fixture, &tx, stream).await;
-    fixture.rollback(tx).await;
+    rollback(fixture.source(), tx).await;
     seen
 }
 
@@ -62,7 +60,7 @@ pub async fn appends_number_versions_from_one_and_load_in_order<F: EventStoreFix
     fixture: Arc<F>,
 ) {
     let stream = StreamId::new_v7();
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     assert!(
         fixture
             .store()
@@ -88,11 +86,11 @@ pub async fn appends_number_versions_from_one_and_load_in_order<F: EventStoreFix
         .await
         .expect("append");
     assert_eq!(v, 3);
-    fixture.commit(tx).await.expect("commit");
+    commit(fixture.source(), tx).await.expect("commit");
 
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     let events = fixture.store().load(&tx, stream).await.expect("load");
-    fixture.rollback(tx).await;
+    rollback(fixture.source(), tx).await;
     assert_eq!(
         events.iter().map(|e| e.version).collect::<Vec<_>>(),
         [1, 2, 3]
@@ -116,7 +114,7 @@ pub async fn appends_are_visible_to_others_only_after_commit<F: EventStoreFixtur
     fixture: Arc<F>,
 ) {
     let stream = StreamId::new_v7();
-    let (writer, reader) = (fixture.begin().await, fixture.begin().await);
+    let (writer, reader) = (begin(fixture.source()).await, begin(fixture.source()).await);
     fixture
         .store()
         .append(&writer, stream, ExpectedVersion::Any, &[event("A", 1)])
@@ -124,34 +122,34 @@ pub async fn appends_are_visible_to_others_only_after_commit<F: EventStoreFixtur
         .expect("append");
     assert_eq!(versions(&*fixture, &writer, stream).await, [1]);
     assert!(versions(&*fixture, &reader, stream).await.is_empty());
-    fixture.commit(writer).await.expect("commit");
+    commit(fixture.source(), writer).await.expect("commit");
     assert_eq!(
         versions(&*fixture, &reader, stream).await,
         [1],
         "READ COMMITTED: the next read sees the commit"
     );
-    fixture.rollback(reader).await;
+    rollback(fixture.source(), reader).await;
 }
 
 /// A rolled-back append leaves nothing, and its version is free again.
 pub async fn rolled_back_appends_vanish<F: EventStoreFixture>(fixture: Arc<F>) {
     let stream = StreamId::new_v7();
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     fixture
         .store()
         .append(&tx, stream, ExpectedVersion::NoStream, &[event("A", 1)])
         .await
         .expect("append");
-    fixture.rollback(tx).await;
+    rollback(fixture.source(), tx).await;
     assert!(committed_versions(&*fixture, stream).await.is_empty());
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     let v = fixture
         .store()
         .append(&tx, stream, ExpectedVersion::NoStream, &[event("A", 1)])
         .await
         .expect("version 1 is free again");
     assert_eq!(v, 1);
-    fixture.commit(tx).await.expect("commit");
+    commit(fixture.source(), tx).await.expect("commit");
 }
 
 /// Expecting a version the stream is not at — behind it, ahead of it, or `NoStream` on an
@@ -163,7 +161,7 @@ pub async fn a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction<
     fixture: Arc<F>,
 ) {
     let stream = StreamId::new_v7();
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     fixture
         .store()
         .append(
@@ -174,14 +172,14 @@ pub async fn a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction<
         )
         .await
         .expect("append");
-    fixture.commit(tx).await.expect("commit");
+    commit(fixture.source(), tx).await.expect("commit");
 
     for expected in [
         ExpectedVersion::Exact(1),
         ExpectedVersion::Exact(3),
         ExpectedVersion::NoStream,
     ] {
-        let tx = fixture.begin().await;
+        let tx = begin(fixture.source()).await;
         let err = fixture
             .store()
             .append(&tx, stream, expected, &[event("B", 3)])
@@ -198,7 +196,7 @@ pub async fn a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction<
             after.expect_err("aborted").kind(),
             ErrorKind::TransactionAborted
         );
-        let commit = fixture.commit(tx).await;
+        let commit = commit(fixture.source(), tx).await;
         assert_eq!(
             commit.expect_err("aborted").kind(),
             ErrorKind::TransactionAborted
@@ -211,7 +209,7 @@ pub async fn a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction<
 pub async fn any_appends_after_the_current_version<F: EventStoreFixture>(fixture: Arc<F>) {
     let stream = StreamId::new_v7();
     for expected_new in [1, 2, 3] {
-        let tx = fixture.begin().await;
+        let tx = begin(fixture.source()).await;
         let v = fixture
             .store()
             .append(
@@ -223,14 +221,14 @@ pub async fn any_appends_after_the_current_version<F: EventStoreFixture>(fixture
             .await
             .expect("append");
         assert_eq!(v, expected_new);
-        fixture.commit(tx).await.expect("commit");
+        commit(fixture.source(), tx).await.expect("commit");
     }
 }
 
 /// An empty append is invalid input and leaves the transaction usable.
 pub async fn an_empty_append_is_invalid_input<F: EventStoreFixture>(fixture: Arc<F>) {
     let stream = StreamId::new_v7();
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     let err = fixture
         .store()
         .append(&tx, stream, ExpectedVersion::Any, &[])
@@ -238,13 +236,13 @@ pub async fn an_empty_append_is_invalid_input<F: EventStoreFixture>(fixture: Arc
         .expect_err("empty");
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     assert!(versions(&*fixture, &tx, stream).await.is_empty(), "usable");
-    fixture.commit(tx).await.expect("commit");
+    commit(fixture.source(), tx).await.expect("commit");
 }
 
 /// Streams are independent: the same versions in two streams never conflict.
 pub async fn streams_are_independent<F: EventStoreFixture>(fixture: Arc<F>) {
     let (s1, s2) = (StreamId::new_v7(), StreamId::new_v7());
-    let (a, b) = (fixture.begin().await, fixture.begin().await);
+    let (a, b) = (begin(fixture.source()).await, begin(fixture.source()).await);
     for (tx, stream) in [(&a, s1), (&b, s2)] {
         fixture
             .store()
@@ -252,8 +250,8 @@ pub async fn streams_are_independent<F: EventStoreFixture>(fixture: Arc<F>) {
             .await
             .expect("append");
     }
-    fixture.commit(a).await.expect("commit");
-    fixture.commit(b).await.expect("commit");
+    commit(fixture.source(), a).await.expect("commit");
+    commit(fixture.source(), b).await.expect("commit");
     assert_eq!(committed_versions(&*fixture, s1).await, [1]);
     assert_eq!(committed_versions(&*fixture, s2).await, [1]);
 }
@@ -266,7 +264,7 @@ pub async fn concurrent_appends_of_one_version_let_exactly_one_commit<F: EventSt
 ) {
     for first_commits in [true, false] {
         let stream = StreamId::new_v7();
-        let first = fixture.begin().await;
+        let first = begin(fixture.source()).await;
         fixture
             .store()
             .append(&first, stream, ExpectedVersion::NoStream, &[event("A", 1)])
@@ -275,7 +273,7 @@ pub async fn concurrent_appends_of_one_version_let_exactly_one_commit<F: EventSt
         let second = {
             let fixture = Arc::clone(&fixture);
             tokio::spawn(async move {
-                let tx = fixture.begin().await;
+                let tx = begin(fixture.source()).await;
                 let result = fixture
                     .store()
                     .append(&tx, stream, ExpectedVersion::NoStream, &[event("B", 1)])
@@ -286,9 +284,9 @@ pub async fn concurrent_appends_of_one_version_let_exactly_one_commit<F: EventSt
         // Give the second writer a chance to reach its append (either way it must wait).
         tokio::time::sleep(Duration::from_millis(50)).await;
         if first_commits {
-            fixture.commit(first).await.expect("commit");
+            commit(fixture.source(), first).await.expect("commit");
         } else {
-            fixture.rollback(first).await;
+            rollback(fixture.source(), first).await;
         }
         let (tx, result) = second.await.expect("second writer");
         if first_commits {
@@ -299,20 +297,23 @@ pub async fn concurrent_appends_of_one_version_let_exactly_one_commit<F: EventSt
                 Some(ExpectedVersion::NoStream)
             );
             assert_eq!(
-                fixture.commit(tx).await.expect_err("aborted").kind(),
+                commit(fixture.source(), tx)
+                    .await
+                    .expect_err("aborted")
+                    .kind(),
                 ErrorKind::TransactionAborted
             );
-            let tx = fixture.begin().await;
+            let tx = begin(fixture.source()).await;
             let events = fixture.store().load(&tx, stream).await.expect("load");
-            fixture.rollback(tx).await;
+            rollback(fixture.source(), tx).await;
             assert_eq!(events.len(), 1);
             assert_eq!(events[0].event_type, "A");
         } else {
             assert_eq!(result.expect("the second append goes through"), 1);
-            fixture.commit(tx).await.expect("commit");
-            let tx = fixture.begin().await;
+            commit(fixture.source(), tx).await.expect("commit");
+            let tx = begin(fixture.source()).await;
             let events = fixture.store().load(&tx, stream).await.expect("load");
-            fixture.rollback(tx).await;
+            rollback(fixture.source(), tx).await;
             assert_eq!(events.len(), 1);
             assert_eq!(events[0].event_type, "B");
         }
@@ -325,7 +326,7 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
     fixture: Arc<F>,
 ) {
     let (stream, key) = (StreamId::new_v7(), fresh_key());
-    let holder = fixture.begin().await;
+    let holder = begin(fixture.source()).await;
     let seen = fixture
         .store()
         .load_locked(&holder, stream, &key, None)
@@ -338,19 +339,19 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
         .await
         .expect("append");
 
-    let timed_out = fixture.begin().await;
+    let timed_out = begin(fixture.source()).await;
     let err = fixture
         .store()
         .load_locked(&timed_out, stream, &key, Some(Duration::from_millis(100)))
         .await
         .expect_err("held");
     assert_eq!(err.kind(), ErrorKind::LockTimeout, "{err}");
-    fixture.rollback(timed_out).await;
+    rollback(fixture.source(), timed_out).await;
 
     let waiter = {
         let (fixture, key) = (Arc::clone(&fixture), key.clone());
         tokio::spawn(async move {
-            let tx = fixture.begin().await;
+            let tx = begin(fixture.source()).await;
             let events = fixture
                 .store()
                 .load_locked(&tx, stream, &key, None)
@@ -366,12 +367,12 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
                 )
                 .await
                 .expect("no conflict under the lock");
-            fixture.commit(tx).await.expect("commit");
+            commit(fixture.source(), tx).await.expect("commit");
             (events.len(), v)
         })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
-    fixture.commit(holder).await.expect("commit");
+    commit(fixture.source(), holder).await.expect("commit");
     let (loaded, v) = waiter.await.expect("waiter");
     assert_eq!(loaded, 1, "loaded after the holder's commit");
     assert_eq!(v, 2);

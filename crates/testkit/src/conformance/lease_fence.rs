@@ -2,14 +2,15 @@
 //! lease is still held at the same epoch, and a takeover cannot slip in between the check and
 //! the commit.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, PerspectiveName, StreamId,
-    StreamLease,
+    StreamLease, TransactionSource,
 };
+
+use super::{begin, commit, rollback};
 
 use super::stream_locker::StreamLockerFixture;
 
@@ -18,20 +19,16 @@ use super::stream_locker::StreamLockerFixture;
 pub trait LeaseFenceFixture: StreamLockerFixture + 'static {
     /// An owned, open transaction.
     type Tx: Send + Sync + 'static;
+    /// The transaction source.
+    type Source: TransactionSource<Tx = Self::Tx>;
     /// The fence under test (normally the locker itself).
     type Fence: LeaseFence<Self::Tx> + 'static;
 
     /// The fence under test, over the same storage as the locker.
     fn fence(&self) -> &Self::Fence;
 
-    /// Begins a transaction.
-    fn begin(&self) -> impl Future<Output = Self::Tx> + Send;
-
-    /// Commits, reporting failure.
-    fn commit(&self, tx: Self::Tx) -> impl Future<Output = lockstep_core::Result<()>> + Send;
-
-    /// Rolls back.
-    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+    /// Where the suite's transactions come from.
+    fn source(&self) -> &Self::Source;
 }
 
 async fn leased<F: LeaseFenceFixture>(fixture: &F) -> (StreamId, PerspectiveName, StreamLease) {
@@ -60,13 +57,13 @@ async fn wait_past_expiry<F: LeaseFenceFixture>(fixture: &F) {
 /// The current holder's fence check passes and its transaction commits.
 pub async fn fence_passes_for_the_current_holder<F: LeaseFenceFixture>(fixture: Arc<F>) {
     let (_, _, lease) = leased(&*fixture).await;
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     fixture
         .fence()
         .check_lease(&tx, &lease.id)
         .await
         .expect("the holder passes the fence");
-    fixture.commit(tx).await.expect("commit");
+    commit(fixture.source(), tx).await.expect("commit");
     let _ = fixture.locker().release(&lease.id).await.expect("release");
 }
 
@@ -81,28 +78,28 @@ pub async fn fence_fails_after_takeover<F: LeaseFenceFixture>(fixture: Arc<F>) {
         .await
         .expect("try_acquire");
     assert!(taken.is_acquired());
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     let err = fixture
         .fence()
         .check_lease(&tx, &old.id)
         .await
         .expect_err("stale holder is fenced out");
     assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
-    fixture.rollback(tx).await;
+    rollback(fixture.source(), tx).await;
 }
 
 /// An expired lease fails the fence even before anyone takes it over.
 pub async fn fence_fails_after_expiry<F: LeaseFenceFixture>(fixture: Arc<F>) {
     let (_, _, lease) = leased(&*fixture).await;
     wait_past_expiry(&*fixture).await;
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     let err = fixture
         .fence()
         .check_lease(&tx, &lease.id)
         .await
         .expect_err("expired");
     assert_eq!(err.kind(), ErrorKind::LeaseLost);
-    fixture.rollback(tx).await;
+    rollback(fixture.source(), tx).await;
 }
 
 /// Force-release fences the old holder out at once.
@@ -114,14 +111,14 @@ pub async fn fence_fails_after_force_release<F: LeaseFenceFixture>(fixture: Arc<
         .await
         .expect("force release");
     assert!(released.is_released());
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     let err = fixture
         .fence()
         .check_lease(&tx, &lease.id)
         .await
         .expect_err("force-released");
     assert_eq!(err.kind(), ErrorKind::LeaseLost);
-    fixture.rollback(tx).await;
+    rollback(fixture.source(), tx).await;
 }
 
 /// A takeover of an expired lease waits while a fenced transaction is open (still pending
@@ -130,7 +127,7 @@ pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFence
     fixture: Arc<F>,
 ) {
     let (stream, name, lease) = leased(&*fixture).await;
-    let tx = fixture.begin().await;
+    let tx = begin(fixture.source()).await;
     fixture
         .fence()
         .check_lease(&tx, &lease.id)
@@ -151,8 +148,7 @@ pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFence
         !takeover.is_finished(),
         "the takeover waits for the fenced transaction"
     );
-    fixture
-        .commit(tx)
+    commit(fixture.source(), tx)
         .await
         .expect("the fenced commit succeeds");
     let outcome = tokio::time::timeout(Duration::from_secs(5), takeover)

@@ -21,3 +21,20 @@ pub mod event_store;
 pub mod lease_fence;
 pub mod session_lock;
 pub mod stream_locker;
+
+use lockstep_core::{Result, TransactionSource};
+
+/// Begins a transaction for a case; a backend that cannot begin fails the case.
+async fn begin<S: TransactionSource>(source: &S) -> S::Tx {
+    source.begin().await.expect("beginning a transaction")
+}
+
+/// Commits, reporting failure (some cases expect a commit to fail).
+async fn commit<S: TransactionSource>(source: &S, tx: S::Tx) -> Result<()> {
+    source.commit(tx).await
+}
+
+/// Rolls back; a backend that cannot confirm the rollback fails the case.
+async fn rollback<S: TransactionSource>(source: &S, tx: S::Tx) {
+    source.rollback(tx).await.expect("rolling back");
+}

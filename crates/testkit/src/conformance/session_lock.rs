@@ -79,7 +79,7 @@ pub async fn session_and_transaction_locks_exclude_each_other<F: SessionLockFixt
     let locks = fixture.lock();
     let key = fresh_key();
     let guard = try_session(locks, &key).await.expect("free");
-    let tx = fixture.begin().await;
+    let tx = super::begin(fixture.source()).await;
     assert!(
         !locks
             .try_acquire_for_transaction(&tx, &key)
@@ -98,7 +98,7 @@ pub async fn session_and_transaction_locks_exclude_each_other<F: SessionLockFixt
         try_session(locks, &key).await.is_none(),
         "a session is denied while a transaction holds the key"
     );
-    fixture.commit(tx).await;
+    super::commit(fixture.source(), tx).await.expect("commit");
     let after = try_session(locks, &key).await.expect("free after commit");
     after.release().await.expect("release");
 }
