@@ -96,9 +96,16 @@ impl fmt::Display for ExpectedVersion {
     }
 }
 
-/// An event to append: its type name and a JSON payload.
+/// An event to append: its id, type name and JSON payload.
+///
+/// The id is a fresh UUIDv7 unless the caller chooses one ([`NewEvent::with_id`]: imported
+/// history, offline clients, replication). Perspectives apply a stream's events in event-id
+/// order, so an event whose chosen id sorts before events already applied is a late arrival
+/// (see [`crate::perspective`]). Appending the same `NewEvent` twice writes it once: the second
+/// append fails on the event's id (see [`EventStore::append`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewEvent {
+    event_id: Uuid,
     event_type: String,
     payload: serde_json::Value,
 }
@@ -141,9 +148,28 @@ impl NewEvent {
             .into());
         }
         Ok(NewEvent {
+            event_id: Uuid::now_v7(),
             event_type,
             payload,
         })
+    }
+
+    /// Gives the event a caller-chosen id instead of a fresh UUIDv7. The nil UUID is refused
+    /// (it stands for "from the start" in rewind requests).
+    pub fn with_id(mut self, event_id: Uuid) -> Result<NewEvent> {
+        if event_id.is_nil() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "an event id must not be the nil UUID",
+            ));
+        }
+        self.event_id = event_id;
+        Ok(self)
+    }
+
+    /// The event's id.
+    pub fn event_id(&self) -> Uuid {
+        self.event_id
     }
 
     /// The event's type name.
@@ -160,7 +186,8 @@ impl NewEvent {
 /// An event as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecordedEvent {
-    /// The event's id, a UUIDv7 chosen at append time (sorts by append time).
+    /// The event's id: a UUIDv7 drawn when the [`NewEvent`] was built (sorts by creation time),
+    /// or the id its appender chose.
     pub event_id: Uuid,
     /// The stream it belongs to.
     pub stream_id: StreamId,

@@ -36,6 +36,8 @@ pub mod error;
 pub mod event_store;
 pub mod ids;
 pub mod options;
+pub mod perspective;
+pub mod perspective_store;
 pub mod reason;
 pub mod resource_key;
 pub mod retry;
@@ -53,6 +55,10 @@ pub use event_store::{
 };
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;
+pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
+pub use perspective_store::{
+    Claim, Cursor, PendingPair, PerspectiveStore, RewindRequest, Snapshot, StateCommit,
+};
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
 pub use retry::RetryPolicy;
@@ -66,5 +72,6 @@ pub use unit_of_work::{Retryable, TransactionSource};
 
 /// Re-exported so implementors and users name the same versions.
 pub use async_trait::async_trait;
+pub use serde_json;
 pub use time::OffsetDateTime;
 pub use uuid::Uuid;

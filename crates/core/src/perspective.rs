@@ -1,0 +1,322 @@
+//! Perspectives: read models built from events, written by the application.
+//!
+//! A [`Perspective`] is a name, a state type (serde, with a `Default` for "no events yet") and a
+//! pure `apply(state, event)`. It applies a stream's events in **event-id order** (UUIDv7, so
+//! normally append order). An event whose id sorts before events the perspective already
+//! applied to that stream — an import with caller-chosen ids, an offline client, a replica —
+//! is a *late arrival*: the worker then rewinds the pair (restores the latest snapshot before
+//! it and replays), under a stream lease (see [`crate::stream_lease`]).
+//!
+//! `apply` must be deterministic: a rewind replays the same events and must reach the same
+//! state. A failing `apply` is an error of that `(stream, perspective)` pair only: the worker
+//! records it on the pair's cursor and keeps serving every other pair.
+//!
+//! The worker runs perspectives of different state types side by side, so it holds them as
+//! [`DynPerspective`] (state as JSON); every [`Perspective`] is one through a blanket impl.
+//!
+//! ```
+//! use lockstep_core::{Perspective, RecordedEvent};
+//!
+//! /// How many units of each SKU were reserved.
+//! struct Reserved;
+//!
+//! impl Perspective for Reserved {
+//!     type State = u64;
+//!     type Error = serde_json::Error;
+//!
+//!     fn name(&self) -> &str {
+//!         "Reserved"
+//!     }
+//!
+//!     fn apply(&self, state: &mut u64, event: &RecordedEvent) -> Result<(), serde_json::Error> {
+//!         if event.event_type == "StockReserved" {
+//!             *state += event.payload["quantity"].as_u64().unwrap_or(0);
+//!         }
+//!         Ok(())
+//!     }
+//! }
+//! ```
+
+use std::fmt;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::event_store::RecordedEvent;
+use crate::ids::PerspectiveName;
+
+/// A read model: folds a stream's events, in event-id order, into a state.
+pub trait Perspective: Send + Sync + 'static {
+    /// The state of one stream in this perspective. `Default` is the state before any event.
+    type State: Serialize + DeserializeOwned + Default + Send + Sync;
+    /// What a failing `apply` reports (stored on the pair's cursor as text).
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The perspective's name: the key of its cursors, leases and states. Must be a valid
+    /// [`PerspectiveName`] (not blank, at most 200 characters, no NUL).
+    fn name(&self) -> &str;
+
+    /// Applies one event to the state. Deterministic: a replay must reach the same state.
+    fn apply(&self, state: &mut Self::State, event: &RecordedEvent) -> Result<(), Self::Error>;
+}
+
+/// A perspective with its state erased to JSON, as the worker holds it.
+pub trait DynPerspective: Send + Sync {
+    /// The perspective's name, as given by [`Perspective::name`].
+    fn name(&self) -> &str;
+
+    /// The state before any event, as JSON.
+    fn initial_state(&self) -> Result<serde_json::Value>;
+
+    /// Applies `events` in the given order to `state` (JSON). On failure, names the event that
+    /// failed; `state` is left as it was before the call.
+    fn apply_all(
+        &self,
+        state: &mut serde_json::Value,
+        events: &[RecordedEvent],
+    ) -> Result<(), ApplyError>;
+}
+
+impl<P: Perspective> DynPerspective for P {
+    fn name(&self) -> &str {
+        Perspective::name(self)
+    }
+
+    fn initial_state(&self) -> Result<serde_json::Value> {
+        serde_json::to_value(P::State::default()).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                "the perspective's default state does not serialize to JSON",
+            )
+            .with_source(e)
+        })
+    }
+
+    fn apply_all(
+        &self,
+        state: &mut serde_json::Value,
+        events: &[RecordedEvent],
+    ) -> Result<(), ApplyError> {
+        let mut typed: P::State =
+            serde_json::from_value(state.clone()).map_err(|e| ApplyError::State {
+                detail: e.to_string(),
+            })?;
+        for event in events {
+            self.apply(&mut typed, event)
+                .map_err(|e| ApplyError::Apply {
+                    event_id: event.event_id,
+                    detail: e.to_string(),
+                })?;
+        }
+        *state = serde_json::to_value(typed).map_err(|e| ApplyError::State {
+            detail: e.to_string(),
+        })?;
+        Ok(())
+    }
+}
+
+/// Why a perspective could not apply events to a pair's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ApplyError {
+    /// `apply` failed on this event.
+    Apply {
+        /// The event that failed.
+        event_id: uuid::Uuid,
+        /// The perspective's error, as text.
+        detail: String,
+    },
+    /// The stored state does not deserialize into the perspective's state type (the type
+    /// changed incompatibly: request a rewind from the start), or the new state does not
+    /// serialize.
+    State {
+        /// The serde error, as text.
+        detail: String,
+    },
+    /// `apply` panicked on this event (caught by the worker).
+    Panicked {
+        /// The event being applied, when known.
+        event_id: Option<uuid::Uuid>,
+        /// The panic message, when it was a string.
+        detail: String,
+    },
+}
+
+impl fmt::Display for ApplyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ApplyError::Apply { event_id, detail } => {
+                write!(f, "apply failed on event {event_id}: {detail}")
+            }
+            ApplyError::State { detail } => write!(f, "state (de)serialization failed: {detail}"),
+            ApplyError::Panicked {
+                event_id: Some(id),
+                detail,
+            } => write!(f, "apply panicked on event {id}: {detail}"),
+            ApplyError::Panicked {
+                event_id: None,
+                detail,
+            } => write!(f, "apply panicked: {detail}"),
+        }
+    }
+}
+
+impl std::error::Error for ApplyError {}
+
+/// The perspectives a worker runs, by name (names are unique).
+#[derive(Clone, Default)]
+pub struct PerspectiveRegistry {
+    entries: Vec<(PerspectiveName, std::sync::Arc<dyn DynPerspective>)>,
+}
+
+impl fmt::Debug for PerspectiveRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.entries.iter().map(|(name, _)| name.as_str()))
+            .finish()
+    }
+}
+
+impl PerspectiveRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        PerspectiveRegistry::default()
+    }
+
+    /// Adds `perspective`. Fails with [`ErrorKind::InvalidInput`] when its name is not a valid
+    /// [`PerspectiveName`] or is already registered.
+    pub fn register<P: Perspective>(&mut self, perspective: P) -> Result<&mut Self> {
+        self.register_dyn(std::sync::Arc::new(perspective))
+    }
+
+    /// Adds a perspective already erased to [`DynPerspective`].
+    pub fn register_dyn(
+        &mut self,
+        perspective: std::sync::Arc<dyn DynPerspective>,
+    ) -> Result<&mut Self> {
+        let name = PerspectiveName::new(perspective.name())?;
+        if self.get(&name).is_some() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!("perspective {name} is registered twice"),
+            ));
+        }
+        self.entries.push((name, perspective));
+        Ok(self)
+    }
+
+    /// The perspective called `name`.
+    pub fn get(&self, name: &PerspectiveName) -> Option<&std::sync::Arc<dyn DynPerspective>> {
+        self.entries.iter().find(|(n, _)| n == name).map(|(_, p)| p)
+    }
+
+    /// Every registered name, in registration order.
+    pub fn names(&self) -> Vec<PerspectiveName> {
+        self.entries.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// How many perspectives are registered.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none is registered.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use time::OffsetDateTime;
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::ids::StreamId;
+
+    struct Sum;
+
+    #[derive(Debug)]
+    struct Negative;
+
+    impl fmt::Display for Negative {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("negative amount")
+        }
+    }
+
+    impl std::error::Error for Negative {}
+
+    impl Perspective for Sum {
+        type State = i64;
+        type Error = Negative;
+
+        fn name(&self) -> &str {
+            "Sum"
+        }
+
+        fn apply(&self, state: &mut i64, event: &RecordedEvent) -> Result<(), Negative> {
+            let n = event.payload.as_i64().unwrap_or(0);
+            if n < 0 {
+                return Err(Negative);
+            }
+            *state += n;
+            Ok(())
+        }
+    }
+
+    fn event(n: i64) -> RecordedEvent {
+        RecordedEvent {
+            event_id: Uuid::now_v7(),
+            stream_id: StreamId::new_v7(),
+            version: 1,
+            event_type: "Added".into(),
+            payload: serde_json::json!(n),
+            recorded_at: OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn applies_through_json_and_leaves_the_state_alone_on_failure() {
+        let p: &dyn DynPerspective = &Sum;
+        let mut state = p.initial_state().expect("default");
+        assert_eq!(state, serde_json::json!(0));
+        p.apply_all(&mut state, &[event(2), event(3)])
+            .expect("applies");
+        assert_eq!(state, serde_json::json!(5));
+        let bad = event(-1);
+        let err = p
+            .apply_all(&mut state, &[event(10), bad.clone()])
+            .expect_err("fails");
+        assert_eq!(
+            err,
+            ApplyError::Apply {
+                event_id: bad.event_id,
+                detail: "negative amount".into()
+            }
+        );
+        assert_eq!(state, serde_json::json!(5), "unchanged on failure");
+        let mut wrong = serde_json::json!("not a number");
+        assert!(matches!(
+            p.apply_all(&mut wrong, &[event(1)]),
+            Err(ApplyError::State { .. })
+        ));
+    }
+
+    #[test]
+    fn the_registry_refuses_duplicate_and_invalid_names() {
+        let mut registry = PerspectiveRegistry::new();
+        registry.register(Sum).expect("first");
+        assert_eq!(
+            registry.register(Sum).expect_err("twice").kind(),
+            ErrorKind::InvalidInput
+        );
+        assert_eq!(registry.len(), 1);
+        assert!(
+            registry
+                .get(&PerspectiveName::new("Sum").expect("valid"))
+                .is_some()
+        );
+    }
+}
