@@ -19,6 +19,7 @@
 //! use lockstep_pg::PgTransaction;
 //! use lockstep_pg_advisory::PostgresDistributedLock;
 //!
+//! lockstep_pg::migrate(&pool).await?; // the lock statements call SQL functions of the schema
 //! let lock = PostgresDistributedLock::new(pool.clone());
 //! let aggregate_lock = lock.aggregate_write_lock();
 //!
@@ -47,6 +48,11 @@
 //!
 //! # Semantics (see `docs/adr/0003-advisory-lock-design.md`)
 //!
+//! - **Schema**: every lock statement calls the SQL function `lockstep_advisory_lock`
+//!   (migration `V4`), the one place where the protocol below — isolation check,
+//!   `lock_timeout` set for the wait and restored — is written (the event store's
+//!   `lockstep_lock_and_load` calls it too). Apply the schema first with
+//!   [`lockstep_pg::migrate()`].
 //! - **Timeouts** map to a transaction-local `lock_timeout` for the one statement (restored in
 //!   the same statement) and fail with [`ErrorKind::LockTimeout`](lockstep_core::ErrorKind).
 //!   As in plain PostgreSQL, a failed wait **aborts the caller's transaction**: roll it back

@@ -216,8 +216,8 @@ impl PostgresDistributedLock {
             .query_typed_one(sql::TRY_XACT, &[(&advisory, Type::INT8)])
             .await
             .map_err(|e| lock_error(e, key, "trying"))?;
-        check_isolation(row.try_get(0).ok(), key)?;
-        Ok(row.try_get::<_, Option<bool>>(1).ok().flatten() == Some(true))
+        check_isolation(row.try_get(0).map_err(decode_error)?, key)?;
+        row.try_get(1).map_err(decode_error)
     }
 }
 
@@ -238,24 +238,18 @@ async fn lock_statement<T: PgTransactionRef + ?Sized>(
     key: &ResourceKey,
     call: LockCall,
 ) -> Result<()> {
-    let client = tx.executor();
-    let row = match &call.lock_timeout {
-        None => {
-            client
-                .query_typed_one(sql::LOCK_XACT, &[(&call.advisory_key, Type::INT8)])
-                .await
-        }
-        Some(setting) => {
-            client
-                .query_typed_one(
-                    sql::LOCK_XACT_TIMEOUT,
-                    &[(&call.advisory_key, Type::INT8), (setting, Type::TEXT)],
-                )
-                .await
-        }
-    };
-    let row = row.map_err(|e| lock_error(e, key, "waiting for"))?;
-    check_isolation(row.try_get(0).ok(), key)
+    let row = tx
+        .executor()
+        .query_typed_one(
+            sql::LOCK_XACT,
+            &[
+                (&call.advisory_key, Type::INT8),
+                (&call.lock_timeout, Type::TEXT),
+            ],
+        )
+        .await
+        .map_err(|e| lock_error(e, key, "waiting for"))?;
+    check_isolation(row.try_get(0).map_err(decode_error)?, key)
 }
 
 impl<T: PgTransactionRef> DistributedLock<T> for PostgresDistributedLock {
@@ -290,21 +284,27 @@ pub(crate) fn lock_timeout_setting(limit: Duration) -> Result<String> {
     Ok(format!("{millis}ms"))
 }
 
-/// Refuses transactions that are not READ COMMITTED (lock-then-load would read a snapshot
-/// that may predate the previous holder's commit). The statement took no lock in that case.
-pub fn check_isolation(isolation: Option<&str>, key: &ResourceKey) -> Result<()> {
-    match isolation {
-        Some(sql::READ_COMMITTED | sql::READ_UNCOMMITTED) => Ok(()),
-        other => Err(Error::new(
+/// Turns the `refused_isolation` a lock statement returned into the caller's error: `None`
+/// (the statement checked READ COMMITTED and went on to lock) is fine; `Some(level)` means the
+/// transaction is REPEATABLE READ or SERIALIZABLE, where lock-then-load would read a snapshot
+/// that may predate the previous holder's commit. The statement took no lock in that case.
+pub fn check_isolation(refused: Option<&str>, key: &ResourceKey) -> Result<()> {
+    match refused {
+        None => Ok(()),
+        Some(level) => Err(Error::new(
             ErrorKind::Unsupported,
             format!(
-                "refusing to lock {key} in a {} transaction: lock-then-load needs READ COMMITTED \
-                 (a REPEATABLE READ or SERIALIZABLE snapshot can predate the previous holder's \
-                 commit)",
-                other.unwrap_or("non-READ COMMITTED")
+                "refusing to lock {key} in a {level} transaction: lock-then-load needs READ \
+                 COMMITTED (a REPEATABLE READ or SERIALIZABLE snapshot can predate the previous \
+                 holder's commit)"
             ),
         )),
     }
+}
+
+/// A lock statement's row did not decode as expected.
+pub(crate) fn decode_error(err: tokio_postgres::Error) -> Error {
+    Error::new(ErrorKind::Backend, "decoding a lock statement's result").with_source(err)
 }
 
 pub(crate) fn lock_error(err: tokio_postgres::Error, key: &ResourceKey, doing: &str) -> Error {
@@ -344,12 +344,13 @@ mod tests {
     }
 
     #[test]
-    fn only_read_committed_passes_the_isolation_check() {
+    fn a_refused_isolation_level_is_an_unsupported_error() {
         let key = ResourceKey::new("k").expect("key");
-        assert!(check_isolation(Some("read committed"), &key).is_ok());
-        for other in [Some("repeatable read"), Some("serializable"), None] {
-            let err = check_isolation(other, &key).expect_err("refused");
+        assert!(check_isolation(None, &key).is_ok());
+        for level in ["repeatable read", "serializable"] {
+            let err = check_isolation(Some(level), &key).expect_err("refused");
             assert_eq!(err.kind(), ErrorKind::Unsupported);
+            assert!(err.message().contains(level), "{err}");
         }
     }
 }

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tokio_postgres::types::Type;
 
 use crate::cancel::CancelOnDrop;
-use crate::lock::{PostgresDistributedLock, lock_error, lock_timeout_setting};
+use crate::lock::{PostgresDistributedLock, decode_error, lock_error, lock_timeout_setting};
 use crate::sql;
 
 /// Holds one session advisory lock on its own pooled connection.
@@ -65,12 +65,16 @@ impl SessionLockGuard for PgSessionGuard {
             return Ok(());
         };
         let advisory = self.key.advisory_key();
-        match conn
+        let held = match conn
             .query_typed_one(sql::UNLOCK_SESSION, &[(&advisory, Type::INT8)])
             .await
         {
-            Ok(row) if row.try_get::<_, bool>(0).unwrap_or(false) => Ok(()), // pooled again
-            Ok(_) => {
+            Ok(row) => acquired(&row),
+            Err(e) => Err(lock_error(e, &self.key, "releasing")),
+        };
+        match held {
+            Ok(true) => Ok(()), // pooled again
+            Ok(false) => {
                 let _ = Object::take(conn);
                 Err(Error::new(
                     ErrorKind::Backend,
@@ -78,11 +82,17 @@ impl SessionLockGuard for PgSessionGuard {
                 ))
             }
             Err(e) => {
+                // Not known to be unlocked: never pool it.
                 let _ = Object::take(conn);
-                Err(lock_error(e, &self.key, "releasing"))
+                Err(e)
             }
         }
     }
+}
+
+/// The boolean a session statement returns (held, acquired).
+fn acquired(row: &tokio_postgres::Row) -> Result<bool> {
+    row.try_get(0).map_err(decode_error)
 }
 
 /// A connection waiting for a session lock: if dropped mid-wait, cancels the wait and closes
@@ -158,24 +168,19 @@ impl SessionLocks for PostgresDistributedLock {
             conn: Some(conn),
             cancel: Some(cancel),
         };
-        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let client = waiting.conn.as_deref();
-        let outcome = match (client, remaining) {
-            (Some(client), None) => {
-                client
-                    .query_typed_one(sql::LOCK_SESSION, &[(&advisory, Type::INT8)])
-                    .await
-            }
-            (Some(client), Some(limit)) => {
-                let setting = lock_timeout_setting(limit)?;
+        let lock_timeout = deadline
+            .map(|d| lock_timeout_setting(d.saturating_duration_since(Instant::now())))
+            .transpose()?;
+        let outcome = match waiting.conn.as_deref() {
+            Some(client) => {
                 client
                     .query_typed_one(
-                        sql::LOCK_SESSION_TIMEOUT,
-                        &[(&advisory, Type::INT8), (&setting, Type::TEXT)],
+                        sql::LOCK_SESSION,
+                        &[(&advisory, Type::INT8), (&lock_timeout, Type::TEXT)],
                     )
                     .await
             }
-            (None, _) => unreachable!("set above"),
+            None => unreachable!("set above"),
         };
         let conn = waiting.finish();
         drop(permit);
@@ -198,18 +203,23 @@ impl SessionLocks for PostgresDistributedLock {
     async fn try_acquire_session(&self, key: &ResourceKey) -> Result<Option<PgSessionGuard>> {
         let conn = self.session_pool()?.get().await.map_err(map_pool_error)?;
         let advisory = key.advisory_key();
-        match conn
+        let outcome = match conn
             .query_typed_one(sql::TRY_SESSION, &[(&advisory, Type::INT8)])
             .await
         {
-            Ok(row) if row.try_get::<_, bool>(0).unwrap_or(false) => Ok(Some(PgSessionGuard {
+            Ok(row) => acquired(&row),
+            Err(e) => Err(lock_error(e, key, "trying session")),
+        };
+        match outcome {
+            Ok(true) => Ok(Some(PgSessionGuard {
                 conn: Some(conn),
                 key: key.clone(),
             })),
-            Ok(_) => Ok(None),
+            Ok(false) => Ok(None),
             Err(e) => {
+                // Possibly holding the lock: never pool it.
                 let _ = Object::take(conn);
-                Err(lock_error(e, key, "trying session"))
+                Err(e)
             }
         }
     }

@@ -41,6 +41,8 @@ impl DistributedLockFixture for Fixture {
 async fn setup(pool_size: usize) -> (TestDatabase, Pool, PostgresDistributedLock) {
     let db = test_database().await;
     let pool = db.pool(pool_size);
+    // The lock statements call the SQL function of migration V4.
+    migrate(&pool).await.expect("migrate");
     let lock = PostgresDistributedLock::new(pool.clone());
     (db, pool, lock)
 }
@@ -518,7 +520,8 @@ async fn local_waiters_for_one_key_keep_one_waiting_backend() {
         let tried: i64 = admin
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND state = 'idle in transaction' AND query LIKE '%pg_try_advisory_xact_lock%'",
+                 AND state = 'idle in transaction' \
+                 AND query LIKE '%lockstep_advisory_lock(%p_wait => false%'",
                 &[],
             )
             .await

@@ -18,8 +18,9 @@
 //! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
 //!   of the unique index).
 //! - [`load_locked`](lockstep_core::EventStore::load_locked) locks and loads in **one
-//!   statement**, the SQL function `lockstep_lock_and_load` (it checks the isolation level,
-//!   takes the advisory lock, then loads in a fresh READ COMMITTED snapshot), run through
+//!   statement**, the SQL function `lockstep_lock_and_load` (it takes the advisory lock through
+//!   `lockstep_advisory_lock`, which checks the isolation level first, then loads in a fresh
+//!   READ COMMITTED snapshot; migrations `V3` and `V4`), run through
 //!   [`PostgresDistributedLock::acquire_with`] (in-process queue, deadline, cancel on drop).
 //!   Lock and load cost one round trip and one statement together, like a plain load.
 //!
@@ -163,10 +164,7 @@ impl<T: PgTransactionRef> EventStore<T> for PgEventStore {
                     .await
                     .map_err(|e| statement_error(e, "locking and loading stream", stream_id))?;
                 if let Some(first) = rows.first() {
-                    let refused: Option<&str> = first.try_get(0).map_err(decode_error)?;
-                    if refused.is_some() {
-                        check_isolation(refused, key)?;
-                    }
+                    check_isolation(first.try_get(0).map_err(decode_error)?, key)?;
                 }
                 rows.iter().map(|row| decode(row, 1, stream_id)).collect()
             })

@@ -3,8 +3,10 @@
 //! The PostgreSQL plumbing shared by the lockstep backends (`lockstep-pg-stream`,
 //! `lockstep-pg-advisory`, `lockstep-pg-store`):
 //!
-//! - [`migrate()`]: applies the numbered SQL files of the workspace's `migrations/` folder, the
-//!   single source of the schema. Explicit, idempotent, and safe from several processes at once.
+//! - [`migrate()`]: applies the schema, the numbered SQL files of the workspace's `migrations/`
+//!   folder, which this crate carries a checked copy of ([`migrate`](mod@migrate) says what
+//!   it creates and what the `wh_` prefix means). Explicit, idempotent, safe from several
+//!   processes at once, recorded in a history table of lockstep's own.
 //! - [`error`]: SQLSTATE → [`lockstep_core::ErrorKind`], never by message text.
 //! - [`transaction`]: [`PgTransaction`], an owned unit-of-work transaction (`'static`, so a
 //!   handler holding it can be spawned), and [`PgTransactionRef`], the view every Postgres

@@ -1,11 +1,31 @@
-//! Schema migrations: the numbered SQL files of the workspace's `migrations/` folder
+//! Schema migrations: the numbered SQL files of this crate's `migrations/` folder
 //! (`V{n}__{name}.sql`), embedded at compile time and applied by refinery.
 //!
-//! Applying is explicit (call [`migrate`] or run `lockstep migrate`; no constructor does it
-//! behind your back), idempotent (refinery records applied versions in
-//! `refinery_schema_history`, and every file is written to be re-runnable), and safe from two
-//! processes at once: the run holds a session advisory lock on
+//! The files are a byte-for-byte copy of the workspace's top-level `migrations/` folder, the
+//! single source of the schema that a DBA reads; a test (`tests/schema_copy.rs`) fails when the
+//! two differ, and the crate carries its copy so that it builds from its own folder when
+//! packaged (`docs/adr/0004-schema-ownership.md`).
+//!
+//! Applying is explicit: call [`migrate`] (the `lockstep` command-line tool will expose it as
+//! `lockstep migrate`); no constructor does it behind your back. It is idempotent: applied
+//! versions are recorded in a history table of lockstep's own, [`MIGRATION_TABLE`]
+//! (`lockstep_schema_history`, in the first schema of the `search_path`), so an application
+//! that runs its own refinery migrations in the same database keeps its
+//! `refinery_schema_history` to itself; and every file is written to be re-runnable. It is safe
+//! from two processes at once: the run holds a session advisory lock on
 //! [`MIGRATION_LOCK_KEY`] so concurrent runs queue instead of racing on the history table.
+//!
+//! # What is created
+//!
+//! - Tables prefixed `wh_` (`wh_perspective_cursors`, later `wh_perspective_events`, and
+//!   `wh_events`): the prefix and the names come from the storage model of the reference
+//!   implementation the lease design is taken from (Whizbang's perspective stream locking), so
+//!   a database laid out like it reads the same. The prefix says nothing beyond that.
+//! - Functions and views prefixed `lockstep_`: the advisory-key hash
+//!   (`lockstep_advisory_key`), the `pg_locks` view (`lockstep_advisory_locks`), the advisory
+//!   lock protocol every lock statement calls (`lockstep_advisory_lock`), and the event store's
+//!   one-statement operations (`lockstep_append_events`, `lockstep_lock_and_load`).
+//! - The history table [`MIGRATION_TABLE`].
 
 use deadpool_postgres::Pool;
 use lockstep_core::{Error, ErrorKind, Result, advisory_key};
@@ -13,8 +33,13 @@ use lockstep_core::{Error, ErrorKind, Result, advisory_key};
 use crate::error::{map_error, map_pool_error};
 
 mod embedded {
-    refinery::embed_migrations!("../../migrations");
+    // Relative to this crate's manifest: the crate's own copy (see the module docs).
+    refinery::embed_migrations!("migrations");
 }
+
+/// The table in which [`migrate`] records the applied versions (refinery's history table, under
+/// a name of lockstep's own instead of refinery's default `refinery_schema_history`).
+pub const MIGRATION_TABLE: &str = "lockstep_schema_history";
 
 /// The resource key whose advisory lock serializes concurrent migration runs.
 pub const MIGRATION_LOCK_KEY: &str = "lockstep:migrations";
@@ -34,7 +59,7 @@ pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
         .await
         .map_err(|e| map_error(e, "locking the migration run"))?;
     let client: &mut tokio_postgres::Client = &mut conn;
-    let outcome = embedded::migrations::runner().run_async(client).await;
+    let outcome = runner().run_async(client).await;
     // Unlock on every path; if even that fails, do not return the connection to the pool
     // still holding the lock.
     let unlocked = conn.execute("SELECT pg_advisory_unlock($1)", &[&key]).await;
@@ -54,9 +79,16 @@ pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
 
 /// Every embedded migration, as (version, name), in order.
 pub fn embedded_migrations() -> Vec<(i32, String)> {
-    embedded::migrations::runner()
+    runner()
         .get_migrations()
         .iter()
         .map(|m| (m.version(), m.name().to_owned()))
         .collect()
+}
+
+/// The refinery runner over the embedded files, recording into [`MIGRATION_TABLE`].
+fn runner() -> refinery::Runner {
+    let mut runner = embedded::migrations::runner();
+    runner.set_migration_table_name(MIGRATION_TABLE);
+    runner
 }

@@ -29,6 +29,51 @@ async fn migrations_apply_once_even_when_two_runs_race() {
 }
 
 #[tokio::test]
+async fn migrations_keep_their_history_apart_from_an_applications_refinery_history() {
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let client = db.connect().await;
+    // An application that uses refinery too has already applied its own V1..V3.
+    client
+        .batch_execute(
+            "CREATE TABLE refinery_schema_history (version int4 PRIMARY KEY, name varchar(255), \
+             applied_on varchar(255), checksum varchar(255)); \
+             INSERT INTO refinery_schema_history VALUES \
+             (1, 'app_one', '2026-01-01T00:00:00Z', '1'), (2, 'app_two', '2026-01-01T00:00:00Z', '2'), \
+             (3, 'app_three', '2026-01-01T00:00:00Z', '3')",
+        )
+        .await
+        .expect("the application's history");
+    let report = migrate(&pool).await.expect("migrate");
+    assert_eq!(
+        report.applied,
+        embedded_migrations(),
+        "every lockstep migration applied"
+    );
+    let versions: Vec<i32> = client
+        .query(
+            &format!(
+                "SELECT version FROM {} ORDER BY version",
+                lockstep_pg::migrate::MIGRATION_TABLE
+            ),
+            &[],
+        )
+        .await
+        .expect("lockstep's history")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let expected: Vec<i32> = embedded_migrations().iter().map(|(v, _)| *v).collect();
+    assert_eq!(versions, expected);
+    let app: i64 = client
+        .query_one("SELECT count(*) FROM refinery_schema_history", &[])
+        .await
+        .expect("the application's history")
+        .get(0);
+    assert_eq!(app, 3, "the application's history is untouched");
+}
+
+#[tokio::test]
 async fn committing_a_failed_transaction_reports_it_and_keeps_nothing() {
     let db = test_database().await;
     let pool = db.pool(2);
