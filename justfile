@@ -20,6 +20,14 @@ fmt:
 lint:
     cargo clippy --workspace --all-targets -- -D warnings
 
+# Licenses, bans and sources of the dependency tree, like CI (needs cargo-deny; see deny.toml).
+deny:
+    cargo deny check licenses bans sources
+
+# Check every crate with each feature alone, with none and with all, like CI (needs cargo-hack).
+features:
+    cargo hack check --each-feature --workspace
+
 # Run a benchmark: `just bench locker` or `just bench aggregate`.
 bench which:
     cargo run --release -p lockstep-bench -- {{which}}
