@@ -1,32 +1,32 @@
 //! The testkit's stream-locker and lease-fence conformance suites, run against PostgreSQL: the
-//! same cases the in-memory locker passes.
+//! same cases the in-memory locker passes, one test per case, each on a database of its own.
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{Db, create_cursor, short_options};
-use lockstep_core::{PerspectiveName, StreamId, StreamLockAdmin, StreamLocker, async_trait};
+use lockstep_core::{PerspectiveName, StreamId};
 use lockstep_pg::{PgTransaction, PgTransactionSource};
 use lockstep_pg_stream::PostgresStreamLocker;
-use lockstep_testkit::conformance::lease_fence::{self, LeaseFenceFixture};
-use lockstep_testkit::conformance::stream_locker::{self, StreamLockerFixture};
+use lockstep_testkit::conformance::lease_fence::LeaseFenceFixture;
+use lockstep_testkit::conformance::stream_locker::StreamLockerFixture;
 
 /// A locker with a 400 ms lock timeout (keepalive 100 ms) on a database of the test's own.
 struct PgFixture {
     db: Db,
     source: PgTransactionSource,
-    locker: Arc<PostgresStreamLocker>,
+    locker: PostgresStreamLocker,
 }
 
-#[async_trait]
 impl StreamLockerFixture for PgFixture {
-    fn locker(&self) -> Arc<dyn StreamLocker> {
-        self.locker.clone()
+    type Locker = PostgresStreamLocker;
+    type Admin = PostgresStreamLocker;
+
+    fn locker(&self) -> &PostgresStreamLocker {
+        &self.locker
     }
 
-    fn admin(&self) -> Arc<dyn StreamLockAdmin> {
-        self.locker.clone()
+    fn admin(&self) -> &PostgresStreamLocker {
+        &self.locker
     }
 
     async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
@@ -51,17 +51,25 @@ impl LeaseFenceFixture for PgFixture {
 
 async fn fixture() -> PgFixture {
     let db = Db::new(4).await;
-    let locker = Arc::new(db.locker(short_options()));
+    let locker = db.locker(short_options());
     let source = PgTransactionSource::new(db.pool.clone());
     PgFixture { db, source, locker }
 }
 
-#[tokio::test]
-async fn postgres_stream_locker_passes_the_conformance_suite() {
-    stream_locker::run_all(&fixture().await).await;
+mod stream_locker {
+    use super::*;
+
+    lockstep_testkit::stream_locker_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture().await,
+    }
 }
 
-#[tokio::test]
-async fn postgres_lease_fence_passes_the_conformance_suite() {
-    lease_fence::run_all(Arc::new(fixture().await)).await;
+mod lease_fence {
+    use super::*;
+
+    lockstep_testkit::lease_fence_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture().await,
+    }
 }

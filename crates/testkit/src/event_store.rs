@@ -15,10 +15,15 @@
 //! - Every failed append aborts the transaction (as a failed statement does in PostgreSQL), and
 //!   so does dropping an append while it waits.
 //!
-//! Differences from PostgreSQL: a cycle of transactions waiting for each other's reserved
-//! versions is reported as [`ErrorKind::Deadlock`] at once (Postgres waits `deadlock_timeout`
-//! first); a cycle that mixes such waits with fake lock waits is not detected. Use
-//! transactions of one [`crate::FakeDatabase`] with one store.
+//! A writer waiting for another transaction's version waits in the wait graph of the
+//! transactions' [`crate::FakeDatabase`], with the fake locks' waits, so a cycle of waits is a
+//! [`ErrorKind::Deadlock`] for the waiter that closes it, whether it goes through versions,
+//! locks or both. Unlike Postgres, the deadlock is reported at once (Postgres waits
+//! `deadlock_timeout` first).
+//!
+//! A store serves the transactions of one [`crate::FakeDatabase`]: the first transaction it
+//! sees binds it, and a transaction of another database is refused with
+//! [`ErrorKind::Unsupported`] (as a Postgres table lives in one database).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
@@ -37,7 +42,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use lockstep_core::{
@@ -45,10 +50,11 @@ use lockstep_core::{
     ResourceKey, Result, StreamId, VersionConflict,
 };
 use time::OffsetDateTime;
-use tokio::sync::Notify;
 use uuid::Uuid;
 
-use crate::fake_lock::{FakeDistributedLock, FakeTransaction, TxEnd};
+use crate::fake_lock::{
+    Attempt, FakeDatabase, FakeDistributedLock, FakeTransaction, LockOwner, TxEnd,
+};
 
 #[derive(Default)]
 struct State {
@@ -58,15 +64,14 @@ struct State {
     staged: HashMap<u64, Vec<RecordedEvent>>,
     /// Versions written by open transactions: (stream, version) → transaction.
     reserved: HashMap<(StreamId, u64), u64>,
-    /// Which transaction waits for which (for deadlock detection).
-    waiting_for: HashMap<u64, u64>,
     /// Transactions whose end hook is installed.
     hooked: HashSet<u64>,
 }
 
 struct Inner {
     state: Mutex<State>,
-    ended: Notify,
+    /// The database whose transactions this store serves (bound by the first one it sees).
+    database: OnceLock<FakeDatabase>,
 }
 
 /// In-memory [`EventStore`] on [`FakeTransaction`]s. Cheap to clone (clones share state).
@@ -97,7 +102,7 @@ impl InMemoryEventStore {
         InMemoryEventStore {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
-                ended: Notify::new(),
+                database: OnceLock::new(),
             }),
         }
     }
@@ -117,6 +122,19 @@ impl InMemoryEventStore {
             .state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Refuses transactions that are not usable or belong to another database than the first
+    /// one this store saw.
+    fn check(&self, tx: &FakeTransaction) -> Result<()> {
+        let bound = self.inner.database.get_or_init(|| tx.database().clone());
+        if !bound.same(tx.database()) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "transaction belongs to another FakeDatabase than this store's",
+            ));
+        }
+        tx.check_usable()
     }
 
     /// Installs the end-of-transaction hook once per transaction.
@@ -141,8 +159,8 @@ impl InMemoryEventStore {
                     stream.push(event);
                 }
             }
-            drop(state);
-            inner.ended.notify_waiters();
+            // Writers waiting for these versions are woken by the database once the
+            // transaction has ended.
         });
     }
 
@@ -152,22 +170,6 @@ impl InMemoryEventStore {
             events.extend(staged.iter().filter(|e| e.stream_id == stream_id).cloned());
         }
         events
-    }
-
-    fn would_deadlock(state: &State, waiter: u64, holder: u64) -> bool {
-        let mut next = Some(holder);
-        let mut steps = 0;
-        while let Some(tx) = next {
-            if tx == waiter {
-                return true;
-            }
-            steps += 1;
-            if steps > state.waiting_for.len() {
-                return false;
-            }
-            next = state.waiting_for.get(&tx).copied();
-        }
-        false
     }
 
     async fn append_inner(
@@ -190,15 +192,9 @@ impl InMemoryEventStore {
             return Err(VersionConflict::new(stream_id, expected, Some(base)).into_error());
         }
         let versions = (base + 1)..=(base + events.len() as u64);
-        let mut waiting = WaitRegistration {
-            store: self,
-            tx: id,
-        };
-        loop {
-            let ended = self.inner.ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            {
+        let what = format!("appending to stream {stream_id}");
+        tx.database()
+            .wait_for(tx.owner(), &what, || {
                 let mut state = self.state();
                 let committed = state.committed.get(&stream_id).map_or(0, Vec::len) as u64;
                 if committed > base {
@@ -213,69 +209,30 @@ impl InMemoryEventStore {
                         .copied()
                         .filter(|holder| *holder != id)
                 });
-                match blocker {
-                    None => {
-                        let now = OffsetDateTime::now_utc();
-                        for (version, event) in versions.clone().zip(events) {
-                            state.reserved.insert((stream_id, version), id);
-                            state.staged.entry(id).or_default().push(RecordedEvent {
-                                event_id: Uuid::now_v7(),
-                                stream_id,
-                                version,
-                                event_type: event.event_type().to_owned(),
-                                payload: event.payload().clone(),
-                                recorded_at: now,
-                            });
-                        }
-                        state.waiting_for.remove(&id);
-                        waiting.tx = 0;
-                        return Ok(base + events.len() as u64);
-                    }
-                    Some(holder) => {
-                        if Self::would_deadlock(&state, id, holder) {
-                            return Err(Error::new(
-                                ErrorKind::Deadlock,
-                                format!("deadlock detected while appending to stream {stream_id}"),
-                            ));
-                        }
-                        state.waiting_for.insert(id, holder);
-                    }
+                if let Some(holder) = blocker {
+                    return Ok(Attempt::Blocked(LockOwner::Transaction(holder)));
                 }
-            }
-            ended.await;
-        }
-    }
-}
-
-/// Removes a waiting transaction's wait-for edge however the wait ends.
-struct WaitRegistration<'a> {
-    store: &'a InMemoryEventStore,
-    // 0 once the append succeeded (fake transaction ids start at 1).
-    tx: u64,
-}
-
-impl Drop for WaitRegistration<'_> {
-    fn drop(&mut self) {
-        if self.tx != 0 {
-            self.store.state().waiting_for.remove(&self.tx);
-        }
-    }
-}
-
-/// Aborts the transaction unless disarmed: a failed or abandoned append is a failed statement.
-struct AbortUnlessDone<'a>(Option<&'a FakeTransaction>);
-
-impl Drop for AbortUnlessDone<'_> {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0 {
-            tx.abort();
-        }
+                let now = OffsetDateTime::now_utc();
+                for (version, event) in versions.clone().zip(events) {
+                    state.reserved.insert((stream_id, version), id);
+                    state.staged.entry(id).or_default().push(RecordedEvent {
+                        event_id: Uuid::now_v7(),
+                        stream_id,
+                        version,
+                        event_type: event.event_type().to_owned(),
+                        payload: event.payload().clone(),
+                        recorded_at: now,
+                    });
+                }
+                Ok(Attempt::Done(base + events.len() as u64))
+            })
+            .await
     }
 }
 
 impl EventStore<FakeTransaction> for InMemoryEventStore {
     async fn load(&self, tx: &FakeTransaction, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
-        tx.check_usable()?;
+        self.check(tx)?;
         let state = self.state();
         Ok(Self::visible(&state, tx.id(), stream_id))
     }
@@ -287,6 +244,7 @@ impl EventStore<FakeTransaction> for InMemoryEventStore {
         key: &ResourceKey,
         timeout: Option<Duration>,
     ) -> Result<Vec<RecordedEvent>> {
+        self.check(tx)?;
         FakeDistributedLock::new(tx.database())
             .acquire_for_transaction(tx, key, timeout)
             .await?;
@@ -300,7 +258,7 @@ impl EventStore<FakeTransaction> for InMemoryEventStore {
         expected: ExpectedVersion,
         events: &[NewEvent],
     ) -> Result<u64> {
-        tx.check_usable()?;
+        self.check(tx)?;
         if events.is_empty() {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -308,11 +266,8 @@ impl EventStore<FakeTransaction> for InMemoryEventStore {
             ));
         }
         self.join(tx);
-        let mut abort = AbortUnlessDone(Some(tx));
-        let result = self.append_inner(tx, stream_id, expected, events).await;
-        if result.is_ok() {
-            abort.0 = None;
-        }
-        result
+        // A failed or abandoned append is a failed statement: it aborts the transaction.
+        tx.statement(self.append_inner(tx, stream_id, expected, events))
+            .await
     }
 }

@@ -12,6 +12,11 @@
 //! [`ErrorKind::TransactionAborted`] and it can only be rolled back. Unlike Postgres, a deadlock
 //! is reported at once (Postgres waits `deadlock_timeout` first).
 //!
+//! Every fake that makes a statement wait — a lock acquire here, an append waiting for another
+//! transaction's version in [`crate::InMemoryEventStore`], a lease operation waiting for a fenced
+//! transaction's cursor row in [`crate::InMemoryStreamLocker`] — waits through the one wait graph
+//! of its [`FakeDatabase`], so a cycle is found whichever fakes its waits go through.
+//!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
 //! use lockstep_core::{DistributedLock, ResourceKey};
@@ -28,7 +33,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,10 +69,63 @@ type EndHook = Box<dyn FnOnce(TxEnd) + Send>;
 struct LockTable {
     /// Held keys: owner and re-entrancy depth.
     held: HashMap<ResourceKey, (LockOwner, u32)>,
-    /// What each blocked owner waits for (for deadlock detection).
-    waiting_for: HashMap<LockOwner, ResourceKey>,
-    /// Number of waiting acquires per key.
-    waiters: HashMap<ResourceKey, usize>,
+    /// The wait graph: every statement waiting right now, in any fake on this database, by wait
+    /// id (one owner may run several waiting statements).
+    waits: HashMap<u64, WaitEdge>,
+}
+
+/// One waiting statement: `waiter` waits for `holder` to release something (for a transaction:
+/// to end).
+struct WaitEdge {
+    waiter: LockOwner,
+    holder: LockOwner,
+    /// The key waited for, when it is a lock key (counted by [`FakeDatabase::waiters`]).
+    key: Option<ResourceKey>,
+}
+
+impl LockTable {
+    /// Takes `key` for `owner` if free or already its own.
+    fn try_take(&mut self, key: &ResourceKey, owner: LockOwner) -> bool {
+        match self.held.get_mut(key) {
+            Some((holder, depth)) if *holder == owner => {
+                *depth += 1;
+                true
+            }
+            Some(_) => false,
+            None => {
+                self.held.insert(key.clone(), (owner, 1));
+                true
+            }
+        }
+    }
+
+    /// Whether `from` waits, directly or through others, for `to`.
+    fn reaches(&self, from: LockOwner, to: LockOwner) -> bool {
+        let mut seen = HashSet::new();
+        let mut next = vec![from];
+        while let Some(owner) = next.pop() {
+            if owner == to {
+                return true;
+            }
+            if seen.insert(owner) {
+                next.extend(
+                    self.waits
+                        .values()
+                        .filter(|w| w.waiter == owner)
+                        .map(|w| w.holder),
+                );
+            }
+        }
+        false
+    }
+}
+
+/// What one attempt of a waiting statement found.
+pub(crate) enum Attempt<T> {
+    /// It went through.
+    Done(T),
+    /// It must wait until `holder` releases what it needs (for a transaction: until it ends).
+    Blocked(LockOwner),
 }
 
 struct DbInner {
@@ -158,7 +216,18 @@ impl FakeDatabase {
 
     /// How many acquires are waiting for `key` right now.
     pub fn waiters(&self, key: &ResourceKey) -> usize {
-        self.table().waiters.get(key).copied().unwrap_or(0)
+        self.table()
+            .waits
+            .values()
+            .filter(|w| w.key.as_ref() == Some(key))
+            .count()
+    }
+
+    /// Whether nothing is locked (no key, no cursor row of a fenced commit) and no statement of
+    /// any fake waits on this database: what a test expects once every transaction has ended.
+    pub fn is_idle(&self) -> bool {
+        let table = self.table();
+        table.held.is_empty() && table.waits.is_empty()
     }
 
     pub(crate) fn next_id(&self) -> u64 {
@@ -176,42 +245,6 @@ impl FakeDatabase {
 
     pub(crate) fn same(&self, other: &FakeDatabase) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
-    }
-
-    /// Takes `key` for `owner` if free or already its own.
-    fn try_take(&self, table: &mut LockTable, key: &ResourceKey, owner: LockOwner) -> bool {
-        match table.held.get_mut(key) {
-            Some((holder, depth)) if *holder == owner => {
-                *depth += 1;
-                true
-            }
-            Some(_) => false,
-            None => {
-                table.held.insert(key.clone(), (owner, 1));
-                true
-            }
-        }
-    }
-
-    /// Whether `owner` waiting for `key` would close a cycle of waits.
-    fn would_deadlock(table: &LockTable, key: &ResourceKey, owner: LockOwner) -> bool {
-        let mut next = table.held.get(key).map(|(holder, _)| *holder);
-        let mut steps = 0;
-        while let Some(holder) = next {
-            if holder == owner {
-                return true;
-            }
-            steps += 1;
-            if steps > table.waiting_for.len() {
-                return false;
-            }
-            next = table
-                .waiting_for
-                .get(&holder)
-                .and_then(|k| table.held.get(k))
-                .map(|(h, _)| *h);
-        }
-        false
     }
 
     fn release_owner(&self, owner: LockOwner) {
@@ -237,55 +270,103 @@ impl FakeDatabase {
 
     /// Waits until `owner` holds `key`. Dropping the returned future leaves no waiter behind.
     pub(crate) async fn acquire(&self, key: &ResourceKey, owner: LockOwner) -> Result<()> {
-        let mut registration: Option<WaiterRegistration<'_>> = None;
+        let what = format!("waiting for {key}");
+        self.wait(owner, Some(key), &what, |table| {
+            if table.try_take(key, owner) {
+                return Ok(Attempt::Done(()));
+            }
+            match table.held.get(key) {
+                Some((holder, _)) => Ok(Attempt::Blocked(*holder)),
+                // Unreachable (not taken means held by another), but harmless: try again.
+                None => Ok(Attempt::Blocked(owner)),
+            }
+        })
+        .await
+    }
+
+    /// Runs `attempt` until it is done, waiting in between for whoever it is blocked by, as a
+    /// statement waits in Postgres: the wait is an edge of this database's wait graph, so a
+    /// wait that would close a cycle fails at once with [`ErrorKind::Deadlock`]. `attempt` runs
+    /// again whenever a lock is released or a transaction of this database ends. Dropping the
+    /// returned future leaves nothing behind.
+    ///
+    /// For fakes whose resources live outside the lock table (versions reserved by an append).
+    pub(crate) async fn wait_for<T>(
+        &self,
+        waiter: LockOwner,
+        what: &str,
+        mut attempt: impl FnMut() -> Result<Attempt<T>>,
+    ) -> Result<T> {
+        self.wait(waiter, None, what, |_| attempt()).await
+    }
+
+    async fn wait<T>(
+        &self,
+        waiter: LockOwner,
+        key: Option<&ResourceKey>,
+        what: &str,
+        mut attempt: impl FnMut(&mut LockTable) -> Result<Attempt<T>>,
+    ) -> Result<T> {
+        let mut edge: Option<WaitRegistration<'_>> = None;
         loop {
             let notified = self.inner.released.notified();
             tokio::pin!(notified);
-            // Register interest before checking, so a release between check and await is seen.
+            // Register interest before trying, so a release between try and await is seen.
             notified.as_mut().enable();
-            {
+            let done = {
                 let mut table = self.table();
-                if self.try_take(&mut table, key, owner) {
-                    return Ok(());
+                match attempt(&mut table) {
+                    Ok(Attempt::Done(value)) => Some(Ok(value)),
+                    Err(e) => Some(Err(e)),
+                    Ok(Attempt::Blocked(holder)) if table.reaches(holder, waiter) => {
+                        Some(Err(Error::new(
+                            ErrorKind::Deadlock,
+                            format!("deadlock detected while {what}"),
+                        )))
+                    }
+                    Ok(Attempt::Blocked(holder)) => {
+                        match &edge {
+                            Some(registered) => {
+                                if let Some(w) = table.waits.get_mut(&registered.id) {
+                                    w.holder = holder;
+                                }
+                            }
+                            None => {
+                                let id = self.next_id();
+                                table.waits.insert(
+                                    id,
+                                    WaitEdge {
+                                        waiter,
+                                        holder,
+                                        key: key.cloned(),
+                                    },
+                                );
+                                edge = Some(WaitRegistration { db: self, id });
+                            }
+                        }
+                        None
+                    }
                 }
-                if Self::would_deadlock(&table, key, owner) {
-                    return Err(Error::new(
-                        ErrorKind::Deadlock,
-                        format!("deadlock detected while waiting for {key}"),
-                    ));
-                }
-                if registration.is_none() {
-                    *table.waiters.entry(key.clone()).or_default() += 1;
-                    table.waiting_for.insert(owner, key.clone());
-                    registration = Some(WaiterRegistration {
-                        db: self,
-                        key,
-                        owner,
-                    });
-                }
+            };
+            // The table is unlocked here: dropping `edge` on return locks it again.
+            match done {
+                Some(result) => return result,
+                None => notified.await,
             }
-            notified.await;
         }
     }
 }
 
-/// Counts one waiting acquire; un-counts it however the wait ends (success, error, drop).
-struct WaiterRegistration<'a> {
+/// Removes a waiting statement's edge from the wait graph however the wait ends (success,
+/// error, drop).
+struct WaitRegistration<'a> {
     db: &'a FakeDatabase,
-    key: &'a ResourceKey,
-    owner: LockOwner,
+    id: u64,
 }
 
-impl Drop for WaiterRegistration<'_> {
+impl Drop for WaitRegistration<'_> {
     fn drop(&mut self) {
-        let mut table = self.db.table();
-        if let Some(count) = table.waiters.get_mut(self.key) {
-            *count -= 1;
-            if *count == 0 {
-                table.waiters.remove(self.key);
-            }
-        }
-        table.waiting_for.remove(&self.owner);
+        self.db.table().waits.remove(&self.id);
     }
 }
 
@@ -362,6 +443,21 @@ impl FakeTransaction {
         if state.status == TxStatus::Open {
             state.status = TxStatus::Aborted;
         }
+    }
+
+    /// Runs `statement` on this transaction as Postgres runs one: if it fails, or is dropped
+    /// before it finishes (a cancelled wait), the transaction is aborted. Every fake that waits
+    /// or can fail mid-statement on a transaction runs through this.
+    pub(crate) async fn statement<T>(
+        &self,
+        statement: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let mut guard = AbortUnlessDone(Some(self));
+        let result = statement.await;
+        if result.is_ok() {
+            guard.0 = None;
+        }
+        result
     }
 
     /// Runs `hook` when the transaction ends, with how it ended.
@@ -455,23 +551,23 @@ impl DistributedLock<FakeTransaction> for FakeDistributedLock {
         timeout: Option<Duration>,
     ) -> Result<()> {
         self.check(tx)?;
-        // Aborts the transaction if the wait ends any way but success (drop included).
-        let abort_guard = AbortOnDrop(Some(tx));
         let owner = LockOwner::Transaction(tx.id);
-        let result = match timeout {
-            None => self.db.acquire(key, owner).await,
-            Some(limit) => match tokio::time::timeout(limit, self.db.acquire(key, owner)).await {
-                Ok(result) => result,
-                Err(_) => Err(Error::new(
-                    ErrorKind::LockTimeout,
-                    format!("canceling statement due to lock timeout on {key} after {limit:?}"),
-                )),
-            },
-        };
-        if result.is_ok() {
-            abort_guard.disarm();
-        }
-        result
+        tx.statement(async {
+            match timeout {
+                None => self.db.acquire(key, owner).await,
+                Some(limit) => tokio::time::timeout(limit, self.db.acquire(key, owner))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::new(
+                            ErrorKind::LockTimeout,
+                            format!(
+                                "canceling statement due to lock timeout on {key} after {limit:?}"
+                            ),
+                        ))
+                    }),
+            }
+        })
+        .await
     }
 
     async fn try_acquire_for_transaction(
@@ -480,22 +576,14 @@ impl DistributedLock<FakeTransaction> for FakeDistributedLock {
         key: &ResourceKey,
     ) -> Result<bool> {
         self.check(tx)?;
-        let mut table = self.db.table();
-        Ok(self
-            .db
-            .try_take(&mut table, key, LockOwner::Transaction(tx.id)))
+        Ok(self.db.table().try_take(key, LockOwner::Transaction(tx.id)))
     }
 }
 
-struct AbortOnDrop<'a>(Option<&'a FakeTransaction>);
+/// Aborts its transaction when dropped armed: a statement that failed or was abandoned.
+struct AbortUnlessDone<'a>(Option<&'a FakeTransaction>);
 
-impl AbortOnDrop<'_> {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for AbortOnDrop<'_> {
+impl Drop for AbortUnlessDone<'_> {
     fn drop(&mut self) {
         if let Some(tx) = self.0 {
             tx.abort();
@@ -557,8 +645,7 @@ impl SessionLocks for FakeSessionLocks {
     async fn try_acquire_session(&self, key: &ResourceKey) -> Result<Option<FakeSessionGuard>> {
         {
             let owner = LockOwner::Session(self.db.next_id());
-            let mut table = self.db.table();
-            if !self.db.try_take(&mut table, key, owner) {
+            if !self.db.table().try_take(key, owner) {
                 return Ok(None);
             }
             Ok(Some(FakeSessionGuard {
@@ -610,20 +697,5 @@ impl SessionLocks for FakeDistributedLock {
         FakeSessionLocks::new(&self.db)
             .try_acquire_session(key)
             .await
-    }
-}
-
-/// The fake lock as a conformance fixture: transactions are begun on its database.
-impl crate::conformance::distributed_lock::DistributedLockFixture for FakeDistributedLock {
-    type Tx = FakeTransaction;
-    type Source = FakeDatabase;
-    type Lock = FakeDistributedLock;
-
-    fn lock(&self) -> &FakeDistributedLock {
-        self
-    }
-
-    fn source(&self) -> &FakeDatabase {
-        &self.db
     }
 }

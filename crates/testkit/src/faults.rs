@@ -1,6 +1,12 @@
-//! Fault-injecting wrappers: forward to the wrapped implementation unless the test, through a
-//! handle, has asked for a fault — deny the next acquires, fail or lose the next renews, fail
-//! the next lock calls, loads or appends with a chosen kind, add latency to every call.
+//! Fault-injecting wrappers: forward to the wrapped implementation unless the test, through the
+//! wrapper's handle, has asked for a fault — deny the next acquires, fail or lose the next
+//! renews, fail the next lock calls, fence checks, loads or appends with a chosen kind, add
+//! latency to every call.
+//!
+//! Each wrapper has a handle of its own type, offering only the faults that can happen to it
+//! (the model is tower-test's `mock::Handle`): [`StreamLockerFaults`] for
+//! [`FaultyStreamLocker`], [`DistributedLockFaults`] for [`FaultyDistributedLock`],
+//! [`EventStoreFaults`] for [`FaultyEventStore`].
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
@@ -17,29 +23,26 @@
 //! assert!(locker.try_acquire(stream, &name, me, &LockReason::Rewind).await?.is_acquired());
 //! # Ok(()) }
 //! ```
+//!
+//! An injected failure never reaches the wrapped implementation, so unlike a real failed
+//! statement it does **not** abort the caller's transaction (a wrapper cannot reach into an
+//! arbitrary transaction type). Code under test must still retry in a new transaction, as the
+//! contracts require; these wrappers will not catch a retry on the failed one.
 
+use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, DistributedLock, Error, ErrorKind, EventStore, ExpectedVersion, InstanceId,
-    LeaseEpoch, LeaseHolder, LeaseId, LockReason, NewEvent, PerspectiveName, RecordedEvent,
-    ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId, StreamLockOptions, StreamLocker,
-    VersionConflict, async_trait,
+    AcquireOutcome, CursorLease, DistributedLock, Error, ErrorKind, EventStore, ExpectedVersion,
+    InstanceId, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo, LockReason, NewEvent,
+    PerspectiveName, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId,
+    StreamLockAdmin, StreamLockOptions, StreamLocker, VersionConflict, async_trait,
 };
 use time::OffsetDateTime;
 
-#[derive(Debug, Default)]
-struct Faults {
-    deny_acquires: u32,
-    fail_acquires: Option<(u32, ErrorKind)>,
-    fail_renews: Option<(u32, ErrorKind)>,
-    lose_renews: u32,
-    fail_releases: Option<(u32, ErrorKind)>,
-    fail_loads: Option<(u32, ErrorKind)>,
-    fail_appends: Option<(u32, ErrorKind)>,
-    latency: Duration,
-}
+/// A countdown of calls that fail with an error of one kind.
+type Failures = Option<(u32, ErrorKind)>;
 
 /// Takes one from a countdown; true if a fault fires.
 fn take(count: &mut u32) -> bool {
@@ -51,7 +54,7 @@ fn take(count: &mut u32) -> bool {
     }
 }
 
-fn take_kind(slot: &mut Option<(u32, ErrorKind)>) -> Option<ErrorKind> {
+fn take_kind(slot: &mut Failures) -> Option<ErrorKind> {
     let (count, kind) = slot.as_mut()?;
     let kind = *kind;
     if take(count) { Some(kind) } else { None }
@@ -61,111 +64,213 @@ fn injected(kind: ErrorKind, what: &str) -> Error {
     Error::new(kind, format!("fault injected into {what}"))
 }
 
-/// Controls the faults of a faulty wrapper. Clones control the same wrapper.
-#[derive(Debug, Clone, Default)]
-pub struct FaultHandle {
-    faults: Arc<Mutex<Faults>>,
+/// The state behind a handle: the pending faults of one wrapper and its latency. Clones share it.
+struct Controls<S> {
+    state: Arc<Mutex<(S, Duration)>>,
 }
 
-impl FaultHandle {
-    fn faults(&self) -> MutexGuard<'_, Faults> {
-        self.faults
+impl<S> Clone for Controls<S> {
+    fn clone(&self) -> Self {
+        Controls {
+            state: Arc::clone(&self.state),
+        }
+    }
+}
+
+impl<S: Default> Default for Controls<S> {
+    fn default() -> Self {
+        Controls {
+            state: Arc::new(Mutex::new((S::default(), Duration::ZERO))),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Controls<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.lock();
+        f.debug_struct("Faults")
+            .field("pending", &state.0)
+            .field("latency", &state.1)
+            .finish()
+    }
+}
+
+impl<S> Controls<S> {
+    fn lock(&self) -> MutexGuard<'_, (S, Duration)> {
+        // Every update is a single assignment, so a poisoned state is consistent.
+        self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
 
-    /// The next `n` acquires are denied (stream locker: `Denied` by a made-up holder;
-    /// distributed lock: try-acquire returns `false`, blocking acquire times out; event store:
-    /// `load_locked` times out).
-    pub fn deny_next_acquires(&self, n: u32) {
-        self.faults().deny_acquires = n;
+impl<S: Default> Controls<S> {
+    fn with<T>(&self, f: impl FnOnce(&mut S) -> T) -> T {
+        f(&mut self.lock().0)
     }
 
-    /// The next `n` acquires (event store: `load_locked` calls) fail with an error of `kind`.
-    pub fn fail_next_acquires(&self, n: u32, kind: ErrorKind) {
-        self.faults().fail_acquires = Some((n, kind));
+    fn set_latency(&self, latency: Duration) {
+        self.lock().1 = latency;
     }
 
-    /// The next `n` renews fail with an error of `kind` (the lease itself is untouched).
-    pub fn fail_next_renews(&self, n: u32, kind: ErrorKind) {
-        self.faults().fail_renews = Some((n, kind));
+    fn clear(&self) {
+        *self.lock() = (S::default(), Duration::ZERO);
     }
 
-    /// The next `n` renews report [`RenewOutcome::Lost`] without touching the lease.
-    pub fn lose_next_renews(&self, n: u32) {
-        self.faults().lose_renews = n;
-    }
-
-    /// The next `n` releases fail with an error of `kind` (the lease stays held).
-    pub fn fail_next_releases(&self, n: u32, kind: ErrorKind) {
-        self.faults().fail_releases = Some((n, kind));
-    }
-
-    /// The next `n` loads (`load` or `load_locked`, which then takes no lock) fail with an
-    /// error of `kind`.
-    pub fn fail_next_loads(&self, n: u32, kind: ErrorKind) {
-        self.faults().fail_loads = Some((n, kind));
-    }
-
-    /// The next `n` appends fail with an error of `kind` and append nothing. A
-    /// [`ErrorKind::Conflict`] carries a [`VersionConflict`] (read it with
-    /// [`lockstep_core::version_conflict`]) whose actual version is unknown, as when another
-    /// writer appended the same version first; use it to drive an application's optimistic
-    /// retry path.
-    pub fn fail_next_appends(&self, n: u32, kind: ErrorKind) {
-        self.faults().fail_appends = Some((n, kind));
-    }
-
-    /// Every call sleeps `latency` (on tokio's clock) before doing anything.
-    pub fn set_latency(&self, latency: Duration) {
-        self.faults().latency = latency;
-    }
-
-    /// Removes every pending fault and the latency.
-    pub fn clear(&self) {
-        *self.faults() = Faults::default();
-    }
-
-    /// One fault per call: an injected error first, then a denial.
-    fn next_acquire_fault(&self) -> (bool, Option<ErrorKind>) {
-        let mut f = self.faults();
-        match take_kind(&mut f.fail_acquires) {
-            Some(kind) => (false, Some(kind)),
-            None => (take(&mut f.deny_acquires), None),
-        }
-    }
-
+    /// Sleeps the latency (on tokio's clock) before a call does anything.
     async fn delay(&self) {
-        let latency = self.faults().latency;
+        let latency = self.lock().1;
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
         }
     }
 }
 
-/// A [`StreamLocker`] that injects the faults its [`FaultHandle`] asks for.
+/// Denied or failed acquires: one fault per call, an injected error before a denial.
+#[derive(Debug, Default)]
+struct AcquireFaults {
+    deny: u32,
+    fail: Failures,
+}
+
+impl AcquireFaults {
+    /// `(denied, failed with)` for the next acquire.
+    fn next(&mut self) -> (bool, Option<ErrorKind>) {
+        match take_kind(&mut self.fail) {
+            Some(kind) => (false, Some(kind)),
+            None => (take(&mut self.deny), None),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct LockerState {
+    acquires: AcquireFaults,
+    fail_renews: Failures,
+    lose_renews: u32,
+    fail_releases: Failures,
+    fail_lease_checks: Failures,
+    fail_admin_calls: Failures,
+}
+
+/// Controls the faults of a [`FaultyStreamLocker`]. Clones control the same wrapper.
+///
+/// Only faults a stream locker can have are offered; an event store's do not compile:
+///
+/// ```compile_fail,E0599
+/// use lockstep_core::{ErrorKind, StreamLockOptions};
+/// use lockstep_testkit::{FaultyStreamLocker, InMemoryStreamLocker};
+///
+/// let (_locker, faults) =
+///     FaultyStreamLocker::new(InMemoryStreamLocker::new(StreamLockOptions::default()));
+/// faults.fail_next_appends(1, ErrorKind::Conflict); // a stream locker appends nothing
+/// ```
+///
+/// while the same handle takes a locker's faults:
+///
+/// ```
+/// use lockstep_core::{ErrorKind, StreamLockOptions};
+/// use lockstep_testkit::{FaultyStreamLocker, InMemoryStreamLocker};
+///
+/// let (_locker, faults) =
+///     FaultyStreamLocker::new(InMemoryStreamLocker::new(StreamLockOptions::default()));
+/// faults.fail_next_renews(1, ErrorKind::ConnectionLost);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct StreamLockerFaults {
+    controls: Controls<LockerState>,
+}
+
+impl StreamLockerFaults {
+    /// The next `n` `try_acquire` calls report [`AcquireOutcome::Denied`], naming a made-up
+    /// holder, without reaching the locker.
+    pub fn deny_next_acquires(&self, n: u32) {
+        self.controls.with(|f| f.acquires.deny = n);
+    }
+
+    /// The next `n` `try_acquire` calls fail with an error of `kind`.
+    pub fn fail_next_acquires(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.acquires.fail = Some((n, kind)));
+    }
+
+    /// The next `n` renews fail with an error of `kind` (the lease itself is untouched).
+    /// `renew_many` counts one renew per lease.
+    pub fn fail_next_renews(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.fail_renews = Some((n, kind)));
+    }
+
+    /// The next `n` renews report [`RenewOutcome::Lost`] without touching the lease.
+    pub fn lose_next_renews(&self, n: u32) {
+        self.controls.with(|f| f.lose_renews = n);
+    }
+
+    /// The next `n` releases fail with an error of `kind` (the lease stays held).
+    pub fn fail_next_releases(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.fail_releases = Some((n, kind)));
+    }
+
+    /// The next `n` fence checks ([`LeaseFence::check_lease`]) fail with an error of `kind`
+    /// without reaching the locker: [`ErrorKind::LeaseLost`] drives the "lease lost, roll back"
+    /// path of code that fences its commits, as if the lease had been taken over.
+    pub fn fail_next_lease_checks(&self, n: u32, kind: ErrorKind) {
+        self.controls
+            .with(|f| f.fail_lease_checks = Some((n, kind)));
+    }
+
+    /// The next `n` admin calls ([`StreamLockAdmin`]: list, inspect, force-release,
+    /// release-all) fail with an error of `kind` and change nothing.
+    pub fn fail_next_admin_calls(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.fail_admin_calls = Some((n, kind)));
+    }
+
+    /// Every call sleeps `latency` (on tokio's clock) before doing anything.
+    pub fn set_latency(&self, latency: Duration) {
+        self.controls.set_latency(latency);
+    }
+
+    /// Removes every pending fault and the latency.
+    pub fn clear(&self) {
+        self.controls.clear();
+    }
+}
+
+/// A [`StreamLocker`] (and, when the wrapped locker is one, a [`StreamLockAdmin`] and a
+/// [`LeaseFence`]) that injects the faults its [`StreamLockerFaults`] handle asks for.
 #[derive(Debug, Clone)]
 pub struct FaultyStreamLocker<L> {
     inner: L,
-    handle: FaultHandle,
+    faults: StreamLockerFaults,
 }
 
 impl<L> FaultyStreamLocker<L> {
     /// Wraps `inner`; returns the wrapper and its handle.
-    pub fn new(inner: L) -> (Self, FaultHandle) {
-        let handle = FaultHandle::default();
+    pub fn new(inner: L) -> (Self, StreamLockerFaults) {
+        let faults = StreamLockerFaults::default();
         (
             FaultyStreamLocker {
                 inner,
-                handle: handle.clone(),
+                faults: faults.clone(),
             },
-            handle,
+            faults,
         )
     }
 
     /// The wrapped locker.
     pub fn inner(&self) -> &L {
         &self.inner
+    }
+
+    /// Waits the latency, then takes the next admin-call fault, if any.
+    async fn admin_fault(&self, what: &str) -> Result<()> {
+        self.faults.controls.delay().await;
+        match self
+            .faults
+            .controls
+            .with(|f| take_kind(&mut f.fail_admin_calls))
+        {
+            Some(kind) => Err(injected(kind, what)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -182,8 +287,8 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
         instance: InstanceId,
         reason: &LockReason,
     ) -> Result<AcquireOutcome> {
-        self.handle.delay().await;
-        let (deny, fail) = self.handle.next_acquire_fault();
+        self.faults.controls.delay().await;
+        let (deny, fail) = self.faults.controls.with(|f| f.acquires.next());
         if let Some(kind) = fail {
             return Err(injected(kind, "try_acquire"));
         }
@@ -201,15 +306,15 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
     }
 
     async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
-        self.handle.delay().await;
+        self.faults.controls.delay().await;
         // One fault per call: an error first, then a lost renew.
-        let (fail, lose) = {
-            let mut f = self.handle.faults();
-            match take_kind(&mut f.fail_renews) {
+        let (fail, lose) = self
+            .faults
+            .controls
+            .with(|f| match take_kind(&mut f.fail_renews) {
                 Some(kind) => (Some(kind), false),
                 None => (None, take(&mut f.lose_renews)),
-            }
-        };
+            });
         if let Some(kind) = fail {
             return Err(injected(kind, "renew"));
         }
@@ -220,9 +325,12 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
     }
 
     async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
-        self.handle.delay().await;
-        let fail = take_kind(&mut self.handle.faults().fail_releases);
-        if let Some(kind) = fail {
+        self.faults.controls.delay().await;
+        if let Some(kind) = self
+            .faults
+            .controls
+            .with(|f| take_kind(&mut f.fail_releases))
+        {
             return Err(injected(kind, "release"));
         }
         self.inner.release(lease).await
@@ -238,23 +346,103 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
     }
 }
 
-/// A [`DistributedLock`] that injects the faults its [`FaultHandle`] asks for.
+/// Admin calls pass through unless [`StreamLockerFaults::fail_next_admin_calls`] fails them.
+#[async_trait]
+impl<L: StreamLockAdmin> StreamLockAdmin for FaultyStreamLocker<L> {
+    async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
+        self.admin_fault("list_leases").await?;
+        self.inner.list_leases().await
+    }
+
+    async fn inspect(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<CursorLease>> {
+        self.admin_fault("inspect").await?;
+        self.inner.inspect(stream_id, perspective).await
+    }
+
+    async fn force_release(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<ReleaseOutcome> {
+        self.admin_fault("force_release").await?;
+        self.inner.force_release(stream_id, perspective).await
+    }
+
+    async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64> {
+        self.admin_fault("release_all_held_by").await?;
+        self.inner.release_all_held_by(instance).await
+    }
+}
+
+/// Fence checks pass through unless [`StreamLockerFaults::fail_next_lease_checks`] fails them.
+impl<Tx, L> LeaseFence<Tx> for FaultyStreamLocker<L>
+where
+    Tx: ?Sized + Sync,
+    L: LeaseFence<Tx>,
+{
+    async fn check_lease(&self, tx: &Tx, lease: &LeaseId) -> Result<()> {
+        self.faults.controls.delay().await;
+        if let Some(kind) = self
+            .faults
+            .controls
+            .with(|f| take_kind(&mut f.fail_lease_checks))
+        {
+            return Err(injected(kind, "check_lease"));
+        }
+        self.inner.check_lease(tx, lease).await
+    }
+}
+
+/// Controls the faults of a [`FaultyDistributedLock`]. Clones control the same wrapper.
+#[derive(Debug, Clone, Default)]
+pub struct DistributedLockFaults {
+    controls: Controls<AcquireFaults>,
+}
+
+impl DistributedLockFaults {
+    /// The next `n` acquires are denied without reaching the lock: a try-acquire returns
+    /// `false`, a blocking acquire fails with [`ErrorKind::LockTimeout`].
+    pub fn deny_next_acquires(&self, n: u32) {
+        self.controls.with(|f| f.deny = n);
+    }
+
+    /// The next `n` acquires (blocking or try) fail with an error of `kind`.
+    pub fn fail_next_acquires(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.fail = Some((n, kind)));
+    }
+
+    /// Every call sleeps `latency` (on tokio's clock) before doing anything.
+    pub fn set_latency(&self, latency: Duration) {
+        self.controls.set_latency(latency);
+    }
+
+    /// Removes every pending fault and the latency.
+    pub fn clear(&self) {
+        self.controls.clear();
+    }
+}
+
+/// A [`DistributedLock`] that injects the faults its [`DistributedLockFaults`] handle asks for.
 #[derive(Debug, Clone)]
 pub struct FaultyDistributedLock<L> {
     inner: L,
-    handle: FaultHandle,
+    faults: DistributedLockFaults,
 }
 
 impl<L> FaultyDistributedLock<L> {
     /// Wraps `inner`; returns the wrapper and its handle.
-    pub fn new(inner: L) -> (Self, FaultHandle) {
-        let handle = FaultHandle::default();
+    pub fn new(inner: L) -> (Self, DistributedLockFaults) {
+        let faults = DistributedLockFaults::default();
         (
             FaultyDistributedLock {
                 inner,
-                handle: handle.clone(),
+                faults: faults.clone(),
             },
-            handle,
+            faults,
         )
     }
 
@@ -275,8 +463,8 @@ where
         key: &ResourceKey,
         timeout: Option<Duration>,
     ) -> Result<()> {
-        self.handle.delay().await;
-        let (deny, fail) = self.handle.next_acquire_fault();
+        self.faults.controls.delay().await;
+        let (deny, fail) = self.faults.controls.with(AcquireFaults::next);
         if let Some(kind) = fail {
             return Err(injected(kind, "acquire_for_transaction"));
         }
@@ -287,8 +475,8 @@ where
     }
 
     async fn try_acquire_for_transaction(&self, tx: &Tx, key: &ResourceKey) -> Result<bool> {
-        self.handle.delay().await;
-        let (deny, fail) = self.handle.next_acquire_fault();
+        self.faults.controls.delay().await;
+        let (deny, fail) = self.faults.controls.with(AcquireFaults::next);
         if let Some(kind) = fail {
             return Err(injected(kind, "try_acquire_for_transaction"));
         }
@@ -299,32 +487,81 @@ where
     }
 }
 
-/// An [`EventStore`] that injects the faults its [`FaultHandle`] asks for: failed loads
-/// ([`FaultHandle::fail_next_loads`]), failed appends ([`FaultHandle::fail_next_appends`]),
-/// and for `load_locked` also failed or denied acquires (a denial is a
+#[derive(Debug, Default)]
+struct StoreState {
+    fail_loads: Failures,
+    fail_appends: Failures,
+    locks: AcquireFaults,
+}
+
+/// Controls the faults of a [`FaultyEventStore`]. Clones control the same wrapper.
+#[derive(Debug, Clone, Default)]
+pub struct EventStoreFaults {
+    controls: Controls<StoreState>,
+}
+
+impl EventStoreFaults {
+    /// The next `n` loads (`load` or `load_locked`, which then takes no lock) fail with an
+    /// error of `kind`.
+    pub fn fail_next_loads(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.fail_loads = Some((n, kind)));
+    }
+
+    /// The next `n` appends fail with an error of `kind` and append nothing. A
+    /// [`ErrorKind::Conflict`] carries a [`VersionConflict`] (read it with
+    /// [`lockstep_core::version_conflict`]) whose actual version is unknown, as when another
+    /// writer appended the same version first; use it to drive an application's optimistic
+    /// retry path.
+    pub fn fail_next_appends(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.fail_appends = Some((n, kind)));
+    }
+
+    /// The lock of the next `n` `load_locked` calls is denied: they fail with
+    /// [`ErrorKind::LockTimeout`] and take no lock.
+    pub fn deny_next_acquires(&self, n: u32) {
+        self.controls.with(|f| f.locks.deny = n);
+    }
+
+    /// The lock of the next `n` `load_locked` calls fails with an error of `kind` (no lock
+    /// taken).
+    pub fn fail_next_acquires(&self, n: u32, kind: ErrorKind) {
+        self.controls.with(|f| f.locks.fail = Some((n, kind)));
+    }
+
+    /// Every call sleeps `latency` (on tokio's clock) before doing anything.
+    pub fn set_latency(&self, latency: Duration) {
+        self.controls.set_latency(latency);
+    }
+
+    /// Removes every pending fault and the latency.
+    pub fn clear(&self) {
+        self.controls.clear();
+    }
+}
+
+/// An [`EventStore`] that injects the faults its [`EventStoreFaults`] handle asks for: failed
+/// loads, failed appends, and for `load_locked` also failed or denied locks (a denial is a
 /// [`ErrorKind::LockTimeout`]); latency applies to every call. One fault per call, a load
-/// failure before an acquire fault.
+/// failure before a lock fault.
 ///
-/// An injected failure never reaches the wrapped store, so unlike a real failed statement it
-/// does **not** abort the caller's transaction (the wrapper cannot reach into an arbitrary
-/// transaction type). Code under test must still retry in a new transaction, as the contract
-/// requires; this wrapper will not catch a retry on the failed one.
+/// Like every wrapper here, an injected failure does not abort the caller's transaction (see
+/// the [module docs](self)).
 #[derive(Debug, Clone)]
 pub struct FaultyEventStore<S> {
     inner: S,
-    handle: FaultHandle,
+    faults: EventStoreFaults,
 }
 
 impl<S> FaultyEventStore<S> {
     /// Wraps `inner`; returns the wrapper and its handle.
-    pub fn new(inner: S) -> (Self, FaultHandle) {
-        let handle = FaultHandle::default();
+    pub fn new(inner: S) -> (Self, EventStoreFaults) {
+        let faults = EventStoreFaults::default();
         (
             FaultyEventStore {
                 inner,
-                handle: handle.clone(),
+                faults: faults.clone(),
             },
-            handle,
+            faults,
         )
     }
 
@@ -340,9 +577,8 @@ where
     S: EventStore<Tx>,
 {
     async fn load(&self, tx: &Tx, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
-        self.handle.delay().await;
-        let fail = take_kind(&mut self.handle.faults().fail_loads);
-        if let Some(kind) = fail {
+        self.faults.controls.delay().await;
+        if let Some(kind) = self.faults.controls.with(|f| take_kind(&mut f.fail_loads)) {
             return Err(injected(kind, "load"));
         }
         self.inner.load(tx, stream_id).await
@@ -355,13 +591,15 @@ where
         key: &ResourceKey,
         timeout: Option<Duration>,
     ) -> Result<Vec<RecordedEvent>> {
-        self.handle.delay().await;
-        let fail = take_kind(&mut self.handle.faults().fail_loads);
-        if let Some(kind) = fail {
-            return Err(injected(kind, "load_locked"));
-        }
-        let (deny, fail) = self.handle.next_acquire_fault();
-        if let Some(kind) = fail {
+        self.faults.controls.delay().await;
+        let (fail_load, (deny, fail_lock)) =
+            self.faults
+                .controls
+                .with(|f| match take_kind(&mut f.fail_loads) {
+                    Some(kind) => (Some(kind), (false, None)),
+                    None => (None, f.locks.next()),
+                });
+        if let Some(kind) = fail_load.or(fail_lock) {
             return Err(injected(kind, "load_locked"));
         }
         if deny {
@@ -377,9 +615,12 @@ where
         expected: ExpectedVersion,
         events: &[NewEvent],
     ) -> Result<u64> {
-        self.handle.delay().await;
-        let fail = take_kind(&mut self.handle.faults().fail_appends);
-        match fail {
+        self.faults.controls.delay().await;
+        match self
+            .faults
+            .controls
+            .with(|f| take_kind(&mut f.fail_appends))
+        {
             Some(ErrorKind::Conflict) => Err(VersionConflict::new(stream_id, expected, None)
                 .with_source(injected(ErrorKind::Conflict, "append"))
                 .into_error()),

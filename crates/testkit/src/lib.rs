@@ -1,26 +1,54 @@
 //! # lockstep-testkit
 //!
-//! Test support for lockstep and for applications built on it.
+//! Test support for lockstep and for applications built on it, for three audiences, each with
+//! the feature it needs:
+//!
+//! | you are | you use | features |
+//! |---|---|---|
+//! | an application testing its domain code | the fakes and the wrappers | none (the default) |
+//! | a crate testing against a real PostgreSQL | [`pg_harness`] | `pg-harness` (`testcontainers` adds the container fallback) |
+//! | a backend (lockstep's own, or yours) | the [`conformance`] suites | `conformance` (and usually `pg-harness`) |
+//!
+//! With no feature, the testkit pulls neither a Postgres driver nor testcontainers into an
+//! application's dev-dependencies:
+//!
+//! ```toml
+//! [dev-dependencies]
+//! lockstep-testkit = "0.1"
+//! # a backend's tests:
+//! # lockstep-testkit = { version = "0.1", features = ["conformance", "pg-harness"] }
+//! ```
+//!
+//! What it offers:
 //!
 //! - In-memory implementations of every contract, on tokio's clock so tests can expire leases
 //!   with paused time.
-//!   [`InMemoryStreamLocker`] for stream leases; [`FakeDatabase`], [`FakeTransaction`],
-//!   [`FakeDistributedLock`] and [`FakeSessionLocks`] for the distributed lock and, through
-//!   `lockstep_core::DistributedAggregateWriteLock`, the aggregate write lock.
-//!   [`InMemoryEventStore`] for the event store, on the same fake transactions.
+//!   [`InMemoryStreamLocker`] for stream leases (and fenced commits); [`FakeDatabase`],
+//!   [`FakeTransaction`], [`FakeDistributedLock`] and [`FakeSessionLocks`] for the distributed
+//!   lock and, through `lockstep_core::DistributedAggregateWriteLock`, the aggregate write lock.
+//!   [`InMemoryEventStore`] for the event store, on the same fake transactions. Every wait in
+//!   the fakes goes through one wait graph on the [`FakeDatabase`], so deadlocks are reported
+//!   whichever fakes they span.
 //! - Wrappers users can drive: [`RecordingStreamLocker`] / [`RecordingDistributedLock`] /
 //!   [`RecordingEventStore`] (what was called, with which reason, key or events, in order, and
-//!   what came back) and [`FaultyStreamLocker`] / [`FaultyDistributedLock`] /
-//!   [`FaultyEventStore`] with a [`FaultHandle`] (deny the next acquire, fail the next N renews,
-//!   fail the next N appends with a conflict, add latency).
-//! - The shared [`conformance`] suites that the fakes and every Postgres backend pass.
-//! - [`pg_harness`]: a fresh PostgreSQL database per test (feature `postgres`).
+//!   what came back — a value, or the [`ErrorKind`](lockstep_core::ErrorKind) of the error),
+//!   and [`FaultyStreamLocker`] / [`FaultyDistributedLock`] / [`FaultyEventStore`], each with a
+//!   handle of its own type ([`StreamLockerFaults`], [`DistributedLockFaults`],
+//!   [`EventStoreFaults`]: deny the next acquire, fail the next N renews or fence checks, fail
+//!   the next N appends with a conflict, add latency). The stream-locker wrappers also wrap the
+//!   admin view ([`StreamLockAdmin`](lockstep_core::StreamLockAdmin)) and the fence
+//!   ([`LeaseFence`](lockstep_core::LeaseFence)).
+//! - `conformance` (feature `conformance`): the shared suites that the fakes and every
+//!   Postgres backend pass, with one macro per suite generating one test per case. Not
+//!   covered by semver.
+//! - `pg_harness` (feature `pg-harness`): a fresh PostgreSQL database per test.
 
+#[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod event_store;
 pub mod fake_lock;
 pub mod faults;
-#[cfg(feature = "postgres")]
+#[cfg(feature = "pg-harness")]
 pub mod pg_harness;
 pub mod recording;
 pub mod stream_locker;
@@ -30,9 +58,12 @@ pub use fake_lock::{
     FakeDatabase, FakeDistributedLock, FakeSessionGuard, FakeSessionLocks, FakeTransaction,
     LockOwner, TxEnd,
 };
-pub use faults::{FaultHandle, FaultyDistributedLock, FaultyEventStore, FaultyStreamLocker};
+pub use faults::{
+    DistributedLockFaults, EventStoreFaults, FaultyDistributedLock, FaultyEventStore,
+    FaultyStreamLocker, StreamLockerFaults,
+};
 pub use recording::{
-    EventStoreCall, LockCall, LockMode, RecordingDistributedLock, RecordingEventStore,
+    EventStoreCall, LockCall, LockMode, Outcome, RecordingDistributedLock, RecordingEventStore,
     RecordingStreamLocker, StreamLockCall,
 };
 pub use stream_locker::InMemoryStreamLocker;

@@ -1,7 +1,10 @@
 //! Recording wrappers: forward every call to the wrapped implementation and remember what was
 //! asked and what came back, in order, so a test can assert on it (which reasons a worker
-//! used, whether it released what it acquired, which keys a handler locked, which events a
-//! handler appended and how often it had to retry).
+//! used, whether it released what it acquired, whether it fenced its commit, which keys a
+//! handler locked, which events a handler appended and how often it had to retry).
+//!
+//! A failed call is recorded with its [`ErrorKind`], so tests branch on kinds as application
+//! code does, never on message text.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
@@ -21,13 +24,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseId, LockReason,
-    NewEvent, PerspectiveName, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
-    StreamId, StreamLockOptions, StreamLocker, async_trait,
+    AcquireOutcome, CursorLease, DistributedLock, ErrorKind, EventStore, ExpectedVersion,
+    InstanceId, LeaseFence, LeaseId, LeaseInfo, LockReason, NewEvent, PerspectiveName,
+    RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId, StreamLockAdmin,
+    StreamLockOptions, StreamLocker, async_trait,
 };
 
-/// One call to a [`StreamLocker`], with its result (`Err` as the error's text).
+/// What a recorded call returned: its value, or the kind of its error.
+pub type Outcome<T> = std::result::Result<T, ErrorKind>;
+
+/// One call to a [`StreamLocker`], [`StreamLockAdmin`] or [`LeaseFence`], with its result.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StreamLockCall {
     /// `try_acquire`.
     TryAcquire {
@@ -40,21 +48,58 @@ pub enum StreamLockCall {
         /// Reason given.
         reason: LockReason,
         /// What came back.
-        outcome: std::result::Result<AcquireOutcome, String>,
+        outcome: Outcome<AcquireOutcome>,
     },
     /// `renew` (also one per lease of `renew_many`).
     Renew {
         /// Lease renewed.
         lease: LeaseId,
         /// What came back.
-        outcome: std::result::Result<RenewOutcome, String>,
+        outcome: Outcome<RenewOutcome>,
     },
     /// `release`.
     Release {
         /// Lease released.
         lease: LeaseId,
         /// What came back.
-        outcome: std::result::Result<ReleaseOutcome, String>,
+        outcome: Outcome<ReleaseOutcome>,
+    },
+    /// `check_lease` ([`LeaseFence`]), on whatever transaction it was given.
+    CheckLease {
+        /// Lease checked.
+        lease: LeaseId,
+        /// What came back (`Err(ErrorKind::LeaseLost)` when fenced out).
+        outcome: Outcome<()>,
+    },
+    /// `list_leases` ([`StreamLockAdmin`]).
+    ListLeases {
+        /// What came back.
+        outcome: Outcome<Vec<LeaseInfo>>,
+    },
+    /// `inspect` ([`StreamLockAdmin`]).
+    Inspect {
+        /// Stream inspected.
+        stream_id: StreamId,
+        /// Perspective inspected.
+        perspective: PerspectiveName,
+        /// What came back.
+        outcome: Outcome<Option<CursorLease>>,
+    },
+    /// `force_release` ([`StreamLockAdmin`]).
+    ForceRelease {
+        /// Stream released.
+        stream_id: StreamId,
+        /// Perspective released.
+        perspective: PerspectiveName,
+        /// What came back.
+        outcome: Outcome<ReleaseOutcome>,
+    },
+    /// `release_all_held_by` ([`StreamLockAdmin`]).
+    ReleaseAllHeldBy {
+        /// Instance whose leases were released.
+        instance: InstanceId,
+        /// What came back: how many leases were cleared.
+        outcome: Outcome<u64>,
     },
 }
 
@@ -62,7 +107,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Records every call to the wrapped [`StreamLocker`]. Clones share the record.
+/// Records every call to the wrapped [`StreamLocker`], and to its [`StreamLockAdmin`] and
+/// [`LeaseFence`] when it is one (as the in-memory and Postgres lockers are). Clones share the
+/// record.
 #[derive(Debug, Clone)]
 pub struct RecordingStreamLocker<L> {
     inner: L,
@@ -94,7 +141,10 @@ impl<L> RecordingStreamLocker<L> {
             .collect()
     }
 
-    /// Leases acquired and not (successfully) released since, in acquisition order.
+    /// Leases acquired and not released since, in acquisition order. A lease counts as
+    /// released after a successful `release` of it or `release_all_held_by` of its holder; a
+    /// `force_release` does not count (it is an operator fencing the holder out, not the holder
+    /// letting go).
     pub fn unreleased(&self) -> Vec<LeaseId> {
         let mut held: Vec<LeaseId> = Vec::new();
         for call in lock(&self.calls).iter() {
@@ -107,10 +157,25 @@ impl<L> RecordingStreamLocker<L> {
                     lease,
                     outcome: Ok(_),
                 } => held.retain(|h| h != lease),
+                StreamLockCall::ReleaseAllHeldBy {
+                    instance,
+                    outcome: Ok(_),
+                } => held.retain(|h| h.holder != *instance),
                 _ => {}
             }
         }
         held
+    }
+
+    /// The leases of every `check_lease`, with what came back, in order.
+    pub fn lease_checks(&self) -> Vec<(LeaseId, Outcome<()>)> {
+        lock(&self.calls)
+            .iter()
+            .filter_map(|c| match c {
+                StreamLockCall::CheckLease { lease, outcome } => Some((lease.clone(), *outcome)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// The wrapped locker.
@@ -123,10 +188,10 @@ impl<L> RecordingStreamLocker<L> {
     }
 }
 
-fn text<T: Clone>(r: &Result<T>) -> std::result::Result<T, String> {
+fn outcome<T: Clone>(r: &Result<T>) -> Outcome<T> {
     match r {
         Ok(value) => Ok(value.clone()),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.kind()),
     }
 }
 
@@ -152,7 +217,7 @@ impl<L: StreamLocker> StreamLocker for RecordingStreamLocker<L> {
             perspective: perspective.clone(),
             instance,
             reason: reason.clone(),
-            outcome: text(&result),
+            outcome: outcome(&result),
         });
         result
     }
@@ -161,7 +226,7 @@ impl<L: StreamLocker> StreamLocker for RecordingStreamLocker<L> {
         let result = self.inner.renew(lease).await;
         self.record(StreamLockCall::Renew {
             lease: lease.clone(),
-            outcome: text(&result),
+            outcome: outcome(&result),
         });
         result
     }
@@ -170,7 +235,7 @@ impl<L: StreamLocker> StreamLocker for RecordingStreamLocker<L> {
         let result = self.inner.release(lease).await;
         self.record(StreamLockCall::Release {
             lease: lease.clone(),
-            outcome: text(&result),
+            outcome: outcome(&result),
         });
         result
     }
@@ -179,17 +244,79 @@ impl<L: StreamLocker> StreamLocker for RecordingStreamLocker<L> {
         let result = self.inner.renew_many(leases).await;
         for (i, lease) in leases.iter().enumerate() {
             let outcome = match &result {
-                Ok(outcomes) => outcomes
-                    .get(i)
-                    .copied()
-                    .ok_or_else(|| "missing outcome".to_owned()),
-                Err(e) => Err(e.to_string()),
+                // A locker that returns fewer outcomes than leases breaks the contract: record
+                // the missing ones as a backend failure.
+                Ok(outcomes) => outcomes.get(i).copied().ok_or(ErrorKind::Backend),
+                Err(e) => Err(e.kind()),
             };
             self.record(StreamLockCall::Renew {
                 lease: lease.clone(),
                 outcome,
             });
         }
+        result
+    }
+}
+
+#[async_trait]
+impl<L: StreamLockAdmin> StreamLockAdmin for RecordingStreamLocker<L> {
+    async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
+        let result = self.inner.list_leases().await;
+        self.record(StreamLockCall::ListLeases {
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    async fn inspect(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<CursorLease>> {
+        let result = self.inner.inspect(stream_id, perspective).await;
+        self.record(StreamLockCall::Inspect {
+            stream_id,
+            perspective: perspective.clone(),
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    async fn force_release(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<ReleaseOutcome> {
+        let result = self.inner.force_release(stream_id, perspective).await;
+        self.record(StreamLockCall::ForceRelease {
+            stream_id,
+            perspective: perspective.clone(),
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64> {
+        let result = self.inner.release_all_held_by(instance).await;
+        self.record(StreamLockCall::ReleaseAllHeldBy {
+            instance,
+            outcome: outcome(&result),
+        });
+        result
+    }
+}
+
+impl<Tx, L> LeaseFence<Tx> for RecordingStreamLocker<L>
+where
+    Tx: ?Sized + Sync,
+    L: LeaseFence<Tx>,
+{
+    async fn check_lease(&self, tx: &Tx, lease: &LeaseId) -> Result<()> {
+        let result = self.inner.check_lease(tx, lease).await;
+        self.record(StreamLockCall::CheckLease {
+            lease: lease.clone(),
+            outcome: outcome(&result),
+        });
         result
     }
 }
@@ -210,8 +337,8 @@ pub struct LockCall {
     pub key: ResourceKey,
     /// How it was asked for.
     pub mode: LockMode,
-    /// `Ok(true)` acquired, `Ok(false)` denied (try only), `Err` the error's text.
-    pub outcome: std::result::Result<bool, String>,
+    /// `Ok(true)` acquired, `Ok(false)` denied (try only), `Err` the error's kind.
+    pub outcome: Outcome<bool>,
 }
 
 /// Records every call to the wrapped [`DistributedLock`] (for any transaction type).
@@ -261,7 +388,10 @@ where
         lock(&self.calls).push(LockCall {
             key: key.clone(),
             mode: LockMode::Acquire(timeout),
-            outcome: result.as_ref().map(|()| true).map_err(ToString::to_string),
+            outcome: result
+                .as_ref()
+                .map(|()| true)
+                .map_err(lockstep_core::Error::kind),
         });
         result
     }
@@ -271,7 +401,7 @@ where
         lock(&self.calls).push(LockCall {
             key: key.clone(),
             mode: LockMode::TryAcquire,
-            outcome: text(&result),
+            outcome: outcome(&result),
         });
         result
     }
@@ -279,7 +409,7 @@ where
 
 /// One call to an [`EventStore`], with its result: `Ok` the stream's version (for a load, the
 /// version of the last event loaded, 0 for an empty stream; for an append, the new version),
-/// `Err` the error's text.
+/// `Err` the error's kind.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EventStoreCall {
     /// `load`.
@@ -287,7 +417,7 @@ pub enum EventStoreCall {
         /// Stream loaded.
         stream_id: StreamId,
         /// What came back.
-        outcome: std::result::Result<u64, String>,
+        outcome: Outcome<u64>,
     },
     /// `load_locked`.
     LoadLocked {
@@ -298,7 +428,7 @@ pub enum EventStoreCall {
         /// Lock timeout given.
         timeout: Option<Duration>,
         /// What came back.
-        outcome: std::result::Result<u64, String>,
+        outcome: Outcome<u64>,
     },
     /// `append`.
     Append {
@@ -309,7 +439,7 @@ pub enum EventStoreCall {
         /// Types of the events, in order.
         event_types: Vec<String>,
         /// What came back.
-        outcome: std::result::Result<u64, String>,
+        outcome: Outcome<u64>,
     },
 }
 
@@ -324,11 +454,11 @@ impl EventStoreCall {
     }
 
     /// What came back.
-    pub fn outcome(&self) -> &std::result::Result<u64, String> {
+    pub fn outcome(&self) -> Outcome<u64> {
         match self {
             EventStoreCall::Load { outcome, .. }
             | EventStoreCall::LoadLocked { outcome, .. }
-            | EventStoreCall::Append { outcome, .. } => outcome,
+            | EventStoreCall::Append { outcome, .. } => *outcome,
         }
     }
 }
@@ -395,10 +525,10 @@ impl<S> RecordingEventStore<S> {
 }
 
 /// The version a load saw: that of its last event (0 for an empty stream).
-fn loaded_version(result: &Result<Vec<RecordedEvent>>) -> std::result::Result<u64, String> {
+fn loaded_version(result: &Result<Vec<RecordedEvent>>) -> Outcome<u64> {
     match result {
         Ok(events) => Ok(events.last().map_or(0, |e| e.version)),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.kind()),
     }
 }
 
@@ -445,7 +575,7 @@ where
             stream_id,
             expected,
             event_types: events.iter().map(|e| e.event_type().to_owned()).collect(),
-            outcome: text(&result),
+            outcome: outcome(&result),
         });
         result
     }

@@ -26,7 +26,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, CursorLease, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseFence, LeaseHolder,
@@ -115,6 +114,12 @@ impl InMemoryStreamLocker {
             db: Some(db.clone()),
             ..InMemoryStreamLocker::new(options)
         }
+    }
+
+    /// The database fenced commits run on, if built
+    /// [`with_database`](InMemoryStreamLocker::with_database).
+    pub fn database(&self) -> Option<&FakeDatabase> {
+        self.db.as_ref()
     }
 
     /// The key of a cursor row's lock in the fake database.
@@ -335,12 +340,11 @@ impl LeaseFence<FakeTransaction> for InMemoryStreamLocker {
             ));
         };
         tx.check_usable()?;
-        // Lock the row for the rest of the transaction (FOR NO KEY UPDATE), then check.
-        db.acquire(
-            &Self::row_key(lease.stream_id, &lease.perspective),
-            tx.owner(),
-        )
-        .await?;
+        // Lock the row for the rest of the transaction (FOR NO KEY UPDATE), then check. A wait
+        // that fails (deadlock) or is abandoned aborts the transaction, as on Postgres; a lost
+        // lease does not (the statement found no row).
+        let row = Self::row_key(lease.stream_id, &lease.perspective);
+        tx.statement(db.acquire(&row, tx.owner())).await?;
         let now = Instant::now();
         let rows = self.rows();
         match rows.get(&(lease.stream_id, lease.perspective.clone())) {
@@ -353,41 +357,5 @@ impl LeaseFence<FakeTransaction> for InMemoryStreamLocker {
                 ),
             )),
         }
-    }
-}
-
-#[async_trait]
-impl crate::conformance::stream_locker::StreamLockerFixture for InMemoryStreamLocker {
-    fn locker(&self) -> Arc<dyn StreamLocker> {
-        Arc::new(self.clone())
-    }
-
-    fn admin(&self) -> Arc<dyn StreamLockAdmin> {
-        Arc::new(self.clone())
-    }
-
-    async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
-        InMemoryStreamLocker::create_cursor(self, stream_id, perspective);
-    }
-}
-
-/// A lock timeout short enough for suites on real clocks, valid with [`SHORT_KEEPALIVE`].
-pub const SHORT_LOCK_TIMEOUT: Duration = Duration::from_millis(400);
-/// A keepalive interval valid with [`SHORT_LOCK_TIMEOUT`].
-pub const SHORT_KEEPALIVE: Duration = Duration::from_millis(100);
-
-impl crate::conformance::lease_fence::LeaseFenceFixture for InMemoryStreamLocker {
-    type Tx = FakeTransaction;
-    type Source = FakeDatabase;
-    type Fence = InMemoryStreamLocker;
-
-    fn fence(&self) -> &InMemoryStreamLocker {
-        self
-    }
-
-    fn source(&self) -> &FakeDatabase {
-        self.db
-            .as_ref()
-            .expect("the fence fixture needs InMemoryStreamLocker::with_database")
     }
 }

@@ -1,51 +1,41 @@
-//! The in-memory event store: the shared event-store conformance suite, plus the fake's own
-//! documented behaviour (deadlock detection among writers waiting for each other's versions).
+//! The in-memory event store: the shared event-store conformance suite (one test per case), plus
+//! the fake's own documented behaviour (deadlock detection among writers waiting for each
+//! other's versions, or for versions and locks).
 
-use std::sync::Arc;
+use std::time::Duration;
 
-use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, StreamId};
-use lockstep_testkit::conformance::event_store::{self, EventStoreFixture};
-use lockstep_testkit::{FakeDatabase, FakeTransaction, InMemoryEventStore};
+use lockstep_core::{
+    DistributedLock, ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, StreamId,
+};
+use lockstep_testkit::conformance::event_store::Fixture;
+use lockstep_testkit::{FakeDatabase, FakeDistributedLock, InMemoryEventStore};
 
-struct Fixture {
-    db: FakeDatabase,
-    store: InMemoryEventStore,
+type InMemory = Fixture<FakeDatabase, InMemoryEventStore>;
+
+fn fixture() -> InMemory {
+    Fixture::new(FakeDatabase::new(), InMemoryEventStore::new())
 }
 
-impl EventStoreFixture for Fixture {
-    type Tx = FakeTransaction;
-    type Source = FakeDatabase;
-    type Store = InMemoryEventStore;
+mod suite {
+    use super::*;
 
-    fn store(&self) -> &InMemoryEventStore {
-        &self.store
+    lockstep_testkit::event_store_conformance! {
+        #[tokio::test(start_paused = true)]
+        fixture: fixture(),
+        after_each: |fixture: &InMemory| {
+            assert!(fixture.source.held_keys().is_empty(), "no lock outlives its transaction");
+            assert!(fixture.source.is_idle(), "no lock or waiting append is left behind");
+        },
     }
+}
 
-    fn source(&self) -> &FakeDatabase {
-        &self.db
+mod suite_on_real_time_and_threads {
+    use super::*;
+
+    lockstep_testkit::event_store_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(),
     }
-}
-
-fn fixture() -> Arc<Fixture> {
-    Arc::new(Fixture {
-        db: FakeDatabase::new(),
-        store: InMemoryEventStore::new(),
-    })
-}
-
-#[tokio::test(start_paused = true)]
-async fn in_memory_event_store_passes_the_event_store_suite() {
-    let fixture = fixture();
-    event_store::run_all(Arc::clone(&fixture)).await;
-    assert!(
-        fixture.db.held_keys().is_empty(),
-        "no lock outlives its transaction"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_memory_event_store_passes_the_event_store_suite_on_real_time_and_threads() {
-    event_store::run_all(fixture()).await;
 }
 
 fn event() -> NewEvent {
@@ -110,5 +100,74 @@ async fn a_dropped_waiting_append_aborts_its_transaction() {
         b.commit().await.expect_err("aborted").kind(),
         ErrorKind::TransactionAborted
     );
+    assert_eq!(store.committed(stream).len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cycle_of_a_version_wait_and_a_lock_wait_is_a_deadlock() {
+    let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
+    let lock = FakeDistributedLock::new(&db);
+    let (stream, key) = (
+        StreamId::new_v7(),
+        ResourceKey::new("test:mixed").expect("key"),
+    );
+    let (a, b) = (db.begin(), db.begin());
+    assert!(
+        lock.try_acquire_for_transaction(&a, &key)
+            .await
+            .expect("a locks")
+    );
+    store
+        .append(&b, stream, ExpectedVersion::NoStream, &[event()])
+        .await
+        .expect("b reserves version 1");
+    let one = [event()];
+    let (a_waits, b_closes_cycle) = tokio::join!(
+        store.append(&a, stream, ExpectedVersion::NoStream, &one),
+        async {
+            tokio::task::yield_now().await;
+            let result = lock.acquire_for_transaction(&b, &key, None).await;
+            b.rollback().await;
+            result
+        }
+    );
+    assert_eq!(
+        b_closes_cycle.expect_err("victim").kind(),
+        ErrorKind::Deadlock
+    );
+    assert_eq!(
+        a_waits.expect("b rolled back, so a's append goes through"),
+        1
+    );
+    a.commit().await.expect("commit");
+    assert_eq!(store.committed(stream).len(), 1);
+    assert!(db.is_idle());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_refuses_transactions_of_another_database() {
+    let (db, other, store) = (
+        FakeDatabase::new(),
+        FakeDatabase::new(),
+        InMemoryEventStore::new(),
+    );
+    let stream = StreamId::new_v7();
+    let tx = db.begin();
+    store
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event()])
+        .await
+        .expect("the first database binds the store");
+    let foreign = other.begin();
+    let err = store.load(&foreign, stream).await.expect_err("refused");
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+    let err = tokio::time::timeout(
+        Duration::from_secs(1),
+        store.append(&foreign, stream, ExpectedVersion::Any, &[event()]),
+    )
+    .await
+    .expect("refused at once")
+    .expect_err("refused");
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+    tx.commit().await.expect("commit");
     assert_eq!(store.committed(stream).len(), 1);
 }

@@ -2,7 +2,6 @@
 //! faults never reach the store, recorded calls come back in order with their outcomes, and an
 //! application's optimistic retry loop can be driven through injected conflicts.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -10,7 +9,7 @@ use lockstep_core::{
     ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, Result, RetryPolicy, StreamId,
     version_conflict,
 };
-use lockstep_testkit::conformance::event_store::{self, EventStoreFixture};
+use lockstep_testkit::conformance::event_store::Fixture;
 use lockstep_testkit::{
     EventStoreCall, FakeDatabase, FakeTransaction, FaultyEventStore, InMemoryEventStore,
     RecordingEventStore,
@@ -213,7 +212,7 @@ async fn the_recording_store_lists_calls_in_order_with_their_outcomes() {
                 stream_id: stream,
                 expected: ExpectedVersion::Exact(1),
                 event_types: vec!["StockReleased".to_owned()],
-                outcome: Err(err.to_string()),
+                outcome: Err(err.kind()),
             },
             EventStoreCall::LoadLocked {
                 stream_id: stream,
@@ -285,9 +284,12 @@ async fn an_application_retry_loop_succeeds_after_two_injected_conflicts_appendi
     let outcomes: Vec<_> = recording
         .appends()
         .iter()
-        .map(|c| c.outcome().clone().map_err(|_| ()))
+        .map(EventStoreCall::outcome)
         .collect();
-    assert_eq!(outcomes, [Err(()), Err(()), Ok(2)]);
+    assert_eq!(
+        outcomes,
+        [Err(ErrorKind::Conflict), Err(ErrorKind::Conflict), Ok(2)]
+    );
     assert_eq!(recording.appended_event_types(), ["StockReserved"]);
     let types: Vec<_> = store
         .committed(stream)
@@ -301,33 +303,23 @@ async fn an_application_retry_loop_succeeds_after_two_injected_conflicts_appendi
     );
 }
 
-struct Fixture {
-    db: FakeDatabase,
-    store: RecordingEventStore<FaultyEventStore<InMemoryEventStore>>,
-}
+type Wrapped = Fixture<FakeDatabase, RecordingEventStore<FaultyEventStore<InMemoryEventStore>>>;
 
-impl EventStoreFixture for Fixture {
-    type Tx = FakeTransaction;
-    type Source = FakeDatabase;
-    type Store = RecordingEventStore<FaultyEventStore<InMemoryEventStore>>;
-
-    fn store(&self) -> &Self::Store {
-        &self.store
-    }
-
-    fn source(&self) -> &FakeDatabase {
-        &self.db
-    }
-}
-
-#[tokio::test(start_paused = true)]
-async fn the_wrappers_without_faults_pass_the_event_store_suite() {
+fn wrapped() -> Wrapped {
     let (faulty, _faults) = FaultyEventStore::new(InMemoryEventStore::new());
-    let fixture = Arc::new(Fixture {
-        db: FakeDatabase::new(),
-        store: RecordingEventStore::new(faulty),
-    });
-    event_store::run_all(Arc::clone(&fixture)).await;
-    assert!(!fixture.store.appends().is_empty());
-    assert!(fixture.db.held_keys().is_empty());
+    Fixture::new(FakeDatabase::new(), RecordingEventStore::new(faulty))
+}
+
+/// The wrappers without faults pass the event-store suite.
+mod the_wrappers_without_faults_pass_the_event_store_suite {
+    use super::*;
+
+    lockstep_testkit::event_store_conformance! {
+        #[tokio::test(start_paused = true)]
+        fixture: wrapped(),
+        after_each: |fixture: &Wrapped| {
+            assert!(!fixture.store.appends().is_empty());
+            assert!(fixture.source.held_keys().is_empty());
+        },
+    }
 }

@@ -2,6 +2,9 @@
 //! at commit and rollback, blocking acquire.
 //!
 //! Every case uses fresh random keys, so the suite can run against a shared database.
+//!
+//! Run it with [`distributed_lock_conformance!`](crate::distributed_lock_conformance) (one test
+//! per case), or call the cases or [`run_all`] yourself.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +12,7 @@ use std::time::Duration;
 use lockstep_core::{DistributedLock, ResourceKey, TransactionSource};
 
 use super::{begin, commit, rollback};
+use crate::{FakeDatabase, FakeDistributedLock, FakeTransaction};
 
 /// What the suite needs from a backend: the lock under test and owned transactions of the type
 /// it locks on.
@@ -26,6 +30,21 @@ pub trait DistributedLockFixture: Send + Sync + 'static {
 
     /// The transaction source.
     fn source(&self) -> &Self::Source;
+}
+
+/// The fake lock is its own fixture: transactions are begun on its database.
+impl DistributedLockFixture for FakeDistributedLock {
+    type Tx = FakeTransaction;
+    type Source = FakeDatabase;
+    type Lock = FakeDistributedLock;
+
+    fn lock(&self) -> &FakeDistributedLock {
+        self
+    }
+
+    fn source(&self) -> &FakeDatabase {
+        self.database()
+    }
 }
 
 fn fresh_key() -> ResourceKey {
@@ -205,14 +224,65 @@ pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(
     commit(fixture.source(), c).await.expect("commit");
 }
 
-/// Runs every case, in order.
+/// Runs every case, in order, in one test. Prefer
+/// [`distributed_lock_conformance!`](crate::distributed_lock_conformance): a test per case.
 pub async fn run_all<F: DistributedLockFixture>(fixture: Arc<F>) {
-    same_key_in_two_transactions_excludes(Arc::clone(&fixture)).await;
-    different_keys_never_block(Arc::clone(&fixture)).await;
-    reentrant_within_one_transaction(Arc::clone(&fixture)).await;
-    released_at_commit(Arc::clone(&fixture)).await;
-    released_at_rollback(Arc::clone(&fixture)).await;
-    blocking_acquire_completes_once_the_holder_ends(Arc::clone(&fixture)).await;
-    acquire_with_timeout_fails_with_lock_timeout(Arc::clone(&fixture)).await;
-    dropped_waiting_acquire_leaves_no_ghost(fixture).await;
+    crate::__lockstep_distributed_lock_cases!(__lockstep_conformance_run_all! { by_arc fixture });
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lockstep_distributed_lock_cases {
+    ($then:ident ! { $($args:tt)* }) => {
+        $crate::$then! { $($args)* cases: [
+            same_key_in_two_transactions_excludes,
+            different_keys_never_block,
+            reentrant_within_one_transaction,
+            released_at_commit,
+            released_at_rollback,
+            blocking_acquire_completes_once_the_holder_ends,
+            acquire_with_timeout_fails_with_lock_timeout,
+            dropped_waiting_acquire_leaves_no_ghost,
+        ] }
+    };
+}
+
+/// Expands to one test per case of the [distributed-lock conformance
+/// suite](crate::conformance::distributed_lock), each on a fixture of its own.
+///
+/// `fixture:` is an expression evaluated inside each test (it may `.await`) that yields a
+/// [`DistributedLockFixture`](crate::conformance::distributed_lock::DistributedLockFixture); the test wraps it in an `Arc`.
+/// Attributes written first replace the default `#[tokio::test]`:
+/// `#[tokio::test(start_paused = true)]` for the fakes,
+/// `#[tokio::test(flavor = "multi_thread")]` for a database. `after_each:` (optional) is a
+/// closure called with `&fixture` after the case passed, to check what the case left behind.
+/// See [`stream_locker_conformance!`](crate::stream_locker_conformance) for what the calling
+/// crate needs. Not covered by semver (see [`conformance`](crate::conformance)).
+///
+/// ```
+/// mod fake {
+///     use lockstep_testkit::{FakeDatabase, FakeDistributedLock};
+///
+///     lockstep_testkit::distributed_lock_conformance! {
+///         #[tokio::test(start_paused = true)]
+///         fixture: FakeDistributedLock::new(&FakeDatabase::new()),
+///         after_each: |lock: &FakeDistributedLock| assert!(lock.database().held_keys().is_empty()),
+///     }
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! distributed_lock_conformance {
+    ($(#[$attr:meta])+ fixture: $fixture:expr $(, after_each: $after:expr)? $(,)?) => {
+        $crate::__lockstep_distributed_lock_cases!(__lockstep_conformance_tests! {
+            suite: distributed_lock,
+            pass: by_arc,
+            attrs: [$(#[$attr])+],
+            fixture: $fixture,
+            after_each: [$($after)?],
+        });
+    };
+    (fixture: $($rest:tt)*) => {
+        $crate::distributed_lock_conformance! { #[::tokio::test] fixture: $($rest)* }
+    };
 }

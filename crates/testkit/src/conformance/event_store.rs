@@ -4,6 +4,9 @@
 //! Every case uses fresh stream ids and lock keys, so the suite can run against a shared
 //! database. No case asserts on timing: a concurrent writer is spawned and the suite waits for
 //! its outcome after ending the transaction it waits for.
+//!
+//! Run it with [`event_store_conformance!`](crate::event_store_conformance) (one test per case),
+//! or call the cases or [`run_all`] yourself.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +35,42 @@ pub trait EventStoreFixture: Send + Sync + 'static {
     /// backend). Committing a transaction aborted by a failed append must fail with
     /// [`ErrorKind::TransactionAborted`].
     fn source(&self) -> &Self::Source;
+}
+
+/// A fixture made of a transaction source and a store running on its transactions (the
+/// in-memory store on a [`FakeDatabase`](crate::FakeDatabase), or a Postgres store on a
+/// pool's source).
+#[derive(Debug, Clone)]
+pub struct Fixture<S, St> {
+    /// Where transactions come from.
+    pub source: S,
+    /// The store under test.
+    pub store: St,
+}
+
+impl<S, St> Fixture<S, St> {
+    /// A fixture of `store` on transactions of `source`.
+    pub fn new(source: S, store: St) -> Self {
+        Fixture { source, store }
+    }
+}
+
+impl<S, St> EventStoreFixture for Fixture<S, St>
+where
+    S: TransactionSource + 'static,
+    St: EventStore<S::Tx> + 'static,
+{
+    type Tx = S::Tx;
+    type Store = St;
+    type Source = S;
+
+    fn store(&self) -> &St {
+        &self.store
+    }
+
+    fn source(&self) -> &S {
+        &self.source
+    }
 }
 
 fn event(event_type: &str, n: u64) -> NewEvent {
@@ -378,15 +417,66 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
     assert_eq!(v, 2);
 }
 
-/// Runs every case, in order.
+/// Runs every case, in order, in one test. Prefer
+/// [`event_store_conformance!`](crate::event_store_conformance): a test per case.
 pub async fn run_all<F: EventStoreFixture>(fixture: Arc<F>) {
-    appends_number_versions_from_one_and_load_in_order(Arc::clone(&fixture)).await;
-    appends_are_visible_to_others_only_after_commit(Arc::clone(&fixture)).await;
-    rolled_back_appends_vanish(Arc::clone(&fixture)).await;
-    a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction(Arc::clone(&fixture)).await;
-    any_appends_after_the_current_version(Arc::clone(&fixture)).await;
-    an_empty_append_is_invalid_input(Arc::clone(&fixture)).await;
-    streams_are_independent(Arc::clone(&fixture)).await;
-    concurrent_appends_of_one_version_let_exactly_one_commit(Arc::clone(&fixture)).await;
-    load_locked_waits_for_the_holder_and_sees_its_commit(fixture).await;
+    crate::__lockstep_event_store_cases!(__lockstep_conformance_run_all! { by_arc fixture });
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lockstep_event_store_cases {
+    ($then:ident ! { $($args:tt)* }) => {
+        $crate::$then! { $($args)* cases: [
+            appends_number_versions_from_one_and_load_in_order,
+            appends_are_visible_to_others_only_after_commit,
+            rolled_back_appends_vanish,
+            a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction,
+            any_appends_after_the_current_version,
+            an_empty_append_is_invalid_input,
+            streams_are_independent,
+            concurrent_appends_of_one_version_let_exactly_one_commit,
+            load_locked_waits_for_the_holder_and_sees_its_commit,
+        ] }
+    };
+}
+
+/// Expands to one test per case of the [event-store conformance
+/// suite](crate::conformance::event_store), each on a fixture of its own.
+///
+/// `fixture:` is an expression evaluated inside each test (it may `.await`) that yields a
+/// [`EventStoreFixture`](crate::conformance::event_store::EventStoreFixture); the test wraps it in an `Arc`.
+/// Attributes written first replace the default `#[tokio::test]`:
+/// `#[tokio::test(start_paused = true)]` for the fakes,
+/// `#[tokio::test(flavor = "multi_thread")]` for a database. `after_each:` (optional) is a
+/// closure called with `&fixture` after the case passed, to check what the case left behind.
+/// See [`stream_locker_conformance!`](crate::stream_locker_conformance) for what the calling
+/// crate needs. Not covered by semver (see [`conformance`](crate::conformance)).
+///
+/// ```
+/// mod in_memory {
+///     use lockstep_testkit::conformance::event_store::Fixture;
+///     use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
+///
+///     lockstep_testkit::event_store_conformance! {
+///         #[tokio::test(start_paused = true)]
+///         fixture: Fixture::new(FakeDatabase::new(), InMemoryEventStore::new()),
+///     }
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! event_store_conformance {
+    ($(#[$attr:meta])+ fixture: $fixture:expr $(, after_each: $after:expr)? $(,)?) => {
+        $crate::__lockstep_event_store_cases!(__lockstep_conformance_tests! {
+            suite: event_store,
+            pass: by_arc,
+            attrs: [$(#[$attr])+],
+            fixture: $fixture,
+            after_each: [$($after)?],
+        });
+    };
+    (fixture: $($rest:tt)*) => {
+        $crate::event_store_conformance! { #[::tokio::test] fixture: $($rest)* }
+    };
 }

@@ -1,22 +1,25 @@
 //! The fenced-commit conformance suite: work protected by a stream lease commits only while the
 //! lease is still held at the same epoch, and a takeover cannot slip in between the check and
 //! the commit.
+//!
+//! Run it with [`lease_fence_conformance!`](crate::lease_fence_conformance) (one test per
+//! case), or call the cases or [`run_all`] yourself.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, PerspectiveName, StreamId,
-    StreamLease, TransactionSource,
+    StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
 };
 
-use super::{begin, commit, rollback};
-
 use super::stream_locker::StreamLockerFixture;
+use super::{begin, commit, rollback};
+use crate::{FakeDatabase, FakeTransaction, InMemoryStreamLocker};
 
 /// What the suite needs beyond a [`StreamLockerFixture`]: the fence and transactions of the type
 /// it checks in.
-pub trait LeaseFenceFixture: StreamLockerFixture + 'static {
+pub trait LeaseFenceFixture: StreamLockerFixture {
     /// An owned, open transaction.
     type Tx: Send + Sync + 'static;
     /// The transaction source.
@@ -29,6 +32,24 @@ pub trait LeaseFenceFixture: StreamLockerFixture + 'static {
 
     /// Where the suite's transactions come from.
     fn source(&self) -> &Self::Source;
+}
+
+/// The in-memory locker is its own fixture when built
+/// [`with_database`](InMemoryStreamLocker::with_database): transactions are begun on that
+/// database. Panics (failing the case) on a locker built without one.
+impl LeaseFenceFixture for InMemoryStreamLocker {
+    type Tx = FakeTransaction;
+    type Source = FakeDatabase;
+    type Fence = InMemoryStreamLocker;
+
+    fn fence(&self) -> &InMemoryStreamLocker {
+        self
+    }
+
+    fn source(&self) -> &FakeDatabase {
+        self.database()
+            .expect("the lease-fence fixture needs InMemoryStreamLocker::with_database")
+    }
 }
 
 async fn leased<F: LeaseFenceFixture>(fixture: &F) -> (StreamId, PerspectiveName, StreamLease) {
@@ -162,11 +183,65 @@ pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFence
     );
 }
 
-/// Runs every case, in order.
+/// Runs every case, in order, in one test. Prefer
+/// [`lease_fence_conformance!`](crate::lease_fence_conformance): a test per case.
 pub async fn run_all<F: LeaseFenceFixture>(fixture: Arc<F>) {
-    fence_passes_for_the_current_holder(Arc::clone(&fixture)).await;
-    fence_fails_after_takeover(Arc::clone(&fixture)).await;
-    fence_fails_after_expiry(Arc::clone(&fixture)).await;
-    fence_fails_after_force_release(Arc::clone(&fixture)).await;
-    fence_holds_off_a_takeover_until_the_transaction_ends(fixture).await;
+    crate::__lockstep_lease_fence_cases!(__lockstep_conformance_run_all! { by_arc fixture });
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lockstep_lease_fence_cases {
+    ($then:ident ! { $($args:tt)* }) => {
+        $crate::$then! { $($args)* cases: [
+            fence_passes_for_the_current_holder,
+            fence_fails_after_takeover,
+            fence_fails_after_expiry,
+            fence_fails_after_force_release,
+            fence_holds_off_a_takeover_until_the_transaction_ends,
+        ] }
+    };
+}
+
+/// Expands to one test per case of the [fenced-commit conformance
+/// suite](crate::conformance::lease_fence), each on a fixture of its own.
+///
+/// `fixture:` is an expression evaluated inside each test (it may `.await`) that yields a
+/// [`LeaseFenceFixture`](crate::conformance::lease_fence::LeaseFenceFixture); the test wraps it in an `Arc`.
+/// Attributes written first replace the default `#[tokio::test]`:
+/// `#[tokio::test(start_paused = true)]` for the fakes,
+/// `#[tokio::test(flavor = "multi_thread")]` for a database. `after_each:` (optional) is a
+/// closure called with `&fixture` after the case passed, to check what the case left behind.
+/// See [`stream_locker_conformance!`](crate::stream_locker_conformance) for what the calling
+/// crate needs. Not covered by semver (see [`conformance`](crate::conformance)).
+///
+/// ```
+/// mod in_memory {
+///     use lockstep_core::StreamLockOptions;
+///     use lockstep_testkit::{FakeDatabase, InMemoryStreamLocker};
+///
+///     lockstep_testkit::lease_fence_conformance! {
+///         #[tokio::test(start_paused = true)]
+///         fixture: InMemoryStreamLocker::with_database(
+///             StreamLockOptions::default(),
+///             &FakeDatabase::new(),
+///         ),
+///     }
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! lease_fence_conformance {
+    ($(#[$attr:meta])+ fixture: $fixture:expr $(, after_each: $after:expr)? $(,)?) => {
+        $crate::__lockstep_lease_fence_cases!(__lockstep_conformance_tests! {
+            suite: lease_fence,
+            pass: by_arc,
+            attrs: [$(#[$attr])+],
+            fixture: $fixture,
+            after_each: [$($after)?],
+        });
+    };
+    (fixture: $($rest:tt)*) => {
+        $crate::lease_fence_conformance! { #[::tokio::test] fixture: $($rest)* }
+    };
 }

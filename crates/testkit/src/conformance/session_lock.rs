@@ -5,6 +5,9 @@
 //! It runs on any [`DistributedLockFixture`] whose lock also offers [`SessionLocks`] (the
 //! Postgres lock and the fake both do), since one case checks that the two scopes exclude each
 //! other.
+//!
+//! Run it with [`session_lock_conformance!`](crate::session_lock_conformance) (one test per
+//! case), or call the cases or [`run_all`] yourself.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -159,12 +162,62 @@ pub async fn session_locks_on_different_keys_never_block<F: SessionLockFixture>(
     b.release().await.expect("release");
 }
 
-/// Runs every case, in order.
+/// Runs every case, in order, in one test. Prefer
+/// [`session_lock_conformance!`](crate::session_lock_conformance): a test per case.
 pub async fn run_all<F: SessionLockFixture>(fixture: Arc<F>) {
-    session_lock_excludes_other_sessions_until_released(Arc::clone(&fixture)).await;
-    dropping_a_session_guard_releases_the_lock(Arc::clone(&fixture)).await;
-    session_and_transaction_locks_exclude_each_other(Arc::clone(&fixture)).await;
-    session_acquire_with_timeout_fails_with_lock_timeout(Arc::clone(&fixture)).await;
-    blocking_session_acquire_completes_once_released(Arc::clone(&fixture)).await;
-    session_locks_on_different_keys_never_block(fixture).await;
+    crate::__lockstep_session_lock_cases!(__lockstep_conformance_run_all! { by_arc fixture });
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lockstep_session_lock_cases {
+    ($then:ident ! { $($args:tt)* }) => {
+        $crate::$then! { $($args)* cases: [
+            session_lock_excludes_other_sessions_until_released,
+            dropping_a_session_guard_releases_the_lock,
+            session_and_transaction_locks_exclude_each_other,
+            session_acquire_with_timeout_fails_with_lock_timeout,
+            blocking_session_acquire_completes_once_released,
+            session_locks_on_different_keys_never_block,
+        ] }
+    };
+}
+
+/// Expands to one test per case of the [session-lock conformance
+/// suite](crate::conformance::session_lock), each on a fixture of its own.
+///
+/// `fixture:` is an expression evaluated inside each test (it may `.await`) that yields a
+/// [`SessionLockFixture`](crate::conformance::session_lock::SessionLockFixture); the test wraps it in an `Arc`.
+/// Attributes written first replace the default `#[tokio::test]`:
+/// `#[tokio::test(start_paused = true)]` for the fakes,
+/// `#[tokio::test(flavor = "multi_thread")]` for a database. `after_each:` (optional) is a
+/// closure called with `&fixture` after the case passed, to check what the case left behind.
+/// See [`stream_locker_conformance!`](crate::stream_locker_conformance) for what the calling
+/// crate needs. Not covered by semver (see [`conformance`](crate::conformance)).
+///
+/// ```
+/// mod fake {
+///     use lockstep_testkit::{FakeDatabase, FakeDistributedLock};
+///
+///     lockstep_testkit::session_lock_conformance! {
+///         #[tokio::test(start_paused = true)]
+///         fixture: FakeDistributedLock::new(&FakeDatabase::new()),
+///     }
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! session_lock_conformance {
+    ($(#[$attr:meta])+ fixture: $fixture:expr $(, after_each: $after:expr)? $(,)?) => {
+        $crate::__lockstep_session_lock_cases!(__lockstep_conformance_tests! {
+            suite: session_lock,
+            pass: by_arc,
+            attrs: [$(#[$attr])+],
+            fixture: $fixture,
+            after_each: [$($after)?],
+        });
+    };
+    (fixture: $($rest:tt)*) => {
+        $crate::session_lock_conformance! { #[::tokio::test] fixture: $($rest)* }
+    };
 }

@@ -2,41 +2,79 @@
 //!
 //! Every case uses fresh stream ids, so the suite can run against a shared database. Expiry is
 //! waited out with `tokio::time::sleep(lock_timeout + margin)`: on the in-memory locker with
-//! paused time that is instant; on Postgres, give the fixture a short lock timeout.
+//! paused time that is instant; on Postgres, give the fixture a short lock timeout
+//! ([`SHORT_LOCK_TIMEOUT`]).
+//!
+//! Run it with [`stream_locker_conformance!`](crate::stream_locker_conformance) (one test per
+//! case), or call the cases or [`run_all`] yourself.
 
-use std::sync::Arc;
+use std::future::Future;
 use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
-    StreamId, StreamLease, StreamLockAdmin, StreamLocker, async_trait,
+    StreamId, StreamLease, StreamLockAdmin, StreamLocker,
 };
 
-/// What the suite needs from a backend.
-#[async_trait]
-pub trait StreamLockerFixture: Send + Sync {
+use crate::InMemoryStreamLocker;
+
+/// A lock timeout short enough for suites on real clocks, valid with [`SHORT_KEEPALIVE`].
+pub const SHORT_LOCK_TIMEOUT: Duration = Duration::from_millis(400);
+/// A keepalive interval valid with [`SHORT_LOCK_TIMEOUT`].
+pub const SHORT_KEEPALIVE: Duration = Duration::from_millis(100);
+
+/// What the suite needs from a backend: the locker under test, its admin view, and a way to
+/// create cursor rows.
+pub trait StreamLockerFixture: Send + Sync + 'static {
+    /// The locker under test (a concrete type, or `dyn StreamLocker`).
+    type Locker: StreamLocker + ?Sized;
+    /// The admin view over the same storage (normally the locker itself).
+    type Admin: StreamLockAdmin + ?Sized;
+
     /// The locker under test. Its `options().lock_timeout()` is how long the suite waits for
-    /// a lease to expire, so keep it short on real databases (e.g. 400 ms).
-    fn locker(&self) -> Arc<dyn StreamLocker>;
+    /// a lease to expire, so keep it short on real databases (e.g. [`SHORT_LOCK_TIMEOUT`]).
+    fn locker(&self) -> &Self::Locker;
 
     /// The admin view over the same storage.
-    fn admin(&self) -> Arc<dyn StreamLockAdmin>;
+    fn admin(&self) -> &Self::Admin;
 
     /// Creates the cursor row of `(stream_id, perspective)`, unlocked.
-    async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName);
+    fn create_cursor(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> impl Future<Output = ()> + Send;
+}
+
+/// The in-memory locker is its own fixture.
+impl StreamLockerFixture for InMemoryStreamLocker {
+    type Locker = InMemoryStreamLocker;
+    type Admin = InMemoryStreamLocker;
+
+    fn locker(&self) -> &InMemoryStreamLocker {
+        self
+    }
+
+    fn admin(&self) -> &InMemoryStreamLocker {
+        self
+    }
+
+    async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
+        InMemoryStreamLocker::create_cursor(self, stream_id, perspective);
+    }
 }
 
 fn name() -> PerspectiveName {
     PerspectiveName::new("ConformancePerspective").expect("valid name")
 }
 
-async fn fresh_cursor<F: StreamLockerFixture + ?Sized>(fixture: &F) -> (StreamId, PerspectiveName) {
+async fn fresh_cursor<F: StreamLockerFixture>(fixture: &F) -> (StreamId, PerspectiveName) {
     let (stream, name) = (StreamId::new_v7(), name());
     fixture.create_cursor(stream, &name).await;
     (stream, name)
 }
 
-async fn acquire<F: StreamLockerFixture + ?Sized>(
+async fn acquire<F: StreamLockerFixture>(
     fixture: &F,
     stream: StreamId,
     name: &PerspectiveName,
@@ -54,7 +92,7 @@ async fn acquire<F: StreamLockerFixture + ?Sized>(
     }
 }
 
-async fn state<F: StreamLockerFixture + ?Sized>(
+async fn state<F: StreamLockerFixture>(
     fixture: &F,
     stream: StreamId,
     name: &PerspectiveName,
@@ -68,9 +106,7 @@ async fn state<F: StreamLockerFixture + ?Sized>(
 }
 
 /// A fresh cursor leased by a random instance for `rewind`.
-async fn leased<F: StreamLockerFixture + ?Sized>(
-    fixture: &F,
-) -> (StreamId, PerspectiveName, StreamLease) {
+async fn leased<F: StreamLockerFixture>(fixture: &F) -> (StreamId, PerspectiveName, StreamLease) {
     let (stream, name) = fresh_cursor(fixture).await;
     let lease = acquire(
         fixture,
@@ -99,13 +135,13 @@ fn not_the_holder(lease: &LeaseId, epoch_delta: i64) -> [LeaseId; 2] {
 }
 
 /// Waits until a lease taken now has expired on the backend's clock.
-async fn wait_past_expiry<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+async fn wait_past_expiry<F: StreamLockerFixture>(fixture: &F) {
     let timeout = fixture.locker().options().lock_timeout();
     tokio::time::sleep(timeout + timeout / 2 + Duration::from_millis(50)).await;
 }
 
 /// An unlocked cursor is acquired, with holder, reason, expiry and a new epoch stored.
-pub async fn acquires_an_unlocked_cursor<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn acquires_an_unlocked_cursor<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let before = state(fixture, stream, &name).await;
     assert!(before.is_unlocked());
@@ -126,7 +162,7 @@ pub async fn acquires_an_unlocked_cursor<F: StreamLockerFixture + ?Sized>(fixtur
 }
 
 /// A pair without a cursor row is never acquired (the seed's own test).
-pub async fn missing_cursor_row_is_not_acquired<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn missing_cursor_row_is_not_acquired<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = (StreamId::new_v7(), name());
     let outcome = fixture
         .locker()
@@ -146,7 +182,7 @@ pub async fn missing_cursor_row_is_not_acquired<F: StreamLockerFixture + ?Sized>
 
 /// Another instance is denied while the lease is live; the denial names the holder, reason
 /// and expiry, and the row is unchanged.
-pub async fn held_by_another_is_denied_and_unchanged<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn held_by_another_is_denied_and_unchanged<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let lease = acquire(fixture, stream, &name, a, &LockReason::Bootstrap).await;
@@ -170,9 +206,7 @@ pub async fn held_by_another_is_denied_and_unchanged<F: StreamLockerFixture + ?S
 
 /// The holder re-acquires idempotently: the reason is overwritten, the expiry refreshed, the
 /// epoch kept.
-pub async fn same_instance_reacquires_and_the_reason_changes<F: StreamLockerFixture + ?Sized>(
-    fixture: &F,
-) {
+pub async fn same_instance_reacquires_and_the_reason_changes<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let a = InstanceId::random();
     let first = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
@@ -188,9 +222,7 @@ pub async fn same_instance_reacquires_and_the_reason_changes<F: StreamLockerFixt
 }
 
 /// Once a lease has expired, another instance takes it over with a higher epoch.
-pub async fn expired_lease_is_taken_over_by_another_instance<F: StreamLockerFixture + ?Sized>(
-    fixture: &F,
-) {
+pub async fn expired_lease_is_taken_over_by_another_instance<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let old = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
@@ -208,9 +240,7 @@ pub async fn expired_lease_is_taken_over_by_another_instance<F: StreamLockerFixt
 
 /// The holder's own expired lease is established anew, with a new epoch: work done under the
 /// lapsed lease stays fenced out.
-pub async fn reacquiring_an_own_expired_lease_bumps_the_epoch<F: StreamLockerFixture + ?Sized>(
-    fixture: &F,
-) {
+pub async fn reacquiring_an_own_expired_lease_bumps_the_epoch<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let a = InstanceId::random();
     let old = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
@@ -225,7 +255,7 @@ pub async fn reacquiring_an_own_expired_lease_bumps_the_epoch<F: StreamLockerFix
 }
 
 /// Leasing one pair leaves the other perspective of the stream and other streams unlocked.
-pub async fn only_the_target_cursor_is_locked<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn only_the_target_cursor_is_locked<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let other_name = PerspectiveName::new("OtherPerspective").expect("valid");
     fixture.create_cursor(stream, &other_name).await;
@@ -239,7 +269,7 @@ pub async fn only_the_target_cursor_is_locked<F: StreamLockerFixture + ?Sized>(f
 }
 
 /// Renew by the holder extends the expiry.
-pub async fn renew_extends_the_lease<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn renew_extends_the_lease<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name, lease) = leased(fixture).await;
     tokio::time::sleep(fixture.locker().options().lock_timeout() / 4).await;
     match fixture.locker().renew(&lease.id).await.expect("renew") {
@@ -255,9 +285,7 @@ pub async fn renew_extends_the_lease<F: StreamLockerFixture + ?Sized>(fixture: &
 }
 
 /// A renew by another instance (or a stale epoch) reports `Lost` and changes nothing.
-pub async fn renew_by_another_instance_changes_nothing<F: StreamLockerFixture + ?Sized>(
-    fixture: &F,
-) {
+pub async fn renew_by_another_instance_changes_nothing<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name, lease) = leased(fixture).await;
     let before = state(fixture, stream, &name).await;
     let [imposter, stale] = not_the_holder(&lease.id, -1);
@@ -274,7 +302,7 @@ pub async fn renew_by_another_instance_changes_nothing<F: StreamLockerFixture + 
 }
 
 /// An expired lease is never resurrected by a late renew.
-pub async fn renew_after_expiry_is_lost<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn renew_after_expiry_is_lost<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name, lease) = leased(fixture).await;
     wait_past_expiry(fixture).await;
     let before = state(fixture, stream, &name).await;
@@ -286,7 +314,7 @@ pub async fn renew_after_expiry_is_lost<F: StreamLockerFixture + ?Sized>(fixture
 }
 
 /// Release by the holder clears holder, expiry and reason (the epoch stays).
-pub async fn release_clears_all_lease_fields<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn release_clears_all_lease_fields<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let lease = acquire(
         fixture,
@@ -309,9 +337,7 @@ pub async fn release_clears_all_lease_fields<F: StreamLockerFixture + ?Sized>(fi
 }
 
 /// A release by another instance (or a stale epoch) reports `NotHeld` and changes nothing.
-pub async fn release_by_another_instance_changes_nothing<F: StreamLockerFixture + ?Sized>(
-    fixture: &F,
-) {
+pub async fn release_by_another_instance_changes_nothing<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name, lease) = leased(fixture).await;
     let before = state(fixture, stream, &name).await;
     let [imposter, stale] = not_the_holder(&lease.id, 1);
@@ -328,7 +354,7 @@ pub async fn release_by_another_instance_changes_nothing<F: StreamLockerFixture 
 }
 
 /// Releasing an unlocked pair, or a pair without a cursor row, is fine and changes nothing.
-pub async fn release_when_unlocked_is_fine<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn release_when_unlocked_is_fine<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let before = state(fixture, stream, &name).await;
     let id = LeaseId {
@@ -354,7 +380,7 @@ pub async fn release_when_unlocked_is_fine<F: StreamLockerFixture + ?Sized>(fixt
 }
 
 /// After a release another instance acquires at once, with a higher epoch.
-pub async fn release_makes_it_acquirable_by_another<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn release_makes_it_acquirable_by_another<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let first = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
@@ -364,7 +390,7 @@ pub async fn release_makes_it_acquirable_by_another<F: StreamLockerFixture + ?Si
 }
 
 /// acquire → 3 renews → release → another instance acquires.
-pub async fn full_cycle<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn full_cycle<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let locker = fixture.locker();
@@ -392,7 +418,7 @@ pub async fn full_cycle<F: StreamLockerFixture + ?Sized>(fixture: &F) {
 }
 
 /// `renew_many` renews the live leases and reports the lost ones, in input order.
-pub async fn renew_many_reports_lost_leases_in_order<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn renew_many_reports_lost_leases_in_order<F: StreamLockerFixture>(fixture: &F) {
     let a = InstanceId::random();
     let (s1, name) = fresh_cursor(fixture).await;
     let (s2, _) = fresh_cursor(fixture).await;
@@ -419,7 +445,7 @@ pub async fn renew_many_reports_lost_leases_in_order<F: StreamLockerFixture + ?S
 
 /// Force-release clears the lease whoever holds it and bumps the epoch, so the old holder's
 /// renew and release fail and a new holder gets a higher epoch still.
-pub async fn force_release_fences_the_old_holder<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn force_release_fences_the_old_holder<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let old = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
@@ -455,9 +481,7 @@ pub async fn force_release_fences_the_old_holder<F: StreamLockerFixture + ?Sized
 }
 
 /// `release_all_held_by` clears exactly the instance's leases.
-pub async fn release_all_clears_only_that_instances_leases<F: StreamLockerFixture + ?Sized>(
-    fixture: &F,
-) {
+pub async fn release_all_clears_only_that_instances_leases<F: StreamLockerFixture>(fixture: &F) {
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let (s1, name) = fresh_cursor(fixture).await;
     let (s2, _) = fresh_cursor(fixture).await;
@@ -473,7 +497,7 @@ pub async fn release_all_clears_only_that_instances_leases<F: StreamLockerFixtur
 }
 
 /// The admin listing shows held leases with time left, and expired ones as expired.
-pub async fn list_shows_held_and_expired_leases<F: StreamLockerFixture + ?Sized>(fixture: &F) {
+pub async fn list_shows_held_and_expired_leases<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let a = InstanceId::random();
     let lease = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
@@ -495,25 +519,79 @@ pub async fn list_shows_held_and_expired_leases<F: StreamLockerFixture + ?Sized>
     assert_eq!(expired.time_left, Duration::ZERO);
 }
 
-/// Runs every case, in order.
-pub async fn run_all<F: StreamLockerFixture + ?Sized>(fixture: &F) {
-    acquires_an_unlocked_cursor(fixture).await;
-    missing_cursor_row_is_not_acquired(fixture).await;
-    held_by_another_is_denied_and_unchanged(fixture).await;
-    same_instance_reacquires_and_the_reason_changes(fixture).await;
-    expired_lease_is_taken_over_by_another_instance(fixture).await;
-    reacquiring_an_own_expired_lease_bumps_the_epoch(fixture).await;
-    only_the_target_cursor_is_locked(fixture).await;
-    renew_extends_the_lease(fixture).await;
-    renew_by_another_instance_changes_nothing(fixture).await;
-    renew_after_expiry_is_lost(fixture).await;
-    release_clears_all_lease_fields(fixture).await;
-    release_by_another_instance_changes_nothing(fixture).await;
-    release_when_unlocked_is_fine(fixture).await;
-    release_makes_it_acquirable_by_another(fixture).await;
-    full_cycle(fixture).await;
-    renew_many_reports_lost_leases_in_order(fixture).await;
-    force_release_fences_the_old_holder(fixture).await;
-    release_all_clears_only_that_instances_leases(fixture).await;
-    list_shows_held_and_expired_leases(fixture).await;
+/// Runs every case, in order, in one test. Prefer
+/// [`stream_locker_conformance!`](crate::stream_locker_conformance): a test per case.
+pub async fn run_all<F: StreamLockerFixture>(fixture: &F) {
+    crate::__lockstep_stream_locker_cases!(__lockstep_conformance_run_all! { by_ref fixture });
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lockstep_stream_locker_cases {
+    ($then:ident ! { $($args:tt)* }) => {
+        $crate::$then! { $($args)* cases: [
+            acquires_an_unlocked_cursor,
+            missing_cursor_row_is_not_acquired,
+            held_by_another_is_denied_and_unchanged,
+            same_instance_reacquires_and_the_reason_changes,
+            expired_lease_is_taken_over_by_another_instance,
+            reacquiring_an_own_expired_lease_bumps_the_epoch,
+            only_the_target_cursor_is_locked,
+            renew_extends_the_lease,
+            renew_by_another_instance_changes_nothing,
+            renew_after_expiry_is_lost,
+            release_clears_all_lease_fields,
+            release_by_another_instance_changes_nothing,
+            release_when_unlocked_is_fine,
+            release_makes_it_acquirable_by_another,
+            full_cycle,
+            renew_many_reports_lost_leases_in_order,
+            force_release_fences_the_old_holder,
+            release_all_clears_only_that_instances_leases,
+            list_shows_held_and_expired_leases,
+        ] }
+    };
+}
+
+/// Expands to one test per case of the [stream-locker conformance
+/// suite](crate::conformance::stream_locker), each on a fixture of its own.
+///
+/// `fixture:` is an expression evaluated inside each test (it may `.await`) that yields a
+/// [`StreamLockerFixture`](crate::conformance::stream_locker::StreamLockerFixture). Attributes
+/// written first replace the default `#[tokio::test]`: `#[tokio::test(start_paused = true)]` for
+/// the fakes (expiry costs nothing), `#[tokio::test(flavor = "multi_thread")]` for a database.
+/// `after_each:` (optional) is a closure called with `&fixture` after the case passed, to check
+/// what the case left behind. The calling crate needs `tokio` (with `macros`, `rt`, and
+/// `test-util` for paused time) among its dev-dependencies, and the testkit's `conformance`
+/// feature.
+///
+/// Call it inside a module of its own when a file runs several suites or fixtures: the tests are
+/// named after the cases. Not covered by semver (see [`conformance`](crate::conformance)).
+///
+/// ```
+/// mod in_memory {
+///     use lockstep_core::StreamLockOptions;
+///     use lockstep_testkit::InMemoryStreamLocker;
+///
+///     lockstep_testkit::stream_locker_conformance! {
+///         #[tokio::test(start_paused = true)]
+///         fixture: InMemoryStreamLocker::new(StreamLockOptions::default()),
+///     }
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! stream_locker_conformance {
+    ($(#[$attr:meta])+ fixture: $fixture:expr $(, after_each: $after:expr)? $(,)?) => {
+        $crate::__lockstep_stream_locker_cases!(__lockstep_conformance_tests! {
+            suite: stream_locker,
+            pass: by_ref,
+            attrs: [$(#[$attr])+],
+            fixture: $fixture,
+            after_each: [$($after)?],
+        });
+    };
+    (fixture: $($rest:tt)*) => {
+        $crate::stream_locker_conformance! { #[::tokio::test] fixture: $($rest)* }
+    };
 }
