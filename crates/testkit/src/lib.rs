@@ -6,8 +6,8 @@
 //! | you are | you use | features |
 //! |---|---|---|
 //! | an application testing its domain code | the fakes and the wrappers | none (the default) |
-//! | a crate testing against a real PostgreSQL | [`pg_harness`] | `pg-harness` (`testcontainers` adds the container fallback) |
-//! | a backend (lockstep's own, or yours) | the [`conformance`] suites | `conformance` (and usually `pg-harness`) |
+//! | a crate testing against a real PostgreSQL | `pg_harness` | `pg-harness` (`testcontainers` adds the container fallback) |
+//! | a backend (lockstep's own, or yours) | the `conformance` suites | `conformance` (and usually `pg-harness`) |
 //!
 //! With no feature, the testkit pulls neither a Postgres driver nor testcontainers into an
 //! application's dev-dependencies:

@@ -1,6 +1,6 @@
-//! The Postgres test-database harness: every test gets a database of its own, created on a
-//! real server and dropped afterwards, so Postgres tests run in parallel and leave nothing
-//! behind.
+//! The Postgres test-database harness (feature `pg-harness`): every test gets a database of its
+//! own, created on a real server and dropped afterwards, so Postgres tests run in parallel and
+//! leave nothing behind.
 //!
 //! Where the server comes from, in order:
 //!
@@ -8,7 +8,7 @@
 //!    than quietly testing something else);
 //! 2. the local server at `postgres://postgres@127.0.0.1:5432/postgres`;
 //! 3. a `postgres:15-alpine` container started with testcontainers (feature `testcontainers`,
-//!    on by default; needs a Docker engine);
+//!    which implies `pg-harness`; off by default; needs a Docker engine);
 //! 4. otherwise the test fails with a message saying how to provide a database.
 //!
 //! A database per test (not a schema) because advisory locks are scoped to a database: tests
