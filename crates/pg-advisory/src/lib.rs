@@ -1,11 +1,17 @@
 //! # lockstep-pg-advisory
 //!
-//! The PostgreSQL advisory-lock backend of lockstep's lock contracts (`lockstep-core`):
+//! The PostgreSQL advisory-lock backend of lockstep's lock contracts (`lockstep-core`). It
+//! depends on `lockstep-core` and `lockstep-pg` only; the in-process queue, the deadline and
+//! cancel-on-drop are `lockstep-pg`'s [`LockQueue`](lockstep_pg::LockQueue), which the event
+//! store's `load_locked` shares.
 //!
 //! - [`PostgresDistributedLock`] implements [`DistributedLock`](lockstep_core::DistributedLock)
-//!   for every [`PgTransactionRef`](lockstep_pg::PgTransactionRef): a **transaction-scoped**
+//!   for the owned [`PgTransaction`](lockstep_pg::PgTransaction): a **transaction-scoped**
 //!   advisory lock (`pg_advisory_xact_lock`) taken on the caller's own unit-of-work
 //!   transaction, released by the server at commit or rollback — and when the client dies.
+//!   (Not for a borrowed `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`:
+//!   after an abandoned wait the connection must be closed, which only a transaction that owns
+//!   it can do; see [`PostgresDistributedLock`].)
 //! - It also implements [`SessionLocks`](lockstep_core::SessionLocks): a **session-scoped**
 //!   lock held by a [`PgSessionGuard`] that owns its pooled connection ([`session`]).
 //! - [`PostgresAggregateWriteLock`] is the per-aggregate write lock
@@ -61,11 +67,14 @@
 //!   silent-loss hazard below.)
 //! - **Cancellation**: dropping a waiting acquire sends a cancel request for the connection
 //!   (tokio-postgres sends nothing on drop), so the server-side wait ends at once and the
-//!   backend never gets the lock for a caller that is gone. A session lock's waiting
-//!   connection is closed rather than pooled. After a dropped acquire the transaction's state
-//!   is unspecified (aborted by the cancel, or holding the lock if the grant won the race, or
-//!   untouched if it was still queued in process): roll it back.
-//! - **SQLSTATEs** map through `lockstep_pg::error`: `55P03` → `LockTimeout`, `57014` →
+//!   backend never gets the lock for a caller that is gone. The request is a new connection to
+//!   the server: give [`PostgresDistributedLock::with_cancel_tls`] the TLS connector the pool
+//!   was built with (default: none). The transaction's connection is closed rather than pooled
+//!   when the transaction ends (a late request must not cancel the next borrower's statement);
+//!   a session lock's waiting connection is closed at once. After a dropped acquire the
+//!   transaction's state is unspecified (aborted by the cancel, or holding the lock if the
+//!   grant won the race, or untouched if it was still queued in process): roll it back.
+//! - **SQLSTATEs** map through `lockstep-pg`: `55P03` → `LockTimeout`, `57014` →
 //!   `Cancelled`, `40P01` → `Deadlock`, `25P02` → `TransactionAborted`, `08xxx`/`57P0x`/I/O →
 //!   `ConnectionLost`. Never by message text.
 //! - **Isolation**: lock-then-load needs READ COMMITTED (each statement sees the latest
@@ -84,11 +93,9 @@
 //!   may already hold it: re-entrancy), and waits in memory at most
 //!   [`PostgresDistributedLock::with_local_patience`] before going to the server anyway.
 //! - **No extra round trip**: [`PostgresDistributedLock::acquire_then`] pipelines the lock
-//!   statement with the statements that follow (the aggregate load), and
-//!   [`PostgresDistributedLock::acquire_with`] runs a statement that takes the lock itself
-//!   (the event store's `load_locked` calls a SQL function that locks, then loads) under the
-//!   same queue, deadline and cancellation. Every statement is sent with `query_typed` (no
-//!   prepare round trip).
+//!   statement with the statements that follow (the aggregate load), and the event store's
+//!   `load_locked` calls a SQL function that locks, then loads, under the same queue, deadline
+//!   and cancellation. Every statement is sent with `query_typed` (no prepare round trip).
 //!
 //! # Operations
 //!
@@ -111,11 +118,9 @@
 //! connection, and the lock stays with a connection another client now uses. Use session
 //! locks only on direct connections or session-pooled ones.
 
-mod cancel;
 mod lock;
-mod queue;
 pub mod session;
 mod sql;
 
-pub use lock::{LockCall, PostgresAggregateWriteLock, PostgresDistributedLock, check_isolation};
+pub use lock::{PostgresAggregateWriteLock, PostgresDistributedLock};
 pub use session::PgSessionGuard;

@@ -10,13 +10,14 @@ use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use lockstep_core::{Error, ErrorKind, ResourceKey, Result, SessionLockGuard, SessionLocks};
-use lockstep_pg::error::kind_of;
+use lockstep_pg::internal::{
+    self, CancelOnDrop, column, kind_of, lock_error, lock_timeout_setting,
+};
 use lockstep_pg::map_pool_error;
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 
-use crate::cancel::CancelOnDrop;
-use crate::lock::{PostgresDistributedLock, decode_error, lock_error, lock_timeout_setting};
+use crate::lock::PostgresDistributedLock;
 use crate::sql;
 
 /// Holds one session advisory lock on its own pooled connection.
@@ -92,7 +93,7 @@ impl SessionLockGuard for PgSessionGuard {
 
 /// The boolean a session statement returns (held, acquired).
 fn acquired(row: &tokio_postgres::Row) -> Result<bool> {
-    row.try_get(0).map_err(decode_error)
+    column(row, 0)
 }
 
 /// A connection waiting for a session lock: if dropped mid-wait, cancels the wait and closes
@@ -150,40 +151,30 @@ impl SessionLocks for PostgresDistributedLock {
         let advisory = key.advisory_key();
         let deadline = timeout.map(|limit| Instant::now() + limit);
         // Queue in process before taking a connection: local waiters hold no connection.
-        let slot = self.local_queue.then(|| self.queue.slot(advisory));
-        let permit = match &slot {
-            Some(slot) => {
-                let patience_end = Instant::now() + self.local_patience;
-                let until = deadline.map_or(patience_end, |d| d.min(patience_end));
-                tokio::time::timeout_at(until, slot.mutex().lock())
-                    .await
-                    .ok()
-            }
-            None => None,
-        };
-
-        let conn = pool.get().await.map_err(map_pool_error)?;
-        let cancel = CancelOnDrop::arm(conn.cancel_token());
-        let waiting = Waiting {
-            conn: Some(conn),
-            cancel: Some(cancel),
-        };
-        let lock_timeout = deadline
-            .map(|d| lock_timeout_setting(d.saturating_duration_since(Instant::now())))
-            .transpose()?;
-        let outcome = match waiting.conn.as_deref() {
-            Some(client) => {
-                client
-                    .query_typed_one(
-                        sql::LOCK_SESSION,
-                        &[(&advisory, Type::INT8), (&lock_timeout, Type::TEXT)],
-                    )
-                    .await
-            }
-            None => unreachable!("set above"),
-        };
-        let conn = waiting.finish();
-        drop(permit);
+        let (conn, outcome) = internal::in_turn(&self.queue, advisory, deadline, || async {
+            let conn = pool.get().await.map_err(map_pool_error)?;
+            let cancel = internal::cancel_on_drop(&self.queue, conn.cancel_token());
+            let waiting = Waiting {
+                conn: Some(conn),
+                cancel: Some(cancel),
+            };
+            let lock_timeout = deadline
+                .map(|d| lock_timeout_setting(d.saturating_duration_since(Instant::now())))
+                .transpose()?;
+            let outcome = match waiting.conn.as_deref() {
+                Some(client) => {
+                    client
+                        .query_typed_one(
+                            sql::LOCK_SESSION,
+                            &[(&advisory, Type::INT8), (&lock_timeout, Type::TEXT)],
+                        )
+                        .await
+                }
+                None => unreachable!("set above"),
+            };
+            Ok::<_, Error>((waiting.finish(), outcome))
+        })
+        .await?;
         match outcome {
             Ok(_) => Ok(PgSessionGuard {
                 conn: Some(conn),

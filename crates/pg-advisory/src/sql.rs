@@ -1,19 +1,12 @@
-//! The statements, each one round trip (sent with `query_typed`: no separate prepare).
+//! The session-lock statements, each one round trip (sent with `query_typed`: no separate
+//! prepare). The transaction-scoped statements are `lockstep-pg`'s, next to the queue that
+//! runs them.
 //!
 //! Every lock statement calls the SQL function `lockstep_advisory_lock` (migration `V4`), the
 //! one place the protocol is written: for transaction-scoped locks it checks the isolation
 //! level **in the same statement** and locks only under READ COMMITTED (a refused transaction
 //! holds nothing and is not aborted); for a wait with a limit it sets `lock_timeout` for the
 //! wait and restores it. The event store's `lockstep_lock_and_load` calls the same function.
-
-/// `$1` key, `$2` lock_timeout (`NULL`: no limit) → refused isolation level (`NULL` when
-/// locked). Waits.
-pub(crate) const LOCK_XACT: &str = "SELECT refused_isolation FROM lockstep_advisory_lock(\
-     p_key => $1, p_session => false, p_wait => true, p_lock_timeout => $2)";
-
-/// `$1` key → (refused isolation level, acquired). Never waits.
-pub(crate) const TRY_XACT: &str = "SELECT refused_isolation, acquired FROM lockstep_advisory_lock(\
-     p_key => $1, p_session => false, p_wait => false, p_lock_timeout => NULL)";
 
 /// `$1` key, `$2` lock_timeout (`NULL`: no limit) → acquired. A session lock, on a connection
 /// outside any transaction block: the statement is its own implicit transaction, so a failed

@@ -193,6 +193,56 @@ async fn a_dropped_waiting_acquire_leaves_no_waiting_backend_and_the_pool_stays_
     }
 }
 
+/// A TLS connector that counts the connections it is asked to make (and makes them without
+/// TLS, like `NoTls`).
+#[derive(Clone, Default)]
+struct CountingTls(Arc<std::sync::atomic::AtomicUsize>);
+
+impl tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket> for CountingTls {
+    type Stream = tokio_postgres::tls::NoTlsStream;
+    type TlsConnect = tokio_postgres::NoTls;
+    type Error = std::convert::Infallible;
+
+    fn make_tls_connect(&mut self, _domain: &str) -> Result<tokio_postgres::NoTls, Self::Error> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(tokio_postgres::NoTls)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_requests_connect_with_the_configured_tls_connector() {
+    let (db, pool, lock) = setup(2).await;
+    let tls = CountingTls::default();
+    let lock = lock.with_cancel_tls(tls.clone());
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&holder, &key, None)
+        .await
+        .expect("lock");
+    let waiter = PgTransaction::begin(&pool).await.expect("begin");
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(300),
+        lock.acquire_for_transaction(&waiter, &key, None),
+    )
+    .await;
+    assert!(abandoned.is_err(), "the acquire was still waiting");
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            lock_counts(&admin, &key).await.1 == 0
+        })
+        .await,
+        "the cancel request ended the server-side wait"
+    );
+    assert_eq!(
+        tls.0.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the cancel request was made through the lock's connector"
+    );
+    waiter.rollback().await.expect("rollback");
+    holder.commit().await.expect("commit");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_is_a_typed_lock_timeout_that_aborts_the_transaction() {
     let (_db, pool, lock) = setup(3).await;
@@ -382,20 +432,16 @@ async fn golden_vectors_equal_the_sql_function_and_the_view_finds_a_held_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_that_are_not_read_committed_are_refused_before_locking() {
-    let (db, _pool, lock) = setup(2).await;
+    let (db, pool, lock) = setup(2).await;
     let admin = db.connect().await;
-    let mut client = db.connect().await;
     let key = fresh_key();
-    for level in [
-        tokio_postgres::IsolationLevel::RepeatableRead,
-        tokio_postgres::IsolationLevel::Serializable,
-    ] {
-        let tx = client
-            .build_transaction()
-            .isolation_level(level)
-            .start()
+    for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+        // A PgTransaction begins READ COMMITTED; switch it before its first query.
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        tx.client()
+            .batch_execute(&format!("SET TRANSACTION ISOLATION LEVEL {level}"))
             .await
-            .expect("begin");
+            .expect("isolation level");
         let err = lock
             .acquire_for_transaction(&tx, &key, None)
             .await
@@ -412,13 +458,15 @@ async fn transactions_that_are_not_read_committed_are_refused_before_locking() {
             .expect_err("refused");
         assert_eq!(err.kind(), ErrorKind::Unsupported);
         assert_eq!(lock_counts(&admin, &key).await, (0, 0), "nothing locked");
-        tx.query_one("SELECT 1", &[])
+        tx.client()
+            .query_one("SELECT 1", &[])
             .await
             .expect("the transaction is still usable");
         tx.rollback().await.expect("rollback");
     }
-    // A borrowed READ COMMITTED tokio_postgres::Transaction works.
-    let tx = client.transaction().await.expect("begin");
+    // A READ COMMITTED one locks. (A borrowed tokio_postgres::Transaction does not compile
+    // with the lock at all: see the compile_fail example on PostgresDistributedLock.)
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
     assert!(
         lock.try_acquire_for_transaction(&tx, &key)
             .await

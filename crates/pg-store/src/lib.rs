@@ -1,8 +1,15 @@
 //! # lockstep-pg-store
 //!
-//! The PostgreSQL implementation of [`lockstep_core::EventStore`]: [`PgEventStore`], on any
-//! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`] or a borrowed
-//! `tokio_postgres::Transaction`).
+//! The PostgreSQL implementation of [`lockstep_core::EventStore`]: [`PgEventStore`]. It
+//! depends on `lockstep-core` and `lockstep-pg` only.
+//!
+//! - The [`EventStore`] contract is implemented for the owned
+//!   [`PgTransaction`]: its `load_locked` waits for a lock, and only a transaction that owns
+//!   its connection can close it after an abandoned wait (a late cancel request must not hit
+//!   the next borrower).
+//! - [`PgEventStore::load`] and [`PgEventStore::append`], which never wait for a lock, also run
+//!   on any [`PgTransactionRef`]: a borrowed `tokio_postgres::Transaction` or
+//!   `deadpool_postgres::Transaction` the application manages itself (pass `&tx`).
 //!
 //! - Storage: table `wh_events` (migration `V3`): `event_id uuid` primary key (UUIDv7, chosen
 //!   at append), `stream_id`, `version bigint`, `event_type`, `payload jsonb`, `recorded_at
@@ -20,9 +27,12 @@
 //! - [`load_locked`](lockstep_core::EventStore::load_locked) locks and loads in **one
 //!   statement**, the SQL function `lockstep_lock_and_load` (it takes the advisory lock through
 //!   `lockstep_advisory_lock`, which checks the isolation level first, then loads in a fresh
-//!   READ COMMITTED snapshot; migrations `V3` and `V4`), run through
-//!   [`PostgresDistributedLock::acquire_with`] (in-process queue, deadline, cancel on drop).
-//!   Lock and load cost one round trip and one statement together, like a plain load.
+//!   READ COMMITTED snapshot; migrations `V3` and `V4`), under the store's
+//!   [`LockQueue`] (in-process queue, deadline, cancel on drop). Give the store the
+//!   process's lock (`PgEventStore::with_lock(lock.clone())` with
+//!   `lockstep_pg_advisory::PostgresDistributedLock`), so that `load_locked` and the aggregate
+//!   lock queue together. Lock and load cost one round trip and one statement together, like
+//!   a plain load.
 //!
 //! Every statement is sent with `query_typed` (no separate prepare round trip). Apply the
 //! schema first with [`lockstep_pg::migrate()`].
@@ -30,13 +40,13 @@
 //! ```no_run
 //! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
 //! use lockstep_core::{EventStore, ExpectedVersion, NewEvent, StreamId, aggregate_key, AggregateType};
-//! use lockstep_pg::PgTransaction;
-//! use lockstep_pg_advisory::{PostgresDistributedLock, check_isolation};
+//! use lockstep_pg::{LockQueue, PgTransaction};
 //! use lockstep_pg_store::PgEventStore;
 //!
 //! lockstep_pg::migrate(&pool).await?;
-//! let lock = PostgresDistributedLock::new(pool.clone());
-//! let store = PgEventStore::with_lock(lock.clone());
+//! // One queue per process; with lockstep-pg-advisory, pass the process's lock instead:
+//! // `PgEventStore::with_lock(lock.clone())`.
+//! let store = PgEventStore::with_lock(LockQueue::new());
 //!
 //! let sku = uuid::Uuid::now_v7();
 //! let key = aggregate_key(&AggregateType::new("StockItem")?, sku);
@@ -55,9 +65,8 @@ use lockstep_core::{
     Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent, ResourceKey, Result,
     StreamId, VersionConflict,
 };
-use lockstep_pg::PgTransactionRef;
-use lockstep_pg::error::kind_of;
-use lockstep_pg_advisory::{PostgresDistributedLock, check_isolation};
+use lockstep_pg::internal::{self, check_isolation, kind_of};
+use lockstep_pg::{LockQueue, PgTransaction, PgTransactionRef};
 use time::OffsetDateTime;
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
@@ -77,7 +86,7 @@ const ACTUAL_VERSION_DETAIL: &str = "actual_version=";
 /// The Postgres event store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct PgEventStore {
-    lock: PostgresDistributedLock,
+    queue: LockQueue,
 }
 
 impl Default for PgEventStore {
@@ -87,24 +96,30 @@ impl Default for PgEventStore {
 }
 
 impl PgEventStore {
-    /// A store whose [`EventStore::load_locked`] uses a transaction-scoped lock of its own.
+    /// A store whose [`EventStore::load_locked`] queues in a [`LockQueue`] of its own.
     /// Prefer [`PgEventStore::with_lock`] with the process's lock, so that the in-process
     /// queue is shared with the aggregate write lock.
     pub fn new() -> PgEventStore {
-        PgEventStore::with_lock(PostgresDistributedLock::transaction_scoped())
+        PgEventStore::with_lock(LockQueue::new())
     }
 
-    /// A store whose [`EventStore::load_locked`] takes its locks through `lock`.
-    pub fn with_lock(lock: PostgresDistributedLock) -> PgEventStore {
-        PgEventStore { lock }
+    /// A store whose [`EventStore::load_locked`] queues with `lock`: the process's
+    /// `lockstep_pg_advisory::PostgresDistributedLock` (or a reference to it), or a
+    /// [`LockQueue`]. Clones share one queue, so the store and the lock queue together.
+    pub fn with_lock(lock: impl Into<LockQueue>) -> PgEventStore {
+        PgEventStore { queue: lock.into() }
     }
 
-    /// The lock [`EventStore::load_locked`] uses.
-    pub fn lock(&self) -> &PostgresDistributedLock {
-        &self.lock
+    /// The queue [`EventStore::load_locked`] waits in.
+    pub fn queue(&self) -> &LockQueue {
+        &self.queue
     }
 
-    async fn load_on<T: PgTransactionRef + ?Sized>(
+    /// The stream's events in version order ([`EventStore::load`]), on any transaction,
+    /// including one the application manages itself (`&tokio_postgres::Transaction`,
+    /// `&deadpool_postgres::Transaction`).
+    pub async fn load<T: PgTransactionRef + ?Sized>(
+        &self,
         tx: &T,
         stream_id: StreamId,
     ) -> Result<Vec<RecordedEvent>> {
@@ -115,63 +130,10 @@ impl PgEventStore {
             .map_err(|e| statement_error(e, "loading stream", stream_id))?;
         rows.iter().map(|row| decode(row, 0, stream_id)).collect()
     }
-}
 
-/// An event row whose columns start at `offset`: id, version, type, payload, recorded_at.
-fn decode(row: &tokio_postgres::Row, offset: usize, stream_id: StreamId) -> Result<RecordedEvent> {
-    let version: i64 = row.try_get(offset + 1).map_err(decode_error)?;
-    Ok(RecordedEvent {
-        event_id: row.try_get::<_, Uuid>(offset).map_err(decode_error)?,
-        stream_id,
-        version: u64::try_from(version)
-            .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))?,
-        event_type: row.try_get(offset + 2).map_err(decode_error)?,
-        payload: row
-            .try_get::<_, serde_json::Value>(offset + 3)
-            .map_err(decode_error)?,
-        recorded_at: row
-            .try_get::<_, OffsetDateTime>(offset + 4)
-            .map_err(decode_error)?,
-    })
-}
-
-impl<T: PgTransactionRef> EventStore<T> for PgEventStore {
-    async fn load(&self, tx: &T, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
-        Self::load_on(tx, stream_id).await
-    }
-
-    async fn load_locked(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        key: &ResourceKey,
-        timeout: Option<Duration>,
-    ) -> Result<Vec<RecordedEvent>> {
-        // One statement: the function checks the isolation level, locks, then loads in a fresh
-        // snapshot; acquire_with adds the in-process queue, the deadline and cancel-on-drop.
-        self.lock
-            .acquire_with(tx, key, timeout, |call| async move {
-                let rows = tx
-                    .executor()
-                    .query_typed(
-                        LOCK_AND_LOAD,
-                        &[
-                            (&call.advisory_key, Type::INT8),
-                            (&call.lock_timeout, Type::TEXT),
-                            (&stream_id.as_uuid(), Type::UUID),
-                        ],
-                    )
-                    .await
-                    .map_err(|e| statement_error(e, "locking and loading stream", stream_id))?;
-                if let Some(first) = rows.first() {
-                    check_isolation(first.try_get(0).map_err(decode_error)?, key)?;
-                }
-                rows.iter().map(|row| decode(row, 1, stream_id)).collect()
-            })
-            .await
-    }
-
-    async fn append(
+    /// Appends `events` at `expected` ([`EventStore::append`]), on any transaction, including
+    /// one the application manages itself. Returns the stream's new version.
+    pub async fn append<T: PgTransactionRef + ?Sized>(
         &self,
         tx: &T,
         stream_id: StreamId,
@@ -212,6 +174,70 @@ impl<T: PgTransactionRef> EventStore<T> for PgEventStore {
         let version: i64 = row.try_get(0).map_err(decode_error)?;
         u64::try_from(version)
             .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))
+    }
+}
+
+/// An event row whose columns start at `offset`: id, version, type, payload, recorded_at.
+fn decode(row: &tokio_postgres::Row, offset: usize, stream_id: StreamId) -> Result<RecordedEvent> {
+    let version: i64 = row.try_get(offset + 1).map_err(decode_error)?;
+    Ok(RecordedEvent {
+        event_id: row.try_get::<_, Uuid>(offset).map_err(decode_error)?,
+        stream_id,
+        version: u64::try_from(version)
+            .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))?,
+        event_type: row.try_get(offset + 2).map_err(decode_error)?,
+        payload: row
+            .try_get::<_, serde_json::Value>(offset + 3)
+            .map_err(decode_error)?,
+        recorded_at: row
+            .try_get::<_, OffsetDateTime>(offset + 4)
+            .map_err(decode_error)?,
+    })
+}
+
+impl EventStore<PgTransaction> for PgEventStore {
+    async fn load(&self, tx: &PgTransaction, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
+        PgEventStore::load(self, tx, stream_id).await
+    }
+
+    async fn load_locked(
+        &self,
+        tx: &PgTransaction,
+        stream_id: StreamId,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<RecordedEvent>> {
+        // One statement: the function checks the isolation level, locks, then loads in a fresh
+        // snapshot; acquire_with adds the in-process queue, the deadline and cancel-on-drop.
+        internal::acquire_with(&self.queue, tx, key, timeout, |call| async move {
+            let rows = tx
+                .client()
+                .query_typed(
+                    LOCK_AND_LOAD,
+                    &[
+                        (&call.advisory_key, Type::INT8),
+                        (&call.lock_timeout, Type::TEXT),
+                        (&stream_id.as_uuid(), Type::UUID),
+                    ],
+                )
+                .await
+                .map_err(|e| statement_error(e, "locking and loading stream", stream_id))?;
+            if let Some(first) = rows.first() {
+                check_isolation(first.try_get(0).map_err(decode_error)?, key)?;
+            }
+            rows.iter().map(|row| decode(row, 1, stream_id)).collect()
+        })
+        .await
+    }
+
+    async fn append(
+        &self,
+        tx: &PgTransaction,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<u64> {
+        PgEventStore::append(self, tx, stream_id, expected, events).await
     }
 }
 

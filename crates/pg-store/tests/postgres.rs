@@ -1,12 +1,12 @@
 //! lockstep-pg-store against a real PostgreSQL (a database per test): the shared event-store
-//! conformance suite, and the store on a borrowed `tokio_postgres::Transaction`.
+//! conformance suite, and load and append on borrowed `tokio_postgres::Transaction`s and
+//! `deadpool_postgres::Transaction`s.
 
 use std::sync::Arc;
 
 use deadpool_postgres::Pool;
 use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, StreamId};
-use lockstep_pg::{PgTransaction, PgTransactionSource, migrate};
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg::{LockQueue, PgTransaction, PgTransactionSource, migrate};
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::conformance::event_store::{self, EventStoreFixture};
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
@@ -41,11 +41,24 @@ async fn migrated(pool_size: usize) -> (TestDatabase, Pool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_event_store_passes_the_event_store_suite() {
     let (db, pool) = migrated(8).await;
-    let store = PgEventStore::with_lock(PostgresDistributedLock::new(pool.clone()));
+    // The queue the process's lock would share (lockstep-pg-advisory hands its own over).
+    let queue = LockQueue::new();
+    let store = PgEventStore::with_lock(queue.clone());
     event_store::run_all(Arc::new(Fixture {
         _db: db,
         source: PgTransactionSource::new(pool),
         store,
+    }))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_event_store_passes_the_event_store_suite_without_the_local_queue() {
+    let (db, pool) = migrated(8).await;
+    event_store::run_all(Arc::new(Fixture {
+        _db: db,
+        source: PgTransactionSource::new(pool),
+        store: PgEventStore::with_lock(LockQueue::new().with_local_queue(false)),
     }))
     .await;
 }
@@ -95,6 +108,24 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     tx.commit().await.expect("commit");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_runs_on_a_borrowed_deadpool_transaction_passed_as_a_reference() {
+    let (_db, pool) = migrated(1).await;
+    let store = PgEventStore::new();
+    let stream = StreamId::new_v7();
+    let event = NewEvent::new("Opened", serde_json::json!({"by": "deadpool"})).expect("event");
+    let mut conn = pool.get().await.expect("connection");
+    let tx = conn.transaction().await.expect("begin");
+    let v = store
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    assert_eq!(v, 1);
+    let events = store.load(&tx, stream).await.expect("load");
+    assert_eq!(events.len(), 1);
+    tx.commit().await.expect("commit");
+}
+
 fn fresh_key() -> lockstep_core::ResourceKey {
     lockstep_core::ResourceKey::new(format!("test:{}", uuid::Uuid::new_v4())).expect("key")
 }
@@ -113,17 +144,17 @@ async fn waiting_for(client: &tokio_postgres::Client, key: &lockstep_core::Resou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_locked_refuses_a_repeatable_read_transaction_before_locking() {
-    let (db, _pool) = migrated(1).await;
+    let (db, pool) = migrated(1).await;
     let admin = db.connect().await;
-    let mut client = db.connect().await;
     let store = PgEventStore::new();
     let key = fresh_key();
-    let tx = client
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .start()
+    // load_locked waits for a lock, so it takes an owned PgTransaction (READ COMMITTED by
+    // default); switch it to REPEATABLE READ before its first query.
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client()
+        .batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         .await
-        .expect("begin");
+        .expect("repeatable read");
     let err = store
         .load_locked(&tx, StreamId::new_v7(), &key, None)
         .await
@@ -139,7 +170,10 @@ async fn load_locked_refuses_a_repeatable_read_transaction_before_locking() {
         .expect("pg_locks")
         .get(0);
     assert_eq!(held, 0, "nothing locked");
-    tx.query_one("SELECT 1", &[]).await.expect("still usable");
+    tx.client()
+        .query_one("SELECT 1", &[])
+        .await
+        .expect("still usable");
     tx.rollback().await.expect("rollback");
 }
 
@@ -147,7 +181,7 @@ async fn load_locked_refuses_a_repeatable_read_transaction_before_locking() {
 async fn a_dropped_waiting_load_locked_ends_its_server_side_wait() {
     let (db, pool) = migrated(3).await;
     let admin = db.connect().await;
-    let store = PgEventStore::with_lock(PostgresDistributedLock::new(pool.clone()));
+    let store = PgEventStore::with_lock(LockQueue::new());
     let (key, stream) = (fresh_key(), StreamId::new_v7());
     let holder = PgTransaction::begin(&pool).await.expect("begin");
     store

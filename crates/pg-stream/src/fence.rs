@@ -1,6 +1,6 @@
 //! The fenced commit on PostgreSQL: [`LeaseFence`] for [`PostgresStreamLocker`] over any
-//! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`] or a borrowed
-//! `tokio_postgres::Transaction`).
+//! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`], or a borrowed
+//! `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`, passed as `&tx`).
 //!
 //! Inside the caller's transaction, [`crate::sql::FENCE`] selects the cursor row where the
 //! holder and epoch match and the lease is live on the database clock, `FOR NO KEY UPDATE`.

@@ -70,6 +70,7 @@ pub mod fence;
 pub mod interval;
 pub mod locker;
 pub mod sql;
+mod statement;
 pub mod telemetry;
 
 pub use interval::PgInterval;
@@ -92,7 +93,8 @@ mod tests {
     fn fences_owned_and_borrowed_transactions<'t>()
     where
         PostgresStreamLocker: lockstep_core::LeaseFence<lockstep_pg::PgTransaction>
-            + lockstep_core::LeaseFence<tokio_postgres::Transaction<'t>>,
+            + lockstep_core::LeaseFence<tokio_postgres::Transaction<'t>>
+            + lockstep_core::LeaseFence<deadpool_postgres::Transaction<'t>>,
     {
     }
 }

@@ -3,25 +3,25 @@
 //!
 //! Each call checks a connection out of the pool, runs exactly one prepared statement from
 //! [`crate::sql`] (one round trip) and returns the connection. The statements are prepared once
-//! per connection (`prepare_cached`).
+//! per connection (`prepare_cached`). That block is one helper, `PostgresStreamLocker::run`.
 
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Pool;
 use lockstep_core::{
     AcquireOutcome, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseHolder, LeaseId, LockReason,
     PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
     StreamLockOptions, StreamLocker,
 };
-use lockstep_pg::{map_error, map_pool_error};
 use time::OffsetDateTime;
-use tokio_postgres::Statement;
+use tokio_postgres::Row;
 use tracing::{Span, instrument};
 use uuid::Uuid;
 
 use crate::interval::PgInterval;
 use crate::sql;
+use crate::statement::column;
 use crate::telemetry::{self, count};
 
 /// Stream leases on `wh_perspective_cursors`, one atomic statement per operation, on the
@@ -66,16 +66,6 @@ impl PostgresStreamLocker {
     pub fn pool(&self) -> &Pool {
         &self.pool
     }
-
-    pub(crate) async fn connection(&self) -> Result<Object> {
-        self.pool.get().await.map_err(map_pool_error)
-    }
-}
-
-pub(crate) async fn prepare(conn: &Object, sql: &str, doing: &'static str) -> Result<Statement> {
-    conn.prepare_cached(sql)
-        .await
-        .map_err(|e| map_error(e, doing))
 }
 
 pub(crate) fn stored_reason(reason: String) -> Result<LockReason> {
@@ -125,11 +115,9 @@ impl StreamLocker for PostgresStreamLocker {
         instance: InstanceId,
         reason: &LockReason,
     ) -> Result<AcquireOutcome> {
-        let conn = self.connection().await?;
-        let stmt = prepare(&conn, sql::TRY_ACQUIRE, "preparing try-acquire").await?;
-        let row = conn
-            .query_opt(
-                &stmt,
+        let row: Option<Row> = self
+            .run(
+                sql::TRY_ACQUIRE,
                 &[
                     &stream_id.as_uuid(),
                     &perspective.as_str(),
@@ -137,21 +125,20 @@ impl StreamLocker for PostgresStreamLocker {
                     &reason.as_str(),
                     &self.timeout,
                 ],
+                "acquiring a stream lease",
             )
-            .await
-            .map_err(|e| map_error(e, "acquiring a stream lease"))?;
-        drop(conn);
+            .await?;
         let Some(row) = row else {
             count(telemetry::NO_CURSOR, 1);
             tracing::debug!("no cursor row");
             return Ok(AcquireOutcome::NoCursor);
         };
-        let acquired_epoch: Option<i64> = row.get("acquired_epoch");
+        let acquired_epoch: Option<i64> = column(&row, "acquired_epoch")?;
         if let Some(epoch) = acquired_epoch {
-            let expires_at: OffsetDateTime = row
-                .get::<_, Option<OffsetDateTime>>("acquired_expiry")
-                .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
-            let took_over: Option<bool> = row.get("took_over");
+            let expires_at: OffsetDateTime =
+                column::<Option<OffsetDateTime>, _>(&row, "acquired_expiry")?
+                    .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
+            let took_over: Option<bool> = column(&row, "took_over")?;
             Span::current().record("epoch", epoch);
             count(telemetry::ACQUIRED, 1);
             if took_over == Some(true) {
@@ -172,10 +159,10 @@ impl StreamLocker for PostgresStreamLocker {
             }));
         }
         // Denied: `cur` is the row as locked, i.e. its latest committed version.
-        let holder: Option<Uuid> = row.get("holder");
-        let stored: Option<String> = row.get("reason");
-        let expires_at: Option<OffsetDateTime> = row.get("expiry");
-        let epoch: i64 = row.get("epoch");
+        let holder: Option<Uuid> = column(&row, "holder")?;
+        let stored: Option<String> = column(&row, "reason")?;
+        let expires_at: Option<OffsetDateTime> = column(&row, "expiry")?;
+        let epoch: i64 = column(&row, "epoch")?;
         let (Some(holder), Some(stored), Some(expires_at)) = (holder, stored, expires_at) else {
             return Err(inconsistent(
                 "try-acquire was denied but the cursor row holds no lease",
@@ -202,11 +189,9 @@ impl StreamLocker for PostgresStreamLocker {
         )
     )]
     async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
-        let conn = self.connection().await?;
-        let stmt = prepare(&conn, sql::RENEW, "preparing renew").await?;
-        let row = conn
-            .query_opt(
-                &stmt,
+        let row: Option<Row> = self
+            .run(
+                sql::RENEW,
                 &[
                     &lease.stream_id.as_uuid(),
                     &lease.perspective.as_str(),
@@ -214,16 +199,14 @@ impl StreamLocker for PostgresStreamLocker {
                     &lease.epoch.get(),
                     &self.timeout,
                 ],
+                "renewing a stream lease",
             )
-            .await
-            .map_err(|e| map_error(e, "renewing a stream lease"))?;
-        drop(conn);
+            .await?;
         match row {
             Some(row) => {
+                let expires_at = column(&row, 0)?;
                 count(telemetry::RENEWED, 1);
-                Ok(RenewOutcome::Renewed {
-                    expires_at: row.get(0),
-                })
+                Ok(RenewOutcome::Renewed { expires_at })
             }
             None => {
                 count(telemetry::RENEW_LOST, 1);
@@ -243,21 +226,18 @@ impl StreamLocker for PostgresStreamLocker {
         )
     )]
     async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
-        let conn = self.connection().await?;
-        let stmt = prepare(&conn, sql::RELEASE, "preparing release").await?;
-        let cleared = conn
-            .execute(
-                &stmt,
+        let cleared: u64 = self
+            .run(
+                sql::RELEASE,
                 &[
                     &lease.stream_id.as_uuid(),
                     &lease.perspective.as_str(),
                     &lease.holder.as_uuid(),
                     &lease.epoch.get(),
                 ],
+                "releasing a stream lease",
             )
-            .await
-            .map_err(|e| map_error(e, "releasing a stream lease"))?;
-        drop(conn);
+            .await?;
         if cleared > 0 {
             count(telemetry::RELEASED, 1);
             Ok(ReleaseOutcome::Released)
@@ -282,22 +262,27 @@ impl StreamLocker for PostgresStreamLocker {
         let holders: Vec<Uuid> = order.iter().map(|l| l.holder.as_uuid()).collect();
         let epochs: Vec<i64> = order.iter().map(|l| l.epoch.get()).collect();
 
-        let conn = self.connection().await?;
-        let stmt = prepare(&conn, sql::RENEW_MANY, "preparing batched renew").await?;
-        let rows = conn
-            .query(
-                &stmt,
+        let rows: Vec<Row> = self
+            .run(
+                sql::RENEW_MANY,
                 &[&streams, &perspectives, &holders, &epochs, &self.timeout],
+                "renewing stream leases",
             )
-            .await
-            .map_err(|e| map_error(e, "renewing stream leases"))?;
-        drop(conn);
+            .await?;
 
         // Keyed by the whole lease id, so a lease listed twice is reported twice.
         let renewed: HashMap<(Uuid, String, Uuid, i64), OffsetDateTime> = rows
             .iter()
-            .map(|row| ((row.get(0), row.get(1), row.get(2), row.get(3)), row.get(4)))
-            .collect();
+            .map(|row| {
+                let key = (
+                    column(row, 0)?,
+                    column(row, 1)?,
+                    column(row, 2)?,
+                    column(row, 3)?,
+                );
+                Ok((key, column(row, 4)?))
+            })
+            .collect::<Result<_>>()?;
         let outcomes: Vec<RenewOutcome> = leases
             .iter()
             .map(|l| {

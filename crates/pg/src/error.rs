@@ -5,8 +5,9 @@ use lockstep_core::{Error, ErrorKind};
 use tokio_postgres::error::SqlState;
 
 /// The kind of a driver error: by SQLSTATE when the server sent one, else connection loss for
-/// closed connections and I/O failures.
-pub fn kind_of(err: &tokio_postgres::Error) -> ErrorKind {
+/// closed connections and I/O failures. (Sibling crates reach it through
+/// `lockstep_pg::internal`; applications use [`map_error`].)
+pub(crate) fn kind_of(err: &tokio_postgres::Error) -> ErrorKind {
     if let Some(code) = err.code() {
         return kind_of_sqlstate(code);
     }
@@ -17,7 +18,7 @@ pub fn kind_of(err: &tokio_postgres::Error) -> ErrorKind {
 }
 
 /// The kind of one SQLSTATE.
-pub fn kind_of_sqlstate(code: &SqlState) -> ErrorKind {
+pub(crate) fn kind_of_sqlstate(code: &SqlState) -> ErrorKind {
     match code.code() {
         "55P03" => ErrorKind::LockTimeout,        // lock_not_available
         "57014" => ErrorKind::Cancelled,          // query_canceled

@@ -9,9 +9,14 @@
 //!   processes at once, recorded in a history table of lockstep's own.
 //! - [`error`]: SQLSTATE → [`lockstep_core::ErrorKind`], never by message text.
 //! - [`transaction`]: [`PgTransaction`], an owned unit-of-work transaction (`'static`, so a
-//!   handler holding it can be spawned), and [`PgTransactionRef`], the view every Postgres
-//!   backend takes of a transaction, implemented by [`PgTransaction`] and by
-//!   `tokio_postgres::Transaction` (which `deadpool_postgres::Transaction` derefs to).
+//!   handler holding it can be spawned; the only transaction a lock can be **waited** for on,
+//!   because it can close its connection after an abandoned wait), and [`PgTransactionRef`],
+//!   the view of a transaction that the statements which never wait for a lock take (event
+//!   store load and append, the lease fence), implemented by [`PgTransaction`],
+//!   `tokio_postgres::Transaction` and `deadpool_postgres::Transaction` (pass `&tx`).
+//! - [`LockQueue`]: the in-process queue in front of advisory locks and how an abandoned wait
+//!   is cancelled (with the pool's TLS connector), shared by the aggregate lock
+//!   (`lockstep-pg-advisory`) and the event store's `load_locked` (`lockstep-pg-store`).
 //! - [`source`]: [`PgTransactionSource`], the unit-of-work contract
 //!   ([`lockstep_core::TransactionSource`]) over a pool, whose transactions are
 //!   [`PgTransaction`]s.
@@ -24,12 +29,25 @@
 //! tx.commit().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! # Stability
+//!
+//! Everything documented here follows semver. The module `internal` (hidden from these docs)
+//! does **not**: it holds what lockstep's own backend crates share (the lock-waiting machinery,
+//! the SQLSTATE mapping of one driver error), may change in any release, and is for those
+//! crates only; they pin this crate with an exact `=` version.
 
+mod advisory;
+mod cancel;
 pub mod error;
+#[doc(hidden)]
+pub mod internal;
 pub mod migrate;
+mod queue;
 pub mod source;
 pub mod transaction;
 
+pub use advisory::LockQueue;
 pub use error::{map_error, map_pool_error};
 pub use migrate::migrate;
 pub use source::PgTransactionSource;

@@ -1,42 +1,41 @@
 //! Transactions as the Postgres backends see them.
 //!
-//! [`PgTransactionRef`] is what the transaction-bound contracts (`DistributedLock<Tx>`,
-//! `EventStore<Tx>`, lease fences) are implemented over, so one backend impl serves both a
-//! borrowed `tokio_postgres::Transaction` and the owned [`PgTransaction`].
-//!
 //! [`PgTransaction`] owns its pooled connection, so it is `'static` and a handler holding it can
 //! be spawned. It runs at READ COMMITTED (lock-then-load needs each statement to see the latest
 //! committed data). Dropping it without commit or rollback discards the connection instead of
 //! returning it to the pool mid-transaction; the server rolls the transaction back and releases
-//! its locks.
+//! its locks. It is the transaction the contracts that **wait for a lock** are implemented for
+//! (`DistributedLock`, `EventStore` with its `load_locked`): a wait that is abandoned is ended
+//! with a cancel request, which can arrive late — after the statement ended — and so must not
+//! find the connection serving anyone else. A [`PgTransaction`] then closes its connection when
+//! it ends instead of pooling it. A borrowed transaction cannot promise that (its connection
+//! goes back to whoever lent it), so the waiting contracts are not implemented for one: it
+//! does not compile, rather than relying on every caller to discard the connection by hand.
+//!
+//! [`PgTransactionRef`] is the view that statements which never wait for a lock take (event
+//! store load and append, the lease fence), so they also run on a transaction the application
+//! manages itself: a borrowed `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use deadpool_postgres::{Object, Pool};
 use lockstep_core::{Error, ErrorKind, Result};
-use tokio_postgres::{CancelToken, Client, GenericClient};
+use tokio_postgres::{Client, GenericClient};
 
 use crate::error::{map_error, map_pool_error};
 
-/// A transaction a Postgres backend can run statements on.
+/// A transaction that statements which never wait for a lock can run on: the owned
+/// [`PgTransaction`], or one the application manages itself — `&tokio_postgres::Transaction`
+/// or `&deadpool_postgres::Transaction`.
+///
+/// The contracts that wait for a lock (`DistributedLock`, `EventStore::load_locked`) take a
+/// [`PgTransaction`] only (see the [module docs](self)).
 pub trait PgTransactionRef: Send + Sync {
     /// The statement executor (the transaction itself, or the connection it runs on).
     type Executor: GenericClient + Sync;
 
     /// Where to send statements that belong to this transaction.
     fn executor(&self) -> &Self::Executor;
-
-    /// A token to cancel the statement in flight on this transaction's connection.
-    fn cancel_token(&self) -> CancelToken;
-
-    /// Called when a statement on this transaction was abandoned and a cancel request for its
-    /// connection may still be in flight. A cancel request travels on its own connection and
-    /// can arrive late, after the abandoned statement ended; so the connection must not serve
-    /// anyone else afterwards. [`PgTransaction`] then closes its connection when the
-    /// transaction ends instead of returning it to the pool. The default does nothing: a
-    /// borrowed transaction's connection belongs to the caller, who should discard it (e.g.
-    /// `deadpool_postgres::Object::take`) after abandoning a waiting lock.
-    fn discard_connection_after_end(&self) {}
 }
 
 impl PgTransactionRef for tokio_postgres::Transaction<'_> {
@@ -45,9 +44,13 @@ impl PgTransactionRef for tokio_postgres::Transaction<'_> {
     fn executor(&self) -> &Self {
         self
     }
+}
 
-    fn cancel_token(&self) -> CancelToken {
-        tokio_postgres::Transaction::cancel_token(self)
+impl<'a> PgTransactionRef for deadpool_postgres::Transaction<'a> {
+    type Executor = tokio_postgres::Transaction<'a>;
+
+    fn executor(&self) -> &tokio_postgres::Transaction<'a> {
+        self
     }
 }
 
@@ -162,18 +165,19 @@ impl Drop for PgTransaction {
     }
 }
 
+impl PgTransaction {
+    /// Called when a lock wait on this transaction was abandoned and a cancel request for its
+    /// connection may still be in flight: the connection is closed when the transaction ends
+    /// instead of being returned to the pool.
+    pub(crate) fn discard_connection_after_end(&self) {
+        self.discard.store(true, Ordering::Release);
+    }
+}
+
 impl PgTransactionRef for PgTransaction {
     type Executor = Client;
 
     fn executor(&self) -> &Client {
         self.client()
-    }
-
-    fn cancel_token(&self) -> CancelToken {
-        self.client().cancel_token()
-    }
-
-    fn discard_connection_after_end(&self) {
-        self.discard.store(true, Ordering::Release);
     }
 }

@@ -1,10 +1,13 @@
 //! The in-process queue in front of the server's lock: one async mutex per advisory key,
 //! created on first use and removed when its last user leaves.
 //!
-//! A permit is held only while its owner **waits at the server** (see the crate docs): local
-//! waiters queue for the right to wait there, so a hot key has one waiting backend per process
-//! instead of one per waiter, and the permit is never held while the lock itself is held (a
-//! caller that never commits cannot wedge the queue).
+//! A permit is held only while its owner **waits at the server** (see [`crate::LockQueue`]):
+//! local waiters queue for the right to wait there, so a hot key has one waiting backend per
+//! process instead of one per waiter, and the permit is never held while the lock itself is
+//! held (a caller that never commits cannot wedge the queue).
+//!
+//! Moved here from `lockstep-pg-advisory` so that every backend that waits for an advisory lock
+//! (the lock itself, the event store's `load_locked`) shares one queue per process.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};

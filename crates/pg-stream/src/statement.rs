@@ -1,0 +1,94 @@
+//! One statement on a pooled connection — the block every locker and admin operation runs:
+//! check a connection out of the pool, prepare the statement (once per connection,
+//! `prepare_cached`), run it with bound parameters, return the connection, and map driver
+//! errors to [`ErrorKind`](lockstep_core::ErrorKind)s by SQLSTATE. Rows are read with
+//! [`column`], which reports a typed error instead of panicking.
+
+use std::fmt::Display;
+use std::future::Future;
+
+use lockstep_core::{Error, ErrorKind, Result};
+use lockstep_pg::{map_error, map_pool_error};
+use tokio_postgres::row::RowIndex;
+use tokio_postgres::types::{FromSql, ToSql};
+use tokio_postgres::{Client, Row, Statement};
+
+use crate::locker::PostgresStreamLocker;
+
+/// What a statement's result is read as: `Option<Row>` (at most one row), `Vec<Row>` (every
+/// row), or `u64` (the number of rows affected).
+pub(crate) trait Outcome: Sized {
+    /// Runs `statement` on `client` and reads its result.
+    fn run<'a>(
+        client: &'a Client,
+        statement: &'a Statement,
+        params: &'a [&'a (dyn ToSql + Sync)],
+    ) -> impl Future<Output = Result<Self, tokio_postgres::Error>> + Send + 'a;
+}
+
+impl Outcome for Option<Row> {
+    fn run<'a>(
+        client: &'a Client,
+        statement: &'a Statement,
+        params: &'a [&'a (dyn ToSql + Sync)],
+    ) -> impl Future<Output = Result<Self, tokio_postgres::Error>> + Send + 'a {
+        client.query_opt(statement, params)
+    }
+}
+
+impl Outcome for Vec<Row> {
+    fn run<'a>(
+        client: &'a Client,
+        statement: &'a Statement,
+        params: &'a [&'a (dyn ToSql + Sync)],
+    ) -> impl Future<Output = Result<Self, tokio_postgres::Error>> + Send + 'a {
+        client.query(statement, params)
+    }
+}
+
+impl Outcome for u64 {
+    fn run<'a>(
+        client: &'a Client,
+        statement: &'a Statement,
+        params: &'a [&'a (dyn ToSql + Sync)],
+    ) -> impl Future<Output = Result<Self, tokio_postgres::Error>> + Send + 'a {
+        client.execute(statement, params)
+    }
+}
+
+impl PostgresStreamLocker {
+    /// Runs `sql` (one of [`crate::sql`]) with `params` on a pooled connection, one round trip
+    /// once the statement is prepared on that connection. `doing` names the operation in errors.
+    pub(crate) async fn run<O: Outcome>(
+        &self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+        doing: &'static str,
+    ) -> Result<O> {
+        let conn = self.pool.get().await.map_err(map_pool_error)?;
+        let statement = conn
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| map_error(e, doing))?;
+        let outcome = O::run(&conn, &statement, params)
+            .await
+            .map_err(|e| map_error(e, doing))?;
+        drop(conn); // back to the pool before the caller reads the result
+        Ok(outcome)
+    }
+}
+
+/// Column `idx` of `row`, or a typed error (never `Row::get`'s panic).
+pub(crate) fn column<'r, T, I>(row: &'r Row, idx: I) -> Result<T>
+where
+    T: FromSql<'r>,
+    I: RowIndex + Display,
+{
+    row.try_get(&idx).map_err(|e| {
+        Error::new(
+            ErrorKind::Backend,
+            format!("reading column {idx} of a stream lease row"),
+        )
+        .with_source(e)
+    })
+}
