@@ -47,6 +47,7 @@
 pub mod distributed_lock;
 pub mod event_store;
 pub mod lease_fence;
+pub mod perspective_store;
 pub mod session_lock;
 pub mod stream_locker;
 

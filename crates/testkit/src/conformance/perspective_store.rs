@@ -1,0 +1,1648 @@
+//! The perspective-store conformance suite: the work queue (fan-out on append, catch-up on
+//! registration), claiming (order, limit, exclusivity, leases), the commit (state, cursor,
+//! work, compare-and-set, fence), late arrivals and rewind requests (earliest trigger,
+//! debounce), snapshots, failures, purge and cursor rows — each case a behaviour a user of the
+//! perspective worker would notice.
+//!
+//! Every case uses fresh stream ids and perspective names, so the suite can run against a
+//! shared database (perspectives registered by earlier cases only add work the cases never look
+//! at). Transactions that end in an error are **committed** afterwards where the case checks
+//! that "nothing was written": a refused call leaves its transaction usable. Expiry is waited
+//! out with `tokio::time::sleep` past the locker's lock timeout (instant on the fakes with
+//! paused time; give a database fixture a lock timeout of a second or two). The debounce
+//! window is exercised with zero against an hour, never with a sleep.
+//!
+//! Run it with [`perspective_store_conformance!`](crate::perspective_store_conformance) (one
+//! test per case), or call the cases or [`run_all`] yourself.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
+use lockstep_core::{
+    AcquireOutcome, Claim, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId,
+    LockReason, NewEvent, PerspectiveName, PerspectiveStore, RecordedEvent, StateCommit, StreamId,
+    StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
+};
+use uuid::Uuid;
+
+use super::{begin, commit, rollback};
+
+/// What the suite needs from a backend: the store under test, an event store over the same
+/// storage to append with, owned transactions of the type both run on, and a stream locker
+/// (with its admin view) over the same cursor rows for the lease cases.
+pub trait PerspectiveStoreFixture: Send + Sync + 'static {
+    /// An owned, open transaction.
+    type Tx: Send + Sync + 'static;
+    /// The transaction source.
+    type Source: TransactionSource<Tx = Self::Tx>;
+    /// The store under test. It keeps [`DEFAULT_KEEP_SNAPSHOTS`] snapshots per pair.
+    type Store: PerspectiveStore<Self::Tx> + 'static;
+    /// The event store whose appends feed the store's work queue.
+    type Events: EventStore<Self::Tx> + 'static;
+    /// A locker over the same cursor rows (a concrete type, or `dyn StreamLocker`).
+    type Locker: StreamLocker + ?Sized;
+    /// The admin view over the same cursor rows (normally the locker itself).
+    type Admin: StreamLockAdmin + ?Sized;
+
+    /// Where the suite's transactions come from (each on its own connection, for a database).
+    fn source(&self) -> &Self::Source;
+
+    /// The store under test.
+    fn store(&self) -> &Self::Store;
+
+    /// The event store to append with.
+    fn events(&self) -> &Self::Events;
+
+    /// The locker. Its `options().lock_timeout()` is how long the suite waits for a lease to
+    /// expire, and a lease must stay live for a few statements: on a database, a second or two.
+    fn locker(&self) -> &Self::Locker;
+
+    /// The admin view (force-release).
+    fn admin(&self) -> &Self::Admin;
+}
+
+/// A fixture made of its parts: a source, a store, an event store and a locker (which is also
+/// the admin view) that share storage — the in-memory store on a
+/// [`FakeDatabase`](crate::FakeDatabase), or a Postgres store on a pool's source.
+#[derive(Debug, Clone)]
+pub struct Fixture<S, St, E, L> {
+    /// Where transactions come from.
+    pub source: S,
+    /// The store under test.
+    pub store: St,
+    /// The event store to append with.
+    pub events: E,
+    /// The locker over the same cursor rows, and its admin view.
+    pub locker: L,
+}
+
+impl<S, St, E, L> Fixture<S, St, E, L> {
+    /// A fixture of `store` fed by `events`, on transactions of `source`, with `locker` over
+    /// the same cursor rows.
+    pub fn new(source: S, store: St, events: E, locker: L) -> Self {
+        Fixture {
+            source,
+            store,
+            events,
+            locker,
+        }
+    }
+}
+
+impl<S, St, E, L> PerspectiveStoreFixture for Fixture<S, St, E, L>
+where
+    S: TransactionSource + 'static,
+    St: PerspectiveStore<S::Tx> + 'static,
+    E: EventStore<S::Tx> + 'static,
+    L: StreamLocker + StreamLockAdmin + 'static,
+{
+    type Tx = S::Tx;
+    type Source = S;
+    type Store = St;
+    type Events = E;
+    type Locker = L;
+    type Admin = L;
+
+    fn source(&self) -> &S {
+        &self.source
+    }
+
+    fn store(&self) -> &St {
+        &self.store
+    }
+
+    fn events(&self) -> &E {
+        &self.events
+    }
+
+    fn locker(&self) -> &L {
+        &self.locker
+    }
+
+    fn admin(&self) -> &L {
+        &self.locker
+    }
+}
+
+/// A window no case waits out.
+const HOUR: Duration = Duration::from_secs(3600);
+/// More pairs than any case's database holds.
+const ALL_PAIRS: usize = 1_000_000;
+/// More events than any case appends to one stream.
+const ALL_EVENTS: usize = 10_000;
+
+/// A perspective name of this case's own.
+fn name(label: &str) -> PerspectiveName {
+    PerspectiveName::new(format!("{label}-{}", Uuid::new_v4().simple())).expect("valid name")
+}
+
+/// `n` fresh event ids, in event-id order.
+fn ids(n: usize) -> Vec<Uuid> {
+    let mut ids: Vec<Uuid> = (0..n).map(|_| Uuid::now_v7()).collect();
+    ids.sort();
+    ids
+}
+
+/// An event with the caller-chosen `id` that adds `n`.
+fn event(id: Uuid, n: i64) -> NewEvent {
+    NewEvent::new("Added", serde_json::json!({ "n": n }))
+        .expect("event")
+        .with_id(id)
+        .expect("a chosen id")
+}
+
+/// What a state folding `events` onto `state` holds (`{"sum": …}`).
+fn folded(state: Option<&serde_json::Value>, events: &[RecordedEvent]) -> serde_json::Value {
+    let mut sum = state.and_then(|s| s["sum"].as_i64()).unwrap_or(0);
+    for e in events {
+        sum += e.payload["n"].as_i64().unwrap_or(0);
+    }
+    serde_json::json!({ "sum": sum })
+}
+
+async fn register<F: PerspectiveStoreFixture>(fixture: &F, names: &[PerspectiveName]) {
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .register(&tx, names)
+        .await
+        .expect("register");
+    commit(fixture.source(), tx).await.expect("commit");
+}
+
+/// Appends `events` to `stream` in a transaction of its own.
+async fn append<F: PerspectiveStoreFixture>(fixture: &F, stream: StreamId, events: &[NewEvent]) {
+    let tx = begin(fixture.source()).await;
+    fixture
+        .events()
+        .append(&tx, stream, ExpectedVersion::Any, events)
+        .await
+        .expect("append");
+    commit(fixture.source(), tx).await.expect("commit");
+}
+
+/// A fresh stream with one event per id (`n` = its position), appended in that order.
+async fn stream_with<F: PerspectiveStoreFixture>(fixture: &F, ids: &[Uuid]) -> StreamId {
+    let stream = StreamId::new_v7();
+    let events: Vec<NewEvent> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| event(*id, i as i64 + 1))
+        .collect();
+    append(fixture, stream, &events).await;
+    stream
+}
+
+async fn claim<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    tx: &F::Tx,
+    stream: StreamId,
+    name: &PerspectiveName,
+    max_events: usize,
+    debounce: Duration,
+) -> Claim {
+    fixture
+        .store()
+        .claim(tx, stream, name, max_events, debounce)
+        .await
+        .expect("claim")
+}
+
+/// Claims up to `max` events, commits their fold (with a snapshot if asked) and returns the new
+/// revision. Panics unless the claim is `Apply`.
+async fn apply<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+    max: usize,
+    snapshot: bool,
+) -> i64 {
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply {
+        cursor,
+        state,
+        events,
+    } = claim(fixture, &tx, stream, name, max, Duration::ZERO).await
+    else {
+        panic!("expected events to apply");
+    };
+    let revision = fixture
+        .store()
+        .commit_state(
+            &tx,
+            &StateCommit {
+                stream_id: stream,
+                perspective: name.clone(),
+                expected_revision: cursor.revision,
+                state: folded(state.as_ref(), &events),
+                last_event_id: events.last().map(|e| e.event_id),
+                applied_count: cursor.applied_count + events.len() as u64,
+                applied_events: events.iter().map(|e| e.event_id).collect(),
+                rewound_from: None,
+                snapshot,
+                fence: None,
+            },
+        )
+        .await
+        .expect("commit_state");
+    commit(fixture.source(), tx).await.expect("commit");
+    revision
+}
+
+/// A rewind's commit: the state of every event of the stream, from the start.
+async fn rewind<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+    from: Uuid,
+    fence: Option<LeaseId>,
+) -> lockstep_core::Result<i64> {
+    let tx = begin(fixture.source()).await;
+    let cursor = fixture
+        .store()
+        .cursor(&tx, stream, name)
+        .await
+        .expect("cursor")
+        .expect("cursor row");
+    let all = fixture
+        .store()
+        .stream_events(&tx, stream, None)
+        .await
+        .expect("stream_events");
+    let pending = fixture
+        .store()
+        .pending_events(&tx, stream, name)
+        .await
+        .expect("pending_events");
+    let result = fixture
+        .store()
+        .commit_state(
+            &tx,
+            &StateCommit {
+                stream_id: stream,
+                perspective: name.clone(),
+                expected_revision: cursor.revision,
+                state: folded(None, &all),
+                last_event_id: all.last().map(|e| e.event_id),
+                applied_count: all.len() as u64,
+                applied_events: pending,
+                rewound_from: Some(from),
+                snapshot: false,
+                fence,
+            },
+        )
+        .await;
+    commit(fixture.source(), tx).await.expect("commit");
+    result
+}
+
+/// The committed cursor of a pair.
+async fn cursor<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> Option<Cursor> {
+    let tx = begin(fixture.source()).await;
+    let cursor = fixture
+        .store()
+        .cursor(&tx, stream, name)
+        .await
+        .expect("cursor");
+    rollback(fixture.source(), tx).await;
+    cursor
+}
+
+/// The committed cursor and state of a pair.
+async fn state<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> Option<(Cursor, Option<serde_json::Value>)> {
+    let tx = begin(fixture.source()).await;
+    let found = fixture
+        .store()
+        .state(&tx, stream, name)
+        .await
+        .expect("state");
+    rollback(fixture.source(), tx).await;
+    found
+}
+
+/// The committed pending work of a pair.
+async fn pending<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> Vec<Uuid> {
+    let tx = begin(fixture.source()).await;
+    let ids = fixture
+        .store()
+        .pending_events(&tx, stream, name)
+        .await
+        .expect("pending_events");
+    rollback(fixture.source(), tx).await;
+    ids
+}
+
+/// Whether `pending_pairs` for `instance` lists the pair, and with which `rewind` flag.
+async fn listed<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    instance: InstanceId,
+    debounce: Duration,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> Option<(u64, bool)> {
+    let tx = begin(fixture.source()).await;
+    let pairs = fixture
+        .store()
+        .pending_pairs(&tx, instance, debounce, ALL_PAIRS)
+        .await
+        .expect("pending_pairs");
+    rollback(fixture.source(), tx).await;
+    pairs
+        .into_iter()
+        .find(|p| p.stream_id == stream && &p.perspective == name)
+        .map(|p| (p.pending, p.rewind))
+}
+
+/// The trigger of the pair's committed rewind request.
+async fn trigger<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> Option<Uuid> {
+    cursor(fixture, stream, name)
+        .await
+        .expect("cursor row")
+        .rewind
+        .map(|r| r.trigger)
+}
+
+/// Every snapshot of the pair, newest first (walking `snapshot_before` down).
+async fn snapshots<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> Vec<lockstep_core::Snapshot> {
+    let tx = begin(fixture.source()).await;
+    let mut found = Vec::new();
+    let mut before = Uuid::max();
+    while let Some(s) = fixture
+        .store()
+        .snapshot_before(&tx, stream, name, before)
+        .await
+        .expect("snapshot_before")
+    {
+        before = s.event_id;
+        found.push(s);
+    }
+    rollback(fixture.source(), tx).await;
+    found
+}
+
+/// Makes sure the pair has a cursor row (so a lease can be taken on it).
+async fn ensure_cursor<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+) {
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .ensure_cursor(&tx, stream, name)
+        .await
+        .expect("ensure_cursor");
+    commit(fixture.source(), tx).await.expect("commit");
+}
+
+async fn lease<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    name: &PerspectiveName,
+    reason: &LockReason,
+) -> StreamLease {
+    ensure_cursor(fixture, stream, name).await;
+    match fixture
+        .locker()
+        .try_acquire(stream, name, InstanceId::random(), reason)
+        .await
+        .expect("try_acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        other => panic!("expected to acquire the lease, got {other:?}"),
+    }
+}
+
+/// Keeps a lease live through the next few statements on a slow machine.
+async fn renew<F: PerspectiveStoreFixture>(fixture: &F, lease: &StreamLease) {
+    let renewed = fixture.locker().renew(&lease.id).await.expect("renew");
+    assert!(renewed.is_renewed(), "the lease is still held");
+}
+
+async fn wait_past_expiry<F: PerspectiveStoreFixture>(fixture: &F) {
+    let timeout = fixture.locker().options().lock_timeout();
+    tokio::time::sleep(timeout + timeout / 2 + Duration::from_millis(50)).await;
+}
+
+fn event_ids(events: &[RecordedEvent]) -> Vec<Uuid> {
+    events.iter().map(|e| e.event_id).collect()
+}
+
+/// Appended events become work for every registered perspective, visible to others only when
+/// the appender commits.
+pub async fn appended_events_become_work_for_every_registered_perspective_on_commit<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let (a, b) = (name("Alpha"), name("Beta"));
+    register(&*fixture, &[a.clone(), b.clone()]).await;
+    let (stream, ids) = (StreamId::new_v7(), ids(2));
+    let writer = begin(fixture.source()).await;
+    fixture
+        .events()
+        .append(
+            &writer,
+            stream,
+            ExpectedVersion::NoStream,
+            &[event(ids[0], 1), event(ids[1], 2)],
+        )
+        .await
+        .expect("append");
+    let reader = begin(fixture.source()).await;
+    for name in [&a, &b] {
+        let seen = fixture
+            .store()
+            .pending_events(&reader, stream, name)
+            .await
+            .expect("pending_events");
+        assert!(seen.is_empty(), "no work before the appender commits");
+    }
+    commit(fixture.source(), writer).await.expect("commit");
+    for name in [&a, &b] {
+        let seen = fixture
+            .store()
+            .pending_events(&reader, stream, name)
+            .await
+            .expect("pending_events");
+        assert_eq!(seen, ids, "work for {name} once the appender committed");
+    }
+    rollback(fixture.source(), reader).await;
+    assert_eq!(
+        listed(&*fixture, InstanceId::random(), Duration::ZERO, stream, &a).await,
+        Some((2, false))
+    );
+}
+
+/// A rolled-back append leaves no work behind.
+pub async fn a_rolled_back_append_leaves_no_work<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
+    let a = name("Alpha");
+    register(&*fixture, std::slice::from_ref(&a)).await;
+    let stream = StreamId::new_v7();
+    let tx = begin(fixture.source()).await;
+    fixture
+        .events()
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[event(ids(1)[0], 1)],
+        )
+        .await
+        .expect("append");
+    rollback(fixture.source(), tx).await;
+    assert!(pending(&*fixture, stream, &a).await.is_empty());
+    assert_eq!(
+        listed(&*fixture, InstanceId::random(), Duration::ZERO, stream, &a).await,
+        None
+    );
+}
+
+/// A perspective registered after events were appended gets work for them (catch-up);
+/// registering it again enqueues nothing twice.
+pub async fn a_perspective_registered_later_catches_up_on_existing_events<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids).await;
+    let late = name("Latecomer");
+    assert!(pending(&*fixture, stream, &late).await.is_empty());
+    register(&*fixture, std::slice::from_ref(&late)).await;
+    assert_eq!(pending(&*fixture, stream, &late).await, ids, "caught up");
+    apply(&*fixture, stream, &late, ALL_EVENTS, false).await;
+    register(&*fixture, std::slice::from_ref(&late)).await;
+    assert!(
+        pending(&*fixture, stream, &late).await.is_empty(),
+        "registering again enqueues nothing"
+    );
+    let (_, state) = state(&*fixture, stream, &late).await.expect("cursor");
+    assert_eq!(state, Some(serde_json::json!({ "sum": 6 })));
+}
+
+/// A claim hands out the pending events after the cursor in event-id order (not append order),
+/// at most the limit asked for, with the cursor and the state; the next claim continues after
+/// the committed cursor.
+pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_to_the_limit<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Ordered");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(5);
+    // Appended out of event-id order (caller-chosen ids), n = position in event-id order.
+    let order = [3, 0, 4, 1, 2];
+    let stream = StreamId::new_v7();
+    let events: Vec<NewEvent> = order.iter().map(|&i| event(ids[i], i as i64 + 1)).collect();
+    append(&*fixture, stream, &events).await;
+
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply {
+        cursor,
+        state,
+        events,
+    } = claim(&*fixture, &tx, stream, &p, 3, Duration::ZERO).await
+    else {
+        panic!("expected events to apply");
+    };
+    assert_eq!(event_ids(&events), ids[..3], "event-id order, at most 3");
+    for e in &events {
+        let i = ids
+            .iter()
+            .position(|id| *id == e.event_id)
+            .expect("known id");
+        assert_eq!(e.stream_id, stream);
+        assert_eq!(e.payload["n"], serde_json::json!(i + 1));
+        let appended_as = order.iter().position(|&o| o == i).expect("appended");
+        assert_eq!(
+            e.version,
+            appended_as as u64 + 1,
+            "versions keep append order"
+        );
+        assert_eq!(e.event_type, "Added");
+    }
+    assert_eq!(
+        (cursor.last_event_id, cursor.applied_count, state),
+        (None, 0, None)
+    );
+    fixture
+        .store()
+        .commit_state(
+            &tx,
+            &StateCommit {
+                stream_id: stream,
+                perspective: p.clone(),
+                expected_revision: cursor.revision,
+                state: folded(None, &events),
+                last_event_id: Some(ids[2]),
+                applied_count: 3,
+                applied_events: event_ids(&events),
+                rewound_from: None,
+                snapshot: false,
+                fence: None,
+            },
+        )
+        .await
+        .expect("commit_state");
+    commit(fixture.source(), tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply {
+        cursor,
+        state,
+        events,
+    } = claim(&*fixture, &tx, stream, &p, ALL_EVENTS, Duration::ZERO).await
+    else {
+        panic!("expected the rest to apply");
+    };
+    assert_eq!(event_ids(&events), ids[3..], "only events after the cursor");
+    assert_eq!(cursor.last_event_id, Some(ids[2]));
+    assert_eq!(cursor.applied_count, 3);
+    assert_eq!(state, Some(serde_json::json!({ "sum": 6 })));
+    rollback(fixture.source(), tx).await;
+}
+
+/// Claiming a pair that has no cursor row creates it (empty, unlocked) and finds nothing to do.
+pub async fn claim_creates_the_cursor_of_a_pair_that_has_none<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let (stream, p) = (StreamId::new_v7(), name("Fresh"));
+    assert!(cursor(&*fixture, stream, &p).await.is_none());
+    let tx = begin(fixture.source()).await;
+    assert_eq!(
+        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await,
+        Claim::Idle
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    let created = cursor(&*fixture, stream, &p).await.expect("created");
+    assert_eq!(created.last_event_id, None);
+    assert_eq!(created.applied_count, 0);
+    assert_eq!(created.rewind, None);
+    assert_eq!(created.error, None);
+    assert_eq!(created.failures, 0);
+    assert_eq!(created.latest_snapshot, None);
+    assert!(created.lease.is_unlocked());
+}
+
+/// While one transaction holds a claim, another transaction's claim of the same pair is `Busy`
+/// at once (it never waits); once the first ends, the pair can be claimed again.
+pub async fn a_second_claim_of_a_claimed_pair_is_busy_until_the_first_transaction_ends<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Exclusive");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids).await;
+    let first = begin(fixture.source()).await;
+    assert!(matches!(
+        claim(&*fixture, &first, stream, &p, 10, Duration::ZERO).await,
+        Claim::Apply { .. }
+    ));
+    let second = begin(fixture.source()).await;
+    let busy = tokio::time::timeout(
+        Duration::from_secs(10),
+        claim(&*fixture, &second, stream, &p, 10, Duration::ZERO),
+    )
+    .await
+    .expect("a claim never waits for another transaction's claim");
+    assert_eq!(busy, Claim::Busy);
+    rollback(fixture.source(), second).await;
+    rollback(fixture.source(), first).await;
+    let third = begin(fixture.source()).await;
+    match claim(&*fixture, &third, stream, &p, 10, Duration::ZERO).await {
+        Claim::Apply { events, .. } => assert_eq!(event_ids(&events), ids),
+        other => panic!("expected the pair to be claimable again, got {other:?}"),
+    }
+    rollback(fixture.source(), third).await;
+}
+
+/// A pair under a live lease is `Busy` for every claim and absent from other instances'
+/// `pending_pairs` (listed for the holder); its events keep queueing and are claimed after the
+/// release.
+pub async fn a_leased_pair_is_held_back_while_its_events_keep_queueing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Leased");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids[..1]).await;
+    let lease = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+
+    let tx = begin(fixture.source()).await;
+    assert_eq!(
+        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await,
+        Claim::Busy,
+        "a live lease holds normal application back"
+    );
+    rollback(fixture.source(), tx).await;
+    renew(&*fixture, &lease).await;
+    assert_eq!(
+        listed(&*fixture, InstanceId::random(), Duration::ZERO, stream, &p).await,
+        None,
+        "not listed for another instance"
+    );
+    assert_eq!(
+        listed(&*fixture, lease.id.holder, Duration::ZERO, stream, &p).await,
+        Some((1, false)),
+        "listed for the holder"
+    );
+    append(&*fixture, stream, &[event(ids[1], 2)]).await;
+    assert_eq!(pending(&*fixture, stream, &p).await, ids, "still queueing");
+
+    let released = fixture.locker().release(&lease.id).await.expect("release");
+    assert!(released.is_released());
+    let tx = begin(fixture.source()).await;
+    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+        Claim::Apply { events, .. } => assert_eq!(event_ids(&events), ids),
+        other => panic!("expected the queued events after the release, got {other:?}"),
+    }
+    rollback(fixture.source(), tx).await;
+}
+
+/// A commit saves the state, advances the cursor, increments the revision and deletes exactly
+/// the work items it names: a claimed event it does not name stays pending.
+pub async fn commit_state_saves_the_state_advances_the_cursor_and_deletes_exactly_the_applied_work<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Committed");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids).await;
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply { cursor, events, .. } =
+        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await
+    else {
+        panic!("expected events to apply");
+    };
+    assert_eq!(events.len(), 3);
+    let revision = fixture
+        .store()
+        .commit_state(
+            &tx,
+            &StateCommit {
+                stream_id: stream,
+                perspective: p.clone(),
+                expected_revision: cursor.revision,
+                state: folded(None, &events[..2]),
+                last_event_id: Some(ids[1]),
+                applied_count: 2,
+                applied_events: ids[..2].to_vec(),
+                rewound_from: None,
+                snapshot: false,
+                fence: None,
+            },
+        )
+        .await
+        .expect("commit_state");
+    assert_eq!(revision, cursor.revision + 1);
+    commit(fixture.source(), tx).await.expect("commit");
+
+    let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(after.last_event_id, Some(ids[1]));
+    assert_eq!(after.applied_count, 2);
+    assert_eq!(after.revision, revision);
+    assert_eq!(state, Some(serde_json::json!({ "sum": 3 })));
+    assert_eq!(
+        pending(&*fixture, stream, &p).await,
+        ids[2..],
+        "the unnamed item stays"
+    );
+}
+
+/// A commit computed from a revision the cursor is no longer at is a retryable `Conflict`; it
+/// writes nothing and its transaction can still commit.
+pub async fn a_stale_expected_revision_is_a_conflict_that_writes_nothing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Stale");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids).await;
+    let revision = apply(&*fixture, stream, &p, 1, false).await;
+
+    let tx = begin(fixture.source()).await;
+    let err = fixture
+        .store()
+        .commit_state(
+            &tx,
+            &StateCommit {
+                stream_id: stream,
+                perspective: p.clone(),
+                expected_revision: revision - 1,
+                state: serde_json::json!({ "sum": 999 }),
+                last_event_id: Some(ids[1]),
+                applied_count: 2,
+                applied_events: vec![ids[1]],
+                rewound_from: None,
+                snapshot: true,
+                fence: None,
+            },
+        )
+        .await
+        .expect_err("stale revision");
+    assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
+    assert!(err.is_retryable());
+    commit(fixture.source(), tx)
+        .await
+        .expect("the transaction is still usable");
+
+    let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (after.revision, after.last_event_id, after.applied_count),
+        (revision, Some(ids[0]), 1)
+    );
+    assert_eq!(state, Some(serde_json::json!({ "sum": 1 })));
+    assert_eq!(pending(&*fixture, stream, &p).await, ids[1..]);
+    assert!(snapshots(&*fixture, stream, &p).await.is_empty());
+}
+
+/// A commit fenced by the live lease it names is written.
+pub async fn a_fenced_commit_by_the_lease_holder_is_written<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("Fenced");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(1);
+    let stream = stream_with(&*fixture, &ids).await;
+    let lease = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+    let revision = rewind(&*fixture, stream, &p, Uuid::nil(), Some(lease.id.clone()))
+        .await
+        .expect("the holder's fenced commit");
+    let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(after.revision, revision);
+    assert_eq!(state, Some(serde_json::json!({ "sum": 1 })));
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    let _ = fixture.locker().release(&lease.id).await.expect("release");
+}
+
+async fn assert_fenced_out<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    p: &PerspectiveName,
+    ids: &[Uuid],
+    old: &LeaseId,
+) {
+    let before = cursor(fixture, stream, p).await.expect("cursor");
+    let err = rewind(fixture, stream, p, Uuid::nil(), Some(old.clone()))
+        .await
+        .expect_err("fenced out");
+    assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
+    let tx = begin(fixture.source()).await;
+    let err = fixture
+        .store()
+        .save_snapshot(&tx, stream, p, before.revision, Some(old))
+        .await
+        .expect_err("a fenced snapshot too");
+    assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
+    let err = fixture
+        .store()
+        .purge(&tx, stream, p, Some(old))
+        .await
+        .expect_err("a fenced purge too");
+    assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
+    commit(fixture.source(), tx).await.expect("still usable");
+    let (after, state) = state(fixture, stream, p).await.expect("cursor");
+    assert_eq!(after.revision, before.revision, "nothing written");
+    assert_eq!(state, None);
+    assert_eq!(pending(fixture, stream, p).await, ids);
+}
+
+/// After the lease expired and another instance took it over, the old holder's fenced commit
+/// (and fenced snapshot and purge) is `LeaseLost` and writes nothing.
+pub async fn a_fenced_commit_after_a_takeover_is_lease_lost_and_writes_nothing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("TakenOver");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(1);
+    let stream = stream_with(&*fixture, &ids).await;
+    let old = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+    wait_past_expiry(&*fixture).await;
+    let taken = fixture
+        .locker()
+        .try_acquire(stream, &p, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire");
+    assert!(taken.is_acquired(), "expired lease taken over: {taken:?}");
+    assert_fenced_out(&*fixture, stream, &p, &ids, &old.id).await;
+}
+
+/// After a force-release, the old holder's fenced writes are `LeaseLost` and write nothing.
+pub async fn a_fenced_commit_after_a_force_release_is_lease_lost_and_writes_nothing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("ForceReleased");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(1);
+    let stream = stream_with(&*fixture, &ids).await;
+    let old = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+    let released = fixture
+        .admin()
+        .force_release(stream, &p)
+        .await
+        .expect("force_release");
+    assert!(released.is_released());
+    assert_fenced_out(&*fixture, stream, &p, &ids, &old.id).await;
+}
+
+/// An event whose caller-chosen id sorts before the last applied one turns the claim into a
+/// `Rewind` with that event as trigger; the request is kept, and so is the work.
+pub async fn a_late_arrival_turns_the_claim_into_a_rewind_from_that_event<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Late");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids[1..]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    append(&*fixture, stream, &[event(ids[0], 5)]).await;
+
+    let tx = begin(fixture.source()).await;
+    let Claim::Rewind { cursor: flagged } =
+        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await
+    else {
+        panic!("expected a rewind");
+    };
+    let request = flagged.rewind.expect("a rewind request");
+    assert_eq!(request.trigger, ids[0]);
+    assert!(request.first_flagged_at <= request.flagged_at);
+    assert_eq!(flagged.last_event_id, Some(ids[1]));
+    commit(fixture.source(), tx).await.expect("commit");
+    assert_eq!(trigger(&*fixture, stream, &p).await, Some(ids[0]), "kept");
+    assert_eq!(pending(&*fixture, stream, &p).await, ids[..1], "work kept");
+}
+
+/// Of two late arrivals, the earlier one is the trigger.
+pub async fn of_two_late_arrivals_the_earliest_is_the_trigger<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("TwoLate");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids[2..]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    append(&*fixture, stream, &[event(ids[1], 2)]).await;
+    append(&*fixture, stream, &[event(ids[0], 1)]).await;
+    let tx = begin(fixture.source()).await;
+    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+        Claim::Rewind { cursor } => {
+            assert_eq!(cursor.rewind.map(|r| r.trigger), Some(ids[0]));
+        }
+        other => panic!("expected a rewind, got {other:?}"),
+    }
+    commit(fixture.source(), tx).await.expect("commit");
+}
+
+/// A rewind request's trigger only ever moves earlier — by a later late arrival or by
+/// `request_rewind` — and a request "from the start" beats every event; a pair without a
+/// cursor cannot be asked to rewind.
+pub async fn an_existing_trigger_only_ever_moves_earlier<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("Earlier");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(4); // a1 < a2 < a3 < b
+    let stream = stream_with(&*fixture, &ids[3..]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+
+    append(&*fixture, stream, &[event(ids[1], 2)]).await;
+    assert!(matches!(
+        claim_and_commit(&*fixture, stream, &p).await,
+        Claim::Rewind { .. }
+    ));
+    assert_eq!(trigger(&*fixture, stream, &p).await, Some(ids[1]));
+    request(&*fixture, stream, &p, Some(ids[2])).await;
+    assert_eq!(
+        trigger(&*fixture, stream, &p).await,
+        Some(ids[1]),
+        "not later"
+    );
+    append(&*fixture, stream, &[event(ids[2], 3)]).await;
+    assert!(matches!(
+        claim_and_commit(&*fixture, stream, &p).await,
+        Claim::Rewind { .. }
+    ));
+    assert_eq!(
+        trigger(&*fixture, stream, &p).await,
+        Some(ids[1]),
+        "not later"
+    );
+    append(&*fixture, stream, &[event(ids[0], 1)]).await;
+    assert!(matches!(
+        claim_and_commit(&*fixture, stream, &p).await,
+        Claim::Rewind { .. }
+    ));
+    assert_eq!(
+        trigger(&*fixture, stream, &p).await,
+        Some(ids[0]),
+        "earlier"
+    );
+    request(&*fixture, stream, &p, None).await;
+    assert_eq!(
+        trigger(&*fixture, stream, &p).await,
+        Some(Uuid::nil()),
+        "from the start"
+    );
+    request(&*fixture, stream, &p, Some(ids[0])).await;
+    assert_eq!(trigger(&*fixture, stream, &p).await, Some(Uuid::nil()));
+
+    let tx = begin(fixture.source()).await;
+    let found = fixture
+        .store()
+        .request_rewind(&tx, StreamId::new_v7(), &p, None)
+        .await
+        .expect("request_rewind");
+    assert!(!found, "no cursor, no request");
+    rollback(fixture.source(), tx).await;
+}
+
+/// Requests a rewind of a pair that has a cursor, in a transaction of its own.
+async fn request<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    p: &PerspectiveName,
+    from: Option<Uuid>,
+) {
+    let tx = begin(fixture.source()).await;
+    let found = fixture
+        .store()
+        .request_rewind(&tx, stream, p, from)
+        .await
+        .expect("request_rewind");
+    commit(fixture.source(), tx).await.expect("commit");
+    assert!(found, "the pair has a cursor");
+}
+
+/// Inside the debounce window a flagged pair is held back: its claim is `Idle` and
+/// `pending_pairs` leaves it out, work and all; once the window has passed it is listed as a
+/// rewind and claimed as one.
+pub async fn the_debounce_window_holds_a_flagged_pair_back<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("Debounced");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids[1..]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    append(&*fixture, stream, &[event(ids[0], 1)]).await;
+
+    let tx = begin(fixture.source()).await;
+    assert_eq!(
+        claim(&*fixture, &tx, stream, &p, 10, HOUR).await,
+        Claim::Idle,
+        "found late, inside the window"
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    assert_eq!(
+        trigger(&*fixture, stream, &p).await,
+        Some(ids[0]),
+        "flagged"
+    );
+
+    let instance = InstanceId::random();
+    assert_eq!(listed(&*fixture, instance, HOUR, stream, &p).await, None);
+    let tx = begin(fixture.source()).await;
+    assert_eq!(
+        claim(&*fixture, &tx, stream, &p, 10, HOUR).await,
+        Claim::Idle
+    );
+    rollback(fixture.source(), tx).await;
+
+    assert_eq!(
+        listed(&*fixture, instance, Duration::ZERO, stream, &p).await,
+        Some((1, true))
+    );
+    let tx = begin(fixture.source()).await;
+    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+        Claim::Rewind { cursor } => assert_eq!(cursor.rewind.map(|r| r.trigger), Some(ids[0])),
+        other => panic!("expected a rewind, got {other:?}"),
+    }
+    rollback(fixture.source(), tx).await;
+}
+
+/// A rewind's commit clears the request only if its trigger is still the one it rewound from:
+/// an earlier trigger that arrived meanwhile stays requested, and is cleared by its own rewind.
+pub async fn a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Rewound");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3); // a1 < a2 < b
+    let stream = stream_with(&*fixture, &ids[2..]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    append(&*fixture, stream, &[event(ids[1], 2)]).await;
+    let tx = begin(fixture.source()).await;
+    assert!(matches!(
+        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await,
+        Claim::Rewind { .. }
+    ));
+    commit(fixture.source(), tx).await.expect("commit");
+
+    let lease = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+    // Meanwhile an operator asks for an earlier rewind.
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .request_rewind(&tx, stream, &p, Some(ids[0]))
+            .await
+            .expect("request_rewind")
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    renew(&*fixture, &lease).await;
+    rewind(&*fixture, stream, &p, ids[1], Some(lease.id.clone()))
+        .await
+        .expect("rewind from a2");
+    let after = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        after.rewind.map(|r| r.trigger),
+        Some(ids[0]),
+        "still requested"
+    );
+    assert!(
+        pending(&*fixture, stream, &p).await.is_empty(),
+        "a2 applied"
+    );
+
+    renew(&*fixture, &lease).await;
+    rewind(&*fixture, stream, &p, ids[0], Some(lease.id.clone()))
+        .await
+        .expect("rewind from a1");
+    let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(after.rewind, None, "cleared");
+    assert_eq!(after.last_event_id, Some(ids[2]));
+    assert_eq!(after.applied_count, 2);
+    assert_eq!(state, Some(serde_json::json!({ "sum": 3 })));
+    let _ = fixture.locker().release(&lease.id).await.expect("release");
+}
+
+/// A rewind's commit deletes the snapshots at or after its trigger (they may miss the late
+/// event) and keeps the ones before it.
+pub async fn a_rewind_commit_deletes_the_snapshots_at_or_after_its_trigger<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("SnapshotsRewound");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(4); // e1 < late < e2 < e3
+    let (e1, late, e2, e3) = (ids[0], ids[1], ids[2], ids[3]);
+    let stream = stream_with(&*fixture, &[e1, e2, e3]).await;
+    for _ in 0..3 {
+        apply(&*fixture, stream, &p, 1, true).await;
+    }
+    let kept: Vec<Uuid> = snapshots(&*fixture, stream, &p)
+        .await
+        .iter()
+        .map(|s| s.event_id)
+        .collect();
+    assert_eq!(kept, [e3, e2, e1]);
+    append(&*fixture, stream, &[event(late, 10)]).await;
+    assert_eq!(trigger_after_claim(&*fixture, stream, &p).await, late);
+    rewind(&*fixture, stream, &p, late, None)
+        .await
+        .expect("rewind");
+    let kept: Vec<Uuid> = snapshots(&*fixture, stream, &p)
+        .await
+        .iter()
+        .map(|s| s.event_id)
+        .collect();
+    assert_eq!(kept, [e1], "the snapshots after the trigger are gone");
+    let after = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(after.latest_snapshot, Some(e1));
+
+    // "At" the trigger counts too.
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .request_rewind(&tx, stream, &p, Some(e1))
+            .await
+            .expect("request_rewind")
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    rewind(&*fixture, stream, &p, e1, None)
+        .await
+        .expect("rewind");
+    assert!(snapshots(&*fixture, stream, &p).await.is_empty());
+    assert_eq!(
+        cursor(&*fixture, stream, &p)
+            .await
+            .expect("cursor")
+            .latest_snapshot,
+        None
+    );
+}
+
+/// Claims (debounce zero) and commits whatever the claim wrote.
+async fn claim_and_commit<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    p: &PerspectiveName,
+) -> Claim {
+    let tx = begin(fixture.source()).await;
+    let outcome = claim(fixture, &tx, stream, p, 10, Duration::ZERO).await;
+    commit(fixture.source(), tx).await.expect("commit");
+    outcome
+}
+
+async fn trigger_after_claim<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    p: &PerspectiveName,
+) -> Uuid {
+    match claim_and_commit(fixture, stream, p).await {
+        Claim::Rewind { cursor } => cursor.rewind.expect("request").trigger,
+        other => panic!("expected a rewind, got {other:?}"),
+    }
+}
+
+/// A commit with `snapshot: true` saves the new state at its last event, and
+/// `snapshot_before` returns the latest snapshot strictly before the id asked for.
+pub async fn a_commit_can_save_a_snapshot_and_snapshot_before_finds_the_latest_strictly_before<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Snapshotted");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids).await;
+    apply(&*fixture, stream, &p, 1, true).await;
+    apply(&*fixture, stream, &p, 1, true).await;
+    apply(&*fixture, stream, &p, 1, false).await;
+
+    let tx = begin(fixture.source()).await;
+    let before = |id: Uuid| fixture.store().snapshot_before(&tx, stream, &p, id);
+    let s = before(ids[2]).await.expect("snapshot_before").expect("one");
+    assert_eq!(s.event_id, ids[1]);
+    assert_eq!(s.applied_count, 2);
+    assert_eq!(s.state, serde_json::json!({ "sum": 3 }));
+    let s = before(ids[1]).await.expect("snapshot_before").expect("one");
+    assert_eq!(s.event_id, ids[0], "strictly before");
+    assert_eq!(s.applied_count, 1);
+    assert_eq!(s.state, serde_json::json!({ "sum": 1 }));
+    assert_eq!(before(ids[0]).await.expect("snapshot_before"), None);
+    rollback(fixture.source(), tx).await;
+    let after = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(after.latest_snapshot, Some(ids[1]));
+}
+
+/// Only the last [`DEFAULT_KEEP_SNAPSHOTS`] snapshots of a pair are kept.
+pub async fn only_the_newest_snapshots_are_kept<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
+    let p = name("Pruned");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(DEFAULT_KEEP_SNAPSHOTS + 2);
+    let stream = stream_with(&*fixture, &ids).await;
+    for _ in 0..ids.len() {
+        apply(&*fixture, stream, &p, 1, true).await;
+    }
+    let kept: Vec<Uuid> = snapshots(&*fixture, stream, &p)
+        .await
+        .iter()
+        .map(|s| s.event_id)
+        .collect();
+    let newest: Vec<Uuid> = ids
+        .iter()
+        .rev()
+        .take(DEFAULT_KEEP_SNAPSHOTS)
+        .copied()
+        .collect();
+    assert_eq!(kept, newest);
+}
+
+/// The bootstrap snapshot saves the current state once (a second call does nothing), does not
+/// change the revision, and does nothing for a pair that moved on or applied nothing.
+pub async fn save_snapshot_is_idempotent_and_refuses_a_moved_revision<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Bootstrapped");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids).await;
+    ensure_cursor(&*fixture, stream, &p).await;
+    let fresh = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert!(
+        !save(&*fixture, stream, &p, fresh.revision).await,
+        "nothing applied yet"
+    );
+
+    let revision = apply(&*fixture, stream, &p, 1, false).await;
+    assert!(save(&*fixture, stream, &p, revision).await, "saved");
+    assert!(
+        !save(&*fixture, stream, &p, revision).await,
+        "already there"
+    );
+    let after = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(after.revision, revision, "a snapshot is not a state change");
+    assert_eq!(after.latest_snapshot, Some(ids[0]));
+    let kept = snapshots(&*fixture, stream, &p).await;
+    assert_eq!(kept.len(), 1);
+    assert_eq!(kept[0].state, serde_json::json!({ "sum": 1 }));
+    assert_eq!(kept[0].applied_count, 1);
+
+    apply(&*fixture, stream, &p, 1, false).await;
+    assert!(
+        !save(&*fixture, stream, &p, revision).await,
+        "the cursor moved on"
+    );
+    assert_eq!(snapshots(&*fixture, stream, &p).await.len(), 1);
+}
+
+/// The bootstrap snapshot in a transaction of its own.
+async fn save<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    p: &PerspectiveName,
+    revision: i64,
+) -> bool {
+    let tx = begin(fixture.source()).await;
+    let saved = fixture
+        .store()
+        .save_snapshot(&tx, stream, p, revision, None)
+        .await
+        .expect("save_snapshot");
+    commit(fixture.source(), tx).await.expect("commit");
+    saved
+}
+
+/// `stream_events` returns a stream's events in event-id order (not append order), after the
+/// given id when one is given.
+pub async fn stream_events_come_in_event_id_order_after_the_given_id<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let ids = ids(4);
+    let stream = stream_with(&*fixture, &[ids[2], ids[0], ids[3], ids[1]]).await;
+    let tx = begin(fixture.source()).await;
+    let all = fixture
+        .store()
+        .stream_events(&tx, stream, None)
+        .await
+        .expect("stream_events");
+    assert_eq!(event_ids(&all), ids);
+    assert_eq!(
+        all.iter().map(|e| e.version).collect::<Vec<_>>(),
+        [2, 4, 1, 3],
+        "versions keep append order"
+    );
+    assert!(all.iter().all(|e| e.stream_id == stream));
+    let after = fixture
+        .store()
+        .stream_events(&tx, stream, Some(ids[1]))
+        .await
+        .expect("stream_events");
+    assert_eq!(event_ids(&after), ids[2..]);
+    let none = fixture
+        .store()
+        .stream_events(&tx, StreamId::new_v7(), None)
+        .await
+        .expect("stream_events");
+    assert!(none.is_empty());
+    rollback(fixture.source(), tx).await;
+}
+
+/// A recorded failure keeps the rewind request and the work, and counts; the next successful
+/// commit clears the error and the count.
+pub async fn a_recorded_failure_keeps_the_request_and_the_work_until_a_commit_succeeds<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Failing");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids[1..]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    append(&*fixture, stream, &[event(ids[0], 1)]).await;
+    assert_eq!(trigger_after_claim(&*fixture, stream, &p).await, ids[0]);
+    for message in ["apply failed: boom", "apply failed: boom again"] {
+        let tx = begin(fixture.source()).await;
+        fixture
+            .store()
+            .record_failure(&tx, stream, &p, message)
+            .await
+            .expect("record_failure");
+        commit(fixture.source(), tx).await.expect("commit");
+    }
+    let failed = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(failed.error.as_deref(), Some("apply failed: boom again"));
+    assert_eq!(failed.failures, 2);
+    assert_eq!(
+        failed.rewind.map(|r| r.trigger),
+        Some(ids[0]),
+        "still requested"
+    );
+    assert_eq!(pending(&*fixture, stream, &p).await, ids[..1], "work kept");
+
+    rewind(&*fixture, stream, &p, ids[0], None)
+        .await
+        .expect("rewind");
+    let healed = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (healed.error, healed.failures, healed.rewind),
+        (None, 0, None)
+    );
+}
+
+/// A purge deletes the pair's state, snapshots and pending work and resets its cursor (no
+/// event applied, no rewind, a higher revision) under the lease, which stays; events appended
+/// later are applied to an empty state.
+pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("Purged");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids[..2]).await;
+    let revision = apply(&*fixture, stream, &p, 1, true).await;
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .request_rewind(&tx, stream, &p, None)
+            .await
+            .expect("request_rewind")
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+
+    let lease = lease(&*fixture, stream, &p, &LockReason::Purge).await;
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .purge(&tx, stream, &p, Some(&lease.id))
+        .await
+        .expect("purge");
+    commit(fixture.source(), tx).await.expect("commit");
+
+    let (after, state) = state(&*fixture, stream, &p).await.expect("cursor kept");
+    assert_eq!(state, None);
+    assert_eq!((after.last_event_id, after.applied_count), (None, 0));
+    assert!(after.revision > revision, "the revision increases");
+    assert_eq!((after.rewind, after.latest_snapshot), (None, None));
+    assert_eq!(after.lease.holder, Some(lease.id.holder), "the lease stays");
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    assert!(snapshots(&*fixture, stream, &p).await.is_empty());
+    let _ = fixture.locker().release(&lease.id).await.expect("release");
+
+    append(&*fixture, stream, &[event(ids[2], 7)]).await;
+    let tx = begin(fixture.source()).await;
+    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+        Claim::Apply { state, events, .. } => {
+            assert_eq!(state, None);
+            assert_eq!(event_ids(&events), ids[2..]);
+        }
+        other => panic!("expected the new event, got {other:?}"),
+    }
+    rollback(fixture.source(), tx).await;
+}
+
+/// `ensure_cursor` creates a cursor row once; `delete_cursor` deletes it with its state,
+/// snapshots and work, once.
+pub async fn ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let (stream, p) = (StreamId::new_v7(), name("Rows"));
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .ensure_cursor(&tx, stream, &p)
+            .await
+            .expect("ensure")
+    );
+    assert!(
+        !fixture
+            .store()
+            .ensure_cursor(&tx, stream, &p)
+            .await
+            .expect("ensure"),
+        "already there"
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    let created = cursor(&*fixture, stream, &p).await.expect("created");
+    assert_eq!((created.last_event_id, created.applied_count), (None, 0));
+    assert!(created.lease.is_unlocked());
+
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    append(&*fixture, stream, &[event(ids[0], 1), event(ids[1], 2)]).await;
+    apply(&*fixture, stream, &p, 1, true).await;
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .delete_cursor(&tx, stream, &p)
+            .await
+            .expect("delete")
+    );
+    assert!(
+        !fixture
+            .store()
+            .delete_cursor(&tx, stream, &p)
+            .await
+            .expect("delete"),
+        "already gone"
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    assert!(state(&*fixture, stream, &p).await.is_none());
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    assert!(snapshots(&*fixture, stream, &p).await.is_empty());
+}
+
+/// A state `jsonb` cannot store (U+0000 in a string) is `InvalidInput`; nothing is written and
+/// the transaction can still commit.
+pub async fn a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("BadState");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(1);
+    let stream = stream_with(&*fixture, &ids).await;
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply { cursor, .. } = claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await
+    else {
+        panic!("expected events to apply");
+    };
+    let err = fixture
+        .store()
+        .commit_state(
+            &tx,
+            &StateCommit {
+                stream_id: stream,
+                perspective: p.clone(),
+                expected_revision: cursor.revision,
+                state: serde_json::json!({ "note": "a\u{0}b" }),
+                last_event_id: Some(ids[0]),
+                applied_count: 1,
+                applied_events: ids.clone(),
+                rewound_from: None,
+                snapshot: true,
+                fence: None,
+            },
+        )
+        .await
+        .expect_err("refused");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    commit(fixture.source(), tx).await.expect("still usable");
+    let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (after.revision, after.last_event_id),
+        (cursor.revision, None)
+    );
+    assert_eq!(state, None);
+    assert_eq!(pending(&*fixture, stream, &p).await, ids);
+    assert!(snapshots(&*fixture, stream, &p).await.is_empty());
+}
+
+/// Runs every case, in order, in one test. Prefer
+/// [`perspective_store_conformance!`](crate::perspective_store_conformance): a test per case.
+pub async fn run_all<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
+    crate::__lockstep_perspective_store_cases!(__lockstep_conformance_run_all! { by_arc fixture });
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lockstep_perspective_store_cases {
+    ($then:ident ! { $($args:tt)* }) => {
+        $crate::$then! { $($args)* cases: [
+            appended_events_become_work_for_every_registered_perspective_on_commit,
+            a_rolled_back_append_leaves_no_work,
+            a_perspective_registered_later_catches_up_on_existing_events,
+            claim_returns_pending_events_after_the_cursor_in_event_id_order_up_to_the_limit,
+            claim_creates_the_cursor_of_a_pair_that_has_none,
+            a_second_claim_of_a_claimed_pair_is_busy_until_the_first_transaction_ends,
+            a_leased_pair_is_held_back_while_its_events_keep_queueing,
+            commit_state_saves_the_state_advances_the_cursor_and_deletes_exactly_the_applied_work,
+            a_stale_expected_revision_is_a_conflict_that_writes_nothing,
+            a_fenced_commit_by_the_lease_holder_is_written,
+            a_fenced_commit_after_a_takeover_is_lease_lost_and_writes_nothing,
+            a_fenced_commit_after_a_force_release_is_lease_lost_and_writes_nothing,
+            a_late_arrival_turns_the_claim_into_a_rewind_from_that_event,
+            of_two_late_arrivals_the_earliest_is_the_trigger,
+            an_existing_trigger_only_ever_moves_earlier,
+            the_debounce_window_holds_a_flagged_pair_back,
+            a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged,
+            a_rewind_commit_deletes_the_snapshots_at_or_after_its_trigger,
+            a_commit_can_save_a_snapshot_and_snapshot_before_finds_the_latest_strictly_before,
+            only_the_newest_snapshots_are_kept,
+            save_snapshot_is_idempotent_and_refuses_a_moved_revision,
+            stream_events_come_in_event_id_order_after_the_given_id,
+            a_recorded_failure_keeps_the_request_and_the_work_until_a_commit_succeeds,
+            purge_empties_the_pair_and_keeps_its_lease,
+            ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair,
+            a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing,
+        ] }
+    };
+}
+
+/// Expands to one test per case of the [perspective-store conformance
+/// suite](crate::conformance::perspective_store), each on a fixture of its own.
+///
+/// `fixture:` is an expression evaluated inside each test (it may `.await`) that yields a
+/// [`PerspectiveStoreFixture`](crate::conformance::perspective_store::PerspectiveStoreFixture);
+/// the test wraps it in an `Arc`. Attributes written first replace the default
+/// `#[tokio::test]`: `#[tokio::test(start_paused = true)]` for the fakes,
+/// `#[tokio::test(flavor = "multi_thread")]` for a database. `after_each:` (optional) is a
+/// closure called with `&fixture` after the case passed. See
+/// [`stream_locker_conformance!`](crate::stream_locker_conformance) for what the calling crate
+/// needs. Not covered by semver (see [`conformance`](crate::conformance)).
+#[macro_export]
+macro_rules! perspective_store_conformance {
+    ($(#[$attr:meta])+ fixture: $fixture:expr $(, after_each: $after:expr)? $(,)?) => {
+        $crate::__lockstep_perspective_store_cases!(__lockstep_conformance_tests! {
+            suite: perspective_store,
+            pass: by_arc,
+            attrs: [$(#[$attr])+],
+            fixture: $fixture,
+            after_each: [$($after)?],
+        });
+    };
+    (fixture: $($rest:tt)*) => {
+        $crate::perspective_store_conformance! { #[::tokio::test] fixture: $($rest)* }
+    };
+}
