@@ -1,7 +1,7 @@
 //! lockstep-pg-advisory against a real PostgreSQL (each test on a database of its own): the
-//! distributed-lock conformance suite, cancellation, timeouts, crash release, deadlock-free
-//! multi-aggregate locking, the isolation check, session locks, the in-process queue and the
-//! SQL key function.
+//! distributed-lock and session-lock conformance suites (one test per case), cancellation,
+//! timeouts, crash release, deadlock-free multi-aggregate locking, the isolation check, session
+//! locks, the in-process queue and the SQL key function.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +13,7 @@ use lockstep_core::{
 };
 use lockstep_pg::{PgTransaction, PgTransactionSource, migrate};
 use lockstep_pg_advisory::PostgresDistributedLock;
-use lockstep_testkit::conformance::distributed_lock::{self, DistributedLockFixture};
+use lockstep_testkit::conformance::distributed_lock::DistributedLockFixture;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -92,37 +92,49 @@ async fn backend_pid(tx: &PgTransaction) -> i32 {
         .get(0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn distributed_lock_conformance_suite_passes_on_postgres() {
+/// The lock on a migrated database of the test's own (8 connections), with the in-process
+/// queue on (the default) or off.
+async fn fixture(local_queue: bool) -> Fixture {
     let (db, pool, lock) = setup(8).await;
-    distributed_lock::run_all(Arc::new(Fixture {
+    Fixture {
         _db: db,
         source: PgTransactionSource::new(pool),
-        lock,
-    }))
-    .await;
+        lock: if local_queue {
+            lock
+        } else {
+            lock.with_local_queue(false)
+        },
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn distributed_lock_conformance_suite_passes_without_the_local_queue() {
-    let (db, pool, lock) = setup(8).await;
-    distributed_lock::run_all(Arc::new(Fixture {
-        _db: db,
-        source: PgTransactionSource::new(pool),
-        lock: lock.with_local_queue(false),
-    }))
-    .await;
+/// The distributed-lock conformance suite, one test per case.
+mod distributed_lock_suite {
+    use super::*;
+
+    lockstep_testkit::distributed_lock_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(true).await,
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn session_lock_conformance_suite_passes_on_postgres() {
-    let (db, pool, lock) = setup(8).await;
-    lockstep_testkit::conformance::session_lock::run_all(Arc::new(Fixture {
-        _db: db,
-        source: PgTransactionSource::new(pool),
-        lock,
-    }))
-    .await;
+/// The distributed-lock conformance suite without the in-process queue.
+mod distributed_lock_suite_without_the_local_queue {
+    use super::*;
+
+    lockstep_testkit::distributed_lock_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(false).await,
+    }
+}
+
+/// The session-lock conformance suite, one test per case.
+mod session_lock_suite {
+    use super::*;
+
+    lockstep_testkit::session_lock_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(true).await,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

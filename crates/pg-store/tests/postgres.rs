@@ -1,14 +1,12 @@
 //! lockstep-pg-store against a real PostgreSQL (a database per test): the shared event-store
-//! conformance suite, and load and append on borrowed `tokio_postgres::Transaction`s and
+//! conformance suite (one test per case), and load and append on borrowed `tokio_postgres::Transaction`s and
 //! `deadpool_postgres::Transaction`s.
-
-use std::sync::Arc;
 
 use deadpool_postgres::Pool;
 use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, StreamId};
 use lockstep_pg::{LockQueue, PgTransaction, PgTransactionSource, migrate};
 use lockstep_pg_store::PgEventStore;
-use lockstep_testkit::conformance::event_store::{self, EventStoreFixture};
+use lockstep_testkit::conformance::event_store::EventStoreFixture;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 
 struct Fixture {
@@ -38,40 +36,45 @@ async fn migrated(pool_size: usize) -> (TestDatabase, Pool) {
     (db, pool)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_event_store_passes_the_event_store_suite() {
+/// `store` on a migrated database of the test's own (8 connections).
+async fn fixture(store: PgEventStore) -> Fixture {
     let (db, pool) = migrated(8).await;
-    // The queue the process's lock would share (lockstep-pg-advisory hands its own over).
-    let queue = LockQueue::new();
-    let store = PgEventStore::with_lock(queue.clone());
-    event_store::run_all(Arc::new(Fixture {
+    Fixture {
         _db: db,
         source: PgTransactionSource::new(pool),
         store,
-    }))
-    .await;
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_event_store_passes_the_event_store_suite_without_the_local_queue() {
-    let (db, pool) = migrated(8).await;
-    event_store::run_all(Arc::new(Fixture {
-        _db: db,
-        source: PgTransactionSource::new(pool),
-        store: PgEventStore::with_lock(LockQueue::new().with_local_queue(false)),
-    }))
-    .await;
+/// The event-store conformance suite, one test per case, with the lock on a queue the
+/// process's lock would share (lockstep-pg-advisory hands its own over).
+mod event_store_suite {
+    use super::*;
+
+    lockstep_testkit::event_store_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(PgEventStore::with_lock(LockQueue::new())).await,
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_event_store_passes_the_event_store_suite_with_its_own_lock() {
-    let (db, pool) = migrated(8).await;
-    event_store::run_all(Arc::new(Fixture {
-        _db: db,
-        source: PgTransactionSource::new(pool),
-        store: PgEventStore::new(),
-    }))
-    .await;
+/// The suite with the in-process queue off.
+mod event_store_suite_without_the_local_queue {
+    use super::*;
+
+    lockstep_testkit::event_store_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(PgEventStore::with_lock(LockQueue::new().with_local_queue(false))).await,
+    }
+}
+
+/// The suite with the store's own lock.
+mod event_store_suite_with_its_own_lock {
+    use super::*;
+
+    lockstep_testkit::event_store_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(PgEventStore::new()).await,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
