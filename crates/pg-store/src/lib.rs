@@ -1,7 +1,9 @@
 //! # lockstep-pg-store
 //!
-//! The PostgreSQL implementation of [`lockstep_core::EventStore`]: [`PgEventStore`]. It
-//! depends on `lockstep-core` and `lockstep-pg` only.
+//! The PostgreSQL implementations of [`lockstep_core::EventStore`] ([`PgEventStore`]) and of
+//! [`lockstep_core::PerspectiveStore`] ([`PgPerspectiveStore`], module [`perspective`]: the
+//! perspective worker's work queue, cursors, states and snapshots). It depends on
+//! `lockstep-core` and `lockstep-pg` only.
 //!
 //! - The [`EventStore`] contract is implemented for the owned
 //!   [`PgTransaction`]: its `load_locked` waits for a lock, and only a transaction that owns
@@ -11,17 +13,19 @@
 //!   on any [`PgTransactionRef`]: a borrowed `tokio_postgres::Transaction` or
 //!   `deadpool_postgres::Transaction` the application manages itself (pass `&tx`).
 //!
-//! - Storage: table `wh_events` (migration `V3`): `event_id uuid` primary key (UUIDv7, chosen
-//!   at append), `stream_id`, `version bigint`, `event_type`, `payload jsonb`, `recorded_at
-//!   timestamptz DEFAULT clock_timestamp()`, and **`UNIQUE (stream_id, version)`**.
+//! - Storage: table `wh_events` (migration `V3`): `event_id uuid` primary key (the id the
+//!   caller's [`NewEvent`] carries: a fresh UUIDv7 unless chosen with `with_id`), `stream_id`,
+//!   `version bigint`, `event_type`, `payload jsonb`, `recorded_at timestamptz DEFAULT
+//!   clock_timestamp()`, and **`UNIQUE (stream_id, version)`**.
 //! - [`append`](lockstep_core::EventStore::append) calls the SQL function
 //!   `lockstep_append_events` (one statement, one round trip): it reads the stream's version,
-//!   checks the expected version and inserts the events with the next versions. A stale
-//!   expectation raises `unique_violation`, exactly like losing a race on the unique index, so
-//!   every conflict is SQLSTATE `23505` → [`ErrorKind::Conflict`](lockstep_core::ErrorKind)
-//!   with a [`VersionConflict`], and every conflict leaves the
-//!   transaction aborted. Of two transactions appending the same version, the second waits for
-//!   the first and fails only if the first commits.
+//!   checks the expected version and inserts the events with the next versions, then enqueues
+//!   one perspective work row per registered perspective (migration `V5`, [`perspective`]). A
+//!   stale expectation raises `unique_violation`, exactly like losing a race on the unique
+//!   index, so every conflict is SQLSTATE `23505` →
+//!   [`ErrorKind::Conflict`](lockstep_core::ErrorKind) with a [`VersionConflict`], and every
+//!   conflict leaves the transaction aborted. Of two transactions appending the same version,
+//!   the second waits for the first and fails only if the first commits.
 //! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
 //!   of the unique index).
 //! - [`load_locked`](lockstep_core::EventStore::load_locked) locks and loads in **one
@@ -58,6 +62,10 @@
 //! tx.commit().await?;
 //! # Ok(()) }
 //! ```
+
+pub mod perspective;
+
+pub use perspective::PgPerspectiveStore;
 
 use std::time::Duration;
 
@@ -154,7 +162,7 @@ impl PgEventStore {
                 })
             })
             .transpose()?;
-        let ids: Vec<Uuid> = events.iter().map(|_| Uuid::now_v7()).collect();
+        let ids: Vec<Uuid> = events.iter().map(NewEvent::event_id).collect();
         let types: Vec<&str> = events.iter().map(NewEvent::event_type).collect();
         let payloads: Vec<&serde_json::Value> = events.iter().map(NewEvent::payload).collect();
         let row = tx

@@ -17,14 +17,19 @@
 //!
 //! # What is created
 //!
-//! - Tables prefixed `wh_` (`wh_perspective_cursors`, later `wh_perspective_events`, and
-//!   `wh_events`): the prefix and the names come from the storage model of the reference
-//!   implementation the lease design is taken from (Whizbang's perspective stream locking), so
-//!   a database laid out like it reads the same. The prefix says nothing beyond that.
+//! - Tables prefixed `wh_` (`wh_perspective_cursors`, `wh_events`, and the perspective
+//!   store's `wh_perspectives`, `wh_perspective_events`, `wh_perspective_states`,
+//!   `wh_perspective_snapshots`): the prefix and the names come from the storage model of the
+//!   reference implementation the lease design is taken from (Whizbang's perspective stream
+//!   locking), so a database laid out like it reads the same. The prefix says nothing beyond
+//!   that.
 //! - Functions and views prefixed `lockstep_`: the advisory-key hash
 //!   (`lockstep_advisory_key`), the `pg_locks` view (`lockstep_advisory_locks`), the advisory
 //!   lock protocol every lock statement calls (`lockstep_advisory_lock`), and the event store's
-//!   one-statement operations (`lockstep_append_events`, `lockstep_lock_and_load`).
+//!   one-statement operations (`lockstep_append_events`, which also enqueues perspective work,
+//!   and `lockstep_lock_and_load`), and the perspective store's
+//!   (`lockstep_register_perspectives`, `lockstep_perspective_claim`,
+//!   `lockstep_perspective_commit`, … — ADR 0006).
 //! - The history table [`MIGRATION_TABLE`].
 
 use deadpool_postgres::Pool;

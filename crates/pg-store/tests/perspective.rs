@@ -1,0 +1,250 @@
+//! `PgPerspectiveStore` against a real PostgreSQL: the testkit's perspective-store conformance
+//! suite (one test per case, each on a database of its own), and what only Postgres can show —
+//! a registration waits for an append in flight and catches its events up, a refused claim
+//! leaves the leased row to the keepalive, the store runs on a borrowed transaction.
+
+use std::time::Duration;
+
+use lockstep_core::{
+    AcquireOutcome, Claim, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
+    PerspectiveStore, StreamId, StreamLockOptions, StreamLocker,
+};
+use lockstep_pg::{PgTransaction, PgTransactionSource};
+use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
+use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_testkit::conformance::perspective_store::PerspectiveStoreFixture;
+use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+
+/// The store, the event store and a stream locker (2 s leases: live through a few statements
+/// on a loaded machine, expired after a 3 s wait) on a migrated database of the test's own.
+struct PgFixture {
+    db: TestDatabase,
+    pool: deadpool_postgres::Pool,
+    source: PgTransactionSource,
+    store: PgPerspectiveStore,
+    events: PgEventStore,
+    locker: PostgresStreamLocker,
+}
+
+impl PerspectiveStoreFixture for PgFixture {
+    type Tx = PgTransaction;
+    type Source = PgTransactionSource;
+    type Store = PgPerspectiveStore;
+    type Events = PgEventStore;
+    type Locker = PostgresStreamLocker;
+    type Admin = PostgresStreamLocker;
+
+    fn source(&self) -> &PgTransactionSource {
+        &self.source
+    }
+
+    fn store(&self) -> &PgPerspectiveStore {
+        &self.store
+    }
+
+    fn events(&self) -> &PgEventStore {
+        &self.events
+    }
+
+    fn locker(&self) -> &PostgresStreamLocker {
+        &self.locker
+    }
+
+    fn admin(&self) -> &PostgresStreamLocker {
+        &self.locker
+    }
+}
+
+async fn fixture() -> PgFixture {
+    let db = test_database().await;
+    let admin = db.connect().await;
+    // Lease semantics, not durability, are under test.
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET synchronous_commit = off",
+            db.name()
+        ))
+        .await
+        .expect("synchronous_commit");
+    let pool = db.pool(6);
+    lockstep_pg::migrate(&pool).await.expect("migrate");
+    let options = StreamLockOptions::new(Duration::from_secs(2), Duration::from_millis(500))
+        .expect("2 s / 500 ms is a valid pair");
+    PgFixture {
+        source: PgTransactionSource::new(pool.clone()),
+        store: PgPerspectiveStore::new(),
+        events: PgEventStore::new(),
+        locker: PostgresStreamLocker::new(pool.clone(), options),
+        pool,
+        db,
+    }
+}
+
+mod conformance {
+    use super::fixture;
+
+    lockstep_testkit::perspective_store_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture().await,
+    }
+}
+
+fn name(label: &str) -> PerspectiveName {
+    PerspectiveName::new(format!("{label}-{}", uuid::Uuid::new_v4().simple())).expect("name")
+}
+
+fn event(n: i64) -> NewEvent {
+    NewEvent::new("Added", serde_json::json!({ "n": n })).expect("event")
+}
+
+/// A new perspective registered while an appender's transaction is open waits for it, and
+/// then has work for its events: the append did not see the name, the catch-up sees the events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registering_waits_for_an_append_in_flight_and_catches_its_events_up() {
+    let f = fixture().await;
+    let stream = StreamId::new_v7();
+    let appender = PgTransaction::begin(&f.pool).await.expect("begin");
+    let appended = [event(1), event(2)];
+    f.events
+        .append(&appender, stream, ExpectedVersion::NoStream, &appended)
+        .await
+        .expect("append");
+
+    let late = name("Registered");
+    let registration = {
+        let (pool, store, late) = (f.pool.clone(), f.store.clone(), late.clone());
+        tokio::spawn(async move {
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            store
+                .register(&tx, std::slice::from_ref(&late))
+                .await
+                .expect("register");
+            tx.commit().await.expect("commit");
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !registration.is_finished(),
+        "a new registration waits for the open appender"
+    );
+    appender.commit().await.expect("commit");
+    tokio::time::timeout(Duration::from_secs(10), registration)
+        .await
+        .expect("the registration proceeds once the appender committed")
+        .expect("task");
+
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    let pending = f
+        .store
+        .pending_events(&tx, stream, &late)
+        .await
+        .expect("pending_events");
+    let ids: Vec<_> = appended.iter().map(NewEvent::event_id).collect();
+    assert_eq!(pending, ids, "the in-flight append's events were caught up");
+    tx.rollback().await.expect("rollback");
+}
+
+/// Registering names that are already registered neither waits for appenders nor blocks them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registering_a_known_name_does_not_wait_for_appenders() {
+    let f = fixture().await;
+    let known = name("Known");
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&known))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+
+    let appender = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.events
+        .append(
+            &appender,
+            StreamId::new_v7(),
+            ExpectedVersion::NoStream,
+            &[event(1)],
+        )
+        .await
+        .expect("append");
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        f.store.register(&tx, std::slice::from_ref(&known)),
+    )
+    .await
+    .expect("no wait for a known name")
+    .expect("register");
+    tx.commit().await.expect("commit");
+    appender.commit().await.expect("commit");
+}
+
+/// A claim refused because of a live lease does not lock the cursor row: the holder's renew
+/// goes through while the claiming transaction is still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_refused_for_a_lease_leaves_the_row_to_the_keepalive() {
+    let f = fixture().await;
+    let p = name("Leased");
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.store
+        .ensure_cursor(&tx, stream, &p)
+        .await
+        .expect("ensure_cursor");
+    tx.commit().await.expect("commit");
+    let AcquireOutcome::Acquired(lease) = f
+        .locker
+        .try_acquire(stream, &p, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire")
+    else {
+        panic!("expected to acquire");
+    };
+
+    let claiming = PgTransaction::begin(&f.pool).await.expect("begin");
+    let claim = f
+        .store
+        .claim(&claiming, stream, &p, 10, Duration::ZERO)
+        .await
+        .expect("claim");
+    assert_eq!(claim, Claim::Busy);
+    let renewed = tokio::time::timeout(Duration::from_secs(5), f.locker.renew(&lease.id))
+        .await
+        .expect("the renew does not wait for the claiming transaction")
+        .expect("renew");
+    assert!(renewed.is_renewed());
+    claiming.rollback().await.expect("rollback");
+}
+
+/// The store runs on a transaction the application manages itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
+    let f = fixture().await;
+    let mut client = f.db.connect().await;
+    let p = name("Borrowed");
+    let stream = StreamId::new_v7();
+    let tx = client.transaction().await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    f.events
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event(3)])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+
+    let tx = client.transaction().await.expect("begin");
+    match f
+        .store
+        .claim(&tx, stream, &p, 10, Duration::ZERO)
+        .await
+        .expect("claim")
+    {
+        Claim::Apply { events, .. } => {
+            assert_eq!(events.len(), 1);
+            assert_eq!(events[0].payload["n"], 3);
+        }
+        other => panic!("expected the event, got {other:?}"),
+    }
+    tx.rollback().await.expect("rollback");
+}
