@@ -116,6 +116,21 @@ impl InMemoryEventStore {
             .unwrap_or_default()
     }
 
+    /// Whether an event with this id is committed or staged (a linear scan: test-sized data).
+    fn id_taken(state: &State, id: Uuid) -> bool {
+        state
+            .committed
+            .values()
+            .chain(state.staged.values())
+            .flatten()
+            .any(|e| e.event_id == id)
+    }
+
+    /// Every stream with committed events, outside any transaction.
+    pub fn streams(&self) -> Vec<StreamId> {
+        self.state().committed.keys().copied().collect()
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         // Each update is applied whole under the lock, so a poisoned state is consistent.
         self.inner
@@ -212,11 +227,18 @@ impl InMemoryEventStore {
                 if let Some(holder) = blocker {
                     return Ok(Attempt::Blocked(LockOwner::Transaction(holder)));
                 }
+                // The event id is the primary key (Postgres: 23505 on wh_events_pkey).
+                if let Some(dup) = events.iter().find(|e| Self::id_taken(&state, e.event_id())) {
+                    return Err(Error::new(
+                        ErrorKind::Conflict,
+                        format!("event {} was already appended", dup.event_id()),
+                    ));
+                }
                 let now = OffsetDateTime::now_utc();
                 for (version, event) in versions.clone().zip(events) {
                     state.reserved.insert((stream_id, version), id);
                     state.staged.entry(id).or_default().push(RecordedEvent {
-                        event_id: Uuid::now_v7(),
+                        event_id: event.event_id(),
                         stream_id,
                         version,
                         event_type: event.event_type().to_owned(),

@@ -48,6 +48,7 @@ pub mod conformance;
 pub mod event_store;
 pub mod fake_lock;
 pub mod faults;
+pub mod perspective_store;
 #[cfg(feature = "pg-harness")]
 pub mod pg_harness;
 pub mod recording;
@@ -62,6 +63,7 @@ pub use faults::{
     DistributedLockFaults, EventStoreFaults, FaultyDistributedLock, FaultyEventStore,
     FaultyStreamLocker, StreamLockerFaults,
 };
+pub use perspective_store::InMemoryPerspectiveStore;
 pub use recording::{
     EventStoreCall, LockCall, LockMode, Outcome, RecordingDistributedLock, RecordingEventStore,
     RecordingStreamLocker, StreamLockCall,

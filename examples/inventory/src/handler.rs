@@ -182,10 +182,10 @@ impl<L, S> ReserveStockHandler<L, S> {
                 let conflicts = &conflicts;
                 async move {
                     let outcome = self.attempt(&*tx, cmd).await;
-                    if let Err(InventoryError::Store(err)) = &outcome {
-                        if err.kind() == ErrorKind::Conflict {
-                            conflicts.fetch_add(1, Ordering::Relaxed);
-                        }
+                    if let Err(InventoryError::Store(err)) = &outcome
+                        && err.kind() == ErrorKind::Conflict
+                    {
+                        conflicts.fetch_add(1, Ordering::Relaxed);
                     }
                     outcome
                 }

@@ -1,0 +1,734 @@
+//! [`InMemoryPerspectiveStore`]: the perspective store on the fake transactions, over an
+//! [`InMemoryEventStore`] (the events) and an [`InMemoryStreamLocker`] (the cursor rows' leases),
+//! behaving like the Postgres store (`lockstep-pg-store`'s `PgPerspectiveStore`).
+//!
+//! - **Work** is derived rather than stored: a pair's pending work is every committed event of
+//!   its stream, for a registered perspective, that the pair has not applied (or purged). So work
+//!   appears exactly when the appender commits and a perspective registered later catches up,
+//!   as the Postgres fan-out does.
+//! - **Row locks.** Every write takes the pair's cursor-row lock for its transaction (waiting, like
+//!   an `UPDATE`); [`PerspectiveStore::claim`] takes it without waiting (`SKIP LOCKED`). The key is
+//!   the one the in-memory locker waits on, so a lease write waits for a claiming transaction,
+//!   as on Postgres.
+//! - **Visibility.** Writes are staged per transaction and applied when it commits (an
+//!   [`FakeTransaction::on_end`] hook); a transaction reads its own staged writes.
+//!
+//! Differences from PostgreSQL: `ensure_cursor` and the cursor row of `claim` are created at
+//! once, not at commit (an empty cursor row changes nothing observable); `stream_events` does not
+//! see the calling transaction's own uncommitted appends.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use lockstep_core::{
+    Claim, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
+    LeaseFence, LeaseStatus, PendingPair, PerspectiveName, PerspectiveStore, RecordedEvent,
+    ResourceKey, Result, RewindRequest, Snapshot, StateCommit, StreamId, StreamLockAdmin,
+    perspective_store::DEFAULT_KEEP_SNAPSHOTS,
+};
+use time::OffsetDateTime;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::event_store::InMemoryEventStore;
+use crate::fake_lock::{FakeDatabase, FakeDistributedLock, FakeTransaction, TxEnd};
+use crate::stream_locker::InMemoryStreamLocker;
+
+type Key = (StreamId, PerspectiveName);
+
+/// One pair's stored data: its cursor (without the lease, which the locker keeps), state,
+/// snapshots and the events it no longer has work for.
+#[derive(Debug, Clone, Default)]
+struct Pair {
+    last_event_id: Option<Uuid>,
+    revision: i64,
+    applied_count: u64,
+    rewind: Option<RewindRequest>,
+    error: Option<String>,
+    failures: u32,
+    state: Option<serde_json::Value>,
+    /// By event id, oldest first.
+    snapshots: BTreeMap<Uuid, Snapshot>,
+}
+
+#[derive(Debug, Default)]
+struct Staged {
+    pairs: HashMap<Key, Pair>,
+    registered: BTreeSet<PerspectiveName>,
+    done: HashMap<Key, HashSet<Uuid>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    registered: BTreeSet<PerspectiveName>,
+    pairs: HashMap<Key, Pair>,
+    /// Events whose work item is gone (applied, purged, or deleted with the cursor), per pair;
+    /// kept apart from the pair so that deleting a cursor does not bring its work back.
+    done: HashMap<Key, HashSet<Uuid>>,
+    /// Writes of open transactions, by transaction id.
+    staged: HashMap<u64, Staged>,
+}
+
+/// The in-memory perspective store. Clones share state.
+#[derive(Clone)]
+pub struct InMemoryPerspectiveStore {
+    state: Arc<Mutex<State>>,
+    events: InMemoryEventStore,
+    locker: InMemoryStreamLocker,
+    rows: FakeDistributedLock,
+    origin: Instant,
+    origin_wall: OffsetDateTime,
+}
+
+impl fmt::Debug for InMemoryPerspectiveStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.lock_state();
+        f.debug_struct("InMemoryPerspectiveStore")
+            .field("perspectives", &state.registered)
+            .field("pairs", &state.pairs.len())
+            .finish()
+    }
+}
+
+impl InMemoryPerspectiveStore {
+    /// A store over `events` and the cursor rows of `locker`, on transactions of `db`. The
+    /// locker should be built with [`InMemoryStreamLocker::with_database`] on the same `db`, so
+    /// that lease writes wait for claimed rows and fenced commits work.
+    pub fn new(
+        db: &FakeDatabase,
+        events: &InMemoryEventStore,
+        locker: &InMemoryStreamLocker,
+    ) -> InMemoryPerspectiveStore {
+        InMemoryPerspectiveStore {
+            state: Arc::default(),
+            events: events.clone(),
+            locker: locker.clone(),
+            rows: FakeDistributedLock::new(db),
+            origin: Instant::now(),
+            origin_wall: OffsetDateTime::now_utc(),
+        }
+    }
+
+    /// The event store the work is derived from.
+    pub fn events(&self) -> &InMemoryEventStore {
+        &self.events
+    }
+
+    /// The locker whose cursor rows this store shares.
+    pub fn locker(&self) -> &InMemoryStreamLocker {
+        &self.locker
+    }
+
+    /// The committed state of a pair, outside any transaction (for assertions).
+    pub fn committed_state(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Option<serde_json::Value> {
+        self.lock_state()
+            .pairs
+            .get(&(stream_id, perspective.clone()))
+            .and_then(|p| p.state.clone())
+    }
+
+    fn lock_state(&self) -> MutexGuard<'_, State> {
+        // Every update completes under the guard, so a poisoned state is consistent.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn now(&self) -> OffsetDateTime {
+        self.origin_wall + Instant::now().saturating_duration_since(self.origin)
+    }
+
+    /// The cursor-row lock key, the one [`InMemoryStreamLocker`] waits on.
+    fn row_key(stream_id: StreamId, perspective: &PerspectiveName) -> ResourceKey {
+        // Bounded: a UUID and a perspective name of at most 200 characters.
+        ResourceKey::new(format!("lockstep:cursor-row:{stream_id}:{perspective}"))
+            .unwrap_or_else(|e| unreachable!("cursor row key is valid: {e}"))
+    }
+
+    /// Installs the commit hook of `tx` once.
+    fn stage<'s>(&self, state: &'s mut State, tx: &FakeTransaction) -> &'s mut Staged {
+        let id = tx.id();
+        if !state.staged.contains_key(&id) {
+            let shared = Arc::clone(&self.state);
+            tx.on_end(move |end| {
+                let mut state = shared
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let staged = state.staged.remove(&id);
+                if let (Some(staged), TxEnd::Committed) = (staged, end) {
+                    state.registered.extend(staged.registered);
+                    state.pairs.extend(staged.pairs);
+                    for (key, ids) in staged.done {
+                        state.done.entry(key).or_default().extend(ids);
+                    }
+                }
+            });
+        }
+        state.staged.entry(id).or_default()
+    }
+
+    /// The pair as `tx` sees it (its own staged write, else the committed one).
+    fn read(state: &State, tx: &FakeTransaction, key: &Key) -> Option<Pair> {
+        state
+            .staged
+            .get(&tx.id())
+            .and_then(|s| s.pairs.get(key))
+            .or_else(|| state.pairs.get(key))
+            .cloned()
+    }
+
+    fn registered(state: &State, tx: &FakeTransaction, name: &PerspectiveName) -> bool {
+        state.registered.contains(name)
+            || state
+                .staged
+                .get(&tx.id())
+                .is_some_and(|s| s.registered.contains(name))
+    }
+
+    /// Writes `pair` for `tx` (visible to others at commit).
+    fn write(&self, tx: &FakeTransaction, key: Key, pair: Pair) {
+        let mut state = self.lock_state();
+        self.stage(&mut state, tx).pairs.insert(key, pair);
+    }
+
+    /// Completes the work items of `ids` for `tx` (gone for others at commit).
+    fn complete(&self, tx: &FakeTransaction, key: Key, ids: impl IntoIterator<Item = Uuid>) {
+        let mut state = self.lock_state();
+        self.stage(&mut state, tx)
+            .done
+            .entry(key)
+            .or_default()
+            .extend(ids);
+    }
+
+    /// Takes the pair's row lock for `tx`, waiting like an `UPDATE`.
+    async fn lock_row(&self, tx: &FakeTransaction, key: &Key) -> Result<()> {
+        self.rows
+            .acquire_for_transaction(tx, &Self::row_key(key.0, &key.1), None)
+            .await
+    }
+
+    /// The pair's lease columns and whether its lease is live.
+    async fn lease(&self, key: &Key) -> Result<(CursorLease, bool)> {
+        let lease = self
+            .locker
+            .inspect(key.0, &key.1)
+            .await?
+            .unwrap_or(CursorLease {
+                holder: None,
+                reason: None,
+                expires_at: None,
+                epoch: LeaseEpoch::new(0),
+            });
+        let live = lease.holder.is_some()
+            && self.locker.list_leases().await?.iter().any(|l| {
+                l.stream_id == key.0 && l.perspective == key.1 && l.status == LeaseStatus::Held
+            });
+        Ok((lease, live))
+    }
+
+    fn pending(&self, state: &State, tx: &FakeTransaction, key: &Key) -> Vec<RecordedEvent> {
+        if !Self::registered(state, tx, &key.1) {
+            return Vec::new();
+        }
+        let committed = state.done.get(key);
+        let staged = state.staged.get(&tx.id()).and_then(|s| s.done.get(key));
+        let mut events: Vec<RecordedEvent> = self
+            .events
+            .committed(key.0)
+            .into_iter()
+            .filter(|e| {
+                !committed.is_some_and(|d| d.contains(&e.event_id))
+                    && !staged.is_some_and(|d| d.contains(&e.event_id))
+            })
+            .collect();
+        events.sort_by_key(|e| e.event_id);
+        events
+    }
+
+    fn cursor_of(key: &Key, pair: &Pair, lease: CursorLease) -> Cursor {
+        Cursor {
+            stream_id: key.0,
+            perspective: key.1.clone(),
+            last_event_id: pair.last_event_id,
+            revision: pair.revision,
+            applied_count: pair.applied_count,
+            rewind: pair.rewind,
+            error: pair.error.clone(),
+            failures: pair.failures,
+            latest_snapshot: pair.snapshots.keys().next_back().copied(),
+            lease,
+        }
+    }
+
+    /// Makes sure the pair has a cursor row (the locker's and ours).
+    fn create(&self, tx: &FakeTransaction, key: &Key) -> bool {
+        self.locker.create_cursor(key.0, &key.1);
+        let exists = Self::read(&self.lock_state(), tx, key).is_some();
+        if !exists {
+            self.lock_state().pairs.entry(key.clone()).or_default();
+        }
+        !exists
+    }
+
+    async fn fence(
+        &self,
+        tx: &FakeTransaction,
+        fence: Option<&lockstep_core::LeaseId>,
+    ) -> Result<()> {
+        match fence {
+            Some(lease) => self.locker.check_lease(tx, lease).await,
+            None => Ok(()),
+        }
+    }
+
+    fn missing(key: &Key) -> Error {
+        Error::new(
+            ErrorKind::InvalidInput,
+            format!("no cursor for stream {} and perspective {}", key.0, key.1),
+        )
+    }
+
+    /// Moves the pair's rewind request to `trigger` if that is earlier (or sets it).
+    fn flag(pair: &mut Pair, trigger: Uuid, now: OffsetDateTime) {
+        pair.rewind = Some(match pair.rewind {
+            Some(r) => RewindRequest {
+                trigger: r.trigger.min(trigger),
+                flagged_at: now,
+                first_flagged_at: r.first_flagged_at,
+            },
+            None => RewindRequest {
+                trigger,
+                flagged_at: now,
+                first_flagged_at: now,
+            },
+        });
+    }
+
+    fn debounced(&self, rewind: &RewindRequest, debounce: Duration) -> bool {
+        self.now() < rewind.flagged_at + debounce
+    }
+}
+
+fn check_state(state: &serde_json::Value) -> Result<()> {
+    fn has_nul(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::String(s) => s.contains('\0'),
+            serde_json::Value::Array(a) => a.iter().any(has_nul),
+            serde_json::Value::Object(m) => m.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+            _ => false,
+        }
+    }
+    if has_nul(state) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "a perspective state must not contain U+0000 (jsonb cannot store it)",
+        ));
+    }
+    Ok(())
+}
+
+impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
+    async fn register(&self, tx: &FakeTransaction, perspectives: &[PerspectiveName]) -> Result<()> {
+        tx.check_usable()?;
+        let mut state = self.lock_state();
+        self.stage(&mut state, tx)
+            .registered
+            .extend(perspectives.iter().cloned());
+        Ok(())
+    }
+
+    async fn pending_pairs(
+        &self,
+        tx: &FakeTransaction,
+        instance: InstanceId,
+        debounce: Duration,
+        limit: usize,
+    ) -> Result<Vec<PendingPair>> {
+        tx.check_usable()?;
+        let leased_by_others: HashSet<Key> = self
+            .locker
+            .list_leases()
+            .await?
+            .into_iter()
+            .filter(|l| l.status == LeaseStatus::Held && l.holder != instance)
+            .map(|l| (l.stream_id, l.perspective))
+            .collect();
+        let state = self.lock_state();
+        let mut registered: Vec<PerspectiveName> = state.registered.iter().cloned().collect();
+        if let Some(staged) = state.staged.get(&tx.id()) {
+            registered.extend(staged.registered.iter().cloned());
+        }
+        let mut keys: BTreeSet<Key> = self
+            .events
+            .streams()
+            .into_iter()
+            .flat_map(|s| registered.iter().map(move |p| (s, p.clone())))
+            .collect();
+        keys.extend(state.pairs.keys().cloned());
+        let mut found: Vec<(OffsetDateTime, PendingPair)> = Vec::new();
+        for key in keys {
+            if leased_by_others.contains(&key) {
+                continue;
+            }
+            let pending = self.pending(&state, tx, &key);
+            let pair = Self::read(&state, tx, &key).unwrap_or_default();
+            // A rewind inside its debounce window holds the whole pair back, work included.
+            if pair.rewind.is_some_and(|r| self.debounced(&r, debounce)) {
+                continue;
+            }
+            let rewind = pair.rewind.is_some();
+            if pending.is_empty() && !rewind {
+                continue;
+            }
+            let oldest = pending
+                .iter()
+                .map(|e| e.recorded_at)
+                .min()
+                .or(pair.rewind.map(|r| r.first_flagged_at))
+                .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+            found.push((
+                oldest,
+                PendingPair {
+                    stream_id: key.0,
+                    perspective: key.1,
+                    pending: pending.len() as u64,
+                    rewind,
+                },
+            ));
+        }
+        found.sort_by_key(|(oldest, _)| *oldest);
+        Ok(found.into_iter().take(limit).map(|(_, p)| p).collect())
+    }
+
+    async fn claim(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        max_events: usize,
+        debounce: Duration,
+    ) -> Result<Claim> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        if !self
+            .rows
+            .try_acquire_for_transaction(tx, &Self::row_key(stream_id, perspective))
+            .await?
+        {
+            return Ok(Claim::Busy);
+        }
+        self.create(tx, &key);
+        let (lease, live) = self.lease(&key).await?;
+        if live {
+            return Ok(Claim::Busy);
+        }
+        let (mut pair, pending) = {
+            let state = self.lock_state();
+            (
+                Self::read(&state, tx, &key).unwrap_or_default(),
+                self.pending(&state, tx, &key),
+            )
+        };
+        let late = pair
+            .last_event_id
+            .and_then(|last| pending.iter().map(|e| e.event_id).find(|id| *id < last));
+        if let Some(trigger) = late.filter(|t| pair.rewind.is_none_or(|r| *t < r.trigger)) {
+            Self::flag(&mut pair, trigger, self.now());
+            self.write(tx, key.clone(), pair.clone());
+        }
+        if let Some(rewind) = &pair.rewind {
+            if self.debounced(rewind, debounce) {
+                return Ok(Claim::Idle);
+            }
+            return Ok(Claim::Rewind {
+                cursor: Self::cursor_of(&key, &pair, lease),
+            });
+        }
+        if pending.is_empty() {
+            return Ok(Claim::Idle);
+        }
+        let events: Vec<RecordedEvent> = pending.into_iter().take(max_events).collect();
+        Ok(Claim::Apply {
+            cursor: Self::cursor_of(&key, &pair, lease),
+            state: pair.state,
+            events,
+        })
+    }
+
+    async fn commit_state(&self, tx: &FakeTransaction, commit: &StateCommit) -> Result<i64> {
+        tx.check_usable()?;
+        check_state(&commit.state)?;
+        let key = (commit.stream_id, commit.perspective.clone());
+        self.lock_row(tx, &key).await?;
+        self.fence(tx, commit.fence.as_ref()).await?;
+        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Err(Error::new(
+                ErrorKind::Conflict,
+                format!("stream {} perspective {}: the cursor is gone", key.0, key.1),
+            ));
+        };
+        if pair.revision != commit.expected_revision {
+            return Err(Error::new(
+                ErrorKind::Conflict,
+                format!(
+                    "stream {} perspective {}: expected revision {}, found {}",
+                    key.0, key.1, commit.expected_revision, pair.revision
+                ),
+            ));
+        }
+        pair.revision += 1;
+        pair.state = Some(commit.state.clone());
+        pair.last_event_id = commit.last_event_id;
+        pair.applied_count = commit.applied_count;
+        pair.error = None;
+        pair.failures = 0;
+        if let Some(trigger) = commit.rewound_from {
+            pair.snapshots.retain(|id, _| *id < trigger);
+            if pair.rewind.is_some_and(|r| r.trigger == trigger) {
+                pair.rewind = None;
+            }
+        }
+        if commit.snapshot
+            && let Some(at) = commit.last_event_id
+        {
+            pair.snapshots.insert(
+                at,
+                Snapshot {
+                    event_id: at,
+                    state: commit.state.clone(),
+                    applied_count: commit.applied_count,
+                },
+            );
+            while pair.snapshots.len() > DEFAULT_KEEP_SNAPSHOTS {
+                pair.snapshots.pop_first();
+            }
+        }
+        let revision = pair.revision;
+        self.complete(tx, key.clone(), commit.applied_events.iter().copied());
+        self.write(tx, key, pair);
+        Ok(revision)
+    }
+
+    async fn cursor(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<Cursor>> {
+        Ok(self
+            .state(tx, stream_id, perspective)
+            .await?
+            .map(|(cursor, _)| cursor))
+    }
+
+    async fn state(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        let Some(pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Ok(None);
+        };
+        let (lease, _) = self.lease(&key).await?;
+        let state = pair.state.clone();
+        Ok(Some((Self::cursor_of(&key, &pair, lease), state)))
+    }
+
+    async fn pending_events(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Vec<Uuid>> {
+        tx.check_usable()?;
+        let state = self.lock_state();
+        Ok(self
+            .pending(&state, tx, &(stream_id, perspective.clone()))
+            .into_iter()
+            .map(|e| e.event_id)
+            .collect())
+    }
+
+    async fn stream_events(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        after: Option<Uuid>,
+    ) -> Result<Vec<RecordedEvent>> {
+        tx.check_usable()?;
+        let mut events: Vec<RecordedEvent> = self
+            .events
+            .committed(stream_id)
+            .into_iter()
+            .filter(|e| after.is_none_or(|a| e.event_id > a))
+            .collect();
+        events.sort_by_key(|e| e.event_id);
+        Ok(events)
+    }
+
+    async fn snapshot_before(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        before: Uuid,
+    ) -> Result<Option<Snapshot>> {
+        tx.check_usable()?;
+        let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
+        Ok(pair.and_then(|p| {
+            p.snapshots
+                .range(..before)
+                .next_back()
+                .map(|(_, s)| s.clone())
+        }))
+    }
+
+    async fn save_snapshot(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        expected_revision: i64,
+        fence: Option<&lockstep_core::LeaseId>,
+    ) -> Result<bool> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        self.lock_row(tx, &key).await?;
+        self.fence(tx, fence).await?;
+        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Ok(false);
+        };
+        let (Some(at), Some(state)) = (pair.last_event_id, pair.state.clone()) else {
+            return Ok(false);
+        };
+        if pair.revision != expected_revision || pair.snapshots.contains_key(&at) {
+            return Ok(false);
+        }
+        pair.snapshots.insert(
+            at,
+            Snapshot {
+                event_id: at,
+                state,
+                applied_count: pair.applied_count,
+            },
+        );
+        while pair.snapshots.len() > DEFAULT_KEEP_SNAPSHOTS {
+            pair.snapshots.pop_first();
+        }
+        self.write(tx, key, pair);
+        Ok(true)
+    }
+
+    async fn request_rewind(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        from: Option<Uuid>,
+    ) -> Result<bool> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        if Self::read(&self.lock_state(), tx, &key).is_none() {
+            return Ok(false);
+        }
+        self.lock_row(tx, &key).await?;
+        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Ok(false);
+        };
+        Self::flag(&mut pair, from.unwrap_or(Uuid::nil()), self.now());
+        self.write(tx, key, pair);
+        Ok(true)
+    }
+
+    async fn record_failure(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        error: &str,
+    ) -> Result<()> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        self.lock_row(tx, &key).await?;
+        self.create(tx, &key);
+        let mut pair = Self::read(&self.lock_state(), tx, &key).unwrap_or_default();
+        pair.error = Some(error.replace('\0', "\u{FFFD}"));
+        pair.failures = pair.failures.saturating_add(1);
+        self.write(tx, key, pair);
+        Ok(())
+    }
+
+    async fn purge(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        fence: Option<&lockstep_core::LeaseId>,
+    ) -> Result<()> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        self.lock_row(tx, &key).await?;
+        self.fence(tx, fence).await?;
+        let pair = Self::read(&self.lock_state(), tx, &key).ok_or_else(|| Self::missing(&key))?;
+        let purged = Pair {
+            revision: pair.revision + 1,
+            ..Pair::default()
+        };
+        let all = self
+            .events
+            .committed(stream_id)
+            .into_iter()
+            .map(|e| e.event_id);
+        self.complete(tx, key.clone(), all);
+        self.write(tx, key, purged);
+        Ok(())
+    }
+
+    async fn ensure_cursor(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<bool> {
+        tx.check_usable()?;
+        Ok(self.create(tx, &(stream_id, perspective.clone())))
+    }
+
+    async fn delete_cursor(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<bool> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        self.lock_row(tx, &key).await?;
+        let all = self
+            .events
+            .committed(stream_id)
+            .into_iter()
+            .map(|e| e.event_id);
+        self.complete(tx, key.clone(), all);
+        let existed = {
+            let mut state = self.lock_state();
+            let staged = state
+                .staged
+                .get_mut(&tx.id())
+                .and_then(|s| s.pairs.remove(&key))
+                .is_some();
+            state.pairs.remove(&key).is_some() || staged
+        };
+        self.locker.delete_cursor(stream_id, perspective);
+        Ok(existed)
+    }
+}

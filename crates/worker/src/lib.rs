@@ -1,0 +1,57 @@
+//! # lockstep-worker
+//!
+//! The perspective worker: builds read models ("perspectives") from events on as many instances
+//! as you run, with the seed's rewind path (late-arriving event → restore snapshot → replay) and
+//! bootstrap path under stream leases kept alive by a keepalive.
+//!
+//! - [`PerspectiveWorker`] — the engine: normal path, bootstrap, rewind, purge, graceful
+//!   shutdown ([`worker`]).
+//! - [`LeaseKeeper`] / [`HeldLease`] — the lease lifecycle as a library piece: one keepalive
+//!   per instance (`renew_many`), a lost signal as a cancellation token, the fence for the
+//!   protected commit, release on finish or drop ([`lease`]). Applications that rebuild a read
+//!   model of their own use it too.
+//! - [`ApplyCoordinator`] — serializes every apply path of a pair inside one instance
+//!   ([`coordinator`]).
+//! - [`WorkerOptions`] — validated options ([`options`]); metric names and span fields in
+//!   [`telemetry`].
+//!
+//! The worker is generic over the unit of work ([`lockstep_core::TransactionSource`]) and the
+//! store ([`lockstep_core::PerspectiveStore`]): the testkit's in-memory store and
+//! `lockstep-pg-store`'s Postgres store both fit. The stream locker is optional, as in the seed.
+//!
+//! ```no_run
+//! # async fn demo<S, P>(source: S, store: P, locker: std::sync::Arc<dyn lockstep_core::StreamLocker>)
+//! # -> lockstep_core::Result<()>
+//! # where S: lockstep_core::TransactionSource, P: lockstep_core::PerspectiveStore<S::Tx> {
+//! use lockstep_core::{InstanceId, PerspectiveRegistry};
+//! use lockstep_worker::{PerspectiveWorker, WorkerOptions};
+//! # struct Orders;
+//! # impl lockstep_core::Perspective for Orders {
+//! #     type State = u64; type Error = std::convert::Infallible;
+//! #     fn name(&self) -> &str { "Orders" }
+//! #     fn apply(&self, s: &mut u64, _: &lockstep_core::RecordedEvent) -> Result<(), Self::Error> { *s += 1; Ok(()) }
+//! # }
+//!
+//! let mut registry = PerspectiveRegistry::new();
+//! registry.register(Orders)?;
+//! let worker = PerspectiveWorker::new(
+//!     source, store, registry, WorkerOptions::default(), InstanceId::process(), Some(locker),
+//! )?;
+//! let shutdown = tokio_util::sync::CancellationToken::new();
+//! worker.run(shutdown).await?; // until shutdown.cancel()
+//! # Ok(()) }
+//! ```
+
+pub mod coordinator;
+pub mod lease;
+pub mod options;
+pub mod telemetry;
+pub mod worker;
+
+pub use coordinator::{ApplyCoordinator, PairGuard};
+pub use lease::{HeldLease, LeaseKeeper, Leased};
+pub use options::WorkerOptions;
+pub use worker::{CycleReport, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason};
+
+/// Re-exported: the worker's shutdown signal and the lost signal of a lease.
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,145 @@
+//! [`WorkerOptions`]: how a [`crate::PerspectiveWorker`] polls, batches, snapshots and backs off,
+//! validated in one place ([`WorkerOptions::validate`], called by the worker's constructor).
+
+use std::time::Duration;
+
+use lockstep_core::{Error, ErrorKind, Result};
+
+/// The longest duration an option accepts (a day): far beyond any sensible setting, and small
+/// enough that adding it to any `Instant` or timestamp cannot overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Options of a [`crate::PerspectiveWorker`]. Defaults are documented on each field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerOptions {
+    /// How long an idle worker waits before polling again. Default 200 ms.
+    pub poll_interval: Duration,
+    /// Pairs looked at per cycle. Default 64.
+    pub pairs_per_cycle: usize,
+    /// Events applied per pair per transaction. Default 1 000.
+    pub max_events_per_claim: usize,
+    /// A snapshot is taken each time a pair's applied-event count crosses a multiple of this.
+    /// Default 100.
+    pub snapshot_every: u64,
+    /// A rewind waits until no late event arrived for this long (late events keep arriving in
+    /// bursts: one rewind instead of many). Default 0 (no debounce).
+    pub rewind_debounce: Duration,
+    /// First wait before a failed pair is retried; doubles per failure up to
+    /// `failure_backoff_max`. Default 1 s.
+    pub failure_backoff: Duration,
+    /// Longest wait before a failed pair is retried. Default 60 s.
+    pub failure_backoff_max: Duration,
+    /// How long shutdown waits for in-flight work before giving up on it (its leases are
+    /// released either way). Default 10 s.
+    pub shutdown_grace: Duration,
+    /// A task waiting longer than this for a pair's in-process apply lock logs a warning naming
+    /// the pair. Default 5 s.
+    pub coordinator_warn_after: Duration,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        WorkerOptions {
+            poll_interval: Duration::from_millis(200),
+            pairs_per_cycle: 64,
+            max_events_per_claim: 1000,
+            snapshot_every: 100,
+            rewind_debounce: Duration::ZERO,
+            failure_backoff: Duration::from_secs(1),
+            failure_backoff_max: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(10),
+            coordinator_warn_after: Duration::from_secs(5),
+        }
+    }
+}
+
+impl WorkerOptions {
+    /// Checks every option: counts at least 1 (and at most 1 000 000), durations at most
+    /// [`MAX_DURATION`], `poll_interval` at least 1 ms, `failure_backoff <=
+    /// failure_backoff_max`. A bad option is [`ErrorKind::InvalidInput`] naming it.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::new(ErrorKind::InvalidInput, what.to_owned()));
+        for (name, value) in [
+            ("pairs_per_cycle", self.pairs_per_cycle as u64),
+            ("max_events_per_claim", self.max_events_per_claim as u64),
+            ("snapshot_every", self.snapshot_every),
+        ] {
+            if !(1..=1_000_000).contains(&value) {
+                return bad(&format!(
+                    "{name} must be between 1 and 1000000, got {value}"
+                ));
+            }
+        }
+        for (name, value) in [
+            ("poll_interval", self.poll_interval),
+            ("rewind_debounce", self.rewind_debounce),
+            ("failure_backoff", self.failure_backoff),
+            ("failure_backoff_max", self.failure_backoff_max),
+            ("shutdown_grace", self.shutdown_grace),
+            ("coordinator_warn_after", self.coordinator_warn_after),
+        ] {
+            if value > MAX_DURATION {
+                return bad(&format!("{name} must be at most one day, got {value:?}"));
+            }
+        }
+        if self.poll_interval < Duration::from_millis(1) {
+            return bad("poll_interval must be at least 1 ms");
+        }
+        if self.failure_backoff > self.failure_backoff_max {
+            return bad("failure_backoff must not exceed failure_backoff_max");
+        }
+        Ok(())
+    }
+
+    /// The wait before retrying a pair after `failures` consecutive failures.
+    pub fn backoff(&self, failures: u32) -> Duration {
+        let doublings = failures.saturating_sub(1).min(20);
+        self.failure_backoff
+            .saturating_mul(1 << doublings)
+            .min(self.failure_backoff_max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_bad_values_are_named() {
+        WorkerOptions::default().validate().expect("defaults");
+        let cases = [
+            WorkerOptions {
+                pairs_per_cycle: 0,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                snapshot_every: 0,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                poll_interval: Duration::ZERO,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                shutdown_grace: Duration::MAX,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                failure_backoff: Duration::from_secs(120),
+                ..WorkerOptions::default()
+            },
+        ];
+        for options in cases {
+            let err = options.validate().expect_err("refused");
+            assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_never_overflows() {
+        let o = WorkerOptions::default();
+        assert_eq!(o.backoff(1), Duration::from_secs(1));
+        assert_eq!(o.backoff(3), Duration::from_secs(4));
+        assert_eq!(o.backoff(u32::MAX), Duration::from_secs(60));
+    }
+}

@@ -1,0 +1,73 @@
+//! Observability: the metric names the worker and the lease keeper report, and the span fields
+//! they record.
+//!
+//! # Metrics
+//!
+//! Reported through the [`metrics`] facade (install any recorder, e.g. a Prometheus exporter;
+//! without one they cost next to nothing). They carry one label, `perspective`, whose
+//! cardinality is the number of registered perspectives.
+//!
+//! | constant | name | kind | counts / measures |
+//! |---|---|---|---|
+//! | [`EVENTS_APPLIED`] | `lockstep_worker_events_applied_total` | counter | events applied by the normal path |
+//! | [`REWINDS`] | `lockstep_worker_rewinds_total` | counter | rewinds committed |
+//! | [`REWIND_FAILURES`] | `lockstep_worker_rewind_failures_total` | counter | rewinds that failed (apply error, panic, store error, lease lost) |
+//! | [`REWIND_SECONDS`] | `lockstep_worker_rewind_duration_seconds` | histogram | rewind duration, lease acquired to released |
+//! | [`EVENTS_REPLAYED`] | `lockstep_worker_events_replayed_total` | counter | events replayed by rewinds |
+//! | [`REPLAYS_FROM_SNAPSHOT`] | `lockstep_worker_replays_from_snapshot_total` | counter | rewinds that started from a snapshot |
+//! | [`REPLAYS_FULL`] | `lockstep_worker_replays_full_total` | counter | rewinds that replayed the whole stream |
+//! | [`BOOTSTRAPS`] | `lockstep_worker_bootstraps_total` | counter | snapshots created by bootstrap |
+//! | [`SKIPPED_LEASED`] | `lockstep_worker_pairs_skipped_leased_total` | counter | pairs skipped because another instance holds their lease |
+//! | [`APPLY_FAILURES`] | `lockstep_worker_apply_failures_total` | counter | normal-path applies that failed (error or panic) |
+//! | [`LEASES_LOST`] | `lockstep_worker_leases_lost_total` | counter | held leases reported lost by the keeper (renew refused or local deadline passed) |
+//! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
+//!
+//! # Spans
+//!
+//! `process_pair`, `rewind`, `bootstrap`, `purge` and `keepalive` spans carry the fixed fields
+//! [`FIELD_STREAM_ID`], [`FIELD_PERSPECTIVE`], [`FIELD_REASON`] and [`FIELD_EPOCH`] (recorded
+//! with `Display`, never whole values).
+
+/// Events applied by the normal path.
+pub const EVENTS_APPLIED: &str = "lockstep_worker_events_applied_total";
+/// Rewinds committed.
+pub const REWINDS: &str = "lockstep_worker_rewinds_total";
+/// Rewinds that failed.
+pub const REWIND_FAILURES: &str = "lockstep_worker_rewind_failures_total";
+/// Rewind duration in seconds.
+pub const REWIND_SECONDS: &str = "lockstep_worker_rewind_duration_seconds";
+/// Events replayed by rewinds.
+pub const EVENTS_REPLAYED: &str = "lockstep_worker_events_replayed_total";
+/// Rewinds that started from a snapshot.
+pub const REPLAYS_FROM_SNAPSHOT: &str = "lockstep_worker_replays_from_snapshot_total";
+/// Rewinds that replayed the whole stream.
+pub const REPLAYS_FULL: &str = "lockstep_worker_replays_full_total";
+/// Snapshots created by bootstrap.
+pub const BOOTSTRAPS: &str = "lockstep_worker_bootstraps_total";
+/// Pairs skipped because another instance holds their lease.
+pub const SKIPPED_LEASED: &str = "lockstep_worker_pairs_skipped_leased_total";
+/// Normal-path applies that failed.
+pub const APPLY_FAILURES: &str = "lockstep_worker_apply_failures_total";
+/// Held leases reported lost by the keeper.
+pub const LEASES_LOST: &str = "lockstep_worker_leases_lost_total";
+/// Age of the oldest event applied in a batch, at commit, in seconds.
+pub const LAG_SECONDS: &str = "lockstep_worker_lag_seconds";
+
+/// Span field: the stream id.
+pub const FIELD_STREAM_ID: &str = "stream_id";
+/// Span field: the perspective name.
+pub const FIELD_PERSPECTIVE: &str = "perspective";
+/// Span field: the lease reason.
+pub const FIELD_REASON: &str = "reason";
+/// Span field: the lease epoch.
+pub const FIELD_EPOCH: &str = "epoch";
+
+/// Adds `n` to the counter `name` for `perspective`.
+pub(crate) fn count(name: &'static str, perspective: &str, n: u64) {
+    metrics::counter!(name, "perspective" => perspective.to_owned()).increment(n);
+}
+
+/// Records `value` in the histogram `name` for `perspective`.
+pub(crate) fn observe(name: &'static str, perspective: &str, value: f64) {
+    metrics::histogram!(name, "perspective" => perspective.to_owned()).record(value);
+}

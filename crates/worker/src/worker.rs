@@ -1,0 +1,865 @@
+//! [`PerspectiveWorker`]: builds read models from events, on as many instances as you run.
+//!
+//! Each cycle asks the store for pairs with work ([`PerspectiveStore::pending_pairs`], which
+//! skips pairs leased by other instances and pairs whose rewind is still in its debounce window)
+//! and processes them one by one, each under the in-process [`ApplyCoordinator`]:
+//!
+//! - **Normal path**: claim the pair (its cursor row is locked for the transaction, `SKIP
+//!   LOCKED`), apply the pending events in event-id order, commit state + cursor + completed work
+//!   in one transaction (a compare-and-set on the cursor's revision), with a snapshot each time
+//!   the applied count crosses a multiple of `snapshot_every`. Then **bootstrap**: a pair that
+//!   has applied events but no snapshot gets one, under a `bootstrap` lease when it can be had
+//!   and without one when not (the seed's graceful degradation: the operation is idempotent and
+//!   fenced by the cursor's revision); only a lease it acquired is released.
+//! - **Rewind path** (a late arrival, or an operator's request), the seed's lifecycle: try the
+//!   `rewind` lease (denied → skip the pair until a later cycle, its work untouched); keep it
+//!   alive ([`LeaseKeeper`]); restore the latest snapshot strictly before the trigger (or start
+//!   empty) and replay every event in order; commit fenced on the lease, clearing the request and
+//!   the snapshots it invalidates; stop the keepalive and release — on every path, including an
+//!   `apply` that errors or panics, a store error, and a lost lease (the replay is abandoned the
+//!   moment the keeper signals it; nothing is committed).
+//! - **Failures** are the pair's, never the worker's: the error is stored on the cursor, the
+//!   rewind request and the work stay, a metric is counted, and the pair is retried after a
+//!   backoff (doubling per failure) while every other pair is served.
+//! - The locker is optional (`Option<Arc<dyn StreamLocker>>`, the seed's nullable dependency):
+//!   without one, rewind, bootstrap and purge run unlocked; the coordinator still serializes
+//!   every apply path of a pair within the instance, and the store's compare-and-set still
+//!   refuses a commit computed from a state another instance has moved on from.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+
+use lockstep_core::{
+    ApplyError, Claim, DynPerspective, Error, ErrorKind, InstanceId, LeaseHolder, LeaseId,
+    LockReason, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result,
+    StateCommit, StreamId, StreamLocker, TransactionSource,
+};
+use time::OffsetDateTime;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::coordinator::ApplyCoordinator;
+use crate::lease::{HeldLease, LeaseKeeper, Leased};
+use crate::options::WorkerOptions;
+use crate::telemetry::{self, count, observe};
+
+type Key = (StreamId, PerspectiveName);
+
+/// Events replayed between two checks of the lost signal during a rewind.
+const REPLAY_CHUNK: usize = 1000;
+
+/// What processing one pair did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PairOutcome {
+    /// The normal path applied this many events.
+    Applied {
+        /// Events applied.
+        events: usize,
+    },
+    /// A rewind replayed this many events and committed.
+    Rewound {
+        /// Events replayed.
+        replayed: usize,
+        /// Whether it started from a snapshot (else from the start).
+        from_snapshot: bool,
+    },
+    /// Nothing was done now; the pair is looked at again in a later cycle.
+    Skipped(SkipReason),
+    /// The pair failed; the error is stored on its cursor and it is retried after a backoff.
+    Failed {
+        /// What went wrong.
+        error: String,
+    },
+}
+
+/// Why a pair was skipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SkipReason {
+    /// Nothing to do.
+    Idle,
+    /// Another transaction holds the pair's cursor row, or a lease pauses it.
+    Busy,
+    /// Another instance holds the pair's lease.
+    Leased(LeaseHolder),
+    /// The pair failed recently and waits for its backoff.
+    BackingOff,
+    /// The pair's perspective is not registered with this worker.
+    UnknownPerspective,
+    /// The worker is shutting down.
+    ShuttingDown,
+}
+
+/// What a purge did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PurgeOutcome {
+    /// The pair's state, snapshots and pending work are gone; its cursor is reset.
+    Purged,
+    /// Another instance holds the pair's lease: nothing was purged.
+    Denied(LeaseHolder),
+    /// The pair has no cursor row.
+    NoCursor,
+}
+
+/// What one cycle did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CycleReport {
+    /// Pairs looked at.
+    pub pairs: usize,
+    /// Events applied by the normal path.
+    pub applied: usize,
+    /// Rewinds committed.
+    pub rewinds: usize,
+    /// Events replayed by those rewinds.
+    pub replayed: usize,
+    /// Pairs skipped (busy, leased elsewhere, backing off, …).
+    pub skipped: usize,
+    /// Pairs that failed.
+    pub failed: usize,
+    /// Errors of the cycle itself (the store unreachable, …), as text.
+    pub errors: Vec<String>,
+}
+
+impl CycleReport {
+    /// Whether the cycle did any work (applied, rewound).
+    pub fn did_work(&self) -> bool {
+        self.applied > 0 || self.rewinds > 0
+    }
+}
+
+/// Builds perspectives from events; see the [module docs](self).
+pub struct PerspectiveWorker<S, P> {
+    source: S,
+    store: P,
+    registry: PerspectiveRegistry,
+    options: WorkerOptions,
+    instance: InstanceId,
+    keeper: Option<LeaseKeeper>,
+    coordinator: ApplyCoordinator,
+    backoff: Mutex<HashMap<Key, Instant>>,
+}
+
+impl<S, P> std::fmt::Debug for PerspectiveWorker<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PerspectiveWorker")
+            .field("instance", &self.instance)
+            .field("perspectives", &self.registry)
+            .field("locker", &self.keeper.is_some())
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl<S, P> PerspectiveWorker<S, P>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
+    /// A worker for `registry`'s perspectives, on transactions from `source` and the store
+    /// `store`, as `instance`. With a `locker`, rewind, bootstrap and purge run under stream
+    /// leases kept alive by a [`LeaseKeeper`] (started here: call within a tokio runtime).
+    /// Invalid options are [`ErrorKind::InvalidInput`].
+    pub fn new(
+        source: S,
+        store: P,
+        registry: PerspectiveRegistry,
+        options: WorkerOptions,
+        instance: InstanceId,
+        locker: Option<Arc<dyn StreamLocker>>,
+    ) -> Result<Self> {
+        options.validate()?;
+        if registry.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "a worker needs at least one perspective",
+            ));
+        }
+        Ok(PerspectiveWorker {
+            source,
+            store,
+            registry,
+            options,
+            instance,
+            keeper: locker.map(|l| LeaseKeeper::start(l, instance)),
+            coordinator: ApplyCoordinator::new(options.coordinator_warn_after),
+            backoff: Mutex::default(),
+        })
+    }
+
+    /// The instance this worker runs as.
+    pub fn instance(&self) -> InstanceId {
+        self.instance
+    }
+
+    /// The lease keeper, when the worker has a locker.
+    pub fn keeper(&self) -> Option<&LeaseKeeper> {
+        self.keeper.as_ref()
+    }
+
+    /// The in-process apply coordinator (every apply path of a pair takes it).
+    pub fn coordinator(&self) -> &ApplyCoordinator {
+        &self.coordinator
+    }
+
+    /// The store.
+    pub fn store(&self) -> &P {
+        &self.store
+    }
+
+    /// The transaction source.
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// Registers the worker's perspectives in the store (idempotent; a new one catches up on
+    /// existing events).
+    pub async fn register(&self) -> Result<()> {
+        let names = self.registry.names();
+        let tx = self.source.begin().await?;
+        let out = self.store.register(&tx, &names).await;
+        self.finish(tx, out).await
+    }
+
+    /// Runs until `shutdown` fires: registers, then cycles, sleeping `poll_interval` after a
+    /// cycle that found nothing. On shutdown it stops claiming, lets the pair in flight finish
+    /// within `shutdown_grace` (abandoning it after that: its transaction rolls back), and
+    /// releases every lease the instance holds.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        self.register().await?;
+        while !shutdown.is_cancelled() {
+            let report = self.cycle(Some(&shutdown)).await;
+            for error in &report.errors {
+                tracing::warn!(error = %error, "perspective worker cycle failed");
+            }
+            if !report.did_work() {
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = tokio::time::sleep(self.options.poll_interval) => {}
+                }
+            }
+        }
+        if let Some(keeper) = &self.keeper {
+            let released = keeper.shutdown().await?;
+            tracing::info!(released, "perspective worker stopped; leases released");
+        }
+        Ok(())
+    }
+
+    /// Runs one cycle (see the [module docs](self)).
+    pub async fn run_once(&self) -> CycleReport {
+        self.cycle(None).await
+    }
+
+    async fn cycle(&self, shutdown: Option<&CancellationToken>) -> CycleReport {
+        let mut report = CycleReport::default();
+        let pairs = match self.pending_pairs().await {
+            Ok(pairs) => pairs,
+            Err(err) => {
+                report.errors.push(err.to_string());
+                return report;
+            }
+        };
+        for pair in pairs {
+            if shutdown.is_some_and(CancellationToken::is_cancelled) {
+                break;
+            }
+            report.pairs += 1;
+            let work = self.process_pair(pair.stream_id, &pair.perspective);
+            let outcome = match shutdown {
+                None => work.await,
+                Some(shutdown) => {
+                    // Drain with a bound: once shutdown fires, the pair in flight gets
+                    // `shutdown_grace` more, then is abandoned (dropping it rolls back).
+                    let grace = async {
+                        shutdown.cancelled().await;
+                        tokio::time::sleep(self.options.shutdown_grace).await;
+                    };
+                    tokio::select! {
+                        outcome = work => outcome,
+                        () = grace => Ok(PairOutcome::Skipped(SkipReason::ShuttingDown)),
+                    }
+                }
+            };
+            match outcome {
+                Ok(PairOutcome::Applied { events }) => report.applied += events,
+                Ok(PairOutcome::Rewound { replayed, .. }) => {
+                    report.rewinds += 1;
+                    report.replayed += replayed;
+                }
+                Ok(PairOutcome::Skipped(_)) => report.skipped += 1,
+                Ok(PairOutcome::Failed { .. }) => report.failed += 1,
+                Err(err) => report.errors.push(err.to_string()),
+            }
+        }
+        report
+    }
+
+    async fn pending_pairs(&self) -> Result<Vec<lockstep_core::PendingPair>> {
+        let tx = self.source.begin().await?;
+        let out = self
+            .store
+            .pending_pairs(
+                &tx,
+                self.instance,
+                self.options.rewind_debounce,
+                self.options.pairs_per_cycle,
+            )
+            .await;
+        self.finish(tx, out).await
+    }
+
+    /// Ends `tx`: commit when `out` is `Ok`, roll back otherwise. (Not the closure runner of
+    /// `TransactionSource`: its closures, generic over the store, trip rustc's higher-ranked
+    /// `Send` inference when the worker's future is spawned.)
+    async fn finish<T>(&self, tx: S::Tx, out: Result<T>) -> Result<T> {
+        match out {
+            Ok(value) => {
+                self.source.commit(tx).await?;
+                Ok(value)
+            }
+            Err(err) => {
+                let _ = self.source.rollback(tx).await;
+                Err(err)
+            }
+        }
+    }
+
+    fn backing_off(&self, key: &Key) -> bool {
+        let mut backoff = self
+            .backoff
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match backoff.get(key) {
+            Some(until) if Instant::now() < *until => true,
+            Some(_) => {
+                backoff.remove(key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Processes one pair now: the normal path, or the rewind path when the pair needs one.
+    /// Errors of the store are returned; errors of the pair are stored on it
+    /// ([`PairOutcome::Failed`]).
+    pub async fn process_pair(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<PairOutcome> {
+        let span = tracing::info_span!(
+            "process_pair",
+            stream_id = %stream_id,
+            perspective = %perspective,
+        );
+        async move {
+            let key = (stream_id, perspective.clone());
+            if self.backing_off(&key) {
+                return Ok(PairOutcome::Skipped(SkipReason::BackingOff));
+            }
+            let Some(p) = self.registry.get(perspective).cloned() else {
+                return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
+            };
+            let _pair = self.coordinator.lock(stream_id, perspective).await;
+            match self.apply_pending(stream_id, perspective, &*p).await? {
+                Normal::Done(outcome) => Ok(outcome),
+                Normal::NeedsRewind => self.rewind_locked(stream_id, perspective, &*p).await,
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The normal path, under the pair's coordinator lock.
+    async fn apply_pending(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &dyn DynPerspective,
+    ) -> Result<Normal> {
+        let tx = self.source.begin().await?;
+        let claim = match self
+            .store
+            .claim(
+                &tx,
+                stream_id,
+                name,
+                self.options.max_events_per_claim,
+                self.options.rewind_debounce,
+            )
+            .await
+        {
+            Ok(claim) => claim,
+            Err(err) => {
+                let _ = self.source.rollback(tx).await;
+                return Err(err);
+            }
+        };
+        let (cursor, state, events) = match claim {
+            Claim::Apply {
+                cursor,
+                state,
+                events,
+            } => (cursor, state, events),
+            Claim::Rewind { .. } => {
+                // Keep a rewind request the claim may have just written.
+                self.source.commit(tx).await?;
+                return Ok(Normal::NeedsRewind);
+            }
+            Claim::Busy => {
+                let _ = self.source.rollback(tx).await;
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
+            }
+            _ => {
+                let _ = self.source.rollback(tx).await;
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
+            }
+        };
+        let mut state = match state {
+            Some(state) => state,
+            None => p.initial_state()?,
+        };
+        if let Err(err) = apply_guarded(p, &mut state, &events) {
+            let _ = self.source.rollback(tx).await;
+            count(telemetry::APPLY_FAILURES, name.as_str(), 1);
+            return self
+                .fail(stream_id, name, cursor.failures, &err.to_string())
+                .await
+                .map(Normal::Done);
+        }
+        let applied_count = cursor.applied_count + events.len() as u64;
+        let every = self.options.snapshot_every;
+        let snapshot = applied_count / every > cursor.applied_count / every;
+        let oldest = events.iter().map(|e| e.recorded_at).min();
+        let commit = StateCommit {
+            stream_id,
+            perspective: name.clone(),
+            expected_revision: cursor.revision,
+            state,
+            last_event_id: events.last().map(|e| e.event_id).or(cursor.last_event_id),
+            applied_count,
+            applied_events: events.iter().map(|e| e.event_id).collect(),
+            rewound_from: None,
+            snapshot,
+            fence: None,
+        };
+        if let Err(err) = self.store.commit_state(&tx, &commit).await {
+            let _ = self.source.rollback(tx).await;
+            return match err.kind() {
+                // Another applier moved the cursor first: nothing lost, look again later.
+                ErrorKind::Conflict => Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy))),
+                _ => Err(err),
+            };
+        }
+        let revision = cursor.revision + 1;
+        self.source.commit(tx).await?;
+        count(
+            telemetry::EVENTS_APPLIED,
+            name.as_str(),
+            events.len() as u64,
+        );
+        if let Some(oldest) = oldest {
+            let lag = (OffsetDateTime::now_utc() - oldest)
+                .as_seconds_f64()
+                .max(0.0);
+            observe(telemetry::LAG_SECONDS, name.as_str(), lag);
+        }
+        let needs_bootstrap = cursor.latest_snapshot.is_none() && !snapshot && applied_count > 0;
+        if needs_bootstrap && let Err(err) = self.bootstrap(stream_id, name, revision).await {
+            tracing::warn!(error = %err, "bootstrap failed; retried after the next apply");
+        }
+        Ok(Normal::Done(PairOutcome::Applied {
+            events: events.len(),
+        }))
+    }
+
+    /// Bootstrap: snapshot a pair that has applied events but no snapshot (see the module
+    /// docs). Returns whether a snapshot was written.
+    async fn bootstrap(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        revision: i64,
+    ) -> Result<bool> {
+        let lease = match &self.keeper {
+            Some(keeper) => match keeper
+                .try_acquire(stream_id, name, &LockReason::Bootstrap)
+                .await
+            {
+                Ok(Leased::Held(lease)) => Some(lease),
+                // Graceful degradation (the seed): proceed without the lease; the save is
+                // idempotent and refused if the cursor moved on.
+                Ok(Leased::Denied(_) | Leased::NoCursor) => None,
+                Err(err) => {
+                    tracing::debug!(error = %err, "bootstrap lease unavailable; proceeding without");
+                    None
+                }
+            },
+            None => None,
+        };
+        let fence = lease.as_ref().map(|l| l.id().clone());
+        let saved = async {
+            let tx = self.source.begin().await?;
+            let out = self
+                .store
+                .save_snapshot(&tx, stream_id, name, revision, fence.as_ref())
+                .await;
+            self.finish(tx, out).await
+        }
+        .await;
+        if let Some(lease) = lease {
+            release(lease).await;
+        }
+        let saved = saved?;
+        if saved {
+            count(telemetry::BOOTSTRAPS, name.as_str(), 1);
+        }
+        Ok(saved)
+    }
+
+    /// Rewinds a pair now if it has a rewind request (the rewind path of the module docs).
+    pub async fn rewind(&self, stream_id: StreamId, name: &PerspectiveName) -> Result<PairOutcome> {
+        let Some(p) = self.registry.get(name).cloned() else {
+            return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
+        };
+        let _pair = self.coordinator.lock(stream_id, name).await;
+        self.rewind_locked(stream_id, name, &*p).await
+    }
+
+    async fn rewind_locked(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &dyn DynPerspective,
+    ) -> Result<PairOutcome> {
+        let span = tracing::info_span!("rewind", reason = "rewind", epoch = tracing::field::Empty);
+        async move {
+            let started = Instant::now();
+            // 1. Acquire the lease (denied: skip this pair, retry on a later cycle).
+            let lease = match &self.keeper {
+                Some(keeper) => match keeper
+                    .try_acquire(stream_id, name, &LockReason::Rewind)
+                    .await?
+                {
+                    Leased::Held(lease) => Some(lease),
+                    Leased::Denied(holder) => {
+                        count(telemetry::SKIPPED_LEASED, name.as_str(), 1);
+                        return Ok(PairOutcome::Skipped(SkipReason::Leased(holder)));
+                    }
+                    Leased::NoCursor => return Ok(PairOutcome::Skipped(SkipReason::Idle)),
+                },
+                None => None,
+            };
+            if let Some(lease) = &lease {
+                tracing::Span::current().record("epoch", lease.id().epoch.get());
+            }
+            // 2–3. The keeper keeps it alive while we restore and replay; a lost lease abandons
+            // the work at once.
+            let outcome = self.rewind_under(stream_id, name, p, lease.as_ref()).await;
+            // 4–5. Stop the keepalive and release, on every path.
+            if let Some(lease) = lease {
+                release(lease).await;
+            }
+            observe(
+                telemetry::REWIND_SECONDS,
+                name.as_str(),
+                started.elapsed().as_secs_f64(),
+            );
+            match outcome {
+                Ok(Some((replayed, from_snapshot))) => {
+                    count(telemetry::REWINDS, name.as_str(), 1);
+                    count(telemetry::EVENTS_REPLAYED, name.as_str(), replayed as u64);
+                    count(
+                        if from_snapshot {
+                            telemetry::REPLAYS_FROM_SNAPSHOT
+                        } else {
+                            telemetry::REPLAYS_FULL
+                        },
+                        name.as_str(),
+                        1,
+                    );
+                    Ok(PairOutcome::Rewound {
+                        replayed,
+                        from_snapshot,
+                    })
+                }
+                Ok(None) => Ok(PairOutcome::Skipped(SkipReason::Idle)),
+                Err((failures, err)) => {
+                    count(telemetry::REWIND_FAILURES, name.as_str(), 1);
+                    tracing::warn!(error = %err, "rewind failed; the request stays and is retried");
+                    self.fail(stream_id, name, failures, &err).await
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Restore, replay and commit. `Ok(None)`: nothing to rewind any more. `Err((failures,
+    /// error))`: the pair's failure count before this one, and what went wrong.
+    async fn rewind_under(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &dyn DynPerspective,
+        lease: Option<&HeldLease>,
+    ) -> std::result::Result<Option<(usize, bool)>, (u32, String)> {
+        let never = CancellationToken::new();
+        let lost = lease.map_or(&never, HeldLease::lost);
+        let fence = lease.map(|l| l.id().clone());
+        let read = async {
+            let tx = self.source.begin().await.map_err(|e| (0, e.to_string()))?;
+            let loaded = self.load_for_rewind(&tx, stream_id, name).await;
+            let _ = self.source.rollback(tx).await;
+            loaded
+        };
+        let loaded = tokio::select! {
+            biased;
+            () = lost.cancelled() => return Err((0, lease_lost())),
+            loaded = read => loaded?,
+        };
+        let Some(loaded) = loaded else {
+            return Ok(None);
+        };
+        let failures = loaded.cursor_failures;
+        let replay = replay(p, loaded.state, &loaded.events);
+        let state = tokio::select! {
+            biased;
+            () = lost.cancelled() => return Err((failures, lease_lost())),
+            state = replay => state.map_err(|e| (failures, e.to_string()))?,
+        };
+        // The commit is fenced on the lease: not raced against the lost signal, so that a commit
+        // the server accepted is never reported as failed.
+        let replayed = loaded.events.len();
+        let commit = StateCommit {
+            stream_id,
+            perspective: name.clone(),
+            expected_revision: loaded.revision,
+            state,
+            last_event_id: loaded.events.last().map(|e| e.event_id).or(loaded.base),
+            applied_count: loaded.base_count + replayed as u64,
+            applied_events: loaded.events.iter().map(|e| e.event_id).collect(),
+            rewound_from: Some(loaded.trigger),
+            snapshot: true,
+            fence,
+        };
+        let committed = async {
+            let tx = self.source.begin().await?;
+            let out = self.store.commit_state(&tx, &commit).await;
+            self.finish(tx, out).await
+        }
+        .await;
+        committed.map_err(|e| (failures, e.to_string()))?;
+        Ok(Some((replayed, loaded.base.is_some())))
+    }
+
+    async fn load_for_rewind(
+        &self,
+        tx: &S::Tx,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+    ) -> std::result::Result<Option<Loaded>, (u32, String)> {
+        let cursor = self
+            .store
+            .cursor(tx, stream_id, name)
+            .await
+            .map_err(|e| (0, e.to_string()))?;
+        let Some(cursor) = cursor else {
+            return Ok(None);
+        };
+        let Some(rewind) = cursor.rewind else {
+            return Ok(None); // someone else finished it
+        };
+        let failures = cursor.failures;
+        let snapshot = self
+            .store
+            .snapshot_before(tx, stream_id, name, rewind.trigger)
+            .await
+            .map_err(|e| (failures, e.to_string()))?;
+        let base = snapshot.as_ref().map(|s| s.event_id);
+        let events = self
+            .store
+            .stream_events(tx, stream_id, base)
+            .await
+            .map_err(|e| (failures, e.to_string()))?;
+        let (state, base_count) = match snapshot {
+            Some(s) => (Some(s.state), s.applied_count),
+            None => (None, 0),
+        };
+        Ok(Some(Loaded {
+            cursor_failures: failures,
+            revision: cursor.revision,
+            trigger: rewind.trigger,
+            base,
+            base_count,
+            state,
+            events,
+        }))
+    }
+
+    /// Stores a pair's failure and schedules its retry after the backoff.
+    async fn fail(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        failures_before: u32,
+        error: &str,
+    ) -> Result<PairOutcome> {
+        let wait = self.options.backoff(failures_before.saturating_add(1));
+        if let Some(until) = Instant::now().checked_add(wait) {
+            self.backoff
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert((stream_id, name.clone()), until);
+        }
+        let tx = self.source.begin().await?;
+        let out = self.store.record_failure(&tx, stream_id, name, error).await;
+        self.finish(tx, out).await?;
+        Ok(PairOutcome::Failed {
+            error: error.to_owned(),
+        })
+    }
+
+    /// Requests a rewind of a pair from `from` (from the start when `None`), e.g. after the
+    /// perspective's code changed. `Ok(false)` when the pair has no cursor.
+    pub async fn request_rewind(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        from: Option<Uuid>,
+    ) -> Result<bool> {
+        let tx = self.source.begin().await?;
+        let out = self.store.request_rewind(&tx, stream_id, name, from).await;
+        self.finish(tx, out).await
+    }
+
+    /// Purges a pair under a `purge` lease (the seed's reserved reason): its state, snapshots
+    /// and pending work are deleted and its cursor reset (see
+    /// [`PerspectiveStore::purge`]). Without a locker it runs unlocked.
+    pub async fn purge(&self, stream_id: StreamId, name: &PerspectiveName) -> Result<PurgeOutcome> {
+        let span = tracing::info_span!("purge", stream_id = %stream_id, perspective = %name, reason = "purge");
+        async move {
+            let _pair = self.coordinator.lock(stream_id, name).await;
+            let lease = match &self.keeper {
+                Some(keeper) => match keeper
+                    .try_acquire(stream_id, name, &LockReason::Purge)
+                    .await?
+                {
+                    Leased::Held(lease) => Some(lease),
+                    Leased::Denied(holder) => return Ok(PurgeOutcome::Denied(holder)),
+                    Leased::NoCursor => return Ok(PurgeOutcome::NoCursor),
+                },
+                None => None,
+            };
+            let fence: Option<LeaseId> = lease.as_ref().map(|l| l.id().clone());
+            let purged: Result<bool> = async {
+                let tx = self.source.begin().await?;
+                let out = match self.store.cursor(&tx, stream_id, name).await {
+                    Ok(None) => Ok(false),
+                    Ok(Some(_)) => self
+                        .store
+                        .purge(&tx, stream_id, name, fence.as_ref())
+                        .await
+                        .map(|()| true),
+                    Err(err) => Err(err),
+                };
+                self.finish(tx, out).await
+            }
+            .await;
+            if let Some(lease) = lease {
+                release(lease).await;
+            }
+            Ok(if purged? {
+                PurgeOutcome::Purged
+            } else {
+                PurgeOutcome::NoCursor
+            })
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+/// What the normal path found.
+enum Normal {
+    Done(PairOutcome),
+    NeedsRewind,
+}
+
+/// What a rewind restores and replays.
+struct Loaded {
+    cursor_failures: u32,
+    revision: i64,
+    trigger: Uuid,
+    /// The snapshot's event id, when restoring one.
+    base: Option<Uuid>,
+    base_count: u64,
+    state: Option<serde_json::Value>,
+    events: Vec<RecordedEvent>,
+}
+
+fn lease_lost() -> String {
+    Error::new(
+        ErrorKind::LeaseLost,
+        "the rewind lease was lost; the rewind was abandoned and nothing was committed",
+    )
+    .to_string()
+}
+
+/// Releases a lease, logging (not failing) when that does not work: it then expires.
+async fn release(lease: HeldLease) {
+    let id = lease.id().clone();
+    if let Err(err) = lease.release().await {
+        tracing::warn!(error = %err, stream_id = %id.stream_id, "releasing a lease failed; it will expire");
+    }
+}
+
+/// Applies `events` to `state`, turning a panic in the perspective's code into an error.
+fn apply_guarded(
+    p: &dyn DynPerspective,
+    state: &mut serde_json::Value,
+    events: &[RecordedEvent],
+) -> std::result::Result<(), ApplyError> {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| p.apply_all(state, events))) {
+        Ok(outcome) => outcome,
+        Err(panic) => {
+            let detail = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            Err(ApplyError::Panicked {
+                event_id: None,
+                detail,
+            })
+        }
+    }
+}
+
+/// Replays `events` onto `state` (the initial state when `None`) in chunks, yielding between
+/// them so a lost lease can stop a long replay.
+async fn replay(
+    p: &dyn DynPerspective,
+    state: Option<serde_json::Value>,
+    events: &[RecordedEvent],
+) -> Result<serde_json::Value> {
+    let mut state = match state {
+        Some(state) => state,
+        None => p.initial_state()?,
+    };
+    for chunk in events.chunks(REPLAY_CHUNK) {
+        apply_guarded(p, &mut state, chunk).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                format!("the perspective failed during replay: {e}"),
+            )
+        })?;
+        tokio::task::yield_now().await;
+    }
+    Ok(state)
+}

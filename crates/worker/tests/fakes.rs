@@ -1,0 +1,1023 @@
+//! The perspective worker on the testkit fakes (paused tokio time: lease expiry and keepalive
+//! intervals cost nothing): normal path, late arrivals, rewind under a lease with keepalive,
+//! bootstrap, failures, purge, the coordinator and shutdown.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lockstep_core::{
+    Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective,
+    PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, Snapshot,
+    StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
+};
+use lockstep_testkit::{
+    FakeDatabase, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
+    InMemoryStreamLocker,
+};
+use lockstep_worker::{
+    CancellationToken, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason, WorkerOptions,
+};
+use uuid::Uuid;
+
+/// Folds every event's number into a list, in the order applied; fails on `"fail"`, panics on
+/// `"panic"`.
+struct Fold;
+
+#[derive(Debug)]
+struct Refused;
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("refused by the perspective")
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl Perspective for Fold {
+    type State = Vec<i64>;
+    type Error = Refused;
+
+    fn name(&self) -> &str {
+        "Fold"
+    }
+
+    fn apply(
+        &self,
+        state: &mut Vec<i64>,
+        event: &RecordedEvent,
+    ) -> std::result::Result<(), Refused> {
+        match event.payload.as_str() {
+            Some("fail") => Err(Refused),
+            Some("panic") => panic!("the perspective panicked"),
+            _ => {
+                state.push(event.payload.as_i64().unwrap_or(-1));
+                Ok(())
+            }
+        }
+    }
+}
+
+fn fold() -> PerspectiveName {
+    PerspectiveName::new("Fold").expect("valid")
+}
+
+type Worker<P = InMemoryPerspectiveStore> = PerspectiveWorker<FakeDatabase, P>;
+
+struct World {
+    db: FakeDatabase,
+    events: InMemoryEventStore,
+    locker: InMemoryStreamLocker,
+    store: InMemoryPerspectiveStore,
+}
+
+impl World {
+    fn new() -> World {
+        let db = FakeDatabase::new();
+        let events = InMemoryEventStore::new();
+        let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), &db);
+        let store = InMemoryPerspectiveStore::new(&db, &events, &locker);
+        World {
+            db,
+            events,
+            locker,
+            store,
+        }
+    }
+
+    fn worker_with(&self, instance: InstanceId, locked: bool, options: WorkerOptions) -> Worker {
+        let mut registry = PerspectiveRegistry::new();
+        registry.register(Fold).expect("register");
+        let locker: Option<Arc<dyn StreamLocker>> = if locked {
+            Some(Arc::new(self.locker.clone()))
+        } else {
+            None
+        };
+        PerspectiveWorker::new(
+            self.db.clone(),
+            self.store.clone(),
+            registry,
+            options,
+            instance,
+            locker,
+        )
+        .expect("worker")
+    }
+
+    fn worker(&self) -> Worker {
+        self.worker_with(InstanceId::random(), true, WorkerOptions::default())
+    }
+
+    /// Appends events `(id, payload)` to `stream` in one committed transaction.
+    async fn append(&self, stream: StreamId, events: &[(Uuid, serde_json::Value)]) {
+        let new: Vec<NewEvent> = events
+            .iter()
+            .map(|(id, payload)| {
+                NewEvent::new("Happened", payload.clone())
+                    .and_then(|e| e.with_id(*id))
+                    .expect("event")
+            })
+            .collect();
+        let tx = self.db.begin();
+        self.events
+            .append(&tx, stream, ExpectedVersion::Any, &new)
+            .await
+            .expect("append");
+        tx.commit().await.expect("commit");
+    }
+
+    async fn append_numbers(
+        &self,
+        stream: StreamId,
+        numbers: impl IntoIterator<Item = i64>,
+    ) -> Vec<Uuid> {
+        let events: Vec<(Uuid, serde_json::Value)> = numbers
+            .into_iter()
+            .map(|n| (Uuid::now_v7(), serde_json::json!(n)))
+            .collect();
+        self.append(stream, &events).await;
+        events.into_iter().map(|(id, _)| id).collect()
+    }
+
+    async fn cursor(&self, stream: StreamId) -> Cursor {
+        let tx = self.db.begin();
+        let cursor = self
+            .store
+            .cursor(&tx, stream, &fold())
+            .await
+            .expect("cursor");
+        tx.rollback().await;
+        cursor.expect("a cursor exists")
+    }
+
+    async fn pending(&self, stream: StreamId) -> Vec<Uuid> {
+        let tx = self.db.begin();
+        let pending = self
+            .store
+            .pending_events(&tx, stream, &fold())
+            .await
+            .expect("pending");
+        tx.rollback().await;
+        pending
+    }
+
+    fn state(&self, stream: StreamId) -> Vec<i64> {
+        self.store
+            .committed_state(stream, &fold())
+            .map(|s| serde_json::from_value(s).expect("a list"))
+            .unwrap_or_default()
+    }
+
+    /// The fold of the stream's committed events in event-id order.
+    fn expected(&self, stream: StreamId) -> Vec<i64> {
+        let mut events = self.events.committed(stream);
+        events.sort_by_key(|e| e.event_id);
+        events.iter().filter_map(|e| e.payload.as_i64()).collect()
+    }
+}
+
+/// An id that sorts before every UUIDv7 drawn now (a caller-chosen id from "the past").
+fn early_id(n: u128) -> Uuid {
+    Uuid::from_u128((0x0100_0000_0000_7000_8000_0000_0000_0000) | n)
+}
+
+async fn drain(worker: &Worker) {
+    for _ in 0..50 {
+        let report = worker.run_once().await;
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        if !report.did_work() && report.failed == 0 {
+            return;
+        }
+    }
+    panic!("the worker did not go idle");
+}
+
+#[tokio::test(start_paused = true)]
+async fn events_are_applied_in_order_and_their_work_completed() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, 1..=5).await;
+    let report = worker.run_once().await;
+    assert_eq!(report.applied, 5);
+    assert_eq!(world.state(stream), vec![1, 2, 3, 4, 5]);
+    assert!(
+        world.pending(stream).await.is_empty(),
+        "applied work is completed"
+    );
+    let cursor = world.cursor(stream).await;
+    assert_eq!(cursor.applied_count, 5);
+    assert!(cursor.rewind.is_none());
+    assert!(cursor.lease.is_unlocked(), "the normal path takes no lease");
+}
+
+#[tokio::test(start_paused = true)]
+async fn only_claimed_events_are_completed_and_the_rest_stay_pending() {
+    let world = World::new();
+    let options = WorkerOptions {
+        max_events_per_claim: 3,
+        ..WorkerOptions::default()
+    };
+    let worker = world.worker_with(InstanceId::random(), true, options);
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let ids = world.append_numbers(stream, 1..=5).await;
+    let outcome = worker.process_pair(stream, &fold()).await.expect("process");
+    assert_eq!(outcome, PairOutcome::Applied { events: 3 });
+    assert_eq!(world.pending(stream).await, ids[3..].to_vec());
+    assert_eq!(world.state(stream), vec![1, 2, 3]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_late_event_flags_the_pair_and_the_rewind_replays_it_in_order_under_a_released_lease() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20, 30]).await;
+    drain(&worker).await;
+    assert_eq!(world.state(stream), vec![10, 20, 30]);
+
+    let late = early_id(1);
+    world.append(stream, &[(late, serde_json::json!(5))]).await;
+    // The claim sees an event before the cursor: a rewind with that trigger, not an apply.
+    let tx = world.db.begin();
+    let claim = world
+        .store
+        .claim(&tx, stream, &fold(), 100, Duration::ZERO)
+        .await
+        .expect("claim");
+    match claim {
+        Claim::Rewind { cursor } => {
+            assert_eq!(cursor.rewind.expect("requested").trigger, late);
+        }
+        other => panic!("expected a rewind, got {other:?}"),
+    }
+    tx.commit().await.expect("commit");
+
+    let outcome = worker.process_pair(stream, &fold()).await.expect("process");
+    assert!(
+        matches!(outcome, PairOutcome::Rewound { replayed: 4, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(world.state(stream), vec![5, 10, 20, 30], "event-id order");
+    assert_eq!(world.state(stream), world.expected(stream));
+    let cursor = world.cursor(stream).await;
+    assert!(cursor.rewind.is_none(), "the request is cleared");
+    assert!(cursor.lease.is_unlocked(), "the rewind lease is released");
+    assert!(cursor.lease.epoch.get() >= 1, "it was taken");
+    assert!(world.pending(stream).await.is_empty());
+    assert_eq!(
+        worker.keeper().expect("keeper").held(),
+        0,
+        "keepalive stopped"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rewind_restores_the_latest_snapshot_before_the_trigger() {
+    let world = World::new();
+    let options = WorkerOptions {
+        snapshot_every: 2,
+        max_events_per_claim: 2,
+        ..WorkerOptions::default()
+    };
+    let worker = world.worker_with(InstanceId::random(), true, options);
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let ids = world.append_numbers(stream, 1..=6).await;
+    drain(&worker).await;
+    // A late event between the 4th and 5th: snapshots at 2 and 4 are before it.
+    let late = Uuid::from_u128(ids[3].as_u128() + 1);
+    assert!(late < ids[4]);
+    world.append(stream, &[(late, serde_json::json!(45))]).await;
+    let outcome = loop {
+        match worker.process_pair(stream, &fold()).await.expect("process") {
+            PairOutcome::Rewound {
+                replayed,
+                from_snapshot,
+            } => break (replayed, from_snapshot),
+            PairOutcome::Skipped(_) => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(
+        outcome,
+        (3, true),
+        "replays 45, 5, 6 from the snapshot at the 4th event"
+    );
+    assert_eq!(world.state(stream), vec![1, 2, 3, 4, 45, 5, 6]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rewind_denied_by_another_holder_is_skipped_with_its_work_untouched_and_retried() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20]).await;
+    drain(&worker).await;
+    let late = early_id(2);
+    world.append(stream, &[(late, serde_json::json!(1))]).await;
+    let other = InstanceId::random();
+    let held = world
+        .locker
+        .try_acquire(stream, &fold(), other, &LockReason::Purge)
+        .await
+        .expect("acquire")
+        .into_lease()
+        .expect("held by the other instance");
+    // Flag it (the claim would, but the other instance's lease makes the claim Busy).
+    let tx = world.db.begin();
+    world
+        .store
+        .request_rewind(&tx, stream, &fold(), Some(late))
+        .await
+        .expect("request");
+    tx.commit().await.expect("commit");
+
+    let outcome = worker.rewind(stream, &fold()).await.expect("rewind");
+    assert!(
+        matches!(outcome, PairOutcome::Skipped(SkipReason::Leased(ref h)) if h.instance == other),
+        "{outcome:?}"
+    );
+    assert_eq!(world.pending(stream).await, vec![late], "work untouched");
+    let cursor = world.cursor(stream).await;
+    assert_eq!(
+        cursor.lease.holder,
+        Some(other),
+        "the other's lease was not released"
+    );
+    assert!(cursor.rewind.is_some(), "still requested");
+    assert_eq!(worker.run_once().await.rewinds, 0, "skipped while held");
+
+    assert!(
+        world
+            .locker
+            .release(&held.id)
+            .await
+            .expect("release")
+            .is_released()
+    );
+    drain(&worker).await;
+    assert_eq!(
+        world.state(stream),
+        vec![1, 10, 20],
+        "retried on a later cycle"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_rewind_keeps_the_request_and_the_work_releases_the_lease_and_the_worker_goes_on()
+{
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let (bad, good) = (StreamId::new_v7(), StreamId::new_v7());
+    world.append_numbers(bad, [10]).await;
+    drain(&worker).await;
+    let late = early_id(3);
+    world
+        .append(bad, &[(late, serde_json::json!("fail"))])
+        .await;
+    world.append_numbers(good, [7]).await;
+
+    let report = worker.run_once().await;
+    assert_eq!(report.failed, 1);
+    assert_eq!(world.state(good), vec![7], "the other pair is served");
+    let cursor = world.cursor(bad).await;
+    assert_eq!(
+        cursor.rewind.map(|r| r.trigger),
+        Some(late),
+        "the request stays"
+    );
+    assert!(
+        cursor.error.as_deref().unwrap_or("").contains("refused"),
+        "{cursor:?}"
+    );
+    assert_eq!(cursor.failures, 1);
+    assert!(cursor.lease.is_unlocked(), "released");
+    assert_eq!(
+        worker.keeper().expect("keeper").held(),
+        0,
+        "keepalive stopped"
+    );
+    assert_eq!(world.pending(bad).await, vec![late], "the work stays");
+    assert_eq!(
+        worker.process_pair(bad, &fold()).await.expect("process"),
+        PairOutcome::Skipped(SkipReason::BackingOff)
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        matches!(
+            worker.process_pair(bad, &fold()).await.expect("process"),
+            PairOutcome::Failed { .. }
+        ),
+        "retried after the backoff"
+    );
+    assert_eq!(world.cursor(bad).await.failures, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_apply_that_errors_or_panics_on_one_pair_does_not_stop_the_others() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let (erring, panicking, fine) = (StreamId::new_v7(), StreamId::new_v7(), StreamId::new_v7());
+    world
+        .append(erring, &[(Uuid::now_v7(), serde_json::json!("fail"))])
+        .await;
+    world
+        .append(panicking, &[(Uuid::now_v7(), serde_json::json!("panic"))])
+        .await;
+    world.append_numbers(fine, [1, 2]).await;
+    let report = worker.run_once().await;
+    assert_eq!(report.failed, 2);
+    assert_eq!(world.state(fine), vec![1, 2]);
+    let cursor = world.cursor(panicking).await;
+    assert!(
+        cursor.error.as_deref().unwrap_or("").contains("panicked"),
+        "{cursor:?}"
+    );
+    assert_eq!(world.pending(panicking).await.len(), 1, "nothing applied");
+}
+
+#[tokio::test(start_paused = true)]
+async fn bootstrap_snapshots_a_pair_without_one_and_only_once() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [1, 2]).await;
+    drain(&worker).await;
+    let cursor = world.cursor(stream).await;
+    assert_eq!(
+        cursor.latest_snapshot, cursor.last_event_id,
+        "bootstrapped at the last event"
+    );
+    assert!(
+        cursor.lease.is_unlocked(),
+        "the bootstrap lease is released"
+    );
+    let first = cursor.latest_snapshot;
+    world.append_numbers(stream, [3]).await;
+    drain(&worker).await;
+    assert_eq!(
+        world.cursor(stream).await.latest_snapshot,
+        first,
+        "a snapshot exists: no bootstrap"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [1]).await;
+    // Apply first (a live lease of another instance would pause the normal path) …
+    let tx = world.db.begin();
+    let Claim::Apply { cursor, events, .. } = world
+        .store
+        .claim(&tx, stream, &fold(), 10, Duration::ZERO)
+        .await
+        .expect("claim")
+    else {
+        panic!("expected work");
+    };
+    let commit = StateCommit {
+        stream_id: stream,
+        perspective: fold(),
+        expected_revision: cursor.revision,
+        state: serde_json::json!([1]),
+        last_event_id: Some(events[0].event_id),
+        applied_count: 1,
+        applied_events: vec![events[0].event_id],
+        rewound_from: None,
+        snapshot: false,
+        fence: None,
+    };
+    world
+        .store
+        .commit_state(&tx, &commit)
+        .await
+        .expect("commit state");
+    tx.commit().await.expect("commit");
+    // … then another instance leases the pair and new work arrives for it.
+    let other = InstanceId::random();
+    let _held = world
+        .locker
+        .try_acquire(stream, &fold(), other, &LockReason::Rewind)
+        .await
+        .expect("acquire");
+    let cursor = world.cursor(stream).await;
+    assert!(cursor.latest_snapshot.is_none());
+    // The worker's bootstrap goes ahead unleased and leaves the other's lease alone.
+    let tx = world.db.begin();
+    let saved = world
+        .store
+        .save_snapshot(&tx, stream, &fold(), cursor.revision, None)
+        .await
+        .expect("save");
+    tx.commit().await.expect("commit");
+    assert!(saved);
+    assert_eq!(world.cursor(stream).await.lease.holder, Some(other));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cursor_that_never_applied_an_event_gets_neither_rewind_nor_bootstrap() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let tx = world.db.begin();
+    world
+        .store
+        .ensure_cursor(&tx, stream, &fold())
+        .await
+        .expect("cursor");
+    tx.commit().await.expect("commit");
+    let report = worker.run_once().await;
+    assert_eq!((report.applied, report.rewinds), (0, 0));
+    let cursor = world.cursor(stream).await;
+    assert!(cursor.latest_snapshot.is_none());
+    assert!(
+        cursor.lease.is_unlocked() && cursor.lease.epoch.get() == 0,
+        "no lease was taken"
+    );
+}
+
+/// A store whose `stream_events` takes a long time (a large stream to replay).
+#[derive(Clone)]
+struct Slow {
+    inner: InMemoryPerspectiveStore,
+    delay: Duration,
+    loads: Arc<AtomicUsize>,
+}
+
+impl PerspectiveStore<FakeTransaction> for Slow {
+    async fn register(&self, tx: &FakeTransaction, p: &[PerspectiveName]) -> Result<()> {
+        self.inner.register(tx, p).await
+    }
+    async fn pending_pairs(
+        &self,
+        tx: &FakeTransaction,
+        i: InstanceId,
+        d: Duration,
+        l: usize,
+    ) -> Result<Vec<lockstep_core::PendingPair>> {
+        self.inner.pending_pairs(tx, i, d, l).await
+    }
+    async fn claim(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+        m: usize,
+        d: Duration,
+    ) -> Result<Claim> {
+        self.inner.claim(tx, s, p, m, d).await
+    }
+    async fn commit_state(&self, tx: &FakeTransaction, c: &StateCommit) -> Result<i64> {
+        self.inner.commit_state(tx, c).await
+    }
+    async fn cursor(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+    ) -> Result<Option<Cursor>> {
+        self.inner.cursor(tx, s, p).await
+    }
+    async fn state(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+    ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
+        self.inner.state(tx, s, p).await
+    }
+    async fn pending_events(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+    ) -> Result<Vec<Uuid>> {
+        self.inner.pending_events(tx, s, p).await
+    }
+    async fn stream_events(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        a: Option<Uuid>,
+    ) -> Result<Vec<RecordedEvent>> {
+        self.loads.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(self.delay).await;
+        self.inner.stream_events(tx, s, a).await
+    }
+    async fn snapshot_before(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+        b: Uuid,
+    ) -> Result<Option<Snapshot>> {
+        self.inner.snapshot_before(tx, s, p, b).await
+    }
+    async fn save_snapshot(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+        r: i64,
+        f: Option<&lockstep_core::LeaseId>,
+    ) -> Result<bool> {
+        self.inner.save_snapshot(tx, s, p, r, f).await
+    }
+    async fn request_rewind(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+        f: Option<Uuid>,
+    ) -> Result<bool> {
+        self.inner.request_rewind(tx, s, p, f).await
+    }
+    async fn record_failure(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+        e: &str,
+    ) -> Result<()> {
+        self.inner.record_failure(tx, s, p, e).await
+    }
+    async fn purge(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+        f: Option<&lockstep_core::LeaseId>,
+    ) -> Result<()> {
+        self.inner.purge(tx, s, p, f).await
+    }
+    async fn ensure_cursor(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+    ) -> Result<bool> {
+        self.inner.ensure_cursor(tx, s, p).await
+    }
+    async fn delete_cursor(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+    ) -> Result<bool> {
+        self.inner.delete_cursor(tx, s, p).await
+    }
+}
+
+async fn slow_world(delay: Duration) -> (World, Worker<Slow>, StreamId, Uuid, Arc<AtomicUsize>) {
+    let world = World::new();
+    let loads = Arc::new(AtomicUsize::new(0));
+    let slow = Slow {
+        inner: world.store.clone(),
+        delay,
+        loads: Arc::clone(&loads),
+    };
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Fold).expect("register");
+    let worker = PerspectiveWorker::new(
+        world.db.clone(),
+        slow,
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        Some(Arc::new(world.locker.clone()) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20]).await;
+    drain_slow(&worker).await;
+    let late = early_id(4);
+    world.append(stream, &[(late, serde_json::json!(1))]).await;
+    let tx = world.db.begin();
+    world
+        .store
+        .request_rewind(&tx, stream, &fold(), Some(late))
+        .await
+        .expect("request");
+    tx.commit().await.expect("commit");
+    (world, worker, stream, late, loads)
+}
+
+async fn drain_slow(worker: &Worker<Slow>) {
+    for _ in 0..10 {
+        if !worker.run_once().await.did_work() {
+            return;
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_35_second_rewind_with_a_30_second_lock_timeout_is_renewed_at_least_three_times() {
+    let (world, worker, stream, _late, _loads) = slow_world(Duration::from_secs(35)).await;
+    let keeper = worker.keeper().expect("keeper").clone();
+    let renews_before = keeper.renew_calls();
+    let outcome = worker.rewind(stream, &fold()).await.expect("rewind");
+    assert!(
+        matches!(outcome, PairOutcome::Rewound { .. }),
+        "{outcome:?}"
+    );
+    assert!(
+        keeper.renew_calls() - renews_before >= 3,
+        "renewed {} times",
+        keeper.renew_calls() - renews_before
+    );
+    assert_eq!(world.state(stream), vec![1, 10, 20]);
+    assert!(world.cursor(stream).await.lease.is_unlocked());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_lost_mid_rewind_stops_it_and_nothing_is_committed() {
+    let (world, worker, stream, late, _loads) = slow_world(Duration::from_secs(35)).await;
+    let before = world.cursor(stream).await;
+    let admin = world.locker.clone();
+    let name = fold();
+    let rewind = worker.rewind(stream, &name);
+    let operator = async {
+        // An operator force-releases the lease 5 s into the rewind: the next renew says Lost.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let outcome = admin
+            .force_release(stream, &fold())
+            .await
+            .expect("force release");
+        assert!(outcome.is_released());
+    };
+    let (outcome, ()) = tokio::join!(rewind, operator);
+    let outcome = outcome.expect("rewind");
+    assert!(
+        matches!(outcome, PairOutcome::Failed { ref error } if error.contains("lease")),
+        "{outcome:?}"
+    );
+    let after = world.cursor(stream).await;
+    assert_eq!(after.revision, before.revision, "nothing committed");
+    assert_eq!(
+        after.rewind.map(|r| r.trigger),
+        Some(late),
+        "still requested"
+    );
+    assert_eq!(world.state(stream), vec![10, 20]);
+    assert_eq!(worker.keeper().expect("keeper").held(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rewind_racing_a_live_apply_of_the_same_pair_loses_no_update() {
+    let world = World::new();
+    let worker = Arc::new(world.worker());
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20]).await;
+    drain(&worker).await;
+    world
+        .append(stream, &[(early_id(5), serde_json::json!(1))])
+        .await;
+    let tx = world.db.begin();
+    world
+        .store
+        .request_rewind(&tx, stream, &fold(), Some(early_id(5)))
+        .await
+        .expect("request");
+    tx.commit().await.expect("commit");
+    world.append_numbers(stream, [30]).await;
+    let (a, b) = (Arc::clone(&worker), Arc::clone(&worker));
+    let name = fold();
+    let (r1, r2) = tokio::join!(
+        tokio::spawn(async move { a.rewind(stream, &fold()).await }),
+        tokio::spawn(async move { b.process_pair(stream, &name).await })
+    );
+    for outcome in [r1, r2] {
+        let outcome = outcome.expect("task").expect("no error");
+        assert!(
+            !matches!(outcome, PairOutcome::Failed { .. }),
+            "{outcome:?}"
+        );
+    }
+    drain(&worker).await;
+    assert_eq!(world.state(stream), world.expected(stream));
+    assert_eq!(world.state(stream), vec![1, 10, 20, 30]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_locker_rewinds_run_unlocked_and_still_converge() {
+    let world = World::new();
+    let worker = world.worker_with(InstanceId::random(), false, WorkerOptions::default());
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20]).await;
+    drain(&worker).await;
+    world
+        .append(stream, &[(early_id(6), serde_json::json!(1))])
+        .await;
+    drain(&worker).await;
+    assert_eq!(world.state(stream), vec![1, 10, 20]);
+    let cursor = world.cursor(stream).await;
+    assert_eq!(cursor.lease.epoch.get(), 0, "no lease was ever taken");
+}
+
+#[tokio::test(start_paused = true)]
+async fn three_instances_converge_on_the_fold_of_every_stream() {
+    let world = World::new();
+    let workers: Vec<Arc<Worker>> = (0..3).map(|_| Arc::new(world.worker())).collect();
+    workers[0].register().await.expect("register");
+    let streams: Vec<StreamId> = (0..20).map(|_| StreamId::new_v7()).collect();
+    for (i, stream) in streams.iter().enumerate() {
+        world
+            .append_numbers(*stream, (0..10).map(|n| n + i as i64 * 100))
+            .await;
+        if i % 4 == 0 {
+            world
+                .append(
+                    *stream,
+                    &[(early_id(100 + i as u128), serde_json::json!(-(i as i64)))],
+                )
+                .await;
+        }
+    }
+    let mut tasks = Vec::new();
+    for worker in &workers {
+        let worker = Arc::clone(worker);
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..30 {
+                let report = worker.run_once().await;
+                assert!(report.errors.is_empty(), "{:?}", report.errors);
+                tokio::task::yield_now().await;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("worker task");
+    }
+    drain(&workers[0]).await;
+    for stream in streams {
+        assert_eq!(
+            world.state(stream),
+            world.expected(stream),
+            "stream {stream}"
+        );
+        assert!(world.pending(stream).await.is_empty());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn purge_runs_under_a_purge_lease_and_resets_the_pair() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [1, 2, 3]).await;
+    drain(&worker).await;
+    let other = InstanceId::random();
+    let held = world
+        .locker
+        .try_acquire(stream, &fold(), other, &LockReason::Rewind)
+        .await
+        .expect("acquire")
+        .into_lease()
+        .expect("held");
+    assert!(matches!(
+        worker.purge(stream, &fold()).await.expect("purge"),
+        PurgeOutcome::Denied(_)
+    ));
+    assert_eq!(
+        world.state(stream),
+        vec![1, 2, 3],
+        "nothing purged while denied"
+    );
+    assert!(
+        world
+            .locker
+            .release(&held.id)
+            .await
+            .expect("release")
+            .is_released()
+    );
+    assert_eq!(
+        worker.purge(stream, &fold()).await.expect("purge"),
+        PurgeOutcome::Purged
+    );
+    let cursor = world.cursor(stream).await;
+    assert_eq!(world.store.committed_state(stream, &fold()), None);
+    assert_eq!(
+        (
+            cursor.applied_count,
+            cursor.last_event_id,
+            cursor.latest_snapshot
+        ),
+        (0, None, None)
+    );
+    assert!(cursor.lease.is_unlocked(), "the purge lease is released");
+    assert_eq!(
+        worker
+            .purge(StreamId::new_v7(), &fold())
+            .await
+            .expect("purge"),
+        PurgeOutcome::NoCursor
+    );
+}
+
+/// Starts `run`, waits until the rewind is loading (holding its lease), shuts down, and returns
+/// the world once `run` has returned.
+async fn shut_down_mid_rewind(load: Duration) -> (World, Arc<Worker<Slow>>, StreamId) {
+    let (world, worker, stream, _late, loads) = slow_world(load).await;
+    let worker = Arc::new(worker);
+    let loads_before = loads.load(Ordering::SeqCst);
+    let shutdown = CancellationToken::new();
+    let run = {
+        let (worker, shutdown) = (Arc::clone(&worker), shutdown.clone());
+        tokio::spawn(async move { worker.run(shutdown).await })
+    };
+    for _ in 0..100 {
+        if loads.load(Ordering::SeqCst) > loads_before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        loads.load(Ordering::SeqCst) > loads_before,
+        "the rewind started"
+    );
+    assert_eq!(worker.keeper().expect("keeper").held(), 1);
+    shutdown.cancel();
+    run.await.expect("task").expect("run");
+    assert_eq!(worker.keeper().expect("keeper").held(), 0);
+    assert!(
+        world.cursor(stream).await.lease.is_unlocked(),
+        "released on shutdown"
+    );
+    (world, worker, stream)
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_lets_the_pair_in_flight_finish_within_the_grace_and_releases_every_lease() {
+    // The rewind needs 5 s more; the grace is 10 s.
+    let (world, _worker, stream) = shut_down_mid_rewind(Duration::from_secs(5)).await;
+    assert_eq!(
+        world.state(stream),
+        vec![1, 10, 20],
+        "finished within the grace"
+    );
+    assert!(world.cursor(stream).await.rewind.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_abandons_work_that_outlasts_the_grace_and_commits_nothing() {
+    // The rewind would need 20 s more; the grace is 10 s.
+    let (world, _worker, stream) = shut_down_mid_rewind(Duration::from_secs(20)).await;
+    assert_eq!(
+        world.state(stream),
+        vec![10, 20],
+        "abandoned: nothing committed"
+    );
+    assert!(
+        world.cursor(stream).await.rewind.is_some(),
+        "still requested for the next run"
+    );
+}
+
+#[tokio::test]
+async fn invalid_options_and_an_empty_registry_are_refused() {
+    let world = World::new();
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Fold).expect("register");
+    let bad = WorkerOptions {
+        snapshot_every: 0,
+        ..WorkerOptions::default()
+    };
+    let err = PerspectiveWorker::new(
+        world.db.clone(),
+        world.store.clone(),
+        registry,
+        bad,
+        InstanceId::random(),
+        None,
+    )
+    .expect_err("refused");
+    assert_eq!(err.kind(), lockstep_core::ErrorKind::InvalidInput);
+    let err = PerspectiveWorker::new(
+        world.db.clone(),
+        world.store,
+        PerspectiveRegistry::new(),
+        WorkerOptions::default(),
+        InstanceId::random(),
+        None,
+    )
+    .expect_err("refused");
+    assert_eq!(err.kind(), lockstep_core::ErrorKind::InvalidInput);
+}
