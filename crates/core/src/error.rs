@@ -44,6 +44,11 @@ pub enum ErrorKind {
     /// The call is not valid in this state, e.g. a lock-then-load inside a transaction that is
     /// not READ COMMITTED, or a transaction that belongs to another backend.
     Unsupported,
+    /// The connection was lost after `COMMIT` was sent and before its reply arrived: the
+    /// transaction may or may not have committed. **Not retryable** as such — running the unit
+    /// of work again could apply it twice; check what was written (appends are idempotent by
+    /// event id, so re-appending the same events is safe) before deciding.
+    CommitUnknown,
     /// Anything the backend reported that has no kind of its own.
     Backend,
 }
@@ -72,6 +77,7 @@ impl ErrorKind {
             ErrorKind::Conflict => "concurrency conflict",
             ErrorKind::LeaseLost => "lease lost",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::CommitUnknown => "commit outcome unknown",
             ErrorKind::Backend => "backend error",
         }
     }
