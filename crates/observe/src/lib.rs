@@ -1,0 +1,639 @@
+//! # lockstep-observe
+//!
+//! Observability as a layer: [`Observed`] wraps any implementation of a lockstep contract — the
+//! Postgres backends and the testkit fakes alike — and reports every call as a `tracing` span
+//! and as metrics, with the same names whatever the backend. Application code keeps depending
+//! on the contracts; the composition root decides what to observe:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use lockstep_core::{StreamLockOptions, StreamLocker};
+//! use lockstep_observe::Observed;
+//! use lockstep_testkit::InMemoryStreamLocker;
+//!
+//! let locker: Arc<dyn StreamLocker> =
+//!     Arc::new(Observed::new(InMemoryStreamLocker::new(StreamLockOptions::default())));
+//! # let _ = locker;
+//! ```
+//!
+//! Wrapped contracts: [`StreamLocker`], [`StreamLockAdmin`], [`LeaseFence`],
+//! [`DistributedLock`] (and so the aggregate write lock built on it), [`EventStore`],
+//! [`PerspectiveStore`] and [`TransactionSource`].
+//!
+//! # Metrics
+//!
+//! Through the [`metrics`] facade (install any recorder; without one they cost next to nothing).
+//! Labels have fixed, small cardinality: `contract` and `op` are from the tables below,
+//! `outcome` is `ok`, an outcome name (`acquired`, `denied`, `no_cursor`, `renewed`, `lost`,
+//! `released`, `not_held`, `busy`) or the [`lockstep_core::ErrorKind`] of a failure.
+//!
+//! | constant | name | kind | labels |
+//! |---|---|---|---|
+//! | [`CALLS`] | `lockstep_calls_total` | counter | `contract`, `op`, `outcome` |
+//! | [`CALL_SECONDS`] | `lockstep_call_duration_seconds` | histogram | `contract`, `op` |
+//!
+//! | `contract` | `op` |
+//! |---|---|
+//! | `stream_locker` | `try_acquire`, `renew`, `release`, `renew_many` |
+//! | `stream_lock_admin` | `list_leases`, `inspect`, `force_release`, `release_all_held_by` |
+//! | `lease_fence` | `check_lease` |
+//! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
+//! | `event_store` | `load`, `load_locked`, `append` |
+//! | `perspective_store` | `claim`, `commit_state`, `pending_pairs`, `save_snapshot`, `purge`, `request_rewind`, `record_failure`, … (every method) |
+//! | `transaction_source` | `begin`, `commit`, `rollback` |
+//!
+//! # Spans
+//!
+//! One span per call, named after the operation (`try_acquire`, `append`, …), with the fixed
+//! fields of the call that exist: `stream_id`, `perspective`, `reason`, `epoch`, `key`
+//! (recorded with `Display`, never whole values). A failed call records an `error` event with
+//! its kind inside the span.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use lockstep_core::{
+    AcquireOutcome, Claim, Cursor, DistributedLock, EventStore, ExpectedVersion, InstanceId,
+    LeaseFence, LeaseId, LeaseInfo, LockReason, NewEvent, PendingPair, PerspectiveName,
+    PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, Snapshot,
+    StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
+    async_trait,
+};
+use tracing::Instrument;
+use uuid::Uuid;
+
+/// Calls per contract, operation and outcome.
+pub const CALLS: &str = "lockstep_calls_total";
+/// Call duration in seconds per contract and operation.
+pub const CALL_SECONDS: &str = "lockstep_call_duration_seconds";
+
+/// Wraps a contract implementation `T`, reporting spans and metrics for every call and
+/// otherwise behaving exactly like `T`.
+#[derive(Debug, Clone, Default)]
+pub struct Observed<T> {
+    inner: T,
+}
+
+impl<T> Observed<T> {
+    /// Observes `inner`.
+    pub fn new(inner: T) -> Self {
+        Observed { inner }
+    }
+
+    /// The wrapped implementation.
+    pub fn inner(&self) -> &T {
+        &self.inner
+    }
+
+    /// Unwraps it.
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
+}
+
+/// Runs `call` in `span`, then records its duration and outcome.
+async fn observe<F, R>(
+    contract: &'static str,
+    op: &'static str,
+    span: tracing::Span,
+    outcome: fn(&R) -> &'static str,
+    call: F,
+) -> Result<R>
+where
+    F: Future<Output = Result<R>>,
+{
+    let started = Instant::now();
+    let result = call.instrument(span.clone()).await;
+    let label = match &result {
+        Ok(value) => outcome(value),
+        Err(err) => {
+            span.in_scope(|| tracing::debug!(kind = %err.kind(), error = %err, "call failed"));
+            kind_label(err.kind())
+        }
+    };
+    metrics::counter!(CALLS, "contract" => contract, "op" => op, "outcome" => label).increment(1);
+    metrics::histogram!(CALL_SECONDS, "contract" => contract, "op" => op)
+        .record(secs(started.elapsed()));
+    result
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+fn ok<R>(_: &R) -> &'static str {
+    "ok"
+}
+
+fn kind_label(kind: lockstep_core::ErrorKind) -> &'static str {
+    use lockstep_core::ErrorKind as K;
+    match kind {
+        K::InvalidInput => "invalid_input",
+        K::LockTimeout => "lock_timeout",
+        K::Cancelled => "cancelled",
+        K::Deadlock => "deadlock",
+        K::TransactionAborted => "transaction_aborted",
+        K::ConnectionLost => "connection_lost",
+        K::Conflict => "conflict",
+        K::LeaseLost => "lease_lost",
+        K::Unsupported => "unsupported",
+        K::CommitUnknown => "commit_unknown",
+        _ => "backend",
+    }
+}
+
+fn acquire_label(o: &AcquireOutcome) -> &'static str {
+    if o.is_acquired() {
+        "acquired"
+    } else if matches!(o, AcquireOutcome::NoCursor) {
+        "no_cursor"
+    } else {
+        "denied"
+    }
+}
+
+fn renew_label(o: &RenewOutcome) -> &'static str {
+    if o.is_renewed() { "renewed" } else { "lost" }
+}
+
+fn release_label(o: &ReleaseOutcome) -> &'static str {
+    if o.is_released() {
+        "released"
+    } else {
+        "not_held"
+    }
+}
+
+fn bool_label(acquired: &bool) -> &'static str {
+    if *acquired { "acquired" } else { "busy" }
+}
+
+fn claim_label(c: &Claim) -> &'static str {
+    match c {
+        Claim::Apply { .. } => "apply",
+        Claim::Rewind { .. } => "rewind",
+        Claim::Busy => "busy",
+        _ => "idle",
+    }
+}
+
+fn lease_span(op: &'static str, id: &LeaseId) -> tracing::Span {
+    tracing::info_span!(
+        "lockstep",
+        op,
+        stream_id = %id.stream_id,
+        perspective = %id.perspective,
+        epoch = id.epoch.get(),
+    )
+}
+
+fn pair_span(
+    op: &'static str,
+    stream_id: StreamId,
+    perspective: &PerspectiveName,
+) -> tracing::Span {
+    tracing::info_span!("lockstep", op, stream_id = %stream_id, perspective = %perspective)
+}
+
+#[async_trait]
+impl<T: StreamLocker> StreamLocker for Observed<T> {
+    fn options(&self) -> StreamLockOptions {
+        self.inner.options()
+    }
+
+    async fn try_acquire(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        instance: InstanceId,
+        reason: &LockReason,
+    ) -> Result<AcquireOutcome> {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "try_acquire",
+            stream_id = %stream_id,
+            perspective = %perspective,
+            reason = %reason,
+        );
+        let call = self
+            .inner
+            .try_acquire(stream_id, perspective, instance, reason);
+        observe("stream_locker", "try_acquire", span, acquire_label, call).await
+    }
+
+    async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
+        let span = lease_span("renew", lease);
+        observe(
+            "stream_locker",
+            "renew",
+            span,
+            renew_label,
+            self.inner.renew(lease),
+        )
+        .await
+    }
+
+    async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
+        let span = lease_span("release", lease);
+        observe(
+            "stream_locker",
+            "release",
+            span,
+            release_label,
+            self.inner.release(lease),
+        )
+        .await
+    }
+
+    async fn renew_many(&self, leases: &[LeaseId]) -> Result<Vec<RenewOutcome>> {
+        let span = tracing::info_span!("lockstep", op = "renew_many", leases = leases.len());
+        observe(
+            "stream_locker",
+            "renew_many",
+            span,
+            ok,
+            self.inner.renew_many(leases),
+        )
+        .await
+    }
+}
+
+#[async_trait]
+impl<T: StreamLockAdmin> StreamLockAdmin for Observed<T> {
+    async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
+        let span = tracing::info_span!("lockstep", op = "list_leases");
+        observe(
+            "stream_lock_admin",
+            "list_leases",
+            span,
+            ok,
+            self.inner.list_leases(),
+        )
+        .await
+    }
+
+    async fn inspect(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<lockstep_core::CursorLease>> {
+        let span = pair_span("inspect", stream_id, perspective);
+        let call = self.inner.inspect(stream_id, perspective);
+        observe("stream_lock_admin", "inspect", span, ok, call).await
+    }
+
+    async fn force_release(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<ReleaseOutcome> {
+        let span = pair_span("force_release", stream_id, perspective);
+        let call = self.inner.force_release(stream_id, perspective);
+        observe(
+            "stream_lock_admin",
+            "force_release",
+            span,
+            release_label,
+            call,
+        )
+        .await
+    }
+
+    async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64> {
+        let span =
+            tracing::info_span!("lockstep", op = "release_all_held_by", instance = %instance);
+        let call = self.inner.release_all_held_by(instance);
+        observe("stream_lock_admin", "release_all_held_by", span, ok, call).await
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: LeaseFence<Tx>> LeaseFence<Tx> for Observed<T> {
+    fn check_lease<'a>(
+        &'a self,
+        tx: &'a Tx,
+        lease: &'a LeaseId,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = lease_span("check_lease", lease);
+        observe(
+            "lease_fence",
+            "check_lease",
+            span,
+            ok,
+            self.inner.check_lease(tx, lease),
+        )
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: DistributedLock<Tx>> DistributedLock<Tx> for Observed<T> {
+    fn acquire_for_transaction<'a>(
+        &'a self,
+        tx: &'a Tx,
+        key: &'a ResourceKey,
+        timeout: Option<Duration>,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "acquire_for_transaction", key = %key);
+        let call = self.inner.acquire_for_transaction(tx, key, timeout);
+        observe(
+            "distributed_lock",
+            "acquire_for_transaction",
+            span,
+            ok,
+            call,
+        )
+    }
+
+    fn try_acquire_for_transaction<'a>(
+        &'a self,
+        tx: &'a Tx,
+        key: &'a ResourceKey,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "try_acquire_for_transaction", key = %key);
+        let call = self.inner.try_acquire_for_transaction(tx, key);
+        observe(
+            "distributed_lock",
+            "try_acquire_for_transaction",
+            span,
+            bool_label,
+            call,
+        )
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: EventStore<Tx>> EventStore<Tx> for Observed<T> {
+    fn load<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+    ) -> impl Future<Output = Result<Vec<RecordedEvent>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "load", stream_id = %stream_id);
+        observe(
+            "event_store",
+            "load",
+            span,
+            ok,
+            self.inner.load(tx, stream_id),
+        )
+    }
+
+    fn load_locked<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        key: &'a ResourceKey,
+        timeout: Option<Duration>,
+    ) -> impl Future<Output = Result<Vec<RecordedEvent>>> + Send + 'a {
+        let span =
+            tracing::info_span!("lockstep", op = "load_locked", stream_id = %stream_id, key = %key);
+        let call = self.inner.load_locked(tx, stream_id, key, timeout);
+        observe("event_store", "load_locked", span, ok, call)
+    }
+
+    fn append<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &'a [NewEvent],
+    ) -> impl Future<Output = Result<u64>> + Send + 'a {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "append",
+            stream_id = %stream_id,
+            expected = %expected,
+            events = events.len(),
+        );
+        let call = self.inner.append(tx, stream_id, expected, events);
+        observe("event_store", "append", span, ok, call)
+    }
+}
+
+impl<T: TransactionSource> TransactionSource for Observed<T> {
+    type Tx = T::Tx;
+
+    fn begin(&self) -> impl Future<Output = Result<T::Tx>> + Send {
+        let span = tracing::info_span!("lockstep", op = "begin");
+        observe("transaction_source", "begin", span, ok, self.inner.begin())
+    }
+
+    fn commit(&self, tx: T::Tx) -> impl Future<Output = Result<()>> + Send {
+        let span = tracing::info_span!("lockstep", op = "commit");
+        observe(
+            "transaction_source",
+            "commit",
+            span,
+            ok,
+            self.inner.commit(tx),
+        )
+    }
+
+    fn rollback(&self, tx: T::Tx) -> impl Future<Output = Result<()>> + Send {
+        let span = tracing::info_span!("lockstep", op = "rollback");
+        observe(
+            "transaction_source",
+            "rollback",
+            span,
+            ok,
+            self.inner.rollback(tx),
+        )
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observed<T> {
+    fn register<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "register",
+            perspectives = perspectives.len()
+        );
+        observe(
+            "perspective_store",
+            "register",
+            span,
+            ok,
+            self.inner.register(tx, perspectives),
+        )
+    }
+
+    fn pending_pairs<'a>(
+        &'a self,
+        tx: &'a Tx,
+        instance: InstanceId,
+        debounce: Duration,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "pending_pairs", limit);
+        let call = self.inner.pending_pairs(tx, instance, debounce, limit);
+        observe("perspective_store", "pending_pairs", span, ok, call)
+    }
+
+    fn claim<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        max_events: usize,
+        debounce: Duration,
+    ) -> impl Future<Output = Result<Claim>> + Send + 'a {
+        let span = pair_span("claim", stream_id, perspective);
+        let call = self
+            .inner
+            .claim(tx, stream_id, perspective, max_events, debounce);
+        observe("perspective_store", "claim", span, claim_label, call)
+    }
+
+    fn commit_state<'a>(
+        &'a self,
+        tx: &'a Tx,
+        commit: &'a StateCommit,
+    ) -> impl Future<Output = Result<i64>> + Send + 'a {
+        let span = pair_span("commit_state", commit.stream_id, &commit.perspective);
+        observe(
+            "perspective_store",
+            "commit_state",
+            span,
+            ok,
+            self.inner.commit_state(tx, commit),
+        )
+    }
+
+    fn cursor<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Option<Cursor>>> + Send + 'a {
+        let span = pair_span("cursor", stream_id, perspective);
+        let call = self.inner.cursor(tx, stream_id, perspective);
+        observe("perspective_store", "cursor", span, ok, call)
+    }
+
+    fn state<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Option<(Cursor, Option<serde_json_value::Value>)>>> + Send + 'a
+    {
+        let span = pair_span("state", stream_id, perspective);
+        let call = self.inner.state(tx, stream_id, perspective);
+        observe("perspective_store", "state", span, ok, call)
+    }
+
+    fn pending_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send + 'a {
+        let span = pair_span("pending_events", stream_id, perspective);
+        let call = self.inner.pending_events(tx, stream_id, perspective);
+        observe("perspective_store", "pending_events", span, ok, call)
+    }
+
+    fn stream_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        after: Option<Uuid>,
+    ) -> impl Future<Output = Result<Vec<RecordedEvent>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "stream_events", stream_id = %stream_id);
+        let call = self.inner.stream_events(tx, stream_id, after);
+        observe("perspective_store", "stream_events", span, ok, call)
+    }
+
+    fn snapshot_before<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        before: Uuid,
+    ) -> impl Future<Output = Result<Option<Snapshot>>> + Send + 'a {
+        let span = pair_span("snapshot_before", stream_id, perspective);
+        let call = self
+            .inner
+            .snapshot_before(tx, stream_id, perspective, before);
+        observe("perspective_store", "snapshot_before", span, ok, call)
+    }
+
+    fn save_snapshot<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        expected_revision: i64,
+        fence: Option<&'a LeaseId>,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("save_snapshot", stream_id, perspective);
+        let call = self
+            .inner
+            .save_snapshot(tx, stream_id, perspective, expected_revision, fence);
+        observe("perspective_store", "save_snapshot", span, ok, call)
+    }
+
+    fn request_rewind<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        from: Option<Uuid>,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("request_rewind", stream_id, perspective);
+        let call = self.inner.request_rewind(tx, stream_id, perspective, from);
+        observe("perspective_store", "request_rewind", span, ok, call)
+    }
+
+    fn record_failure<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        error: &'a str,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = pair_span("record_failure", stream_id, perspective);
+        let call = self.inner.record_failure(tx, stream_id, perspective, error);
+        observe("perspective_store", "record_failure", span, ok, call)
+    }
+
+    fn purge<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        fence: Option<&'a LeaseId>,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = pair_span("purge", stream_id, perspective);
+        let call = self.inner.purge(tx, stream_id, perspective, fence);
+        observe("perspective_store", "purge", span, ok, call)
+    }
+
+    fn ensure_cursor<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("ensure_cursor", stream_id, perspective);
+        let call = self.inner.ensure_cursor(tx, stream_id, perspective);
+        observe("perspective_store", "ensure_cursor", span, ok, call)
+    }
+
+    fn delete_cursor<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("delete_cursor", stream_id, perspective);
+        let call = self.inner.delete_cursor(tx, stream_id, perspective);
+        observe("perspective_store", "delete_cursor", span, ok, call)
+    }
+}
+
+/// `serde_json::Value` through the core re-export (this crate does not depend on serde_json).
+mod serde_json_value {
+    pub(crate) use lockstep_core::serde_json::Value;
+}
