@@ -233,6 +233,24 @@ pub enum ValidationError {
         /// The lock timeout given.
         lock_timeout: std::time::Duration,
     },
+    /// An event type was empty or only whitespace.
+    #[error("event type must not be blank")]
+    BlankEventType,
+    /// An event type exceeded [`crate::NewEvent::MAX_TYPE_CHARS`].
+    #[error("event type has {chars} characters; at most {max} are allowed")]
+    EventTypeTooLong {
+        /// Characters given.
+        chars: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// An id was the nil UUID, which lockstep reserves (an event id: "from the start" in rewind
+    /// requests; an instance id: "no holder").
+    #[error("{field} must not be the nil UUID")]
+    NilId {
+        /// Which id.
+        field: &'static str,
+    },
     /// A duration did not fit the backend's representation.
     #[error("{field} is too large")]
     DurationTooLarge {

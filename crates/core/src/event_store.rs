@@ -51,7 +51,7 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::error::{BoxError, Error, ErrorKind, Result};
+use crate::error::{BoxError, Error, ErrorKind, Result, ValidationError};
 use crate::ids::StreamId;
 use crate::resource_key::ResourceKey;
 
@@ -119,22 +119,18 @@ impl NewEvent {
     pub fn new(event_type: impl Into<String>, payload: serde_json::Value) -> Result<NewEvent> {
         let event_type = event_type.into();
         if event_type.trim().is_empty() {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "event type must not be blank",
-            ));
+            return Err(ValidationError::BlankEventType.into());
         }
-        if event_type.chars().count() > Self::MAX_TYPE_CHARS {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "event type has more than {} characters",
-                    Self::MAX_TYPE_CHARS
-                ),
-            ));
+        let chars = event_type.chars().count();
+        if chars > Self::MAX_TYPE_CHARS {
+            return Err(ValidationError::EventTypeTooLong {
+                chars,
+                max: Self::MAX_TYPE_CHARS,
+            }
+            .into());
         }
         if event_type.contains('\0') {
-            return Err(crate::error::ValidationError::ContainsNul {
+            return Err(ValidationError::ContainsNul {
                 field: "event type",
             }
             .into());
@@ -142,7 +138,7 @@ impl NewEvent {
         // PostgreSQL's jsonb cannot store U+0000 in any string (key or value); refuse it here so
         // every backend rejects the same event the same way, before anything is written.
         if json_contains_nul(&payload) {
-            return Err(crate::error::ValidationError::ContainsNul {
+            return Err(ValidationError::ContainsNul {
                 field: "event payload",
             }
             .into());
@@ -158,10 +154,7 @@ impl NewEvent {
     /// (it stands for "from the start" in rewind requests).
     pub fn with_id(mut self, event_id: Uuid) -> Result<NewEvent> {
         if event_id.is_nil() {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "an event id must not be the nil UUID",
-            ));
+            return Err(ValidationError::NilId { field: "event id" }.into());
         }
         self.event_id = event_id;
         Ok(self)
@@ -363,7 +356,24 @@ mod tests {
             let err = NewEvent::new(bad, serde_json::Value::Null).expect_err("refused");
             assert_eq!(err.kind(), ErrorKind::InvalidInput);
         }
-        assert!(NewEvent::new("x".repeat(201), serde_json::Value::Null).is_err());
+        let blank = NewEvent::new(" ", serde_json::Value::Null).expect_err("refused");
+        assert_eq!(blank.validation(), Some(&ValidationError::BlankEventType));
+        let long = NewEvent::new("x".repeat(201), serde_json::Value::Null).expect_err("refused");
+        assert_eq!(
+            long.validation(),
+            Some(&ValidationError::EventTypeTooLong {
+                chars: 201,
+                max: 200
+            })
+        );
+        let nil = NewEvent::new("A", serde_json::Value::Null)
+            .expect("valid")
+            .with_id(Uuid::nil())
+            .expect_err("refused");
+        assert_eq!(
+            nil.validation(),
+            Some(&ValidationError::NilId { field: "event id" })
+        );
         let ok = NewEvent::new("StockAdded", serde_json::json!({"q": 1})).expect("valid");
         assert_eq!(ok.event_type(), "StockAdded");
     }
