@@ -14,7 +14,7 @@
 //!
 //! let key = aggregate_key(&AggregateType::new("StockItem")?, Uuid::nil());
 //! assert_eq!(key.as_str(), "relay:aggregate:StockItem:00000000000000000000000000000000");
-//! # Ok::<(), lockstep_core::ValidationError>(())
+//! # Ok::<(), lockstep_core::Error>(())
 //! ```
 
 use std::future::Future;

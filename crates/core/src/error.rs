@@ -259,6 +259,13 @@ pub enum ValidationError {
     },
 }
 
+/// Test helper: a constructor's result with the typed [`ValidationError`] as its error (panics
+/// when the error is not a validation failure).
+#[cfg(test)]
+pub(crate) fn typed<T>(result: Result<T>) -> std::result::Result<T, ValidationError> {
+    result.map_err(|e| e.validation().cloned().expect("a validation error"))
+}
+
 impl From<ValidationError> for Error {
     fn from(err: ValidationError) -> Self {
         let mut error = Error::new(ErrorKind::InvalidInput, err.to_string());

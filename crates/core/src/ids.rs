@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use uuid::Uuid;
 
-use crate::error::ValidationError;
+use crate::error::{Error, Result, ValidationError};
 
 /// The identity of one running process of the application: the holder recorded on every lease
 /// it takes.
@@ -101,22 +101,22 @@ impl PerspectiveName {
     pub const MAX_CHARS: usize = 200;
 
     /// Validates and wraps a name.
-    pub fn new(name: impl Into<String>) -> Result<PerspectiveName, ValidationError> {
+    pub fn new(name: impl Into<String>) -> Result<PerspectiveName> {
         let name = name.into();
         if name.trim().is_empty() {
-            return Err(ValidationError::BlankPerspectiveName);
+            return Err(Error::from(ValidationError::BlankPerspectiveName));
         }
         let chars = name.chars().count();
         if chars > Self::MAX_CHARS {
-            return Err(ValidationError::PerspectiveNameTooLong {
+            return Err(Error::from(ValidationError::PerspectiveNameTooLong {
                 chars,
                 max: Self::MAX_CHARS,
-            });
+            }));
         }
         if name.contains('\0') {
-            return Err(ValidationError::ContainsNul {
+            return Err(Error::from(ValidationError::ContainsNul {
                 field: "perspective name",
-            });
+            }));
         }
         Ok(PerspectiveName(name))
     }
@@ -134,7 +134,7 @@ impl fmt::Display for PerspectiveName {
 }
 
 impl TryFrom<&str> for PerspectiveName {
-    type Error = ValidationError;
+    type Error = Error;
     fn try_from(value: &str) -> Result<Self, Self::Error> {
         PerspectiveName::new(value)
     }
@@ -160,25 +160,27 @@ impl AggregateType {
     pub const MAX_CHARS: usize = 200;
 
     /// Validates and wraps a type name.
-    pub fn new(name: impl Into<String>) -> Result<AggregateType, ValidationError> {
+    pub fn new(name: impl Into<String>) -> Result<AggregateType> {
         let name = name.into();
         if name.trim().is_empty() {
-            return Err(ValidationError::BlankAggregateType);
+            return Err(Error::from(ValidationError::BlankAggregateType));
         }
         if name.contains(':') {
-            return Err(ValidationError::AggregateTypeContainsColon(name));
+            return Err(Error::from(ValidationError::AggregateTypeContainsColon(
+                name,
+            )));
         }
         if name.contains('\0') {
-            return Err(ValidationError::ContainsNul {
+            return Err(Error::from(ValidationError::ContainsNul {
                 field: "aggregate type",
-            });
+            }));
         }
         let chars = name.chars().count();
         if chars > Self::MAX_CHARS {
-            return Err(ValidationError::AggregateTypeTooLong {
+            return Err(Error::from(ValidationError::AggregateTypeTooLong {
                 chars,
                 max: Self::MAX_CHARS,
-            });
+            }));
         }
         Ok(AggregateType(name))
     }
@@ -198,6 +200,7 @@ impl fmt::Display for AggregateType {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::typed;
 
     #[test]
     fn process_instance_id_is_stable_and_random_ones_differ() {
@@ -208,15 +211,15 @@ mod tests {
     #[test]
     fn perspective_names_are_validated_but_otherwise_verbatim() {
         assert_eq!(
-            PerspectiveName::new(""),
+            typed(PerspectiveName::new("")),
             Err(ValidationError::BlankPerspectiveName)
         );
         assert_eq!(
-            PerspectiveName::new("  \t"),
+            typed(PerspectiveName::new("  \t")),
             Err(ValidationError::BlankPerspectiveName)
         );
         assert!(matches!(
-            PerspectiveName::new("x".repeat(201)),
+            typed(PerspectiveName::new("x".repeat(201))),
             Err(ValidationError::PerspectiveNameTooLong {
                 chars: 201,
                 max: 200
@@ -225,22 +228,25 @@ mod tests {
         assert!(PerspectiveName::new("é".repeat(200)).is_ok());
         assert!(PerspectiveName::new("a\0b").is_err());
         let sql = "x'); DROP TABLE wh_perspective_cursors; --";
-        assert_eq!(PerspectiveName::new(sql).map(|n| n.0), Ok(sql.to_owned()));
+        assert_eq!(
+            typed(PerspectiveName::new(sql).map(|n| n.0)),
+            Ok(sql.to_owned())
+        );
     }
 
     #[test]
     fn aggregate_types_refuse_blank_and_colon() {
         assert_eq!(
-            AggregateType::new(" "),
+            typed(AggregateType::new(" ")),
             Err(ValidationError::BlankAggregateType)
         );
         assert_eq!(
-            AggregateType::new("A:B"),
+            typed(AggregateType::new("A:B")),
             Err(ValidationError::AggregateTypeContainsColon("A:B".into()))
         );
         assert!(AggregateType::new("x".repeat(201)).is_err());
         assert_eq!(
-            AggregateType::new("StockItem").map(|t| t.0),
+            typed(AggregateType::new("StockItem").map(|t| t.0)),
             Ok("StockItem".into())
         );
     }

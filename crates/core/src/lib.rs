@@ -27,7 +27,7 @@
 //! assert_eq!(too_long.unwrap_err().kind(), ErrorKind::InvalidInput);
 //! let opts = StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))?;
 //! # let _ = (name, opts);
-//! # Ok::<(), lockstep_core::ValidationError>(())
+//! # Ok::<(), lockstep_core::Error>(())
 //! ```
 
 pub mod aggregate_lock;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::error::ValidationError;
+use crate::error::{Error, Result, ValidationError};
 
 /// Timing of stream leases, validated at construction.
 ///
@@ -21,32 +21,29 @@ impl StreamLockOptions {
     pub const DEFAULT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
     /// Validates a pair of durations.
-    pub fn new(
-        lock_timeout: Duration,
-        keepalive_interval: Duration,
-    ) -> Result<StreamLockOptions, ValidationError> {
+    pub fn new(lock_timeout: Duration, keepalive_interval: Duration) -> Result<StreamLockOptions> {
         if lock_timeout.is_zero() {
-            return Err(ValidationError::NonPositiveDuration {
+            return Err(Error::from(ValidationError::NonPositiveDuration {
                 field: "lock timeout",
-            });
+            }));
         }
         if keepalive_interval.is_zero() {
-            return Err(ValidationError::NonPositiveDuration {
+            return Err(Error::from(ValidationError::NonPositiveDuration {
                 field: "keepalive interval",
-            });
+            }));
         }
         // Compare 2 * keepalive < timeout, which is exact (no rounding of timeout / 2).
         if keepalive_interval.saturating_mul(2) >= lock_timeout {
-            return Err(ValidationError::KeepaliveTooLong {
+            return Err(Error::from(ValidationError::KeepaliveTooLong {
                 keepalive: keepalive_interval,
                 lock_timeout,
-            });
+            }));
         }
         // Backends store intervals in microseconds as i64.
         if i64::try_from(lock_timeout.as_micros()).is_err() {
-            return Err(ValidationError::DurationTooLarge {
+            return Err(Error::from(ValidationError::DurationTooLarge {
                 field: "lock timeout",
-            });
+            }));
         }
         Ok(StreamLockOptions {
             lock_timeout,
@@ -77,6 +74,7 @@ impl Default for StreamLockOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::typed;
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
@@ -84,17 +82,17 @@ mod tests {
     fn defaults_are_thirty_and_ten_seconds_and_valid() {
         let d = StreamLockOptions::default();
         assert_eq!((d.lock_timeout(), d.keepalive_interval()), (S(30), S(10)));
-        assert_eq!(StreamLockOptions::new(S(30), S(10)), Ok(d));
+        assert_eq!(typed(StreamLockOptions::new(S(30), S(10))), Ok(d));
     }
 
     #[test]
     fn zero_durations_are_refused() {
         assert!(matches!(
-            StreamLockOptions::new(Duration::ZERO, S(1)),
+            typed(StreamLockOptions::new(Duration::ZERO, S(1))),
             Err(ValidationError::NonPositiveDuration { .. })
         ));
         assert!(matches!(
-            StreamLockOptions::new(S(30), Duration::ZERO),
+            typed(StreamLockOptions::new(S(30), Duration::ZERO)),
             Err(ValidationError::NonPositiveDuration { .. })
         ));
     }
@@ -102,11 +100,11 @@ mod tests {
     #[test]
     fn keepalive_must_be_strictly_below_half_the_timeout() {
         assert!(matches!(
-            StreamLockOptions::new(S(30), S(15)),
+            typed(StreamLockOptions::new(S(30), S(15))),
             Err(ValidationError::KeepaliveTooLong { .. })
         ));
         assert!(matches!(
-            StreamLockOptions::new(S(30), S(20)),
+            typed(StreamLockOptions::new(S(30), S(20))),
             Err(ValidationError::KeepaliveTooLong { .. })
         ));
         assert!(StreamLockOptions::new(S(30), Duration::from_millis(14_999)).is_ok());

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::error::ValidationError;
+use crate::error::{Error, Result, ValidationError};
 
 /// Why a stream lease is held.
 ///
@@ -38,12 +38,12 @@ impl LockReason {
 
     /// A custom reason. Passing a standard name (`"rewind"`) yields the standard variant, so a
     /// reason read back from storage compares equal to the one written.
-    pub fn custom(reason: impl Into<String>) -> Result<LockReason, ValidationError> {
+    pub fn custom(reason: impl Into<String>) -> Result<LockReason> {
         LockReason::parse(reason)
     }
 
     /// Parses a stored or user-supplied reason.
-    pub fn parse(reason: impl Into<String>) -> Result<LockReason, ValidationError> {
+    pub fn parse(reason: impl Into<String>) -> Result<LockReason> {
         let reason = reason.into();
         match reason.as_str() {
             "rewind" => return Ok(LockReason::Rewind),
@@ -52,19 +52,19 @@ impl LockReason {
             _ => {}
         }
         if reason.trim().is_empty() {
-            return Err(ValidationError::BlankReason);
+            return Err(Error::from(ValidationError::BlankReason));
         }
         let chars = reason.chars().count();
         if chars > Self::MAX_CHARS {
-            return Err(ValidationError::ReasonTooLong {
+            return Err(Error::from(ValidationError::ReasonTooLong {
                 chars,
                 max: Self::MAX_CHARS,
-            });
+            }));
         }
         if reason.contains('\0') {
-            return Err(ValidationError::ContainsNul {
+            return Err(Error::from(ValidationError::ContainsNul {
                 field: "lock reason",
-            });
+            }));
         }
         Ok(LockReason::Custom(CustomReason(reason)))
     }
@@ -87,7 +87,7 @@ impl fmt::Display for LockReason {
 }
 
 impl std::str::FromStr for LockReason {
-    type Err = ValidationError;
+    type Err = Error;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         LockReason::parse(s)
     }
@@ -96,11 +96,12 @@ impl std::str::FromStr for LockReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::typed;
 
     #[test]
     fn standard_reasons_round_trip() {
         for r in [LockReason::Rewind, LockReason::Bootstrap, LockReason::Purge] {
-            assert_eq!(LockReason::parse(r.as_str()), Ok(r.clone()));
+            assert_eq!(typed(LockReason::parse(r.as_str())), Ok(r.clone()));
         }
     }
 
@@ -108,14 +109,17 @@ mod tests {
     fn custom_reason_of_fifty_characters_is_kept_and_fifty_one_refused() {
         let fifty = "ü".repeat(50);
         assert_eq!(
-            LockReason::custom(fifty.clone()).map(|r| r.to_string()),
+            typed(LockReason::custom(fifty.clone()).map(|r| r.to_string())),
             Ok(fifty)
         );
         assert_eq!(
-            LockReason::custom("x".repeat(51)),
+            typed(LockReason::custom("x".repeat(51))),
             Err(ValidationError::ReasonTooLong { chars: 51, max: 50 })
         );
-        assert_eq!(LockReason::custom(""), Err(ValidationError::BlankReason));
+        assert_eq!(
+            typed(LockReason::custom("")),
+            Err(ValidationError::BlankReason)
+        );
         assert!(LockReason::custom("a\0").is_err());
     }
 }

@@ -23,7 +23,7 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
-use crate::error::ValidationError;
+use crate::error::{Error, Result, ValidationError};
 
 /// The name of a lock resource, e.g. `relay:aggregate:StockItem:0123…`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -34,21 +34,21 @@ impl ResourceKey {
     pub const MAX_BYTES: usize = 1024;
 
     /// Validates a key: not empty, at most [`ResourceKey::MAX_BYTES`] bytes, no NUL.
-    pub fn new(key: impl Into<String>) -> Result<ResourceKey, ValidationError> {
+    pub fn new(key: impl Into<String>) -> Result<ResourceKey> {
         let key = key.into();
         if key.is_empty() {
-            return Err(ValidationError::EmptyResourceKey);
+            return Err(Error::from(ValidationError::EmptyResourceKey));
         }
         if key.len() > Self::MAX_BYTES {
-            return Err(ValidationError::ResourceKeyTooLong {
+            return Err(Error::from(ValidationError::ResourceKeyTooLong {
                 bytes: key.len(),
                 max: Self::MAX_BYTES,
-            });
+            }));
         }
         if key.contains('\0') {
-            return Err(ValidationError::ContainsNul {
+            return Err(Error::from(ValidationError::ContainsNul {
                 field: "resource key",
-            });
+            }));
         }
         Ok(ResourceKey(key))
     }
@@ -106,13 +106,14 @@ pub const ADVISORY_KEY_GOLDEN_VECTORS: &[(&str, i64)] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::typed;
 
     #[test]
     fn advisory_key_matches_the_golden_vectors() {
         for (key, expected) in ADVISORY_KEY_GOLDEN_VECTORS {
             assert_eq!(advisory_key(key), *expected, "key {key:?}");
             assert_eq!(
-                ResourceKey::new(*key).map(|k| k.advisory_key()),
+                typed(ResourceKey::new(*key).map(|k| k.advisory_key())),
                 Ok(*expected)
             );
         }
@@ -120,7 +121,10 @@ mod tests {
 
     #[test]
     fn keys_are_validated() {
-        assert_eq!(ResourceKey::new(""), Err(ValidationError::EmptyResourceKey));
+        assert_eq!(
+            typed(ResourceKey::new("")),
+            Err(ValidationError::EmptyResourceKey)
+        );
         assert!(ResourceKey::new("x".repeat(1025)).is_err());
         assert!(ResourceKey::new("x".repeat(1024)).is_ok());
         assert!(ResourceKey::new("a\0").is_err());

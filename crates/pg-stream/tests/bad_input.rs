@@ -40,11 +40,11 @@ async fn populated() -> (Db, Vec<common::LeaseRow>) {
 async fn a_fifty_one_character_reason_is_refused_at_construction_and_changes_no_row() {
     let (db, before) = populated().await;
     let refused = LockReason::custom("r".repeat(51));
+    let err: Error = refused.expect_err("refused");
     assert_eq!(
-        refused,
-        Err(ValidationError::ReasonTooLong { chars: 51, max: 50 })
+        err.validation(),
+        Some(&ValidationError::ReasonTooLong { chars: 51, max: 50 })
     );
-    let err: Error = refused.expect_err("refused").into();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     // Also when the 51st character is a multi-byte one (the limit is characters, not bytes).
     assert!(LockReason::custom(format!("{}é", "r".repeat(50))).is_err());
@@ -60,11 +60,13 @@ async fn an_empty_perspective_name_is_refused_at_construction_and_changes_no_row
     let (db, before) = populated().await;
     for blank in ["", "   ", "\t\n"] {
         assert_eq!(
-            PerspectiveName::new(blank),
-            Err(ValidationError::BlankPerspectiveName)
+            PerspectiveName::new(blank)
+                .expect_err("refused")
+                .validation(),
+            Some(&ValidationError::BlankPerspectiveName)
         );
     }
-    let err: Error = PerspectiveName::new("").expect_err("refused").into();
+    let err: Error = PerspectiveName::new("").expect_err("refused");
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     assert_eq!(db.lease_snapshot().await, before);
 }

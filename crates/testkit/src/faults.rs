@@ -295,7 +295,7 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
         if deny {
             return Ok(AcquireOutcome::Denied(LeaseHolder {
                 instance: InstanceId::random(),
-                reason: LockReason::custom("fault-injected").map_err(Error::from)?,
+                reason: LockReason::custom("fault-injected")?,
                 expires_at: OffsetDateTime::now_utc() + self.inner.options().lock_timeout(),
                 epoch: LeaseEpoch::new(0),
             }));
