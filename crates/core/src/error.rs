@@ -251,6 +251,22 @@ pub enum ValidationError {
         /// Which id.
         field: &'static str,
     },
+    /// A duration option was below its lower bound (it would be truncated by the backend).
+    #[error("{field} must be at least {min:?}")]
+    DurationTooShort {
+        /// Which option.
+        field: &'static str,
+        /// The bound.
+        min: std::time::Duration,
+    },
+    /// A duration option was above its upper bound (what the backend can store).
+    #[error("{field} must be at most {max:?}")]
+    DurationTooLong {
+        /// Which option.
+        field: &'static str,
+        /// The bound.
+        max: std::time::Duration,
+    },
     /// A duration did not fit the backend's representation.
     #[error("{field} is too large")]
     DurationTooLarge {

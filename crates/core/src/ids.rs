@@ -33,9 +33,18 @@ impl InstanceId {
         InstanceId(Uuid::now_v7())
     }
 
-    /// Wraps an id read back from storage or chosen by the caller.
-    pub const fn from_uuid(uuid: Uuid) -> InstanceId {
-        InstanceId(uuid)
+    /// Wraps an id read back from storage or chosen by the caller (e.g. from configuration).
+    ///
+    /// The nil UUID is refused ([`ValidationError::NilId`]): it is what an unset or defaulted
+    /// configuration value looks like, and every process configured that way would share one
+    /// identity — and with it every lease.
+    pub fn from_uuid(uuid: Uuid) -> Result<InstanceId> {
+        if uuid.is_nil() {
+            return Err(Error::from(ValidationError::NilId {
+                field: "instance id",
+            }));
+        }
+        Ok(InstanceId(uuid))
     }
 
     /// The underlying UUID.
@@ -50,9 +59,11 @@ impl fmt::Display for InstanceId {
     }
 }
 
-impl From<Uuid> for InstanceId {
-    fn from(uuid: Uuid) -> Self {
-        InstanceId(uuid)
+impl TryFrom<Uuid> for InstanceId {
+    type Error = Error;
+    /// See [`InstanceId::from_uuid`]: the nil UUID is refused.
+    fn try_from(uuid: Uuid) -> Result<Self> {
+        InstanceId::from_uuid(uuid)
     }
 }
 
@@ -206,6 +217,22 @@ mod tests {
     fn process_instance_id_is_stable_and_random_ones_differ() {
         assert_eq!(InstanceId::process(), InstanceId::process());
         assert_ne!(InstanceId::random(), InstanceId::random());
+    }
+
+    #[test]
+    fn the_nil_instance_id_is_refused() {
+        assert_eq!(
+            typed(InstanceId::from_uuid(Uuid::nil())),
+            Err(ValidationError::NilId {
+                field: "instance id"
+            })
+        );
+        assert!(InstanceId::try_from(Uuid::nil()).is_err());
+        let id = Uuid::now_v7();
+        assert_eq!(
+            InstanceId::from_uuid(id).map(|i| i.as_uuid()).ok(),
+            Some(id)
+        );
     }
 
     #[test]

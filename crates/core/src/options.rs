@@ -6,8 +6,11 @@ use crate::error::{Error, Result, ValidationError};
 
 /// Timing of stream leases, validated at construction.
 ///
-/// Invariant: both durations are positive and `keepalive_interval < lock_timeout / 2`, so a
-/// lease survives one missed renew. A bad pair is a [`ValidationError`], never a silent clamp.
+/// Invariant: both durations are at least [`MIN_DURATION`](Self::MIN_DURATION) (1 ms), the lock
+/// timeout is at most [`MAX_LOCK_TIMEOUT`](Self::MAX_LOCK_TIMEOUT) (100 years, so every expiry
+/// is a timestamp the storage can write and read back), and `keepalive_interval < lock_timeout
+/// / 2`, so a lease survives one missed renew. A bad pair is an error carrying a
+/// [`ValidationError`], never a silent clamp.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamLockOptions {
     lock_timeout: Duration,
@@ -20,7 +23,18 @@ impl StreamLockOptions {
     /// Default keepalive interval: 10 s.
     pub const DEFAULT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
-    /// Validates a pair of durations.
+    /// The shortest lock timeout or keepalive interval accepted: 1 ms. Backends keep
+    /// microseconds at best, so a shorter duration could not be stored as given.
+    pub const MIN_DURATION: Duration = Duration::from_millis(1);
+    /// The longest lock timeout accepted: 100 years (36 525 days). An expiry must stay a
+    /// timestamp every backend can write and read back (drivers read up to year 9999).
+    pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(36_525 * 24 * 60 * 60);
+
+    /// Validates a pair of durations: both at least [`MIN_DURATION`](Self::MIN_DURATION), the
+    /// lock timeout at most [`MAX_LOCK_TIMEOUT`](Self::MAX_LOCK_TIMEOUT), and
+    /// `keepalive_interval < lock_timeout / 2`. A bad pair is an
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) error whose
+    /// [`validation()`](Error::validation) says which bound, never a silent clamp.
     pub fn new(lock_timeout: Duration, keepalive_interval: Duration) -> Result<StreamLockOptions> {
         if lock_timeout.is_zero() {
             return Err(Error::from(ValidationError::NonPositiveDuration {
@@ -32,17 +46,34 @@ impl StreamLockOptions {
                 field: "keepalive interval",
             }));
         }
+        // Backends keep microseconds at best: a shorter duration would be truncated (to zero
+        // below 1 µs) and every acquire would take the lease over at once. A lease shorter than
+        // a millisecond cannot outlive one round trip anyway.
+        for (field, value) in [
+            ("lock timeout", lock_timeout),
+            ("keepalive interval", keepalive_interval),
+        ] {
+            if value < Self::MIN_DURATION {
+                return Err(Error::from(ValidationError::DurationTooShort {
+                    field,
+                    min: Self::MIN_DURATION,
+                }));
+            }
+        }
+        // Postgres stores an expiry as a timestamp up to year 294276 but the drivers read back
+        // only up to year 9999: bound the timeout well inside what every backend can write and
+        // read back (clock + timeout), and inside i64 microseconds.
+        if lock_timeout > Self::MAX_LOCK_TIMEOUT {
+            return Err(Error::from(ValidationError::DurationTooLong {
+                field: "lock timeout",
+                max: Self::MAX_LOCK_TIMEOUT,
+            }));
+        }
         // Compare 2 * keepalive < timeout, which is exact (no rounding of timeout / 2).
         if keepalive_interval.saturating_mul(2) >= lock_timeout {
             return Err(Error::from(ValidationError::KeepaliveTooLong {
                 keepalive: keepalive_interval,
                 lock_timeout,
-            }));
-        }
-        // Backends store intervals in microseconds as i64.
-        if i64::try_from(lock_timeout.as_micros()).is_err() {
-            return Err(Error::from(ValidationError::DurationTooLarge {
-                field: "lock timeout",
             }));
         }
         Ok(StreamLockOptions {
@@ -108,5 +139,40 @@ mod tests {
             Err(ValidationError::KeepaliveTooLong { .. })
         ));
         assert!(StreamLockOptions::new(S(30), Duration::from_millis(14_999)).is_ok());
+    }
+
+    #[test]
+    fn sub_millisecond_durations_are_refused_not_truncated() {
+        let ns = Duration::from_nanos;
+        assert!(matches!(
+            typed(StreamLockOptions::new(ns(999), ns(1))),
+            Err(ValidationError::DurationTooShort { .. })
+        ));
+        assert!(matches!(
+            typed(StreamLockOptions::new(S(1), Duration::from_micros(999))),
+            Err(ValidationError::DurationTooShort {
+                field: "keepalive interval",
+                ..
+            })
+        ));
+        assert!(StreamLockOptions::new(Duration::from_millis(3), Duration::from_millis(1)).is_ok());
+    }
+
+    #[test]
+    fn lock_timeouts_beyond_a_hundred_years_are_refused() {
+        const YEAR: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+        for (timeout, keepalive) in [
+            (YEAR * 9000, YEAR),
+            (Duration::from_micros(i64::MAX as u64), S(1)),
+            (Duration::MAX, S(1)),
+        ] {
+            assert!(matches!(
+                typed(StreamLockOptions::new(timeout, keepalive)),
+                Err(ValidationError::DurationTooLong { .. })
+            ));
+        }
+        let max = StreamLockOptions::MAX_LOCK_TIMEOUT;
+        assert!(StreamLockOptions::new(max, S(60)).is_ok());
+        assert!(StreamLockOptions::new(max + Duration::from_micros(1), S(60)).is_err());
     }
 }

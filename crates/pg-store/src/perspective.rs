@@ -732,7 +732,7 @@ fn decode_cursor(
             .map_err(|_| Error::new(ErrorKind::Backend, "a stored failure count is negative"))?,
         latest_snapshot: row.try_get(at + 8).map_err(decode_error)?,
         lease: CursorLease {
-            holder: holder.map(InstanceId::from_uuid),
+            holder: holder.map(InstanceId::from_uuid).transpose()?,
             reason: reason
                 .map(|r| {
                     LockReason::parse(r).map_err(|e| {

@@ -14,9 +14,9 @@ use lockstep_core::{
 use tokio_postgres::Row;
 use tracing::instrument;
 
-use crate::locker::{PostgresStreamLocker, stored_name, stored_reason};
+use crate::locker::{PostgresStreamLocker, stored_holder, stored_name, stored_reason};
 use crate::sql;
-use crate::statement::column;
+use crate::statement::{RowName, column};
 use crate::telemetry::{self, count};
 
 #[async_trait]
@@ -28,21 +28,26 @@ impl StreamLockAdmin for PostgresStreamLocker {
             .await?;
         rows.iter()
             .map(|row| {
-                let time_left_us: i64 = column(row, "time_left_us")?;
-                let live: bool = column(row, "live")?;
+                let listed = RowName::Listed;
+                let stream_id = StreamId::from_uuid(column(row, "stream_id", listed)?);
+                let perspective: String = column(row, "perspective_name", listed)?;
+                let at = RowName::Pair(stream_id, &perspective);
+                let live: bool = column(row, "live", at)?;
+                let expires_at = column(row, "stream_lock_expiry", at)?;
+                let time_left_us: i64 = column(row, "time_left_us", at)?;
                 Ok(LeaseInfo {
-                    stream_id: StreamId::from_uuid(column(row, "stream_id")?),
-                    perspective: stored_name(column(row, "perspective_name")?)?,
-                    holder: InstanceId::from_uuid(column(row, "stream_lock_instance_id")?),
-                    reason: stored_reason(column(row, "stream_lock_reason")?)?,
-                    epoch: LeaseEpoch::new(column(row, "stream_lock_epoch")?),
-                    expires_at: column(row, "stream_lock_expiry")?,
+                    stream_id,
+                    holder: stored_holder(column(row, "stream_lock_instance_id", at)?, at)?,
+                    reason: stored_reason(column(row, "stream_lock_reason", at)?)?,
+                    epoch: LeaseEpoch::new(column(row, "stream_lock_epoch", at)?),
+                    expires_at,
                     time_left: Duration::from_micros(u64::try_from(time_left_us).unwrap_or(0)),
                     status: if live {
                         LeaseStatus::Held
                     } else {
                         LeaseStatus::Expired
                     },
+                    perspective: stored_name(perspective)?,
                 })
             })
             .collect()
@@ -68,13 +73,14 @@ impl StreamLockAdmin for PostgresStreamLocker {
         let Some(row) = row else {
             return Ok(None);
         };
-        let holder: Option<uuid::Uuid> = column(&row, 0)?;
-        let reason: Option<String> = column(&row, 1)?;
+        let at = RowName::Pair(stream_id, perspective.as_str());
+        let holder: Option<uuid::Uuid> = column(&row, "stream_lock_instance_id", at)?;
+        let reason: Option<String> = column(&row, "stream_lock_reason", at)?;
         Ok(Some(CursorLease {
-            holder: holder.map(InstanceId::from_uuid),
+            holder: holder.map(|h| stored_holder(h, at)).transpose()?,
             reason: reason.map(stored_reason).transpose()?,
-            expires_at: column(&row, 2)?,
-            epoch: LeaseEpoch::new(column(&row, 3)?),
+            expires_at: column(&row, "stream_lock_expiry", at)?,
+            epoch: LeaseEpoch::new(column(&row, "stream_lock_epoch", at)?),
         }))
     }
 

@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use crate::interval::PgInterval;
 use crate::sql;
-use crate::statement::column;
+use crate::statement::{RowName, column};
 use crate::telemetry::{self, count};
 
 /// Stream leases on `wh_perspective_cursors`, one atomic statement per operation, on the
@@ -73,6 +73,16 @@ pub(crate) fn stored_reason(reason: String) -> Result<LockReason> {
         Error::new(
             ErrorKind::Backend,
             "a stored lease reason does not pass validation",
+        )
+        .with_source(e)
+    })
+}
+
+pub(crate) fn stored_holder(holder: Uuid, at: RowName<'_>) -> Result<InstanceId> {
+    InstanceId::from_uuid(holder).map_err(|e| {
+        Error::new(
+            ErrorKind::Backend,
+            format!("the stored lease holder of {at} is the nil UUID"),
         )
         .with_source(e)
     })
@@ -133,12 +143,13 @@ impl StreamLocker for PostgresStreamLocker {
             tracing::debug!("no cursor row");
             return Ok(AcquireOutcome::NoCursor);
         };
-        let acquired_epoch: Option<i64> = column(&row, "acquired_epoch")?;
+        let at = RowName::Pair(stream_id, perspective.as_str());
+        let acquired_epoch: Option<i64> = column(&row, "acquired_epoch", at)?;
         if let Some(epoch) = acquired_epoch {
             let expires_at: OffsetDateTime =
-                column::<Option<OffsetDateTime>, _>(&row, "acquired_expiry")?
+                column::<Option<OffsetDateTime>, _>(&row, "acquired_expiry", at)?
                     .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
-            let took_over: Option<bool> = column(&row, "took_over")?;
+            let took_over: Option<bool> = column(&row, "took_over", at)?;
             Span::current().record("epoch", epoch);
             count(telemetry::ACQUIRED, 1);
             if took_over == Some(true) {
@@ -159,10 +170,10 @@ impl StreamLocker for PostgresStreamLocker {
             }));
         }
         // Denied: `cur` is the row as locked, i.e. its latest committed version.
-        let holder: Option<Uuid> = column(&row, "holder")?;
-        let stored: Option<String> = column(&row, "reason")?;
-        let expires_at: Option<OffsetDateTime> = column(&row, "expiry")?;
-        let epoch: i64 = column(&row, "epoch")?;
+        let holder: Option<Uuid> = column(&row, "holder", at)?;
+        let stored: Option<String> = column(&row, "reason", at)?;
+        let expires_at: Option<OffsetDateTime> = column(&row, "expiry", at)?;
+        let epoch: i64 = column(&row, "epoch", at)?;
         let (Some(holder), Some(stored), Some(expires_at)) = (holder, stored, expires_at) else {
             return Err(inconsistent(
                 "try-acquire was denied but the cursor row holds no lease",
@@ -172,7 +183,7 @@ impl StreamLocker for PostgresStreamLocker {
         count(telemetry::DENIED, 1);
         tracing::debug!(holder = %holder, "denied");
         Ok(AcquireOutcome::Denied(LeaseHolder {
-            instance: InstanceId::from_uuid(holder),
+            instance: stored_holder(holder, at)?,
             reason: stored_reason(stored)?,
             expires_at,
             epoch: LeaseEpoch::new(epoch),
@@ -204,7 +215,8 @@ impl StreamLocker for PostgresStreamLocker {
             .await?;
         match row {
             Some(row) => {
-                let expires_at = column(&row, 0)?;
+                let at = RowName::Pair(lease.stream_id, lease.perspective.as_str());
+                let expires_at = column(&row, "stream_lock_expiry", at)?;
                 count(telemetry::RENEWED, 1);
                 Ok(RenewOutcome::Renewed { expires_at })
             }
@@ -274,13 +286,15 @@ impl StreamLocker for PostgresStreamLocker {
         let renewed: HashMap<(Uuid, String, Uuid, i64), OffsetDateTime> = rows
             .iter()
             .map(|row| {
-                let key = (
-                    column(row, 0)?,
-                    column(row, 1)?,
-                    column(row, 2)?,
-                    column(row, 3)?,
+                let at = RowName::Listed;
+                let key: (Uuid, String, Uuid, i64) = (
+                    column(row, 0, at)?,
+                    column(row, 1, at)?,
+                    column(row, 2, at)?,
+                    column(row, 3, at)?,
                 );
-                Ok((key, column(row, 4)?))
+                let expires_at = column(row, 4, RowName::Pair(StreamId::from_uuid(key.0), &key.1))?;
+                Ok((key, expires_at))
             })
             .collect::<Result<_>>()?;
         let outcomes: Vec<RenewOutcome> = leases

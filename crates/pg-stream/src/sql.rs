@@ -97,12 +97,15 @@ SELECT stream_lock_epoch
 
 /// Admin listing: every set lease (held or expired but uncleared), with the time left and the
 /// status computed on the database clock, ordered by stream then perspective (byte order, so it
-/// matches Rust's `str` ordering whatever the database collation).
+/// matches Rust's `str` ordering whatever the database collation). `time_left_us` is NULL for
+/// an infinite expiry (which the locker reports as a row it cannot read, not as an SQL error
+/// that hides which row it is).
 pub const LIST_LEASES: &str = "\
 SELECT c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_reason,
        c.stream_lock_epoch, c.stream_lock_expiry,
-       GREATEST(0, floor(extract(epoch FROM c.stream_lock_expiry - n.now) * 1000000))::bigint
-           AS time_left_us,
+       CASE WHEN isfinite(c.stream_lock_expiry) THEN
+           GREATEST(0, floor(extract(epoch FROM c.stream_lock_expiry - n.now) * 1000000))::bigint
+       END AS time_left_us,
        c.stream_lock_expiry > n.now AS live
   FROM wh_perspective_cursors c, (SELECT clock_timestamp() AS now) n
  WHERE c.stream_lock_instance_id IS NOT NULL

@@ -7,7 +7,7 @@
 use std::fmt::Display;
 use std::future::Future;
 
-use lockstep_core::{Error, ErrorKind, Result};
+use lockstep_core::{Error, ErrorKind, Result, StreamId};
 use lockstep_pg::{map_error, map_pool_error};
 use tokio_postgres::row::RowIndex;
 use tokio_postgres::types::{FromSql, ToSql};
@@ -78,8 +78,33 @@ impl PostgresStreamLocker {
     }
 }
 
-/// Column `idx` of `row`, or a typed error (never `Row::get`'s panic).
-pub(crate) fn column<'r, T, I>(row: &'r Row, idx: I) -> Result<T>
+/// Which cursor row a statement read, for errors: a value lockstep cannot read (a timestamp out
+/// of range, `'infinity'` written by hand) is a typed error naming the row, never a panic.
+#[derive(Clone, Copy)]
+pub(crate) enum RowName<'a> {
+    /// The row of one pair.
+    Pair(StreamId, &'a str),
+    /// A row of a listing (read before its key is known).
+    Listed,
+}
+
+impl std::fmt::Display for RowName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RowName::Pair(stream, perspective) => {
+                write!(
+                    f,
+                    "cursor row (stream {stream}, perspective {perspective:?})"
+                )
+            }
+            RowName::Listed => f.write_str("a listed cursor row"),
+        }
+    }
+}
+
+/// Column `idx` of `row` (the cursor row `at`), or a typed [`ErrorKind::Backend`] error naming
+/// the row and the column, with the driver's error as its source (never `Row::get`'s panic).
+pub(crate) fn column<'r, T, I>(row: &'r Row, idx: I, at: RowName<'_>) -> Result<T>
 where
     T: FromSql<'r>,
     I: RowIndex + Display,
@@ -87,7 +112,10 @@ where
     row.try_get(&idx).map_err(|e| {
         Error::new(
             ErrorKind::Backend,
-            format!("reading column {idx} of a stream lease row"),
+            format!(
+                "cannot read column {idx} of {at} (a value out of the range lockstep reads, \
+                 e.g. a timestamp past year 9999 or 'infinity'?)"
+            ),
         )
         .with_source(e)
     })
