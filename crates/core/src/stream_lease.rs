@@ -8,7 +8,9 @@
 //! Semantics every implementation shares (checked by the testkit's conformance suite):
 //!
 //! - **try-acquire** succeeds when the pair is unlocked, its lease has expired, or the same
-//!   instance already holds it (refreshing the expiry and overwriting the reason). It is denied
+//!   instance already holds it (refreshing the expiry and overwriting the reason; the lease then
+//!   says [`StreamLease::reentered`], because the caller joined a lease it — or another task of
+//!   the same instance — already held, and one release ends it for everyone). It is denied
 //!   when another instance holds a live lease, and the denial says who, why and until when. A
 //!   pair without a cursor row is never acquired.
 //! - **epoch** (the fencing token) increases whenever a lease is established anew: a new holder,
@@ -78,6 +80,12 @@ pub struct StreamLease {
     pub reason: LockReason,
     /// When it expires unless renewed, on the backend's clock.
     pub expires_at: OffsetDateTime,
+    /// Whether the caller's instance already held this lease, live, when it asked: the call
+    /// *joined* an existing lease (same epoch, refreshed expiry, overwritten reason) instead of
+    /// establishing a new one. Two tasks sharing one [`InstanceId`] (e.g.
+    /// [`InstanceId::process`]) share such a lease: the first release ends it for both. A task
+    /// that needs the lease to itself treats `reentered == true` as busy and does not release it.
+    pub reentered: bool,
 }
 
 /// Who holds a lease the caller was denied.

@@ -150,6 +150,7 @@ impl StreamLocker for PostgresStreamLocker {
                 column::<Option<OffsetDateTime>, _>(&row, "acquired_expiry", at)?
                     .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
             let took_over: Option<bool> = column(&row, "took_over", at)?;
+            let reentered: Option<bool> = column(&row, "reentered", at)?;
             Span::current().record("epoch", epoch);
             count(telemetry::ACQUIRED, 1);
             if took_over == Some(true) {
@@ -167,6 +168,7 @@ impl StreamLocker for PostgresStreamLocker {
                 },
                 reason: reason.clone(),
                 expires_at,
+                reentered: reentered == Some(true),
             }));
         }
         // Denied: `cur` is the row as locked, i.e. its latest committed version.

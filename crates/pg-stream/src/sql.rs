@@ -20,7 +20,8 @@
 /// - `upd` takes the lease when it is free, expired, or already held by `$3`, in the same
 ///   statement. The epoch is kept only when `$3` re-acquires its own live lease; otherwise
 ///   (new holder, unlocked row, expired lease — even `$3`'s own) it increases by one.
-///   `took_over` says whether an expired, uncleared lease was replaced.
+///   `took_over` says whether an expired, uncleared lease was replaced; `reentered` whether `$3`
+///   already held the lease, live (the same test that keeps the epoch).
 /// - No row: the pair has no cursor. A row without `acquired_epoch`: denied, and the `holder`,
 ///   `reason`, `expiry`, `epoch` columns say by whom.
 pub const TRY_ACQUIRE: &str = "\
@@ -42,9 +43,10 @@ WITH cur AS MATERIALIZED (
      WHERE c.stream_id = cur.stream_id AND c.perspective_name = cur.perspective_name
        AND (cur.holder IS NULL OR cur.expiry <= n.now OR cur.holder = $3::uuid)
  RETURNING c.stream_lock_epoch AS acquired_epoch, c.stream_lock_expiry AS acquired_expiry,
-           (cur.holder IS NOT NULL AND cur.expiry <= n.now) AS took_over
+           (cur.holder IS NOT NULL AND cur.expiry <= n.now) AS took_over,
+           (cur.holder = $3::uuid AND cur.expiry > n.now) AS reentered
 )
-SELECT upd.acquired_epoch, upd.acquired_expiry, upd.took_over,
+SELECT upd.acquired_epoch, upd.acquired_expiry, upd.took_over, upd.reentered,
        cur.holder, cur.reason, cur.expiry, cur.epoch
   FROM cur LEFT JOIN upd ON true";
 

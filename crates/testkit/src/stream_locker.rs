@@ -184,7 +184,7 @@ impl StreamLocker for InMemoryStreamLocker {
         let Some(row) = rows.get_mut(&(stream_id, perspective.clone())) else {
             return Ok(AcquireOutcome::NoCursor);
         };
-        match row.live(now) {
+        let reentered = match row.live(now) {
             Some(held) if held.holder != instance => {
                 return Ok(AcquireOutcome::Denied(LeaseHolder {
                     instance: held.holder,
@@ -194,10 +194,13 @@ impl StreamLocker for InMemoryStreamLocker {
                 }));
             }
             // Same instance, live: idempotent re-acquire keeps the epoch.
-            Some(_) => {}
+            Some(_) => true,
             // Unlocked or expired: a new lease, a new epoch.
-            None => row.epoch += 1,
-        }
+            None => {
+                row.epoch += 1;
+                false
+            }
+        };
         row.lease = Some(Held {
             holder: instance,
             reason: reason.clone(),
@@ -212,6 +215,7 @@ impl StreamLocker for InMemoryStreamLocker {
             },
             reason: reason.clone(),
             expires_at: self.clock.wall(expires),
+            reentered,
         }))
     }
 

@@ -221,6 +221,34 @@ pub async fn same_instance_reacquires_and_the_reason_changes<F: StreamLockerFixt
     );
 }
 
+/// A lease says whether the caller joined one its instance already held: not on the first
+/// acquire, yes on a re-acquire of the live lease (same epoch), not once the lease expired or
+/// was released (a new lease).
+pub async fn a_reacquire_by_the_holder_says_it_reentered<F: StreamLockerFixture>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let a = InstanceId::random();
+    let first = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert!(!first.reentered, "a new lease is not re-entered");
+    let joined = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert!(
+        joined.reentered,
+        "the holder's second acquire joins its lease"
+    );
+    assert_eq!(joined.id, first.id);
+    wait_past_expiry(fixture).await;
+    let renewed = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert!(!renewed.reentered, "an expired lease is established anew");
+    assert!(renewed.id.epoch > first.id.epoch);
+    let released = fixture
+        .locker()
+        .release(&renewed.id)
+        .await
+        .expect("release");
+    assert!(released.is_released());
+    let again = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert!(!again.reentered, "a released lease is established anew");
+}
+
 /// Once a lease has expired, another instance takes it over with a higher epoch.
 pub async fn expired_lease_is_taken_over_by_another_instance<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
@@ -534,6 +562,7 @@ macro_rules! __lockstep_stream_locker_cases {
             missing_cursor_row_is_not_acquired,
             held_by_another_is_denied_and_unchanged,
             same_instance_reacquires_and_the_reason_changes,
+            a_reacquire_by_the_holder_says_it_reentered,
             expired_lease_is_taken_over_by_another_instance,
             reacquiring_an_own_expired_lease_bumps_the_epoch,
             only_the_target_cursor_is_locked,
