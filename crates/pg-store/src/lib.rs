@@ -25,7 +25,19 @@
 //!   index, so every conflict is SQLSTATE `23505` →
 //!   [`ErrorKind::Conflict`](lockstep_core::ErrorKind) with a [`VersionConflict`], and every
 //!   conflict leaves the transaction aborted. Of two transactions appending the same version,
-//!   the second waits for the first and fails only if the first commits.
+//!   the second waits for the first and fails only if the first commits. A `23505` is a
+//!   version conflict only when its constraint is `wh_events_stream_version`.
+//! - Appends are **idempotent by event id** (migration `V6`), so a unit of work retried after a
+//!   lost `COMMIT` reply ([`ErrorKind::CommitUnknown`](lockstep_core::ErrorKind)) cannot write
+//!   its events twice: when every event id of an append is already stored in that stream, at
+//!   consecutive versions in the order given (and the expected version, if any, is the one
+//!   before the first), the append is a **replay**: nothing is written and it returns what the
+//!   original append returned (the version of its last event). Stored ids that are anything
+//!   else — some stored and some not, in another stream, at other positions, at another
+//!   expected version — are refused with [`ErrorKind::InvalidInput`] (not retryable; the
+//!   transaction is aborted). An id another transaction is storing right now is waited for and,
+//!   if it commits, is a retryable [`ErrorKind::Conflict`]: the retry then replays or is
+//!   refused. An append listing one id twice is refused before any SQL.
 //! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
 //!   of the unique index).
 //! - [`load_locked`](lockstep_core::EventStore::load_locked) locks and loads in **one
@@ -90,6 +102,15 @@ const APPEND: &str = "SELECT lockstep_append_events($1, $2, $3, $4, $5)";
 
 /// The prefix of the `DETAIL` that `lockstep_append_events` puts on a stale expectation.
 const ACTUAL_VERSION_DETAIL: &str = "actual_version=";
+
+/// The `DETAIL` that `lockstep_append_events` puts on stored event ids that are not a replay.
+const NOT_A_REPLAY_DETAIL: &str = "not_a_replay";
+
+/// The unique `(stream_id, version)` constraint of `wh_events`.
+const STREAM_VERSION_CONSTRAINT: &str = "wh_events_stream_version";
+
+/// The primary key (`event_id`) of `wh_events`.
+const EVENT_ID_CONSTRAINT: &str = "wh_events_pkey";
 
 /// The Postgres event store. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -163,6 +184,7 @@ impl PgEventStore {
             })
             .transpose()?;
         let ids: Vec<Uuid> = events.iter().map(NewEvent::event_id).collect();
+        refuse_repeated_ids(&ids)?;
         let types: Vec<&str> = events.iter().map(NewEvent::event_type).collect();
         let payloads: Vec<&serde_json::Value> = events.iter().map(NewEvent::payload).collect();
         let row = tx
@@ -257,14 +279,55 @@ fn decode_error(err: tokio_postgres::Error) -> Error {
     Error::new(ErrorKind::Backend, "decoding an event row").with_source(err)
 }
 
-/// `23505` (the unique index, or the function's stale-expectation check) → a
-/// [`VersionConflict`]; anything else by its SQLSTATE.
+/// An append that lists one event id twice cannot be stored (the id is the primary key):
+/// refused before any SQL, leaving the transaction usable (the in-memory store does the same).
+fn refuse_repeated_ids(ids: &[Uuid]) -> Result<()> {
+    let mut seen = std::collections::HashSet::with_capacity(ids.len());
+    match ids.iter().find(|id| !seen.insert(**id)) {
+        Some(id) => Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("an append lists event {id} more than once"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// `23505` is told apart by its constraint, never by message text:
+///
+/// - `wh_events_stream_version` (the unique index, or the function's stale-expectation check)
+///   → [`ErrorKind::Conflict`] with a [`VersionConflict`];
+/// - `wh_events_pkey` with the function's `DETAIL` `not_a_replay` → [`ErrorKind::InvalidInput`]
+///   (not retryable): some of the event ids are stored, and this append is not a replay of the
+///   append that stored them (migration `V6`);
+/// - `wh_events_pkey` without it → a race lost on the primary key (another transaction stored
+///   one of these ids while this one waited): [`ErrorKind::Conflict`], retryable — the retry
+///   finds the ids stored and is a no-op replay or the refusal above;
+///
+/// anything else by its SQLSTATE.
 fn append_error(
     err: tokio_postgres::Error,
     stream_id: StreamId,
     expected: ExpectedVersion,
 ) -> Error {
-    if err.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+    let constraint = err.as_db_error().and_then(|db| db.constraint());
+    let detail = err.as_db_error().and_then(|db| db.detail());
+    let unique = err.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION);
+    if unique && constraint == Some(EVENT_ID_CONSTRAINT) {
+        if detail == Some(NOT_A_REPLAY_DETAIL) {
+            let message = err
+                .as_db_error()
+                .map_or_else(String::new, |db| db.message().to_owned());
+            return Error::new(ErrorKind::InvalidInput, message).with_source(err);
+        }
+        return Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "appending to stream {stream_id}: another transaction stored one of these                  event ids first"
+            ),
+        )
+        .with_source(err);
+    }
+    if unique && constraint == Some(STREAM_VERSION_CONSTRAINT) {
         // The function reports the version it saw in a machine-readable DETAIL of its own;
         // a race lost on the index has none.
         let actual = err

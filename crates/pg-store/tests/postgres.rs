@@ -98,8 +98,14 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     tx.commit().await.expect("commit");
 
     let tx = client.transaction().await.expect("begin");
-    let err = store
+    let replayed = store
         .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("the same event again is a replay");
+    assert_eq!(replayed, 1);
+    let another = NewEvent::new("Opened", serde_json::json!({"by": "another"})).expect("event");
+    let err = store
+        .append(&tx, stream, ExpectedVersion::NoStream, &[another])
         .await
         .expect_err("stream exists");
     assert_eq!(err.kind(), ErrorKind::Conflict);

@@ -14,6 +14,13 @@
 //!   conflict because reserved versions are exclusive.
 //! - Every failed append aborts the transaction (as a failed statement does in PostgreSQL), and
 //!   so does dropping an append while it waits.
+//! - Appends are idempotent by event id, exactly like Postgres (migration `V6`): an append whose
+//!   event ids are all stored in that stream at consecutive versions in the order given (and
+//!   whose expected version, if any, is the one before the first) is a replay that writes
+//!   nothing and returns the version of its last event; other stored ids are
+//!   [`ErrorKind::InvalidInput`]; an id another open transaction staged is waited for, and is a
+//!   retryable [`ErrorKind::Conflict`] if that transaction commits. An append listing one id
+//!   twice is refused before anything happens.
 //!
 //! A writer waiting for another transaction's version waits in the wait graph of the
 //! transactions' [`crate::FakeDatabase`], with the fake locks' waits, so a cycle of waits is a
@@ -116,14 +123,62 @@ impl InMemoryEventStore {
             .unwrap_or_default()
     }
 
-    /// Whether an event with this id is committed or staged (a linear scan: test-sized data).
-    fn id_taken(state: &State, id: Uuid) -> bool {
+    /// The event with this id that transaction `tx` sees (committed, or staged by `tx`), if
+    /// any (a linear scan: test-sized data).
+    fn visible_by_id(state: &State, tx: u64, id: Uuid) -> Option<&RecordedEvent> {
         state
             .committed
             .values()
-            .chain(state.staged.values())
+            .chain(state.staged.get(&tx))
             .flatten()
-            .any(|e| e.event_id == id)
+            .find(|e| e.event_id == id)
+    }
+
+    /// Idempotency by event id, as Postgres does it (migration `V6`): `None` when none of the
+    /// ids is visible to `tx`; a replay's result when every one is stored in `stream_id` at
+    /// consecutive versions in the order given (and `expected` is the version before the
+    /// first); otherwise the refusal ([`ErrorKind::InvalidInput`]).
+    fn replay(
+        state: &State,
+        tx: u64,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Option<Result<u64>> {
+        let stored: Vec<Option<&RecordedEvent>> = events
+            .iter()
+            .map(|e| Self::visible_by_id(state, tx, e.event_id()))
+            .collect();
+        let sample = stored.iter().flatten().next()?;
+        let count = stored.iter().flatten().count();
+        let first = stored
+            .first()
+            .copied()
+            .flatten()
+            .filter(|e| e.stream_id == stream_id)
+            .map(|e| e.version);
+        if let Some(first) = first {
+            let in_place = stored.iter().zip(first..).all(|(e, version)| {
+                e.is_some_and(|e| e.stream_id == stream_id && e.version == version)
+            });
+            let as_expected = expected.as_version().is_none_or(|v| v + 1 == first);
+            if in_place && as_expected {
+                return Some(Ok(first - 1 + events.len() as u64));
+            }
+        }
+        Some(Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "stream {stream_id}: event {} is already stored (stream {}, version {}) and \
+                 this append is not a replay of the append that stored it ({count} of its {} \
+                 events stored, at other positions, in another stream or at another expected \
+                 version)",
+                sample.event_id,
+                sample.stream_id,
+                sample.version,
+                events.len()
+            ),
+        )))
     }
 
     /// Every stream with committed events, outside any transaction.
@@ -195,10 +250,14 @@ impl InMemoryEventStore {
         events: &[NewEvent],
     ) -> Result<u64> {
         let id = tx.id();
-        // Like the Postgres statement: the current version is read once, at the start; the
-        // versions written are fixed from there.
+        // Like the Postgres statement: the event ids are looked up first (a replay writes
+        // nothing), then the current version is read once; the versions written are fixed from
+        // there.
         let base = {
             let state = self.state();
+            if let Some(outcome) = Self::replay(&state, id, stream_id, expected, events) {
+                return outcome;
+            }
             Self::visible(&state, id, stream_id).len() as u64
         };
         if let Some(want) = expected.as_version()
@@ -211,6 +270,27 @@ impl InMemoryEventStore {
         tx.database()
             .wait_for(tx.owner(), &what, || {
                 let mut state = self.state();
+                // The event id is the primary key, checked first (Postgres checks the primary
+                // key before the (stream_id, version) index): an id another open transaction
+                // staged is waited for; one committed since our read is a lost race.
+                let mine = |e: &RecordedEvent| events.iter().any(|n| n.event_id() == e.event_id);
+                let id_holder = state
+                    .staged
+                    .iter()
+                    .find(|(holder, staged)| **holder != id && staged.iter().any(mine))
+                    .map(|(holder, _)| *holder);
+                if let Some(holder) = id_holder {
+                    return Ok(Attempt::Blocked(LockOwner::Transaction(holder)));
+                }
+                if state.committed.values().flatten().any(mine) {
+                    return Err(Error::new(
+                        ErrorKind::Conflict,
+                        format!(
+                            "appending to stream {stream_id}: another transaction stored one \
+                             of these event ids first"
+                        ),
+                    ));
+                }
                 let committed = state.committed.get(&stream_id).map_or(0, Vec::len) as u64;
                 if committed > base {
                     // Another transaction committed one of these versions (while we waited,
@@ -226,13 +306,6 @@ impl InMemoryEventStore {
                 });
                 if let Some(holder) = blocker {
                     return Ok(Attempt::Blocked(LockOwner::Transaction(holder)));
-                }
-                // The event id is the primary key (Postgres: 23505 on wh_events_pkey).
-                if let Some(dup) = events.iter().find(|e| Self::id_taken(&state, e.event_id())) {
-                    return Err(Error::new(
-                        ErrorKind::Conflict,
-                        format!("event {} was already appended", dup.event_id()),
-                    ));
                 }
                 let now = OffsetDateTime::now_utc();
                 for (version, event) in versions.clone().zip(events) {
@@ -285,6 +358,18 @@ impl EventStore<FakeTransaction> for InMemoryEventStore {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 "an append needs at least one event",
+            ));
+        }
+        let mut ids = HashSet::with_capacity(events.len());
+        if let Some(repeated) = events.iter().find(|e| !ids.insert(e.event_id())) {
+            // Refused before any statement, as lockstep-pg-store does: the transaction stays
+            // usable.
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "an append lists event {} more than once",
+                    repeated.event_id()
+                ),
             ));
         }
         self.join(tx);

@@ -1,5 +1,6 @@
 //! The event-store conformance suite: versions, expected-version checks, transaction
-//! visibility, concurrent appends of one version, aborted transactions, lock-first loads.
+//! visibility, concurrent appends of one version, aborted transactions, idempotent appends by
+//! event id, lock-first loads.
 //!
 //! Every case uses fresh stream ids and lock keys, so the suite can run against a shared
 //! database. No case asserts on timing: a concurrent writer is spawned and the suite waits for
@@ -278,6 +279,179 @@ pub async fn an_empty_append_is_invalid_input<F: EventStoreFixture>(fixture: Arc
     commit(fixture.source(), tx).await.expect("commit");
 }
 
+/// Appends are idempotent by event id. Appending events whose ids are all stored in that
+/// stream, at consecutive versions in the order given (with the expected version of the
+/// original append, or `Any`), is a replay: it writes nothing and returns the version of the
+/// last of them, even after the stream moved on. Stored ids that are anything else (some new,
+/// another order, another stream, another expected version) are a non-retryable
+/// [`ErrorKind::InvalidInput`] that aborts the transaction and writes nothing. An append that
+/// lists one id twice is refused before anything happens (the transaction stays usable).
+pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let (stream, other) = (StreamId::new_v7(), StreamId::new_v7());
+    let (a, b) = (event("A", 1), event("B", 2));
+    let tx = begin(fixture.source()).await;
+    let v = fixture
+        .store()
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[a.clone(), b.clone()],
+        )
+        .await
+        .expect("append");
+    assert_eq!(v, 2);
+    commit(fixture.source(), tx).await.expect("commit");
+
+    // Replays: the same append again (a retry after an unknown commit outcome), with `Any`,
+    // of a suffix, and after the stream moved on.
+    let replays: [(ExpectedVersion, Vec<NewEvent>); 3] = [
+        (ExpectedVersion::NoStream, vec![a.clone(), b.clone()]),
+        (ExpectedVersion::Any, vec![a.clone(), b.clone()]),
+        (ExpectedVersion::Exact(1), vec![b.clone()]),
+    ];
+    for (expected, events) in &replays {
+        let tx = begin(fixture.source()).await;
+        let v = fixture
+            .store()
+            .append(&tx, stream, *expected, events)
+            .await
+            .unwrap_or_else(|e| panic!("replay at {expected}: {e}"));
+        assert_eq!(v, 2, "{expected}: the original append's result");
+        commit(fixture.source(), tx).await.expect("commit");
+    }
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::Exact(2), &[event("C", 3)])
+        .await
+        .expect("append");
+    commit(fixture.source(), tx).await.expect("commit");
+    let tx = begin(fixture.source()).await;
+    let v = fixture
+        .store()
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[a.clone(), b.clone()],
+        )
+        .await
+        .expect("a replay after the stream moved on");
+    assert_eq!(v, 2);
+    commit(fixture.source(), tx).await.expect("commit");
+    assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
+
+    // Refusals.
+    let refused: [(StreamId, ExpectedVersion, Vec<NewEvent>); 5] = [
+        (stream, ExpectedVersion::Any, vec![a.clone(), event("D", 4)]),
+        (stream, ExpectedVersion::Any, vec![b.clone(), a.clone()]),
+        (
+            stream,
+            ExpectedVersion::Exact(1),
+            vec![a.clone(), b.clone()],
+        ),
+        (other, ExpectedVersion::Any, vec![a.clone()]),
+        (
+            other,
+            ExpectedVersion::NoStream,
+            vec![event("E", 5), b.clone()],
+        ),
+    ];
+    for (target, expected, events) in &refused {
+        let tx = begin(fixture.source()).await;
+        let err = fixture
+            .store()
+            .append(&tx, *target, *expected, events)
+            .await
+            .expect_err("not a replay");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        assert!(!err.is_retryable());
+        let after = fixture.store().load(&tx, stream).await;
+        assert_eq!(
+            after.expect_err("aborted").kind(),
+            ErrorKind::TransactionAborted
+        );
+        rollback(fixture.source(), tx).await;
+    }
+    assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
+    assert!(committed_versions(&*fixture, other).await.is_empty());
+
+    let tx = begin(fixture.source()).await;
+    let twice = event("F", 6);
+    let err = fixture
+        .store()
+        .append(&tx, other, ExpectedVersion::Any, &[twice.clone(), twice])
+        .await
+        .expect_err("one id twice");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(versions(&*fixture, &tx, other).await.is_empty(), "usable");
+    commit(fixture.source(), tx).await.expect("commit");
+}
+
+/// Two transactions append the same event ids: the second waits for the first. When the first
+/// commits, the second fails with a retryable conflict, and its retry is a replay that writes
+/// nothing; when the first rolls back, the second's append goes through. The events are
+/// stored once either way.
+pub async fn a_concurrent_append_of_the_same_event_ids_stores_them_once<F: EventStoreFixture>(
+    fixture: Arc<F>,
+) {
+    for first_commits in [true, false] {
+        let stream = StreamId::new_v7();
+        let (a, b) = (event("A", 1), event("B", 2));
+        let first = begin(fixture.source()).await;
+        fixture
+            .store()
+            .append(
+                &first,
+                stream,
+                ExpectedVersion::NoStream,
+                &[a.clone(), b.clone()],
+            )
+            .await
+            .expect("first append");
+        let second = {
+            let (fixture, events) = (Arc::clone(&fixture), [a.clone(), b.clone()]);
+            tokio::spawn(async move {
+                let tx = begin(fixture.source()).await;
+                let result = fixture
+                    .store()
+                    .append(&tx, stream, ExpectedVersion::NoStream, &events)
+                    .await;
+                (tx, result)
+            })
+        };
+        // Give the second writer a chance to reach its append (either way it must wait).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if first_commits {
+            commit(fixture.source(), first).await.expect("commit");
+        } else {
+            rollback(fixture.source(), first).await;
+        }
+        let (tx, result) = second.await.expect("second writer");
+        if first_commits {
+            let err = result.expect_err("the second append lost the race");
+            assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
+            assert!(err.is_retryable());
+            rollback(fixture.source(), tx).await;
+            let retry = begin(fixture.source()).await;
+            let v = fixture
+                .store()
+                .append(&retry, stream, ExpectedVersion::NoStream, &[a, b])
+                .await
+                .expect("the retry is a replay");
+            assert_eq!(v, 2);
+            commit(fixture.source(), retry).await.expect("commit");
+        } else {
+            assert_eq!(result.expect("the second append goes through"), 2);
+            commit(fixture.source(), tx).await.expect("commit");
+        }
+        assert_eq!(committed_versions(&*fixture, stream).await, [1, 2]);
+    }
+}
+
 /// Streams are independent: the same versions in two streams never conflict.
 pub async fn streams_are_independent<F: EventStoreFixture>(fixture: Arc<F>) {
     let (s1, s2) = (StreamId::new_v7(), StreamId::new_v7());
@@ -434,6 +608,8 @@ macro_rules! __lockstep_event_store_cases {
             a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction,
             any_appends_after_the_current_version,
             an_empty_append_is_invalid_input,
+            appending_stored_event_ids_again_is_a_replay_or_a_refusal,
+            a_concurrent_append_of_the_same_event_ids_stores_them_once,
             streams_are_independent,
             concurrent_appends_of_one_version_let_exactly_one_commit,
             load_locked_waits_for_the_holder_and_sees_its_commit,
