@@ -149,7 +149,7 @@ impl SessionLocks for PostgresDistributedLock {
             lock_timeout_setting(limit)?;
         }
         let advisory = key.advisory_key();
-        let deadline = timeout.map(|limit| Instant::now() + limit);
+        let deadline = timeout.map(internal::deadline_after);
         // Queue in process before taking a connection: local waiters hold no connection.
         let (conn, outcome) = internal::in_turn(&self.queue, advisory, deadline, || async {
             let conn = pool.get().await.map_err(map_pool_error)?;

@@ -757,3 +757,47 @@ async fn session_locks_need_a_pool() {
         .expect_err("no pool");
     assert_eq!(err.kind(), ErrorKind::Unsupported);
 }
+
+/// Issue 8, defect 2: `with_local_patience(Duration::MAX)` ("queue in process for ever")
+/// panicked with "overflow when adding duration to instant" as soon as a waiter queued, on the
+/// transaction path and on the session path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unbounded_local_patience_queues_instead_of_panicking() {
+    let (db, pool, lock) = setup(4).await;
+    let lock = lock.with_local_patience(Duration::MAX);
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&holder, &key, None)
+        .await
+        .expect("free");
+    // The first waiter waits at the server; the second queues behind it in process.
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let (lock, pool, key) = (lock.clone(), pool.clone(), key.clone());
+            tokio::spawn(async move {
+                let tx = PgTransaction::begin(&pool).await.expect("begin");
+                lock.acquire_for_transaction(&tx, &key, None)
+                    .await
+                    .expect("acquired in turn");
+                tx.commit().await.expect("commit");
+            })
+        })
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            lock_counts(&admin, &key).await.1 == 1 && lock.locally_queued_keys() == 1
+        })
+        .await
+    );
+    holder.commit().await.expect("commit");
+    for waiter in waiters {
+        waiter.await.expect("no panic");
+    }
+    let session_key = fresh_key();
+    let guard = lock
+        .acquire_session(&session_key, None)
+        .await
+        .expect("session lock");
+    guard.release().await.expect("release");
+}

@@ -190,7 +190,7 @@ where
     if let Some(limit) = timeout {
         lock_timeout_setting(limit)?; // refuse a bad timeout before anything is sent
     }
-    let deadline = timeout.map(|limit| Instant::now() + limit);
+    let deadline = timeout.map(deadline_after);
     let slot = queue.local_queue.then(|| queue.queue.slot(advisory));
     let mut permit = None;
     if let Some(slot) = &slot {
@@ -207,7 +207,7 @@ where
                     })
                     .await;
                 }
-                let patience_end = Instant::now() + queue.local_patience;
+                let patience_end = deadline_after(queue.local_patience);
                 let until = deadline.map_or(patience_end, |d| d.min(patience_end));
                 permit = tokio::time::timeout_at(until, slot.mutex().lock())
                     .await
@@ -284,7 +284,7 @@ where
     let slot = queue.local_queue.then(|| queue.queue.slot(advisory));
     let permit = match &slot {
         Some(slot) => {
-            let patience_end = Instant::now() + queue.local_patience;
+            let patience_end = deadline_after(queue.local_patience);
             let until = deadline.map_or(patience_end, |d| d.min(patience_end));
             tokio::time::timeout_at(until, slot.mutex().lock())
                 .await
@@ -296,6 +296,18 @@ where
     drop(permit);
     outcome
 }
+
+/// The instant `after` from now, saturating: a `Duration` too large for an `Instant` (e.g.
+/// `Duration::MAX`, "wait for ever") gives an instant [`FAR_FUTURE`] away instead of a panic.
+#[doc(hidden)]
+pub fn deadline_after(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after.min(FAR_FUTURE))
+        .unwrap_or_else(|| now + Duration::from_secs(24 * 60 * 60))
+}
+
+/// How far away "for ever" is for [`deadline_after`]: about 30 years (what tokio itself uses).
+const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
 /// A guard that sends a cancel request for `token`'s connection when dropped before
 /// [`CancelOnDrop::disarm`](crate::internal::CancelOnDrop::disarm), with `queue`'s TLS setting.
@@ -386,6 +398,19 @@ mod tests {
         assert_eq!(s(Duration::from_secs(2)), "2000ms");
         let err = lock_timeout_setting(Duration::from_secs(60 * 60 * 24 * 30)).expect_err("big");
         assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    }
+
+    #[tokio::test]
+    async fn deadlines_saturate_instead_of_panicking() {
+        let soon = deadline_after(Duration::from_millis(5));
+        assert!(soon > Instant::now() - Duration::from_secs(1));
+        let never = deadline_after(Duration::MAX);
+        assert!(never > Instant::now() + Duration::from_secs(86_400 * 365));
+        // A patience of Duration::MAX used to panic ("overflow when adding duration to
+        // instant") as soon as a waiter queued.
+        let queue = LockQueue::new().with_local_patience(Duration::MAX);
+        let ran = in_turn(&queue, 7, None, || async { "ran" }).await;
+        assert_eq!(ran, "ran");
     }
 
     #[test]

@@ -10,8 +10,8 @@
 //! [`crate::map_error`] instead. (sqlx-core carries the same note for the same reason.)
 
 pub use crate::advisory::{
-    LockCall, acquire_with, cancel_on_drop, check_isolation, column, in_turn, lock_error,
-    lock_statement, lock_timeout_setting, try_lock_statement,
+    LockCall, acquire_with, cancel_on_drop, check_isolation, column, deadline_after, in_turn,
+    lock_error, lock_statement, lock_timeout_setting, try_lock_statement,
 };
 pub use crate::cancel::CancelOnDrop;
 
