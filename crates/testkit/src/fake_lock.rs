@@ -42,8 +42,27 @@ use std::time::Duration;
 
 use lockstep_core::{
     DistributedLock, Error, ErrorKind, ResourceKey, Result, SessionLockGuard, SessionLocks,
+    ValidationError,
 };
 use tokio::sync::Notify;
+
+/// The longest lock wait Postgres accepts: `lock_timeout` is an `int` of milliseconds (and
+/// lockstep-pg rounds a wait up to whole milliseconds), so about 24.8 days.
+pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// Refuses a lock timeout Postgres would refuse, exactly as lockstep-pg does before any SQL:
+/// [`ErrorKind::InvalidInput`] with [`ValidationError::DurationTooLarge`].
+fn check_lock_timeout(timeout: Option<Duration>) -> Result<()> {
+    match timeout {
+        Some(limit) if limit.as_micros().div_ceil(1000) > MAX_LOCK_TIMEOUT.as_millis() => {
+            Err(ValidationError::DurationTooLarge {
+                field: "lock timeout",
+            }
+            .into())
+        }
+        _ => Ok(()),
+    }
+}
 
 /// Who holds a fake lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -551,6 +570,7 @@ impl DistributedLock<FakeTransaction> for FakeDistributedLock {
         timeout: Option<Duration>,
     ) -> Result<()> {
         self.check(tx)?;
+        check_lock_timeout(timeout)?;
         let owner = LockOwner::Transaction(tx.id);
         tx.statement(async {
             match timeout {
@@ -622,6 +642,7 @@ impl SessionLocks for FakeSessionLocks {
         timeout: Option<Duration>,
     ) -> Result<FakeSessionGuard> {
         {
+            check_lock_timeout(timeout)?;
             let owner = LockOwner::Session(self.db.next_id());
             let wait = self.db.acquire(key, owner);
             match timeout {

@@ -196,6 +196,35 @@ pub async fn acquire_with_timeout_fails_with_lock_timeout<F: DistributedLockFixt
     commit(fixture.source(), a).await.expect("commit");
 }
 
+/// A timeout longer than Postgres's `lock_timeout` can hold (`i32::MAX` milliseconds, about
+/// 24.8 days) is [`lockstep_core::ErrorKind::InvalidInput`] before anything is locked or sent:
+/// the transaction stays usable and the key free. The longest accepted timeout works.
+pub async fn a_timeout_beyond_what_postgres_accepts_is_invalid_input<F: DistributedLockFixture>(
+    fixture: Arc<F>,
+) {
+    let key = fresh_key();
+    let longest = Duration::from_millis(i32::MAX as u64);
+    let tx = begin(fixture.source()).await;
+    for too_long in [longest + Duration::from_micros(1), Duration::MAX] {
+        let err = fixture
+            .lock()
+            .acquire_for_transaction(&tx, &key, Some(too_long))
+            .await
+            .expect_err("refused");
+        assert_eq!(err.kind(), lockstep_core::ErrorKind::InvalidInput, "{err}");
+        assert!(err.validation().is_some(), "typed: {err}");
+    }
+    let other = begin(fixture.source()).await;
+    assert!(try_lock(&*fixture, &other, &key).await, "nothing locked");
+    rollback(fixture.source(), other).await;
+    fixture
+        .lock()
+        .acquire_for_transaction(&tx, &key, Some(longest))
+        .await
+        .expect("the longest timeout is accepted, and the transaction is usable");
+    commit(fixture.source(), tx).await.expect("commit");
+}
+
 /// Dropping a waiting acquire leaves no waiter behind: once the holder ends, the key is free
 /// for anyone at once.
 pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(fixture: Arc<F>) {
@@ -242,6 +271,7 @@ macro_rules! __lockstep_distributed_lock_cases {
             released_at_rollback,
             blocking_acquire_completes_once_the_holder_ends,
             acquire_with_timeout_fails_with_lock_timeout,
+            a_timeout_beyond_what_postgres_accepts_is_invalid_input,
             dropped_waiting_acquire_leaves_no_ghost,
         ] }
     };

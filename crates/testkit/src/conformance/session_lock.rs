@@ -124,6 +124,32 @@ pub async fn session_acquire_with_timeout_fails_with_lock_timeout<F: SessionLock
     guard.release().await.expect("release");
 }
 
+/// A session timeout longer than Postgres's `lock_timeout` can hold (`i32::MAX`
+/// milliseconds) is `InvalidInput` before anything is locked; the longest accepted one works.
+pub async fn a_session_timeout_beyond_what_postgres_accepts_is_invalid_input<
+    F: SessionLockFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let locks = fixture.lock();
+    let key = fresh_key();
+    let longest = Duration::from_millis(i32::MAX as u64);
+    for too_long in [longest + Duration::from_micros(1), Duration::MAX] {
+        let err = locks
+            .acquire_session(&key, Some(too_long))
+            .await
+            .map(drop)
+            .expect_err("refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        assert!(err.validation().is_some(), "typed: {err}");
+    }
+    let guard = locks
+        .acquire_session(&key, Some(longest))
+        .await
+        .expect("the longest timeout is accepted");
+    guard.release().await.expect("release");
+}
+
 /// A blocking session acquire waits while the key is held (still pending 200 ms later) and
 /// completes once the holder releases (within 5 s).
 pub async fn blocking_session_acquire_completes_once_released<F: SessionLockFixture>(
@@ -177,6 +203,7 @@ macro_rules! __lockstep_session_lock_cases {
             dropping_a_session_guard_releases_the_lock,
             session_and_transaction_locks_exclude_each_other,
             session_acquire_with_timeout_fails_with_lock_timeout,
+            a_session_timeout_beyond_what_postgres_accepts_is_invalid_input,
             blocking_session_acquire_completes_once_released,
             session_locks_on_different_keys_never_block,
         ] }
