@@ -12,7 +12,10 @@
 //!   says [`StreamLease::reentered`], because the caller joined a lease it — or another task of
 //!   the same instance — already held, and one release ends it for everyone). It is denied
 //!   when another instance holds a live lease, and the denial says who, why and until when. A
-//!   pair without a cursor row is never acquired.
+//!   pair without a cursor row is never acquired. It never waits: a cursor row locked by
+//!   another transaction is the retryable [`crate::ErrorKind::LockTimeout`] at once.
+//! - **Cancel safety**: dropping the future of any operation leaves no statement running and
+//!   no lease behind (Postgres: a cancel request, and the connection is closed).
 //! - **epoch** (the fencing token) increases whenever a lease is established anew: a new holder,
 //!   or a takeover of an expired lease (even by the same instance). A same-instance re-acquire of
 //!   a live lease keeps the epoch. Force-release also increases it.
@@ -185,6 +188,11 @@ pub trait StreamLocker: Send + Sync {
     fn options(&self) -> StreamLockOptions;
 
     /// Tries to take the lease on `(stream_id, perspective)` for `instance`, without waiting.
+    ///
+    /// Never waits, not even for the cursor row: while another transaction holds the row's
+    /// lock (a fenced commit, a claim applying events, another lease operation in flight) it
+    /// fails at once with the retryable [`crate::ErrorKind::LockTimeout`] — skip the pair and
+    /// retry later, as after a denial.
     async fn try_acquire(
         &self,
         stream_id: StreamId,

@@ -14,8 +14,11 @@ use lockstep_core::{
     PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
     StreamLockOptions, StreamLocker,
 };
+use lockstep_pg::LockQueue;
 use time::OffsetDateTime;
 use tokio_postgres::Row;
+use tokio_postgres::Socket;
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tracing::{Span, instrument};
 use uuid::Uuid;
 
@@ -34,6 +37,8 @@ pub struct PostgresStreamLocker {
     pub(crate) pool: Pool,
     options: StreamLockOptions,
     timeout: PgInterval,
+    // Only its cancel requests are used (their TLS connector).
+    pub(crate) cancel: LockQueue,
 }
 
 impl std::fmt::Debug for PostgresStreamLocker {
@@ -59,7 +64,26 @@ impl PostgresStreamLocker {
             pool,
             options,
             timeout,
+            cancel: LockQueue::new(),
         }
+    }
+
+    /// Sends the cancel requests that end an abandoned lease statement with `tls`: **pass the
+    /// connector the pool was built with** (default `tokio_postgres::NoTls`). Every operation is
+    /// cancel-safe: dropping its future (a caller's timeout, a cancelled task) sends a cancel
+    /// request for the running statement and closes its connection, so no statement keeps
+    /// running and no lease is written for a caller that gave up. See
+    /// [`LockQueue::with_cancel_tls`].
+    #[must_use]
+    pub fn with_cancel_tls<T>(mut self, tls: T) -> Self
+    where
+        T: MakeTlsConnect<Socket> + Clone + Sync + Send + 'static,
+        T::Stream: Sync + Send,
+        T::TlsConnect: Sync + Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        self.cancel = self.cancel.with_cancel_tls(tls);
+        self
     }
 
     /// The pool the locker runs on.

@@ -13,7 +13,10 @@
 /// Try-acquire: `$1` stream id (`uuid`), `$2` perspective (`text`), `$3` instance (`uuid`),
 /// `$4` reason (`text`, at most 50 characters), `$5` lock timeout (`interval`).
 ///
-/// - `cur` locks the cursor row (`FOR NO KEY UPDATE`) and reads its lease as it is *now*: under
+/// - `cur` locks the cursor row (`FOR NO KEY UPDATE NOWAIT`) and reads its lease as it is *now*:
+///   when another transaction holds the row's lock (a perspective store's claim applying events,
+///   a fenced commit, another lease operation in flight) the statement fails at once with
+///   `55P03 lock_not_available` instead of waiting (try-acquire never waits). Otherwise, under
 ///   READ COMMITTED a row updated by a transaction that committed after the statement's
 ///   snapshot is re-read at its latest version, so the decision and the denial report never
 ///   see a stale lease.
@@ -31,7 +34,7 @@ WITH cur AS MATERIALIZED (
            stream_lock_expiry AS expiry, stream_lock_epoch AS epoch
       FROM wh_perspective_cursors
      WHERE stream_id = $1::uuid AND perspective_name = $2::text
-       FOR NO KEY UPDATE
+       FOR NO KEY UPDATE NOWAIT
 ), upd AS (
     UPDATE wh_perspective_cursors c
        SET stream_lock_instance_id = $3::uuid,

@@ -8,6 +8,7 @@ use std::fmt::Display;
 use std::future::Future;
 
 use lockstep_core::{Error, ErrorKind, Result, StreamId};
+use lockstep_pg::internal::{CancelOnDrop, cancel_on_drop};
 use lockstep_pg::{map_error, map_pool_error};
 use tokio_postgres::row::RowIndex;
 use tokio_postgres::types::{FromSql, ToSql};
@@ -59,6 +60,10 @@ impl Outcome for u64 {
 impl PostgresStreamLocker {
     /// Runs `sql` (one of [`crate::sql`]) with `params` on a pooled connection, one round trip
     /// once the statement is prepared on that connection. `doing` names the operation in errors.
+    ///
+    /// Cancel-safe: if the returned future is dropped while the statement runs, a cancel
+    /// request ends it at the server (no lease is written for a caller that is gone) and the
+    /// connection is closed instead of going back to the pool mid-statement.
     pub(crate) async fn run<O: Outcome>(
         &self,
         sql: &'static str,
@@ -70,11 +75,49 @@ impl PostgresStreamLocker {
             .prepare_cached(sql)
             .await
             .map_err(|e| map_error(e, doing))?;
-        let outcome = O::run(&conn, &statement, params)
-            .await
-            .map_err(|e| map_error(e, doing))?;
-        drop(conn); // back to the pool before the caller reads the result
-        Ok(outcome)
+        let guard = Abandon {
+            cancel: Some(cancel_on_drop(&self.cancel, conn.cancel_token())),
+            conn: Some(conn),
+        };
+        let outcome = O::run(guard.client(), &statement, params).await;
+        // Finished (either way): nothing to cancel, and the connection goes back to the pool
+        // before the caller reads the result.
+        guard.disarm();
+        outcome.map_err(|e| map_error(e, doing))
+    }
+}
+
+/// Armed while a statement runs: dropped armed (the caller's future was dropped), it sends a
+/// cancel request for the statement and closes the connection (never pooled mid-statement).
+struct Abandon {
+    cancel: Option<CancelOnDrop>,
+    conn: Option<deadpool_postgres::Object>,
+}
+
+impl Abandon {
+    fn client(&self) -> &Client {
+        match &self.conn {
+            Some(conn) => conn,
+            None => unreachable!("the connection is only taken on disarm or drop"),
+        }
+    }
+
+    fn disarm(mut self) {
+        if let Some(cancel) = self.cancel.take() {
+            cancel.disarm();
+        }
+        drop(self.conn.take()); // back to the pool
+    }
+}
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // Still armed: cancel the statement (the guard's own drop) and close the connection.
+            drop(self.cancel.take());
+            drop(deadpool_postgres::Object::take(conn));
+            tracing::debug!("lease statement abandoned: cancelled, connection discarded");
+        }
     }
 }
 

@@ -273,18 +273,24 @@ async fn run_task(
     outcomes: Arc<Mutex<Outcomes>>,
 ) {
     for _ in 0..cycles {
-        let lease = match locker
+        let outcome = match locker
             .try_acquire(stream, &perspective, instance, &LockReason::Rewind)
             .await
-            .expect("try_acquire runs")
         {
-            AcquireOutcome::Acquired(lease) => lease,
-            AcquireOutcome::Denied(_) => {
+            Ok(outcome) => Some(outcome),
+            // The row is locked by another task's statement or fenced commit: busy, which a
+            // caller treats like a denial (try-acquire never waits; ADR 0002, addendum).
+            Err(err) if err.kind() == lockstep_core::ErrorKind::LockTimeout => None,
+            Err(err) => panic!("try_acquire runs: {err:?}"),
+        };
+        let lease = match outcome {
+            Some(AcquireOutcome::Acquired(lease)) => lease,
+            Some(AcquireOutcome::Denied(_)) | None => {
                 outcomes.lock().expect("outcome log").denied += 1;
                 tokio::task::yield_now().await;
                 continue;
             }
-            AcquireOutcome::NoCursor => panic!("the cursor row exists"),
+            Some(AcquireOutcome::NoCursor) => panic!("the cursor row exists"),
         };
         let epoch = lease.id.epoch.get();
         outcomes

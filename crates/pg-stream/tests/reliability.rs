@@ -91,3 +91,117 @@ async fn an_infinite_expiry_set_by_an_operator_is_a_typed_error_naming_the_row()
     );
     assert!(locker.list_leases().await.expect("listing").is_empty());
 }
+
+/// Issue 8, defect 3: try-acquire does not wait for a cursor row locked by another transaction
+/// (it is busy at once), and nothing is written once that transaction commits — no ghost lease
+/// for a caller that gave up.
+#[tokio::test(flavor = "multi_thread")]
+async fn try_acquire_on_a_row_locked_elsewhere_is_busy_at_once_and_leaves_no_ghost_lease() {
+    let db = Db::new(2).await;
+    let locker = db.locker(long_options());
+    let (stream, perspective) = db.order_cursor().await;
+    let mut other = db.client().await;
+    let tx = other.transaction().await.expect("begin");
+    tx.execute(
+        "SELECT 1 FROM wh_perspective_cursors WHERE stream_id = $1 FOR UPDATE",
+        &[&stream.as_uuid()],
+    )
+    .await
+    .expect("row lock held elsewhere (a claim applying events)");
+
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(2),
+        locker.try_acquire(
+            stream,
+            &perspective,
+            InstanceId::random(),
+            &LockReason::Rewind,
+        ),
+    )
+    .await;
+    let err = outcome
+        .expect("try-acquire does not wait for the row lock")
+        .expect_err("busy");
+    assert_eq!(err.kind(), ErrorKind::LockTimeout, "{err}");
+    assert!(err.is_retryable());
+
+    tx.commit().await.expect("the other transaction commits");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let row = common::inspect_row(&locker, stream, &perspective).await;
+    assert!(row.is_unlocked(), "no lease was written: {row:?}");
+    assert!(
+        locker
+            .try_acquire(
+                stream,
+                &perspective,
+                InstanceId::random(),
+                &LockReason::Rewind
+            )
+            .await
+            .expect("try_acquire")
+            .is_acquired()
+    );
+}
+
+/// Issue 8, defect 3: a lease operation whose future is dropped mid-statement (here a renew
+/// waiting for a row lock, cut short by the caller's timeout) leaves no statement running: the
+/// renew does not happen when the lock is released, and the pool goes on working.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dropped_lease_operation_leaves_no_statement_running() {
+    let db = Db::new(1).await;
+    let locker = db.locker(long_options());
+    let (stream, perspective) = db.order_cursor().await;
+    let lease = acquire(
+        &locker,
+        stream,
+        &perspective,
+        InstanceId::random(),
+        LockReason::Rewind,
+    )
+    .await;
+    let mut other = db.client().await;
+    let tx = other.transaction().await.expect("begin");
+    tx.execute(
+        "SELECT 1 FROM wh_perspective_cursors WHERE stream_id = $1 FOR UPDATE",
+        &[&stream.as_uuid()],
+    )
+    .await
+    .expect("row lock held elsewhere");
+
+    let renew = tokio::time::timeout(Duration::from_millis(300), locker.renew(&lease.id)).await;
+    assert!(
+        renew.is_err(),
+        "the renew waits for the row lock and is dropped"
+    );
+    // The cancel request ends the server-side wait; nothing of the lease statement is left.
+    let mut waiting = i64::MAX;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waiting = db
+            .client()
+            .await
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = current_database() AND query LIKE '%stream_lock_expiry%' \
+                    AND state = 'active' AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .expect("activity")
+            .get(0);
+        if waiting == 0 {
+            break;
+        }
+    }
+    assert_eq!(waiting, 0, "no lease statement keeps running");
+    tx.commit().await.expect("the other transaction commits");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let row = common::inspect_row(&locker, stream, &perspective).await;
+    assert_eq!(
+        row.expires_at,
+        Some(lease.expires_at),
+        "the abandoned renew did not run"
+    );
+    // The pool (one connection) still serves the next call.
+    assert!(locker.renew(&lease.id).await.expect("renew").is_renewed());
+}

@@ -154,7 +154,7 @@ async fn wait_for_a_lock_waiter(db: &Db) {
 }
 
 #[tokio::test]
-async fn a_fence_check_makes_a_takeover_wait_until_the_fenced_transaction_ends() {
+async fn a_fence_check_refuses_a_takeover_until_the_fenced_transaction_ends() {
     let db = Db::new(4).await;
     let setup = db.client().await;
     setup
@@ -183,23 +183,17 @@ async fn a_fence_check_makes_a_takeover_wait_until_the_fenced_transaction_ends()
 
     // A's lease expires while its fenced transaction is still open ...
     db.wait_until_expired_on_db_clock(lease.expires_at).await;
-    let persp = perspective.clone();
-    let takeover = tokio::spawn(async move {
-        other
-            .try_acquire(stream, &persp, b, &LockReason::Rewind)
-            .await
-    });
-    // ... so B's takeover blocks on the row lock instead of succeeding.
-    wait_for_a_lock_waiter(&db).await;
-    assert!(
-        !takeover.is_finished(),
-        "the takeover must wait for the fenced transaction"
-    );
+    // ... so B's takeover is refused at once (busy: the row is locked), not granted.
+    let busy = other
+        .try_acquire(stream, &perspective, b, &LockReason::Rewind)
+        .await
+        .expect_err("the takeover is refused while the fenced transaction is open");
+    assert_eq!(busy.kind(), lockstep_core::ErrorKind::LockTimeout, "{busy}");
 
     tx.commit().await.expect("the fenced transaction commits");
-    let taken = match takeover
+    let taken = match other
+        .try_acquire(stream, &perspective, b, &LockReason::Rewind)
         .await
-        .expect("the takeover task")
         .expect("try_acquire runs")
     {
         AcquireOutcome::Acquired(lease) => lease,

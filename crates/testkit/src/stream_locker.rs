@@ -3,8 +3,9 @@
 //!
 //! Built [`with_database`](InMemoryStreamLocker::with_database), it also implements
 //! [`LeaseFence`] over [`FakeTransaction`]s of that database, like Postgres: the fence check
-//! locks the cursor row until the transaction ends, and every lease operation on that row waits
-//! for it (a takeover cannot slip in between a fenced check and its commit).
+//! locks the cursor row until the transaction ends; renew, release and the admin operations on
+//! that row wait for it, and try-acquire fails at once with the retryable
+//! [`ErrorKind::LockTimeout`] (a takeover cannot slip in between a fenced check and its commit).
 //!
 //! Tests expire leases with paused time instead of sleeping:
 //!
@@ -140,6 +141,28 @@ impl InMemoryStreamLocker {
         Ok(())
     }
 
+    /// Fails at once, like `FOR NO KEY UPDATE NOWAIT`, while a fenced transaction holds the row:
+    /// try-acquire never waits.
+    fn refuse_if_row_locked(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<()> {
+        if let Some(db) = &self.db {
+            let key = Self::row_key(stream_id, perspective);
+            if db.holder_of(&key).is_some() {
+                return Err(Error::new(
+                    ErrorKind::LockTimeout,
+                    format!(
+                        "acquiring a stream lease: the cursor row ({stream_id}, {perspective}) \
+                         is locked by another transaction"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Creates the cursor row of a pair (unlocked); does nothing if it exists.
     pub fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
         self.rows()
@@ -177,7 +200,7 @@ impl StreamLocker for InMemoryStreamLocker {
         instance: InstanceId,
         reason: &LockReason,
     ) -> Result<AcquireOutcome> {
-        self.wait_for_row(stream_id, perspective).await?;
+        self.refuse_if_row_locked(stream_id, perspective)?;
         let now = Instant::now();
         let expires = self.expiry_from(now);
         let mut rows = self.rows();

@@ -142,8 +142,9 @@ pub async fn fence_fails_after_force_release<F: LeaseFenceFixture>(fixture: Arc<
     rollback(fixture.source(), tx).await;
 }
 
-/// A takeover of an expired lease waits while a fenced transaction is open (still pending
-/// 200 ms later) and proceeds once it ends.
+/// A takeover of an expired lease is refused at once while a fenced transaction is open
+/// (try-acquire never waits: the retryable [`ErrorKind::LockTimeout`], the cursor row is busy)
+/// and succeeds once it ends.
 pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFenceFixture>(
     fixture: Arc<F>,
 ) {
@@ -155,28 +156,21 @@ pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFence
         .await
         .expect("holder passes");
     wait_past_expiry(&*fixture).await;
-    let takeover = {
-        let (fixture, name) = (Arc::clone(&fixture), name.clone());
-        tokio::spawn(async move {
-            fixture
-                .locker()
-                .try_acquire(stream, &name, InstanceId::random(), &LockReason::Bootstrap)
-                .await
-        })
+    let takeover = || {
+        fixture
+            .locker()
+            .try_acquire(stream, &name, InstanceId::random(), &LockReason::Bootstrap)
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(
-        !takeover.is_finished(),
-        "the takeover waits for the fenced transaction"
-    );
+    let busy = tokio::time::timeout(Duration::from_secs(5), takeover())
+        .await
+        .expect("try-acquire does not wait for the fenced transaction")
+        .expect_err("the takeover is refused while the fenced transaction is open");
+    assert_eq!(busy.kind(), ErrorKind::LockTimeout, "{busy}");
+    assert!(busy.is_retryable());
     commit(fixture.source(), tx)
         .await
         .expect("the fenced commit succeeds");
-    let outcome = tokio::time::timeout(Duration::from_secs(5), takeover)
-        .await
-        .expect("the takeover proceeds within 5 s")
-        .expect("task")
-        .expect("try_acquire");
+    let outcome = takeover().await.expect("try_acquire");
     assert!(
         outcome.is_acquired(),
         "expired lease taken over: {outcome:?}"
