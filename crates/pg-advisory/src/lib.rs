@@ -13,7 +13,11 @@
 //!   after an abandoned wait the connection must be closed, which only a transaction that owns
 //!   it can do; see [`PostgresDistributedLock`].)
 //! - It also implements [`SessionLocks`](lockstep_core::SessionLocks): a **session-scoped**
-//!   lock held by a [`PgSessionGuard`] that owns its pooled connection ([`session`]).
+//!   lock held by a [`PgSessionGuard`] that owns its pooled connection ([`session`]). The lock
+//!   is built with its pool, so session locks are always available. A session lock lives as
+//!   long as its connection: [`PgSessionGuard::is_held`] tells a holder whether it still has
+//!   it (a lost connection loses the lock silently otherwise), and a release never pools a
+//!   connection left inside a transaction block.
 //! - [`PostgresAggregateWriteLock`] is the per-aggregate write lock
 //!   `relay:aggregate:{type}:{id}`: the pure
 //!   [`DistributedAggregateWriteLock`](lockstep_core::DistributedAggregateWriteLock) of

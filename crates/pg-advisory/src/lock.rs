@@ -27,8 +27,9 @@ pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDist
 ///   afterwards, and only a transaction that owns its connection can do that. A borrowed
 ///   `tokio_postgres::Transaction` (or `deadpool_postgres::Transaction`) therefore does not
 ///   compile here (`docs/adr/0003-advisory-lock-design.md`, addendum).
-/// - [`lockstep_core::SessionLocks`] (needs a pool, see [`PostgresDistributedLock::new`]): a
-///   guard that owns a pooled connection holding `pg_advisory_lock`.
+/// - [`lockstep_core::SessionLocks`]: a guard that owns a connection from the lock's pool
+///   holding `pg_advisory_lock`. Every constructor takes the pool, so a lock that cannot take
+///   session locks cannot be built (there is no run-time "no pool" error).
 ///
 /// Clones share the in-process queue ([`LockQueue`]); use one instance (or its clones) per
 /// process, and give it to the event store (`PgEventStore::with_lock(lock.clone())`) so that
@@ -54,14 +55,15 @@ pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDist
 /// ```
 #[derive(Clone)]
 pub struct PostgresDistributedLock {
-    pub(crate) pool: Option<Pool>,
+    pub(crate) pool: Pool,
     pub(crate) queue: LockQueue,
 }
 
 impl std::fmt::Debug for PostgresDistributedLock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The pool's configuration holds the connection string: only its status is shown.
         f.debug_struct("PostgresDistributedLock")
-            .field("session_locks", &self.pool.is_some())
+            .field("pool_status", &self.pool.status())
             .field("queue", &self.queue)
             .finish()
     }
@@ -72,27 +74,24 @@ impl PostgresDistributedLock {
     /// (default 1 s); see [`PostgresDistributedLock::with_local_patience`].
     pub const DEFAULT_LOCAL_PATIENCE: Duration = LockQueue::DEFAULT_LOCAL_PATIENCE;
 
-    /// Transaction-scoped locks, plus session-scoped locks on connections from `pool`.
+    /// Transaction-scoped locks, plus session-scoped locks on connections from `pool`, with an
+    /// in-process queue of their own.
     ///
     /// Cancel requests for abandoned waits go out without TLS; for a pool built with a TLS
     /// connector, pass the same connector to [`PostgresDistributedLock::with_cancel_tls`].
     pub fn new(pool: Pool) -> PostgresDistributedLock {
-        PostgresDistributedLock {
-            pool: Some(pool),
-            ..PostgresDistributedLock::transaction_scoped()
-        }
+        PostgresDistributedLock::with_queue(pool, LockQueue::new())
     }
 
-    /// Transaction-scoped locks only (session acquires fail with
-    /// [`ErrorKind::Unsupported`](lockstep_core::ErrorKind::Unsupported)).
-    pub fn transaction_scoped() -> PostgresDistributedLock {
-        PostgresDistributedLock::with_queue(LockQueue::new())
+    /// Like [`PostgresDistributedLock::new`], queueing in `queue` (shared with whoever else
+    /// holds a clone of it).
+    pub fn with_queue(pool: Pool, queue: LockQueue) -> PostgresDistributedLock {
+        PostgresDistributedLock { pool, queue }
     }
 
-    /// Transaction-scoped locks that queue in `queue` (and share it with whoever else holds a
-    /// clone of it).
-    pub fn with_queue(queue: LockQueue) -> PostgresDistributedLock {
-        PostgresDistributedLock { pool: None, queue }
+    /// The pool session locks take their connections from.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
     }
 
     /// Turns the in-process queue on (default) or off. Off, every waiter waits at the server

@@ -5,10 +5,32 @@
 //! Session locks need a session that stays the same: they do **not** work behind a
 //! transaction-pooling proxy (PgBouncer `pool_mode = transaction`), which may run the unlock on
 //! another server connection. Transaction-scoped locks work there.
+//!
+//! # A lock lost with its connection
+//!
+//! A session lock lives exactly as long as its connection. If the connection breaks (network,
+//! server restart, `pg_terminate_backend`, `idle_session_timeout`), the server releases the
+//! lock and another session can take it **while the guard still exists**: nothing tells the
+//! guard by itself. Work that must not run without the lock asks before it commits:
+//! [`PgSessionGuard::is_held`] checks `pg_locks` on the guard's own connection (one round
+//! trip; `false` once the connection is gone), and [`PgSessionGuard::is_closed`] says, without
+//! a round trip, whether the driver already knows the connection is gone. Even so, a check is a
+//! moment in time: protect the critical writes themselves (a transaction-scoped lock or a
+//! fencing token in the same transaction), or do them on the guard's own connection
+//! ([`PgSessionGuard::client`]), where they fail together with the lock.
+//!
+//! # Transactions on the guard's connection
+//!
+//! The protected work may run on [`PgSessionGuard::client`], in transactions of its own; end
+//! them before releasing. A release that finds the connection inside a transaction block (the
+//! holder ran `BEGIN` and neither committed nor rolled back) unlocks, then **closes** the
+//! connection instead of pooling it (the server rolls that transaction back), and reports
+//! [`ErrorKind::Unsupported`]: a pooled connection in an open transaction would run the next
+//! borrower's statements inside it.
 
 use std::time::Duration;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Object;
 use lockstep_core::{Error, ErrorKind, ResourceKey, Result, SessionLockGuard, SessionLocks};
 use lockstep_pg::internal::{
     self, CancelOnDrop, column, kind_of, lock_error, lock_timeout_setting,
@@ -38,12 +60,44 @@ impl std::fmt::Debug for PgSessionGuard {
 
 impl PgSessionGuard {
     /// The connection that holds the lock, e.g. to do the protected work on it. Do not end
-    /// its session state (no `DISCARD ALL`, no `pg_advisory_unlock_all`).
+    /// its session state (no `DISCARD ALL`, no `pg_advisory_unlock_all`), and end every
+    /// transaction begun on it before [`SessionLockGuard::release`] (see the
+    /// [module docs](self)).
     pub fn client(&self) -> &tokio_postgres::Client {
         match &self.conn {
             Some(conn) => conn,
             None => unreachable!("a guard is only without its connection inside release"),
         }
+    }
+
+    /// Whether the lock is still held, asked on the guard's own connection (`pg_locks`, one
+    /// round trip). `Ok(false)` when the connection is gone (the server released the lock, or
+    /// will once it notices) or the lock was released on it behind the guard's back
+    /// (`pg_advisory_unlock_all`); an error only for failures that say nothing about the lock
+    /// (e.g. the holder's transaction on this connection has failed: roll it back first).
+    pub async fn is_held(&self) -> Result<bool> {
+        let client = self.client();
+        if client.is_closed() {
+            return Ok(false);
+        }
+        match client
+            .query_typed_one(
+                sql::IS_HELD_SESSION,
+                &[(&self.key.advisory_key(), Type::INT8)],
+            )
+            .await
+        {
+            Ok(row) => acquired(&row),
+            Err(e) if kind_of(&e) == ErrorKind::ConnectionLost => Ok(false),
+            Err(e) => Err(lock_error(e, &self.key, "checking session")),
+        }
+    }
+
+    /// Whether the driver already knows the guard's connection is closed, without a round
+    /// trip. `true` means the lock is lost; `false` proves nothing (a dead peer is noticed
+    /// only when the connection is next used): ask [`PgSessionGuard::is_held`].
+    pub fn is_closed(&self) -> bool {
+        self.client().is_closed()
     }
 }
 
@@ -66,16 +120,37 @@ impl SessionLockGuard for PgSessionGuard {
             return Ok(());
         };
         let advisory = self.key.advisory_key();
-        let held = match conn
-            .query_typed_one(sql::UNLOCK_SESSION, &[(&advisory, Type::INT8)])
-            .await
-        {
-            Ok(row) => acquired(&row),
+        // One statement unlocks and says whether the connection is inside a transaction block:
+        // sent as a simple query (one message), it is the first command of its own implicit
+        // transaction, where transaction_timestamp() equals statement_timestamp() (PostgreSQL
+        // documents it); after the holder's BEGIN it is BEGIN's time, an earlier message. The
+        // key is an integer, written as a literal.
+        let outcome = match conn.simple_query(&sql::unlock_session(advisory)).await {
+            Ok(messages) => unlock_outcome(&messages),
             Err(e) => Err(lock_error(e, &self.key, "releasing")),
         };
-        match held {
-            Ok(true) => Ok(()), // pooled again
-            Ok(false) => {
+        match outcome {
+            Ok((true, false)) => Ok(()), // unlocked, idle: pooled again
+            Ok((held, true)) => {
+                // Never pool a connection inside a transaction block: closing it rolls the
+                // holder's open transaction back.
+                let _ = Object::take(conn);
+                Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "session lock {} {}, but its connection was inside a transaction block \
+                         the holder never ended: the connection was closed (rolling that \
+                         transaction back) instead of going back to the pool",
+                        self.key,
+                        if held {
+                            "was released"
+                        } else {
+                            "was no longer held at release"
+                        }
+                    ),
+                ))
+            }
+            Ok((false, false)) => {
                 let _ = Object::take(conn);
                 Err(Error::new(
                     ErrorKind::Backend,
@@ -83,7 +158,7 @@ impl SessionLockGuard for PgSessionGuard {
                 ))
             }
             Err(e) => {
-                // Not known to be unlocked: never pool it.
+                // Not known to be unlocked (or in a failed transaction): never pool it.
                 let _ = Object::take(conn);
                 Err(e)
             }
@@ -94,6 +169,26 @@ impl SessionLockGuard for PgSessionGuard {
 /// The boolean a session statement returns (held, acquired).
 fn acquired(row: &tokio_postgres::Row) -> Result<bool> {
     column(row, 0)
+}
+
+/// (was held, inside a transaction block) from the unlock's simple-query answer.
+fn unlock_outcome(messages: &[tokio_postgres::SimpleQueryMessage]) -> Result<(bool, bool)> {
+    let flag = |row: &tokio_postgres::SimpleQueryRow, idx: usize| match row.try_get(idx) {
+        Ok(Some("t")) => Ok(true),
+        Ok(Some("f")) => Ok(false),
+        _ => Err(Error::new(
+            ErrorKind::Backend,
+            "decoding the session unlock's result",
+        )),
+    };
+    messages
+        .iter()
+        .find_map(|message| match message {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .ok_or_else(|| Error::new(ErrorKind::Backend, "the session unlock returned no row"))
+        .and_then(|row| Ok((flag(row, 0)?, flag(row, 1)?)))
 }
 
 /// A connection waiting for a session lock: if dropped mid-wait, cancels the wait and closes
@@ -125,17 +220,6 @@ impl Drop for Waiting {
     }
 }
 
-impl PostgresDistributedLock {
-    fn session_pool(&self) -> Result<&Pool> {
-        self.pool.as_ref().ok_or_else(|| {
-            Error::new(
-                ErrorKind::Unsupported,
-                "session locks need a pool: build the lock with PostgresDistributedLock::new(pool)",
-            )
-        })
-    }
-}
-
 impl SessionLocks for PostgresDistributedLock {
     type Guard = PgSessionGuard;
 
@@ -144,7 +228,7 @@ impl SessionLocks for PostgresDistributedLock {
         key: &ResourceKey,
         timeout: Option<Duration>,
     ) -> Result<PgSessionGuard> {
-        let pool = self.session_pool()?;
+        let pool = &self.pool;
         if let Some(limit) = timeout {
             lock_timeout_setting(limit)?;
         }
@@ -192,7 +276,7 @@ impl SessionLocks for PostgresDistributedLock {
     }
 
     async fn try_acquire_session(&self, key: &ResourceKey) -> Result<Option<PgSessionGuard>> {
-        let conn = self.session_pool()?.get().await.map_err(map_pool_error)?;
+        let conn = self.pool.get().await.map_err(map_pool_error)?;
         let advisory = key.advisory_key();
         let outcome = match conn
             .query_typed_one(sql::TRY_SESSION, &[(&advisory, Type::INT8)])

@@ -18,5 +18,20 @@ pub(crate) const LOCK_SESSION: &str = "SELECT acquired FROM lockstep_advisory_lo
 pub(crate) const TRY_SESSION: &str = "SELECT acquired FROM lockstep_advisory_lock(\
      p_key => $1, p_session => true, p_wait => false, p_lock_timeout => NULL)";
 
-/// `$1` key → whether it was held.
-pub(crate) const UNLOCK_SESSION: &str = "SELECT pg_advisory_unlock($1)";
+/// The unlock of `key` → (whether it was held, whether the connection is inside a transaction
+/// block), **to be sent as a simple query** (one message). Outside a block the statement is the
+/// first command of its own transaction, and `transaction_timestamp()` equals
+/// `statement_timestamp()`; inside one it is the time of the block's `BEGIN`. (With the
+/// extended protocol the two differ even outside a block: Parse, Bind and Execute are
+/// separate messages.)
+pub(crate) fn unlock_session(key: i64) -> String {
+    format!(
+        "SELECT pg_advisory_unlock({key}::bigint), transaction_timestamp() <> statement_timestamp()"
+    )
+}
+
+/// `$1` key → whether this session holds the session lock (its own row of `pg_locks`).
+pub(crate) const IS_HELD_SESSION: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
+     WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND objsubid = 1 \
+     AND mode = 'ExclusiveLock' \
+     AND ((classid::bigint << 32) | objid::bigint) = $1)";

@@ -748,14 +748,109 @@ async fn a_dropped_waiting_session_acquire_ends_its_wait() {
     next.release().await.expect("release");
 }
 
-#[tokio::test]
-async fn session_locks_need_a_pool() {
-    let lock = PostgresDistributedLock::transaction_scoped();
-    let err = lock
-        .try_acquire_session(&fresh_key())
+/// Issue 8, defect 7: a release after the holder ran `BEGIN` on the guard's connection used
+/// to hand that connection back to the pool inside the open transaction, and the next borrower
+/// ran inside it. Now the lock is released, the connection closed (rolling the transaction
+/// back) and the release says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_never_pools_a_connection_left_inside_a_transaction() {
+    let (_db, pool, lock) = setup(1).await;
+    let key = fresh_key();
+    let guard = lock.acquire_session(&key, None).await.expect("lock");
+    let pid: i32 = guard
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
         .await
-        .expect_err("no pool");
-    assert_eq!(err.kind(), ErrorKind::Unsupported);
+        .expect("pid")
+        .get(0);
+    guard
+        .client()
+        .batch_execute("BEGIN; CREATE TABLE left_open (x int)")
+        .await
+        .expect("the holder's transaction");
+    let err = guard.release().await.expect_err("reported");
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    let next = lock
+        .try_acquire_session(&key)
+        .await
+        .expect("try")
+        .expect("the lock was released");
+    // A simple query (one message): outside a transaction block it is its own transaction's
+    // first command, whose transaction_timestamp() equals statement_timestamp().
+    let state = next
+        .client()
+        .simple_query(
+            "SELECT pg_backend_pid() <> $$PID$$::int, \
+             transaction_timestamp() = statement_timestamp(), to_regclass('left_open') IS NULL"
+                .replace("$$PID$$", &pid.to_string())
+                .as_str(),
+        )
+        .await
+        .expect("state");
+    let row = state
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        })
+        .expect("a row");
+    assert_eq!(row.get(0), Some("t"), "a new connection");
+    assert_eq!(row.get(1), Some("t"), "not inside a transaction block");
+    assert_eq!(
+        row.get(2),
+        Some("t"),
+        "the open transaction was rolled back"
+    );
+    next.release().await.expect("a clean release pools it");
+    let conn = pool.get().await.expect("pooled");
+    drop(conn);
+}
+
+/// Risk "a session lock lost with its connection is silent": the guard can ask. After its
+/// backend is terminated, `is_held` says no (and another session takes the lock); after an
+/// unlock behind its back, too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_learns_that_its_session_lock_was_lost() {
+    let (db, _pool, lock) = setup(3).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let guard = lock.acquire_session(&key, None).await.expect("lock");
+    assert!(guard.is_held().await.expect("asked"));
+    assert!(!guard.is_closed());
+    let pid: i32 = guard
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    admin
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .expect("terminate");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            !guard.is_held().await.expect("no error, just not held")
+        })
+        .await
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || async { guard.is_closed() }).await,
+        "the driver learns the connection is gone"
+    );
+    let other = lock
+        .try_acquire_session(&key)
+        .await
+        .expect("try")
+        .expect("another session took it");
+    assert!(other.is_held().await.expect("asked"));
+    other
+        .client()
+        .batch_execute("SELECT pg_advisory_unlock_all()")
+        .await
+        .expect("unlock behind the guard's back");
+    assert!(!other.is_held().await.expect("asked"));
+    assert!(other.release().await.is_err(), "not held at release");
+    assert!(guard.release().await.is_err(), "its connection is gone");
 }
 
 /// Issue 8, defect 2: `with_local_patience(Duration::MAX)` ("queue in process for ever")
