@@ -79,9 +79,15 @@ impl PgTransaction {
 
     /// Begins a READ COMMITTED transaction on a connection already checked out.
     pub async fn begin_on(conn: Object) -> Result<PgTransaction> {
-        conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        if let Err(e) = conn
+            .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
-            .map_err(|e| map_error(e, "beginning a transaction"))?;
+        {
+            // Whatever went wrong, the connection's state is unknown: never pool it (a lost
+            // connection would fail the next borrower).
+            let _ = Object::take(conn);
+            return Err(map_error(e, "beginning a transaction"));
+        }
         Ok(PgTransaction {
             conn: Some(conn),
             discard: AtomicBool::new(false),
@@ -101,10 +107,27 @@ impl PgTransaction {
     /// Commits. Transaction-scoped locks are released by the server. A transaction that had
     /// failed is rolled back by the server instead, reported as
     /// [`ErrorKind::TransactionAborted`].
+    ///
+    /// If the connection is lost while the `COMMIT` is in flight, nobody can say whether the
+    /// server committed (it may have, and only the reply was lost): that is
+    /// [`ErrorKind::CommitUnknown`], which is **not** retryable — running the unit of work again
+    /// could apply it twice. Check what was written (event-store appends are idempotent by
+    /// event id, so re-appending the same events is safe). A connection already known to be
+    /// lost before the `COMMIT` was sent is [`ErrorKind::ConnectionLost`] (retryable: the
+    /// server rolled the transaction back).
     pub async fn commit(mut self) -> Result<()> {
         let Some(conn) = self.conn.take() else {
             return Ok(());
         };
+        if conn.is_closed() {
+            // Nothing was sent: the server ended the transaction with the connection.
+            let _ = Object::take(conn);
+            return Err(Error::new(
+                ErrorKind::ConnectionLost,
+                "committing: the connection was lost before COMMIT was sent; the transaction \
+                 was rolled back by the server",
+            ));
+        }
         // COMMIT of a failed transaction "succeeds" (the server answers ROLLBACK), so probe
         // first in the same round trip: in a failed transaction `SELECT 1` errors with 25P02
         // and the rest of the batch, COMMIT included, is skipped.
@@ -115,6 +138,16 @@ impl PgTransaction {
             }
             Err(e) => {
                 let kind = crate::error::kind_of(&e);
+                if kind == ErrorKind::ConnectionLost {
+                    // The COMMIT went out (or may have) and no answer came back.
+                    let _ = Object::take(conn);
+                    return Err(Error::new(
+                        ErrorKind::CommitUnknown,
+                        "the connection was lost while COMMIT was in flight: the transaction \
+                         may or may not have committed",
+                    )
+                    .with_source(e));
+                }
                 // Never pool a connection still inside a transaction.
                 if conn.batch_execute("ROLLBACK").await.is_err() {
                     let _ = Object::take(conn);
@@ -134,11 +167,20 @@ impl PgTransaction {
         }
     }
 
-    /// Rolls back. Transaction-scoped locks are released by the server.
+    /// Rolls back. Transaction-scoped locks are released by the server. A connection that
+    /// fails here is closed, never pooled.
     pub async fn rollback(mut self) -> Result<()> {
         let Some(conn) = self.conn.take() else {
             return Ok(());
         };
+        if conn.is_closed() {
+            // The server rolled back when the connection went: nothing left to do.
+            let _ = Object::take(conn);
+            return Err(Error::new(
+                ErrorKind::ConnectionLost,
+                "rolling back: the connection was lost (the server rolled the transaction back)",
+            ));
+        }
         if let Err(e) = conn.batch_execute("ROLLBACK").await {
             let _ = Object::take(conn);
             return Err(map_error(e, "rolling back"));
@@ -147,9 +189,10 @@ impl PgTransaction {
         Ok(())
     }
 
-    /// Returns the connection to the pool, or closes it if a late cancel request may hit it.
+    /// Returns the connection to the pool, or closes it if a late cancel request may hit it
+    /// (or it is already closed).
     fn release(&self, conn: Object) {
-        if self.discard.load(Ordering::Acquire) {
+        if self.discard.load(Ordering::Acquire) || conn.is_closed() {
             let _ = Object::take(conn);
         }
     }

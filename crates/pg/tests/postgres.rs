@@ -149,3 +149,195 @@ async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection(
         .get(0);
     assert_eq!(count, 0);
 }
+
+/// A TCP relay between the client and the test server that, once armed, forwards the next
+/// client message containing `COMMIT` and then drops both connections: the server commits,
+/// the client never hears back (a lost COMMIT reply).
+struct CommitReplyDropper {
+    port: u16,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl CommitReplyDropper {
+    async fn start(upstream: (String, u16)) -> CommitReplyDropper {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&armed);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect((upstream.0.as_str(), upstream.1))
+                    .await
+                    .expect("upstream");
+                let flag = std::sync::Arc::clone(&flag);
+                tokio::spawn(async move {
+                    let (mut client_rx, mut client_tx) = client.into_split();
+                    let (mut server_rx, mut server_tx) = server.into_split();
+                    let up = async {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = client_rx.read(&mut buf).await.unwrap_or(0);
+                            if n == 0 || server_tx.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                            let chunk = &buf[..n];
+                            if flag.load(Ordering::SeqCst)
+                                && chunk.windows(6).any(|w| w == b"COMMIT")
+                            {
+                                flag.store(false, Ordering::SeqCst);
+                                return; // forwarded; the reply is never relayed
+                            }
+                        }
+                    };
+                    let down = tokio::io::copy(&mut server_rx, &mut client_tx);
+                    tokio::select! {
+                        () = up => {}
+                        _ = down => {}
+                    }
+                    // Dropping the halves closes both connections (the COMMIT bytes already
+                    // went out to the server, ahead of the FIN).
+                });
+            }
+        });
+        CommitReplyDropper { port, armed }
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A pool of `size` connections to `db` through the relay on `port`.
+fn pool_through(
+    db: &lockstep_testkit::pg_harness::TestDatabase,
+    port: u16,
+) -> deadpool_postgres::Pool {
+    let direct = db.config();
+    let mut config = tokio_postgres::Config::new();
+    config.host("127.0.0.1").port(port);
+    if let Some(user) = direct.get_user() {
+        config.user(user);
+    }
+    if let Some(password) = direct.get_password() {
+        config.password(password);
+    }
+    if let Some(dbname) = direct.get_dbname() {
+        config.dbname(dbname);
+    }
+    let manager = deadpool_postgres::Manager::from_config(
+        config,
+        tokio_postgres::NoTls,
+        deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        },
+    );
+    deadpool_postgres::Pool::builder(manager)
+        .max_size(2)
+        .build()
+        .expect("pool")
+}
+
+fn upstream(db: &lockstep_testkit::pg_harness::TestDatabase) -> (String, u16) {
+    let host = match db.config().get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
+        other => panic!("the relay needs a TCP server, not {other:?}"),
+    };
+    let port = db.config().get_ports().first().copied().unwrap_or(5432);
+    (host, port)
+}
+
+/// Issue 8, risk "a lost COMMIT reply is a retryable ConnectionLost": the server committed, the
+/// reply was lost with the connection. The commit reports `CommitUnknown` (not retryable), the
+/// row is there, and the connection is not pooled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_commit_reply_is_commit_unknown_not_a_retryable_connection_loss() {
+    let db = test_database().await;
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int)")
+        .await
+        .expect("create");
+    let relay = CommitReplyDropper::start(upstream(&db)).await;
+    let pool = pool_through(&db, relay.port);
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client()
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .expect("insert");
+    relay.arm();
+    let err = tx.commit().await.expect_err("the reply was lost");
+    assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
+    assert!(
+        !err.is_retryable(),
+        "running the work again could apply it twice"
+    );
+    let mut committed = 0;
+    for _ in 0..100 {
+        committed = setup
+            .query_one("SELECT count(*) FROM t", &[])
+            .await
+            .expect("count")
+            .get::<_, i64>(0);
+        if committed == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(committed, 1, "the server did commit");
+    // The pool hands out a working connection (the lost one was not pooled).
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client().execute("SELECT 1", &[]).await.expect("works");
+    tx.rollback().await.expect("rollback");
+}
+
+/// A connection lost before COMMIT was sent is a plain, retryable `ConnectionLost` (the server
+/// rolled back), and the pool replaces the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_before_commit_is_a_retryable_connection_loss() {
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let admin = db.connect().await;
+    admin
+        .batch_execute("CREATE TABLE t (x int)")
+        .await
+        .expect("create");
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client()
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .expect("insert");
+    let pid: i32 = tx
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .expect("terminate");
+    for _ in 0..250 {
+        if tx.client().is_closed() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(tx.client().is_closed(), "the driver noticed");
+    let err = tx.commit().await.expect_err("lost");
+    assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
+    assert!(err.is_retryable());
+    let count: i64 = admin
+        .query_one("SELECT count(*) FROM t", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(count, 0);
+    let tx = PgTransaction::begin(&pool).await.expect("a new connection");
+    tx.rollback().await.expect("rollback");
+}
