@@ -22,6 +22,7 @@ mod locker;
 mod pgbench;
 mod report;
 mod server_stats;
+mod worker;
 
 use clap::{Parser, Subcommand};
 
@@ -40,6 +41,9 @@ enum Command {
     Locker(locker::Args),
     /// Aggregate write lock: pessimistic (advisory lock pipelined with the load) vs optimistic + retry.
     Aggregate(aggregate::Args),
+    /// Perspective worker: catch-up by 1 and 2 instances vs one set-based SQL statement,
+    /// rewind from a snapshot vs full replay, keepalive statements per interval.
+    Worker(worker::Args),
 }
 
 #[tokio::main]
@@ -47,5 +51,6 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Locker(args) => locker::run(args).await,
         Command::Aggregate(args) => aggregate::run(args).await,
+        Command::Worker(args) => worker::run(args).await,
     }
 }

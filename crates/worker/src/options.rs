@@ -16,6 +16,11 @@ pub struct WorkerOptions {
     pub poll_interval: Duration,
     /// Pairs looked at per cycle. Default 64.
     pub pairs_per_cycle: usize,
+    /// Pairs of one cycle processed at the same time (each on a transaction of its own, so
+    /// the source needs this many connections, plus one for the keepalive). Pairs are
+    /// distinct, and every apply path of a pair is serialized by the coordinator; more than 1
+    /// overlaps the round trips of different pairs. Default 1 (one pair after the other).
+    pub concurrency: usize,
     /// Events applied per pair per transaction. Default 1 000.
     pub max_events_per_claim: usize,
     /// A snapshot is taken each time a pair's applied-event count crosses a multiple of this.
@@ -42,6 +47,7 @@ impl Default for WorkerOptions {
         WorkerOptions {
             poll_interval: Duration::from_millis(200),
             pairs_per_cycle: 64,
+            concurrency: 1,
             max_events_per_claim: 1000,
             snapshot_every: 100,
             rewind_debounce: Duration::ZERO,
@@ -61,6 +67,7 @@ impl WorkerOptions {
         let bad = |what: &str| Err(Error::new(ErrorKind::InvalidInput, what.to_owned()));
         for (name, value) in [
             ("pairs_per_cycle", self.pairs_per_cycle as u64),
+            ("concurrency", self.concurrency as u64),
             ("max_events_per_claim", self.max_events_per_claim as u64),
             ("snapshot_every", self.snapshot_every),
         ] {
@@ -114,6 +121,10 @@ mod tests {
             },
             WorkerOptions {
                 snapshot_every: 0,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                concurrency: 0,
                 ..WorkerOptions::default()
             },
             WorkerOptions {

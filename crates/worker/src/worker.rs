@@ -2,7 +2,8 @@
 //!
 //! Each cycle asks the store for pairs with work ([`PerspectiveStore::pending_pairs`], which
 //! skips pairs leased by other instances and pairs whose rewind is still in its debounce window)
-//! and processes them one by one, each under the in-process [`ApplyCoordinator`]:
+//! and processes them one by one (or up to [`WorkerOptions::concurrency`] at a time), each under
+//! the in-process [`ApplyCoordinator`]:
 //!
 //! - **Normal path**: claim the pair (its cursor row is locked for the transaction, `SKIP
 //!   LOCKED`), apply the pending events in event-id order, commit state + cursor + completed work
@@ -30,6 +31,7 @@ use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 
+use futures_util::StreamExt;
 use lockstep_core::{
     ApplyError, Claim, DynPerspective, Error, ErrorKind, InstanceId, LeaseHolder, LeaseId,
     LockReason, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result,
@@ -264,11 +266,7 @@ where
                 return report;
             }
         };
-        for pair in pairs {
-            if shutdown.is_some_and(CancellationToken::is_cancelled) {
-                break;
-            }
-            report.pairs += 1;
+        let one = |pair: lockstep_core::PendingPair| async move {
             let work = self.process_pair(pair.stream_id, &pair.perspective);
             let outcome = match shutdown {
                 None => work.await,
@@ -285,6 +283,18 @@ where
                     }
                 }
             };
+            (pair, outcome)
+        };
+        // Up to `concurrency` pairs at a time (distinct pairs: the coordinator never makes one
+        // wait for another); no new pair starts once shutdown fired.
+        let mut outcomes = futures_util::stream::iter(pairs)
+            .take_while(|_| {
+                std::future::ready(!shutdown.is_some_and(CancellationToken::is_cancelled))
+            })
+            .map(one)
+            .buffer_unordered(self.options.concurrency);
+        while let Some((_pair, outcome)) = outcomes.next().await {
+            report.pairs += 1;
             match outcome {
                 Ok(PairOutcome::Applied { events }) => report.applied += events,
                 Ok(PairOutcome::Rewound { replayed, .. }) => {

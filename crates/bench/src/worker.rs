@@ -1,0 +1,736 @@
+//! `worker`: the perspective worker (`lockstep_worker::PerspectiveWorker` on
+//! `PgPerspectiveStore`) against the floor of the same data movement done by one set-based SQL
+//! statement, in the same run, on the same database.
+//!
+//! - **catch-up**: `--streams` streams × `--events-per-stream` events (default 1 000 × 100 =
+//!   100 000) are appended with no perspective registered; each round then registers a fresh
+//!   perspective (its registration enqueues one work row per event: set-up, not timed) and
+//!   times draining that queue — by 1 worker instance, by 2 instances (each with a pool and a
+//!   locker of its own), and by one SQL statement that deletes the work rows, folds the events
+//!   per stream (`jsonb_agg(payload->'n' ORDER BY event_id)`), upserts the states and advances
+//!   the cursors. The perspective's state is the same list of numbers on every side. Rounds
+//!   alternate the order of the three sides; ratios are medians over rounds of per-round ratios.
+//! - **rewind** (a database of its own, so its 40 000 events do not join the catch-up): two
+//!   streams of `--rewind-events` events (20 000), applied by the worker with a snapshot every
+//!   100 events. Each round rewinds one stream from the event 100 before the end (restored from
+//!   the snapshot just before it: 100 events replayed) and the other from the start (every
+//!   event replayed), timing `PerspectiveWorker::rewind` from lease acquire to release. Run
+//!   once with a perspective of constant-size state (count and sum: the headline) and once with
+//!   the list state of the catch-up (the state itself grows with the stream).
+//! - **keepalive**: one `LeaseKeeper` holding `--leases` leases (1 000) for several keepalive
+//!   intervals; statements per interval counted by the server (`pg_stat_database` transaction
+//!   deltas of a run with `--keepalive-intervals` intervals minus a run with none: acquires,
+//!   releases and connection set-up cancel out) and by the keeper (`renew_calls`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use lockstep_core::{
+    ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective, PerspectiveName,
+    PerspectiveRegistry, PerspectiveStore, RecordedEvent, StreamId, StreamLockOptions,
+    StreamLocker,
+};
+use lockstep_pg::{PgTransaction, PgTransactionSource};
+use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
+use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_worker::{LeaseKeeper, Leased, PairOutcome, PerspectiveWorker, WorkerOptions};
+use uuid::Uuid;
+
+use crate::bench_db::{BenchDatabase, admin_url};
+use crate::server_stats::StatementCounter;
+
+/// Options of the `worker` benchmark.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct Args {
+    /// Streams in the catch-up.
+    #[arg(long, default_value_t = 1000)]
+    streams: usize,
+    /// Events per stream in the catch-up.
+    #[arg(long, default_value_t = 100)]
+    events_per_stream: usize,
+    /// Catch-up rounds (each side once per round, order alternating).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Events of each rewound stream.
+    #[arg(long, default_value_t = 20_000)]
+    rewind_events: usize,
+    /// How far from the end the snapshot rewind's trigger is, in events.
+    #[arg(long, default_value_t = 100)]
+    rewind_tail: usize,
+    /// Rewinds per kind.
+    #[arg(long, default_value_t = 5)]
+    rewind_rounds: usize,
+    /// Per-cycle concurrency of each worker instance (`WorkerOptions::concurrency`), one
+    /// catch-up configuration per value, comma-separated; the headline uses the last.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4])]
+    concurrency: Vec<usize>,
+    /// Leases held by the keepalive measurement.
+    #[arg(long, default_value_t = 1000)]
+    leases: usize,
+    /// Keepalive intervals measured.
+    #[arg(long, default_value_t = 10)]
+    keepalive_intervals: u32,
+    /// `synchronous_commit` of the benchmark databases: `off` (default: measures the worker,
+    /// not this machine's WAL flush; the SQL floor is one commit) or `on`.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    synchronous_commit: String,
+    /// Server to create the benchmark databases on (default: `DATABASE_URL`, else
+    /// postgres://postgres@127.0.0.1:5432/postgres).
+    #[arg(long)]
+    database_url: Option<String>,
+}
+
+/// The catch-up's perspective: the list of the events' numbers, in the order applied (the SQL
+/// floor builds the same list with `jsonb_agg`).
+struct Numbers(String);
+
+impl Perspective for Numbers {
+    type State = Vec<i64>;
+    type Error = std::convert::Infallible;
+
+    fn name(&self) -> &str {
+        &self.0
+    }
+
+    fn apply(&self, state: &mut Vec<i64>, event: &RecordedEvent) -> Result<(), Self::Error> {
+        state.push(event.payload["n"].as_i64().unwrap_or(-1));
+        Ok(())
+    }
+}
+
+/// The rewind's headline perspective: count and sum (a state of constant size).
+struct Totals(String);
+
+impl Perspective for Totals {
+    type State = (u64, i64);
+    type Error = std::convert::Infallible;
+
+    fn name(&self) -> &str {
+        &self.0
+    }
+
+    fn apply(&self, state: &mut (u64, i64), event: &RecordedEvent) -> Result<(), Self::Error> {
+        state.0 += 1;
+        state.1 += event.payload["n"].as_i64().unwrap_or(0);
+        Ok(())
+    }
+}
+
+type PgWorker = PerspectiveWorker<PgTransactionSource, PgPerspectiveStore>;
+
+/// Runs the benchmark and prints its report.
+pub(crate) async fn run(args: Args) -> Result<()> {
+    if args.streams == 0
+        || args.events_per_stream == 0
+        || args.rounds == 0
+        || args.rewind_rounds == 0
+        || args.leases == 0
+        || args.keepalive_intervals == 0
+        || args.rewind_tail == 0
+        || args.concurrency.is_empty()
+        || args.concurrency.contains(&0)
+        || args.rewind_tail >= args.rewind_events
+    {
+        bail!("counts must be positive, and --rewind-tail below --rewind-events");
+    }
+    let url = admin_url(args.database_url.clone());
+    let mut lines = Vec::new();
+
+    let db = create(&url, &args).await?;
+    let catchup = catch_up(&db, &args).await;
+    let keepalive = match &catchup {
+        Ok(_) => keepalive(&db, &args).await,
+        Err(_) => Ok(Keepalive::default()),
+    };
+    db.drop_database().await?;
+    let (catchup_lines, catchup) = catchup?;
+    let keepalive = keepalive?;
+
+    let db = create(&url, &args).await?;
+    let rewind = rewind(&db, &args).await;
+    db.drop_database().await?;
+    let (rewind_lines, rewind_ratio) = rewind?;
+
+    lines.extend(catchup_lines);
+    lines.push(String::new());
+    lines.extend(rewind_lines);
+    lines.push(String::new());
+    lines.extend(keepalive.lines());
+    lines.push(String::new());
+    lines.push(format!("catchup_events_per_s={:.0}", catchup.one_per_s));
+    lines.push(format!("catchup_vs_sql_floor={:.3}", catchup.vs_floor));
+    lines.push(format!("catchup_2_vs_1={:.3}", catchup.two_vs_one));
+    lines.push(format!("rewind_snapshot_vs_full={rewind_ratio:.4}"));
+    lines.push(format!(
+        "keepalive_statements_per_interval={:.2}",
+        keepalive.statements_per_interval
+    ));
+    println!("{}", lines.join("\n"));
+    Ok(())
+}
+
+async fn create(url: &str, args: &Args) -> Result<BenchDatabase> {
+    let db = BenchDatabase::create(url).await?;
+    let admin = db.admin_client().await?;
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET synchronous_commit = {}",
+            db.name(),
+            if args.synchronous_commit == "on" {
+                "on"
+            } else {
+                "off"
+            }
+        ))
+        .await
+        .context("setting synchronous_commit")?;
+    let pool = db.pool(2)?;
+    lockstep_pg::migrate(&pool).await?;
+    pool.close();
+    Ok(db)
+}
+
+fn number_event(n: i64) -> Result<NewEvent> {
+    Ok(NewEvent::new("Numbered", serde_json::json!({ "n": n }))?)
+}
+
+/// Appends `per_stream` events to each stream, 500 per statement.
+async fn append(db: &BenchDatabase, streams: &[StreamId], per_stream: usize) -> Result<()> {
+    let pool = db.pool(1)?;
+    let events = PgEventStore::new();
+    let mut n = 0i64;
+    for stream in streams {
+        let mut written = 0;
+        while written < per_stream {
+            let batch = (per_stream - written).min(500);
+            let new = (0..batch)
+                .map(|i| number_event(n + i as i64))
+                .collect::<Result<Vec<_>>>()?;
+            n += batch as i64;
+            let tx = PgTransaction::begin(&pool).await?;
+            events
+                .append(&tx, *stream, ExpectedVersion::Any, &new)
+                .await?;
+            tx.commit().await?;
+            written += batch;
+        }
+    }
+    pool.close();
+    Ok(())
+}
+
+/// The worker's options: the defaults, polling every 10 ms, `concurrency` pairs at a time.
+fn options(concurrency: usize) -> WorkerOptions {
+    WorkerOptions {
+        poll_interval: Duration::from_millis(10),
+        concurrency,
+        ..WorkerOptions::default()
+    }
+}
+
+/// A worker instance for `perspectives` with a pool and a locker of its own.
+fn worker(
+    db: &BenchDatabase,
+    options: WorkerOptions,
+    perspectives: &[Arc<dyn lockstep_core::DynPerspective>],
+    lock: StreamLockOptions,
+) -> Result<PgWorker> {
+    let pool = db.pool(options.concurrency + 2)?;
+    let mut registry = PerspectiveRegistry::new();
+    for p in perspectives {
+        registry.register_dyn(Arc::clone(p))?;
+    }
+    let locker: Arc<dyn StreamLocker> = Arc::new(PostgresStreamLocker::new(pool.clone(), lock));
+    Ok(PerspectiveWorker::new(
+        PgTransactionSource::new(pool),
+        PgPerspectiveStore::new(),
+        registry,
+        options,
+        InstanceId::random(),
+        Some(locker),
+    )?)
+}
+
+/// Cycles until a cycle finds no pair; returns the events applied.
+async fn drain(worker: &PgWorker) -> Result<usize> {
+    let mut applied = 0;
+    loop {
+        let report = worker.run_once().await;
+        if let Some(error) = report.errors.first() {
+            bail!("worker cycle failed: {error}");
+        }
+        if report.failed > 0 {
+            bail!("{} pairs failed", report.failed);
+        }
+        applied += report.applied;
+        if report.pairs == 0 {
+            return Ok(applied);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// `instances` workers, each processing `concurrency` pairs at a time.
+    Worker {
+        instances: usize,
+        concurrency: usize,
+    },
+    Floor,
+}
+
+impl Side {
+    fn label(self) -> String {
+        match self {
+            Side::Worker {
+                instances,
+                concurrency,
+            } => format!(
+                "worker, {instances} instance{}, concurrency {concurrency}",
+                if instances == 1 { "" } else { "s" }
+            ),
+            Side::Floor => "one SQL statement (floor)".to_owned(),
+        }
+    }
+
+    fn tag(self) -> String {
+        match self {
+            Side::Worker {
+                instances,
+                concurrency,
+            } => format!("W{instances}C{concurrency}"),
+            Side::Floor => "Floor".to_owned(),
+        }
+    }
+}
+
+struct Catchup {
+    one_per_s: f64,
+    vs_floor: f64,
+    two_vs_one: f64,
+}
+
+/// The floor: the same data movement as the worker's normal path, set-based, one statement.
+const FLOOR: &str = "\
+WITH done AS (
+    DELETE FROM wh_perspective_events WHERE perspective_name = $1
+    RETURNING stream_id, event_id
+), folded AS (
+    SELECT d.stream_id,
+           jsonb_agg(e.payload->'n' ORDER BY e.event_id) AS state,
+           (array_agg(e.event_id ORDER BY e.event_id DESC))[1] AS last_event_id,
+           count(*) AS applied
+      FROM done d JOIN wh_events e ON e.stream_id = d.stream_id AND e.event_id = d.event_id
+     GROUP BY d.stream_id
+), saved AS (
+    INSERT INTO wh_perspective_states (stream_id, perspective_name, state)
+    SELECT stream_id, $1, state FROM folded
+    ON CONFLICT (stream_id, perspective_name) DO UPDATE SET state = EXCLUDED.state
+)
+UPDATE wh_perspective_cursors c
+   SET last_event_id = f.last_event_id, applied_count = c.applied_count + f.applied,
+       revision = c.revision + 1, processed_at = clock_timestamp()
+  FROM folded f
+ WHERE c.stream_id = f.stream_id AND c.perspective_name = $1";
+
+async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catchup)> {
+    let streams: Vec<StreamId> = (0..args.streams).map(|_| StreamId::new_v7()).collect();
+    let total = args.streams * args.events_per_stream;
+    eprintln!(
+        "catch-up: appending {total} events over {} streams",
+        args.streams
+    );
+    append(db, &streams, args.events_per_stream).await?;
+    let lock = StreamLockOptions::new(Duration::from_secs(30), Duration::from_secs(10))?;
+    let mut sides = Vec::new();
+    for &concurrency in &args.concurrency {
+        for instances in [1, 2] {
+            sides.push(Side::Worker {
+                instances,
+                concurrency,
+            });
+        }
+    }
+    sides.push(Side::Floor);
+    let mut seconds: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
+    // Per-round events/s of every side, for the per-round ratios.
+    let mut per_round: Vec<Vec<f64>> = Vec::new();
+    let store = PgPerspectiveStore::new();
+    for round in 0..args.rounds {
+        let mut order: Vec<usize> = (0..sides.len()).collect();
+        order.rotate_left(round % sides.len());
+        let mut this = vec![0.0_f64; sides.len()];
+        for i in order {
+            let side = sides[i];
+            let name = format!("Catchup{round}{}", side.tag());
+            let perspective = PerspectiveName::new(name.clone())?;
+            // Register (enqueues one work row per event), outside the clock.
+            {
+                let pool = db.pool(1)?;
+                let tx = PgTransaction::begin(&pool).await?;
+                store
+                    .register(&tx, std::slice::from_ref(&perspective))
+                    .await?;
+                tx.commit().await?;
+                let client = pool.get().await?;
+                client
+                    .batch_execute("VACUUM ANALYZE wh_perspective_events, wh_perspective_cursors")
+                    .await?;
+            }
+            eprintln!(
+                "catch-up round {}/{}: {}",
+                round + 1,
+                args.rounds,
+                side.label()
+            );
+            let numbers: Arc<dyn lockstep_core::DynPerspective> = Arc::new(Numbers(name));
+            let elapsed = match side {
+                Side::Worker {
+                    instances,
+                    concurrency,
+                } => {
+                    let workers = (0..instances)
+                        .map(|_| {
+                            worker(
+                                db,
+                                options(concurrency),
+                                std::slice::from_ref(&numbers),
+                                lock,
+                            )
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let started = Instant::now();
+                    let tasks: Vec<_> = workers
+                        .into_iter()
+                        .map(|w| tokio::spawn(async move { drain(&w).await }))
+                        .collect();
+                    let mut applied = 0;
+                    for task in tasks {
+                        applied += task.await??;
+                    }
+                    let elapsed = started.elapsed();
+                    check(applied, total)?;
+                    elapsed
+                }
+                Side::Floor => {
+                    let client = db.client().await?;
+                    let started = Instant::now();
+                    let pairs = client.execute(FLOOR, &[&perspective.as_str()]).await?;
+                    let elapsed = started.elapsed();
+                    check(pairs as usize, args.streams)?;
+                    elapsed
+                }
+            };
+            verify(db, &perspective, args).await?;
+            seconds[i].push(elapsed.as_secs_f64());
+            this[i] = total as f64 / elapsed.as_secs_f64();
+        }
+        per_round.push(this);
+    }
+    let mut lines = vec![
+        format!(
+            "### catch-up: {total} events over {} streams, {} rounds \
+             (worker: default options but poll 10 ms and the concurrency shown)",
+            args.streams, args.rounds
+        ),
+        String::new(),
+        "| side | events | median s | events/s | rounds (s) |".to_owned(),
+        "|---|---:|---:|---:|---|".to_owned(),
+    ];
+    for (i, side) in sides.iter().enumerate() {
+        let m = median(&seconds[i]);
+        lines.push(format!(
+            "| {} | {total} | {m:.3} | {:.0} | {} |",
+            side.label(),
+            total as f64 / m,
+            fmt_all(&seconds[i])
+        ));
+    }
+    lines.push(String::new());
+    let floor = sides.len() - 1;
+    let ratio =
+        |a: usize, b: usize| -> Vec<f64> { per_round.iter().map(|r| r[a] / r[b]).collect() };
+    let mut headline = None;
+    for (k, &concurrency) in args.concurrency.iter().enumerate() {
+        let (one, two) = (2 * k, 2 * k + 1);
+        let (vs_floor, two_vs_one) = (ratio(one, floor), ratio(two, one));
+        lines.push(format!(
+            "concurrency {concurrency}: 1 instance / floor = {:.3} (rounds: {}); \
+             2 instances / 1 = {:.3} (rounds: {})",
+            median(&vs_floor),
+            fmt_all(&vs_floor),
+            median(&two_vs_one),
+            fmt_all(&two_vs_one)
+        ));
+        headline = Some(Catchup {
+            one_per_s: total as f64 / median(&seconds[one]),
+            vs_floor: median(&vs_floor),
+            two_vs_one: median(&two_vs_one),
+        });
+    }
+    lines.push(format!(
+        "ratios: medians over rounds of per-round events/s ratios; the headline lines use \
+         concurrency {}",
+        args.concurrency.last().copied().unwrap_or(1)
+    ));
+    let headline = headline.context("no concurrency given")?;
+    Ok((lines, headline))
+}
+
+fn check(got: usize, want: usize) -> Result<()> {
+    if got != want {
+        bail!("expected {want}, got {got}");
+    }
+    Ok(())
+}
+
+/// Every state of the run's perspective is its stream's fold, and no work is left.
+async fn verify(db: &BenchDatabase, perspective: &PerspectiveName, args: &Args) -> Result<()> {
+    let client = db.client().await?;
+    let row = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM wh_perspective_events WHERE perspective_name = $1),
+                    (SELECT count(*) FROM wh_perspective_states s
+                      WHERE s.perspective_name = $1
+                        AND s.state = (SELECT jsonb_agg(e.payload->'n' ORDER BY e.event_id)
+                                         FROM wh_events e WHERE e.stream_id = s.stream_id))",
+            &[&perspective.as_str()],
+        )
+        .await?;
+    let (left, exact): (i64, i64) = (row.get(0), row.get(1));
+    if left != 0 || exact as usize != args.streams {
+        bail!(
+            "{perspective}: {left} work rows left, {exact} exact states of {}",
+            args.streams
+        );
+    }
+    Ok(())
+}
+
+async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
+    let mut lines = vec![
+        format!(
+            "### rewind: a stream of {} events, trigger {} events from the end, {} rewinds per kind",
+            args.rewind_events, args.rewind_tail, args.rewind_rounds
+        ),
+        String::new(),
+        "| perspective state | replay | events replayed | median ms | rounds (ms) |".to_owned(),
+        "|---|---|---:|---:|---|".to_owned(),
+    ];
+    let lock = StreamLockOptions::new(Duration::from_secs(30), Duration::from_secs(10))?;
+    let totals: Arc<dyn lockstep_core::DynPerspective> = Arc::new(Totals("Totals".to_owned()));
+    let numbers: Arc<dyn lockstep_core::DynPerspective> = Arc::new(Numbers("Numbers".to_owned()));
+    let mut headline = f64::NAN;
+    let (with_snapshot, full) = (StreamId::new_v7(), StreamId::new_v7());
+    // Both perspectives registered before the append: it fans out to them.
+    {
+        let pool = db.pool(1)?;
+        let tx = PgTransaction::begin(&pool).await?;
+        let names = [
+            PerspectiveName::new(totals.name())?,
+            PerspectiveName::new(numbers.name())?,
+        ];
+        PgPerspectiveStore::new().register(&tx, &names).await?;
+        tx.commit().await?;
+    }
+    eprintln!("rewind: appending 2 x {} events", args.rewind_events);
+    append(db, &[with_snapshot, full], args.rewind_events).await?;
+    let ids: Vec<Uuid> = {
+        let client = db.client().await?;
+        client
+            .query(
+                "SELECT event_id FROM wh_events WHERE stream_id = $1 ORDER BY event_id",
+                &[&with_snapshot.as_uuid()],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let trigger = ids[ids.len() - args.rewind_tail];
+    // Applied 100 events per transaction, as events trickling in would be: a snapshot at every
+    // 100th event (the last 3 kept).
+    let w = worker(
+        db,
+        WorkerOptions {
+            max_events_per_claim: 100,
+            snapshot_every: 100,
+            ..options(1)
+        },
+        &[Arc::clone(&totals), Arc::clone(&numbers)],
+        lock,
+    )?;
+    eprintln!("rewind: applying");
+    drain(&w).await?;
+    for (label, perspective) in [
+        ("count+sum (constant size)", totals),
+        ("list of numbers", numbers),
+    ] {
+        let name = PerspectiveName::new(perspective.name())?;
+        let mut ms: [Vec<f64>; 2] = Default::default();
+        let mut replayed = [0usize; 2];
+        for round in 0..args.rewind_rounds {
+            for (i, (stream, from)) in [(with_snapshot, Some(trigger)), (full, None)]
+                .into_iter()
+                .enumerate()
+            {
+                if !w.request_rewind(stream, &name, from).await? {
+                    bail!("no cursor to rewind");
+                }
+                let started = Instant::now();
+                let outcome = w.rewind(stream, &name).await?;
+                let elapsed = started.elapsed();
+                match outcome {
+                    PairOutcome::Rewound {
+                        replayed: n,
+                        from_snapshot,
+                    } if from_snapshot == from.is_some() => replayed[i] = n,
+                    other => bail!("rewind {round}: unexpected outcome {other:?}"),
+                }
+                ms[i].push(elapsed.as_secs_f64() * 1000.0);
+            }
+        }
+        for (i, kind) in ["from snapshot", "full"].into_iter().enumerate() {
+            lines.push(format!(
+                "| {label} | {kind} | {} | {:.2} | {} |",
+                replayed[i],
+                median(&ms[i]),
+                fmt_all(&ms[i])
+            ));
+        }
+        let ratio = median(&ms[0]) / median(&ms[1]);
+        lines.push(format!("|  | *snapshot / full* |  | **{ratio:.4}** |  |"));
+        if headline.is_nan() {
+            headline = ratio;
+        }
+    }
+    lines.push(String::new());
+    lines.push(
+        "Timed: PerspectiveWorker::rewind (acquire the rewind lease, read cursor + snapshot + \
+         events, replay, fenced commit with a new snapshot, release); the request is written \
+         before the clock starts. Headline: the constant-size state."
+            .to_owned(),
+    );
+    Ok((lines, headline))
+}
+
+#[derive(Debug, Default)]
+struct Keepalive {
+    leases: usize,
+    statements_per_interval: f64,
+    renew_calls: u64,
+    server_statements: i64,
+    interval: Duration,
+}
+
+impl Keepalive {
+    fn lines(&self) -> Vec<String> {
+        vec![
+            "### keepalive: one instance holding the leases".to_owned(),
+            String::new(),
+            "| leases | keepalive interval | renew_many calls (keeper) | statements (server, delta) | statements per interval |".to_owned(),
+            "|---:|---:|---:|---:|---:|".to_owned(),
+            format!(
+                "| {} | {} ms | {} | {} | {:.2} |",
+                self.leases,
+                self.interval.as_millis(),
+                self.renew_calls,
+                self.server_statements,
+                self.statements_per_interval
+            ),
+        ]
+    }
+}
+
+async fn keepalive(db: &BenchDatabase, args: &Args) -> Result<Keepalive> {
+    let counter = StatementCounter::new(db, "wh_perspective_cursors").await?;
+    // Cursor rows to lease (the catch-up created 1 000 per perspective; take fresh ones).
+    let name = PerspectiveName::new("Keepalive")?;
+    let streams: Vec<StreamId> = (0..args.leases).map(|_| StreamId::new_v7()).collect();
+    {
+        let client = db.client().await?;
+        let ids: Vec<Uuid> = streams.iter().map(StreamId::as_uuid).collect();
+        client
+            .execute(
+                "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) \
+                 SELECT unnest($1::uuid[]), $2",
+                &[&ids, &name.as_str()],
+            )
+            .await?;
+    }
+    let lock = StreamLockOptions::new(Duration::from_secs(2), Duration::from_millis(500))?;
+    let interval = lock.keepalive_interval();
+    let mut runs = Vec::new();
+    for intervals in [0, args.keepalive_intervals] {
+        eprintln!(
+            "keepalive: {} leases for {intervals} intervals",
+            args.leases
+        );
+        let before = counter.read(db).await?;
+        let pool = db.pool(1)?;
+        let keeper = LeaseKeeper::start(
+            Arc::new(PostgresStreamLocker::new(pool.clone(), lock)),
+            InstanceId::random(),
+        );
+        let mut held = Vec::with_capacity(streams.len());
+        for stream in &streams {
+            match keeper
+                .try_acquire(*stream, &name, &LockReason::Rewind)
+                .await?
+            {
+                Leased::Held(lease) => held.push(lease),
+                other => bail!("keepalive lease not acquired: {other:?}"),
+            }
+        }
+        tokio::time::sleep(interval * intervals).await;
+        let lost = held.iter().filter(|l| l.lost().is_cancelled()).count();
+        for lease in held {
+            let _released = lease.release().await?;
+        }
+        // Every renew the keeper sent, during the acquires and releases too: the server's count
+        // of this run includes them.
+        let calls = keeper.renew_calls();
+        drop(keeper);
+        pool.close();
+        drop(pool);
+        let after = counter.read(db).await?;
+        if lost > 0 {
+            bail!("{lost} leases were lost during the keepalive measurement");
+        }
+        runs.push((after as i64 - before as i64, calls));
+    }
+    let (base, base_calls) = runs[0];
+    let (long, long_calls) = runs[1];
+    let calls = long_calls.saturating_sub(base_calls);
+    let statements = long - base;
+    Ok(Keepalive {
+        leases: args.leases,
+        statements_per_interval: if calls == 0 {
+            f64::NAN
+        } else {
+            statements as f64 / calls as f64
+        },
+        renew_calls: calls,
+        server_statements: statements,
+        interval,
+    })
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+fn fmt_all(values: &[f64]) -> String {
+    values
+        .iter()
+        .map(|v| format!("{v:.3}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
