@@ -290,7 +290,7 @@ impl StreamLocker for PostgresStreamLocker {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        // Sorted by pair, so concurrent batches lock the rows in one order.
+        // Sorted by pair (the statement itself locks rows in key order, whatever the plan).
         let mut order: Vec<&LeaseId> = leases.iter().collect();
         order.sort_by(|a, b| {
             (a.stream_id, a.perspective.as_str()).cmp(&(b.stream_id, b.perspective.as_str()))

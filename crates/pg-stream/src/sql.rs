@@ -75,14 +75,29 @@ UPDATE wh_perspective_cursors
 
 /// Batched renew: `$1` stream ids (`uuid[]`), `$2` perspectives (`text[]`), `$3` holders
 /// (`uuid[]`), `$4` epochs (`bigint[]`), `$5` lock timeout. One statement for any number of
-/// leases; returns the key and new expiry of each lease it renewed. The caller sorts the input
-/// by pair so that concurrent batches lock rows in the same order.
+/// leases; returns the key and new expiry of each lease it renewed.
+///
+/// `locked` first locks the named rows **in key order** (`ORDER BY … FOR NO KEY UPDATE`: the
+/// row-locking step runs above the sort), so two concurrent batches always lock their common
+/// rows in the same order and cannot deadlock, whatever plan the `UPDATE` gets (a small batch
+/// plans as a nested loop in input order, a large one as a hash join over a sequential scan in
+/// physical order). The `UPDATE` then finds its rows already locked by this statement.
 pub const RENEW_MANY: &str = "\
+WITH l AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bigint[])
+                  AS l(stream_id, perspective_name, holder, epoch)
+), locked AS MATERIALIZED (
+    SELECT c.stream_id, c.perspective_name
+      FROM wh_perspective_cursors c
+     WHERE (c.stream_id, c.perspective_name) IN (SELECT stream_id, perspective_name FROM l)
+     ORDER BY c.stream_id, c.perspective_name COLLATE \"C\"
+       FOR NO KEY UPDATE OF c
+)
 UPDATE wh_perspective_cursors c
    SET stream_lock_expiry = clock_timestamp() + $5::interval
-  FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bigint[])
-       AS l(stream_id, perspective_name, holder, epoch)
- WHERE c.stream_id = l.stream_id AND c.perspective_name = l.perspective_name
+  FROM l, locked k
+ WHERE c.stream_id = k.stream_id AND c.perspective_name = k.perspective_name
+   AND l.stream_id = k.stream_id AND l.perspective_name = k.perspective_name
    AND c.stream_lock_instance_id = l.holder AND c.stream_lock_epoch = l.epoch
    AND c.stream_lock_expiry > clock_timestamp()
 RETURNING c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_epoch,
@@ -133,7 +148,19 @@ UPDATE wh_perspective_cursors
 
 /// Admin release-all: `$1` instance. Clears every lease the instance holds (live or expired),
 /// keeping the epochs, as a release would. Returns the number of rows cleared.
+///
+/// Like the batched renew, it locks its rows in key order first, so it cannot deadlock with a
+/// concurrent batched renew of the same instance.
 pub const RELEASE_ALL_HELD_BY: &str = "\
-UPDATE wh_perspective_cursors
+WITH locked AS MATERIALIZED (
+    SELECT stream_id, perspective_name
+      FROM wh_perspective_cursors
+     WHERE stream_lock_instance_id = $1::uuid
+     ORDER BY stream_id, perspective_name COLLATE \"C\"
+       FOR NO KEY UPDATE
+)
+UPDATE wh_perspective_cursors c
    SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL
- WHERE stream_lock_instance_id = $1::uuid";
+  FROM locked k
+ WHERE c.stream_id = k.stream_id AND c.perspective_name = k.perspective_name
+   AND c.stream_lock_instance_id = $1::uuid";

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use common::{Db, acquire, long_options};
 use lockstep_core::{
-    AcquireOutcome, ErrorKind, InstanceId, LockReason, StreamLockAdmin, StreamLockOptions,
-    StreamLocker,
+    AcquireOutcome, ErrorKind, InstanceId, LockReason, StreamId, StreamLockAdmin,
+    StreamLockOptions, StreamLocker,
 };
 
 /// Issue 8, defect 1: the longest accepted lock timeout writes an expiry that reads back.
@@ -204,4 +204,83 @@ async fn a_dropped_lease_operation_leaves_no_statement_running() {
     );
     // The pool (one connection) still serves the next call.
     assert!(locker.renew(&lease.id).await.expect("renew").is_renewed());
+}
+
+/// Issue 8, defect 4: concurrent batched renews of one instance — small batches (planned as a
+/// nested loop, in input order) mixed with large ones (a hash join over a sequential scan, in
+/// physical order) — never deadlock: rows are locked in one guaranteed order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_renew_many_batches_of_mixed_sizes_never_deadlock() {
+    const LEASES: usize = 600;
+    const TASKS: usize = 8;
+    const CALLS_PER_TASK: usize = 60;
+    let db = Db::new(TASKS).await;
+    let locker = db.locker(long_options());
+    // Keys inserted in an order unrelated to key order, so the physical order (what a
+    // sequential scan sees) differs from the key order (what an index or a sorted input sees).
+    let perspective = common::name("OrderPerspective");
+    let mut seed = 0x2545_F491_4F6C_DD1D_u64;
+    let mut streams = Vec::with_capacity(LEASES);
+    for _ in 0..LEASES {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let stream = StreamId::from_uuid(uuid::Uuid::from_u64_pair(seed, seed.rotate_left(29)));
+        db.create_cursor(stream, &perspective).await;
+        streams.push(stream);
+    }
+    let me = InstanceId::random();
+    let mut leases = Vec::with_capacity(LEASES);
+    for stream in &streams {
+        leases.push(
+            acquire(&locker, *stream, &perspective, me, LockReason::Rewind)
+                .await
+                .id,
+        );
+    }
+    db.client()
+        .await
+        .batch_execute("ANALYZE wh_perspective_cursors")
+        .await
+        .expect("fresh statistics, as autovacuum keeps them");
+    let leases = std::sync::Arc::new(leases);
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let (locker, leases) = (locker.clone(), std::sync::Arc::clone(&leases));
+        tasks.push(tokio::spawn(async move {
+            // A small deterministic generator per task (no rand dependency).
+            let mut state = 0x9E37_79B9_7F4A_7C15_u64 ^ (task as u64 + 1);
+            let mut next = move |bound: usize| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % bound as u64) as usize
+            };
+            let mut failures = Vec::new();
+            for call in 0..CALLS_PER_TASK {
+                let size = if call % 2 == 0 {
+                    2 + next(6)
+                } else {
+                    300 + next(300)
+                };
+                let start = next(LEASES);
+                let mut batch: Vec<_> = (0..size)
+                    .map(|i| leases[(start + i * 7) % LEASES].clone())
+                    .collect();
+                if call % 3 == 0 {
+                    batch.reverse();
+                }
+                match locker.renew_many(&batch).await {
+                    Ok(outcomes) => assert!(outcomes.iter().all(|o| o.is_renewed())),
+                    Err(err) => failures.push(err.kind()),
+                }
+            }
+            failures
+        }));
+    }
+    let mut failures = Vec::new();
+    for task in tasks {
+        failures.extend(task.await.expect("task"));
+    }
+    assert!(failures.is_empty(), "renew_many failed: {failures:?}");
 }
