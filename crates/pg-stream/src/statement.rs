@@ -74,7 +74,7 @@ impl PostgresStreamLocker {
         let statement = conn
             .prepare_cached(sql)
             .await
-            .map_err(|e| map_error(e, doing))?;
+            .map_err(|e| statement_error(e, doing))?;
         let guard = Abandon {
             cancel: Some(cancel_on_drop(&self.cancel, conn.cancel_token())),
             conn: Some(conn),
@@ -83,8 +83,30 @@ impl PostgresStreamLocker {
         // Finished (either way): nothing to cancel, and the connection goes back to the pool
         // before the caller reads the result.
         guard.disarm();
-        outcome.map_err(|e| map_error(e, doing))
+        outcome.map_err(|e| statement_error(e, doing))
     }
+}
+
+/// [`map_error`], and a database without lockstep's schema (`42P01 undefined_table`,
+/// `42703 undefined_column`, `42883 undefined_function` on lockstep's own statements) says so:
+/// the migrations were not run, or not all of them.
+pub(crate) fn statement_error(err: tokio_postgres::Error, doing: &'static str) -> Error {
+    use tokio_postgres::error::SqlState;
+    let missing_schema = err.code().is_some_and(|code| {
+        *code == SqlState::UNDEFINED_TABLE
+            || *code == SqlState::UNDEFINED_COLUMN
+            || *code == SqlState::UNDEFINED_FUNCTION
+    });
+    let Some(db) = err.as_db_error().filter(|_| missing_schema) else {
+        return map_error(err, doing);
+    };
+    let message = format!(
+        "{doing}: {} (SQLSTATE {}); the database lacks lockstep's schema: run the migrations \
+         first (lockstep_pg::migrate)",
+        db.message(),
+        db.code().code()
+    );
+    Error::new(lockstep_pg::internal::kind_of(&err), message).with_source(err)
 }
 
 /// Armed while a statement runs: dropped armed (the caller's future was dropped), it sends a

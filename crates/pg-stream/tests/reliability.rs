@@ -284,3 +284,33 @@ async fn concurrent_renew_many_batches_of_mixed_sizes_never_deadlock() {
     }
     assert!(failures.is_empty(), "renew_many failed: {failures:?}");
 }
+
+/// Issue 7 part 6 / issue 8: an error's `Display` carries the database's own message and
+/// SQLSTATE, and a database that was never migrated says to run the migrations.
+#[tokio::test]
+async fn an_unmigrated_database_says_to_run_the_migrations() {
+    let db = lockstep_testkit::pg_harness::test_database().await;
+    let locker = lockstep_pg_stream::PostgresStreamLocker::new(db.pool(1), long_options());
+    let err = locker
+        .try_acquire(
+            StreamId::new_v7(),
+            &common::name("OrderPerspective"),
+            InstanceId::random(),
+            &LockReason::Rewind,
+        )
+        .await
+        .expect_err("no schema");
+    let shown = err.to_string();
+    assert!(shown.contains("wh_perspective_cursors"), "{shown}");
+    assert!(shown.contains("does not exist"), "{shown}");
+    assert!(shown.contains("SQLSTATE 42P01"), "{shown}");
+    assert!(shown.contains("lockstep_pg::migrate"), "{shown}");
+    // The driver error is the direct source.
+    let source = std::error::Error::source(&err).expect("source");
+    assert!(source.downcast_ref::<tokio_postgres::Error>().is_some());
+    let listing = locker.list_leases().await.expect_err("no schema");
+    assert!(
+        listing.to_string().contains("run the migrations"),
+        "{listing}"
+    );
+}

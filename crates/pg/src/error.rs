@@ -35,10 +35,17 @@ pub(crate) fn kind_of_sqlstate(code: &SqlState) -> ErrorKind {
     }
 }
 
-/// Wraps a driver error with its kind and what was being done.
+/// Wraps a driver error with its kind and what was being done. When the server reported the
+/// error, the message carries its own text and SQLSTATE (`preparing try-acquire: relation
+/// "wh_perspective_cursors" does not exist (SQLSTATE 42P01)`), so `Display` says what happened
+/// without walking the source chain; the driver error stays the source.
 pub fn map_error(err: tokio_postgres::Error, doing: &'static str) -> Error {
     let kind = kind_of(&err);
-    Error::new(kind, doing).with_source(err)
+    let message = match err.as_db_error() {
+        Some(db) => format!("{doing}: {} (SQLSTATE {})", db.message(), db.code().code()),
+        None => doing.to_owned(),
+    };
+    Error::new(kind, message).with_source(err)
 }
 
 /// Wraps a pool error: a failed checkout is a lost connection (retryable), a bad pool setup is
