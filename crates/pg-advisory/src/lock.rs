@@ -57,6 +57,7 @@ pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDist
 pub struct PostgresDistributedLock {
     pub(crate) pool: Pool,
     pub(crate) queue: LockQueue,
+    pub(crate) checkout_wait: Duration,
 }
 
 impl std::fmt::Debug for PostgresDistributedLock {
@@ -65,6 +66,7 @@ impl std::fmt::Debug for PostgresDistributedLock {
         f.debug_struct("PostgresDistributedLock")
             .field("pool_status", &self.pool.status())
             .field("queue", &self.queue)
+            .field("checkout_wait", &self.checkout_wait)
             .finish()
     }
 }
@@ -86,7 +88,22 @@ impl PostgresDistributedLock {
     /// Like [`PostgresDistributedLock::new`], queueing in `queue` (shared with whoever else
     /// holds a clone of it).
     pub fn with_queue(pool: Pool, queue: LockQueue) -> PostgresDistributedLock {
-        PostgresDistributedLock { pool, queue }
+        PostgresDistributedLock {
+            pool,
+            queue,
+            checkout_wait: lockstep_pg::DEFAULT_CHECKOUT_WAIT,
+        }
+    }
+
+    /// How long a session acquire waits for a free pooled connection (default
+    /// [`lockstep_pg::DEFAULT_CHECKOUT_WAIT`]; never longer than the acquire's own timeout)
+    /// before failing with a retryable
+    /// [`ErrorKind::ConnectionLost`](lockstep_core::ErrorKind::ConnectionLost). Transaction-scoped
+    /// locks use the caller's transaction and check nothing out. See [`lockstep_pg::pool`].
+    #[must_use]
+    pub fn with_checkout_wait(mut self, wait: Duration) -> Self {
+        self.checkout_wait = wait;
+        self
     }
 
     /// The pool session locks take their connections from.

@@ -35,7 +35,6 @@ use lockstep_core::{Error, ErrorKind, ResourceKey, Result, SessionLockGuard, Ses
 use lockstep_pg::internal::{
     self, CancelOnDrop, column, kind_of, lock_error, lock_timeout_setting,
 };
-use lockstep_pg::map_pool_error;
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 
@@ -236,7 +235,11 @@ impl SessionLocks for PostgresDistributedLock {
         let deadline = timeout.map(internal::deadline_after);
         // Queue in process before taking a connection: local waiters hold no connection.
         let (conn, outcome) = internal::in_turn(&self.queue, advisory, deadline, || async {
-            let conn = pool.get().await.map_err(map_pool_error)?;
+            let wait = deadline.map_or(self.checkout_wait, |d| {
+                self.checkout_wait
+                    .min(d.saturating_duration_since(Instant::now()))
+            });
+            let conn = lockstep_pg::checkout(pool, wait).await?;
             let cancel = internal::cancel_on_drop(&self.queue, conn.cancel_token());
             let waiting = Waiting {
                 conn: Some(conn),
@@ -276,7 +279,7 @@ impl SessionLocks for PostgresDistributedLock {
     }
 
     async fn try_acquire_session(&self, key: &ResourceKey) -> Result<Option<PgSessionGuard>> {
-        let conn = self.pool.get().await.map_err(map_pool_error)?;
+        let conn = lockstep_pg::checkout(&self.pool, self.checkout_wait).await?;
         let advisory = key.advisory_key();
         let outcome = match conn
             .query_typed_one(sql::TRY_SESSION, &[(&advisory, Type::INT8)])

@@ -896,3 +896,46 @@ async fn an_unbounded_local_patience_queues_instead_of_panicking() {
         .expect("session lock");
     guard.release().await.expect("release");
 }
+
+/// Issue 8, risk "pool exhaustion": a session acquire on an exhausted pool fails after the
+/// lock's checkout wait (or its own timeout, if shorter) with a typed, retryable error instead
+/// of waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_acquires_on_an_exhausted_pool_fail_after_the_checkout_wait() {
+    let (_db, _pool, lock) = setup(1).await;
+    let lock = lock.with_checkout_wait(Duration::from_millis(100));
+    let guard = lock
+        .acquire_session(&fresh_key(), None)
+        .await
+        .expect("the only connection");
+    let other = fresh_key();
+    for timeout in [
+        None,
+        Some(Duration::from_millis(50)),
+        Some(Duration::from_secs(60)),
+    ] {
+        let err = tokio::time::timeout(
+            Duration::from_secs(10),
+            lock.acquire_session(&other, timeout),
+        )
+        .await
+        .expect("bounded, not a hang")
+        .map(drop)
+        .expect_err("exhausted");
+        assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
+        assert!(err.is_retryable());
+    }
+    let err = tokio::time::timeout(Duration::from_secs(10), lock.try_acquire_session(&other))
+        .await
+        .expect("bounded, not a hang")
+        .map(drop)
+        .expect_err("exhausted");
+    assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
+    guard.release().await.expect("release");
+    let next = lock
+        .try_acquire_session(&other)
+        .await
+        .expect("try")
+        .expect("free");
+    next.release().await.expect("release");
+}

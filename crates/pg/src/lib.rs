@@ -17,6 +17,9 @@
 //! - [`LockQueue`]: the in-process queue in front of advisory locks and how an abandoned wait
 //!   is cancelled (with the pool's TLS connector), shared by the aggregate lock
 //!   (`lockstep-pg-advisory`) and the event store's `load_locked` (`lockstep-pg-store`).
+//! - [`pool`]: every checkout lockstep makes waits a bounded time ([`checkout`],
+//!   [`DEFAULT_CHECKOUT_WAIT`]), so an exhausted pool is an error instead of a hang, and how
+//!   to size the pool.
 //! - [`source`]: [`PgTransactionSource`], the unit-of-work contract
 //!   ([`lockstep_core::TransactionSource`]) over a pool, whose transactions are
 //!   [`PgTransaction`]s.
@@ -43,6 +46,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod internal;
 pub mod migrate;
+pub mod pool;
 mod queue;
 pub mod source;
 pub mod transaction;
@@ -50,6 +54,7 @@ pub mod transaction;
 pub use advisory::LockQueue;
 pub use error::{map_error, map_pool_error};
 pub use migrate::migrate;
+pub use pool::{DEFAULT_CHECKOUT_WAIT, checkout};
 pub use source::PgTransactionSource;
 pub use transaction::{PgTransaction, PgTransactionRef};
 

@@ -35,7 +35,7 @@
 use deadpool_postgres::Pool;
 use lockstep_core::{Error, ErrorKind, Result, advisory_key};
 
-use crate::error::{map_error, map_pool_error};
+use crate::error::map_error;
 
 mod embedded {
     // Relative to this crate's manifest: the crate's own copy (see the module docs).
@@ -58,7 +58,7 @@ pub struct MigrationReport {
 
 /// Applies every migration not yet applied to the database behind `pool`.
 pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
-    let mut conn = pool.get().await.map_err(map_pool_error)?;
+    let mut conn = crate::pool::checkout(pool, crate::DEFAULT_CHECKOUT_WAIT).await?;
     let key = advisory_key(MIGRATION_LOCK_KEY);
     conn.execute("SELECT pg_advisory_lock($1)", &[&key])
         .await

@@ -1,6 +1,8 @@
 //! [`PgTransactionSource`]: the unit-of-work contract ([`TransactionSource`]) over a connection
 //! pool. Each transaction is an owned READ COMMITTED [`PgTransaction`] on a pooled connection.
 
+use std::time::Duration;
+
 use deadpool_postgres::Pool;
 use lockstep_core::{Result, TransactionSource};
 
@@ -27,6 +29,7 @@ use crate::transaction::PgTransaction;
 #[derive(Clone)]
 pub struct PgTransactionSource {
     pool: Pool,
+    checkout_wait: Duration,
 }
 
 impl std::fmt::Debug for PgTransactionSource {
@@ -34,14 +37,33 @@ impl std::fmt::Debug for PgTransactionSource {
         // The pool's configuration holds the connection string: never print it.
         f.debug_struct("PgTransactionSource")
             .field("pool_status", &self.pool.status())
+            .field("checkout_wait", &self.checkout_wait)
             .finish()
     }
 }
 
 impl PgTransactionSource {
-    /// Transactions on connections from `pool`.
+    /// Transactions on connections from `pool`, waiting at most
+    /// [`DEFAULT_CHECKOUT_WAIT`](crate::DEFAULT_CHECKOUT_WAIT) for a free one.
     pub fn new(pool: Pool) -> Self {
-        PgTransactionSource { pool }
+        PgTransactionSource {
+            pool,
+            checkout_wait: crate::DEFAULT_CHECKOUT_WAIT,
+        }
+    }
+
+    /// How long `begin` waits for a free connection before failing with a retryable
+    /// [`ErrorKind::ConnectionLost`](lockstep_core::ErrorKind::ConnectionLost) (default
+    /// [`DEFAULT_CHECKOUT_WAIT`](crate::DEFAULT_CHECKOUT_WAIT); see [`crate::pool`] for sizing).
+    #[must_use]
+    pub fn with_checkout_wait(mut self, wait: Duration) -> Self {
+        self.checkout_wait = wait;
+        self
+    }
+
+    /// How long `begin` waits for a free connection.
+    pub fn checkout_wait(&self) -> Duration {
+        self.checkout_wait
     }
 
     /// The pool transactions are begun on.
@@ -54,7 +76,7 @@ impl TransactionSource for PgTransactionSource {
     type Tx = PgTransaction;
 
     fn begin(&self) -> impl std::future::Future<Output = Result<PgTransaction>> + Send {
-        PgTransaction::begin(&self.pool)
+        PgTransaction::begin_within(&self.pool, self.checkout_wait)
     }
 
     fn commit(&self, tx: PgTransaction) -> impl std::future::Future<Output = Result<()>> + Send {

@@ -22,7 +22,7 @@ use deadpool_postgres::{Object, Pool};
 use lockstep_core::{Error, ErrorKind, Result};
 use tokio_postgres::{Client, GenericClient};
 
-use crate::error::{map_error, map_pool_error};
+use crate::error::map_error;
 
 /// A transaction that statements which never wait for a lock can run on: the owned
 /// [`PgTransaction`], or one the application manages itself — `&tokio_postgres::Transaction`
@@ -71,9 +71,17 @@ impl std::fmt::Debug for PgTransaction {
 }
 
 impl PgTransaction {
-    /// Checks a connection out of `pool` and begins a READ COMMITTED transaction on it.
+    /// Checks a connection out of `pool` (waiting at most
+    /// [`DEFAULT_CHECKOUT_WAIT`](crate::DEFAULT_CHECKOUT_WAIT) for one) and begins a READ
+    /// COMMITTED transaction on it.
     pub async fn begin(pool: &Pool) -> Result<PgTransaction> {
-        let conn = pool.get().await.map_err(map_pool_error)?;
+        PgTransaction::begin_within(pool, crate::DEFAULT_CHECKOUT_WAIT).await
+    }
+
+    /// Like [`PgTransaction::begin`], waiting at most `wait` for a connection (an exhausted
+    /// pool is a retryable [`ErrorKind::ConnectionLost`]; see [`crate::pool`]).
+    pub async fn begin_within(pool: &Pool, wait: std::time::Duration) -> Result<PgTransaction> {
+        let conn = crate::pool::checkout(pool, wait).await?;
         PgTransaction::begin_on(conn).await
     }
 

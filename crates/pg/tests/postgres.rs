@@ -341,3 +341,56 @@ async fn a_connection_lost_before_commit_is_a_retryable_connection_loss() {
     let tx = PgTransaction::begin(&pool).await.expect("a new connection");
     tx.rollback().await.expect("rollback");
 }
+
+/// Issue 8, risk "pool exhaustion": with deadpool's defaults a checkout waited for ever. Every
+/// lockstep checkout now waits a bounded time and then fails with a typed, retryable error
+/// that names the pool's state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_is_a_typed_error_after_the_checkout_wait_not_a_hang() {
+    use lockstep_core::TransactionSource;
+    use std::time::Duration;
+
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let held = PgTransaction::begin(&pool)
+        .await
+        .expect("the only connection");
+    let source = lockstep_pg::PgTransactionSource::new(pool.clone())
+        .with_checkout_wait(Duration::from_millis(100));
+    let err = tokio::time::timeout(Duration::from_secs(10), source.begin())
+        .await
+        .expect("bounded, not a hang")
+        .expect_err("exhausted");
+    assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
+    assert!(err.is_retryable());
+    assert!(err.message().contains("exhausted"), "{err}");
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        PgTransaction::begin_within(&pool, Duration::from_millis(50)),
+    )
+    .await
+    .expect("bounded, not a hang")
+    .expect_err("exhausted");
+    assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
+    held.rollback().await.expect("rollback");
+    let tx = source.begin().await.expect("free again");
+    source.rollback(tx).await.expect("rollback");
+}
+
+/// The default wait is bounded too: [`lockstep_pg::DEFAULT_CHECKOUT_WAIT`] (tokio's paused
+/// clock skips it: the test does not take 5 s).
+#[tokio::test]
+async fn the_default_checkout_wait_is_bounded() {
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let held = PgTransaction::begin(&pool)
+        .await
+        .expect("the only connection");
+    // Paused only now: the harness's connect timeout runs on tokio's clock too.
+    tokio::time::pause();
+    let started = tokio::time::Instant::now();
+    let err = PgTransaction::begin(&pool).await.expect_err("exhausted");
+    assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
+    assert!(started.elapsed() >= lockstep_pg::DEFAULT_CHECKOUT_WAIT);
+    held.rollback().await.expect("rollback");
+}

@@ -1,0 +1,89 @@
+//! Checking connections out of a pool **with a bounded wait**, and how big the pool should be.
+//!
+//! deadpool's defaults wait for a free connection for ever: with every connection busy, a
+//! lease renewal, a lock or a commit would hang while the lease it is meant to keep expires.
+//! Every checkout lockstep makes therefore waits at most a bounded time ([`checkout`],
+//! [`DEFAULT_CHECKOUT_WAIT`] unless configured: `PgTransactionSource::with_checkout_wait`,
+//! `PgTransaction::begin_within`, `PostgresDistributedLock::with_checkout_wait`) and then fails
+//! with a retryable [`ErrorKind::ConnectionLost`] that names the pool's state — an exhausted
+//! pool is an error you can see, not a hang. A pool's own `wait` timeout, if shorter, applies
+//! too. A component that must act within a deadline (a keepalive renewing a lease every
+//! interval) passes a wait no longer than that deadline.
+//!
+//! [`bounded_pool`] builds a pool whose own `pool.get()` is bounded the same way (wait, create
+//! and recycle timeouts on tokio), for application code that checks connections out itself.
+//!
+//! # Sizing the pool
+//!
+//! Count what holds a connection at the same time, per process:
+//!
+//! - every open unit of work ([`PgTransaction`](crate::PgTransaction)), for its whole life —
+//!   including one that waits at the server for an advisory lock (waiters queued in process
+//!   hold none: only the head of each key's queue waits at the server);
+//! - every held session lock (its guard owns a connection) and every session acquire waiting
+//!   at the server;
+//! - the stream-lease operations and the keepalive: one connection each, for one statement.
+//!
+//! Size the pool for the peak of the first two plus a few for the third, so that the keepalive
+//! always finds a connection within its wait; or give lease operations a pool of their own.
+//! The server's `max_connections` bounds the sum over all processes.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, Object, Pool, Runtime, Timeouts};
+use lockstep_core::{Error, ErrorKind, Result};
+
+use crate::error::map_pool_error;
+
+/// How long a lockstep checkout waits for a free connection unless configured otherwise: 5 s.
+pub const DEFAULT_CHECKOUT_WAIT: Duration = Duration::from_secs(5);
+
+/// Checks a connection out of `pool`, waiting at most `wait` for one to come free (the pool's
+/// own wait timeout applies too, if shorter). An exhausted pool is
+/// [`ErrorKind::ConnectionLost`] (retryable), its message naming the pool's size and waiters.
+pub async fn checkout(pool: &Pool, wait: Duration) -> Result<Object> {
+    match tokio::time::timeout(wait, pool.get()).await {
+        Ok(conn) => conn.map_err(map_pool_error),
+        Err(_) => {
+            let status = pool.status();
+            Err(Error::new(
+                ErrorKind::ConnectionLost,
+                format!(
+                    "no pooled connection came free within {wait:?} (pool exhausted: {} of {} \
+                     in use, {} waiting); see lockstep_pg::pool for sizing",
+                    status.size - status.available.min(status.size),
+                    status.max_size,
+                    status.waiting
+                ),
+            ))
+        }
+    }
+}
+
+/// A pool of at most `max_size` connections made by `manager`, whose checkouts wait at most
+/// [`DEFAULT_CHECKOUT_WAIT`] for a free connection and as long for a new one to be created or
+/// a returned one recycled (on the tokio runtime, which the timeouts need).
+///
+/// ```no_run
+/// # fn demo() -> lockstep_core::Result<()> {
+/// let config: tokio_postgres::Config = "postgres://app@db/app".parse().expect("url");
+/// let manager = deadpool_postgres::Manager::from_config(
+///     config,
+///     tokio_postgres::NoTls,
+///     deadpool_postgres::ManagerConfig::default(),
+/// );
+/// let pool = lockstep_pg::pool::bounded_pool(manager, 16)?;
+/// # let _ = pool; Ok(()) }
+/// ```
+pub fn bounded_pool(manager: Manager, max_size: usize) -> Result<Pool> {
+    Pool::builder(manager)
+        .max_size(max_size)
+        .runtime(Runtime::Tokio1)
+        .timeouts(Timeouts {
+            wait: Some(DEFAULT_CHECKOUT_WAIT),
+            create: Some(DEFAULT_CHECKOUT_WAIT),
+            recycle: Some(DEFAULT_CHECKOUT_WAIT),
+        })
+        .build()
+        .map_err(|e| Error::new(ErrorKind::Backend, "building a bounded pool").with_source(e))
+}
