@@ -10,6 +10,9 @@
 //! too. A component that must act within a deadline (a keepalive renewing a lease every
 //! interval) passes a wait no longer than that deadline.
 //!
+//! A connection whose statement failed with a lost connection is never pooled again
+//! ([`return_or_discard`], and what [`PgTransaction`](crate::PgTransaction) does at its end).
+//!
 //! [`bounded_pool`] builds a pool whose own `pool.get()` is bounded the same way (wait, create
 //! and recycle timeouts on tokio), for application code that checks connections out itself.
 //!
@@ -57,6 +60,23 @@ pub async fn checkout(pool: &Pool, wait: Duration) -> Result<Object> {
                 ),
             ))
         }
+    }
+}
+
+/// Gives a checked-out connection back after a statement that may have failed: to the pool
+/// when it is healthy, **closed** (detached from the pool) when it is closed or the statement
+/// failed with a lost connection (`08xxx`, `57P0x`, I/O) — such a connection would fail the
+/// next borrower. (deadpool's fast recycling only notices a connection whose closing the
+/// driver has already seen; a server that ended the session may not have closed the socket
+/// yet.) Returns whether it went back to the pool.
+pub fn return_or_discard(conn: Object, error: Option<&tokio_postgres::Error>) -> bool {
+    let lost = error.is_some_and(|e| crate::error::kind_of(e) == ErrorKind::ConnectionLost);
+    if lost || conn.is_closed() {
+        drop(Object::take(conn));
+        false
+    } else {
+        drop(conn);
+        true
     }
 }
 

@@ -394,3 +394,45 @@ async fn the_default_checkout_wait_is_bounded() {
     assert!(started.elapsed() >= lockstep_pg::DEFAULT_CHECKOUT_WAIT);
     held.rollback().await.expect("rollback");
 }
+
+/// Issue 8, risk "a connection that failed with ConnectionLost goes back to the pool": after a
+/// statement failed because its backend was terminated, the connection is closed, not pooled,
+/// and the next checkout gets a working one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_failed_with_a_lost_connection_is_not_pooled_again() {
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let admin = db.connect().await;
+    let conn = lockstep_pg::checkout(&pool, std::time::Duration::from_secs(5))
+        .await
+        .expect("checkout");
+    let pid: i32 = conn
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .expect("terminate");
+    let err = conn
+        .query_one("SELECT 1", &[])
+        .await
+        .expect_err("terminated");
+    assert_eq!(
+        lockstep_pg::map_error(err, "probing").kind(),
+        ErrorKind::ConnectionLost
+    );
+    let err = conn
+        .query_one("SELECT 1", &[])
+        .await
+        .expect_err("still lost");
+    assert!(!lockstep_pg::pool::return_or_discard(conn, Some(&err)));
+    assert_eq!(pool.status().size, 0, "detached from the pool");
+    let next = lockstep_pg::checkout(&pool, std::time::Duration::from_secs(5))
+        .await
+        .expect("a new connection");
+    next.query_one("SELECT 1", &[]).await.expect("works");
+    assert!(lockstep_pg::pool::return_or_discard(next, None));
+    assert_eq!(pool.status().size, 1, "a healthy one is pooled");
+}
