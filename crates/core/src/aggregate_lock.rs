@@ -17,6 +17,7 @@
 //! # Ok::<(), lockstep_core::Error>(())
 //! ```
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::time::Duration;
 
@@ -42,38 +43,82 @@ pub fn aggregate_key(aggregate_type: &AggregateType, id: Uuid) -> ResourceKey {
     ResourceKey::new(key).unwrap_or_else(|e| unreachable!("aggregate key is valid: {e}"))
 }
 
+/// What names an aggregate type in the write-lock calls: an [`AggregateType`] validated once
+/// (used as is, nothing checked per call), or text as a convenience (validated on every call:
+/// a blank type or one containing `:` is an [`crate::ErrorKind::InvalidInput`] error and locks
+/// nothing).
+///
+/// ```
+/// use lockstep_core::{AggregateType, AsAggregateType};
+///
+/// let stock = AggregateType::new("StockItem")?; // validated once, e.g. in a `static`/field
+/// assert_eq!(stock.to_aggregate_type()?.as_str(), "StockItem");
+/// assert_eq!("StockItem".to_aggregate_type()?.as_str(), "StockItem");
+/// assert!("A:B".to_aggregate_type().is_err());
+/// # Ok::<(), lockstep_core::Error>(())
+/// ```
+pub trait AsAggregateType: Sync {
+    /// The validated type: borrowed when it already is one.
+    fn to_aggregate_type(&self) -> Result<Cow<'_, AggregateType>>;
+}
+
+impl AsAggregateType for AggregateType {
+    fn to_aggregate_type(&self) -> Result<Cow<'_, AggregateType>> {
+        Ok(Cow::Borrowed(self))
+    }
+}
+
+impl AsAggregateType for str {
+    fn to_aggregate_type(&self) -> Result<Cow<'_, AggregateType>> {
+        AggregateType::new(self).map(Cow::Owned)
+    }
+}
+
+impl AsAggregateType for String {
+    fn to_aggregate_type(&self) -> Result<Cow<'_, AggregateType>> {
+        self.as_str().to_aggregate_type()
+    }
+}
+
+impl<T: AsAggregateType + ?Sized> AsAggregateType for &T {
+    fn to_aggregate_type(&self) -> Result<Cow<'_, AggregateType>> {
+        (**self).to_aggregate_type()
+    }
+}
+
 /// Per-aggregate write lock on the unit-of-work transaction `Tx`.
 ///
-/// The aggregate type is validated on every call ([`AggregateType::new`]); a blank type or one
-/// containing `:` is an [`crate::ErrorKind::InvalidInput`] error and locks nothing.
+/// The aggregate type is an `&AggregateType` (validated once, see [`AggregateType::new`]) or,
+/// as a convenience, a `&str` validated on every call ([`AsAggregateType`]): a blank type or
+/// one containing `:` is an [`crate::ErrorKind::InvalidInput`] error and locks nothing.
 pub trait AggregateWriteLock<Tx: ?Sized + Sync>: Send + Sync {
     /// Waits until this transaction holds the aggregate's write lock.
-    fn acquire<'a>(
+    fn acquire<'a, T: AsAggregateType + ?Sized>(
         &'a self,
         tx: &'a Tx,
-        aggregate_type: &'a str,
+        aggregate_type: &'a T,
         id: Uuid,
     ) -> impl Future<Output = Result<()>> + Send + 'a;
 
     /// Takes the aggregate's write lock without waiting; `Ok(false)` if another writer holds it.
-    fn try_acquire<'a>(
+    fn try_acquire<'a, T: AsAggregateType + ?Sized>(
         &'a self,
         tx: &'a Tx,
-        aggregate_type: &'a str,
+        aggregate_type: &'a T,
         id: Uuid,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
     /// Locks several aggregates in one canonical order (sorted by key, duplicates once), so two
     /// commands locking the same aggregates in any argument order cannot deadlock. Validates
     /// every type before taking any lock.
-    fn acquire_all<'a>(
+    fn acquire_all<'a, T: AsAggregateType>(
         &'a self,
         tx: &'a Tx,
-        aggregates: &'a [(&'a str, Uuid)],
+        aggregates: &'a [(T, Uuid)],
     ) -> impl Future<Output = Result<()>> + Send + 'a {
         async move {
             for (aggregate_type, id) in canonical_order(aggregates)? {
-                self.acquire(tx, aggregate_type, id).await?;
+                self.acquire(tx, &aggregate_type, id).await?;
             }
             Ok(())
         }
@@ -81,10 +126,15 @@ pub trait AggregateWriteLock<Tx: ?Sized + Sync>: Send + Sync {
 }
 
 /// Validates and sorts aggregates into the canonical locking order (by key), without duplicates.
-pub fn canonical_order<'s>(aggregates: &[(&'s str, Uuid)]) -> Result<Vec<(&'s str, Uuid)>> {
+pub fn canonical_order<T: AsAggregateType>(
+    aggregates: &[(T, Uuid)],
+) -> Result<Vec<(AggregateType, Uuid)>> {
     let mut keyed = aggregates
         .iter()
-        .map(|&(t, id)| Ok((aggregate_key(&AggregateType::new(t)?, id), (t, id))))
+        .map(|(t, id)| {
+            let t = t.to_aggregate_type()?.into_owned();
+            Ok((aggregate_key(&t, *id), (t, *id)))
+        })
         .collect::<Result<Vec<_>>>()?;
     keyed.sort_by(|a, b| a.0.cmp(&b.0));
     keyed.dedup_by(|a, b| a.0 == b.0);
@@ -120,9 +170,12 @@ impl<L> DistributedAggregateWriteLock<L> {
         &self.lock
     }
 
-    /// The key this lock uses for an aggregate, after validating the type.
-    pub fn resource_key(aggregate_type: &str, id: Uuid) -> Result<ResourceKey> {
-        Ok(aggregate_key(&AggregateType::new(aggregate_type)?, id))
+    /// The key this lock uses for an aggregate (a `&str` type is validated first).
+    pub fn resource_key<T: AsAggregateType + ?Sized>(
+        aggregate_type: &T,
+        id: Uuid,
+    ) -> Result<ResourceKey> {
+        Ok(aggregate_key(&*aggregate_type.to_aggregate_type()?, id))
     }
 }
 
@@ -131,14 +184,24 @@ where
     Tx: ?Sized + Sync,
     L: DistributedLock<Tx>,
 {
-    async fn acquire(&self, tx: &Tx, aggregate_type: &str, id: Uuid) -> Result<()> {
+    async fn acquire<T: AsAggregateType + ?Sized>(
+        &self,
+        tx: &Tx,
+        aggregate_type: &T,
+        id: Uuid,
+    ) -> Result<()> {
         let key = Self::resource_key(aggregate_type, id)?;
         self.lock
             .acquire_for_transaction(tx, &key, self.timeout)
             .await
     }
 
-    async fn try_acquire(&self, tx: &Tx, aggregate_type: &str, id: Uuid) -> Result<bool> {
+    async fn try_acquire<T: AsAggregateType + ?Sized>(
+        &self,
+        tx: &Tx,
+        aggregate_type: &T,
+        id: Uuid,
+    ) -> Result<bool> {
         let key = Self::resource_key(aggregate_type, id)?;
         self.lock.try_acquire_for_transaction(tx, &key).await
     }
@@ -175,8 +238,21 @@ mod tests {
         let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
         let forward = canonical_order(&[("S", a), ("S", b), ("S", a)]).expect("valid");
         let backward = canonical_order(&[("S", b), ("S", a)]).expect("valid");
-        assert_eq!(forward, vec![("S", a), ("S", b)]);
+        let s = AggregateType::new("S").expect("valid");
+        assert_eq!(forward, vec![(s.clone(), a), (s.clone(), b)]);
         assert_eq!(forward, backward);
         assert!(canonical_order(&[("S", a), ("", b)]).is_err());
+        let typed = canonical_order(&[(s.clone(), b), (s, a)]).expect("valid");
+        assert_eq!(typed, forward);
+    }
+
+    #[test]
+    fn a_validated_type_and_its_text_name_the_same_key() {
+        let id = Uuid::from_u128(7);
+        let stock = AggregateType::new("StockItem").expect("valid");
+        assert_eq!(
+            DistributedAggregateWriteLock::<()>::resource_key(&stock, id).expect("key"),
+            DistributedAggregateWriteLock::<()>::resource_key("StockItem", id).expect("key")
+        );
     }
 }

@@ -45,8 +45,8 @@ pub mod stream_lease;
 pub mod unit_of_work;
 
 pub use aggregate_lock::{
-    AGGREGATE_KEY_PREFIX, AggregateWriteLock, DistributedAggregateWriteLock, aggregate_key,
-    canonical_order,
+    AGGREGATE_KEY_PREFIX, AggregateWriteLock, AsAggregateType, DistributedAggregateWriteLock,
+    aggregate_key, canonical_order,
 };
 pub use distributed_lock::{DistributedLock, SessionLockGuard, SessionLocks};
 pub use error::{BoxError, Error, ErrorKind, Result, ValidationError};
