@@ -8,8 +8,13 @@
 //!   times draining that queue — by 1 worker instance, by 2 instances (each with a pool and a
 //!   locker of its own), and by one SQL statement that deletes the work rows, folds the events
 //!   per stream (`jsonb_agg(payload->'n' ORDER BY event_id)`), upserts the states and advances
-//!   the cursors. The perspective's state is the same list of numbers on every side. Rounds
-//!   alternate the order of the three sides; ratios are medians over rounds of per-round ratios.
+//!   the cursors. The perspective's state is the same list of numbers on every side. Each
+//!   `--concurrency` value (`WorkerOptions::concurrency`, default 1 and 4) is a pair of sides (1
+//!   and 2 instances); the order of the sides rotates per round; ratios are medians over rounds
+//!   of per-round ratios, the headline uses the last concurrency. Where the time goes: one
+//!   `pending_pairs` call on the full queue is timed, and the server time of the claim and
+//!   commit functions during the first side is read from `pg_stat_user_functions`
+//!   (`track_functions = 'pl'` on the benchmark database).
 //! - **rewind** (a database of its own, so its 40 000 events do not join the catch-up): two
 //!   streams of `--rewind-events` events (20 000), applied by the worker with a snapshot every
 //!   100 events. Each round rewinds one stream from the event 100 before the end (restored from
@@ -65,6 +70,9 @@ pub(crate) struct Args {
     /// catch-up configuration per value, comma-separated; the headline uses the last.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4])]
     concurrency: Vec<usize>,
+    /// Pairs per cycle of each worker instance (`WorkerOptions::pairs_per_cycle`).
+    #[arg(long, default_value_t = WorkerOptions::default().pairs_per_cycle)]
+    pairs_per_cycle: usize,
     /// Leases held by the keepalive measurement.
     #[arg(long, default_value_t = 1000)]
     leases: usize,
@@ -185,6 +193,14 @@ async fn create(url: &str, args: &Args) -> Result<BenchDatabase> {
         ))
         .await
         .context("setting synchronous_commit")?;
+    // Server time per PL/pgSQL function (claim, commit), for the breakdown of a pair's cost.
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET track_functions = 'pl'",
+            db.name()
+        ))
+        .await
+        .context("setting track_functions")?;
     let pool = db.pool(2)?;
     lockstep_pg::migrate(&pool).await?;
     pool.close();
@@ -221,9 +237,10 @@ async fn append(db: &BenchDatabase, streams: &[StreamId], per_stream: usize) -> 
 }
 
 /// The worker's options: the defaults, polling every 10 ms, `concurrency` pairs at a time.
-fn options(concurrency: usize) -> WorkerOptions {
+fn options(args: &Args, concurrency: usize) -> WorkerOptions {
     WorkerOptions {
         poll_interval: Duration::from_millis(10),
+        pairs_per_cycle: args.pairs_per_cycle,
         concurrency,
         ..WorkerOptions::default()
     }
@@ -357,6 +374,10 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
     // Per-round events/s of every side, for the per-round ratios.
     let mut per_round: Vec<Vec<f64>> = Vec::new();
     let store = PgPerspectiveStore::new();
+    let mut probe = None;
+    let mut functions_before = Vec::new();
+    let mut breakdown = None;
+    let mut breakdown_seconds = 0.0;
     for round in 0..args.rounds {
         let mut order: Vec<usize> = (0..sides.len()).collect();
         order.rotate_left(round % sides.len());
@@ -378,6 +399,11 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
                     .batch_execute("VACUUM ANALYZE wh_perspective_events, wh_perspective_cursors")
                     .await?;
             }
+            let first = round == 0 && i == 0;
+            if first {
+                probe = Some(pending_pairs_ms(db, args.pairs_per_cycle).await?);
+                functions_before = function_times(db).await?;
+            }
             eprintln!(
                 "catch-up round {}/{}: {}",
                 round + 1,
@@ -394,7 +420,7 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
                         .map(|_| {
                             worker(
                                 db,
-                                options(concurrency),
+                                options(args, concurrency),
                                 std::slice::from_ref(&numbers),
                                 lock,
                             )
@@ -422,6 +448,23 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
                     elapsed
                 }
             };
+            if first {
+                let after = function_times(db).await?;
+                breakdown = Some(
+                    after
+                        .iter()
+                        .map(|(name, calls, ms)| {
+                            let (c0, m0) = functions_before
+                                .iter()
+                                .find(|(n, _, _)| n == name)
+                                .map_or((0, 0.0), |(_, c, m)| (*c, *m));
+                            (name.clone(), calls - c0, ms - m0)
+                        })
+                        .filter(|(_, calls, _)| *calls > 0)
+                        .collect::<Vec<_>>(),
+                );
+                breakdown_seconds = elapsed.as_secs_f64();
+            }
             verify(db, &perspective, args).await?;
             seconds[i].push(elapsed.as_secs_f64());
             this[i] = total as f64 / elapsed.as_secs_f64();
@@ -474,8 +517,83 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
          concurrency {}",
         args.concurrency.last().copied().unwrap_or(1)
     ));
+    if let Some(ms) = probe {
+        let cycles = args.streams.div_ceil(args.pairs_per_cycle);
+        lines.push(format!(
+            "pending_pairs on the full queue ({total} work rows, limit {}): {ms:.1} ms; \
+             a 1-instance catch-up runs >= {cycles} cycles, each starting with it \
+             (>= {:.2} s if every call cost that much)",
+            args.pairs_per_cycle,
+            ms * cycles as f64 / 1000.0
+        ));
+    }
+    if let Some(functions) = breakdown {
+        lines.push(format!(
+            "server time in PL/pgSQL functions during the first side ({}, {breakdown_seconds:.3} s \
+             wall, pg_stat_user_functions):",
+            sides[0].label()
+        ));
+        for (name, calls, ms) in functions {
+            lines.push(format!(
+                "  {name}: {calls} calls, {ms:.0} ms total, {:.3} ms/call",
+                ms / calls as f64
+            ));
+        }
+    }
     let headline = headline.context("no concurrency given")?;
     Ok((lines, headline))
+}
+
+/// `(function, calls, total ms)` from `pg_stat_user_functions`, once no client is connected
+/// (backends publish their counters when they exit).
+async fn function_times(db: &BenchDatabase) -> Result<Vec<(String, i64, f64)>> {
+    let admin = db.admin_client().await?;
+    for _ in 0..200 {
+        let clients: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = $1 AND backend_type = 'client backend'",
+                &[&db.name()],
+            )
+            .await?
+            .get(0);
+        if clients == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let client = db.client().await?;
+    let rows = client
+        .query(
+            "SELECT funcname::text, calls, total_time FROM pg_stat_user_functions",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect())
+}
+
+/// The median of 3 `pending_pairs` calls (own transaction each), in ms.
+async fn pending_pairs_ms(db: &BenchDatabase, limit: usize) -> Result<f64> {
+    let pool = db.pool(1)?;
+    let store = PgPerspectiveStore::new();
+    let mut ms = Vec::new();
+    for _ in 0..3 {
+        let tx = PgTransaction::begin(&pool).await?;
+        let started = Instant::now();
+        let pairs = store
+            .pending_pairs(&tx, InstanceId::random(), Duration::ZERO, limit)
+            .await?;
+        ms.push(started.elapsed().as_secs_f64() * 1000.0);
+        tx.rollback().await?;
+        if pairs.is_empty() {
+            bail!("pending_pairs found nothing on a full queue");
+        }
+    }
+    Ok(median(&ms))
 }
 
 fn check(got: usize, want: usize) -> Result<()> {
@@ -556,7 +674,7 @@ async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
         WorkerOptions {
             max_events_per_claim: 100,
             snapshot_every: 100,
-            ..options(1)
+            ..options(args, 1)
         },
         &[Arc::clone(&totals), Arc::clone(&numbers)],
         lock,
