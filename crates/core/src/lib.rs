@@ -2,32 +2,84 @@
 //!
 //! The contracts of lockstep, a library that makes event-sourced systems on PostgreSQL safe to
 //! run on many instances at once. Application code depends on this crate only; a backend
-//! (`lockstep-pg-stream`, `lockstep-pg-advisory`, …) is chosen at the composition root, and the
-//! in-memory fakes of `lockstep-testkit` stand in for it in tests.
-//!
-//! - [`StreamLocker`] / [`StreamLockAdmin`] — leases per `(stream, perspective)` for rewind,
-//!   bootstrap and purge ([`stream_lease`]).
-//! - [`DistributedLock`] / [`SessionLocks`] — transaction- and session-scoped exclusive locks
-//!   on a [`ResourceKey`] ([`distributed_lock`]).
-//! - [`AggregateWriteLock`] / [`DistributedAggregateWriteLock`] — the pessimistic
-//!   per-aggregate write lock `relay:aggregate:{type}:{id}` ([`aggregate_lock`]).
-//! - Validated values ([`InstanceId`], [`StreamId`], [`PerspectiveName`], [`LockReason`],
-//!   [`AggregateType`], [`StreamLockOptions`]) and one [`Error`] with an [`ErrorKind`].
-//! - [`EventStore`] — append with an [`ExpectedVersion`], load in order ([`event_store`]), and
-//!   [`RetryPolicy`], the bounded retry loop of the optimistic default ([`retry`]).
-//!
+//! (`lockstep-pg-stream`, `lockstep-pg-advisory`, `lockstep-pg-store`) is chosen at the
+//! composition root, and the in-memory fakes of `lockstep-testkit` stand in for it in tests.
 //! This crate has no database driver and no async runtime.
 //!
-//! ```
-//! use lockstep_core::{LockReason, PerspectiveName, StreamLockOptions, ErrorKind, Error};
-//! use std::time::Duration;
+//! ## A command handler on the contracts
 //!
-//! let name = PerspectiveName::new("OrderPerspective")?;
-//! let too_long: Result<LockReason, Error> = LockReason::custom("x".repeat(51)).map_err(Error::from);
-//! assert_eq!(too_long.unwrap_err().kind(), ErrorKind::InvalidInput);
-//! let opts = StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))?;
-//! # let _ = (name, opts);
-//! # Ok::<(), lockstep_core::Error>(())
+//! Written once, generic over the unit of work, the aggregate write lock and the event store;
+//! the same function runs on the testkit's fakes in tests and on PostgreSQL in production:
+//!
+//! ```
+//! use lockstep_core::{
+//!     AggregateType, AggregateWriteLock, Error, EventStore, ExpectedVersion, NewEvent, StreamId,
+//!     TransactionSource, serde_json::json,
+//! };
+//!
+//! /// Reserves `quantity` of a stock item: lock the aggregate, load it, decide, append — in one
+//! /// transaction, which releases the lock when it ends.
+//! async fn reserve<S, L, E>(
+//!     source: &S,
+//!     lock: &L,
+//!     store: &E,
+//!     stock: &AggregateType, // validated once, at start-up
+//!     item: StreamId,
+//!     quantity: u32,
+//! ) -> Result<u64, Error>
+//! where
+//!     S: TransactionSource,
+//!     L: AggregateWriteLock<S::Tx>,
+//!     E: EventStore<S::Tx>,
+//! {
+//!     source
+//!         .transaction(|tx| async move {
+//!             lock.acquire(&*tx, stock, item.as_uuid()).await?; // writers queue here
+//!             let history = store.load(&*tx, item).await?;
+//!             let event = NewEvent::new("StockReserved", json!({ "quantity": quantity }))?;
+//!             let expected = ExpectedVersion::Exact(history.len() as u64);
+//!             store.append(&*tx, item, expected, &[event]).await
+//!         })
+//!         .await
+//! }
+//! # fn main() {}
+//! ```
+//!
+//! Wire it with `lockstep_pg::PgTransactionSource`, `lockstep_pg_advisory::PostgresAggregateWriteLock`
+//! and `lockstep_pg_store::PgEventStore`, or in tests with the testkit's `FakeDatabase`,
+//! `DistributedAggregateWriteLock<FakeDistributedLock>` and `InMemoryEventStore`.
+//!
+//! ## What is here
+//!
+//! Contracts:
+//! - [`TransactionSource`] — where transactions come from; [`TransactionSource::transaction`]
+//!   and [`TransactionSource::transaction_with_retry`] run a unit of work ([`unit_of_work`]).
+//! - [`AggregateWriteLock`] / [`DistributedAggregateWriteLock`] — the pessimistic
+//!   per-aggregate write lock `relay:aggregate:{type}:{id}` ([`aggregate_lock`]), over any
+//!   [`DistributedLock`]; [`SessionLocks`] / [`SessionLockGuard`] for session-scoped locks
+//!   ([`distributed_lock`]).
+//! - [`EventStore`] — append with an [`ExpectedVersion`] ([`VersionConflict`] on a conflict),
+//!   load in order; [`NewEvent`] in, [`RecordedEvent`] out ([`event_store`]).
+//! - [`StreamLocker`] / [`StreamLockAdmin`] / [`LeaseFence`] — leases per `(stream,
+//!   perspective)` for rewind, bootstrap and purge: [`AcquireOutcome`], [`StreamLease`],
+//!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`] ([`stream_lease`]).
+//! - [`Perspective`] / [`PerspectiveStore`] — read models and their storage ([`perspective`],
+//!   [`perspective_store`]).
+//!
+//! Values, validated at construction: [`InstanceId`], [`StreamId`], [`PerspectiveName`],
+//! [`LockReason`], [`AggregateType`], [`ResourceKey`], [`StreamLockOptions`], and
+//! [`RetryPolicy`] ([`retry`]).
+//!
+//! Errors: every constructor and operation returns one [`Error`], with an [`ErrorKind`] to
+//! branch on ([`ErrorKind::is_retryable`]) and, for refused input, the typed
+//! [`ValidationError`] behind [`Error::validation`]:
+//!
+//! ```
+//! use lockstep_core::{ErrorKind, LockReason, ValidationError};
+//!
+//! let err = LockReason::custom("x".repeat(51)).unwrap_err();
+//! assert_eq!(err.kind(), ErrorKind::InvalidInput);
+//! assert_eq!(err.validation(), Some(&ValidationError::ReasonTooLong { chars: 51, max: 50 }));
 //! ```
 
 pub mod aggregate_lock;
