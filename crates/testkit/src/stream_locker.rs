@@ -386,3 +386,40 @@ impl LeaseFence<FakeTransaction> for InMemoryStreamLocker {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    // Issue 8, defect 1: the fake panicked on a lock timeout of 9000 years. The options now
+    // refuse it, and the longest accepted one works end to end without a panic.
+    #[tokio::test(start_paused = true)]
+    async fn the_longest_accepted_lock_timeout_works_and_longer_ones_are_refused() {
+        const YEAR: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+        let refused = StreamLockOptions::new(YEAR * 9000, YEAR).expect_err("refused");
+        assert_eq!(refused.kind(), ErrorKind::InvalidInput);
+        let options =
+            StreamLockOptions::new(StreamLockOptions::MAX_LOCK_TIMEOUT, Duration::from_secs(60))
+                .expect("100 years is accepted");
+        let locker = InMemoryStreamLocker::new(options);
+        let (stream, name) = (
+            StreamId::new_v7(),
+            PerspectiveName::new("Orders").expect("valid"),
+        );
+        locker.create_cursor(stream, &name);
+        let me = InstanceId::random();
+        let lease = locker
+            .try_acquire(stream, &name, me, &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+            .into_lease()
+            .expect("acquired");
+        assert!(lease.expires_at.year() >= 2100);
+        assert!(locker.renew(&lease.id).await.expect("renew").is_renewed());
+        let listed = locker.list_leases().await.expect("list");
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].status, LeaseStatus::Held);
+    }
+}
