@@ -34,4 +34,4 @@ bench which:
 
 # The demo (in memory by default, Postgres when DATABASE_URL is set).
 demo:
-    cargo run -p lockstep-example-inventory
+    cargo run -p lockstep-cli -- demo

@@ -123,6 +123,8 @@ pub struct CycleReport {
     pub skipped: usize,
     /// Pairs that failed.
     pub failed: usize,
+    /// Why they failed: `stream/perspective: error`, one per failed pair.
+    pub failures: Vec<String>,
     /// Errors of the cycle itself (the store unreachable, …), as text.
     pub errors: Vec<String>,
 }
@@ -293,7 +295,7 @@ where
             })
             .map(one)
             .buffer_unordered(self.options.concurrency);
-        while let Some((_pair, outcome)) = outcomes.next().await {
+        while let Some((pair, outcome)) = outcomes.next().await {
             report.pairs += 1;
             match outcome {
                 Ok(PairOutcome::Applied { events }) => report.applied += events,
@@ -302,7 +304,12 @@ where
                     report.replayed += replayed;
                 }
                 Ok(PairOutcome::Skipped(_)) => report.skipped += 1,
-                Ok(PairOutcome::Failed { .. }) => report.failed += 1,
+                Ok(PairOutcome::Failed { error }) => {
+                    report.failed += 1;
+                    report
+                        .failures
+                        .push(format!("{}/{}: {error}", pair.stream_id, pair.perspective));
+                }
                 Err(err) => report.errors.push(err.to_string()),
             }
         }

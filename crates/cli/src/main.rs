@@ -1,0 +1,133 @@
+//! # lockstep (the command)
+//!
+//! `lockstep demo` shows what lockstep is for, in memory by default or on PostgreSQL; the other
+//! commands operate a PostgreSQL database that lockstep runs on: apply the schema, see and
+//! force-release stream leases, see advisory locks, see how far each perspective lags, request
+//! a rewind, purge a pair, run a worker. `lockstep --help` lists them with their exit codes.
+
+// A command-line program: printing is its job.
+#![allow(clippy::print_stdout)]
+
+mod demo;
+mod ledger;
+mod ops;
+mod pg;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Prints a line of the report.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        println!($($arg)*);
+    }};
+}
+
+const EXIT_CODES: &str = "Exit codes: 0 success; 1 a check failed or an operation was refused \
+(e.g. a lease held by another instance); 2 bad arguments; 3 the database is unreachable or not \
+migrated, or another error.";
+
+/// Safe multi-instance event sourcing on PostgreSQL: a demo, and operations on a lockstep
+/// database.
+#[derive(Debug, Parser)]
+#[command(name = "lockstep", version, after_help = EXIT_CODES)]
+struct Cli {
+    /// PostgreSQL URL (postgres://user@host:port/database). Default: DATABASE_URL. The demo
+    /// runs in memory without one.
+    #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Shows both locks at work: a flash sale (optimistic vs pessimistic) and perspectives on
+    /// three worker instances (late event, rewind lease, crash and takeover).
+    Demo,
+    /// Applies the schema (idempotent; safe from several processes at once).
+    Migrate {
+        /// Print what was applied as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stream leases and advisory locks.
+    #[command(subcommand)]
+    Locks(ops::LocksCommand),
+    /// Perspectives: status, rewind, purge.
+    #[command(subcommand)]
+    Perspectives(ops::PerspectivesCommand),
+    /// Runs a perspective worker for the sample 'Ledger' perspective until Ctrl-C or SIGTERM,
+    /// then releases its leases.
+    Worker(ops::WorkerArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => {
+            let _ = err.print();
+            return match err.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                    ExitCode::SUCCESS
+                }
+                _ => ExitCode::from(2),
+            };
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: starting the runtime: {err}");
+            return ExitCode::from(3);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let url = cli
+        .database_url
+        .as_deref()
+        .map(pg::DbUrl::parse)
+        .transpose();
+    let url = match url {
+        Ok(url) => url,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    match cli.command {
+        Command::Demo => match demo::run(url).await {
+            Ok(()) => Ok(ExitCode::SUCCESS),
+            Err(err) => {
+                eprintln!("demo failed: {err:#}");
+                Ok(ExitCode::from(1))
+            }
+        },
+        Command::Migrate { json } => ops::migrate(&require(url)?, json).await,
+        Command::Locks(cmd) => ops::locks(&require(url)?, cmd).await,
+        Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd).await,
+        Command::Worker(args) => ops::worker(&require(url)?, args).await,
+    }
+}
+
+fn require(url: Option<pg::DbUrl>) -> anyhow::Result<pg::DbUrl> {
+    url.ok_or_else(|| {
+        anyhow::anyhow!("this command needs a database: pass --database-url or set DATABASE_URL")
+    })
+}

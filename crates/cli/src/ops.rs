@@ -1,0 +1,538 @@
+//! The operations on a lockstep database: `migrate`, `locks …`, `perspectives …`, `worker`.
+//! Everything a script reads has `--json`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use clap::{Args, Subcommand};
+use lockstep_core::{
+    InstanceId, LeaseStatus, LockReason, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
+    ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
+    advisory_key,
+};
+use lockstep_pg::{PgTransactionSource, migrate::MIGRATION_LOCK_KEY};
+use lockstep_pg_store::PgPerspectiveStore;
+use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_worker::{CancellationToken, LeaseKeeper, Leased, PerspectiveWorker, WorkerOptions};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::ledger::Ledger;
+use crate::pg::{DbUrl, explain};
+use crate::say;
+
+/// `lockstep locks …`
+#[derive(Debug, Subcommand)]
+pub(crate) enum LocksCommand {
+    /// Lists stream leases: stream, perspective, holder, reason, epoch, time left on the
+    /// database clock, held or expired.
+    List {
+        /// Only leases of this perspective.
+        #[arg(long)]
+        perspective: Option<String>,
+        /// Only leases held by this instance id.
+        #[arg(long)]
+        holder: Option<Uuid>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Force-releases a pair's lease whoever holds it (the epoch increases, so the old holder's
+    /// renews, releases and fenced commits fail). Refuses without --force.
+    Release {
+        /// The stream id.
+        stream: Uuid,
+        /// The perspective name.
+        perspective: String,
+        /// Really take the lease away from its holder.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Who holds and who waits for which advisory lock right now.
+    Advisory {
+        /// Name a key you know (e.g. relay:aggregate:StockItem:<id>); repeatable.
+        #[arg(long = "name")]
+        names: Vec<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `lockstep perspectives …`
+#[derive(Debug, Subcommand)]
+pub(crate) enum PerspectivesCommand {
+    /// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error.
+    Status {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Requests a rewind of a pair from an event (from the start without --from); a worker
+    /// carries it out under a 'rewind' lease.
+    Rewind {
+        /// The stream id.
+        stream: Uuid,
+        /// The perspective name.
+        perspective: String,
+        /// Replay from the latest snapshot before this event id.
+        #[arg(long)]
+        from: Option<Uuid>,
+    },
+    /// Deletes a pair's state, snapshots and pending work and resets its cursor, under a
+    /// 'purge' lease (refused while another instance holds the pair's lease).
+    Purge {
+        /// The stream id.
+        stream: Uuid,
+        /// The perspective name.
+        perspective: String,
+    },
+}
+
+/// `lockstep worker`
+#[derive(Debug, Args)]
+pub(crate) struct WorkerArgs {
+    /// This instance's id (default: a new one).
+    #[arg(long)]
+    instance: Option<Uuid>,
+    /// Lease lock timeout in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    lock_timeout_ms: u64,
+    /// Keepalive interval in milliseconds (less than half the lock timeout).
+    #[arg(long, default_value_t = 10_000)]
+    keepalive_ms: u64,
+    /// Microseconds each applied event takes (to watch rewinds in tests and demos).
+    #[arg(long, default_value_t = 0)]
+    slow_apply_us: u64,
+}
+
+pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
+    let pool = url.pool(2).await?;
+    let report = lockstep_pg::migrate(&pool).await.map_err(explain)?;
+    if json {
+        let applied: Vec<_> = report
+            .applied
+            .iter()
+            .map(|(v, n)| json!({ "version": v, "name": n }))
+            .collect();
+        say!(
+            "{}",
+            json!({ "database": url.database(), "applied": applied })
+        );
+    } else if report.applied.is_empty() {
+        say!("{}: the schema is up to date.", url.database());
+    } else {
+        for (version, name) in &report.applied {
+            say!("applied V{version} {name}");
+        }
+        say!(
+            "{}: {} migration(s) applied.",
+            url.database(),
+            report.applied.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn locker(pool: &deadpool_postgres::Pool) -> PostgresStreamLocker {
+    PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default())
+}
+
+fn perspective(name: &str) -> Result<PerspectiveName> {
+    PerspectiveName::new(name).map_err(|e| anyhow!("invalid perspective name: {e}"))
+}
+
+pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
+    let pool = url.pool(2).await?;
+    match cmd {
+        LocksCommand::List {
+            perspective,
+            holder,
+            json,
+        } => {
+            let leases = locker(&pool).list_leases().await.map_err(explain)?;
+            let leases: Vec<_> = leases
+                .into_iter()
+                .filter(|l| {
+                    perspective
+                        .as_deref()
+                        .is_none_or(|p| l.perspective.as_str() == p)
+                })
+                .filter(|l| holder.is_none_or(|h| l.holder.as_uuid() == h))
+                .collect();
+            if json {
+                let rows: Vec<_> = leases
+                    .iter()
+                    .map(|l| {
+                        json!({
+                            "stream_id": l.stream_id.to_string(),
+                            "perspective": l.perspective.as_str(),
+                            "holder": l.holder.to_string(),
+                            "reason": l.reason.as_str(),
+                            "epoch": l.epoch.get(),
+                            "time_left_ms": l.time_left.as_millis() as u64,
+                            "status": status(l.status),
+                        })
+                    })
+                    .collect();
+                say!("{}", serde_json::Value::Array(rows));
+            } else if leases.is_empty() {
+                say!("no stream leases");
+            } else {
+                say!(
+                    "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  status",
+                    "stream",
+                    "perspective",
+                    "holder",
+                    "reason",
+                    "epoch",
+                    "time left"
+                );
+                for l in &leases {
+                    say!(
+                        "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}",
+                        l.stream_id.to_string(),
+                        l.perspective.as_str(),
+                        l.holder.to_string(),
+                        l.reason.as_str(),
+                        l.epoch.get(),
+                        l.time_left.as_secs_f64(),
+                        status(l.status)
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        LocksCommand::Release {
+            stream,
+            perspective: name,
+            force,
+        } => {
+            let name = perspective(&name)?;
+            if !force {
+                eprintln!(
+                    "refusing to take the lease of {stream}/{name} from its holder without --force \
+                     (its work will be fenced out: its commit fails with 'lease lost')"
+                );
+                return Ok(ExitCode::from(1));
+            }
+            let outcome = locker(&pool)
+                .force_release(StreamId::from_uuid(stream), &name)
+                .await
+                .map_err(explain)?;
+            match outcome {
+                ReleaseOutcome::Released => {
+                    say!("released the lease of {stream}/{name}; its epoch increased")
+                }
+                _ => say!("{stream}/{name} had no lease to release"),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        LocksCommand::Advisory { names, json } => {
+            let client = pool.get().await.context("checking out a connection")?;
+            let rows = client
+                .query(
+                    "SELECT advisory_key, pid, granted, mode, state, \
+                     extract(epoch FROM transaction_age)::float8 AS age_s, application_name \
+                     FROM lockstep_advisory_locks ORDER BY advisory_key, granted DESC, pid",
+                    &[],
+                )
+                .await
+                .map_err(|e| explain(lockstep_pg::map_error(e, "listing advisory locks")))?;
+            let mut known: Vec<(i64, String)> = vec![(
+                advisory_key(MIGRATION_LOCK_KEY),
+                MIGRATION_LOCK_KEY.to_owned(),
+            )];
+            known.extend(names.iter().map(|n| (advisory_key(n), n.clone())));
+            let mut out = Vec::new();
+            for row in rows {
+                let key: i64 = row.try_get("advisory_key").context("reading a lock row")?;
+                let pid: i32 = row.try_get("pid").context("reading a lock row")?;
+                let granted: bool = row.try_get("granted").context("reading a lock row")?;
+                let mode: Option<String> = row.try_get("mode").context("reading a lock row")?;
+                let state: Option<String> = row.try_get("state").context("reading a lock row")?;
+                let age: Option<f64> = row.try_get("age_s").context("reading a lock row")?;
+                let app: Option<String> = row
+                    .try_get("application_name")
+                    .context("reading a lock row")?;
+                let name = known
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, n)| n.clone());
+                out.push(json!({
+                    "key": key, "name": name, "pid": pid,
+                    "granted": granted, "mode": mode, "state": state,
+                    "transaction_age_s": age, "application": app,
+                }));
+            }
+            if json {
+                say!("{}", serde_json::Value::Array(out));
+            } else if out.is_empty() {
+                say!("no advisory locks held or awaited in {}", url.database());
+            } else {
+                say!("{:>20}  {:<8}  {:>7}  {:>9}  name", "key", "", "pid", "age");
+                for r in &out {
+                    say!(
+                        "{:>20}  {:<8}  {:>7}  {:>8.1}s  {}",
+                        r["key"],
+                        if r["granted"] == json!(true) {
+                            "holds"
+                        } else {
+                            "waits"
+                        },
+                        r["pid"],
+                        r["transaction_age_s"].as_f64().unwrap_or(0.0),
+                        r["name"]
+                            .as_str()
+                            .unwrap_or("(unknown; name it with --name)")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn status(status: LeaseStatus) -> &'static str {
+    match status {
+        LeaseStatus::Held => "held",
+        LeaseStatus::Expired => "expired",
+    }
+}
+
+pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Result<ExitCode> {
+    let pool = url.pool(4).await?;
+    let source = PgTransactionSource::new(pool.clone());
+    let store = PgPerspectiveStore::new();
+    match cmd {
+        PerspectivesCommand::Status { json } => perspective_status(&pool, json).await,
+        PerspectivesCommand::Rewind {
+            stream,
+            perspective: name,
+            from,
+        } => {
+            let name = perspective(&name)?;
+            let tx = source.begin().await.map_err(explain)?;
+            let requested = store
+                .request_rewind(&tx, StreamId::from_uuid(stream), &name, from)
+                .await;
+            let requested = match requested {
+                Ok(r) => {
+                    source.commit(tx).await.map_err(explain)?;
+                    r
+                }
+                Err(e) => {
+                    let _ = source.rollback(tx).await;
+                    return Err(explain(e));
+                }
+            };
+            if requested {
+                say!(
+                    "rewind of {stream}/{name} requested from {}; a worker carries it out",
+                    from.map_or("the start".to_owned(), |f| f.to_string())
+                );
+                Ok(ExitCode::SUCCESS)
+            } else {
+                eprintln!("{stream}/{name} has no cursor: nothing to rewind");
+                Ok(ExitCode::from(1))
+            }
+        }
+        PerspectivesCommand::Purge {
+            stream,
+            perspective: name,
+        } => {
+            let name = perspective(&name)?;
+            let stream = StreamId::from_uuid(stream);
+            let locker: Arc<dyn StreamLocker> = Arc::new(locker(&pool));
+            let keeper = LeaseKeeper::start(locker, InstanceId::random());
+            let lease = match keeper
+                .try_acquire(stream, &name, &LockReason::Purge)
+                .await
+                .map_err(explain)?
+            {
+                Leased::Held(lease) => lease,
+                Leased::Denied(holder) => {
+                    eprintln!(
+                        "refused: instance {} holds the lease of {stream}/{name} ({}) for {} more",
+                        holder.instance, holder.reason, holder.expires_at
+                    );
+                    return Ok(ExitCode::from(1));
+                }
+                Leased::NoCursor => {
+                    eprintln!("{stream}/{name} has no cursor: nothing to purge");
+                    return Ok(ExitCode::from(1));
+                }
+            };
+            let tx = source.begin().await.map_err(explain)?;
+            let purged = store.purge(&tx, stream, &name, Some(lease.id())).await;
+            let outcome = match purged {
+                Ok(()) => source.commit(tx).await,
+                Err(e) => {
+                    let _ = source.rollback(tx).await;
+                    Err(e)
+                }
+            };
+            let released = lease.release().await;
+            outcome.map_err(explain)?;
+            let released = released.map_err(explain)?;
+            say!(
+                "purged {stream}/{name} under a 'purge' lease ({})",
+                if released.is_released() {
+                    "released"
+                } else {
+                    "it had expired meanwhile"
+                }
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Result<ExitCode> {
+    let client = pool.get().await.context("checking out a connection")?;
+    let rows = client
+        .query(
+            "SELECT p.perspective_name, \
+                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name) AS pairs, \
+                (SELECT count(*) FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS pending, \
+                (SELECT extract(epoch FROM clock_timestamp() - min(e.enqueued_at))::float8 \
+                   FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS lag_s, \
+                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
+                   AND c.rewind_trigger_event_id IS NOT NULL) AS rewinds \
+             FROM wh_perspectives p ORDER BY p.perspective_name",
+            &[],
+        )
+        .await
+        .map_err(|e| explain(lockstep_pg::map_error(e, "reading perspective status")))?;
+    let errors = client
+        .query(
+            "SELECT perspective_name, stream_id, error, failures FROM wh_perspective_cursors \
+             WHERE error IS NOT NULL ORDER BY perspective_name, stream_id LIMIT 100",
+            &[],
+        )
+        .await
+        .map_err(|e| explain(lockstep_pg::map_error(e, "reading pair errors")))?;
+    let mut out = Vec::new();
+    for row in rows {
+        let name: String = row.try_get("perspective_name").context("reading status")?;
+        let in_error: Vec<_> = errors
+            .iter()
+            .filter(|e| e.try_get::<_, String>("perspective_name").ok().as_deref() == Some(&name))
+            .map(|e| {
+                json!({
+                    "stream_id": e.try_get::<_, Uuid>("stream_id").map(|u| u.to_string()).unwrap_or_default(),
+                    "error": e.try_get::<_, String>("error").unwrap_or_default(),
+                    "failures": e.try_get::<_, i32>("failures").unwrap_or_default(),
+                })
+            })
+            .collect();
+        out.push(json!({
+            "perspective": name,
+            "pairs": row.try_get::<_, i64>("pairs").context("reading status")?,
+            "pending_events": row.try_get::<_, i64>("pending").context("reading status")?,
+            "lag_s": row.try_get::<_, Option<f64>>("lag_s").context("reading status")?.unwrap_or(0.0),
+            "rewinds_pending": row.try_get::<_, i64>("rewinds").context("reading status")?,
+            "pairs_in_error": in_error,
+        }));
+    }
+    if json {
+        say!("{}", serde_json::Value::Array(out));
+    } else if out.is_empty() {
+        say!("no perspectives registered");
+    } else {
+        say!(
+            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7}",
+            "perspective",
+            "pairs",
+            "pending",
+            "lag",
+            "rewinds",
+            "errors"
+        );
+        for p in &out {
+            say!(
+                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7}",
+                p["perspective"].as_str().unwrap_or(""),
+                p["pairs"],
+                p["pending_events"],
+                p["lag_s"].as_f64().unwrap_or(0.0),
+                p["rewinds_pending"],
+                p["pairs_in_error"].as_array().map_or(0, Vec::len)
+            );
+            for e in p["pairs_in_error"].as_array().into_iter().flatten() {
+                say!(
+                    "    {} failed {}×: {}",
+                    e["stream_id"].as_str().unwrap_or(""),
+                    e["failures"],
+                    e["error"].as_str().unwrap_or("")
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) async fn worker(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
+    let options = StreamLockOptions::new(
+        Duration::from_millis(args.lock_timeout_ms),
+        Duration::from_millis(args.keepalive_ms),
+    )
+    .map_err(|e| anyhow!("lease options: {e}"))?;
+    let pool = url.pool(8).await?;
+    let instance = match args.instance {
+        Some(id) => InstanceId::from_uuid(id).map_err(|e| anyhow!("--instance: {e}"))?,
+        None => InstanceId::random(),
+    };
+    let ledger = Ledger::default();
+    ledger
+        .slow
+        .store(args.slow_apply_us, std::sync::atomic::Ordering::SeqCst);
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(ledger)?;
+    let locker: Arc<dyn StreamLocker> = Arc::new(PostgresStreamLocker::new(pool.clone(), options));
+    let worker = PerspectiveWorker::new(
+        PgTransactionSource::new(pool.clone()),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default(),
+        instance,
+        Some(locker),
+    )?;
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        signal.cancel();
+    });
+    say!(
+        "worker {instance} running on {} (Ctrl-C or SIGTERM stops it)",
+        url.database()
+    );
+    worker.run(shutdown).await.map_err(explain)?;
+    say!("worker {instance} stopped; its leases are released");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

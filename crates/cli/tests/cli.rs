@@ -1,0 +1,334 @@
+//! The `lockstep` command end to end: the demo in memory and on PostgreSQL, migrate (twice and
+//! concurrently), lease listing and force-release, advisory-lock listing, rewind requests,
+//! purge, status, and the actionable errors. Postgres commands run against a database of the
+//! test's own.
+
+use std::process::{Command, Output};
+
+use lockstep_core::{
+    AcquireOutcome, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
+    PerspectiveStore, StreamId, StreamLockOptions, StreamLocker,
+};
+use lockstep_pg::PgTransaction;
+use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
+use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+
+fn lockstep(args: &[&str], url: Option<&str>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockstep"));
+    cmd.args(args).env_remove("DATABASE_URL");
+    if let Some(url) = url {
+        cmd.env("DATABASE_URL", url);
+    }
+    cmd.output().expect("running lockstep")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A URL for the test database (trust auth: no password).
+fn url_of(db: &TestDatabase) -> String {
+    let config = db.config();
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".to_owned(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let user = config.get_user().unwrap_or("postgres");
+    format!("postgres://{user}@{host}:{port}/{}", db.name())
+}
+
+async fn migrated() -> (TestDatabase, String, deadpool_postgres::Pool) {
+    let db = test_database().await;
+    let url = url_of(&db);
+    let out = lockstep(&["migrate"], Some(&url));
+    assert!(out.status.success(), "{}", text(&out));
+    let pool = db.pool(4);
+    (db, url, pool)
+}
+
+#[test]
+fn the_demo_passes_in_memory() {
+    let out = lockstep(&["demo"], None);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    assert!(
+        report.contains("All 1") && report.contains("checks passed"),
+        "{report}"
+    );
+    assert!(!report.contains('✗'), "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_passes_on_postgres_and_leaves_nothing_behind() {
+    let db = test_database().await;
+    let url = url_of(&db);
+    let out = tokio::task::spawn_blocking(move || lockstep(&["demo"], Some(&url)))
+        .await
+        .expect("task");
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    assert!(report.contains("nothing left behind"), "{report}");
+    let admin = db.connect().await;
+    let left: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_database WHERE datname LIKE 'lockstep_demo_%'",
+            &[],
+        )
+        .await
+        .expect("query")
+        .get(0);
+    assert_eq!(left, 0, "the demo database was dropped");
+}
+
+#[test]
+fn an_unreachable_database_is_an_actionable_error_without_the_password() {
+    let out = lockstep(
+        &["locks", "list"],
+        Some("postgres://app:s3cret@127.0.0.1:1/nowhere"),
+    );
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(3), "{report}");
+    assert!(
+        report.contains("cannot connect to postgres://app:***@127.0.0.1:1/nowhere"),
+        "{report}"
+    );
+    assert!(
+        report.contains("check that PostgreSQL is running"),
+        "{report}"
+    );
+    assert!(!report.contains("s3cret"), "{report}");
+}
+
+#[test]
+fn bad_arguments_exit_2_and_commands_that_need_a_database_say_so() {
+    assert_eq!(lockstep(&["no-such-command"], None).status.code(), Some(2));
+    assert_eq!(
+        lockstep(&["locks", "list"], Some("not a url"))
+            .status
+            .code(),
+        Some(2)
+    );
+    let out = lockstep(&["migrate"], None);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out).contains("DATABASE_URL"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_was_never_migrated_says_to_run_migrate() {
+    let db = test_database().await;
+    let url = url_of(&db);
+    let out = tokio::task::spawn_blocking(move || lockstep(&["locks", "list"], Some(&url)))
+        .await
+        .expect("task");
+    let report = text(&out);
+    assert_ne!(out.status.code(), Some(0), "{report}");
+    assert!(report.contains("lockstep migrate"), "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_is_safe_to_repeat_and_to_run_concurrently() {
+    let db = test_database().await;
+    let url = url_of(&db);
+    let runs: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || lockstep(&["migrate", "--json"], Some(&url)))
+        })
+        .collect();
+    let mut applied = 0;
+    for run in runs {
+        let out = run.join().expect("thread");
+        assert!(out.status.success(), "{}", text(&out));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+        applied += json["applied"].as_array().map_or(0, Vec::len);
+    }
+    let again = lockstep(&["migrate"], Some(&url));
+    assert!(text(&again).contains("up to date"), "{}", text(&again));
+    assert!(applied > 0, "one of the concurrent runs applied the schema");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_list_shows_a_held_lease_and_release_needs_force() {
+    let (_db, url, pool) = migrated().await;
+    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let (stream, name) = (
+        StreamId::new_v7(),
+        PerspectiveName::new("Orders").expect("valid"),
+    );
+    let client = pool.get().await.expect("connection");
+    client
+        .execute(
+            "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) VALUES ($1, $2)",
+            &[&stream.as_uuid(), &name.as_str()],
+        )
+        .await
+        .expect("cursor");
+    let holder = InstanceId::random();
+    let lease = match locker
+        .try_acquire(stream, &name, holder, &LockReason::Rewind)
+        .await
+        .expect("acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        other => panic!("expected a lease, got {other:?}"),
+    };
+    let list = {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || lockstep(&["locks", "list", "--json"], Some(&url)))
+            .await
+            .expect("task")
+    };
+    let rows: serde_json::Value = serde_json::from_slice(&list.stdout).expect("JSON");
+    let row = &rows[0];
+    assert_eq!(row["stream_id"], stream.to_string());
+    assert_eq!(row["holder"], holder.to_string());
+    assert_eq!(row["reason"], "rewind");
+    assert_eq!(row["status"], "held");
+    assert!(row["time_left_ms"].as_u64().unwrap_or(0) > 20_000);
+
+    let (s, n) = (stream.to_string(), name.as_str().to_owned());
+    let refused = {
+        let (url, s, n) = (url.clone(), s.clone(), n.clone());
+        tokio::task::spawn_blocking(move || lockstep(&["locks", "release", &s, &n], Some(&url)))
+            .await
+            .expect("task")
+    };
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    assert!(text(&refused).contains("--force"));
+    assert!(
+        locker.renew(&lease.id).await.expect("renew").is_renewed(),
+        "still held"
+    );
+    let forced = tokio::task::spawn_blocking(move || {
+        lockstep(&["locks", "release", &s, &n, "--force"], Some(&url))
+    })
+    .await
+    .expect("task");
+    assert!(forced.status.success(), "{}", text(&forced));
+    assert!(
+        !locker.renew(&lease.id).await.expect("renew").is_renewed(),
+        "fenced out"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_advisory_names_a_key_a_test_holds() {
+    let (_db, url, pool) = migrated().await;
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let key_text = "relay:aggregate:StockItem:0123456789abcdef0123456789abcdef";
+    tx.client()
+        .execute(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&lockstep_core::advisory_key(key_text)],
+        )
+        .await
+        .expect("lock");
+    let out = tokio::task::spawn_blocking(move || {
+        lockstep(
+            &["locks", "advisory", "--json", "--name", key_text],
+            Some(&url),
+        )
+    })
+    .await
+    .expect("task");
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let held = rows
+        .as_array()
+        .expect("array")
+        .iter()
+        .find(|r| r["name"] == key_text)
+        .expect("the held key is listed with its name");
+    assert_eq!(held["granted"], true);
+    tx.rollback().await.expect("rollback");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn perspectives_rewind_purge_and_status() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
+    PgEventStore::new()
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+
+    let status = {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || {
+            lockstep(&["perspectives", "status", "--json"], Some(&url))
+        })
+        .await
+        .expect("task")
+    };
+    let rows: serde_json::Value = serde_json::from_slice(&status.stdout).expect("JSON");
+    assert_eq!(rows[0]["perspective"], "Ledger");
+    assert_eq!(rows[0]["pending_events"], 1);
+
+    let s = stream.to_string();
+    let rewind = {
+        let (url, s) = (url.clone(), s.clone());
+        tokio::task::spawn_blocking(move || {
+            lockstep(&["perspectives", "rewind", &s, "Ledger"], Some(&url))
+        })
+        .await
+        .expect("task")
+    };
+    assert!(rewind.status.success(), "{}", text(&rewind));
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let cursor = store
+        .cursor(&tx, stream, &name)
+        .await
+        .expect("cursor")
+        .expect("exists");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(
+        cursor.rewind.map(|r| r.trigger),
+        Some(uuid::Uuid::nil()),
+        "from the start"
+    );
+
+    let purge = {
+        let (url, s) = (url.clone(), s.clone());
+        tokio::task::spawn_blocking(move || {
+            lockstep(&["perspectives", "purge", &s, "Ledger"], Some(&url))
+        })
+        .await
+        .expect("task")
+    };
+    assert!(purge.status.success(), "{}", text(&purge));
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let pending = store
+        .pending_events(&tx, stream, &name)
+        .await
+        .expect("pending");
+    tx.rollback().await.expect("rollback");
+    assert!(pending.is_empty(), "purge dropped the pending work");
+
+    // Purge is refused while another instance holds the pair's lease.
+    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let _held = locker
+        .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("acquire");
+    let refused = tokio::task::spawn_blocking(move || {
+        lockstep(&["perspectives", "purge", &s, "Ledger"], Some(&url))
+    })
+    .await
+    .expect("task");
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    assert!(text(&refused).contains("holds the lease"));
+}
