@@ -11,7 +11,8 @@
 //!   the cursors. The perspective's state is the same list of numbers on every side. Each
 //!   `--concurrency` value (`WorkerOptions::concurrency`, default 1 and 4) is a pair of sides (1
 //!   and 2 instances); the order of the sides rotates per round; ratios are medians over rounds
-//!   of per-round ratios, the headline uses the last concurrency. Where the time goes: one
+//!   of per-round ratios, the headline uses the first (1: the worker as shipped). Where the
+//!   time goes: the machine's CPU busy share while each side ran (`/proc/stat`), one
 //!   `pending_pairs` call on the full queue is timed, and the server time of the claim and
 //!   commit functions during the first side is read from `pg_stat_user_functions`
 //!   (`track_functions = 'pl'` on the benchmark database).
@@ -67,7 +68,7 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 5)]
     rewind_rounds: usize,
     /// Per-cycle concurrency of each worker instance (`WorkerOptions::concurrency`), one
-    /// catch-up configuration per value, comma-separated; the headline uses the last.
+    /// catch-up configuration per value, comma-separated; the headline uses the first.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4])]
     concurrency: Vec<usize>,
     /// Pairs per cycle of each worker instance (`WorkerOptions::pairs_per_cycle`).
@@ -371,6 +372,8 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
     }
     sides.push(Side::Floor);
     let mut seconds: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
+    // Share of the machine's CPU time that was busy (all processes) while each side ran.
+    let mut busy: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
     // Per-round events/s of every side, for the per-round ratios.
     let mut per_round: Vec<Vec<f64>> = Vec::new();
     let store = PgPerspectiveStore::new();
@@ -411,6 +414,7 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
                 side.label()
             );
             let numbers: Arc<dyn lockstep_core::DynPerspective> = Arc::new(Numbers(name));
+            let cpu_before = cpu_ticks();
             let elapsed = match side {
                 Side::Worker {
                     instances,
@@ -448,6 +452,9 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
                     elapsed
                 }
             };
+            if let (Some(a), Some(b)) = (cpu_before, cpu_ticks()) {
+                busy[i].push(busy_share(a, b));
+            }
             if first {
                 let after = function_times(db).await?;
                 breakdown = Some(
@@ -478,13 +485,18 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
             args.streams, args.rounds
         ),
         String::new(),
-        "| side | events | median s | events/s | rounds (s) |".to_owned(),
-        "|---|---:|---:|---:|---|".to_owned(),
+        "| side | events | median s | events/s | machine CPU busy | rounds (s) |".to_owned(),
+        "|---|---:|---:|---:|---:|---|".to_owned(),
     ];
     for (i, side) in sides.iter().enumerate() {
         let m = median(&seconds[i]);
+        let cpu = if busy[i].is_empty() {
+            "n/a".to_owned()
+        } else {
+            format!("{:.0} %", 100.0 * median(&busy[i]))
+        };
         lines.push(format!(
-            "| {} | {total} | {m:.3} | {:.0} | {} |",
+            "| {} | {total} | {m:.3} | {:.0} | {cpu} | {} |",
             side.label(),
             total as f64 / m,
             fmt_all(&seconds[i])
@@ -506,6 +518,9 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
             median(&two_vs_one),
             fmt_all(&two_vs_one)
         ));
+        if headline.is_some() {
+            continue; // the headline is the first concurrency's (default 1: the worker as shipped)
+        }
         headline = Some(Catchup {
             one_per_s: total as f64 / median(&seconds[one]),
             vs_floor: median(&vs_floor),
@@ -514,8 +529,8 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
     }
     lines.push(format!(
         "ratios: medians over rounds of per-round events/s ratios; the headline lines use \
-         concurrency {}",
-        args.concurrency.last().copied().unwrap_or(1)
+         concurrency {}; machine CPU busy = all processes, from /proc/stat",
+        args.concurrency.first().copied().unwrap_or(1)
     ));
     if let Some(ms) = probe {
         let cycles = args.streams.div_ceil(args.pairs_per_cycle);
@@ -594,6 +609,29 @@ async fn pending_pairs_ms(db: &BenchDatabase, limit: usize) -> Result<f64> {
         }
     }
     Ok(median(&ms))
+}
+
+/// `(busy, total)` jiffies of all CPUs from `/proc/stat` (Linux), if readable.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user)
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4)?;
+    Some((total - idle, total))
+}
+
+/// The busy share of the CPU time between two `cpu_ticks` readings.
+fn busy_share(before: (u64, u64), after: (u64, u64)) -> f64 {
+    let total = after.1.saturating_sub(before.1);
+    if total == 0 {
+        return f64::NAN;
+    }
+    after.0.saturating_sub(before.0) as f64 / total as f64
 }
 
 fn check(got: usize, want: usize) -> Result<()> {
