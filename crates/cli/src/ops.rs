@@ -276,13 +276,13 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
                 for r in &out {
                     say!(
                         "{:>20}  {:<8}  {:>7}  {:>8.1}s  {}",
-                        r["key"],
+                        r["key"].as_i64().unwrap_or(0),
                         if r["granted"] == json!(true) {
                             "holds"
                         } else {
                             "waits"
                         },
-                        r["pid"],
+                        r["pid"].as_i64().unwrap_or(0),
                         r["transaction_age_s"].as_f64().unwrap_or(0.0),
                         r["name"]
                             .as_str()
@@ -455,10 +455,10 @@ async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Resul
             say!(
                 "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7}",
                 p["perspective"].as_str().unwrap_or(""),
-                p["pairs"],
-                p["pending_events"],
+                p["pairs"].as_i64().unwrap_or(0),
+                p["pending_events"].as_i64().unwrap_or(0),
                 p["lag_s"].as_f64().unwrap_or(0.0),
-                p["rewinds_pending"],
+                p["rewinds_pending"].as_i64().unwrap_or(0),
                 p["pairs_in_error"].as_array().map_or(0, Vec::len)
             );
             for e in p["pairs_in_error"].as_array().into_iter().flatten() {
