@@ -64,8 +64,9 @@ pub(crate) struct Args {
     /// How far from the end the snapshot rewind's trigger is, in events.
     #[arg(long, default_value_t = 100)]
     rewind_tail: usize,
-    /// Rewinds per kind.
-    #[arg(long, default_value_t = 5)]
+    /// Rewinds per kind (the median is reported: a few ms per rewind move with the machine's
+    /// load).
+    #[arg(long, default_value_t = 11)]
     rewind_rounds: usize,
     /// Per-cycle concurrency of each worker instance (`WorkerOptions::concurrency`), one
     /// catch-up configuration per value, comma-separated; the headline uses the first.
