@@ -12,6 +12,7 @@ mod demo;
 mod ledger;
 mod ops;
 mod pg;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -60,6 +61,16 @@ enum Command {
     /// Perspectives: status, rewind, purge.
     #[command(subcommand)]
     Perspectives(ops::PerspectivesCommand),
+    /// Serves a status page (leases, advisory locks, perspectives; refreshes itself) and
+    /// /metrics until Ctrl-C.
+    Serve {
+        /// Address to listen on (port 0 picks a free one; the URL is printed).
+        #[arg(long, default_value = "127.0.0.1:7878")]
+        addr: String,
+        /// Name an advisory key you know; repeatable.
+        #[arg(long = "name")]
+        names: Vec<String>,
+    },
     /// Runs a perspective worker for the sample 'Ledger' perspective until Ctrl-C or SIGTERM,
     /// then releases its leases.
     Worker(ops::WorkerArgs),
@@ -123,6 +134,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Locks(cmd) => ops::locks(&require(url)?, cmd).await,
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd).await,
         Command::Worker(args) => ops::worker(&require(url)?, args).await,
+        Command::Serve { addr, names } => serve::serve(&require(url)?, &addr, names).await,
     }
 }
 

@@ -163,20 +163,7 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
                 .filter(|l| holder.is_none_or(|h| l.holder.as_uuid() == h))
                 .collect();
             if json {
-                let rows: Vec<_> = leases
-                    .iter()
-                    .map(|l| {
-                        json!({
-                            "stream_id": l.stream_id.to_string(),
-                            "perspective": l.perspective.as_str(),
-                            "holder": l.holder.to_string(),
-                            "reason": l.reason.as_str(),
-                            "epoch": l.epoch.get(),
-                            "time_left_ms": l.time_left.as_millis() as u64,
-                            "status": status(l.status),
-                        })
-                    })
-                    .collect();
+                let rows: Vec<_> = leases.iter().map(lease_json).collect();
                 say!("{}", serde_json::Value::Array(rows));
             } else if leases.is_empty() {
                 say!("no stream leases");
@@ -231,42 +218,7 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         LocksCommand::Advisory { names, json } => {
-            let client = pool.get().await.context("checking out a connection")?;
-            let rows = client
-                .query(
-                    "SELECT advisory_key, pid, granted, mode, state, \
-                     extract(epoch FROM transaction_age)::float8 AS age_s, application_name \
-                     FROM lockstep_advisory_locks ORDER BY advisory_key, granted DESC, pid",
-                    &[],
-                )
-                .await
-                .map_err(|e| explain(lockstep_pg::map_error(e, "listing advisory locks")))?;
-            let mut known: Vec<(i64, String)> = vec![(
-                advisory_key(MIGRATION_LOCK_KEY),
-                MIGRATION_LOCK_KEY.to_owned(),
-            )];
-            known.extend(names.iter().map(|n| (advisory_key(n), n.clone())));
-            let mut out = Vec::new();
-            for row in rows {
-                let key: i64 = row.try_get("advisory_key").context("reading a lock row")?;
-                let pid: i32 = row.try_get("pid").context("reading a lock row")?;
-                let granted: bool = row.try_get("granted").context("reading a lock row")?;
-                let mode: Option<String> = row.try_get("mode").context("reading a lock row")?;
-                let state: Option<String> = row.try_get("state").context("reading a lock row")?;
-                let age: Option<f64> = row.try_get("age_s").context("reading a lock row")?;
-                let app: Option<String> = row
-                    .try_get("application_name")
-                    .context("reading a lock row")?;
-                let name = known
-                    .iter()
-                    .find(|(k, _)| *k == key)
-                    .map(|(_, n)| n.clone());
-                out.push(json!({
-                    "key": key, "name": name, "pid": pid,
-                    "granted": granted, "mode": mode, "state": state,
-                    "transaction_age_s": age, "application": app,
-                }));
-            }
+            let out = advisory_rows(&pool, &names).await?;
             if json {
                 say!("{}", serde_json::Value::Array(out));
             } else if out.is_empty() {
@@ -293,6 +245,120 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// One lease as JSON.
+pub(crate) fn lease_json(l: &lockstep_core::LeaseInfo) -> serde_json::Value {
+    json!({
+        "stream_id": l.stream_id.to_string(),
+        "perspective": l.perspective.as_str(),
+        "holder": l.holder.to_string(),
+        "reason": l.reason.as_str(),
+        "epoch": l.epoch.get(),
+        "time_left_ms": l.time_left.as_millis() as u64,
+        "status": status(l.status),
+    })
+}
+
+/// Every stream lease, as JSON rows.
+pub(crate) async fn lease_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<serde_json::Value>> {
+    let leases = locker(pool).list_leases().await.map_err(explain)?;
+    Ok(leases.iter().map(lease_json).collect())
+}
+
+/// Advisory locks held or awaited now, with the names lockstep knows and `names` gives.
+pub(crate) async fn advisory_rows(
+    pool: &deadpool_postgres::Pool,
+    names: &[String],
+) -> Result<Vec<serde_json::Value>> {
+    let client = pool.get().await.context("checking out a connection")?;
+    let rows = client
+        .query(
+            "SELECT advisory_key, pid, granted, mode, state, \
+             extract(epoch FROM transaction_age)::float8 AS age_s, application_name \
+             FROM lockstep_advisory_locks ORDER BY advisory_key, granted DESC, pid",
+            &[],
+        )
+        .await
+        .map_err(|e| explain(lockstep_pg::map_error(e, "listing advisory locks")))?;
+    let mut known: Vec<(i64, String)> = vec![(
+        advisory_key(MIGRATION_LOCK_KEY),
+        MIGRATION_LOCK_KEY.to_owned(),
+    )];
+    known.extend(names.iter().map(|n| (advisory_key(n), n.clone())));
+    let mut out = Vec::new();
+    for row in rows {
+        let key: i64 = row.try_get("advisory_key").context("reading a lock row")?;
+        let pid: i32 = row.try_get("pid").context("reading a lock row")?;
+        let granted: bool = row.try_get("granted").context("reading a lock row")?;
+        let mode: Option<String> = row.try_get("mode").context("reading a lock row")?;
+        let state: Option<String> = row.try_get("state").context("reading a lock row")?;
+        let age: Option<f64> = row.try_get("age_s").context("reading a lock row")?;
+        let app: Option<String> = row
+            .try_get("application_name")
+            .context("reading a lock row")?;
+        let name = known
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, n)| n.clone());
+        out.push(json!({
+            "key": key, "name": name, "pid": pid,
+            "granted": granted, "mode": mode, "state": state,
+            "transaction_age_s": age, "application": app,
+        }));
+    }
+    Ok(out)
+}
+
+/// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error.
+pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<serde_json::Value>> {
+    let client = pool.get().await.context("checking out a connection")?;
+    let rows = client
+        .query(
+            "SELECT p.perspective_name, \
+                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name) AS pairs, \
+                (SELECT count(*) FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS pending, \
+                (SELECT extract(epoch FROM clock_timestamp() - min(e.enqueued_at))::float8 \
+                   FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS lag_s, \
+                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
+                   AND c.rewind_trigger_event_id IS NOT NULL) AS rewinds \
+             FROM wh_perspectives p ORDER BY p.perspective_name",
+            &[],
+        )
+        .await
+        .map_err(|e| explain(lockstep_pg::map_error(e, "reading perspective status")))?;
+    let errors = client
+        .query(
+            "SELECT perspective_name, stream_id, error, failures FROM wh_perspective_cursors \
+             WHERE error IS NOT NULL ORDER BY perspective_name, stream_id LIMIT 100",
+            &[],
+        )
+        .await
+        .map_err(|e| explain(lockstep_pg::map_error(e, "reading pair errors")))?;
+    let mut out = Vec::new();
+    for row in rows {
+        let name: String = row.try_get("perspective_name").context("reading status")?;
+        let in_error: Vec<_> = errors
+            .iter()
+            .filter(|e| e.try_get::<_, String>("perspective_name").ok().as_deref() == Some(&name))
+            .map(|e| {
+                json!({
+                    "stream_id": e.try_get::<_, Uuid>("stream_id").map(|u| u.to_string()).unwrap_or_default(),
+                    "error": e.try_get::<_, String>("error").unwrap_or_default(),
+                    "failures": e.try_get::<_, i32>("failures").unwrap_or_default(),
+                })
+            })
+            .collect();
+        out.push(json!({
+            "perspective": name,
+            "pairs": row.try_get::<_, i64>("pairs").context("reading status")?,
+            "pending_events": row.try_get::<_, i64>("pending").context("reading status")?,
+            "lag_s": row.try_get::<_, Option<f64>>("lag_s").context("reading status")?.unwrap_or(0.0),
+            "rewinds_pending": row.try_get::<_, i64>("rewinds").context("reading status")?,
+            "pairs_in_error": in_error,
+        }));
+    }
+    Ok(out)
 }
 
 fn status(status: LeaseStatus) -> &'static str {
@@ -391,52 +457,7 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
 }
 
 async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Result<ExitCode> {
-    let client = pool.get().await.context("checking out a connection")?;
-    let rows = client
-        .query(
-            "SELECT p.perspective_name, \
-                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name) AS pairs, \
-                (SELECT count(*) FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS pending, \
-                (SELECT extract(epoch FROM clock_timestamp() - min(e.enqueued_at))::float8 \
-                   FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS lag_s, \
-                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
-                   AND c.rewind_trigger_event_id IS NOT NULL) AS rewinds \
-             FROM wh_perspectives p ORDER BY p.perspective_name",
-            &[],
-        )
-        .await
-        .map_err(|e| explain(lockstep_pg::map_error(e, "reading perspective status")))?;
-    let errors = client
-        .query(
-            "SELECT perspective_name, stream_id, error, failures FROM wh_perspective_cursors \
-             WHERE error IS NOT NULL ORDER BY perspective_name, stream_id LIMIT 100",
-            &[],
-        )
-        .await
-        .map_err(|e| explain(lockstep_pg::map_error(e, "reading pair errors")))?;
-    let mut out = Vec::new();
-    for row in rows {
-        let name: String = row.try_get("perspective_name").context("reading status")?;
-        let in_error: Vec<_> = errors
-            .iter()
-            .filter(|e| e.try_get::<_, String>("perspective_name").ok().as_deref() == Some(&name))
-            .map(|e| {
-                json!({
-                    "stream_id": e.try_get::<_, Uuid>("stream_id").map(|u| u.to_string()).unwrap_or_default(),
-                    "error": e.try_get::<_, String>("error").unwrap_or_default(),
-                    "failures": e.try_get::<_, i32>("failures").unwrap_or_default(),
-                })
-            })
-            .collect();
-        out.push(json!({
-            "perspective": name,
-            "pairs": row.try_get::<_, i64>("pairs").context("reading status")?,
-            "pending_events": row.try_get::<_, i64>("pending").context("reading status")?,
-            "lag_s": row.try_get::<_, Option<f64>>("lag_s").context("reading status")?.unwrap_or(0.0),
-            "rewinds_pending": row.try_get::<_, i64>("rewinds").context("reading status")?,
-            "pairs_in_error": in_error,
-        }));
-    }
+    let out = status_rows(pool).await?;
     if json {
         say!("{}", serde_json::Value::Array(out));
     } else if out.is_empty() {

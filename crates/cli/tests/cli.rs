@@ -332,3 +332,94 @@ async fn perspectives_rewind_purge_and_status() {
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
     assert!(text(&refused).contains("holds the lease"));
 }
+
+/// Finds Chromium (installed by `.ci/run` from Debian's packages when missing).
+fn chromium() -> std::path::PathBuf {
+    ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
+        .iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.exists())
+        .expect("the status page is tested in a real browser: install Debian's `chromium` package (.ci/run does)")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
+    use std::io::{BufRead, BufReader};
+
+    let (_db, url, pool) = migrated().await;
+    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let (stream, name) = (
+        StreamId::new_v7(),
+        PerspectiveName::new("Orders").expect("valid"),
+    );
+    let client = pool.get().await.expect("connection");
+    client
+        .execute(
+            "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) VALUES ($1, $2)",
+            &[&stream.as_uuid(), &name.as_str()],
+        )
+        .await
+        .expect("cursor");
+    let holder = InstanceId::random();
+    assert!(
+        locker
+            .try_acquire(stream, &name, holder, &LockReason::Purge)
+            .await
+            .expect("acquire")
+            .is_acquired()
+    );
+
+    let mut server = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["serve", "--addr", "127.0.0.1:0"])
+        .env("DATABASE_URL", &url)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting lockstep serve");
+    let stdout = server.stdout.take().expect("stdout");
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).map(|_| line)
+    })
+    .await
+    .expect("task")
+    .expect("the serve banner");
+    let page_url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .expect("the banner names the URL")
+        .to_owned();
+
+    let dom = tokio::task::spawn_blocking(move || {
+        let profile =
+            std::env::temp_dir().join(format!("lockstep-chromium-{}", uuid::Uuid::new_v4()));
+        let out = Command::new(chromium())
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--virtual-time-budget=2000",
+            ])
+            .arg(format!("--user-data-dir={}", profile.display()))
+            .args(["--dump-dom", &page_url])
+            .output()
+            .expect("running chromium");
+        let _ = std::fs::remove_dir_all(profile);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    })
+    .await
+    .expect("task");
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(dom.contains("Stream leases"), "{dom}");
+    assert!(
+        dom.contains(&stream.to_string()),
+        "the held lease is on the page: {dom}"
+    );
+    assert!(dom.contains(&holder.to_string()), "{dom}");
+    assert!(dom.contains("purge"), "{dom}");
+}
