@@ -18,6 +18,19 @@
 //!   clocks never matter.
 //! - **Fencing**: the epoch increases whenever a lease is established anew and on
 //!   force-release; renew, release and the fenced commit ([`fence`]) match holder *and* epoch.
+//! - **Try-acquire never waits**: a cursor row locked by another transaction (a claim applying
+//!   events, a fenced commit, another lease statement) is the retryable
+//!   [`ErrorKind::LockTimeout`](lockstep_core::ErrorKind::LockTimeout) at once — skip the pair
+//!   and retry, as after a denial. A live lease the caller's instance already held is joined,
+//!   and says so ([`StreamLease::reentered`](lockstep_core::StreamLease::reentered)).
+//! - **Cancel safety**: dropping the future of any operation (a caller's timeout) sends a cancel
+//!   request for its statement and closes its connection instead of pooling it, so no
+//!   statement keeps running and no lease is written for a caller that gave up. Give the pool's
+//!   TLS connector to [`PostgresStreamLocker::with_cancel_tls`] when it is not `NoTls`.
+//! - **No panics on stored values**: a row lockstep cannot read (an expiry past year 9999 or
+//!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
+//!   error naming the row; a database without lockstep's schema says to run
+//!   [`lockstep_pg::migrate()`].
 //! - **Observability**: `tracing` spans with fixed fields and `metrics` counters, listed in
 //!   [`telemetry`].
 //!
@@ -60,6 +73,8 @@
 //!     }
 //!     AcquireOutcome::NoCursor => {}
 //! }
+//! // A busy cursor row (`ErrorKind::LockTimeout`) is skipped like a denial by the `?` above in
+//! // this sketch; a worker would match on `err.kind()` and retry on its next cycle.
 //! // As a trait object, the way the perspective worker takes it:
 //! let _shared: Arc<dyn StreamLocker> = Arc::new(locker);
 //! # Ok(()) }

@@ -314,3 +314,25 @@ async fn an_unmigrated_database_says_to_run_the_migrations() {
         "{listing}"
     );
 }
+
+/// Issue 7 part 6: a pool that cannot connect shows the server's message and SQLSTATE too.
+#[tokio::test]
+async fn a_pool_error_shows_the_server_message() {
+    let db = lockstep_testkit::pg_harness::test_database().await;
+    let mut config = db.config().clone();
+    config.dbname("lockstep_no_such_database");
+    let manager = deadpool_postgres::Manager::from_config(
+        config,
+        tokio_postgres::NoTls,
+        deadpool_postgres::ManagerConfig::default(),
+    );
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(1)
+        .build()
+        .expect("pool");
+    let locker = lockstep_pg_stream::PostgresStreamLocker::new(pool, long_options());
+    let err = locker.list_leases().await.expect_err("no such database");
+    let shown = err.to_string();
+    assert!(shown.contains("lockstep_no_such_database"), "{shown}");
+    assert!(shown.contains("SQLSTATE 3D000"), "{shown}");
+}

@@ -58,7 +58,18 @@ pub fn map_pool_error(err: deadpool_postgres::PoolError) -> Error {
         PoolError::Closed => ErrorKind::ConnectionLost,
         _ => ErrorKind::Backend,
     };
-    Error::new(kind, "getting a connection from the pool").with_source(err)
+    let message = match &err {
+        PoolError::Backend(e) => match e.as_db_error() {
+            Some(db) => format!(
+                "getting a connection from the pool: {} (SQLSTATE {})",
+                db.message(),
+                db.code().code()
+            ),
+            None => "getting a connection from the pool".to_owned(),
+        },
+        _ => "getting a connection from the pool".to_owned(),
+    };
+    Error::new(kind, message).with_source(err)
 }
 
 #[cfg(test)]
