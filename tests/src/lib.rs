@@ -120,8 +120,8 @@ pub fn early_id(ago: Duration) -> Uuid {
     ))
 }
 
-/// A `postgres://` URL for `config` (the first host and port; the password, if any, is not
-/// included: the test server trusts local connections or takes `PGPASSWORD`).
+/// A `postgres://` URL for `config`: the first host and port, the user, the password if any
+/// (percent-encoded), the database.
 pub fn database_url(config: &tokio_postgres::Config) -> String {
     let host = match config.get_hosts().first() {
         Some(Host::Tcp(h)) => h.clone(),
@@ -130,13 +130,32 @@ pub fn database_url(config: &tokio_postgres::Config) -> String {
         None => "127.0.0.1".to_owned(),
     };
     let port = config.get_ports().first().copied().unwrap_or(5432);
-    let user = config.get_user().unwrap_or("postgres");
-    let db = config.get_dbname().unwrap_or("postgres");
+    let mut user = encode(config.get_user().unwrap_or("postgres").as_bytes());
+    if let Some(password) = config.get_password() {
+        user = format!("{user}:{}", encode(password));
+    }
+    let db = encode(config.get_dbname().unwrap_or("postgres").as_bytes());
     if host.starts_with('/') {
-        format!("postgres://{user}@/{db}?host={host}&port={port}")
+        format!(
+            "postgres://{user}@/{db}?host={}&port={port}",
+            encode(host.as_bytes())
+        )
     } else {
         format!("postgres://{user}@{host}:{port}/{db}")
     }
+}
+
+/// Percent-encodes everything but unreserved URL characters.
+fn encode(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|&b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// For every stream in `wh_events`: the numbers of its events in event-id order — what
