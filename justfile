@@ -28,7 +28,7 @@ deny:
 features:
     cargo hack check --each-feature --workspace
 
-# Run a benchmark: `just bench locker` or `just bench aggregate`.
+# Run a benchmark: `just bench locker`, `just bench aggregate` or `just bench worker`.
 bench which:
     cargo run --release -p lockstep-bench -- {{which}}
 
