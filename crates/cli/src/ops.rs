@@ -52,7 +52,7 @@ pub(crate) enum LocksCommand {
     },
     /// Who holds and who waits for which advisory lock right now.
     Advisory {
-        /// Name a key you know (e.g. relay:aggregate:StockItem:<id>); repeatable.
+        /// Name a key you know (e.g. `relay:aggregate:StockItem:{id}`); repeatable.
         #[arg(long = "name")]
         names: Vec<String>,
         /// Print JSON.

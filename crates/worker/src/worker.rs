@@ -561,14 +561,20 @@ where
             let lease = match &self.keeper {
                 Some(keeper) => match keeper
                     .try_acquire(stream_id, name, &LockReason::Rewind)
-                    .await?
+                    .await
                 {
-                    Leased::Held(lease) => Some(lease),
-                    Leased::Denied(holder) => {
+                    // The cursor row is busy (another transaction holds it: a claim, a fenced
+                    // commit): like a denial, try again on a later cycle.
+                    Err(err) if err.kind() == ErrorKind::LockTimeout => {
+                        return Ok(PairOutcome::Skipped(SkipReason::Busy));
+                    }
+                    Err(err) => return Err(err),
+                    Ok(Leased::Held(lease)) => Some(lease),
+                    Ok(Leased::Denied(holder)) => {
                         count(telemetry::SKIPPED_LEASED, name.as_str(), 1);
                         return Ok(PairOutcome::Skipped(SkipReason::Leased(holder)));
                     }
-                    Leased::NoCursor => return Ok(PairOutcome::Skipped(SkipReason::Idle)),
+                    Ok(Leased::NoCursor) => return Ok(PairOutcome::Skipped(SkipReason::Idle)),
                 },
                 None => None,
             };
