@@ -9,7 +9,7 @@ use std::future::Future;
 
 use lockstep_core::{Error, ErrorKind, Result, StreamId};
 use lockstep_pg::internal::{CancelOnDrop, cancel_on_drop};
-use lockstep_pg::{map_error, map_pool_error};
+use lockstep_pg::map_error;
 use tokio_postgres::row::RowIndex;
 use tokio_postgres::types::{FromSql, ToSql};
 use tokio_postgres::{Client, Row, Statement};
@@ -70,7 +70,13 @@ impl PostgresStreamLocker {
         params: &[&(dyn ToSql + Sync)],
         doing: &'static str,
     ) -> Result<O> {
-        let conn = self.pool.get().await.map_err(map_pool_error)?;
+        // Bounded: never longer than the keepalive interval, so a renew waiting for a
+        // connection cannot outlive the lease it is meant to keep (an exhausted pool is then a
+        // typed, retryable error instead of a hang).
+        let wait = lockstep_core::StreamLocker::options(self)
+            .keepalive_interval()
+            .min(lockstep_pg::DEFAULT_CHECKOUT_WAIT);
+        let conn = lockstep_pg::checkout(&self.pool, wait).await?;
         let statement = conn
             .prepare_cached(sql)
             .await
@@ -81,8 +87,8 @@ impl PostgresStreamLocker {
         };
         let outcome = O::run(guard.client(), &statement, params).await;
         // Finished (either way): nothing to cancel, and the connection goes back to the pool
-        // before the caller reads the result.
-        guard.disarm();
+        // before the caller reads the result — unless it was lost, then it is closed.
+        guard.disarm(outcome.as_ref().err());
         outcome.map_err(|e| statement_error(e, doing))
     }
 }
@@ -124,11 +130,13 @@ impl Abandon {
         }
     }
 
-    fn disarm(mut self) {
+    fn disarm(mut self, error: Option<&tokio_postgres::Error>) {
         if let Some(cancel) = self.cancel.take() {
             cancel.disarm();
         }
-        drop(self.conn.take()); // back to the pool
+        if let Some(conn) = self.conn.take() {
+            lockstep_pg::pool::return_or_discard(conn, error);
+        }
     }
 }
 

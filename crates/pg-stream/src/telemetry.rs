@@ -30,10 +30,10 @@
 //!
 //! | field | value |
 //! |---|---|
-//! | [`FIELD_STREAM_ID`] | the stream id |
-//! | [`FIELD_PERSPECTIVE`] | the perspective name |
-//! | [`FIELD_REASON`] | the lease reason (try-acquire) |
-//! | [`FIELD_EPOCH`] | the lease epoch (recorded once known) |
+//! | `stream_id` | the stream id |
+//! | `perspective` | the perspective name |
+//! | `reason` | the lease reason (try-acquire) |
+//! | `epoch` | the lease epoch (recorded once known) |
 
 /// Try-acquires that returned a lease.
 pub const ACQUIRED: &str = "lockstep_stream_lease_acquired_total";
@@ -53,15 +53,6 @@ pub const RELEASED: &str = "lockstep_stream_lease_released_total";
 pub const FORCE_RELEASED: &str = "lockstep_stream_lease_force_released_total";
 /// Fenced-commit checks that found the lease lost.
 pub const FENCE_LOST: &str = "lockstep_stream_lease_fence_lost_total";
-
-/// Span field: the stream id.
-pub const FIELD_STREAM_ID: &str = "stream_id";
-/// Span field: the perspective name.
-pub const FIELD_PERSPECTIVE: &str = "perspective";
-/// Span field: the lease reason.
-pub const FIELD_REASON: &str = "reason";
-/// Span field: the lease epoch.
-pub const FIELD_EPOCH: &str = "epoch";
 
 /// Every counter name, for recorders that want to describe them up front.
 pub const ALL_COUNTERS: [&str; 9] = [

@@ -25,7 +25,7 @@
 //! # Spans
 //!
 //! `process_pair`, `rewind`, `bootstrap`, `purge` and `keepalive` spans carry the fixed fields
-//! [`FIELD_STREAM_ID`], [`FIELD_PERSPECTIVE`], [`FIELD_REASON`] and [`FIELD_EPOCH`] (recorded
+//! `stream_id`, `perspective`, `reason` and `epoch` (recorded
 //! with `Display`, never whole values).
 
 /// Events applied by the normal path.
@@ -52,15 +52,6 @@ pub const APPLY_FAILURES: &str = "lockstep_worker_apply_failures_total";
 pub const LEASES_LOST: &str = "lockstep_worker_leases_lost_total";
 /// Age of the oldest event applied in a batch, at commit, in seconds.
 pub const LAG_SECONDS: &str = "lockstep_worker_lag_seconds";
-
-/// Span field: the stream id.
-pub const FIELD_STREAM_ID: &str = "stream_id";
-/// Span field: the perspective name.
-pub const FIELD_PERSPECTIVE: &str = "perspective";
-/// Span field: the lease reason.
-pub const FIELD_REASON: &str = "reason";
-/// Span field: the lease epoch.
-pub const FIELD_EPOCH: &str = "epoch";
 
 /// Adds `n` to the counter `name` for `perspective`.
 pub(crate) fn count(name: &'static str, perspective: &str, n: u64) {
