@@ -106,6 +106,9 @@ pub(crate) struct WorkerArgs {
     /// Microseconds each applied event takes (to watch rewinds in tests and demos).
     #[arg(long, default_value_t = 0)]
     slow_apply_us: u64,
+    /// Serve the worker's metrics in the Prometheus text format on this address (`/metrics`).
+    #[arg(long)]
+    metrics_addr: Option<String>,
 }
 
 pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
@@ -501,6 +504,10 @@ pub(crate) async fn worker(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
         Duration::from_millis(args.keepalive_ms),
     )
     .map_err(|e| anyhow!("lease options: {e}"))?;
+    if let Some(addr) = &args.metrics_addr {
+        let bound = crate::serve::metrics_endpoint(addr).await?;
+        say!("metrics on http://{bound}/metrics");
+    }
     let pool = url.pool(8).await?;
     let instance = match args.instance {
         Some(id) => InstanceId::from_uuid(id).map_err(|e| anyhow!("--instance: {e}"))?,

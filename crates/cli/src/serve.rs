@@ -64,7 +64,36 @@ pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result
     Ok(ExitCode::SUCCESS)
 }
 
-async fn respond(mut stream: TcpStream, shared: &Shared) -> Result<()> {
+/// Serves only `/metrics` (and `/healthz`) on `addr`, from a Prometheus recorder installed now,
+/// in a background task: `lockstep worker --metrics-addr`. Returns the bound address.
+pub(crate) async fn metrics_endpoint(addr: &str) -> Result<std::net::SocketAddr> {
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("listening on {addr}"))?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let body = metrics.render();
+            tokio::spawn(async move {
+                let path = read_path(&mut stream).await.unwrap_or_default();
+                let (status, body) = match path.as_str() {
+                    "/metrics" => ("200 OK", body),
+                    "/healthz" => ("200 OK", "ok\n".to_owned()),
+                    _ => ("404 Not Found", "not found\n".to_owned()),
+                };
+                let _ =
+                    write_response(&mut stream, status, "text/plain; version=0.0.4", &body).await;
+            });
+        }
+    });
+    Ok(bound)
+}
+
+/// Reads a request head (bounded in size and time) and returns the path of a `GET`.
+async fn read_path(stream: &mut TcpStream) -> Result<String> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     let read = async {
@@ -82,39 +111,18 @@ async fn respond(mut stream: TcpStream, shared: &Shared) -> Result<()> {
         .context("reading the request timed out")??;
     let line = String::from_utf8_lossy(&head);
     let mut parts = line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, kind, body) = if method != "GET" {
-        (
-            "405 Method Not Allowed",
-            "text/plain",
-            "GET only\n".to_owned(),
-        )
-    } else {
-        match path.split('?').next().unwrap_or("") {
-            "/" => match page(shared).await {
-                Ok(html) => ("200 OK", "text/html; charset=utf-8", html),
-                Err(err) => (
-                    "503 Service Unavailable",
-                    "text/plain; charset=utf-8",
-                    format!("{err:#}\n"),
-                ),
-            },
-            "/metrics" => match gauges(shared).await {
-                Ok(()) => (
-                    "200 OK",
-                    "text/plain; version=0.0.4",
-                    shared.metrics.render(),
-                ),
-                Err(err) => (
-                    "503 Service Unavailable",
-                    "text/plain; charset=utf-8",
-                    format!("{err:#}\n"),
-                ),
-            },
-            "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
-            _ => ("404 Not Found", "text/plain", "not found\n".to_owned()),
-        }
-    };
+    match (parts.next(), parts.next()) {
+        (Some("GET"), Some(path)) => Ok(path.split('?').next().unwrap_or("").to_owned()),
+        _ => Ok(String::new()),
+    }
+}
+
+async fn write_response(
+    stream: &mut TcpStream,
+    status: &str,
+    kind: &str,
+    body: &str,
+) -> Result<()> {
     let response = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n{body}",
         body.len()
@@ -122,6 +130,39 @@ async fn respond(mut stream: TcpStream, shared: &Shared) -> Result<()> {
     stream.write_all(response.as_bytes()).await?;
     stream.shutdown().await?;
     Ok(())
+}
+
+async fn respond(mut stream: TcpStream, shared: &Shared) -> Result<()> {
+    let path = read_path(&mut stream).await?;
+    let (status, kind, body) = match path.as_str() {
+        "/" => match page(shared).await {
+            Ok(html) => ("200 OK", "text/html; charset=utf-8", html),
+            Err(err) => (
+                "503 Service Unavailable",
+                "text/plain; charset=utf-8",
+                format!("{err:#}\n"),
+            ),
+        },
+        "/metrics" => match gauges(shared).await {
+            Ok(()) => (
+                "200 OK",
+                "text/plain; version=0.0.4",
+                shared.metrics.render(),
+            ),
+            Err(err) => (
+                "503 Service Unavailable",
+                "text/plain; charset=utf-8",
+                format!("{err:#}\n"),
+            ),
+        },
+        "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
+        _ => (
+            "404 Not Found",
+            "text/plain",
+            "not found (GET /, /metrics, /healthz)\n".to_owned(),
+        ),
+    };
+    write_response(&mut stream, status, kind, &body).await
 }
 
 /// Sets the gauges a scrape reads from the database.

@@ -423,3 +423,114 @@ async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
     assert!(dom.contains(&holder.to_string()), "{dom}");
     assert!(dom.contains("purge"), "{dom}");
 }
+
+/// `GET path` on `addr` with a plain TCP client: (status line, body).
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (
+        head.lines().next().unwrap_or("").to_owned(),
+        body.to_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+
+    let (_db, url, pool) = migrated().await;
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["worker", "--metrics-addr", "127.0.0.1:0"])
+        .env("DATABASE_URL", &url)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting lockstep worker");
+    let mut lines = BufReader::new(worker.stdout.take().expect("stdout")).lines();
+    let banner = tokio::task::spawn_blocking(move || {
+        let first = lines.next().and_then(Result::ok).unwrap_or_default();
+        (first, lines)
+    })
+    .await
+    .expect("task");
+    let (first, mut lines) = banner;
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .expect("the metrics address is printed first")
+        .to_owned();
+
+    // An event for the sample perspective: the worker applies it and counts it.
+    let stream = StreamId::new_v7();
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 7 })).expect("event");
+    let mut applied = false;
+    for _ in 0..100 {
+        // Registration happens when the worker starts; append once it has.
+        let client = pool.get().await.expect("connection");
+        let registered: i64 = client
+            .query_one(
+                "SELECT count(*) FROM wh_perspectives WHERE perspective_name = 'Ledger'",
+                &[],
+            )
+            .await
+            .expect("query")
+            .get(0);
+        drop(client);
+        if registered == 1 {
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            PgEventStore::new()
+                .append(
+                    &tx,
+                    stream,
+                    ExpectedVersion::NoStream,
+                    std::slice::from_ref(&event),
+                )
+                .await
+                .expect("append");
+            tx.commit().await.expect("commit");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    for _ in 0..100 {
+        let addr = addr.clone();
+        let (status, body) = tokio::task::spawn_blocking(move || http_get(&addr, "/metrics"))
+            .await
+            .expect("task");
+        assert!(status.contains("200"), "{status}");
+        if body.contains("lockstep_worker_events_applied_total") {
+            applied = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        applied,
+        "the worker applied the event and reported it on /metrics"
+    );
+
+    let pid = worker.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let status = tokio::task::spawn_blocking(move || worker.wait())
+        .await
+        .expect("task")
+        .expect("wait");
+    assert!(
+        status.success(),
+        "a SIGTERM stop is a clean exit: {status:?}"
+    );
+    let rest: Vec<String> = lines.by_ref().map_while(Result::ok).collect();
+    assert!(
+        rest.iter()
+            .any(|l| l.contains("stopped; its leases are released")),
+        "{rest:?}"
+    );
+}
