@@ -74,11 +74,18 @@ async fn the_demo_passes_on_postgres_and_leaves_nothing_behind() {
     let report = text(&out);
     assert!(out.status.success(), "{report}");
     assert!(report.contains("nothing left behind"), "{report}");
+    // The report names the database it created; it must be gone (other runs may have theirs).
+    let created = report
+        .split_whitespace()
+        .find(|w| w.starts_with("lockstep_demo_"))
+        .expect("the report names its database")
+        .trim_end_matches([',', '.', ':'])
+        .to_owned();
     let admin = db.connect().await;
     let left: i64 = admin
         .query_one(
-            "SELECT count(*) FROM pg_database WHERE datname LIKE 'lockstep_demo_%'",
-            &[],
+            "SELECT count(*) FROM pg_database WHERE datname = $1",
+            &[&created],
         )
         .await
         .expect("query")
