@@ -36,3 +36,8 @@ pub mod wiring;
 
 pub use domain::{InventoryError, STOCK_ITEM, StockEvent, StockItem};
 pub use handler::{LockMode, ReserveStock, ReserveStockHandler, Reserved};
+
+/// The README's "used by" example, compiled and run as a doctest so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
