@@ -71,6 +71,9 @@ enum Command {
         #[arg(long = "name")]
         names: Vec<String>,
     },
+    /// Runs a benchmark: `locker`, `aggregate` or `worker` (build with --release; see
+    /// docs/benchmarks.md). Each needs a PostgreSQL server (DATABASE_URL) and pgbench.
+    Bench(lockstep_bench::BenchArgs),
     /// Runs a perspective worker for the sample 'Ledger' perspective until Ctrl-C or SIGTERM,
     /// then releases its leases.
     Worker(ops::WorkerArgs),
@@ -134,6 +137,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Locks(cmd) => ops::locks(&require(url)?, cmd).await,
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd).await,
         Command::Worker(args) => ops::worker(&require(url)?, args).await,
+        Command::Bench(args) => {
+            lockstep_bench::run(args).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Serve { addr, names } => serve::serve(&require(url)?, &addr, names).await,
     }
 }

@@ -541,3 +541,13 @@ async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
         "{rest:?}"
     );
 }
+
+#[test]
+fn the_benchmarks_are_reachable_from_the_command() {
+    let out = lockstep(&["bench", "--help"], None);
+    let help = text(&out);
+    assert!(out.status.success(), "{help}");
+    for benchmark in ["locker", "aggregate", "worker"] {
+        assert!(help.contains(benchmark), "{help}");
+    }
+}

@@ -1,0 +1,56 @@
+//! # lockstep-bench
+//!
+//! Benchmarks of the lockstep backends. Each one compares a backend with `pgbench` running the
+//! same SQL against the same database in the same run, prints a Markdown table and ends with
+//! one `key=value` line per headline figure. Results and how to rerun them are in
+//! `docs/benchmarks.md`.
+//!
+//! ```text
+//! cargo run --release -p lockstep-bench -- locker [--duration-secs 5] [--rounds 2]
+//! ```
+//!
+//! One module per subcommand; the modules below them (`bench_db`, `pgbench`, `server_stats`,
+//! `report`) are shared: a throwaway database, a pgbench driver fed with a backend's SQL
+//! constants, server-side statement counting, and the table.
+
+// A benchmark's report is its standard output.
+#![allow(clippy::print_stdout)]
+
+mod aggregate;
+mod bench_db;
+mod locker;
+mod pgbench;
+mod report;
+mod server_stats;
+mod worker;
+
+use clap::Subcommand;
+
+/// The benchmarks' command line: `locker`, `aggregate` or `worker` with their flags. Used by
+/// this crate's binary and by `lockstep bench`.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// One variant per benchmark; each lives in the module of the same name.
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Stream locker: try-acquire+release cycles and renews vs pgbench (same statements).
+    Locker(locker::Args),
+    /// Aggregate write lock: pessimistic (advisory lock pipelined with the load) vs optimistic + retry.
+    Aggregate(aggregate::Args),
+    /// Perspective worker: catch-up by 1 and 2 instances vs one set-based SQL statement,
+    /// rewind from a snapshot vs full replay, keepalive statements per interval.
+    Worker(worker::Args),
+}
+
+/// Runs the chosen benchmark, printing its table and its `key=value` lines.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.command {
+        Command::Locker(args) => locker::run(args).await,
+        Command::Aggregate(args) => aggregate::run(args).await,
+        Command::Worker(args) => worker::run(args).await,
+    }
+}
