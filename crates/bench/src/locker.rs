@@ -206,6 +206,7 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
     let duration = Duration::from_secs(args.duration_secs);
     let mut lines = vec![report::header()];
     let mut ratios: Vec<(usize, Workload, Vec<f64>)> = Vec::new();
+    let progress = report::Progress::new((2 * args.concurrency.len() * args.rounds * 2) as u64);
     for workload in [Workload::AcquireRelease, Workload::Renew] {
         let epoch = match workload {
             Workload::AcquireRelease => None,
@@ -223,12 +224,12 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
                     [Side::Pgbench, Side::Locker]
                 };
                 for side in order {
-                    eprintln!(
+                    progress.step(format!(
                         "{} c={concurrency} round {}/{}: {side:?}",
                         workload.label(),
                         round + 1,
                         args.rounds
-                    );
+                    ));
                     let m =
                         measure(setup, args, workload, side, concurrency, duration, epoch).await?;
                     match side {
@@ -255,6 +256,7 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
             ratios.push((concurrency, workload, round_ratios));
         }
     }
+    progress.finish();
     lines.push(String::new());
     lines.push(setup.counter.describe().to_owned());
     lines.push(format!(

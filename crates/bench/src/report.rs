@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
 
 /// A histogram of latencies in microseconds (1 µs to 60 s, 3 significant digits).
 pub(crate) fn new_histogram() -> Histogram<u64> {
@@ -99,4 +100,37 @@ pub(crate) fn row(r: &Row<'_>) -> String {
         ms(0.99),
         statements
     )
+}
+
+/// Progress of a long run: a bar on a terminal (stderr), one line per step otherwise (logs, CI).
+pub(crate) struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    /// A run of `total` steps.
+    pub(crate) fn new(total: u64) -> Progress {
+        let bar = ProgressBar::new(total);
+        if let Ok(style) =
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {wide_msg}")
+        {
+            bar.set_style(style);
+        }
+        Progress { bar }
+    }
+
+    /// Starts the next step, described by `what`.
+    pub(crate) fn step(&self, what: String) {
+        if self.bar.is_hidden() {
+            eprintln!("{what}");
+        } else {
+            self.bar.set_message(what);
+        }
+        self.bar.inc(1);
+    }
+
+    /// Clears the bar.
+    pub(crate) fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
 }

@@ -382,6 +382,7 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
     let mut functions_before = Vec::new();
     let mut breakdown = None;
     let mut breakdown_seconds = 0.0;
+    let progress = crate::report::Progress::new((args.rounds * sides.len()) as u64);
     for round in 0..args.rounds {
         let mut order: Vec<usize> = (0..sides.len()).collect();
         order.rotate_left(round % sides.len());
@@ -408,12 +409,12 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
                 probe = Some(pending_pairs_ms(db, args.pairs_per_cycle).await?);
                 functions_before = function_times(db).await?;
             }
-            eprintln!(
+            progress.step(format!(
                 "catch-up round {}/{}: {}",
                 round + 1,
                 args.rounds,
                 side.label()
-            );
+            ));
             let numbers: Arc<dyn lockstep_core::DynPerspective> = Arc::new(Numbers(name));
             let cpu_before = cpu_ticks();
             let elapsed = match side {
@@ -479,6 +480,7 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
         }
         per_round.push(this);
     }
+    progress.finish();
     let mut lines = vec![
         format!(
             "### catch-up: {total} events over {} streams, {} rounds \
