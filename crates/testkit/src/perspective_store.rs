@@ -141,7 +141,11 @@ impl InMemoryPerspectiveStore {
     }
 
     fn now(&self) -> OffsetDateTime {
-        self.origin_wall + Instant::now().saturating_duration_since(self.origin)
+        let elapsed = Instant::now().saturating_duration_since(self.origin);
+        time::Duration::try_from(elapsed)
+            .ok()
+            .and_then(|d| self.origin_wall.checked_add(d))
+            .unwrap_or(self.origin_wall)
     }
 
     /// The cursor-row lock key, the one [`InMemoryStreamLocker`] waits on.
@@ -312,7 +316,11 @@ impl InMemoryPerspectiveStore {
     }
 
     fn debounced(&self, rewind: &RewindRequest, debounce: Duration) -> bool {
-        self.now() < rewind.flagged_at + debounce
+        // Saturating: a debounce past the calendar's end holds the pair back, never panics.
+        time::Duration::try_from(debounce)
+            .ok()
+            .and_then(|d| rewind.flagged_at.checked_add(d))
+            .is_none_or(|until| self.now() < until)
     }
 }
 

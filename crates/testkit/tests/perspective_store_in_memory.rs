@@ -27,3 +27,49 @@ lockstep_testkit::perspective_store_conformance! {
     fixture: in_memory(),
     after_each: |f: &InMemory| assert!(f.source.is_idle(), "the case leaves no lock or waiter behind"),
 }
+
+/// A debounce past the calendar's end holds a flagged pair back instead of panicking.
+#[tokio::test(start_paused = true)]
+async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
+    use lockstep_core::{Claim, InstanceId, PerspectiveName, PerspectiveStore, StreamId};
+    use std::time::Duration;
+
+    let fixture = in_memory();
+    let (stream, name) = (
+        StreamId::new_v7(),
+        PerspectiveName::new("P").expect("valid"),
+    );
+    let tx = fixture.source.begin();
+    fixture
+        .store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    fixture
+        .store
+        .ensure_cursor(&tx, stream, &name)
+        .await
+        .expect("cursor");
+    assert!(
+        fixture
+            .store
+            .request_rewind(&tx, stream, &name, None)
+            .await
+            .expect("request")
+    );
+    tx.commit().await.expect("commit");
+    let tx = fixture.source.begin();
+    let pairs = fixture
+        .store
+        .pending_pairs(&tx, InstanceId::random(), Duration::MAX, 10)
+        .await
+        .expect("pending pairs");
+    assert!(pairs.is_empty(), "held back: {pairs:?}");
+    let claim = fixture
+        .store
+        .claim(&tx, stream, &name, 10, Duration::MAX)
+        .await
+        .expect("claim");
+    assert_eq!(claim, Claim::Idle);
+    tx.rollback().await;
+}

@@ -192,7 +192,8 @@ impl LeaseKeeper {
         let lost = self.shared.stop.child_token();
         let deadline = sent
             .checked_add(self.shared.margin())
-            .unwrap_or_else(|| sent + Duration::from_secs(86_400));
+            // Unrepresentable: treat the lease as due for renewal now (conservative).
+            .unwrap_or(sent);
         self.shared.entries().insert(
             key,
             Entry {
