@@ -8,6 +8,9 @@
 //! - The `lockstep-test-worker` binary (`src/bin/lockstep-test-worker.rs`): one
 //!   [`lockstep_worker::PerspectiveWorker`] on PostgreSQL as a process that a test can start and
 //!   `kill -9`; it prints a line when it holds a `rewind` lease.
+//! - [`reliability`]: the scenarios of issue 8's reliability suite (mutual-exclusion audit,
+//!   faults, cancellation, bad input), run short by `tests/reliability.rs` and long by
+//!   `lockstep-bench reliability`.
 //! - [`expected_folds`] and [`perspective_states`]: the fold of every stream's events in
 //!   event-id order, and the states the workers stored, read back from the database.
 //!
@@ -18,6 +21,8 @@
 //! assert_eq!(stored, expected);
 //! # Ok(()) }
 //! ```
+
+pub mod reliability;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
