@@ -9,6 +9,11 @@
 //! cargo run --release -p lockstep-bench -- locker [--duration-secs 5] [--rounds 2]
 //! ```
 //!
+//! `reliability` is not a benchmark but the long run of issue 8's reliability suite (the
+//! scenarios of `lockstep_tests::reliability`): a table of cases and failures per scenario,
+//! ending with the line `reliability violations=<n> lost=<n> duplicated=<n> panics=<n>
+//! cases=<n>`.
+//!
 //! One module per subcommand; the modules below them (`bench_db`, `pgbench`, `server_stats`,
 //! `report`) are shared: a throwaway database, a pgbench driver fed with a backend's SQL
 //! constants, server-side statement counting, and the table.
@@ -20,14 +25,15 @@ mod aggregate;
 mod bench_db;
 mod locker;
 mod pgbench;
+mod reliability;
 mod report;
 mod server_stats;
 mod worker;
 
 use clap::Subcommand;
 
-/// The benchmarks' command line: `locker`, `aggregate` or `worker` with their flags. Used by
-/// this crate's binary and by `lockstep bench`.
+/// The benchmarks' command line: `locker`, `aggregate`, `worker` or `reliability` with their
+/// flags. Used by this crate's binary and by `lockstep bench`.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     #[command(subcommand)]
@@ -44,6 +50,9 @@ enum Command {
     /// Perspective worker: catch-up by 1 and 2 instances vs one set-based SQL statement,
     /// rewind from a snapshot vs full replay, keepalive statements per interval.
     Worker(worker::Args),
+    /// The long run of the reliability suite: every scenario, a table, and the last line
+    /// `reliability violations=… lost=… duplicated=… panics=… cases=…`.
+    Reliability(reliability::Args),
 }
 
 /// Runs the chosen benchmark, printing its table and its `key=value` lines.
@@ -52,5 +61,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Command::Locker(args) => locker::run(args).await,
         Command::Aggregate(args) => aggregate::run(args).await,
         Command::Worker(args) => worker::run(args).await,
+        Command::Reliability(args) => reliability::run(args).await,
     }
 }

@@ -1,0 +1,221 @@
+//! `reliability`: the long run of issue 8's reliability suite.
+//!
+//! Runs every scenario of [`lockstep_tests::reliability`] (long by default), each in a spawned
+//! task so that a scenario that panics or fails is counted and the run goes on, and prints:
+//!
+//! - one Markdown table row per scenario: cases, violations, lost, duplicated, panics, seconds;
+//! - the details of every failure, and a scenario's own figures when it has some (the audit's
+//!   lease cycles, takeovers and refused stale commits);
+//! - last, exactly one line: the merged [`Tally`],
+//!   `reliability violations=<n> lost=<n> duplicated=<n> panics=<n> cases=<n>`.
+//!
+//! A scenario that returns an error counts as one violation, one that panics as one panic. The
+//! command fails (non-zero exit) unless the merged tally is clean. The scenarios create their
+//! own databases on the test server (`DATABASE_URL`, else the local server; see
+//! `lockstep_testkit::pg_harness`).
+//!
+//! ```text
+//! cargo run --release -p lockstep-bench -- reliability [--only audit] [--scale short|long]
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use lockstep_tests::reliability::{Scale, Tally, audit};
+
+/// Options of the `reliability` command.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct Args {
+    /// Run only this scenario.
+    #[arg(long, value_parser = scenario_names())]
+    only: Option<String>,
+    /// `long` (minutes per scenario, at least 10 000 lease cycles in the audit) or `short` (the
+    /// few seconds each of `cargo test`).
+    #[arg(long, value_enum, default_value_t = ScaleArg::Long)]
+    scale: ScaleArg,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum ScaleArg {
+    Short,
+    Long,
+}
+
+impl From<ScaleArg> for Scale {
+    fn from(scale: ScaleArg) -> Scale {
+        match scale {
+            ScaleArg::Short => Scale::Short,
+            ScaleArg::Long => Scale::Long,
+        }
+    }
+}
+
+/// What a scenario returns: its tally, and its own figures if it has some.
+struct Finished {
+    tally: Tally,
+    figures: Option<String>,
+}
+
+type Running = Pin<Box<dyn Future<Output = Result<Finished>> + Send>>;
+
+/// A scenario: its name and how to start it.
+struct Scenario {
+    name: &'static str,
+    start: fn(Scale) -> Running,
+}
+
+/// Every scenario, in the order they run.
+fn scenarios() -> Vec<Scenario> {
+    vec![Scenario {
+        name: "audit",
+        start: |scale| {
+            Box::pin(async move {
+                let report = audit::run_report(&audit::AuditConfig::new(scale)).await?;
+                Ok(Finished {
+                    tally: report.tally,
+                    figures: Some(report.stats.to_string()),
+                })
+            })
+        },
+    }]
+}
+
+fn scenario_names() -> Vec<&'static str> {
+    scenarios().iter().map(|s| s.name).collect()
+}
+
+/// One scenario's result, for the table.
+struct Row {
+    name: &'static str,
+    tally: Tally,
+    figures: Option<String>,
+    elapsed: Duration,
+}
+
+/// Runs one scenario in a task of its own: an error is counted as a violation and a panic (a
+/// `JoinError`) as a panic, so the run goes on.
+async fn run_one(scenario: &Scenario, scale: Scale) -> Row {
+    let started = Instant::now();
+    let (tally, figures) = match tokio::spawn((scenario.start)(scale)).await {
+        Ok(Ok(finished)) => (finished.tally, finished.figures),
+        Ok(Err(e)) => {
+            let mut tally = Tally::default();
+            tally.violation(format!("{} failed: {e:#}", scenario.name));
+            (tally, None)
+        }
+        Err(e) => {
+            let mut tally = Tally::default();
+            if e.is_panic() {
+                tally.panic(format!("{} panicked: {e}", scenario.name));
+            } else {
+                tally.violation(format!("{} was cancelled: {e}", scenario.name));
+            }
+            (tally, None)
+        }
+    };
+    Row {
+        name: scenario.name,
+        tally,
+        figures,
+        elapsed: started.elapsed(),
+    }
+}
+
+/// Runs the scenarios and prints the table, the details and the last line.
+pub(crate) async fn run(args: Args) -> Result<()> {
+    let scale = Scale::from(args.scale);
+    let chosen: Vec<Scenario> = scenarios()
+        .into_iter()
+        .filter(|s| args.only.as_deref().is_none_or(|only| only == s.name))
+        .collect();
+    if chosen.is_empty() {
+        bail!("no scenario is called {:?}", args.only);
+    }
+
+    println!("| scenario | cases | violations | lost | duplicated | panics | seconds |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let mut rows = Vec::new();
+    for scenario in chosen {
+        eprintln!("reliability: running {} ({scale:?})…", scenario.name);
+        let row = run_one(&scenario, scale).await;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {:.1} |",
+            row.name,
+            row.tally.cases,
+            row.tally.violations,
+            row.tally.lost,
+            row.tally.duplicated,
+            row.tally.panics,
+            row.elapsed.as_secs_f64()
+        );
+        rows.push(row);
+    }
+
+    println!();
+    let mut merged = Tally::default();
+    for row in rows {
+        if let Some(figures) = &row.figures {
+            println!("{figures}");
+        }
+        if !row.tally.is_clean() || !row.tally.details.is_empty() {
+            println!("{} details:", row.name);
+            for detail in &row.tally.details {
+                println!("  - {detail}");
+            }
+        }
+        merged.merge(row.tally);
+    }
+    println!("{merged}");
+    if !merged.is_clean() {
+        bail!("the reliability run found problems (see the details above)");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failing_or_panicking_scenario_is_counted_and_the_run_goes_on() {
+        let failing = Scenario {
+            name: "failing",
+            start: |_| Box::pin(async { bail!("no database") }),
+        };
+        let row = run_one(&failing, Scale::Short).await;
+        assert_eq!((row.tally.violations, row.tally.panics), (1, 0));
+        assert!(
+            row.tally.details[0].contains("no database"),
+            "{:?}",
+            row.tally
+        );
+
+        let panicking = Scenario {
+            name: "panicking",
+            start: |_| Box::pin(async { panic!("boom") }),
+        };
+        let row = run_one(&panicking, Scale::Short).await;
+        assert_eq!((row.tally.violations, row.tally.panics), (0, 1));
+        assert!(!row.tally.is_clean());
+
+        let clean = Scenario {
+            name: "clean",
+            start: |_| {
+                Box::pin(async {
+                    let tally = Tally {
+                        cases: 3,
+                        ..Tally::default()
+                    };
+                    Ok(Finished {
+                        tally,
+                        figures: None,
+                    })
+                })
+            },
+        };
+        let row = run_one(&clean, Scale::Short).await;
+        assert!(row.tally.is_clean() && row.tally.cases == 3);
+    }
+}
