@@ -32,6 +32,8 @@ mod worker;
 
 use clap::Subcommand;
 
+pub use reliability::ProblemsFound;
+
 /// The benchmarks' command line: `locker`, `aggregate`, `worker` or `reliability` with their
 /// flags. Used by this crate's binary and by `lockstep bench`.
 #[derive(clap::Args, Debug)]

@@ -16,5 +16,9 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    lockstep_bench::run(Cli::parse().args).await
+    match lockstep_bench::run(Cli::parse().args).await {
+        // `reliability` already said so, and its tally's line must stay the last one.
+        Err(e) if e.is::<lockstep_bench::ProblemsFound>() => std::process::exit(1),
+        other => other,
+    }
 }

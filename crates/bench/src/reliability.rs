@@ -1,6 +1,7 @@
 //! `reliability`: the long run of issue 8's reliability suite.
 //!
-//! Runs every scenario of [`lockstep_tests::reliability`] (long by default), each in a spawned
+//! Runs every scenario of [`lockstep_tests::reliability`] — `audit`, `faults`, `cancel`,
+//! `bad_input` — (long by default), each in a spawned
 //! task so that a scenario that panics or fails is counted and the run goes on, and prints:
 //!
 //! - one Markdown table row per scenario: cases, violations, lost, duplicated, panics, seconds;
@@ -10,7 +11,8 @@
 //!   `reliability violations=<n> lost=<n> duplicated=<n> panics=<n> cases=<n>`.
 //!
 //! A scenario that returns an error counts as one violation, one that panics as one panic. The
-//! command fails (non-zero exit) unless the merged tally is clean. The scenarios create their
+//! command fails (exit status 1, [`ProblemsFound`], nothing printed after the last line) unless
+//! the merged tally is clean. The scenarios create their
 //! own databases on the test server (`DATABASE_URL`, else the local server; see
 //! `lockstep_testkit::pg_harness`).
 //!
@@ -23,7 +25,7 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use lockstep_tests::reliability::{Scale, Tally, audit};
+use lockstep_tests::reliability::{Scale, Tally, audit, bad_input, cancel, faults};
 
 /// Options of the `reliability` command.
 #[derive(clap::Args, Debug, Clone)]
@@ -66,20 +68,42 @@ struct Scenario {
     start: fn(Scale) -> Running,
 }
 
+/// A scenario that reports a [`Tally`] only.
+macro_rules! tally_only {
+    ($name:literal, $module:ident) => {
+        Scenario {
+            name: $name,
+            start: |scale| {
+                Box::pin(async move {
+                    Ok(Finished {
+                        tally: $module::run(scale).await?,
+                        figures: None,
+                    })
+                })
+            },
+        }
+    };
+}
+
 /// Every scenario, in the order they run.
 fn scenarios() -> Vec<Scenario> {
-    vec![Scenario {
-        name: "audit",
-        start: |scale| {
-            Box::pin(async move {
-                let report = audit::run_report(&audit::AuditConfig::new(scale)).await?;
-                Ok(Finished {
-                    tally: report.tally,
-                    figures: Some(report.stats.to_string()),
+    vec![
+        Scenario {
+            name: "audit",
+            start: |scale| {
+                Box::pin(async move {
+                    let report = audit::run_report(&audit::AuditConfig::new(scale)).await?;
+                    Ok(Finished {
+                        tally: report.tally,
+                        figures: Some(report.stats.to_string()),
+                    })
                 })
-            })
+            },
         },
-    }]
+        tally_only!("faults", faults),
+        tally_only!("cancel", cancel),
+        tally_only!("bad_input", bad_input),
+    ]
 }
 
 fn scenario_names() -> Vec<&'static str> {
@@ -167,12 +191,30 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         }
         merged.merge(row.tally);
     }
-    println!("{merged}");
     if !merged.is_clean() {
-        bail!("the reliability run found problems (see the details above)");
+        // Said before the last line, which must stay last (stdout and stderr alike).
+        eprintln!("reliability: the run found problems (see the details above)");
     }
-    Ok(())
+    println!("{merged}");
+    if merged.is_clean() {
+        Ok(())
+    } else {
+        Err(ProblemsFound.into())
+    }
 }
+
+/// The error of a reliability run that found problems: already reported, so the program only
+/// exits non-zero (see `main.rs`), printing nothing after the tally's line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProblemsFound;
+
+impl std::fmt::Display for ProblemsFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the reliability run found problems")
+    }
+}
+
+impl std::error::Error for ProblemsFound {}
 
 #[cfg(test)]
 mod tests {
