@@ -40,8 +40,10 @@
 //! [`Scale::Long`], where a missing part must not pass silently.
 //!
 //! Short: 2 restarts (fast with no downtime; immediate with a downtime past the lock timeout),
-//! 2 + 2 terminations, 2 stalls. Long: 20 restarts, 20 + 20 terminations, 24 stalls over several
-//! lock-timeout / keepalive ratios and stall phases.
+//! 2 + 2 terminations, 2 stalls (a network stall of a renewed lease at a 3.75:1 lock-timeout /
+//! keepalive ratio, an exhausted pool right after the acquire at the default 3:1 ratio) — about
+//! 17 s. Long: 20 restarts, 20 + 20 terminations, 24 stalls over four ratios and random stall
+//! phases — about 2.5 min.
 
 use std::fmt::Debug;
 use std::net::SocketAddr;
@@ -121,7 +123,7 @@ pub async fn bounded<T: Send + 'static>(limit: Duration, task: JoinHandle<T>) ->
     let abort = task.abort_handle();
     match tokio::time::timeout(limit, task).await {
         Ok(Ok(value)) => Ended::Returned(value),
-        Ok(Err(e)) if e.is_panic() => Ended::Panicked(panic_message(e.into_panic())),
+        Ok(Err(e)) if e.is_panic() => Ended::Panicked(panic_message(&*e.into_panic())),
         // Only `abort` cancels these tasks, and nothing aborts them before the limit.
         Ok(Err(_)) => Ended::Hung(limit),
         Err(_) => {
@@ -131,7 +133,7 @@ pub async fn bounded<T: Send + 'static>(limit: Duration, task: JoinHandle<T>) ->
     }
 }
 
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
@@ -1406,10 +1408,23 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
     let other_pool = pool(&config, "faults-other", 4)?;
     prepare_schema(&other_pool).await?;
     let admin = connect(&config).await?;
-    let rounds: Vec<(Stall, usize, Duration)> = match scale {
+    // (how, which options, keeper started this long before the acquire, stall this long after)
+    let rounds: Vec<(Stall, usize, Duration, Duration)> = match scale {
         Scale::Short => vec![
-            (Stall::Network, 0, Duration::from_millis(900)),
-            (Stall::PoolExhausted, 0, Duration::from_millis(900)),
+            (
+                Stall::Network,
+                0,
+                Duration::ZERO,
+                Duration::from_millis(900),
+            ),
+            // The default 3:1 ratio, stalled before the first renew, the acquire half an
+            // interval into the keepalive's cycle.
+            (
+                Stall::PoolExhausted,
+                1,
+                Duration::from_millis(200),
+                Duration::ZERO,
+            ),
         ],
         Scale::Long => (0..24)
             .map(|i| {
@@ -1418,12 +1433,13 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
                 } else {
                     Stall::PoolExhausted
                 };
-                let settle = Duration::from_millis(rand::random_range(300..1300));
-                (stall, (i / 2) % STALL_OPTIONS.len(), settle)
+                let phase = Duration::from_millis(rand::random_range(0..400));
+                let settle = Duration::from_millis(rand::random_range(0..1300));
+                (stall, (i / 2) % STALL_OPTIONS.len(), phase, settle)
             })
             .collect(),
     };
-    for (round, (kind, which, settle)) in rounds.into_iter().enumerate() {
+    for (round, (kind, which, phase, settle)) in rounds.into_iter().enumerate() {
         let (timeout_ms, keepalive_ms) = STALL_OPTIONS
             .get(which)
             .copied()
@@ -1434,7 +1450,8 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         )?;
         let at = format!(
             "stall {round} ({kind:?}, lock timeout {timeout_ms} ms, keepalive {keepalive_ms} ms, \
-             stalled {} ms after acquiring)",
+             acquired {} ms after the keeper started, stalled {} ms later)",
+            phase.as_millis(),
             settle.as_millis()
         );
         let holder_pool = match kind {
@@ -1448,7 +1465,7 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
             other_pool: other_pool.clone(),
             proxy: &proxy,
         };
-        stall_round(tally, &rig, &admin, &at, kind, settle)
+        stall_round(tally, &rig, &admin, &at, kind, (phase, settle))
             .await
             .with_context(|| at.clone())?;
     }
@@ -1469,10 +1486,12 @@ async fn stall_round(
     admin: &Client,
     at: &str,
     kind: Stall,
-    settle: Duration,
+    (phase, settle): (Duration, Duration),
 ) -> anyhow::Result<()> {
     let stream = new_cursors(admin, 1).await?[0];
     let keeper = LeaseKeeper::start(Arc::new(rig.locker_a.clone()), InstanceId::random());
+    // Where in the keepalive's cycle the lease's local deadline falls.
+    tokio::time::sleep(phase).await;
     let lease = match keeper
         .try_acquire(stream, &perspective()?, &LockReason::Rewind)
         .await?
