@@ -35,6 +35,17 @@
 //! both statements together (Postgres: one round trip instead of two), and the load always
 //! runs after the lock is held, so it sees what the previous holder committed.
 //!
+//! # The last write, with the commit
+//!
+//! [`EventStore::append_at_commit`] is an append that a backend may hold back and send together
+//! with the transaction's `COMMIT` (Postgres: one round trip for both). It is meant for a unit
+//! of work's last write — lock and load, decide, append, commit — and shortens the time a
+//! per-aggregate lock is held by a round trip. Its outcome is the commit's: a conflict is
+//! reported by the commit (a retryable [`ErrorKind::Conflict`], the transaction rolled back),
+//! so [`crate::TransactionSource::transaction_with_retry`] retries it like any other conflict.
+//! A backend that cannot hold it back appends at once (the provided implementation), which is
+//! the same contract with the error reported earlier.
+//!
 //! ```
 //! use lockstep_core::{ExpectedVersion, NewEvent};
 //!
@@ -314,6 +325,30 @@ pub trait EventStore<Tx: ?Sized + Sync>: Send + Sync {
         expected: ExpectedVersion,
         events: &'a [NewEvent],
     ) -> impl Future<Output = Result<u64>> + Send + 'a;
+
+    /// Appends `events` like [`EventStore::append`], as the unit of work's **last write**: the
+    /// backend may hold the append back and send it with the transaction's commit, in one round
+    /// trip (see the module docs). Input that can be checked without the database (an empty
+    /// `events`, an event id listed twice, a version out of range) is refused here with
+    /// [`ErrorKind::InvalidInput`], changing nothing. Everything else — a version conflict
+    /// included — may be reported either here or by the commit, which then rolls the
+    /// transaction back and returns the append's error.
+    ///
+    /// Call it last: a held-back append is not visible to later loads on the same transaction,
+    /// and statements run after it reach the server before it. Rolling back discards it.
+    ///
+    /// The provided implementation appends at once (nothing is held back); a backend that can
+    /// pipeline overrides it, and so must every wrapper, delegating.
+    fn append_at_commit<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &'a [NewEvent],
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let append = self.append(tx, stream_id, expected, events);
+        async move { append.await.map(drop) }
+    }
 }
 
 fn json_contains_nul(value: &serde_json::Value) -> bool {

@@ -405,6 +405,24 @@ impl<Tx: ?Sized + Sync, T: EventStore<Tx>> EventStore<Tx> for Observed<T> {
         let call = self.inner.append(tx, stream_id, expected, events);
         observe("event_store", "append", span, ok, call)
     }
+
+    fn append_at_commit<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &'a [NewEvent],
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "append_at_commit",
+            stream_id = %stream_id,
+            expected = %expected,
+            events = events.len(),
+        );
+        let call = self.inner.append_at_commit(tx, stream_id, expected, events);
+        observe("event_store", "append_at_commit", span, ok, call)
+    }
 }
 
 impl<T: TransactionSource> TransactionSource for Observed<T> {

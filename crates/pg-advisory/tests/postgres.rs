@@ -575,21 +575,31 @@ async fn local_waiters_for_one_key_keep_one_waiting_backend() {
             })
         })
         .collect();
-    // Four waiters have tried and are now queued in process; one waits at the server.
+    // One waits at the server; four are queued in process and sent nothing after their BEGIN
+    // (issue 11: no try statement on a hot key).
     let settled = eventually(Duration::from_secs(10), || async {
-        let tried: i64 = admin
+        let queued: i64 = admin
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND state = 'idle in transaction' \
-                 AND query LIKE '%lockstep_advisory_lock(%p_wait => false%'",
+                 AND state = 'idle in transaction' AND query LIKE 'BEGIN%'",
                 &[],
             )
             .await
             .expect("activity")
             .get(0);
-        tried == 4 && lock_counts(&admin, &key).await.1 == 1
+        queued == 4 && lock_counts(&admin, &key).await.1 == 1
     })
     .await;
+    let tried: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND query LIKE '%p_wait => false%' AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .expect("activity")
+        .get(0);
+    assert_eq!(tried, 0, "no waiter spent a try statement");
     assert!(settled, "one waiting backend, four local waiters");
     assert_eq!(lock_counts(&admin, &key).await, (1, 1));
     holder.commit().await.expect("commit");

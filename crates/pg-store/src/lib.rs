@@ -86,7 +86,7 @@ use lockstep_core::{
     StreamId, VersionConflict,
 };
 use lockstep_pg::internal::{self, check_isolation, kind_of};
-use lockstep_pg::{LockQueue, PgTransaction, PgTransactionRef};
+use lockstep_pg::{LockQueue, PgTransaction, PgTransactionRef, WriteAtCommit};
 use time::OffsetDateTime;
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
@@ -169,6 +169,50 @@ impl PgEventStore {
         expected: ExpectedVersion,
         events: &[NewEvent],
     ) -> Result<u64> {
+        let append = AppendCall::new(stream_id, expected, events)?;
+        append.run(tx.executor()).await
+    }
+
+    /// Appends `events` at `expected` as the transaction's last write
+    /// ([`EventStore::append_at_commit`]): the append is held back
+    /// ([`PgTransaction::write_at_commit`]) and travels with the `COMMIT`, one round trip for
+    /// both. Bad input is refused here; a conflict is returned by [`PgTransaction::commit`]
+    /// (which rolls back).
+    pub fn append_at_commit(
+        &self,
+        tx: &PgTransaction,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<()> {
+        let append = AppendCall::new(stream_id, expected, events)?;
+        tx.write_at_commit(
+            WriteAtCommit::new(APPEND)
+                .bind(stream_id.as_uuid(), Type::UUID)
+                .bind(append.expected_version, Type::INT8)
+                .bind(append.ids, Type::UUID_ARRAY)
+                .bind(append.types, Type::TEXT_ARRAY)
+                .bind(append.payloads, Type::JSONB_ARRAY)
+                .map_error(move |e| append_error(e, stream_id, expected)),
+        );
+        Ok(())
+    }
+}
+
+/// One append, checked and ready to send: owned, so it can be held back until commit.
+struct AppendCall {
+    stream_id: StreamId,
+    expected: ExpectedVersion,
+    expected_version: Option<i64>,
+    ids: Vec<Uuid>,
+    types: Vec<String>,
+    payloads: Vec<serde_json::Value>,
+}
+
+impl AppendCall {
+    /// Checks what can be checked without the database (refused before any SQL, leaving the
+    /// transaction usable).
+    fn new(stream_id: StreamId, expected: ExpectedVersion, events: &[NewEvent]) -> Result<Self> {
         if events.is_empty() {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -185,22 +229,31 @@ impl PgEventStore {
             .transpose()?;
         let ids: Vec<Uuid> = events.iter().map(NewEvent::event_id).collect();
         refuse_repeated_ids(&ids)?;
-        let types: Vec<&str> = events.iter().map(NewEvent::event_type).collect();
-        let payloads: Vec<&serde_json::Value> = events.iter().map(NewEvent::payload).collect();
-        let row = tx
-            .executor()
+        Ok(AppendCall {
+            stream_id,
+            expected,
+            expected_version,
+            ids,
+            types: events.iter().map(|e| e.event_type().to_owned()).collect(),
+            payloads: events.iter().map(|e| e.payload().clone()).collect(),
+        })
+    }
+
+    /// Runs `lockstep_append_events`: one statement, the stream's new version.
+    async fn run<C: GenericClient + Sync + ?Sized>(&self, client: &C) -> Result<u64> {
+        let row = client
             .query_typed_one(
                 APPEND,
                 &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&expected_version, Type::INT8),
-                    (&ids, Type::UUID_ARRAY),
-                    (&types, Type::TEXT_ARRAY),
-                    (&payloads, Type::JSONB_ARRAY),
+                    (&self.stream_id.as_uuid(), Type::UUID),
+                    (&self.expected_version, Type::INT8),
+                    (&self.ids, Type::UUID_ARRAY),
+                    (&self.types, Type::TEXT_ARRAY),
+                    (&self.payloads, Type::JSONB_ARRAY),
                 ],
             )
             .await
-            .map_err(|e| append_error(e, stream_id, expected))?;
+            .map_err(|e| append_error(e, self.stream_id, self.expected))?;
         let version: i64 = row.try_get(0).map_err(decode_error)?;
         u64::try_from(version)
             .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))
@@ -268,6 +321,16 @@ impl EventStore<PgTransaction> for PgEventStore {
         events: &[NewEvent],
     ) -> Result<u64> {
         PgEventStore::append(self, tx, stream_id, expected, events).await
+    }
+
+    async fn append_at_commit(
+        &self,
+        tx: &PgTransaction,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<()> {
+        PgEventStore::append_at_commit(self, tx, stream_id, expected, events)
     }
 }
 

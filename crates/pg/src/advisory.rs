@@ -33,9 +33,11 @@ use crate::transaction::PgTransaction;
 /// the server, so a hot key has one waiting backend per process, not one per waiter. The head
 /// holds its place only while it waits at the server, never while it holds the lock (so a
 /// transaction that never commits cannot wedge the queue). A waiter that finds the queue busy
-/// first tries the lock without waiting (its transaction may already hold it), and waits in
-/// memory at most [`LockQueue::with_local_patience`] before going to the server anyway (the
-/// server's deadlock detector cannot see the in-process queue).
+/// waits in memory, sending nothing, at most [`LockQueue::with_local_patience`] before going to
+/// the server anyway (the server's deadlock detector cannot see the in-process queue). A
+/// transaction that already holds the key (taken through lockstep: the transaction keeps the
+/// list) skips the queue, so re-entry never waits behind a waiter that waits for it — and no
+/// statement is spent finding out (ADR 0009).
 ///
 /// Use one per process and share it (clones share the queue): build the process's
 /// `lockstep_pg_advisory::PostgresDistributedLock` and hand it, or its queue, to
@@ -194,24 +196,22 @@ where
     let slot = queue.local_queue.then(|| queue.queue.slot(advisory));
     let mut permit = None;
     if let Some(slot) = &slot {
-        match slot.mutex().try_lock() {
-            Ok(free) => permit = Some(free),
-            Err(_) => {
-                // Another transaction of this process waits at the server for this key. If
-                // ours already holds it (re-entrant) or it just came free, it is ours now —
-                // and queueing behind that waiter would deadlock unseen.
-                if try_lock_statement(tx, key).await? {
-                    return locking(LockCall {
-                        advisory_key: advisory,
-                        lock_timeout: None,
-                    })
-                    .await;
+        if tx.holds_lock(advisory) {
+            // Re-entrant: the server grants it at once. Queueing behind a local waiter would
+            // deadlock unseen (that waiter may be waiting for this very transaction).
+        } else {
+            match slot.mutex().try_lock() {
+                Ok(free) => permit = Some(free),
+                Err(_) => {
+                    // Another transaction of this process waits at the server for this key:
+                    // wait behind it in memory (no statement of our own meanwhile — on a hot key
+                    // that would cost every writer a round trip), for at most the patience.
+                    let patience_end = deadline_after(queue.local_patience);
+                    let until = deadline.map_or(patience_end, |d| d.min(patience_end));
+                    permit = tokio::time::timeout_at(until, slot.mutex().lock())
+                        .await
+                        .ok();
                 }
-                let patience_end = deadline_after(queue.local_patience);
-                let until = deadline.map_or(patience_end, |d| d.min(patience_end));
-                permit = tokio::time::timeout_at(until, slot.mutex().lock())
-                    .await
-                    .ok();
             }
         }
     }
@@ -232,6 +232,9 @@ where
     .await;
     cancel.disarm();
     discard.disarm();
+    if outcome.is_ok() {
+        tx.note_lock_held(advisory);
+    }
     drop(permit);
     outcome
 }
@@ -264,7 +267,11 @@ pub async fn try_lock_statement(tx: &PgTransaction, key: &ResourceKey) -> Result
         .await
         .map_err(|e| lock_error(e, key, "trying"))?;
     check_isolation(column(&row, 0)?, key)?;
-    column(&row, 1)
+    let acquired = column(&row, 1)?;
+    if acquired {
+        tx.note_lock_held(key.advisory_key());
+    }
+    Ok(acquired)
 }
 
 /// Waits for this process's turn to wait at the server for `advisory`, then runs

@@ -56,7 +56,7 @@ pub use error::{map_error, map_pool_error};
 pub use migrate::migrate;
 pub use pool::{DEFAULT_CHECKOUT_WAIT, checkout};
 pub use source::PgTransactionSource;
-pub use transaction::{PgTransaction, PgTransactionRef};
+pub use transaction::{PgTransaction, PgTransactionRef, WriteAtCommit};
 
 /// Re-exported so users name the same driver versions as the backends.
 pub use deadpool_postgres;

@@ -12,14 +12,25 @@
 //! goes back to whoever lent it), so the waiting contracts are not implemented for one: it
 //! does not compile, rather than relying on every caller to discard the connection by hand.
 //!
+//! **The last write travels with the `COMMIT`.** [`PgTransaction::write_at_commit`] holds a
+//! write back until [`PgTransaction::commit`], which sends it and the `COMMIT` together, in one
+//! round trip (pipelined: tokio-postgres sends both before it reads either reply). A failed
+//! write turns the `COMMIT` into a rollback at the server (a `COMMIT` in a failed transaction
+//! rolls back), so nothing is lost by not waiting for the write's reply first: the commit reports
+//! the write's error and the transaction is over. `lockstep_pg_store::PgEventStore` builds
+//! `EventStore::append_at_commit` on it: for a unit of work under a per-aggregate lock, the lock
+//! is held for one round trip less.
+//!
 //! [`PgTransactionRef`] is the view that statements which never wait for a lock take (event
 //! store load and append, the lease fence), so they also run on a transaction the application
 //! manages itself: a borrowed `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use deadpool_postgres::{Object, Pool};
 use lockstep_core::{Error, ErrorKind, Result};
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient};
 
 use crate::error::map_error;
@@ -54,12 +65,82 @@ impl<'a> PgTransactionRef for deadpool_postgres::Transaction<'a> {
     }
 }
 
+/// A write held back until commit ([`PgTransaction::write_at_commit`]): one statement with its
+/// parameters, sent with [`tokio_postgres::Client::query_typed`] — parse, bind and execute in a
+/// single message, so it is sure to reach the server before the `COMMIT` that follows it (a
+/// statement that needed a prepare round trip first would let the `COMMIT` overtake it and run
+/// outside the transaction; that is why this is a statement and not a closure).
+///
+/// ```
+/// use lockstep_core::{Error, ErrorKind};
+/// use lockstep_pg::WriteAtCommit;
+/// use tokio_postgres::types::Type;
+///
+/// let write = WriteAtCommit::new("UPDATE stock SET reserved = reserved + $1 WHERE sku = $2")
+///     .bind(1_i32, Type::INT4)
+///     .bind(7_i64, Type::INT8)
+///     .map_error(|e| Error::new(ErrorKind::Backend, "reserving stock").with_source(e));
+/// # let _ = write;
+/// ```
+pub struct WriteAtCommit {
+    sql: String,
+    params: Vec<(Box<dyn ToSql + Send + Sync>, Type)>,
+    map_error: Box<dyn FnOnce(tokio_postgres::Error) -> Error + Send + Sync>,
+}
+
+impl std::fmt::Debug for WriteAtCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteAtCommit")
+            .field("sql", &self.sql)
+            .field("params", &self.params.len())
+            .finish()
+    }
+}
+
+impl WriteAtCommit {
+    /// The statement `sql` (`$1`, `$2`, … for the parameters bound next). A server error is
+    /// reported by the commit with the kind of its SQLSTATE unless [`WriteAtCommit::map_error`]
+    /// says otherwise.
+    pub fn new(sql: impl Into<String>) -> WriteAtCommit {
+        WriteAtCommit {
+            sql: sql.into(),
+            params: Vec::new(),
+            map_error: Box::new(|e| map_error(e, "running a write held back until commit")),
+        }
+    }
+
+    /// Binds the next parameter, with its type (no prepare round trip is spent to learn it).
+    #[must_use]
+    pub fn bind<T: ToSql + Send + Sync + 'static>(mut self, value: T, ty: Type) -> Self {
+        self.params.push((Box::new(value), ty));
+        self
+    }
+
+    /// How a server error of the statement becomes the commit's error (e.g. a unique violation
+    /// that means a version conflict). A lost connection is never passed here: it is the
+    /// commit's [`ErrorKind::CommitUnknown`].
+    #[must_use]
+    pub fn map_error(
+        mut self,
+        f: impl FnOnce(tokio_postgres::Error) -> Error + Send + Sync + 'static,
+    ) -> Self {
+        self.map_error = Box::new(f);
+        self
+    }
+}
+
 /// An owned READ COMMITTED transaction on a pooled connection.
 pub struct PgTransaction {
     // `None` once committed or rolled back.
     conn: Option<Object>,
     // Set when a cancel request may still arrive for this connection: close it at the end.
     discard: AtomicBool,
+    // Writes held back until commit, in the order given.
+    at_commit: Mutex<Vec<WriteAtCommit>>,
+    // Advisory keys this transaction took through lockstep (the in-process queue must not make
+    // a transaction wait behind a waiter that waits for it). Only ever grows: a lock released by
+    // rolling back to a savepoint is still listed, which costs the queue, never correctness.
+    held_keys: Mutex<Vec<i64>>,
 }
 
 impl std::fmt::Debug for PgTransaction {
@@ -99,6 +180,8 @@ impl PgTransaction {
         Ok(PgTransaction {
             conn: Some(conn),
             discard: AtomicBool::new(false),
+            at_commit: Mutex::new(Vec::new()),
+            held_keys: Mutex::new(Vec::new()),
         })
     }
 
@@ -112,9 +195,44 @@ impl PgTransaction {
         }
     }
 
+    /// Holds `write` back until [`PgTransaction::commit`], which sends it together with the
+    /// `COMMIT`, in one round trip (several such writes go in the order given, all in that one
+    /// trip). Meant for a unit of work's **last** write: statements run on the transaction after
+    /// this call run *before* the write, and do not see it.
+    ///
+    /// The write's outcome is the commit's: if it fails, the server rolls the transaction back
+    /// (a `COMMIT` in a failed transaction rolls back) and `commit` returns the write's error —
+    /// a version conflict stays a retryable [`ErrorKind::Conflict`]. A rollback or a drop
+    /// discards held-back writes unsent.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
+    /// use lockstep_pg::{PgTransaction, WriteAtCommit};
+    /// use tokio_postgres::types::Type;
+    ///
+    /// let tx = PgTransaction::begin(&pool).await?;
+    /// // … lock, load, decide …
+    /// tx.write_at_commit(
+    ///     WriteAtCommit::new("UPDATE stock SET reserved = reserved + 1 WHERE sku = $1")
+    ///         .bind(7_i64, Type::INT8),
+    /// );
+    /// tx.commit().await?; // the UPDATE and the COMMIT in one round trip
+    /// # Ok(()) }
+    /// ```
+    pub fn write_at_commit(&self, write: WriteAtCommit) {
+        lock(&self.at_commit).push(write);
+    }
+
+    /// How many writes are held back until commit.
+    pub fn writes_at_commit(&self) -> usize {
+        lock(&self.at_commit).len()
+    }
+
     /// Commits. Transaction-scoped locks are released by the server. A transaction that had
     /// failed is rolled back by the server instead, reported as
-    /// [`ErrorKind::TransactionAborted`].
+    /// [`ErrorKind::TransactionAborted`]. Writes held back by
+    /// [`PgTransaction::write_at_commit`] are sent first, in the same round trip as the
+    /// `COMMIT`; if one fails, the transaction is rolled back and its error returned.
     ///
     /// If the connection is lost while the `COMMIT` is in flight, nobody can say whether the
     /// server committed (it may have, and only the reply was lost): that is
@@ -123,10 +241,14 @@ impl PgTransaction {
     /// event id, so re-appending the same events is safe). A connection already known to be
     /// lost before the `COMMIT` was sent is [`ErrorKind::ConnectionLost`] (retryable: the
     /// server rolled the transaction back).
+    ///
+    /// Cancel-safe: dropped while the `COMMIT` is in flight, the connection is closed, never
+    /// pooled (its transaction may still be open, aborted).
     pub async fn commit(mut self) -> Result<()> {
         let Some(conn) = self.conn.take() else {
             return Ok(());
         };
+        let writes = std::mem::take(&mut *lock(&self.at_commit));
         if conn.is_closed() {
             // Nothing was sent: the server ended the transaction with the connection.
             let _ = Object::take(conn);
@@ -136,32 +258,31 @@ impl PgTransaction {
                  was rolled back by the server",
             ));
         }
+        let conn = DetachOnDrop(Some(conn));
+        if writes.is_empty() {
+            self.commit_alone(conn).await
+        } else {
+            self.commit_with(conn, writes).await
+        }
+    }
+
+    async fn commit_alone(&self, mut conn: DetachOnDrop) -> Result<()> {
         // COMMIT of a failed transaction "succeeds" (the server answers ROLLBACK), so probe
         // first in the same round trip: in a failed transaction `SELECT 1` errors with 25P02
         // and the rest of the batch, COMMIT included, is skipped.
-        match conn.batch_execute("SELECT 1; COMMIT").await {
+        match conn.client().batch_execute("SELECT 1; COMMIT").await {
             Ok(()) => {
-                self.release(conn);
+                self.release(conn.disarm());
                 Ok(())
             }
             Err(e) => {
                 let kind = crate::error::kind_of(&e);
                 if kind == ErrorKind::ConnectionLost {
                     // The COMMIT went out (or may have) and no answer came back.
-                    let _ = Object::take(conn);
-                    return Err(Error::new(
-                        ErrorKind::CommitUnknown,
-                        "the connection was lost while COMMIT was in flight: the transaction \
-                         may or may not have committed",
-                    )
-                    .with_source(e));
+                    return Err(commit_unknown(e));
                 }
                 // Never pool a connection still inside a transaction.
-                if conn.batch_execute("ROLLBACK").await.is_err() {
-                    let _ = Object::take(conn);
-                } else {
-                    self.release(conn);
-                }
+                self.roll_back_and_release(conn).await;
                 if kind == ErrorKind::TransactionAborted {
                     Err(Error::new(
                         ErrorKind::TransactionAborted,
@@ -173,6 +294,89 @@ impl PgTransaction {
                 }
             }
         }
+    }
+
+    /// The held-back writes and the `COMMIT`, pipelined. No probe is needed: a write that
+    /// succeeds proves the transaction had not failed before it (in a failed transaction every
+    /// statement errors with 25P02), and a write that fails makes the `COMMIT` a rollback.
+    async fn commit_with(&self, mut conn: DetachOnDrop, writes: Vec<WriteAtCommit>) -> Result<()> {
+        let client = conn.client();
+        // `join_all` and `join` poll in order, and `query_typed` hands its whole statement to
+        // the connection on its first poll: the writes reach the server before the COMMIT, all
+        // before any reply is awaited — one round trip.
+        let params: Vec<Vec<(&(dyn ToSql + Sync), Type)>> = writes
+            .iter()
+            .map(|write| {
+                write
+                    .params
+                    .iter()
+                    .map(|(value, ty)| (&**value as &(dyn ToSql + Sync), ty.clone()))
+                    .collect()
+            })
+            .collect();
+        let sent: Vec<_> = writes
+            .iter()
+            .zip(&params)
+            .map(|(write, params)| client.query_typed(&write.sql, params))
+            .collect();
+        let (outcomes, commit) = futures_util::future::join(
+            futures_util::future::join_all(sent),
+            client.batch_execute("COMMIT"),
+        )
+        .await;
+        // The first failed write's error, in its caller's terms (a lost connection stays one).
+        let failed = outcomes
+            .into_iter()
+            .zip(writes)
+            .find_map(|(outcome, write)| outcome.err().map(|e| (e, write.map_error)))
+            .map(|(e, map)| {
+                if crate::error::kind_of(&e) == ErrorKind::ConnectionLost {
+                    map_error(e, "running a write held back until commit")
+                } else {
+                    map(e)
+                }
+            });
+        match (failed, commit) {
+            (None, Ok(())) => {
+                self.release(conn.disarm());
+                Ok(())
+            }
+            // A write failed at the server: the COMMIT rolled the transaction back.
+            (Some(write_error), Ok(())) => {
+                self.release(conn.disarm());
+                Err(write_error)
+            }
+            (failed, Err(e)) => {
+                let kind = crate::error::kind_of(&e);
+                match failed {
+                    // The server refused a write, so whatever became of the COMMIT it could not
+                    // commit: the outcome is known even if the connection then went.
+                    Some(write_error) if write_error.kind() != ErrorKind::ConnectionLost => {
+                        if kind != ErrorKind::ConnectionLost {
+                            self.roll_back_and_release(conn).await;
+                        }
+                        Err(write_error)
+                    }
+                    _ if kind == ErrorKind::ConnectionLost => Err(commit_unknown(e)),
+                    _ => {
+                        // The COMMIT itself failed at the server (a deferred constraint, a
+                        // serialization failure): the transaction is over; make sure before
+                        // pooling the connection.
+                        self.roll_back_and_release(conn).await;
+                        Err(map_error(e, "committing"))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends `ROLLBACK` (harmless when no transaction is open) and pools the connection, or
+    /// closes it if that fails.
+    async fn roll_back_and_release(&self, mut conn: DetachOnDrop) {
+        if conn.client().batch_execute("ROLLBACK").await.is_ok() {
+            self.release(conn.disarm());
+        }
+        // Otherwise the guard closes the connection.
     }
 
     /// Rolls back. Transaction-scoped locks are released by the server. A connection that
@@ -217,6 +421,19 @@ impl Drop for PgTransaction {
 }
 
 impl PgTransaction {
+    /// Records that this transaction holds the advisory lock `key` (taken through lockstep).
+    pub(crate) fn note_lock_held(&self, key: i64) {
+        let mut held = lock(&self.held_keys);
+        if !held.contains(&key) {
+            held.push(key);
+        }
+    }
+
+    /// Whether this transaction took the advisory lock `key` through lockstep.
+    pub(crate) fn holds_lock(&self, key: i64) -> bool {
+        lock(&self.held_keys).contains(&key)
+    }
+
     /// Called when a lock wait on this transaction was abandoned and a cancel request for its
     /// connection may still be in flight: the connection is closed when the transaction ends
     /// instead of being returned to the pool.
@@ -230,5 +447,48 @@ impl PgTransactionRef for PgTransaction {
 
     fn executor(&self) -> &Client {
         self.client()
+    }
+}
+
+/// Locks `mutex`; a panic elsewhere while it was held leaves plain data behind, still usable.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The error of a `COMMIT` whose reply never came: it may or may not have committed.
+fn commit_unknown(e: tokio_postgres::Error) -> Error {
+    Error::new(
+        ErrorKind::CommitUnknown,
+        "the connection was lost while COMMIT was in flight: the transaction may or may not \
+         have committed",
+    )
+    .with_source(e)
+}
+
+/// A connection being committed: closed, never pooled, if the commit is dropped mid-flight
+/// (its transaction may still be open) or ends in an unknown state.
+struct DetachOnDrop(Option<Object>);
+
+impl DetachOnDrop {
+    fn client(&self) -> &Client {
+        match &self.0 {
+            Some(conn) => conn,
+            None => unreachable!("DetachOnDrop used after disarm"),
+        }
+    }
+
+    fn disarm(&mut self) -> Object {
+        match self.0.take() {
+            Some(conn) => conn,
+            None => unreachable!("DetachOnDrop disarmed twice"),
+        }
+    }
+}
+
+impl Drop for DetachOnDrop {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            let _ = Object::take(conn);
+        }
     }
 }

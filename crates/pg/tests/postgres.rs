@@ -436,3 +436,162 @@ async fn a_connection_that_failed_with_a_lost_connection_is_not_pooled_again() {
     assert!(lockstep_pg::pool::return_or_discard(next, None));
     assert_eq!(pool.status().size, 1, "a healthy one is pooled");
 }
+
+/// A write held back with `write_at_commit` until a pipelined commit.
+fn insert_at_commit(x: i32) -> lockstep_pg::WriteAtCommit {
+    lockstep_pg::WriteAtCommit::new("INSERT INTO t VALUES ($1)")
+        .bind(x, tokio_postgres::types::Type::INT4)
+        .map_error(|e| lockstep_core::Error::new(ErrorKind::Conflict, "inserting").with_source(e))
+}
+
+/// Issue 11: writes held back until commit are stored by it, in order; one that fails rolls the
+/// whole transaction back, the commit returns its error, and the connection goes back to the
+/// pool outside any transaction.
+#[tokio::test]
+async fn writes_held_back_until_commit_are_stored_by_it_or_roll_everything_back() {
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client()
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .expect("insert");
+    tx.write_at_commit(insert_at_commit(2));
+    tx.write_at_commit(insert_at_commit(3));
+    assert_eq!(tx.writes_at_commit(), 2);
+    let seen: i64 = setup
+        .query_one("SELECT count(*) FROM t", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(seen, 0, "nothing is sent before the commit");
+    tx.commit().await.expect("commit");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let pid: i32 = tx
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    tx.client()
+        .execute("INSERT INTO t VALUES (4)", &[])
+        .await
+        .expect("insert");
+    tx.write_at_commit(insert_at_commit(2)); // a duplicate: fails at the server
+    tx.write_at_commit(insert_at_commit(5));
+    let err = tx.commit().await.expect_err("the held-back write failed");
+    assert_eq!(
+        err.kind(),
+        ErrorKind::Conflict,
+        "the write's own error: {err}"
+    );
+
+    let xs: Vec<i32> = setup
+        .query("SELECT x FROM t ORDER BY x", &[])
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(xs, vec![1, 2, 3], "the failed transaction kept nothing");
+    // The same connection, pooled again, is outside any transaction.
+    let state: String = setup
+        .query_one("SELECT state FROM pg_stat_activity WHERE pid = $1", &[&pid])
+        .await
+        .expect("state")
+        .get(0);
+    assert_eq!(state, "idle", "not inside a transaction");
+    let conn = pool.get().await.expect("connection");
+    let again: i32 = conn
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    assert_eq!(again, pid, "the clean connection was pooled again");
+
+    // A rollback discards held-back writes unsent.
+    drop(conn);
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.write_at_commit(insert_at_commit(9));
+    tx.rollback().await.expect("rollback");
+    let nine: i64 = setup
+        .query_one("SELECT count(*) FROM t WHERE x = 9", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(nine, 0);
+}
+
+/// Issue 11: a lost reply to a pipelined write + COMMIT is `CommitUnknown` (the server may have
+/// committed both), never a retryable error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_reply_to_a_pipelined_commit_is_commit_unknown() {
+    let db = test_database().await;
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+    let relay = CommitReplyDropper::start(upstream(&db)).await;
+    let pool = pool_through(&db, relay.port);
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.write_at_commit(insert_at_commit(1));
+    relay.arm();
+    let err = tx.commit().await.expect_err("the reply was lost");
+    assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
+    assert!(!err.is_retryable());
+    let tx = PgTransaction::begin(&pool)
+        .await
+        .expect("the pool recovers");
+    tx.rollback().await.expect("rollback");
+}
+
+/// Issue 11 (cancel safety): a commit dropped while its pipelined write runs closes the
+/// connection instead of pooling it mid-transaction.
+#[tokio::test]
+async fn a_commit_dropped_in_flight_never_pools_its_connection() {
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let pid: i32 = tx
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    tx.client()
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .expect("insert");
+    tx.write_at_commit(lockstep_pg::WriteAtCommit::new("SELECT pg_sleep(2)"));
+    let dropped = tokio::time::timeout(std::time::Duration::from_millis(200), tx.commit()).await;
+    assert!(dropped.is_err(), "the commit was still in flight");
+
+    let conn = pool.get().await.expect("connection");
+    let now: i32 = conn
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    assert_ne!(
+        now, pid,
+        "the connection of the dropped commit was not pooled"
+    );
+    // Its COMMIT was sent: like a lost reply, whether it committed is unknown (the server
+    // decides once the held-back write ends). Either way the transaction is whole: the row
+    // inserted before the commit is there exactly when the commit went through.
+}

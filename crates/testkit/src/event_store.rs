@@ -325,6 +325,30 @@ impl InMemoryEventStore {
     }
 }
 
+impl InMemoryEventStore {
+    /// What an append refuses before any statement, as lockstep-pg-store does (the
+    /// transaction stays usable): no events, an event id listed twice.
+    fn check_input(events: &[NewEvent]) -> Result<()> {
+        if events.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "an append needs at least one event",
+            ));
+        }
+        let mut ids = HashSet::with_capacity(events.len());
+        if let Some(repeated) = events.iter().find(|e| !ids.insert(e.event_id())) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "an append lists event {} more than once",
+                    repeated.event_id()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl EventStore<FakeTransaction> for InMemoryEventStore {
     async fn load(&self, tx: &FakeTransaction, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
         self.check(tx)?;
@@ -354,27 +378,35 @@ impl EventStore<FakeTransaction> for InMemoryEventStore {
         events: &[NewEvent],
     ) -> Result<u64> {
         self.check(tx)?;
-        if events.is_empty() {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "an append needs at least one event",
-            ));
-        }
-        let mut ids = HashSet::with_capacity(events.len());
-        if let Some(repeated) = events.iter().find(|e| !ids.insert(e.event_id())) {
-            // Refused before any statement, as lockstep-pg-store does: the transaction stays
-            // usable.
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "an append lists event {} more than once",
-                    repeated.event_id()
-                ),
-            ));
-        }
+        Self::check_input(events)?;
         self.join(tx);
         // A failed or abandoned append is a failed statement: it aborts the transaction.
         tx.statement(self.append_inner(tx, stream_id, expected, events))
             .await
+    }
+
+    /// Held back until commit ([`FakeTransaction::write_at_commit`]), like the Postgres store:
+    /// bad input is refused here, a conflict is returned by the commit.
+    async fn append_at_commit(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<()> {
+        self.check(tx)?;
+        Self::check_input(events)?;
+        let store = self.clone();
+        let events = events.to_vec();
+        tx.write_at_commit(Box::new(move |tx| {
+            Box::pin(async move {
+                store.join(tx);
+                store
+                    .append_inner(tx, stream_id, expected, &events)
+                    .await
+                    .map(drop)
+            })
+        }));
+        Ok(())
     }
 }

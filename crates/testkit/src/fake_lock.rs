@@ -84,6 +84,15 @@ pub enum TxEnd {
 
 type EndHook = Box<dyn FnOnce(TxEnd) + Send>;
 
+/// A write held back until commit on a [`FakeTransaction`]
+/// ([`FakeTransaction::write_at_commit`]): given the transaction, it runs the write.
+pub type FakeWriteAtCommit = Box<
+    dyn for<'t> FnOnce(
+            &'t FakeTransaction,
+        ) -> std::pin::Pin<Box<dyn Future<Output = Result<()>> + Send + 't>>
+        + Send,
+>;
+
 #[derive(Default)]
 struct LockTable {
     /// Held keys: owner and re-entrancy depth.
@@ -212,6 +221,7 @@ impl FakeDatabase {
             state: Mutex::new(TxState {
                 status: TxStatus::Open,
                 hooks: Vec::new(),
+                at_commit: Vec::new(),
             }),
         }
     }
@@ -399,6 +409,7 @@ enum TxStatus {
 struct TxState {
     status: TxStatus,
     hooks: Vec<EndHook>,
+    at_commit: Vec<FakeWriteAtCommit>,
 }
 
 /// A fake unit-of-work transaction. Locks taken on it are released when it ends: by
@@ -484,10 +495,30 @@ impl FakeTransaction {
         self.state().hooks.push(Box::new(hook));
     }
 
-    /// Commits: releases every lock and runs the end hooks with [`TxEnd::Committed`]. An aborted
-    /// transaction is rolled back instead and the commit fails with
-    /// [`ErrorKind::TransactionAborted`].
+    /// Holds `write` back until [`FakeTransaction::commit`], which runs it (in the order given)
+    /// before committing; if it fails, the transaction is rolled back and the commit returns its
+    /// error — as `lockstep_pg::PgTransaction::write_at_commit` sends the write with the
+    /// `COMMIT`. A rollback or a drop discards it.
+    pub fn write_at_commit(&self, write: FakeWriteAtCommit) {
+        self.state().at_commit.push(write);
+    }
+
+    /// Commits: runs the writes held back by [`FakeTransaction::write_at_commit`], releases
+    /// every lock and runs the end hooks with [`TxEnd::Committed`]. An aborted transaction is
+    /// rolled back instead and the commit fails with [`ErrorKind::TransactionAborted`]; a
+    /// held-back write that fails rolls the transaction back and the commit returns its error.
     pub async fn commit(self) -> Result<()> {
+        let writes = std::mem::take(&mut self.state().at_commit);
+        if self.state().status == TxStatus::Open {
+            for write in writes {
+                // A failed write is a failed statement (it aborts the transaction), and a
+                // COMMIT of a failed transaction rolls back.
+                if let Err(e) = self.statement(write(&self)).await {
+                    self.end(TxEnd::RolledBack);
+                    return Err(e);
+                }
+            }
+        }
         let aborted = self.state().status == TxStatus::Aborted;
         if aborted {
             self.end(TxEnd::RolledBack);

@@ -628,4 +628,31 @@ where
             None => self.inner.append(tx, stream_id, expected, events).await,
         }
     }
+
+    /// Injected append failures apply here too, reported at once (as by a backend that cannot
+    /// hold the append back until commit).
+    async fn append_at_commit(
+        &self,
+        tx: &Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<()> {
+        self.faults.controls.delay().await;
+        match self
+            .faults
+            .controls
+            .with(|f| take_kind(&mut f.fail_appends))
+        {
+            Some(ErrorKind::Conflict) => Err(VersionConflict::new(stream_id, expected, None)
+                .with_source(injected(ErrorKind::Conflict, "append_at_commit"))
+                .into_error()),
+            Some(kind) => Err(injected(kind, "append_at_commit")),
+            None => {
+                self.inner
+                    .append_at_commit(tx, stream_id, expected, events)
+                    .await
+            }
+        }
+    }
 }

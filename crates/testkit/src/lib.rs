@@ -57,7 +57,7 @@ pub mod stream_locker;
 pub use event_store::InMemoryEventStore;
 pub use fake_lock::{
     FakeDatabase, FakeDistributedLock, FakeSessionGuard, FakeSessionLocks, FakeTransaction,
-    LockOwner, TxEnd,
+    FakeWriteAtCommit, LockOwner, TxEnd,
 };
 pub use faults::{
     DistributedLockFaults, EventStoreFaults, FaultyDistributedLock, FaultyEventStore,

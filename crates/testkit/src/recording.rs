@@ -441,6 +441,18 @@ pub enum EventStoreCall {
         /// What came back.
         outcome: Outcome<u64>,
     },
+    /// `append_at_commit`: `Ok(())` means held back (or appended at once, by a backend that
+    /// cannot hold it back); whether it was stored is the commit's outcome.
+    AppendAtCommit {
+        /// Stream appended to.
+        stream_id: StreamId,
+        /// Version expected.
+        expected: ExpectedVersion,
+        /// Types of the events, in order.
+        event_types: Vec<String>,
+        /// What came back.
+        outcome: Outcome<()>,
+    },
 }
 
 impl EventStoreCall {
@@ -449,16 +461,19 @@ impl EventStoreCall {
         match self {
             EventStoreCall::Load { stream_id, .. }
             | EventStoreCall::LoadLocked { stream_id, .. }
-            | EventStoreCall::Append { stream_id, .. } => *stream_id,
+            | EventStoreCall::Append { stream_id, .. }
+            | EventStoreCall::AppendAtCommit { stream_id, .. } => *stream_id,
         }
     }
 
-    /// What came back.
+    /// What came back (for `append_at_commit`, whose version is known only at commit, `Ok(0)`
+    /// when it was accepted).
     pub fn outcome(&self) -> Outcome<u64> {
         match self {
             EventStoreCall::Load { outcome, .. }
             | EventStoreCall::LoadLocked { outcome, .. }
             | EventStoreCall::Append { outcome, .. } => *outcome,
+            EventStoreCall::AppendAtCommit { outcome, .. } => outcome.map(|()| 0),
         }
     }
 }
@@ -489,7 +504,7 @@ impl<S> RecordingEventStore<S> {
         lock(&self.calls).clone()
     }
 
-    /// Every `append`, successful or not, in order.
+    /// Every `append` (not `append_at_commit`), successful or not, in order.
     pub fn appends(&self) -> Vec<EventStoreCall> {
         lock(&self.calls)
             .iter()
@@ -572,6 +587,26 @@ where
     ) -> Result<u64> {
         let result = self.inner.append(tx, stream_id, expected, events).await;
         self.record(EventStoreCall::Append {
+            stream_id,
+            expected,
+            event_types: events.iter().map(|e| e.event_type().to_owned()).collect(),
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    async fn append_at_commit(
+        &self,
+        tx: &Tx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<()> {
+        let result = self
+            .inner
+            .append_at_commit(tx, stream_id, expected, events)
+            .await;
+        self.record(EventStoreCall::AppendAtCommit {
             stream_id,
             expected,
             event_types: events.iter().map(|e| e.event_type().to_owned()).collect(),

@@ -1,6 +1,6 @@
 //! The event-store conformance suite: versions, expected-version checks, transaction
 //! visibility, concurrent appends of one version, aborted transactions, idempotent appends by
-//! event id, lock-first loads.
+//! event id, lock-first loads, the last append held back until commit (`append_at_commit`).
 //!
 //! Every case uses fresh stream ids and lock keys, so the suite can run against a shared
 //! database. No case asserts on timing: a concurrent writer is spawned and the suite waits for
@@ -591,6 +591,184 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
     assert_eq!(v, 2);
 }
 
+/// `append_at_commit` stores its events when the transaction commits, at the next versions,
+/// visible to others only after the commit; a rollback discards it.
+pub async fn append_at_commit_is_stored_by_the_commit<F: EventStoreFixture>(fixture: Arc<F>) {
+    let stream = StreamId::new_v7();
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event("A", 1)])
+        .await
+        .expect("append");
+    let last = [event("B", 2), event("B", 3)];
+    fixture
+        .store()
+        .append_at_commit(&tx, stream, ExpectedVersion::Exact(1), &last)
+        .await
+        .expect("accepted");
+    assert!(
+        committed_versions(&*fixture, stream).await.is_empty(),
+        "nothing is visible before the commit"
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    let tx = begin(fixture.source()).await;
+    let events = fixture.store().load(&tx, stream).await.expect("load");
+    rollback(fixture.source(), tx).await;
+    let seen: Vec<_> = events.iter().map(|e| (e.version, e.event_id)).collect();
+    assert_eq!(
+        seen,
+        [
+            (1, events[0].event_id),
+            (2, last[0].event_id()),
+            (3, last[1].event_id())
+        ]
+    );
+
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .append_at_commit(&tx, stream, ExpectedVersion::Exact(3), &[event("C", 4)])
+        .await
+        .expect("accepted");
+    rollback(fixture.source(), tx).await;
+    assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
+}
+
+/// A stale expectation in `append_at_commit` is a retryable conflict — returned by the call or
+/// by the commit — and the transaction is rolled back: nothing it wrote is stored and its
+/// locks are released.
+pub async fn a_conflicting_append_at_commit_rolls_the_transaction_back<F: EventStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let stream = StreamId::new_v7();
+    let other = StreamId::new_v7();
+    let key = fresh_key();
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event("A", 1)])
+        .await
+        .expect("append");
+    commit(fixture.source(), tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .load_locked(&tx, stream, &key, None)
+        .await
+        .expect("lock and load");
+    fixture
+        .store()
+        .append(&tx, other, ExpectedVersion::NoStream, &[event("O", 1)])
+        .await
+        .expect("an earlier write of the same transaction");
+    let stale = fixture
+        .store()
+        .append_at_commit(&tx, stream, ExpectedVersion::NoStream, &[event("B", 2)])
+        .await;
+    let err = match stale {
+        Err(err) => {
+            let _ = commit(fixture.source(), tx).await;
+            err
+        }
+        Ok(()) => commit(fixture.source(), tx)
+            .await
+            .expect_err("the commit reports the conflict"),
+    };
+    assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
+    assert!(err.is_retryable());
+    assert_eq!(version_conflict(&err).map(|c| c.stream_id()), Some(stream));
+    assert_eq!(committed_versions(&*fixture, stream).await, [1]);
+    assert!(
+        committed_versions(&*fixture, other).await.is_empty(),
+        "the earlier write was rolled back with it"
+    );
+    // The lock went with the transaction.
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .load_locked(&tx, stream, &key, Some(Duration::from_secs(5)))
+        .await
+        .expect("the key is free again");
+    rollback(fixture.source(), tx).await;
+}
+
+/// Bad input is refused by `append_at_commit` itself, with nothing held back: the transaction
+/// stays usable and commits what else it wrote.
+pub async fn append_at_commit_refuses_bad_input_at_once<F: EventStoreFixture>(fixture: Arc<F>) {
+    let stream = StreamId::new_v7();
+    let tx = begin(fixture.source()).await;
+    let err = fixture
+        .store()
+        .append_at_commit(&tx, stream, ExpectedVersion::NoStream, &[])
+        .await
+        .expect_err("empty");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    let twice = event("A", 1);
+    let err = fixture
+        .store()
+        .append_at_commit(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[twice.clone(), twice],
+        )
+        .await
+        .expect_err("an id listed twice");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event("B", 1)])
+        .await
+        .expect("the transaction is still usable");
+    commit(fixture.source(), tx).await.expect("commit");
+    assert_eq!(committed_versions(&*fixture, stream).await, [1]);
+}
+
+/// A unit of work whose `append_at_commit` conflicts is retried by
+/// `transaction_with_retry` like any conflict, and its retry commits.
+pub async fn a_unit_of_work_retries_a_conflicting_append_at_commit<F: EventStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let stream = StreamId::new_v7();
+    let attempts = std::sync::atomic::AtomicU32::new(0);
+    let policy = lockstep_core::RetryPolicy::new(
+        std::num::NonZeroU32::new(3).expect("3"),
+        Duration::from_millis(1),
+        Duration::from_millis(2),
+    );
+    let fx: &F = &fixture;
+    let store = fx.store();
+    let attempts_ref = &attempts;
+    fx.source()
+        .transaction_with_retry(&policy, tokio::time::sleep, |tx| async move {
+            let attempt = attempts_ref.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let seen = store.load(&tx, stream).await?.len() as u64;
+            if attempt == 0 {
+                // Another writer gets there first, after our load.
+                let source = fx.source();
+                let other = source.begin().await?;
+                store
+                    .append(
+                        &other,
+                        stream,
+                        ExpectedVersion::Exact(seen),
+                        &[event("X", 0)],
+                    )
+                    .await?;
+                source.commit(other).await?;
+            }
+            store
+                .append_at_commit(&tx, stream, ExpectedVersion::Exact(seen), &[event("Y", 1)])
+                .await
+        })
+        .await
+        .expect("the retry commits");
+    assert_eq!(attempts.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(committed_versions(&*fixture, stream).await, [1, 2]);
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`event_store_conformance!`](crate::event_store_conformance): a test per case.
 pub async fn run_all<F: EventStoreFixture>(fixture: Arc<F>) {
@@ -613,6 +791,10 @@ macro_rules! __lockstep_event_store_cases {
             streams_are_independent,
             concurrent_appends_of_one_version_let_exactly_one_commit,
             load_locked_waits_for_the_holder_and_sees_its_commit,
+            append_at_commit_is_stored_by_the_commit,
+            a_conflicting_append_at_commit_rolls_the_transaction_back,
+            append_at_commit_refuses_bad_input_at_once,
+            a_unit_of_work_retries_a_conflicting_append_at_commit,
         ] }
     };
 }
