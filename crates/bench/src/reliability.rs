@@ -1,8 +1,8 @@
 //! `reliability`: the long run of issue 8's reliability suite.
 //!
-//! Runs every scenario of [`lockstep_tests::reliability`] — `audit`, `faults`, `cancel`,
-//! `bad_input` — (long by default), each in a spawned
-//! task so that a scenario that panics or fails is counted and the run goes on, and prints:
+//! Runs every scenario of [`lockstep_tests::reliability`] (`audit`, `faults`, `cancel`,
+//! `bad_input`, `model`), long by default, each in a spawned task so that a scenario that
+//! panics or fails is counted and the run goes on, and prints:
 //!
 //! - one Markdown table row per scenario: cases, violations, lost, duplicated, panics, seconds;
 //! - the details of every failure, and a scenario's own figures when it has some (the audit's
@@ -25,7 +25,7 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use lockstep_tests::reliability::{Scale, Tally, audit, bad_input, cancel, faults};
+use lockstep_tests::reliability::{Scale, Tally, audit, bad_input, cancel, faults, model};
 
 /// Options of the `reliability` command.
 #[derive(clap::Args, Debug, Clone)]
@@ -103,6 +103,7 @@ fn scenarios() -> Vec<Scenario> {
         tally_only!("faults", faults),
         tally_only!("cancel", cancel),
         tally_only!("bad_input", bad_input),
+        tally_only!("model", model),
     ]
 }
 
