@@ -1,14 +1,22 @@
 //! `aggregate`: the pessimistic per-aggregate write lock against the optimistic default, on the
-//! Postgres event store.
+//! Postgres event store, with the floor and a pgbench peer for the hot case.
 //!
 //! Every command is one unit of work on an owned READ COMMITTED transaction: begin, (lock,)
-//! load the stream, decide (fold the events), append one event with the expected version,
-//! hold `--hold-ms` of simulated work inside the transaction, commit.
+//! load the stream, decide — fold the events and hold `--hold-ms` of simulated work — then
+//! append one event with the expected version **together with the COMMIT**
+//! (`EventStore::append_at_commit`: one round trip for both).
 //!
-//! - **optimistic**: load, append; a conflict (`23505`) rolls back and retries the whole unit
-//!   of work with `lockstep_core::RetryPolicy` (exponential backoff, full jitter).
-//! - **pessimistic**: `EventStore::load_locked` — the advisory lock pipelined with the load
-//!   (one round trip), then the same append. Conflicts should not happen; they are counted.
+//! - **optimistic**: load, decide, append + commit; a conflict (`23505`, reported by the
+//!   commit) rolls back and retries the whole unit of work with `lockstep_core::RetryPolicy`
+//!   (exponential backoff, full jitter).
+//! - **pessimistic**: `EventStore::load_locked` — the advisory lock and the load in one
+//!   statement — then the same decide and append + commit. Conflicts should not happen; they
+//!   are counted.
+//!
+//! **The hold is honest**: a blocking-pool thread sleeps it (`std::thread::sleep`, the
+//! kernel's high-resolution timer) instead of tokio's millisecond timer wheel, on which a 1 ms
+//! sleep lasts 1–2 ms. Both modes use the same mechanism, and the actual hold of every command
+//! is measured (column *hold ms*, line `hold_ms_mean`).
 //!
 //! Streams start with `--seed-events` events. **hot**: every writer on one stream; **cold**:
 //! each writer on its own stream. Each scenario runs until `--commits` commands have committed
@@ -23,9 +31,19 @@
 //! totals over all rounds, and the ratio row under each pair is the **median of the per-round
 //! ratios** (each round's two modes ran back to back, so drift on a shared machine hits both).
 //!
-//! The last three lines are the headline figures: `hot32_pessimistic_vs_optimistic`,
-//! `cold16_pessimistic_vs_optimistic` (median commits/s ratios) and
-//! `hot32_pessimistic_conflicts` (over all rounds).
+//! **Hot, 32 writers** also gets, in every round:
+//! - **the floor**: the mean round trip of `SELECT 1` on the benchmark's connections, measured
+//!   just before the pessimistic run. Writers take turns, so the best a serialized section can
+//!   do is one hold plus one round trip: `floor = 1 / (mean hold + mean round trip)` commits/s.
+//! - **the pgbench peer**: pgbench at 32 clients running the same statements on a fresh stream
+//!   of the same size for the same number of commits — `BEGIN`, `lockstep_lock_and_load`, the
+//!   hold as `\sleep`, then `lockstep_append_events` and `COMMIT` in a `\startpipeline` block.
+//!
+//! The last lines are the headline figures: `hot32_pessimistic_vs_optimistic`,
+//! `cold16_pessimistic_vs_optimistic` (median commits/s ratios), `hot32_pessimistic_conflicts`
+//! (over all rounds), `hot32_pessimistic_vs_floor`, `hot32_pessimistic_vs_pgbench` (medians of
+//! the rounds' ratios), `hot32_p99_pessimistic_vs_optimistic` (p99 latencies over all rounds)
+//! and `hold_ms_mean` (the measured hold, pessimistic hot 32).
 
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -50,6 +68,7 @@ use tokio_postgres::config::Host;
 use uuid::Uuid;
 
 use crate::bench_db::{BenchDatabase, admin_url};
+use crate::pgbench::{self, PgbenchRun};
 use crate::report::new_histogram;
 
 /// Options of the `aggregate` benchmark.
@@ -97,6 +116,12 @@ pub(crate) struct Args {
     /// postgres://postgres@127.0.0.1:5432/postgres).
     #[arg(long)]
     database_url: Option<String>,
+    /// The pgbench program (the hot 32 peer).
+    #[arg(long, default_value = "pgbench")]
+    pgbench: String,
+    /// `SELECT 1` round trips timed per round for the floor.
+    #[arg(long, default_value_t = 300)]
+    floor_samples: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,6 +162,11 @@ struct Outcome {
     failed: u64,
     elapsed: Duration,
     latency_us: Histogram<u64>,
+    /// Sum of the measured holds, µs, and how many there were.
+    hold_us: u64,
+    holds: u64,
+    /// Where the serialized section's time went (pessimistic commands).
+    section: Section,
 }
 
 impl Outcome {
@@ -148,6 +178,9 @@ impl Outcome {
             failed: 0,
             elapsed: Duration::ZERO,
             latency_us: new_histogram(),
+            hold_us: 0,
+            holds: 0,
+            section: Section::default(),
         }
     }
 
@@ -157,6 +190,9 @@ impl Outcome {
         self.conflicts += other.conflicts;
         self.failed += other.failed;
         self.elapsed += other.elapsed;
+        self.hold_us += other.hold_us;
+        self.holds += other.holds;
+        self.section.merge(&other.section);
         // Same bounds on both sides; values beyond them were saturated on record.
         let _ = self.latency_us.add(&other.latency_us);
     }
@@ -167,6 +203,11 @@ impl Outcome {
 
     fn per_commit(&self, n: u64) -> f64 {
         n as f64 / self.commits.max(1) as f64
+    }
+
+    /// The mean measured hold, in milliseconds.
+    fn hold_ms_mean(&self) -> f64 {
+        self.hold_us as f64 / self.holds.max(1) as f64 / 1000.0
     }
 }
 
@@ -226,30 +267,41 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
     println!();
     println!(
         "| writers | streams | mode | commits/s | retries/commit | wasted appends/commit | \
-         failed | p50 ms | p99 ms | round trips/command | round trips/attempt |"
+         failed | p50 ms | p99 ms | hold ms | round trips/command | round trips/attempt |"
     );
-    println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
 
     let relay = Relay::start(upstream(url)?).await?;
     let relayed_pool = |size: usize| relay_pool(url, db.name(), relay.addr, size);
+    let work_dir = std::env::temp_dir().join(db.name());
+    std::fs::create_dir_all(&work_dir).context("creating a work directory")?;
 
-    let (mut hot32, mut cold16, mut hot32_conflicts) = (None, None, None);
+    let mut headline = Headline::default();
     for &writers in &args.writers {
         for heat in [Heat::Hot, Heat::Cold] {
             let commits = match heat {
                 Heat::Hot => args.commits,
                 Heat::Cold => args.commits.max(args.cold_commits_per_writer * writers),
             };
+            // The floor and the pgbench peer: hot, 32 writers.
+            let peer = heat == Heat::Hot && writers == 32;
             // Rounds alternate which mode goes first, so drift on a shared machine hits both.
             let mut totals = [Outcome::empty(), Outcome::empty()];
             let mut ratios = Vec::new();
+            let mut peer_rounds = PeerRounds::default();
             for round in 0..args.rounds.max(1) {
                 let mut this_round = [0.0f64; 2];
+                let mut this_hold_ms = 0.0;
                 let order = if round % 2 == 0 {
                     [Mode::Optimistic, Mode::Pessimistic]
                 } else {
                     [Mode::Pessimistic, Mode::Optimistic]
                 };
+                if peer && round % 2 == 1 {
+                    peer_rounds.pgbench.push(
+                        pgbench_peer(args, db, &work_dir, round, writers, commits, hold).await?,
+                    );
+                }
                 for mode in order {
                     let pool = db.pool(writers)?;
                     let setup = Setup {
@@ -258,6 +310,11 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                         hold,
                     };
                     warm_up(&pool, writers).await?;
+                    if peer && mode == Mode::Pessimistic {
+                        peer_rounds
+                            .round_trip_ms
+                            .push(mean_round_trip_ms(&pool, args.floor_samples).await?);
+                    }
                     let outcome = scenario(
                         &pool,
                         &setup,
@@ -270,14 +327,25 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                     .await?;
                     pool.close();
                     this_round[mode as usize] = outcome.commits_per_sec();
+                    if mode == Mode::Pessimistic {
+                        this_hold_ms = outcome.hold_ms_mean();
+                    }
                     totals[mode as usize].merge(&outcome);
+                }
+                if peer && round % 2 == 0 {
+                    peer_rounds.pgbench.push(
+                        pgbench_peer(args, db, &work_dir, round, writers, commits, hold).await?,
+                    );
                 }
                 if this_round[0] > 0.0 {
                     ratios.push(this_round[1] / this_round[0]);
                 }
+                if peer {
+                    peer_rounds.pessimistic.push(this_round[1]);
+                    peer_rounds.hold_ms.push(this_hold_ms);
+                }
             }
-            ratios.sort_by(f64::total_cmp);
-            let median_ratio = ratios.get(ratios.len() / 2).copied();
+            let median_ratio = median(ratios.clone());
             for mode in [Mode::Optimistic, Mode::Pessimistic] {
                 let rt_pool = relayed_pool(writers)?;
                 let rt_setup = Setup {
@@ -306,7 +374,7 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                 let outcome = &totals[mode as usize];
                 let ms = |q: f64| outcome.latency_us.value_at_quantile(q) as f64 / 1000.0;
                 println!(
-                    "| {writers} | {} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    "| {writers} | {} | {} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.3} | {:.2} | {:.2} |",
                     heat.label(),
                     mode.label(),
                     outcome.commits_per_sec(),
@@ -315,35 +383,264 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
                     outcome.failed,
                     ms(0.5),
                     ms(0.99),
+                    outcome.hold_ms_mean(),
                     round_trips as f64 / rt.commits.max(1) as f64,
                     round_trips as f64 / rt.attempts.max(1) as f64,
                 );
-                if (heat, writers, mode) == (Heat::Hot, 32, Mode::Pessimistic) {
-                    hot32_conflicts = Some(outcome.conflicts);
-                }
             }
             println!(
-                "|  |  | *pessimistic / optimistic, median of {} rounds* | **{}** |  |  |  |  |  |  |  |",
+                "|  |  | *pessimistic / optimistic, median of {} rounds* | **{}** |  |  |  |  |  |  |  |  |",
                 ratios.len(),
                 median_ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}"))
             );
             match (heat, writers) {
-                (Heat::Hot, 32) => hot32 = median_ratio,
-                (Heat::Cold, 16) => cold16 = median_ratio,
+                (Heat::Hot, 32) => {
+                    headline.hot32 = median_ratio;
+                    headline.hot32_conflicts = Some(totals[Mode::Pessimistic as usize].conflicts);
+                    let p99 = |m: Mode| totals[m as usize].latency_us.value_at_quantile(0.99);
+                    let optimistic_p99 = p99(Mode::Optimistic);
+                    if optimistic_p99 > 0 {
+                        headline.p99_ratio =
+                            Some(p99(Mode::Pessimistic) as f64 / optimistic_p99 as f64);
+                    }
+                    let pessimistic = &totals[Mode::Pessimistic as usize];
+                    headline.hold_ms = Some(pessimistic.hold_ms_mean());
+                    let peer_table = peer_rounds.report(&mut headline);
+                    headline.tables.push(peer_table);
+                    headline
+                        .tables
+                        .push(pessimistic.section.table(pessimistic.commits_per_sec()));
+                    headline.tables.push(
+                        server_view(db, args.seed_events + commits / 2, args.floor_samples).await?,
+                    );
+                }
+                (Heat::Cold, 16) => headline.cold16 = median_ratio,
                 _ => {}
             }
         }
     }
     relay.stop();
+    std::fs::remove_dir_all(&work_dir).ok();
+    for table in &headline.tables {
+        println!();
+        print!("{table}");
+    }
     println!();
-    let figure = |r: Option<f64>| r.map_or("n/a".to_owned(), |r| format!("{r:.2}"));
-    println!("hot32_pessimistic_vs_optimistic={}", figure(hot32));
-    println!("cold16_pessimistic_vs_optimistic={}", figure(cold16));
-    println!(
-        "hot32_pessimistic_conflicts={}",
-        hot32_conflicts.map_or("n/a".to_owned(), |c: u64| c.to_string())
-    );
+    headline.print();
     Ok(())
+}
+
+/// The headline figures, filled in as their scenarios run.
+#[derive(Default)]
+struct Headline {
+    hot32: Option<f64>,
+    cold16: Option<f64>,
+    hot32_conflicts: Option<u64>,
+    vs_floor: Option<f64>,
+    vs_pgbench: Option<f64>,
+    p99_ratio: Option<f64>,
+    hold_ms: Option<f64>,
+    /// Tables printed after the main one (hot 32: floor and peer, section timeline).
+    tables: Vec<String>,
+}
+
+impl Headline {
+    fn print(&self) {
+        let figure =
+            |r: Option<f64>, digits: usize| r.map_or("n/a".to_owned(), |r| format!("{r:.digits$}"));
+        println!("hot32_pessimistic_vs_optimistic={}", figure(self.hot32, 2));
+        println!(
+            "cold16_pessimistic_vs_optimistic={}",
+            figure(self.cold16, 2)
+        );
+        println!(
+            "hot32_pessimistic_conflicts={}",
+            self.hot32_conflicts
+                .map_or("n/a".to_owned(), |c| c.to_string())
+        );
+        println!("hot32_pessimistic_vs_floor={}", figure(self.vs_floor, 2));
+        println!(
+            "hot32_pessimistic_vs_pgbench={}",
+            figure(self.vs_pgbench, 2)
+        );
+        println!(
+            "hot32_p99_pessimistic_vs_optimistic={}",
+            figure(self.p99_ratio, 2)
+        );
+        println!("hold_ms_mean={}", figure(self.hold_ms, 3));
+    }
+}
+
+/// What the hot 32 rounds measured besides the two modes: per round, the pessimistic
+/// commits/s, its mean hold, the mean round trip before it, and pgbench's commits/s.
+#[derive(Default)]
+struct PeerRounds {
+    pessimistic: Vec<f64>,
+    hold_ms: Vec<f64>,
+    round_trip_ms: Vec<f64>,
+    pgbench: Vec<f64>,
+}
+
+impl PeerRounds {
+    /// The floor and peer table; fills in the headline's medians of per-round ratios.
+    fn report(&self, headline: &mut Headline) -> String {
+        let mut out = String::from(
+            "| hot 32, round | pessimistic commits/s | hold ms | SELECT 1 ms | floor commits/s | \
+             vs floor | pgbench commits/s | vs pgbench |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        let (mut vs_floor, mut vs_pgbench) = (Vec::new(), Vec::new());
+        for (round, &pessimistic) in self.pessimistic.iter().enumerate() {
+            let hold = self.hold_ms.get(round).copied().unwrap_or(0.0);
+            let rt = self.round_trip_ms.get(round).copied().unwrap_or(0.0);
+            let floor = 1000.0 / (hold + rt).max(f64::EPSILON);
+            let pgbench = self.pgbench.get(round).copied().unwrap_or(0.0);
+            vs_floor.push(pessimistic / floor);
+            if pgbench > 0.0 {
+                vs_pgbench.push(pessimistic / pgbench);
+            }
+            out.push_str(&format!(
+                "| {round} | {pessimistic:.0} | {hold:.3} | {rt:.3} | {floor:.0} | {:.2} | \
+                 {pgbench:.0} | {:.2} |\n",
+                pessimistic / floor,
+                pessimistic / pgbench.max(f64::EPSILON)
+            ));
+        }
+        headline.vs_floor = median(vs_floor);
+        headline.vs_pgbench = median(vs_pgbench);
+        out
+    }
+}
+
+/// The section's statements seen from one uncontended writer on a stream of `events` events
+/// (the hot runs' mean size): each step's latency, and what is left after one `SELECT 1`
+/// round trip — the server's (and the driver's) work.
+async fn server_view(db: &BenchDatabase, events: usize, samples: usize) -> Result<String> {
+    let samples = samples.clamp(1, 200);
+    let pool = db.pool(1)?;
+    warm_up(&pool, 1).await?;
+    let store = PgEventStore::new();
+    let sku = Uuid::now_v7();
+    // Grows by one event per sample: seed so that the mean size is `events`.
+    seed(
+        &pool,
+        &store,
+        &[sku],
+        events.saturating_sub(samples / 2).max(1),
+    )
+    .await?;
+    let stream = StreamId::from_uuid(sku);
+    let key = aggregate_key(&AggregateType::new(AGGREGATE)?, sku);
+    let round_trip_ms = mean_round_trip_ms(&pool, samples).await?;
+    let (mut begin, mut lock_load, mut append_commit) = (0.0, 0.0, 0.0);
+    for _ in 0..samples {
+        let t0 = Instant::now();
+        let tx = PgTransaction::begin(&pool).await?;
+        let t1 = Instant::now();
+        let loaded = store.load_locked(&tx, stream, &key, None).await?;
+        let t2 = Instant::now();
+        let event = NewEvent::new("Reserved", serde_json::json!({ "quantity": 1 }))?;
+        store.append_at_commit(
+            &tx,
+            stream,
+            ExpectedVersion::Exact(loaded.len() as u64),
+            &[event],
+        )?;
+        tx.commit().await?;
+        let t3 = Instant::now();
+        begin += (t1 - t0).as_secs_f64() * 1e6;
+        lock_load += (t2 - t1).as_secs_f64() * 1e6;
+        append_commit += (t3 - t2).as_secs_f64() * 1e6;
+    }
+    pool.close();
+    let n = samples as f64;
+    let rt = round_trip_ms * 1000.0;
+    let mut out = format!(
+        "| one writer, no contention, stream of ~{events} events | latency µs | minus one \
+         SELECT 1 round trip ({rt:.0} µs): server + driver work µs |\n|---|---:|---:|\n"
+    );
+    for (step, value) in [
+        ("BEGIN", begin / n),
+        (
+            "lock + load (`lockstep_lock_and_load`), decoded",
+            lock_load / n,
+        ),
+        ("append + COMMIT, pipelined", append_commit / n),
+    ] {
+        out.push_str(&format!("| {step} | {value:.0} | {:.0} |\n", value - rt));
+    }
+    Ok(out)
+}
+
+/// The median of `values` (the upper one of an even count), `None` when empty.
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied()
+}
+
+/// The mean round trip of `SELECT 1` on one of `pool`'s connections, in milliseconds.
+async fn mean_round_trip_ms(pool: &Pool, samples: usize) -> Result<f64> {
+    let client = pool.get().await.context("a connection for the floor")?;
+    let statement = client
+        .prepare("SELECT 1")
+        .await
+        .context("preparing SELECT 1")?;
+    let samples = samples.max(1);
+    let started = Instant::now();
+    for _ in 0..samples {
+        client
+            .query_one(&statement, &[])
+            .await
+            .context("SELECT 1")?;
+    }
+    Ok(started.elapsed().as_secs_f64() * 1000.0 / samples as f64)
+}
+
+/// The pgbench peer of hot 32: `writers` clients run the pessimistic command's statements on a
+/// fresh stream of `--seed-events` events until about `commits` commits; returns commits/s.
+async fn pgbench_peer(
+    args: &Args,
+    db: &BenchDatabase,
+    work_dir: &std::path::Path,
+    round: usize,
+    writers: usize,
+    commits: usize,
+    hold: Duration,
+) -> Result<f64> {
+    let pool = db.pool(2)?;
+    let store = PgEventStore::new();
+    let sku = Uuid::now_v7();
+    seed(&pool, &store, &[sku], args.seed_events).await?;
+    pool.close();
+    let key = aggregate_key(&AggregateType::new(AGGREGATE)?, sku).advisory_key();
+    // The same functions lockstep calls (`lockstep_lock_and_load`, `lockstep_append_events`),
+    // with the expected version left to the function (under the lock it is the same check).
+    let script = format!(
+        "BEGIN;\n\
+         SELECT refused_isolation, event_id, version, event_type, payload, recorded_at \
+         FROM lockstep_lock_and_load(:key, NULL, :stream);\n\
+         \\sleep {} us\n\
+         \\startpipeline\n\
+         SELECT lockstep_append_events(:stream, NULL, ARRAY[gen_random_uuid()], \
+         ARRAY['Reserved'], ARRAY['{{\"quantity\": 1}}'::jsonb]);\n\
+         COMMIT;\n\
+         \\endpipeline\n",
+        hold.as_micros()
+    );
+    let defines = [("key", key.to_string()), ("stream", sku.to_string())];
+    let measured = pgbench::run(
+        &args.pgbench,
+        db,
+        work_dir,
+        &format!("hot{writers}_r{round}"),
+        &PgbenchRun {
+            script: &script,
+            clients: writers,
+            limit: pgbench::Limit::Transactions(commits.div_ceil(writers.max(1))),
+            defines: &defines,
+        },
+    )
+    .await?;
+    Ok(measured.ops_per_sec())
 }
 
 /// Seeds fresh streams, runs `writers` writers until `commits` commands committed.
@@ -366,17 +663,19 @@ async fn scenario(
     let attempts = Arc::new(AtomicU64::new(0));
     let conflicts = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
+    let holds = Arc::new(Holds::default());
     let started = Instant::now();
     let tasks: Vec<_> = (0..writers)
         .map(|w| {
             let sku = streams[w % streams.len()];
             let (pool, store) = (pool.clone(), setup.store.clone());
             let (retry, hold) = (setup.retry, setup.hold);
-            let (committed, attempts, conflicts, failed) = (
+            let (committed, attempts, conflicts, failed, holds) = (
                 Arc::clone(&committed),
                 Arc::clone(&attempts),
                 Arc::clone(&conflicts),
                 Arc::clone(&failed),
+                Arc::clone(&holds),
             );
             tokio::spawn(async move {
                 let mut latency = new_histogram();
@@ -385,7 +684,7 @@ async fn scenario(
                     let result = retry
                         .run(tokio::time::sleep, |_| {
                             attempts.fetch_add(1, Ordering::Relaxed);
-                            command(&pool, &store, sku, mode, hold, &conflicts)
+                            command(&pool, &store, sku, mode, hold, &conflicts, &holds)
                         })
                         .await;
                     match result {
@@ -416,10 +715,138 @@ async fn scenario(
         failed: failed.load(Ordering::Relaxed),
         elapsed,
         latency_us,
+        hold_us: holds.total_us.load(Ordering::Relaxed),
+        holds: holds.count.load(Ordering::Relaxed),
+        section: Section::of(
+            &holds
+                .timeline
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        ),
     })
 }
 
-/// One unit of work: begin, (lock,) load, decide, append, hold, commit.
+/// The measured holds of a scenario (their sum in µs and their count), and the timeline of
+/// every committed pessimistic command.
+#[derive(Default)]
+struct Holds {
+    total_us: AtomicU64,
+    count: AtomicU64,
+    timeline: std::sync::Mutex<Vec<Steps>>,
+}
+
+/// Where a serialized section's time goes, summed over commands (µs, client clock): from the
+/// lock-and-load reply to the decision (decoding and folding the events), the hold, from the
+/// end of the hold to the append + COMMIT reply (one round trip and the server's append and
+/// commit), and from that reply to the next holder's load reply (the hand-off: the lock
+/// granted to the next backend, its load, the reply, the wake-up of its task).
+#[derive(Debug, Default, Clone, Copy)]
+struct Section {
+    commands: u64,
+    decide_us: f64,
+    hold_us: f64,
+    commit_us: f64,
+    handoffs: u64,
+    handoff_us: f64,
+}
+
+impl Section {
+    /// Sums one run's commands, in the order they held the lock.
+    fn of(timeline: &[Steps]) -> Section {
+        let mut steps = timeline.to_vec();
+        steps.sort_by_key(|s| s.loaded);
+        let us = |a: Instant, b: Instant| {
+            // Signed: the next holder's reply can arrive just before this one's.
+            if b >= a {
+                b.duration_since(a).as_secs_f64() * 1e6
+            } else {
+                -(a.duration_since(b).as_secs_f64() * 1e6)
+            }
+        };
+        let mut section = Section::default();
+        for (k, s) in steps.iter().enumerate() {
+            section.commands += 1;
+            section.decide_us += us(s.loaded, s.decided);
+            section.hold_us += us(s.decided, s.held);
+            section.commit_us += us(s.held, s.committed);
+            if let Some(next) = steps.get(k + 1) {
+                section.handoffs += 1;
+                section.handoff_us += us(s.committed, next.loaded);
+            }
+        }
+        section
+    }
+
+    fn merge(&mut self, other: &Section) {
+        self.commands += other.commands;
+        self.decide_us += other.decide_us;
+        self.hold_us += other.hold_us;
+        self.commit_us += other.commit_us;
+        self.handoffs += other.handoffs;
+        self.handoff_us += other.handoff_us;
+    }
+
+    /// The table of mean step times, µs.
+    fn table(&self, commits_per_sec: f64) -> String {
+        let n = self.commands.max(1) as f64;
+        let (decide, hold, commit) = (self.decide_us / n, self.hold_us / n, self.commit_us / n);
+        let handoff = self.handoff_us / self.handoffs.max(1) as f64;
+        let mut out = String::new();
+        out.push_str("| step of the serialized section (client clock) | mean µs |\n|---|---:|\n");
+        for (step, value) in [
+            (
+                "lock+load reply → decision (decode and fold the events)",
+                decide,
+            ),
+            ("hold (the simulated decision, measured)", hold),
+            (
+                "append + COMMIT sent → reply (1 round trip + server append, commit, unlock)",
+                commit,
+            ),
+            (
+                "COMMIT reply → next holder's load reply (lock grant, load, reply, wake-up)",
+                handoff,
+            ),
+            ("sum: one section", decide + hold + commit + handoff),
+        ] {
+            out.push_str(&format!("| {step} | {value:.0} |\n"));
+        }
+        out.push_str(&format!(
+            "| measured: 1 / commits per second | {:.0} |\n",
+            1e6 / commits_per_sec.max(f64::EPSILON)
+        ));
+        out
+    }
+}
+
+/// When one command's steps ended, on the client's clock.
+#[derive(Debug, Clone, Copy)]
+struct Steps {
+    /// `load_locked` returned (the lock is held).
+    loaded: Instant,
+    /// The events were folded (the decision is known).
+    decided: Instant,
+    /// The hold ended.
+    held: Instant,
+    /// The append + COMMIT reply arrived (the lock is released).
+    committed: Instant,
+}
+
+/// Holds `hold` — the simulated decision — and returns how long it really lasted. A
+/// blocking-pool thread sleeps it with the kernel's high-resolution timer: tokio's timer wheel
+/// has millisecond slots, so `tokio::time::sleep(1 ms)` lasts 1–2 ms, and a busy-wait would
+/// burn the cores the server needs (32 optimistic writers hold at once).
+async fn hold_for(hold: Duration) -> Duration {
+    let started = Instant::now();
+    if !hold.is_zero() {
+        // A failed join (the runtime shutting down) only ends the hold early.
+        let _ = tokio::task::spawn_blocking(move || std::thread::sleep(hold)).await;
+    }
+    started.elapsed()
+}
+
+/// One unit of work: begin, (lock,) load, decide (fold and hold), append + commit in one round
+/// trip.
 async fn command(
     pool: &Pool,
     store: &PgEventStore,
@@ -427,6 +854,7 @@ async fn command(
     mode: Mode,
     hold: Duration,
     conflicts: &AtomicU64,
+    holds: &Holds,
 ) -> lockstep_core::Result<()> {
     let stream = StreamId::from_uuid(sku);
     let tx = PgTransaction::begin(pool).await?;
@@ -446,6 +874,7 @@ async fn command(
             return Err(e);
         }
     };
+    let loaded = Instant::now();
     // Decide: fold the stream (units reserved so far) and reserve one more.
     let reserved: u64 = events
         .iter()
@@ -456,20 +885,43 @@ async fn command(
                 .unwrap_or(0)
         })
         .sum();
+    let decided = Instant::now();
+    let held = hold_for(hold).await;
+    let held_until = Instant::now();
+    holds
+        .total_us
+        .fetch_add(held.as_micros() as u64, Ordering::Relaxed);
+    holds.count.fetch_add(1, Ordering::Relaxed);
     let event = NewEvent::new(
         "Reserved",
         serde_json::json!({ "quantity": 1, "reserved_before": reserved }),
     )?;
     let expected = ExpectedVersion::Exact(events.len() as u64);
-    if let Err(e) = store.append(&tx, stream, expected, &[event]).await {
-        if e.kind() == ErrorKind::Conflict {
-            conflicts.fetch_add(1, Ordering::Relaxed);
-        }
+    if let Err(e) = store.append_at_commit(&tx, stream, expected, &[event]) {
         let _ = tx.rollback().await;
         return Err(e);
     }
-    tokio::time::sleep(hold).await;
-    tx.commit().await
+    let committed = tx.commit().await;
+    match &committed {
+        Err(e) if e.kind() == ErrorKind::Conflict => {
+            conflicts.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(()) if mode == Mode::Pessimistic => {
+            let steps = Steps {
+                loaded,
+                decided,
+                held: held_until,
+                committed: Instant::now(),
+            };
+            holds
+                .timeline
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(steps);
+        }
+        _ => {}
+    }
+    committed
 }
 
 async fn seed(pool: &Pool, store: &PgEventStore, streams: &[Uuid], n: usize) -> Result<()> {

@@ -498,7 +498,7 @@ async fn run_pgbench(
         &PgbenchRun {
             script: &script,
             clients: concurrency,
-            duration,
+            limit: pgbench::Limit::Duration(duration),
             defines: &defines,
         },
     )

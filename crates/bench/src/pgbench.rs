@@ -48,14 +48,23 @@ pub(crate) fn to_pgbench(sql: &str, names: &[&str]) -> Result<String> {
     Ok(out)
 }
 
+/// How long a pgbench run lasts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Limit {
+    /// `--time`: this long (whole seconds, at least 1).
+    Duration(Duration),
+    /// `--transactions`: this many per client.
+    Transactions(usize),
+}
+
 /// One pgbench run.
 pub(crate) struct PgbenchRun<'a> {
     /// The script text (`\set` lines and statements ending in `;` or `\gset`).
     pub(crate) script: &'a str,
     /// `-c` and `-j`.
     pub(crate) clients: usize,
-    /// `-T`.
-    pub(crate) duration: Duration,
+    /// `-T` or `-t`.
+    pub(crate) limit: Limit,
     /// `-D name=value` definitions.
     pub(crate) defines: &'a [(&'a str, String)],
 }
@@ -78,7 +87,10 @@ pub(crate) async fn run(
         .args(["--protocol", "prepared"])
         .args(["--client", &spec.clients.to_string()])
         .args(["--jobs", &spec.clients.to_string()])
-        .args(["--time", &spec.duration.as_secs().max(1).to_string()])
+        .args(match spec.limit {
+            Limit::Duration(d) => ["--time".to_owned(), d.as_secs().max(1).to_string()],
+            Limit::Transactions(n) => ["--transactions".to_owned(), n.max(1).to_string()],
+        })
         .arg("--log")
         .arg(format!("--log-prefix={}", log_prefix.display()))
         .arg("--file")
@@ -117,7 +129,10 @@ pub(crate) async fn run(
     let elapsed = if tps > 0.0 {
         Duration::from_secs_f64(ops as f64 / tps)
     } else {
-        spec.duration
+        match spec.limit {
+            Limit::Duration(d) => d,
+            Limit::Transactions(_) => Duration::ZERO,
+        }
     };
     Ok(Measurement {
         ops,

@@ -167,18 +167,22 @@ impl PgTransaction {
     }
 
     /// Begins a READ COMMITTED transaction on a connection already checked out.
+    ///
+    /// Cancel-safe: dropped before the server answered, the connection (which may be inside the
+    /// new transaction by then) is closed, never pooled.
     pub async fn begin_on(conn: Object) -> Result<PgTransaction> {
+        let mut conn = DetachOnDrop(Some(conn));
         if let Err(e) = conn
+            .client()
             .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
         {
             // Whatever went wrong, the connection's state is unknown: never pool it (a lost
-            // connection would fail the next borrower).
-            let _ = Object::take(conn);
+            // connection would fail the next borrower). The guard closes it.
             return Err(map_error(e, "beginning a transaction"));
         }
         Ok(PgTransaction {
-            conn: Some(conn),
+            conn: Some(conn.disarm()),
             discard: AtomicBool::new(false),
             at_commit: Mutex::new(Vec::new()),
             held_keys: Mutex::new(Vec::new()),
