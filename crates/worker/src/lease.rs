@@ -2,16 +2,25 @@
 //! alive and [`HeldLease`] is one of them — the seed's "acquire, start keepalive, work, stop
 //! keepalive, release in `finally`", made safe by construction.
 //!
-//! - **One keepalive per instance**, not per lease: every `keepalive_interval` the keeper renews
-//!   all leases it holds with one [`StreamLocker::renew_many`] call (one statement on Postgres),
-//!   bounded by the interval itself so a stuck call cannot delay the next check.
+//! - **One keepalive per instance**, not per lease: every `keepalive_interval` (at a fixed rate)
+//!   the keeper renews all leases it holds with one [`StreamLocker::renew_many`] call (one
+//!   statement on Postgres), bounded by the interval itself so a stuck call cannot delay the
+//!   next renew.
 //! - **Lost signal.** Each lease has a [`CancellationToken`] ([`HeldLease::lost`]). It fires when
 //!   a renew reports the lease [`RenewOutcome::Lost`], or when the lease's **local monotonic
 //!   deadline** passes without a confirmed renew. The deadline is `sent + lock_timeout −
 //!   keepalive_interval`, where `sent` is when the last successful acquire or renew was *sent*:
 //!   the backend computed the expiry no earlier than that, so the signal fires at least one
 //!   keepalive interval before any other instance can take the lease over — whatever the clocks
-//!   say, since only durations on this machine's monotonic clock are compared.
+//!   say, since only durations on this machine's monotonic clock are compared. The deadlines run
+//!   on a timer of their own, while the keeper sleeps and while a renew is in flight, so a
+//!   stalled renew cannot delay the signal (it fires at the deadline, give or take the timer's
+//!   millisecond and the runtime's scheduling).
+//! - **Lost is final.** A renew confirmed at or after a lease's deadline is too late: the signal
+//!   has fired (or fires then) and the holder is stopping, so the keeper does not take the lease
+//!   back — it never renews a lost lease again (nor one whose acquire returned after its
+//!   deadline: that lease is lost on arrival). A late renew may have extended the row; the
+//!   holder's [`HeldLease::release`] (or drop) still releases it, otherwise it expires.
 //! - **Fenced commit.** [`HeldLease::id`] is what the protected work passes as the fence of its
 //!   commit (`StateCommit::fence`, `LeaseFence::check_lease`): even a holder that stalled past
 //!   its deadline cannot commit over a successor's work.
@@ -41,6 +50,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -48,17 +58,25 @@ use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseHolder, LeaseId, LockReason, PerspectiveName, ReleaseOutcome,
     RenewOutcome, Result, StreamId, StreamLease, StreamLocker,
 };
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::telemetry::{self, count};
 
-/// One held lease as the keeper tracks it.
+/// One held lease as the keeper tracks it. Once `lost` has fired the entry stays until the
+/// lease is released or dropped (so shutdown still releases it) but is never renewed again.
 #[derive(Debug)]
 struct Entry {
     id: LeaseId,
     lost: CancellationToken,
     deadline: Instant,
+}
+
+impl Entry {
+    fn kept(&self) -> bool {
+        !self.lost.is_cancelled()
+    }
 }
 
 struct Shared {
@@ -69,6 +87,8 @@ struct Shared {
     /// Renews sent by the keeper (one per interval with leases held); for tests and benchmarks.
     renew_calls: std::sync::atomic::AtomicU64,
     stop: CancellationToken,
+    /// Woken when a lease is tracked: its deadline may be earlier than the one being waited for.
+    tracked: Arc<Notify>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -85,6 +105,24 @@ impl Shared {
         self.entries
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The earliest deadline of a lease still kept alive.
+    fn earliest_deadline(&self) -> Option<Instant> {
+        self.entries()
+            .values()
+            .filter(|e| e.kept())
+            .map(|e| e.deadline)
+            .min()
+    }
+
+    /// Fires the lost signal of every kept lease whose deadline is `now` or earlier.
+    fn expire(&self, now: Instant) {
+        for entry in self.entries().values() {
+            if now >= entry.deadline {
+                lose(entry, "no renew was confirmed before the local deadline");
+            }
+        }
     }
 
     /// How long after a confirmed acquire or renew was sent the lost signal fires.
@@ -140,6 +178,7 @@ impl LeaseKeeper {
             next: std::sync::atomic::AtomicU64::new(1),
             renew_calls: std::sync::atomic::AtomicU64::new(0),
             stop: stop.clone(),
+            tracked: Arc::new(Notify::new()),
         });
         tokio::spawn(keepalive(Arc::downgrade(&shared), stop.clone()));
         LeaseKeeper {
@@ -194,14 +233,19 @@ impl LeaseKeeper {
             .checked_add(self.shared.margin())
             // Unrepresentable: treat the lease as due for renewal now (conservative).
             .unwrap_or(sent);
-        self.shared.entries().insert(
-            key,
-            Entry {
-                id: lease.id.clone(),
-                lost: lost.clone(),
-                deadline,
-            },
-        );
+        let entry = Entry {
+            id: lease.id.clone(),
+            lost: lost.clone(),
+            deadline,
+        };
+        // An acquire that returned after its own deadline hands out a lease that is lost on
+        // arrival: the holder must not start work another instance may soon take over.
+        if Instant::now() >= deadline {
+            lose(&entry, "the acquire was confirmed after the local deadline");
+        }
+        self.shared.entries().insert(key, entry);
+        // The keepalive may be waiting for a later deadline than this one.
+        self.shared.tracked.notify_one();
         HeldLease {
             lease,
             lost,
@@ -211,9 +255,9 @@ impl LeaseKeeper {
         }
     }
 
-    /// How many leases are kept alive now.
+    /// How many leases are kept alive now (held, and not lost).
     pub fn held(&self) -> usize {
-        self.shared.entries().len()
+        self.shared.entries().values().filter(|e| e.kept()).count()
     }
 
     /// How many `renew_many` calls the keepalive has sent so far.
@@ -239,69 +283,128 @@ impl LeaseKeeper {
     }
 }
 
-/// The keepalive loop: renew everything held, then fire the lost signal of every lease that was
-/// refused or whose local deadline passed.
+/// The keepalive loop: renew every lease kept alive once per interval, and fire the lost signal
+/// of every lease that was refused or whose local deadline passed — the deadlines on a timer of
+/// their own ([`watch_deadlines`]) while sleeping and while a renew is in flight.
 async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
+    let Some(tracked) = shared.upgrade().map(|s| Arc::clone(&s.tracked)) else {
+        return;
+    };
+    let mut due = Instant::now();
     loop {
         let interval = match shared.upgrade() {
             Some(s) => s.locker.options().keepalive_interval(),
             None => return,
         };
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep(interval) => {}
+        // At a fixed rate: one interval after the last renew was *due*, not after it returned,
+        // so a slow renew does not eat into the slack of the next (a renew confirmed after its
+        // lease's deadline no longer counts). The renew is bounded by the interval, so it has
+        // ended by then; if it is late anyway (a busy runtime), the next renew goes now, once.
+        let next = due.checked_add(interval).map(|at| at.max(Instant::now()));
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at).await,
+                // Unrepresentable: no renew ever comes due; the deadlines still fire.
+                None => std::future::pending().await,
+            }
+        };
+        if watch_deadlines(&shared, &stop, &tracked, sleep)
+            .await
+            .is_none()
+        {
+            return;
         }
+        due = next.unwrap_or(due);
         let Some(shared) = shared.upgrade() else {
             return;
         };
+        // The sleep may have ended with a deadline: such a lease is not renewed.
+        shared.expire(Instant::now());
         let held: Vec<(u64, LeaseId)> = shared
             .entries()
             .iter()
+            .filter(|(_, e)| e.kept())
             .map(|(k, e)| (*k, e.id.clone()))
             .collect();
-        if !held.is_empty() {
-            let ids: Vec<LeaseId> = held.iter().map(|(_, id)| id.clone()).collect();
-            let sent = Instant::now();
-            shared
-                .renew_calls
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            // Bounded by the interval: a stuck renew must not keep the deadlines unchecked.
-            let outcome = tokio::select! {
-                () = stop.cancelled() => return,
-                outcome = tokio::time::timeout(interval, shared.locker.renew_many(&ids)) => outcome,
-            };
-            match outcome {
-                Ok(Ok(outcomes)) => {
-                    let mut entries = shared.entries();
-                    for ((key, _), renewed) in held.iter().zip(outcomes) {
-                        let Some(entry) = entries.get_mut(key) else {
-                            continue; // released meanwhile
-                        };
-                        match renewed {
-                            RenewOutcome::Renewed { .. } => {
-                                if let Some(deadline) = sent.checked_add(shared.margin()) {
-                                    entry.deadline = deadline;
-                                }
+        if held.is_empty() {
+            continue;
+        }
+        let ids: Vec<LeaseId> = held.iter().map(|(_, id)| id.clone()).collect();
+        let sent = Instant::now();
+        shared
+            .renew_calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Bounded by the interval so a stuck renew cannot delay the next one; the deadlines
+        // are watched meanwhile.
+        let renew = tokio::time::timeout(interval, shared.locker.renew_many(&ids));
+        let weak = Arc::downgrade(&shared);
+        let Some(outcome) = watch_deadlines(&weak, &stop, &tracked, renew).await else {
+            return;
+        };
+        // A renew confirmed at or after a deadline is too late for that lease: fire first, so
+        // the outcomes below never extend a lease whose signal is due.
+        shared.expire(Instant::now());
+        match outcome {
+            Ok(Ok(outcomes)) => {
+                let mut entries = shared.entries();
+                for ((key, _), renewed) in held.iter().zip(outcomes) {
+                    let Some(entry) = entries.get_mut(key) else {
+                        continue; // released meanwhile
+                    };
+                    if !entry.kept() {
+                        continue; // lost meanwhile: lost is final
+                    }
+                    match renewed {
+                        RenewOutcome::Renewed { .. } => {
+                            if let Some(deadline) = sent.checked_add(shared.margin()) {
+                                entry.deadline = deadline;
                             }
-                            RenewOutcome::Lost => {
-                                lose(entry, "the renew was refused: the lease is no longer held");
-                            }
+                        }
+                        RenewOutcome::Lost => {
+                            lose(entry, "the renew was refused: the lease is no longer held");
                         }
                     }
                 }
-                Ok(Err(err)) => {
-                    tracing::warn!(error = %err, leases = ids.len(), "keepalive renew failed");
-                }
-                Err(_) => {
-                    tracing::warn!(leases = ids.len(), "keepalive renew timed out");
-                }
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, leases = ids.len(), "keepalive renew failed");
+            }
+            Err(_) => {
+                tracing::warn!(leases = ids.len(), "keepalive renew timed out");
             }
         }
-        let now = Instant::now();
-        for entry in shared.entries().values() {
-            if now >= entry.deadline && !entry.lost.is_cancelled() {
-                lose(entry, "no renew was confirmed before the local deadline");
+    }
+}
+
+/// Runs `work` to its end while firing the lost signal of every kept lease whose deadline
+/// passes meanwhile. `None` when the keeper stops (or is gone) first.
+async fn watch_deadlines<F: Future>(
+    shared: &Weak<Shared>,
+    stop: &CancellationToken,
+    tracked: &Notify,
+    work: F,
+) -> Option<F::Output> {
+    let mut work = std::pin::pin!(work);
+    loop {
+        // Upgraded only for the look-up: while sleeping the keeper holds no strong reference.
+        let earliest = shared.upgrade()?.earliest_deadline();
+        let timer = async {
+            match earliest {
+                Some(deadline) => {
+                    tokio::time::sleep_until(deadline).await;
+                    deadline
+                }
+                None => std::future::pending().await,
             }
+        };
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => return None,
+            output = &mut work => return Some(output),
+            // At least the deadline waited for, so a timer that woke a hair early cannot spin.
+            deadline = timer => shared.upgrade()?.expire(Instant::now().max(deadline)),
+            // A lease tracked since the look-up (a permit is kept if it came before the wait).
+            () = tracked.notified() => {}
         }
     }
 }
@@ -343,7 +446,8 @@ impl HeldLease {
     }
 
     /// Fires when the lease is lost (renew refused, or no renew confirmed before the local
-    /// deadline): stop the protected work and commit nothing.
+    /// deadline): stop the protected work and commit nothing. Final: the keeper never renews
+    /// the lease again, so release it (or drop it).
     pub fn lost(&self) -> &CancellationToken {
         &self.lost
     }
