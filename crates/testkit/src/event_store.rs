@@ -9,9 +9,10 @@
 //! - The versions an append writes are reserved while its transaction is open, like the
 //!   entries of a unique index. A second transaction appending a reserved version **waits for
 //!   the first one to end**, as PostgreSQL's second inserter does: if the first commits, the
-//!   waiter fails with a conflict (`23505` on Postgres); if it rolls back, the waiter's append
-//!   goes through. So conflicts are detected at append time — never at commit, which cannot
-//!   conflict because reserved versions are exclusive.
+//!   waiter fails with a conflict (`23505` on Postgres); if it rolls back — or is aborted by a
+//!   failed statement, which frees its versions at the error as Postgres does — the waiter's
+//!   append goes through. So conflicts are detected at append time — never at commit, which
+//!   cannot conflict because reserved versions are exclusive.
 //! - Every failed append aborts the transaction (as a failed statement does in PostgreSQL), and
 //!   so does dropping an append while it waits.
 //! - Appends are idempotent by event id, exactly like Postgres (migration `V6`): an append whose
@@ -230,7 +231,7 @@ impl InMemoryEventStore {
                 }
             }
             // Writers waiting for these versions are woken by the database once the
-            // transaction has ended.
+            // transaction has ended or been aborted.
         });
     }
 

@@ -1,6 +1,7 @@
 //! A fake distributed lock with fake transactions that behave like PostgreSQL advisory locks:
 //! exclusive across transactions and sessions, re-entrant within one transaction, released when
-//! the transaction commits or rolls back (or is dropped).
+//! the transaction commits or rolls back (or is dropped), or as soon as a failed statement
+//! aborts it.
 //!
 //! [`FakeDatabase`] is the shared state (one "server"); [`FakeTransaction`]s are begun on it;
 //! [`FakeDistributedLock`] and [`FakeSessionLocks`] lock on it. Other fakes that take part in a
@@ -8,7 +9,8 @@
 //! [`FakeTransaction::on_end`].
 //!
 //! Like Postgres, a transaction whose lock wait fails (timeout, deadlock, a dropped waiting
-//! acquire) is aborted: further locks on it fail with
+//! acquire) is aborted: its locks are released at once (Postgres runs `AbortTransaction` at the
+//! error and only waits for `ROLLBACK` to end the block), further locks on it fail with
 //! [`ErrorKind::TransactionAborted`] and it can only be rolled back. Unlike Postgres, a deadlock
 //! is reported at once (Postgres waits `deadlock_timeout` first).
 //!
@@ -414,7 +416,9 @@ struct TxState {
 
 /// A fake unit-of-work transaction. Locks taken on it are released when it ends: by
 /// [`commit`](FakeTransaction::commit), [`rollback`](FakeTransaction::rollback) or drop
-/// (drop rolls back, as a Postgres transaction whose client goes away).
+/// (drop rolls back, as a Postgres transaction whose client goes away) — or earlier, when a
+/// failed statement aborts it ([`FakeTransaction::abort`]), as Postgres releases them at the
+/// error.
 pub struct FakeTransaction {
     db: FakeDatabase,
     id: u64,
@@ -467,12 +471,24 @@ impl FakeTransaction {
         }
     }
 
-    /// Marks the transaction aborted, as a failed statement does in Postgres.
+    /// Marks the transaction aborted, as a failed statement does in Postgres, and undoes it at
+    /// once as Postgres does at the error (not at the `ROLLBACK` that ends the block): the end
+    /// hooks run with [`TxEnd::RolledBack`] (staged effects vanish, reserved versions are
+    /// freed), every lock of the transaction is released, and whoever waited for it is woken.
+    /// The transaction itself stays open until rolled back, committed (which fails) or dropped.
     pub fn abort(&self) {
-        let mut state = self.state();
-        if state.status == TxStatus::Open {
+        let hooks = {
+            let mut state = self.state();
+            if state.status != TxStatus::Open {
+                return;
+            }
             state.status = TxStatus::Aborted;
+            std::mem::take(&mut state.hooks)
+        };
+        for hook in hooks {
+            hook(TxEnd::RolledBack);
         }
+        self.db.release_owner(LockOwner::Transaction(self.id));
     }
 
     /// Runs `statement` on this transaction as Postgres runs one: if it fails, or is dropped
@@ -490,7 +506,9 @@ impl FakeTransaction {
         result
     }
 
-    /// Runs `hook` when the transaction ends, with how it ended.
+    /// Runs `hook` when the transaction ends, with how it ended — or, for a transaction that
+    /// gets aborted, at the abort with [`TxEnd::RolledBack`] (its work is undone at the error,
+    /// as on Postgres).
     pub fn on_end(&self, hook: impl FnOnce(TxEnd) + Send + 'static) {
         self.state().hooks.push(Box::new(hook));
     }
