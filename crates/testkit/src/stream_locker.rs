@@ -2,10 +2,12 @@
 //! semantics of the Postgres locker (it passes the same conformance suite).
 //!
 //! Built [`with_database`](InMemoryStreamLocker::with_database), it also implements
-//! [`LeaseFence`] over [`FakeTransaction`]s of that database, like Postgres: the fence check
-//! locks the cursor row until the transaction ends; renew, release and the admin operations on
-//! that row wait for it, and try-acquire fails at once with the retryable
+//! [`LeaseFence`] over [`FakeTransaction`]s of that database, like Postgres: a fence check that
+//! finds the lease held locks the cursor row until the transaction ends; renew, release and the
+//! admin operations on that row wait for it, and try-acquire fails at once with the retryable
 //! [`ErrorKind::LockTimeout`] (a takeover cannot slip in between a fenced check and its commit).
+//! A check that finds the lease lost locks nothing, as the Postgres `SELECT … FOR NO KEY UPDATE`
+//! locks no row its `WHERE` rejects.
 //!
 //! Tests expire leases with paused time instead of sleeping:
 //!
@@ -367,23 +369,43 @@ impl LeaseFence<FakeTransaction> for InMemoryStreamLocker {
             ));
         };
         tx.check_usable()?;
-        // Lock the row for the rest of the transaction (FOR NO KEY UPDATE), then check. A wait
-        // that fails (deadlock) or is abandoned aborts the transaction, as on Postgres; a lost
-        // lease does not (the statement found no row).
+        // As the `SELECT … WHERE <lease held> FOR NO KEY UPDATE` on Postgres: a row that does
+        // not match is neither waited for nor locked, so a lost lease locks nothing (and does
+        // not abort the transaction: the statement found no row). A matching row is locked for
+        // the rest of the transaction, waiting if another transaction holds it; a wait that
+        // fails (deadlock) or is abandoned aborts the transaction. After a wait the condition is
+        // checked again on the row as it is now (Postgres's recheck), and a row that no longer
+        // matches stays locked, as it does on Postgres.
+        if !self.lease_is_live(lease) {
+            return Err(Self::lease_lost(lease));
+        }
         let row = Self::row_key(lease.stream_id, &lease.perspective);
         tx.statement(db.acquire(&row, tx.owner())).await?;
-        let now = Instant::now();
-        let rows = self.rows();
-        match rows.get(&(lease.stream_id, lease.perspective.clone())) {
-            Some(row) if row.held_by(lease) && row.live(now).is_some() => Ok(()),
-            _ => Err(Error::new(
-                ErrorKind::LeaseLost,
-                format!(
-                    "lease on ({}, {}) is no longer held by {} at epoch {}",
-                    lease.stream_id, lease.perspective, lease.holder, lease.epoch
-                ),
-            )),
+        if self.lease_is_live(lease) {
+            Ok(())
+        } else {
+            Err(Self::lease_lost(lease))
         }
+    }
+}
+
+impl InMemoryStreamLocker {
+    /// Whether `lease` is held, at its epoch, and live now (the fence's `WHERE`).
+    fn lease_is_live(&self, lease: &LeaseId) -> bool {
+        let now = Instant::now();
+        self.rows()
+            .get(&(lease.stream_id, lease.perspective.clone()))
+            .is_some_and(|row| row.held_by(lease) && row.live(now).is_some())
+    }
+
+    fn lease_lost(lease: &LeaseId) -> Error {
+        Error::new(
+            ErrorKind::LeaseLost,
+            format!(
+                "lease on ({}, {}) is no longer held by {} at epoch {}",
+                lease.stream_id, lease.perspective, lease.holder, lease.epoch
+            ),
+        )
     }
 }
 

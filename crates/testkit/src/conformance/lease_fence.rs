@@ -177,6 +177,36 @@ pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFence
     );
 }
 
+/// A fence check that finds the lease lost locks nothing (the `WHERE` rejected the row): while
+/// its transaction is still open, another instance takes the expired lease over at once.
+pub async fn a_fence_check_that_finds_the_lease_lost_locks_nothing<F: LeaseFenceFixture>(
+    fixture: Arc<F>,
+) {
+    let (stream, name, lease) = leased(&*fixture).await;
+    wait_past_expiry(&*fixture).await;
+    let tx = begin(fixture.source()).await;
+    let err = fixture
+        .fence()
+        .check_lease(&tx, &lease.id)
+        .await
+        .expect_err("expired");
+    assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(5),
+        fixture
+            .locker()
+            .try_acquire(stream, &name, InstanceId::random(), &LockReason::Bootstrap),
+    )
+    .await
+    .expect("try-acquire never waits")
+    .expect("the cursor row is not locked by the failed fence check");
+    assert!(
+        outcome.is_acquired(),
+        "expired lease taken over: {outcome:?}"
+    );
+    rollback(fixture.source(), tx).await;
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`lease_fence_conformance!`](crate::lease_fence_conformance): a test per case.
 pub async fn run_all<F: LeaseFenceFixture>(fixture: Arc<F>) {
@@ -193,6 +223,7 @@ macro_rules! __lockstep_lease_fence_cases {
             fence_fails_after_expiry,
             fence_fails_after_force_release,
             fence_holds_off_a_takeover_until_the_transaction_ends,
+            a_fence_check_that_finds_the_lease_lost_locks_nothing,
         ] }
     };
 }
