@@ -327,13 +327,23 @@ impl InMemoryEventStore {
 }
 
 impl InMemoryEventStore {
-    /// What an append refuses before any statement, as lockstep-pg-store does (the
-    /// transaction stays usable): no events, an event id listed twice.
-    fn check_input(events: &[NewEvent]) -> Result<()> {
+    /// What an append refuses before any statement, as lockstep-pg-store does and in its order
+    /// (the transaction stays usable): no events, an expected version past `i64::MAX` (a
+    /// Postgres `bigint` cannot hold it), an event id listed twice.
+    fn check_input(expected: ExpectedVersion, events: &[NewEvent]) -> Result<()> {
         if events.is_empty() {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 "an append needs at least one event",
+            ));
+        }
+        if expected
+            .as_version()
+            .is_some_and(|v| i64::try_from(v).is_err())
+        {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "expected version out of range",
             ));
         }
         let mut ids = HashSet::with_capacity(events.len());
@@ -379,7 +389,7 @@ impl EventStore<FakeTransaction> for InMemoryEventStore {
         events: &[NewEvent],
     ) -> Result<u64> {
         self.check(tx)?;
-        Self::check_input(events)?;
+        Self::check_input(expected, events)?;
         self.join(tx);
         // A failed or abandoned append is a failed statement: it aborts the transaction.
         tx.statement(self.append_inner(tx, stream_id, expected, events))
@@ -396,7 +406,7 @@ impl EventStore<FakeTransaction> for InMemoryEventStore {
         events: &[NewEvent],
     ) -> Result<()> {
         self.check(tx)?;
-        Self::check_input(events)?;
+        Self::check_input(expected, events)?;
         let store = self.clone();
         let events = events.to_vec();
         tx.write_at_commit(Box::new(move |tx| {

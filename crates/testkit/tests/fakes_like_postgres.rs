@@ -149,3 +149,36 @@ async fn an_append_waiting_for_a_version_proceeds_when_its_writer_is_aborted() {
     assert_eq!(store.committed(stream).len(), 1);
     assert!(db.is_idle());
 }
+
+// Defect 5: an expected version past i64::MAX is refused by lockstep-pg-store before any SQL
+// (InvalidInput, the transaction stays usable); the fake answered Conflict and aborted the
+// transaction.
+#[tokio::test(start_paused = true)]
+async fn an_expected_version_past_i64_max_is_refused_before_anything_happens() {
+    let db = FakeDatabase::new();
+    let store = InMemoryEventStore::new();
+    let stream = StreamId::new_v7();
+    let tx = db.begin();
+    for version in [1u64 << 63, u64::MAX] {
+        let expected = ExpectedVersion::Exact(version);
+        let err = store
+            .append(&tx, stream, expected, &[event()])
+            .await
+            .expect_err("refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        let err = store
+            .append_at_commit(&tx, stream, expected, &[event()])
+            .await
+            .expect_err("refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        assert!(tx.is_usable(), "refused before anything happened");
+    }
+    let last = ExpectedVersion::Exact(i64::MAX as u64);
+    let err = store
+        .append(&tx, stream, last, &[event()])
+        .await
+        .expect_err("the stream is not at i64::MAX");
+    assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
+    tx.rollback().await;
+    assert!(store.committed(stream).is_empty());
+}
