@@ -85,7 +85,7 @@ use lockstep_core::{
     Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent, ResourceKey, Result,
     StreamId, VersionConflict,
 };
-use lockstep_pg::internal::{self, check_isolation, kind_of};
+use lockstep_pg::internal::{self, check_isolation};
 use lockstep_pg::{LockQueue, PgTransaction, PgTransactionRef, WriteAtCommit};
 use time::OffsetDateTime;
 use tokio_postgres::GenericClient;
@@ -334,8 +334,11 @@ impl EventStore<PgTransaction> for PgEventStore {
     }
 }
 
+/// What was being done to which stream, with the database's message and SQLSTATE; a database
+/// without lockstep's schema says to run the migrations (the helper every lockstep Postgres
+/// backend shares).
 fn statement_error(err: tokio_postgres::Error, doing: &str, stream_id: StreamId) -> Error {
-    Error::new(kind_of(&err), format!("{doing} {stream_id}")).with_source(err)
+    internal::statement_error(err, &format!("{doing} {stream_id}"))
 }
 
 fn decode_error(err: tokio_postgres::Error) -> Error {
@@ -385,7 +388,8 @@ fn append_error(
         return Error::new(
             ErrorKind::Conflict,
             format!(
-                "appending to stream {stream_id}: another transaction stored one of these                  event ids first"
+                "appending to stream {stream_id}: another transaction stored one of these \
+                 event ids first"
             ),
         )
         .with_source(err);

@@ -73,7 +73,8 @@ use lockstep_core::{
     PendingPair, PerspectiveName, PerspectiveStore, RecordedEvent, Result, RewindRequest, Snapshot,
     StateCommit, StreamId, ValidationError,
 };
-use lockstep_pg::{PgTransactionRef, map_error};
+use lockstep_pg::PgTransactionRef;
+use lockstep_pg::internal::statement_error;
 use time::OffsetDateTime;
 use tokio_postgres::GenericClient;
 use tokio_postgres::Row;
@@ -269,7 +270,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         tx.executor()
             .query_typed_one(sql::REGISTER, &[(&names, Type::TEXT_ARRAY)])
             .await
-            .map_err(|e| map_error(e, "registering perspectives"))?;
+            .map_err(|e| statement_error(e, "registering perspectives"))?;
         Ok(())
     }
 
@@ -293,7 +294,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "listing pending perspective pairs"))?;
+            .map_err(|e| statement_error(e, "listing pending perspective pairs"))?;
         rows.iter()
             .map(|row| {
                 let name: String = row.try_get(1).map_err(decode_error)?;
@@ -336,7 +337,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "claiming a perspective pair"))?;
+            .map_err(|e| statement_error(e, "claiming a perspective pair"))?;
         let Some((header, event_rows)) = rows.split_first() else {
             return Err(Error::new(ErrorKind::Backend, "a claim returned no row"));
         };
@@ -388,7 +389,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "committing a perspective state"))?;
+            .map_err(|e| statement_error(e, "committing a perspective state"))?;
         let outcome: String = row.try_get(0).map_err(decode_error)?;
         let revision: Option<i64> = row.try_get(1).map_err(decode_error)?;
         match (outcome.as_str(), revision) {
@@ -434,7 +435,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "reading a perspective cursor"))?;
+            .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
         row.map(|row| decode_cursor(&row, 0, stream_id, perspective))
             .transpose()
     }
@@ -455,7 +456,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "reading a perspective state"))?;
+            .map_err(|e| statement_error(e, "reading a perspective state"))?;
         row.map(|row| {
             Ok((
                 decode_cursor(&row, 0, stream_id, perspective)?,
@@ -481,7 +482,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "reading a pair's pending work"))?;
+            .map_err(|e| statement_error(e, "reading a pair's pending work"))?;
         rows.iter()
             .map(|row| row.try_get(0).map_err(decode_error))
             .collect()
@@ -500,7 +501,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 &[(&stream_id.as_uuid(), Type::UUID), (&after, Type::UUID)],
             )
             .await
-            .map_err(|e| map_error(e, "reading a stream in event-id order"))?;
+            .map_err(|e| statement_error(e, "reading a stream in event-id order"))?;
         rows.iter()
             .map(|row| crate::decode(row, 0, stream_id))
             .collect()
@@ -524,7 +525,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "reading a perspective snapshot"))?;
+            .map_err(|e| statement_error(e, "reading a perspective snapshot"))?;
         row.map(|row| {
             let applied: i64 = row.try_get(2).map_err(decode_error)?;
             Ok(Snapshot {
@@ -559,7 +560,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "saving a perspective snapshot"))?;
+            .map_err(|e| statement_error(e, "saving a perspective snapshot"))?;
         let outcome: String = row.try_get(0).map_err(decode_error)?;
         match outcome.as_str() {
             "saved" => Ok(true),
@@ -591,7 +592,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "requesting a rewind"))?;
+            .map_err(|e| statement_error(e, "requesting a rewind"))?;
         Ok(row.is_some())
     }
 
@@ -615,7 +616,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "recording a perspective failure"))?;
+            .map_err(|e| statement_error(e, "recording a perspective failure"))?;
         Ok(())
     }
 
@@ -639,7 +640,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "purging a perspective pair"))?;
+            .map_err(|e| statement_error(e, "purging a perspective pair"))?;
         let outcome: String = row.try_get(0).map_err(decode_error)?;
         match outcome.as_str() {
             "purged" | "no_cursor" => Ok(()),
@@ -667,7 +668,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "creating a perspective cursor"))?;
+            .map_err(|e| statement_error(e, "creating a perspective cursor"))?;
         Ok(row.is_some())
     }
 
@@ -687,7 +688,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 ],
             )
             .await
-            .map_err(|e| map_error(e, "deleting a perspective cursor"))?;
+            .map_err(|e| statement_error(e, "deleting a perspective cursor"))?;
         Ok(row.is_some())
     }
 }

@@ -24,13 +24,14 @@
 use std::future::Future;
 
 use lockstep_core::{Error, ErrorKind, LeaseFence, LeaseId, Result};
-use lockstep_pg::{PgTransactionRef, map_error};
+use lockstep_pg::PgTransactionRef;
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
 use tracing::Instrument;
 
 use crate::locker::PostgresStreamLocker;
 use crate::sql;
+use crate::statement::statement_error;
 use crate::telemetry::{self, count};
 
 impl<T: PgTransactionRef> LeaseFence<T> for PostgresStreamLocker {
@@ -62,7 +63,7 @@ impl<T: PgTransactionRef> LeaseFence<T> for PostgresStreamLocker {
                     ],
                 )
                 .await
-                .map_err(|e| map_error(e, "checking the stream lease fence"))?;
+                .map_err(|e| statement_error(e, "checking the stream lease fence"))?;
             match row {
                 Some(_) => Ok(()),
                 None => {

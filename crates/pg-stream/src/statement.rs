@@ -9,7 +9,6 @@ use std::future::Future;
 
 use lockstep_core::{Error, ErrorKind, Result, StreamId};
 use lockstep_pg::internal::{CancelOnDrop, cancel_on_drop};
-use lockstep_pg::map_error;
 use tokio_postgres::row::RowIndex;
 use tokio_postgres::types::{FromSql, ToSql};
 use tokio_postgres::{Client, Row, Statement};
@@ -93,26 +92,12 @@ impl PostgresStreamLocker {
     }
 }
 
-/// [`map_error`], and a database without lockstep's schema (`42P01 undefined_table`,
-/// `42703 undefined_column`, `42883 undefined_function` on lockstep's own statements) says so:
-/// the migrations were not run, or not all of them.
+/// [`lockstep_pg::map_error`], and a database without lockstep's schema (`42P01
+/// undefined_table`, `42703 undefined_column`, `42883 undefined_function` on lockstep's own
+/// statements) says so: the migrations were not run, or not all of them (the helper every
+/// lockstep Postgres backend shares).
 pub(crate) fn statement_error(err: tokio_postgres::Error, doing: &'static str) -> Error {
-    use tokio_postgres::error::SqlState;
-    let missing_schema = err.code().is_some_and(|code| {
-        *code == SqlState::UNDEFINED_TABLE
-            || *code == SqlState::UNDEFINED_COLUMN
-            || *code == SqlState::UNDEFINED_FUNCTION
-    });
-    let Some(db) = err.as_db_error().filter(|_| missing_schema) else {
-        return map_error(err, doing);
-    };
-    let message = format!(
-        "{doing}: {} (SQLSTATE {}); the database lacks lockstep's schema: run the migrations \
-         first (lockstep_pg::migrate)",
-        db.message(),
-        db.code().code()
-    );
-    Error::new(lockstep_pg::internal::kind_of(&err), message).with_source(err)
+    lockstep_pg::internal::statement_error(err, doing)
 }
 
 /// Armed while a statement runs: dropped armed (the caller's future was dropped), it sends a

@@ -48,6 +48,31 @@ pub fn map_error(err: tokio_postgres::Error, doing: &'static str) -> Error {
     Error::new(kind, message).with_source(err)
 }
 
+/// [`map_error`] for lockstep's own statements (sibling crates reach it through
+/// `lockstep_pg::internal`): a database without lockstep's schema (`42P01 undefined_table`,
+/// `42703 undefined_column`, `42883 undefined_function`) also says so — the migrations were not
+/// run, or not all of them — and what to do about it. Not for an application's own SQL, where
+/// a missing table is the application's.
+pub(crate) fn map_statement_error(err: tokio_postgres::Error, doing: &str) -> Error {
+    let missing_schema = err.code().is_some_and(|code| {
+        *code == SqlState::UNDEFINED_TABLE
+            || *code == SqlState::UNDEFINED_COLUMN
+            || *code == SqlState::UNDEFINED_FUNCTION
+    });
+    let kind = kind_of(&err);
+    let message = match err.as_db_error() {
+        Some(db) if missing_schema => format!(
+            "{doing}: {} (SQLSTATE {}); the database lacks lockstep's schema: run the \
+             migrations first (lockstep_pg::migrate)",
+            db.message(),
+            db.code().code()
+        ),
+        Some(db) => format!("{doing}: {} (SQLSTATE {})", db.message(), db.code().code()),
+        None => doing.to_owned(),
+    };
+    Error::new(kind, message).with_source(err)
+}
+
 /// Wraps a pool error: a failed checkout is a lost connection (retryable), a bad pool setup is
 /// a backend error.
 pub fn map_pool_error(err: deadpool_postgres::PoolError) -> Error {

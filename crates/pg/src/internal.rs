@@ -1,12 +1,13 @@
 //! **Not part of the public API, and not semver-stable.**
 //!
-//! What lockstep's own Postgres backends (`lockstep-pg-advisory`, `lockstep-pg-store`) share
-//! beyond the public API: the advisory-lock waiting machinery (in-process queue, deadline,
-//! cancel-on-drop) and the SQLSTATE mapping of a single driver error. It is public only because
-//! those sibling crates call it; it is hidden from the documentation and may change in any
-//! release, patch releases included. The sibling crates pin this crate with an exact version
-//! (`=x.y.z` in the workspace manifest), so they always build against the version they were
-//! written for. Do not depend on anything here: use [`crate::LockQueue`], the backends, and
+//! What lockstep's own Postgres backends (`lockstep-pg-advisory`, `lockstep-pg-store`,
+//! `lockstep-pg-stream`) share beyond the public API: the advisory-lock waiting machinery
+//! (in-process queue, deadline, cancel-on-drop), the SQLSTATE mapping of a single driver error,
+//! and the error of one of lockstep's own statements (which says to run the migrations when the
+//! schema is missing). It is public only because those sibling crates call it; it is hidden
+//! from the documentation and may change in any release, patch releases included. The sibling
+//! crates pin this crate with an exact version (`=x.y.z` in the workspace manifest), so they
+//! always build against the version they were written for. Do not depend on anything here: use [`crate::LockQueue`], the backends, and
 //! [`crate::map_error`] instead. (sqlx-core carries the same note for the same reason.)
 
 pub use crate::advisory::{
@@ -14,6 +15,13 @@ pub use crate::advisory::{
     lock_error, lock_statement, lock_timeout_setting, try_lock_statement,
 };
 pub use crate::cancel::CancelOnDrop;
+
+/// A driver error of one of lockstep's own statements: [`crate::map_error`], and a database
+/// without lockstep's schema (undefined table, column or function) says to run
+/// [`crate::migrate()`].
+pub fn statement_error(err: tokio_postgres::Error, doing: &str) -> lockstep_core::Error {
+    crate::error::map_statement_error(err, doing)
+}
 
 /// The [`ErrorKind`](lockstep_core::ErrorKind) of a driver error: by SQLSTATE when the server
 /// sent one, else connection loss for closed connections and I/O failures.

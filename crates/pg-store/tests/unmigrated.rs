@@ -1,0 +1,63 @@
+//! Issue 8, defect 4: on a database that was never migrated, the event store and the
+//! perspective store say what is wrong and what to do (run `lockstep_pg::migrate`), with the
+//! database's own message and SQLSTATE, instead of a bare "backend error: appending to stream".
+
+use lockstep_core::{
+    EventStore, ExpectedVersion, NewEvent, PerspectiveName, PerspectiveStore, ResourceKey, StreamId,
+};
+use lockstep_pg::PgTransaction;
+use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
+use lockstep_testkit::pg_harness::test_database;
+
+fn says_to_migrate(what: &str, err: &lockstep_core::Error) {
+    let shown = err.to_string();
+    assert!(shown.contains("lockstep_pg::migrate"), "{what}: {shown}");
+    assert!(shown.contains("SQLSTATE 42"), "{what}: {shown}");
+    let source = std::error::Error::source(err).expect("the driver error is the source");
+    assert!(
+        source.downcast_ref::<tokio_postgres::Error>().is_some(),
+        "{what}: {source:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_stores_on_an_unmigrated_database_say_to_run_the_migrations() {
+    let db = test_database().await;
+    let pool = db.pool(2);
+    let store = PgEventStore::new();
+    let stream = StreamId::new_v7();
+    let key = ResourceKey::new("unmigrated:store").expect("key");
+    let event = NewEvent::new("Happened", serde_json::json!({})).expect("event");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let err = EventStore::append(&store, &tx, stream, ExpectedVersion::Any, &[event])
+        .await
+        .expect_err("no schema");
+    says_to_migrate("append", &err);
+    assert!(err.to_string().contains(&stream.to_string()), "{err}");
+    tx.rollback().await.expect("rollback");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let err = EventStore::load(&store, &tx, stream)
+        .await
+        .expect_err("no schema");
+    says_to_migrate("load", &err);
+    tx.rollback().await.expect("rollback");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let err = EventStore::load_locked(&store, &tx, stream, &key, None)
+        .await
+        .expect_err("no schema");
+    says_to_migrate("load_locked", &err);
+    tx.rollback().await.expect("rollback");
+
+    let perspectives = PgPerspectiveStore::new();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let name = PerspectiveName::new("Unmigrated").expect("name");
+    let err = perspectives
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect_err("no schema");
+    says_to_migrate("register", &err);
+    tx.rollback().await.expect("rollback");
+}
