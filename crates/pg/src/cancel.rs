@@ -3,7 +3,10 @@
 //! tokio-postgres sends nothing when a query future is dropped: the backend keeps waiting for
 //! the lock (and would get it, holding it for a caller that is gone). [`CancelOnDrop`] is armed
 //! around a waiting statement; if it is dropped before being disarmed, it sends a cancel request
-//! for that connection from a spawned task, and the wait ends with `57014 query_canceled`.
+//! for that connection from a spawned task, and the wait ends with `57014 query_canceled`. The
+//! request is sent again after short delays (up to 2 s after the drop, then the task ends),
+//! because a cancel that reaches the server before the statement is ignored (see
+//! `CANCEL_SCHEDULE` and ADR 0003).
 //!
 //! A cancel request travels on a new connection to the server, which must be made like the
 //! pool's connections: with the same TLS connector ([`Canceller`]). deadpool does not hand out
@@ -14,6 +17,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{CancelToken, NoTls, Socket};
@@ -91,24 +95,50 @@ impl CancelOnDrop {
     }
 }
 
+/// When the cancel request is sent, counted from the drop: at once, then again after short
+/// delays, because one request can lose its race. A cancel request travels on a connection of
+/// its own and may reach the server before the statement it is meant for (still in flight on
+/// the statement's connection, or not yet read by the backend); the server ignores a cancel
+/// that finds its backend idle, and the statement then waits on — a backend waiting for a lock
+/// does not notice that its client's socket was closed — and runs later for a caller that gave
+/// up. Sending again is harmless: the guard's connection is never used for another statement
+/// (closed, or only ever rolled back), and the cancel key carries a per-session secret, so a
+/// late request can only hit that dead or dying session's own statement. Bounded: the last one
+/// goes 2 s after the drop, and the task ends then.
+const CANCEL_SCHEDULE: [Duration; 5] = [
+    Duration::ZERO,
+    Duration::from_millis(25),
+    Duration::from_millis(100),
+    Duration::from_millis(500),
+    Duration::from_secs(2),
+];
+
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         let Some(token) = self.token.take() else {
             return;
         };
-        tracing::debug!("waiting lock statement abandoned; sending a cancel request");
-        let request = (self.canceller.send)(token);
-        let tls = self.canceller.tls;
+        tracing::debug!("waiting lock statement abandoned; sending cancel requests");
+        let canceller = self.canceller.clone();
         let send = async move {
-            if let Err(error) = request.await {
-                // E.g. the server wants TLS and the cancel request was configured without it:
-                // the wait then ends only when its connection is closed (the caller's
-                // transaction discards it at its end, a session waiter at once).
-                tracing::warn!(
-                    %error,
-                    tls,
-                    "could not send a cancel request for an abandoned lock wait"
-                );
+            let dropped = tokio::time::Instant::now();
+            for after in CANCEL_SCHEDULE {
+                // Saturating: an instant too far away for the clock is never reached anyway.
+                if let Some(at) = dropped.checked_add(after) {
+                    tokio::time::sleep_until(at).await;
+                }
+                if let Err(error) = (canceller.send)(token.clone()).await {
+                    // E.g. the server wants TLS and the cancel request was configured without
+                    // it: the next attempts would fail the same way. The wait then ends only
+                    // when its connection is closed (the caller's transaction discards it at its
+                    // end, a session waiter at once) and the backend notices.
+                    tracing::warn!(
+                        %error,
+                        tls = canceller.tls,
+                        "could not send a cancel request for an abandoned lock wait"
+                    );
+                    return;
+                }
             }
         };
         match tokio::runtime::Handle::try_current() {
@@ -117,7 +147,7 @@ impl Drop for CancelOnDrop {
             }
             Err(_) => {
                 // Dropped outside a runtime (e.g. while one shuts down): a short-lived thread
-                // with its own runtime still delivers the request.
+                // with its own runtime still delivers the requests.
                 let _ = std::thread::Builder::new()
                     .name("lockstep-cancel".into())
                     .spawn(move || {
