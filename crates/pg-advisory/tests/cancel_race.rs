@@ -49,7 +49,7 @@ impl Relay {
                     client.try_clone().expect("clone"),
                     upstream.try_clone().expect("clone"),
                 );
-                thread::spawn(move || pump(client, upstream, slow));
+                thread::spawn(move || pump(client, upstream, slow.as_deref()));
                 thread::spawn(move || pump(upstream2, client2, None));
             }
         });
@@ -59,7 +59,7 @@ impl Relay {
 
 /// Copies `from` to `to`. While `slow` is set, each chunk is delivered [`HOLD_BACK`] after it
 /// was read (the delays do not add up: chunks read together arrive together).
-fn pump(mut from: TcpStream, mut to: TcpStream, slow: Option<Arc<AtomicBool>>) {
+fn pump(mut from: TcpStream, mut to: TcpStream, slow: Option<&AtomicBool>) {
     let (chunks, delivered) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
     let writer = thread::spawn(move || {
         for (due, chunk) in delivered {
@@ -76,7 +76,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, slow: Option<Arc<AtomicBool>>) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        let due = if slow.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
+        let due = if slow.is_some_and(|s| s.load(Ordering::SeqCst)) {
             Instant::now() + HOLD_BACK
         } else {
             Instant::now()

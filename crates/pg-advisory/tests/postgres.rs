@@ -246,9 +246,10 @@ async fn cancel_requests_connect_with_the_configured_tls_connector() {
         .await,
         "the cancel request ended the server-side wait"
     );
-    assert_eq!(
-        tls.0.load(std::sync::atomic::Ordering::SeqCst),
-        1,
+    // At least one: the request is sent again on a short schedule in case it lost its race
+    // with the statement (ADR 0003, issue 8 addendum).
+    assert!(
+        tls.0.load(std::sync::atomic::Ordering::SeqCst) >= 1,
         "the cancel request was made through the lock's connector"
     );
     waiter.rollback().await.expect("rollback");
