@@ -397,6 +397,13 @@ impl PgTransaction {
                 "rolling back: the connection was lost (the server rolled the transaction back)",
             ));
         }
+        if self.discard.load(Ordering::Acquire) {
+            // An abandoned lock wait's cancel requests may still arrive (they are re-sent for a
+            // while) and would cancel the ROLLBACK: close the connection instead — the server
+            // rolls the transaction back when it goes.
+            let _ = Object::take(conn);
+            return Ok(());
+        }
         if let Err(e) = conn.batch_execute("ROLLBACK").await {
             let _ = Object::take(conn);
             return Err(map_error(e, "rolling back"));
