@@ -9,8 +9,8 @@
 //!   [`lockstep_worker::PerspectiveWorker`] on PostgreSQL as a process that a test can start and
 //!   `kill -9`; it prints a line when it holds a `rewind` lease.
 //! - [`reliability`]: the scenarios of issue 8's reliability suite (mutual-exclusion audit,
-//!   faults, cancellation, bad input), run short by `tests/reliability.rs` and long by
-//!   `lockstep-bench reliability`.
+//!   faults, cancellation, bad input, fake = Postgres by model), run short by
+//!   `tests/reliability_*.rs` and `tests/model.rs`, long by `lockstep-bench reliability`.
 //! - [`expected_folds`] and [`perspective_states`]: the fold of every stream's events in
 //!   event-id order, and the states the workers stored, read back from the database.
 //!

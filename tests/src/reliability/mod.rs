@@ -1,5 +1,5 @@
 //! The reliability suite of issue 8, as library code so that the same scenarios run twice: short
-//! in `cargo test` (`tests/tests/reliability.rs`, a few seconds each) and long behind
+//! in `cargo test` (`tests/tests/reliability_*.rs`, `tests/tests/model.rs`) and long behind
 //! `cargo run --release -p lockstep-bench -- reliability`, which ends with the one line
 //! `reliability violations=<n> lost=<n> duplicated=<n> panics=<n> cases=<n>`.
 //!
