@@ -32,6 +32,10 @@ features:
 bench which:
     cargo run --release -p lockstep-bench -- {{which}}
 
+# The long run of the reliability suite (docs/reliability.md); ends with the tally line.
+reliability:
+    cargo run --release -p lockstep-bench -- reliability
+
 # The demo (in memory by default, Postgres when DATABASE_URL is set).
 demo:
     cargo run -p lockstep-cli -- demo
