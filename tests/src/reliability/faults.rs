@@ -6,7 +6,7 @@
 //! 1. **PostgreSQL restart** ([`restart`] rounds) on a private server ([`super::server`]; the
 //!    shared one is never stopped). A [`LeaseKeeper`] keeps leases alive, a lease is held
 //!    without keepalive, a [`PostgresDistributedLock`] holder and an
-//!    [`AggregateWriteLock`](lockstep_core::AggregateWriteLock) holder each have a waiter blocked
+//!    [`AggregateWriteLock`] holder each have a waiter blocked
 //!    at the server (plus one queued in process), then the server stops (`-m fast` or
 //!    `-m immediate`, sometimes for longer than the lock timeout) and starts again on the same
 //!    port. Checked: every waiter and holder ends within a bound with a retryable or

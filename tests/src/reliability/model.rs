@@ -557,7 +557,7 @@ pub enum LockOp {
         /// Key index.
         key: usize,
     },
-    /// Transaction `tx` waits for `key` at most [`LOCK_WAIT`].
+    /// Transaction `tx` waits for `key` at most `LOCK_WAIT`.
     Acquire {
         /// Transaction index.
         tx: usize,
