@@ -604,6 +604,16 @@ fn lock_regressions() -> Vec<Vec<LockOp>> {
             Drop { tx: 0 },
             Acquire { tx: 2, key: 0 },
         ],
+        // Found by a long run: a lock wait that times out releases the transaction's other
+        // locks at the error on both sides (a later try by another transaction gets them).
+        vec![
+            Try { tx: 1, key: 1 },
+            Acquire { tx: 0, key: 0 },
+            Acquire { tx: 1, key: 0 },
+            Try { tx: 0, key: 1 },
+            Commit { tx: 1 },
+            Acquire { tx: 1, key: 1 },
+        ],
     ]
 }
 
