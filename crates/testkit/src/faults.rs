@@ -571,6 +571,30 @@ impl<S> FaultyEventStore<S> {
     }
 }
 
+impl<S> FaultyEventStore<S> {
+    /// The configured delay, then the next injected append failure, if any (a conflict carries
+    /// a [`VersionConflict`]); shared by `append` and `append_at_commit`.
+    async fn injected_append_failure(
+        &self,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        op: &'static str,
+    ) -> Result<()> {
+        self.faults.controls.delay().await;
+        match self
+            .faults
+            .controls
+            .with(|f| take_kind(&mut f.fail_appends))
+        {
+            Some(ErrorKind::Conflict) => Err(VersionConflict::new(stream_id, expected, None)
+                .with_source(injected(ErrorKind::Conflict, op))
+                .into_error()),
+            Some(kind) => Err(injected(kind, op)),
+            None => Ok(()),
+        }
+    }
+}
+
 impl<Tx, S> EventStore<Tx> for FaultyEventStore<S>
 where
     Tx: ?Sized + Sync,
@@ -615,18 +639,9 @@ where
         expected: ExpectedVersion,
         events: &[NewEvent],
     ) -> Result<u64> {
-        self.faults.controls.delay().await;
-        match self
-            .faults
-            .controls
-            .with(|f| take_kind(&mut f.fail_appends))
-        {
-            Some(ErrorKind::Conflict) => Err(VersionConflict::new(stream_id, expected, None)
-                .with_source(injected(ErrorKind::Conflict, "append"))
-                .into_error()),
-            Some(kind) => Err(injected(kind, "append")),
-            None => self.inner.append(tx, stream_id, expected, events).await,
-        }
+        self.injected_append_failure(stream_id, expected, "append")
+            .await?;
+        self.inner.append(tx, stream_id, expected, events).await
     }
 
     /// Injected append failures apply here too, reported at once (as by a backend that cannot
@@ -638,21 +653,10 @@ where
         expected: ExpectedVersion,
         events: &[NewEvent],
     ) -> Result<()> {
-        self.faults.controls.delay().await;
-        match self
-            .faults
-            .controls
-            .with(|f| take_kind(&mut f.fail_appends))
-        {
-            Some(ErrorKind::Conflict) => Err(VersionConflict::new(stream_id, expected, None)
-                .with_source(injected(ErrorKind::Conflict, "append_at_commit"))
-                .into_error()),
-            Some(kind) => Err(injected(kind, "append_at_commit")),
-            None => {
-                self.inner
-                    .append_at_commit(tx, stream_id, expected, events)
-                    .await
-            }
-        }
+        self.injected_append_failure(stream_id, expected, "append_at_commit")
+            .await?;
+        self.inner
+            .append_at_commit(tx, stream_id, expected, events)
+            .await
     }
 }
