@@ -281,6 +281,86 @@ async fn a_timeout_is_a_typed_lock_timeout_that_aborts_the_transaction() {
     holder.commit().await.expect("commit");
 }
 
+/// PostgreSQL sends a statement's error before it aborts the transaction and releases its
+/// locks; a timed-out acquire returns only after the abort (the fake releases at the error, and
+/// the model of the reliability suite compares the two). The server's window between the error
+/// and the release is widened by many locks held by the waiter and by threads that keep the
+/// cores busy (the backend is then often descheduled in between): without the wait for the
+/// abort, this fails within a few rounds.
+/// Threads that spin until dropped, to load the machine's cores (bounded: at most 60 s).
+struct BusyCores {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl BusyCores {
+    fn start(threads: usize) -> BusyCores {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..threads)
+            .map(|_| {
+                let stop = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let until = std::time::Instant::now() + Duration::from_secs(60);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                        && std::time::Instant::now() < until
+                    {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        BusyCores { stop, threads }
+    }
+}
+
+impl Drop for BusyCores {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_wait_has_released_the_transactions_other_locks_when_it_returns() {
+    let (_db, pool, lock) = setup(4).await;
+    let _busy = BusyCores::start(3);
+    for round in 0..60 {
+        let (wanted, other) = (fresh_key(), fresh_key());
+        let holder = PgTransaction::begin(&pool).await.expect("begin");
+        lock.acquire_for_transaction(&holder, &wanted, None)
+            .await
+            .expect("free");
+        let waiter = PgTransaction::begin(&pool).await.expect("begin");
+        lock.acquire_for_transaction(&waiter, &other, None)
+            .await
+            .expect("free");
+        waiter
+            .client()
+            .batch_execute("SELECT pg_advisory_xact_lock(1, k) FROM generate_series(1, 3000) AS k")
+            .await
+            .expect("many locks");
+        let observer = PgTransaction::begin(&pool).await.expect("begin");
+        let err = lock
+            .acquire_for_transaction(&waiter, &wanted, Some(Duration::from_millis(20)))
+            .await
+            .expect_err("times out");
+        assert_eq!(err.kind(), ErrorKind::LockTimeout, "{err}");
+        let free = lock
+            .try_acquire_for_transaction(&observer, &other)
+            .await
+            .expect("try");
+        assert!(
+            free,
+            "round {round}: the timed-out transaction still held its other lock"
+        );
+        observer.rollback().await.expect("rollback");
+        waiter.rollback().await.expect("rollback");
+        holder.commit().await.expect("commit");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_acquire_restores_the_previous_lock_timeout() {
     let (_db, pool, lock) = setup(2).await;

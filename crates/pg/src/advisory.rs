@@ -232,11 +232,30 @@ where
     .await;
     cancel.disarm();
     discard.disarm();
-    if outcome.is_ok() {
-        tx.note_lock_held(advisory);
+    match &outcome {
+        Ok(_) => tx.note_lock_held(advisory),
+        Err(e) if e.kind() != ErrorKind::ConnectionLost => await_abort(tx).await,
+        Err(_) => {}
     }
     drop(permit);
     outcome
+}
+
+/// How long a failed lock statement waits for the server to finish aborting its transaction
+/// ([`await_abort`]): one round trip on a responsive server; past it the error is returned
+/// anyway (the release then happens a little later, as PostgreSQL itself would have it).
+const ABORT_SYNC_WAIT: Duration = Duration::from_secs(1);
+
+/// Returns once the server has finished aborting `tx`'s transaction after a failed statement.
+///
+/// PostgreSQL sends a statement's error *before* it aborts the transaction and releases its
+/// locks, so a caller that acts on a lock timeout at once (another transaction tries a key the
+/// failed one held) could still find it held. The server reads the next message only after the
+/// abort: an empty query — which even an aborted transaction answers without error — marks the
+/// moment. It costs a round trip on the failure path only, and dropping it leaves nothing
+/// running (there is no statement). Its own failure changes nothing: the lock error stands.
+async fn await_abort(tx: &PgTransaction) {
+    let _ = tokio::time::timeout(ABORT_SYNC_WAIT, tx.client().simple_query("")).await;
 }
 
 /// The blocking lock statement for `tx` (isolation check, `lock_timeout` for the wait when

@@ -605,7 +605,9 @@ fn lock_regressions() -> Vec<Vec<LockOp>> {
             Acquire { tx: 2, key: 0 },
         ],
         // Found by a long run: a lock wait that times out releases the transaction's other
-        // locks at the error on both sides (a later try by another transaction gets them).
+        // locks on both sides by the time the error returns (a later try by another transaction
+        // gets them). PostgreSQL sends the error before it aborts and releases; the lock waits
+        // for the abort before returning (ADR 0003, last addendum).
         vec![
             Try { tx: 1, key: 1 },
             Acquire { tx: 0, key: 0 },
