@@ -3,7 +3,8 @@
 //!
 //! Each operation's future is polled exactly `N` times, with real I/O in between (a short sleep,
 //! or a bare yield in the long run), and then dropped, for `N = 1, 2, …` until it completes
-//! within `N` polls. Every `N` is a case, run on a pool of its own whose connections carry an
+//! within `N` polls (with bare yields, `N` is sampled: a few dozen growing drop points per
+//! operation, elsewhere in each round). Every `N` is a case, run on a pool of its own whose connections carry an
 //! `application_name` naming the case, so the server says what that pool left behind. After
 //! each drop:
 //!
@@ -52,10 +53,13 @@ use uuid::Uuid;
 use super::{Scale, Tally};
 use crate::number_event;
 
-/// The most polls a sweep tries before it reports an operation that never completes (with
-/// 1 ms between polls; bare yields get ten times as many: a new connection alone takes
-/// hundreds of them).
+/// The most polls a sweep tries before it reports an operation that never completes, with 1 ms
+/// between polls.
 const MAX_POLLS: u32 = 400;
+
+/// The same with bare yields between polls: a round trip takes hundreds to thousands of yields
+/// (more on a quiet machine, where a yield is quicker), a new connection several round trips.
+const MAX_YIELDS: u32 = 1_000_000;
 
 /// How long the checks wait for the server to settle (a cancel request lands, a discarded
 /// connection's backend exits). Far above what either takes; a check that is still failing
@@ -228,18 +232,20 @@ fn options() -> anyhow::Result<StreamLockOptions> {
     )?)
 }
 
-/// Runs every operation's sweep (`Short`: 1 ms gaps, once; `Long`: three rounds of 1 ms gaps
-/// and of bare yields, the yield sweeps stepping `N` by a random 1–3 so each round drops at
-/// other points).
+/// Runs every operation's sweep. `Short`: 1 ms gaps, once, every `N`. `Long`: two rounds of
+/// 1 ms gaps (every `N`) and four of bare yields, whose drop points are sampled (see
+/// [`next_drop_point`]) so that each round drops at other points and the run stays near ten
+/// minutes however fast the machine is (every `N` would be thousands of cases per operation on
+/// a quiet machine, where a round trip takes thousands of yields).
 pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     let ctx = Arc::new(Ctx::new().await?);
-    let (gaps, rounds): (&[Gap], u32) = match scale {
-        Scale::Short => (&[Gap::Sleep], 1),
-        Scale::Long => (&[Gap::Sleep, Gap::Yield], 3),
+    let sweeps: &[(Gap, u32)] = match scale {
+        Scale::Short => &[(Gap::Sleep, 1)],
+        Scale::Long => &[(Gap::Sleep, 2), (Gap::Yield, 4)],
     };
     let mut tally = Tally::default();
-    for _ in 0..rounds {
-        for &gap in gaps {
+    for &(gap, rounds) in sweeps {
+        for _ in 0..rounds {
             for op in ALL {
                 let ctx = Arc::clone(&ctx);
                 // A task per sweep, so a panic in lockstep code is counted, not fatal.
@@ -257,19 +263,29 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     Ok(tally)
 }
 
-/// `N = 1, 2, …` for one operation until it completes within `N` polls.
+/// The drop point after `n` in a sweep with `gap`: every `N` with 1 ms gaps; with bare yields,
+/// every `N` up to 8 (the first await points), then a random step of 1 to `n / 4`, so the
+/// points grow by about an eighth each time (a few dozen per operation) and land elsewhere in
+/// each round.
+fn next_drop_point(n: u32, gap: Gap) -> u32 {
+    match gap {
+        Gap::Sleep => n + 1,
+        Gap::Yield if n < 8 => n + 1,
+        Gap::Yield => n.saturating_add(rand::random_range(1..=n / 4)),
+    }
+}
+
+/// `N = 1, 2, …` (or sampled, see [`next_drop_point`]) for one operation until it completes
+/// within `N` polls.
 async fn sweep(ctx: &Ctx, op: Op, gap: Gap) -> anyhow::Result<Tally> {
     let mut tally = Tally::default();
     let max = match gap {
         Gap::Sleep => MAX_POLLS,
-        Gap::Yield => MAX_POLLS * 10,
+        Gap::Yield => MAX_YIELDS,
     };
     let mut n = 0;
     while n < max {
-        n = match gap {
-            Gap::Sleep => n + 1,
-            Gap::Yield => n + rand::random_range(1..=3),
-        };
+        n = next_drop_point(n, gap);
         let label = format!("{} N={n} ({gap:?})", op.name());
         let pool = ctx.case_pool(&op.name(), n)?;
         let completed = case(ctx, &pool, op, n, gap, &label, &mut tally)
@@ -1128,4 +1144,26 @@ pub async fn demonstrate_checks() -> anyhow::Result<(Tally, Vec<String>)> {
     record("half an append", t, &mut all);
 
     Ok((all, missed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yield_drop_points_cover_the_first_awaits_then_grow_to_a_few_dozen() {
+        for _ in 0..100 {
+            let mut points = Vec::new();
+            let mut n = 0;
+            while n < 4_000 {
+                n = next_drop_point(n, Gap::Yield);
+                points.push(n);
+            }
+            assert_eq!(points[..8], [1, 2, 3, 4, 5, 6, 7, 8]);
+            assert!(points.windows(2).all(|w| w[0] < w[1]), "{points:?}");
+            assert!((30..=90).contains(&points.len()), "{}", points.len());
+        }
+        assert_eq!(next_drop_point(41, Gap::Sleep), 42);
+        assert!(next_drop_point(u32::MAX - 1, Gap::Yield) == u32::MAX);
+    }
 }
