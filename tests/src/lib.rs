@@ -5,11 +5,12 @@
 //! - [`Numbers`], the perspective every test runs: its state is the list of the numbers its
 //!   events carry, in the order applied, so a lost event and an event applied twice both show;
 //!   its `apply` can be slowed down (a rewind that takes long enough to kill its process).
-//! - The `lockstep-test-worker` binary (`src/bin/lockstep-test-worker.rs`): one
+//! - [`worker_process`], the body of the `lockstep-test-worker` binary: one
 //!   [`lockstep_worker::PerspectiveWorker`] on PostgreSQL as a process that a test can start and
 //!   `kill -9`; it prints a line when it holds a `rewind` lease.
 //! - [`reliability`]: the scenarios of issue 8's reliability suite (mutual-exclusion audit,
-//!   faults, cancellation, bad input, fake = Postgres by model), run short by
+//!   faults, cancellation, bad input, fake = Postgres by model, worker processes killed at
+//!   random), run short by
 //!   `tests/reliability_*.rs` and `tests/model.rs`, long by `lockstep-bench reliability`.
 //! - [`expected_folds`] and [`perspective_states`]: the fold of every stream's events in
 //!   event-id order, and the states the workers stored, read back from the database.
@@ -23,6 +24,7 @@
 //! ```
 
 pub mod reliability;
+pub mod worker_process;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

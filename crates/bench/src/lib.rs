@@ -55,6 +55,10 @@ enum Command {
     /// The long run of the reliability suite: every scenario, a table, and the last line
     /// `reliability violations=… lost=… duplicated=… panics=… cases=…`.
     Reliability(reliability::Args),
+    /// One perspective worker process for the reliability run's `workers` scenario, which
+    /// starts and kills these (`lockstep_tests::worker_process`).
+    #[command(hide = true)]
+    TestWorker(lockstep_tests::worker_process::Args),
 }
 
 /// Runs the chosen benchmark, printing its table and its `key=value` lines.
@@ -64,5 +68,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Command::Aggregate(args) => aggregate::run(args).await,
         Command::Worker(args) => worker::run(args).await,
         Command::Reliability(args) => reliability::run(args).await,
+        Command::TestWorker(args) => lockstep_tests::worker_process::run(args).await,
     }
 }

@@ -1,7 +1,7 @@
 //! `reliability`: the long run of issue 8's reliability suite.
 //!
 //! Runs every scenario of [`lockstep_tests::reliability`] (`audit`, `faults`, `cancel`,
-//! `bad_input`, `model`), long by default, each in a spawned task so that a scenario that
+//! `bad_input`, `model`, `workers`), long by default, each in a spawned task so that a scenario that
 //! panics or fails is counted and the run goes on, and prints:
 //!
 //! - one Markdown table row per scenario: cases, violations, lost, duplicated, panics, seconds;
@@ -24,7 +24,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use std::ffi::OsString;
+
+use anyhow::{Context as _, Result, bail};
+use lockstep_tests::reliability::workers::{self, WorkerCommand};
 use lockstep_tests::reliability::{Scale, Tally, audit, bad_input, cancel, faults, model};
 
 /// Options of the `reliability` command.
@@ -104,7 +107,34 @@ fn scenarios() -> Vec<Scenario> {
         tally_only!("cancel", cancel),
         tally_only!("bad_input", bad_input),
         tally_only!("model", model),
+        Scenario {
+            name: "workers",
+            start: |scale| {
+                Box::pin(async move {
+                    let report = workers::run(scale, &this_program_as_worker()?).await?;
+                    Ok(Finished {
+                        tally: report.tally,
+                        figures: Some(format!("workers: {}", report.stats)),
+                    })
+                })
+            },
+        },
     ]
+}
+
+/// How the `workers` scenario starts its worker processes: this very program, with the
+/// arguments that led to `reliability` followed by the hidden `test-worker` subcommand (so
+/// `lockstep-bench reliability` starts `lockstep-bench test-worker …`, and `lockstep bench
+/// reliability` starts `lockstep bench test-worker …`). A `cargo run` of the bench does not
+/// build the `lockstep-test-worker` binary that `cargo test` uses.
+fn this_program_as_worker() -> Result<WorkerCommand> {
+    let program = std::env::current_exe().context("locating this program")?;
+    let mut args: Vec<OsString> = std::env::args_os()
+        .skip(1)
+        .take_while(|arg| arg != "reliability")
+        .collect();
+    args.push("test-worker".into());
+    Ok(WorkerCommand::new(program, args))
 }
 
 fn scenario_names() -> Vec<&'static str> {

@@ -20,6 +20,9 @@
 //!   PostgreSQL; every observable outcome must agree.
 //! - [`bad_input`] — every constructor's limits and every bad-input case is a typed error that
 //!   changes nothing (the tables are checksummed before and after).
+//! - [`workers`] — perspective worker processes `kill -9`ed (and stopped) at random while events,
+//!   some of them late, are appended: every perspective state equals the fold of its events,
+//!   nothing lost or applied twice.
 
 pub mod audit;
 pub mod bad_input;
@@ -27,6 +30,7 @@ pub mod cancel;
 pub mod faults;
 pub mod model;
 pub mod server;
+pub mod workers;
 
 use std::fmt;
 
