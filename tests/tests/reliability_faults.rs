@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 use lockstep_core::{Error, ErrorKind};
+use lockstep_testkit::relay::Relay;
 use lockstep_tests::reliability::faults::{
-    Ended, StallProxy, bounded, expect_failure, lost_before_takeover, lost_connection,
+    Ended, bounded, expect_failure, lost_before_takeover, lost_connection,
 };
 use lockstep_tests::reliability::{Scale, Tally, faults};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -84,9 +85,9 @@ fn the_lost_signal_must_fire_before_the_takeover() {
     assert_eq!((tally.violations, tally.cases), (2, 3));
 }
 
-/// The stall fault is real: a paused proxy holds a query's bytes until resumed.
+/// The stall fault is real: a paused relay holds a query's bytes until resumed.
 #[tokio::test]
-async fn a_paused_proxy_stalls_traffic_until_resumed() {
+async fn a_paused_relay_stalls_traffic_until_resumed() {
     let echo = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -101,8 +102,8 @@ async fn a_paused_proxy_stalls_traffic_until_resumed() {
             }
         }
     });
-    let proxy = StallProxy::start(target).await.expect("proxy");
-    let mut client = tokio::net::TcpStream::connect(proxy.addr())
+    let relay = Relay::start(target).await.expect("relay");
+    let mut client = tokio::net::TcpStream::connect(relay.addr())
         .await
         .expect("connect");
     let mut buf = [0_u8; 4];
@@ -110,12 +111,12 @@ async fn a_paused_proxy_stalls_traffic_until_resumed() {
     client.read_exact(&mut buf).await.expect("echo");
     assert_eq!(&buf, b"ping");
 
-    proxy.pause();
+    relay.pause();
     client.write_all(b"pong").await.expect("write");
     let stalled =
         tokio::time::timeout(Duration::from_millis(300), client.read_exact(&mut buf)).await;
-    assert!(stalled.is_err(), "the paused proxy let bytes through");
-    proxy.resume();
+    assert!(stalled.is_err(), "the paused relay let bytes through");
+    relay.resume();
     tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut buf))
         .await
         .expect("resumed in time")

@@ -24,8 +24,9 @@
 //! set of streams, with a pool of one connection per writer.
 //!
 //! **Round trips per command** are counted, not inferred: a second, shorter pass of every
-//! scenario runs through a TCP relay that counts each burst of client bytes following server
-//! bytes (pipelined statements travel in one burst). Throughput comes from the direct pass.
+//! scenario runs through a TCP relay (`lockstep_testkit::relay`) that counts each burst of
+//! client bytes following server bytes (pipelined statements travel in one burst). Throughput
+//! comes from the direct pass.
 //!
 //! Each scenario runs `--rounds` rounds, alternating which mode goes first; the table shows the
 //! totals over all rounds, and the ratio row under each pair is the **median of the per-round
@@ -45,14 +46,12 @@
 //! the rounds' ratios), `hot32_p99_pessimistic_vs_optimistic` (p99 latencies over all rounds)
 //! and `hold_ms_mean` (the measured hold, pessimistic hot 32).
 
-use std::net::SocketAddr;
-use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use deadpool_postgres::Pool;
 use hdrhistogram::Histogram;
 use lockstep_core::{
     AggregateType, ErrorKind, EventStore, ExpectedVersion, NewEvent, RetryPolicy, StreamId,
@@ -61,10 +60,8 @@ use lockstep_core::{
 use lockstep_pg::PgTransaction;
 use lockstep_pg_advisory::PostgresDistributedLock;
 use lockstep_pg_store::PgEventStore;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_postgres::NoTls;
-use tokio_postgres::config::Host;
+use lockstep_testkit::pg_harness::server_address;
+use lockstep_testkit::relay::Relay;
 use uuid::Uuid;
 
 use crate::bench_db::{BenchDatabase, admin_url};
@@ -224,12 +221,12 @@ const AGGREGATE: &str = "BenchItem";
 pub(crate) async fn run(args: Args) -> Result<()> {
     let url = admin_url(args.database_url.clone());
     let db = BenchDatabase::create(&url).await?;
-    let result = run_on(&args, &url, &db).await;
+    let result = run_on(&args, &db).await;
     db.drop_database().await?;
     result
 }
 
-async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
+async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
     let setup_pool = db.pool(2)?;
     lockstep_pg::migrate(&setup_pool)
         .await
@@ -271,8 +268,10 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
     );
     println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
 
-    let relay = Relay::start(upstream(url)?).await?;
-    let relayed_pool = |size: usize| relay_pool(url, db.name(), relay.addr, size);
+    let relay = Relay::start(server_address(db.config()).context("the round-trip relay")?)
+        .await
+        .context("starting the round-trip relay")?;
+    let relayed_pool = |size: usize| db.pool_through(relay.addr(), size);
     let work_dir = std::env::temp_dir().join(db.name());
     std::fs::create_dir_all(&work_dir).context("creating a work directory")?;
 
@@ -419,7 +418,7 @@ async fn run_on(args: &Args, url: &str, db: &BenchDatabase) -> Result<()> {
             }
         }
     }
-    relay.stop();
+    drop(relay);
     std::fs::remove_dir_all(&work_dir).ok();
     for table in &headline.tables {
         println!();
@@ -959,128 +958,4 @@ async fn warm_up(pool: &Pool, size: usize) -> Result<()> {
         held.push(pool.get().await.context("warming the pool up")?);
     }
     Ok(())
-}
-
-fn upstream(url: &str) -> Result<(String, u16)> {
-    let config = tokio_postgres::Config::from_str(url).context("parsing the database URL")?;
-    let host = match config.get_hosts().first() {
-        Some(Host::Tcp(h)) => h.clone(),
-        _ => anyhow::bail!("the round-trip relay needs a TCP host in the database URL"),
-    };
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    Ok((host, port))
-}
-
-fn relay_pool(url: &str, dbname: &str, relay: SocketAddr, size: usize) -> Result<Pool> {
-    let admin = tokio_postgres::Config::from_str(url).context("parsing the database URL")?;
-    // A fresh config: `host()` adds a host, and the relay must be the only one.
-    let mut config = tokio_postgres::Config::new();
-    config
-        .dbname(dbname)
-        .host(relay.ip().to_string())
-        .port(relay.port());
-    if let Some(user) = admin.get_user() {
-        config.user(user);
-    }
-    if let Some(password) = admin.get_password() {
-        config.password(password);
-    }
-    let manager = Manager::from_config(
-        config,
-        NoTls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
-    Pool::builder(manager)
-        .max_size(size)
-        .build()
-        .context("building the relayed pool")
-}
-
-/// A loopback TCP relay in front of the server that counts round trips: every burst of bytes
-/// from a client that follows bytes from the server (or opens the connection) is one.
-struct Relay {
-    addr: SocketAddr,
-    round_trips: Arc<AtomicU64>,
-    accept: tokio::task::JoinHandle<()>,
-}
-
-impl Relay {
-    async fn start(upstream: (String, u16)) -> Result<Relay> {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .context("binding the relay")?;
-        let addr = listener.local_addr()?;
-        let round_trips = Arc::new(AtomicU64::new(0));
-        let counter = Arc::clone(&round_trips);
-        let accept = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let counter = Arc::clone(&counter);
-                let upstream = upstream.clone();
-                tokio::spawn(async move {
-                    if let Ok(server) = TcpStream::connect((upstream.0.as_str(), upstream.1)).await
-                    {
-                        relay_connection(client, server, counter).await;
-                    }
-                });
-            }
-        });
-        Ok(Relay {
-            addr,
-            round_trips,
-            accept,
-        })
-    }
-
-    fn round_trips(&self) -> u64 {
-        self.round_trips.load(Ordering::Relaxed)
-    }
-
-    fn stop(self) {
-        self.accept.abort();
-    }
-}
-
-async fn relay_connection(client: TcpStream, server: TcpStream, round_trips: Arc<AtomicU64>) {
-    let _ = client.set_nodelay(true);
-    let _ = server.set_nodelay(true);
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    // True when the server spoke last: the client's next bytes start a round trip.
-    let server_spoke = Arc::new(AtomicBool::new(true));
-    let to_server = {
-        let server_spoke = Arc::clone(&server_spoke);
-        async move {
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                let n = match client_read.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                if server_spoke.swap(false, Ordering::SeqCst) {
-                    round_trips.fetch_add(1, Ordering::Relaxed);
-                }
-                if server_write.write_all(&buf[..n]).await.is_err() {
-                    break;
-                }
-            }
-            let _ = server_write.shutdown().await;
-        }
-    };
-    let to_client = async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = match server_read.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            server_spoke.store(true, Ordering::SeqCst);
-            if client_write.write_all(&buf[..n]).await.is_err() {
-                break;
-            }
-        }
-        let _ = client_write.shutdown().await;
-    };
-    tokio::join!(to_server, to_client);
 }

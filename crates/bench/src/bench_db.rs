@@ -1,10 +1,12 @@
 //! A throwaway database per benchmark run: created on the server named by `DATABASE_URL` (or
 //! the local server), migrated, and dropped at the end.
 
+use std::net::SocketAddr;
 use std::str::FromStr;
 
 use anyhow::{Context, Result};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use lockstep_testkit::pg_harness::config_through;
 use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config, NoTls};
 
@@ -48,19 +50,20 @@ impl BenchDatabase {
         &self.name
     }
 
+    /// Connection settings for the benchmark database.
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
     /// A pool of `size` connections to the benchmark database.
     pub(crate) fn pool(&self, size: usize) -> Result<Pool> {
-        let manager = Manager::from_config(
-            self.config.clone(),
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        Pool::builder(manager)
-            .max_size(size)
-            .build()
-            .context("building a pool")
+        pool(self.config.clone(), size)
+    }
+
+    /// A pool of `size` connections to the benchmark database, each through the relay
+    /// listening on `relay`.
+    pub(crate) fn pool_through(&self, relay: SocketAddr, size: usize) -> Result<Pool> {
+        pool(config_through(&self.config, relay), size)
     }
 
     /// A direct connection to the server's admin database (not the benchmark database, so its
@@ -123,4 +126,18 @@ async fn connect(config: &Config) -> Result<Client> {
         let _ = connection.await;
     });
     Ok(client)
+}
+
+fn pool(config: Config, size: usize) -> Result<Pool> {
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .build()
+        .context("building a pool")
 }

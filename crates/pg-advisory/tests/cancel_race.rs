@@ -7,118 +7,27 @@
 //! pool connection's bytes back for a while: the statement reaches the server after the first
 //! cancel request. The cancel is sent again after short delays, so the wait still ends.
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lockstep_core::{DistributedLock, ResourceKey};
 use lockstep_pg::{PgTransaction, migrate};
 use lockstep_pg_advisory::PostgresDistributedLock;
 use lockstep_testkit::pg_harness::test_database;
+use lockstep_testkit::relay::Relay;
 
 /// How long the relay holds back each chunk the slowed connection sends.
 const HOLD_BACK: Duration = Duration::from_millis(300);
-
-/// A TCP relay to the server. The first connection through it (the pool's only one) can be
-/// slowed down: its bytes to the server are held back [`HOLD_BACK`]. Later
-/// connections (the cancel requests) go straight through.
-struct Relay {
-    port: u16,
-    slow_first: Arc<AtomicBool>,
-}
-
-impl Relay {
-    fn start(server: (String, u16)) -> Relay {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the relay");
-        let port = listener.local_addr().expect("relay address").port();
-        let slow_first = Arc::new(AtomicBool::new(false));
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let slow = Arc::clone(&slow_first);
-        thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(upstream) = TcpStream::connect((server.0.as_str(), server.1)) else {
-                    continue;
-                };
-                let first = accepted.fetch_add(1, Ordering::SeqCst) == 0;
-                let slow = first.then(|| Arc::clone(&slow));
-                let (client2, upstream2) = (
-                    client.try_clone().expect("clone"),
-                    upstream.try_clone().expect("clone"),
-                );
-                thread::spawn(move || pump(client, upstream, slow.as_deref()));
-                thread::spawn(move || pump(upstream2, client2, None));
-            }
-        });
-        Relay { port, slow_first }
-    }
-}
-
-/// Copies `from` to `to`. While `slow` is set, each chunk is delivered [`HOLD_BACK`] after it
-/// was read (the delays do not add up: chunks read together arrive together).
-fn pump(mut from: TcpStream, mut to: TcpStream, slow: Option<&AtomicBool>) {
-    let (chunks, delivered) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
-    let writer = thread::spawn(move || {
-        for (due, chunk) in delivered {
-            thread::sleep(due.saturating_duration_since(Instant::now()));
-            if to.write_all(&chunk).is_err() {
-                break;
-            }
-        }
-        let _ = to.shutdown(Shutdown::Write);
-    });
-    let mut buf = [0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        let due = if slow.is_some_and(|s| s.load(Ordering::SeqCst)) {
-            Instant::now() + HOLD_BACK
-        } else {
-            Instant::now()
-        };
-        if chunks.send((due, buf[..n].to_vec())).is_err() {
-            break;
-        }
-    }
-    drop(chunks);
-    let _ = writer.join();
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_wait_is_cancelled_even_when_the_first_cancel_arrives_before_the_statement() {
     let db = test_database().await;
     migrate(&db.pool(1)).await.expect("migrate");
-    let base = db.config().clone();
-    let server = match (base.get_hosts().first(), base.get_ports().first()) {
-        (Some(tokio_postgres::config::Host::Tcp(host)), port) => {
-            (host.clone(), port.copied().unwrap_or(5432))
-        }
-        other => panic!("the test server is not on TCP: {other:?}"),
-    };
-    let relay = Relay::start(server);
-    let mut config = tokio_postgres::Config::new();
-    config
-        .host("127.0.0.1")
-        .port(relay.port)
-        .user(base.get_user().unwrap_or("postgres"))
-        .dbname(base.get_dbname().expect("dbname"));
-    if let Some(password) = base.get_password() {
-        config.password(password);
-    }
-    let manager = deadpool_postgres::Manager::from_config(
-        config,
-        tokio_postgres::NoTls,
-        deadpool_postgres::ManagerConfig::default(),
-    );
-    let pool = deadpool_postgres::Pool::builder(manager)
-        .max_size(1)
-        .build()
-        .expect("pool");
+    // The pool's only connection goes through the relay; the cancel requests, sent to the
+    // connection's address, do too, on connections of their own.
+    let relay = Relay::start(db.server_address().expect("a TCP server"))
+        .await
+        .expect("start the relay");
+    let pool = db.pool_through(relay.addr(), 1);
     let lock = PostgresDistributedLock::new(pool.clone());
     let key = ResourceKey::new(format!("cancel-race:{}", uuid::Uuid::new_v4())).expect("key");
 
@@ -141,7 +50,8 @@ async fn an_abandoned_wait_is_cancelled_even_when_the_first_cancel_arrives_befor
 
     // From here the waiter's statement reaches the server ~300 ms after it is sent; the caller
     // gives up after 50 ms, so the first cancel request arrives while the backend is idle.
-    relay.slow_first.store(true, Ordering::SeqCst);
+    // Only the connection open now: the cancel requests (new connections) go straight through.
+    assert_eq!(relay.hold_back(HOLD_BACK), 1, "the pool's one connection");
     let abandoned = tokio::time::timeout(
         Duration::from_millis(50),
         lock.acquire_for_transaction(&waiter, &key, None),
@@ -182,6 +92,6 @@ async fn an_abandoned_wait_is_cancelled_even_when_the_first_cancel_arrives_befor
         .expect("pg_locks")
         .get(0);
     assert_eq!(granted, 0, "the abandoned wait was granted the lock");
-    relay.slow_first.store(false, Ordering::SeqCst);
+    relay.hold_back(Duration::ZERO);
     drop(waiter);
 }

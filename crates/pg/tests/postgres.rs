@@ -2,7 +2,8 @@
 
 use lockstep_core::ErrorKind;
 use lockstep_pg::{PgTransaction, migrate, migrate::embedded_migrations};
-use lockstep_testkit::pg_harness::test_database;
+use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+use lockstep_testkit::relay::Relay;
 
 #[tokio::test]
 async fn migrations_apply_once_even_when_two_runs_race() {
@@ -150,105 +151,15 @@ async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection(
     assert_eq!(count, 0);
 }
 
-/// A TCP relay between the client and the test server that, once armed, forwards the next
-/// client message containing `COMMIT` and then drops both connections: the server commits,
-/// the client never hears back (a lost COMMIT reply).
-struct CommitReplyDropper {
-    port: u16,
-    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl CommitReplyDropper {
-    async fn start(upstream: (String, u16)) -> CommitReplyDropper {
-        use std::sync::atomic::Ordering;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let port = listener.local_addr().expect("address").port();
-        let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = std::sync::Arc::clone(&armed);
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let server = tokio::net::TcpStream::connect((upstream.0.as_str(), upstream.1))
-                    .await
-                    .expect("upstream");
-                let flag = std::sync::Arc::clone(&flag);
-                tokio::spawn(async move {
-                    let (mut client_rx, mut client_tx) = client.into_split();
-                    let (mut server_rx, mut server_tx) = server.into_split();
-                    let up = async {
-                        let mut buf = vec![0u8; 64 * 1024];
-                        loop {
-                            let n = client_rx.read(&mut buf).await.unwrap_or(0);
-                            if n == 0 || server_tx.write_all(&buf[..n]).await.is_err() {
-                                return;
-                            }
-                            let chunk = &buf[..n];
-                            if flag.load(Ordering::SeqCst)
-                                && chunk.windows(6).any(|w| w == b"COMMIT")
-                            {
-                                flag.store(false, Ordering::SeqCst);
-                                return; // forwarded; the reply is never relayed
-                            }
-                        }
-                    };
-                    let down = tokio::io::copy(&mut server_rx, &mut client_tx);
-                    tokio::select! {
-                        () = up => {}
-                        _ = down => {}
-                    }
-                    // Dropping the halves closes both connections (the COMMIT bytes already
-                    // went out to the server, ahead of the FIN).
-                });
-            }
-        });
-        CommitReplyDropper { port, armed }
-    }
-
-    fn arm(&self) {
-        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-/// A pool of `size` connections to `db` through the relay on `port`.
-fn pool_through(
-    db: &lockstep_testkit::pg_harness::TestDatabase,
-    port: u16,
-) -> deadpool_postgres::Pool {
-    let direct = db.config();
-    let mut config = tokio_postgres::Config::new();
-    config.host("127.0.0.1").port(port);
-    if let Some(user) = direct.get_user() {
-        config.user(user);
-    }
-    if let Some(password) = direct.get_password() {
-        config.password(password);
-    }
-    if let Some(dbname) = direct.get_dbname() {
-        config.dbname(dbname);
-    }
-    let manager = deadpool_postgres::Manager::from_config(
-        config,
-        tokio_postgres::NoTls,
-        deadpool_postgres::ManagerConfig {
-            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-        },
-    );
-    deadpool_postgres::Pool::builder(manager)
-        .max_size(2)
-        .build()
-        .expect("pool")
-}
-
-fn upstream(db: &lockstep_testkit::pg_harness::TestDatabase) -> (String, u16) {
-    let host = match db.config().get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
-        other => panic!("the relay needs a TCP server, not {other:?}"),
-    };
-    let port = db.config().get_ports().first().copied().unwrap_or(5432);
-    (host, port)
+/// A relay in front of `db`'s server and a pool of 2 connections through it: arm
+/// [`Relay::cut_after_client_sends`] with `COMMIT` and the server commits, the client never
+/// hears back (a lost COMMIT reply).
+async fn relayed(db: &TestDatabase) -> (Relay, deadpool_postgres::Pool) {
+    let relay = Relay::start(db.server_address().expect("a TCP server"))
+        .await
+        .expect("start the relay");
+    let pool = db.pool_through(relay.addr(), 2);
+    (relay, pool)
 }
 
 /// Issue 8, risk "a lost COMMIT reply is a retryable ConnectionLost": the server committed, the
@@ -262,15 +173,14 @@ async fn a_lost_commit_reply_is_commit_unknown_not_a_retryable_connection_loss()
         .batch_execute("CREATE TABLE t (x int)")
         .await
         .expect("create");
-    let relay = CommitReplyDropper::start(upstream(&db)).await;
-    let pool = pool_through(&db, relay.port);
+    let (relay, pool) = relayed(&db).await;
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     tx.client()
         .execute("INSERT INTO t VALUES (1)", &[])
         .await
         .expect("insert");
-    relay.arm();
+    relay.cut_after_client_sends(b"COMMIT");
     let err = tx.commit().await.expect_err("the reply was lost");
     assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
     assert!(
@@ -539,12 +449,11 @@ async fn a_lost_reply_to_a_pipelined_commit_is_commit_unknown() {
         .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
         .await
         .expect("create");
-    let relay = CommitReplyDropper::start(upstream(&db)).await;
-    let pool = pool_through(&db, relay.port);
+    let (relay, pool) = relayed(&db).await;
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     tx.write_at_commit(insert_at_commit(1));
-    relay.arm();
+    relay.cut_after_client_sends(b"COMMIT");
     let err = tx.commit().await.expect_err("the reply was lost");
     assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
     assert!(!err.is_retryable());

@@ -8,6 +8,7 @@
 //! | an application testing its domain code | the fakes and the wrappers | none (the default) |
 //! | a crate testing against a real PostgreSQL | `pg_harness` | `pg-harness` (`testcontainers` adds the container fallback) |
 //! | a backend (lockstep's own, or yours) | the `conformance` suites | `conformance` (and usually `pg-harness`) |
+//! | a test injecting network faults (a stall, a slow link, a lost reply) | the `relay` | `relay` (with `pg-harness` for its Postgres helpers) |
 //!
 //! With no feature, the testkit pulls neither a Postgres driver nor testcontainers into an
 //! application's dev-dependencies:
@@ -41,7 +42,12 @@
 //! - `conformance` (feature `conformance`): the shared suites that the fakes and every
 //!   Postgres backend pass, with one macro per suite generating one test per case. Not
 //!   covered by semver.
-//! - `pg_harness` (feature `pg-harness`): a fresh PostgreSQL database per test.
+//! - `pg_harness` (feature `pg-harness`): a fresh PostgreSQL database per test, and the
+//!   helpers that connect to it through a relay.
+//! - `relay` (feature `relay`): a fault-injecting TCP relay between a client and a server —
+//!   pause and resume all traffic, hold back the bytes of the connections open now (so a
+//!   cancel request overtakes a statement), cut a connection right after the client sends a
+//!   pattern (a lost `COMMIT` reply), count round trips.
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -52,6 +58,8 @@ pub mod perspective_store;
 #[cfg(feature = "pg-harness")]
 pub mod pg_harness;
 pub mod recording;
+#[cfg(feature = "relay")]
+pub mod relay;
 pub mod stream_locker;
 
 pub use event_store::InMemoryEventStore;

@@ -14,6 +14,11 @@
 //! A database per test (not a schema) because advisory locks are scoped to a database: tests
 //! using the same lock keys in one database would block each other.
 //!
+//! To put a relay between a test and its database (the `relay` module, feature `relay`): start
+//! it on [`TestDatabase::server_address`] and connect through it with
+//! [`TestDatabase::pool_through`] or [`TestDatabase::config_through`] (or the free functions
+//! [`server_address`] and [`config_through`] for a `Config` from elsewhere).
+//!
 //! ```no_run
 //! # async fn demo() {
 //! let db = lockstep_testkit::pg_harness::test_database().await;
@@ -23,10 +28,13 @@
 //! # }
 //! ```
 
+use std::fmt;
+use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
 use tokio::sync::OnceCell;
+use tokio_postgres::config::Host;
 use tokio_postgres::{Config, NoTls};
 
 /// The local server tried when `DATABASE_URL` is not set.
@@ -107,17 +115,25 @@ impl TestDatabase {
 
     /// A pool of at most `max_size` connections to this database.
     pub fn pool(&self, max_size: usize) -> deadpool_postgres::Pool {
-        let manager = deadpool_postgres::Manager::from_config(
-            self.config.clone(),
-            NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
-        deadpool_postgres::Pool::builder(manager)
-            .max_size(max_size)
-            .build()
-            .unwrap_or_else(|e| panic!("building a pool failed: {e}"))
+        pool(self.config.clone(), max_size)
+    }
+
+    /// The server's TCP address (host and port), where a relay forwards to. An error when the
+    /// server is reached over a Unix socket (possible with `DATABASE_URL`).
+    pub fn server_address(&self) -> Result<(String, u16), NotOnTcp> {
+        server_address(&self.config)
+    }
+
+    /// Connection settings for this database through a relay listening on `relay` (see
+    /// [`config_through`]).
+    pub fn config_through(&self, relay: SocketAddr) -> Config {
+        config_through(&self.config, relay)
+    }
+
+    /// A pool of at most `max_size` connections to this database, each through the relay
+    /// listening on `relay` (and [`pool`](Self::pool)'s settings otherwise).
+    pub fn pool_through(&self, relay: SocketAddr, max_size: usize) -> deadpool_postgres::Pool {
+        pool(self.config_through(relay), max_size)
     }
 
     /// One direct connection (its connection task runs on the current runtime).
@@ -154,6 +170,92 @@ impl Drop for TestDatabase {
             );
         }
     }
+}
+
+/// The server of a `Config` cannot be relayed: it is not reached over TCP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NotOnTcp {
+    /// The config names no host at all.
+    NoHost,
+    /// The server is reached through the Unix socket in this directory.
+    UnixSocket(std::path::PathBuf),
+}
+
+impl fmt::Display for NotOnTcp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotOnTcp::NoHost => f.write_str("the PostgreSQL config names no host"),
+            NotOnTcp::UnixSocket(path) => write!(
+                f,
+                "the PostgreSQL server is reached through a Unix socket in {}, not over TCP",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for NotOnTcp {}
+
+/// The TCP address (host and port) a client of `config` connects to: its first `hostaddr` if
+/// it has one (which libpq and tokio-postgres prefer to the host name), else its first host;
+/// its first port, or 5432. Hand it to `Relay::start` (feature `relay`).
+pub fn server_address(config: &Config) -> Result<(String, u16), NotOnTcp> {
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    if let Some(ip) = config.get_hostaddrs().first() {
+        return Ok((ip.to_string(), port));
+    }
+    match config.get_hosts().first() {
+        Some(Host::Tcp(host)) => Ok((host.clone(), port)),
+        #[cfg(unix)]
+        Some(Host::Unix(path)) => Err(NotOnTcp::UnixSocket(path.clone())),
+        None => Err(NotOnTcp::NoHost),
+    }
+}
+
+/// `config`, rewritten to connect to `relay` (its IP and port) instead of the server: a fresh
+/// `Config` — a `Config`'s hosts can only be added to, and the relay must be the only one —
+/// with `config`'s user, password, database, options, application name, connect timeout and
+/// SSL mode.
+pub fn config_through(config: &Config, relay: SocketAddr) -> Config {
+    let mut through = Config::new();
+    through
+        .host(relay.ip().to_string())
+        .port(relay.port())
+        .ssl_mode(config.get_ssl_mode());
+    if let Some(user) = config.get_user() {
+        through.user(user);
+    }
+    if let Some(password) = config.get_password() {
+        through.password(password);
+    }
+    if let Some(dbname) = config.get_dbname() {
+        through.dbname(dbname);
+    }
+    if let Some(options) = config.get_options() {
+        through.options(options);
+    }
+    if let Some(application_name) = config.get_application_name() {
+        through.application_name(application_name);
+    }
+    if let Some(timeout) = config.get_connect_timeout() {
+        through.connect_timeout(*timeout);
+    }
+    through
+}
+
+fn pool(config: Config, max_size: usize) -> deadpool_postgres::Pool {
+    let manager = deadpool_postgres::Manager::from_config(
+        config,
+        NoTls,
+        deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        },
+    );
+    deadpool_postgres::Pool::builder(manager)
+        .max_size(max_size)
+        .build()
+        .unwrap_or_else(|e| panic!("building a pool failed: {e}"))
 }
 
 async fn connect(config: &Config) -> Result<tokio_postgres::Client, tokio_postgres::Error> {

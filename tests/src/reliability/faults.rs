@@ -24,7 +24,7 @@
 //!    the waiter behind it is granted the lock (and only it holds it), the holder's next lock
 //!    call fails `ConnectionLost` and its commit fails typed, its uncommitted write is gone, the
 //!    pool recovers and no lock is left.
-//! 3. **A keepalive that stalls**: its connections go through a [`StallProxy`] that is paused,
+//! 3. **A keepalive that stalls**: its connections go through a [`Relay`] that is paused,
 //!    or its pool is exhausted by a connection held elsewhere. A second instance polls the lease;
 //!    the stalled holder's lost signal must fire *before* the try-acquire that took the lease
 //!    over was sent ([`lost_before_takeover`]), and after the stall ends the old holder's fenced
@@ -46,7 +46,6 @@
 //! phases — about 2.5 min.
 
 use std::fmt::Debug;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,13 +59,10 @@ use lockstep_core::{
 use lockstep_pg::PgTransaction;
 use lockstep_pg_advisory::PostgresDistributedLock;
 use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_testkit::relay::Relay;
 use lockstep_worker::{HeldLease, LeaseKeeper, Leased};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config, NoTls};
 use uuid::Uuid;
 
@@ -1285,102 +1281,10 @@ async fn terminate_holder(
 // 3. A keepalive that stalls
 // ---------------------------------------------------------------------------------------------
 
-/// A TCP proxy that forwards byte for byte until paused; paused, it holds every byte (in both
-/// directions, on every connection, new ones included) until resumed — a network stall.
-#[derive(Debug)]
-pub struct StallProxy {
-    addr: SocketAddr,
-    paused: watch::Sender<bool>,
-    accept: JoinHandle<()>,
-}
-
-impl StallProxy {
-    /// Listens on a free port of 127.0.0.1 and forwards every connection to `target`.
-    pub async fn start(target: SocketAddr) -> anyhow::Result<StallProxy> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let (paused, watching) = watch::channel(false);
-        let accept = tokio::spawn(async move {
-            // Dropped with the accept task (on abort): every pump ends with it.
-            let mut pumps = tokio::task::JoinSet::new();
-            while let Ok((inbound, _)) = listener.accept().await {
-                let watching = watching.clone();
-                pumps.spawn(async move {
-                    let Ok(outbound) = TcpStream::connect(target).await else {
-                        return;
-                    };
-                    let (from_client, to_client) = inbound.into_split();
-                    let (from_server, to_server) = outbound.into_split();
-                    tokio::join!(
-                        pump(from_client, to_server, watching.clone()),
-                        pump(from_server, to_client, watching),
-                    );
-                });
-                while pumps.try_join_next().is_some() {}
-            }
-        });
-        Ok(StallProxy {
-            addr,
-            paused,
-            accept,
-        })
-    }
-
-    /// Where clients connect.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Holds every byte from now on.
-    pub fn pause(&self) {
-        self.paused.send_replace(true);
-    }
-
-    /// Forwards again (what was held first).
-    pub fn resume(&self) {
-        self.paused.send_replace(false);
-    }
-}
-
-impl Drop for StallProxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut paused: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0_u8; 16 * 1024];
-    loop {
-        if paused.wait_for(|p| !*p).await.is_err() {
-            return;
-        }
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        // Read before the pause began: hold it too.
-        if paused.wait_for(|p| !*p).await.is_err() {
-            return;
-        }
-        if to
-            .write_all(buf.get(..n).unwrap_or_default())
-            .await
-            .is_err()
-        {
-            break;
-        }
-    }
-    let _ = to.shutdown().await;
-}
-
 /// How the keepalive is stalled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stall {
-    /// Its connections go through a paused [`StallProxy`].
+    /// Its connections go through a paused [`Relay`].
     Network,
     /// Its pool's only connection is held by someone else.
     PoolExhausted,
@@ -1389,22 +1293,15 @@ enum Stall {
 /// Lock timeout / keepalive pairs of the stall rounds (all valid: keepalive < timeout / 2).
 const STALL_OPTIONS: [(u64, u64); 4] = [(1500, 400), (1200, 400), (2200, 400), (1000, 300)];
 
-/// Part 3: a keepalive that stalls, through a paused proxy or an exhausted pool.
+/// Part 3: a keepalive that stalls, through a paused relay or an exhausted pool.
 async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
     let db = lockstep_testkit::pg_harness::test_database().await;
     let config = db.config().clone();
-    let target = tcp_target(&config).await?;
-    let proxy = StallProxy::start(target).await?;
-    let mut via_proxy = Config::new();
-    via_proxy
-        .host("127.0.0.1")
-        .port(proxy.addr().port())
-        .user(config.get_user().unwrap_or("postgres"))
-        .dbname(config.get_dbname().unwrap_or("postgres"))
-        .connect_timeout(Duration::from_secs(5));
-    if let Some(password) = config.get_password() {
-        via_proxy.password(password);
-    }
+    let relay = Relay::start(db.server_address().context("the stall relay")?)
+        .await
+        .context("starting the stall relay")?;
+    let mut via_relay = db.config_through(relay.addr());
+    via_relay.connect_timeout(Duration::from_secs(5));
     let other_pool = pool(&config, "faults-other", 4)?;
     prepare_schema(&other_pool).await?;
     let admin = connect(&config).await?;
@@ -1455,7 +1352,7 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
             settle.as_millis()
         );
         let holder_pool = match kind {
-            Stall::Network => pool(&via_proxy, "faults-stalled", 2)?,
+            Stall::Network => pool(&via_relay, "faults-stalled", 2)?,
             Stall::PoolExhausted => pool(&config, "faults-stalled", 1)?,
         };
         let rig = StallRig {
@@ -1463,7 +1360,7 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
             locker_b: PostgresStreamLocker::new(other_pool.clone(), options),
             holder_pool,
             other_pool: other_pool.clone(),
-            proxy: &proxy,
+            relay: &relay,
         };
         stall_round(tally, &rig, &admin, &at, kind, (phase, settle))
             .await
@@ -1477,7 +1374,7 @@ struct StallRig<'a> {
     locker_b: PostgresStreamLocker,
     holder_pool: Pool,
     other_pool: Pool,
-    proxy: &'a StallProxy,
+    relay: &'a Relay,
 }
 
 async fn stall_round(
@@ -1512,7 +1409,7 @@ async fn stall_round(
     // The fault.
     let hog = match kind {
         Stall::Network => {
-            rig.proxy.pause();
+            rig.relay.pause();
             None
         }
         Stall::PoolExhausted => Some(lockstep_pg::checkout(&rig.holder_pool, STEP_LIMIT).await?),
@@ -1558,7 +1455,7 @@ async fn stall_round(
 
     // The stall ends; the old holder must not commit, nor end its successor's lease.
     match kind {
-        Stall::Network => rig.proxy.resume(),
+        Stall::Network => rig.relay.resume(),
         Stall::PoolExhausted => drop(hog),
     }
     if let Some((successor, _)) = taken {
@@ -1598,24 +1495,4 @@ async fn stall_round(
     }
     let _ = keeper.shutdown().await;
     expect_nothing_left(tally, at, admin, &[stream]).await
-}
-
-/// The TCP address of the harness server (the proxy needs one).
-async fn tcp_target(config: &Config) -> anyhow::Result<SocketAddr> {
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let host = match config.get_hosts().first() {
-        Some(Host::Tcp(host)) => host.clone(),
-        None => "127.0.0.1".to_owned(),
-        #[cfg(unix)]
-        Some(Host::Unix(path)) => {
-            bail!(
-                "the stall proxy needs a TCP server, the test server is at {}",
-                path.display()
-            )
-        }
-    };
-    tokio::net::lookup_host((host.as_str(), port))
-        .await?
-        .next()
-        .with_context(|| format!("{host}:{port} resolves to nothing"))
 }
