@@ -31,6 +31,14 @@
 //!    commit is refused, its release does not end the successor's lease, and the successor's
 //!    fenced commit succeeds.
 //!
+//! 4. **A lost `COMMIT` reply**: a [`Relay`] forwards a transaction's `COMMIT` (after an
+//!    `append`, or with an `append_at_commit` travelling in the same message) and cuts the
+//!    connection before the reply. The commit must report `CommitUnknown` (never success, never a
+//!    retryable error), and the caller's retry — a new transaction appending the same events,
+//!    same ids, same expected version — must succeed as a replay: the stream then holds each
+//!    event exactly once (a missing one is **lost**, an extra one **duplicated**), and the
+//!    relayed pool works again.
+//!
 //! Each fault × check is one case in the [`Tally`]. Setup failures (no database, a server that
 //! does not start again) are errors of [`run`], not violations.
 //!
@@ -41,9 +49,9 @@
 //!
 //! Short: 2 restarts (fast with no downtime; immediate with a downtime past the lock timeout),
 //! 2 + 2 terminations, 2 stalls (a network stall of a renewed lease at a 3.75:1 lock-timeout /
-//! keepalive ratio, an exhausted pool right after the acquire at the default 3:1 ratio) — about
-//! 17 s. Long: 20 restarts, 20 + 20 terminations, 24 stalls over four ratios and random stall
-//! phases — about 2.5 min.
+//! keepalive ratio, an exhausted pool right after the acquire at the default 3:1 ratio), 4 lost
+//! `COMMIT` replies — about 18 s. Long: 20 restarts, 20 + 20 terminations, 24 stalls over four ratios and random stall
+//! phases, 100 lost `COMMIT` replies — about 2.5 min.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -53,11 +61,13 @@ use anyhow::{Context, bail};
 use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod};
 use lockstep_core::{
     AcquireOutcome, AggregateWriteLock, DistributedAggregateWriteLock, DistributedLock, Error,
-    ErrorKind, InstanceId, LeaseFence, LeaseId, LockReason, OffsetDateTime, PerspectiveName,
-    ReleaseOutcome, ResourceKey, StreamId, StreamLockOptions, StreamLocker,
+    ErrorKind, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LockReason, NewEvent,
+    OffsetDateTime, PerspectiveName, ReleaseOutcome, ResourceKey, StreamId, StreamLockOptions,
+    StreamLocker,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg_store::PgEventStore;
 use lockstep_pg_stream::PostgresStreamLocker;
 use lockstep_testkit::relay::Relay;
 use lockstep_worker::{HeldLease, LeaseKeeper, Leased};
@@ -86,6 +96,7 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     restart::run(scale, &mut tally).await?;
     terminate(scale, &mut tally).await?;
     stall(scale, &mut tally).await?;
+    lost_commit(scale, &mut tally).await?;
     Ok(tally)
 }
 
@@ -1495,4 +1506,126 @@ async fn stall_round(
     }
     let _ = keeper.shutdown().await;
     expect_nothing_left(tally, at, admin, &[stream]).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. A lost COMMIT reply
+// ---------------------------------------------------------------------------------------------
+
+/// Part 4: a lost `COMMIT` reply, then the caller's retry with the same events.
+async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
+    let rounds = match scale {
+        Scale::Short => 4,
+        Scale::Long => 100,
+    };
+    let db = lockstep_testkit::pg_harness::test_database().await;
+    let direct = db.pool(2);
+    lockstep_pg::migrate(&direct).await?;
+    let observer = db.connect().await;
+    let relay = Relay::start(db.server_address().context("the commit relay")?)
+        .await
+        .context("starting the commit relay")?;
+    let relayed = db.pool_through(relay.addr(), 2);
+    let store = PgEventStore::new();
+    for round in 0..rounds {
+        let at_commit = round % 2 == 1;
+        let expected = match round % 4 {
+            0 | 1 => ExpectedVersion::Any,
+            _ => ExpectedVersion::NoStream,
+        };
+        let what = format!(
+            "lost COMMIT reply {round} ({}, {expected:?})",
+            if at_commit {
+                "append_at_commit"
+            } else {
+                "append"
+            }
+        );
+        let stream = StreamId::new_v7();
+        let events: Vec<NewEvent> = (0..3).map(crate::number_event).collect();
+
+        // The first attempt: the server commits, the reply never arrives.
+        let first = {
+            let (relayed, relay, events) = (relayed.clone(), &relay, events.clone());
+            let store = store.clone();
+            let tx = PgTransaction::begin(&relayed).await?;
+            if at_commit {
+                store.append_at_commit(&tx, stream, expected, &events)?;
+            } else {
+                store.append(&tx, stream, expected, &events).await?;
+            }
+            relay.cut_after_client_sends(b"COMMIT");
+            bounded(STEP_LIMIT, tokio::spawn(tx.commit())).await
+        };
+        check(
+            tally,
+            matches!(&first, Ended::Returned(Err(e)) if e.kind() == ErrorKind::CommitUnknown),
+            || format!("{what}: the commit returned {first:?}, not CommitUnknown"),
+        );
+
+        // The caller's retry: same events, same ids, same expected version — a replay.
+        let retry = bounded(STEP_LIMIT, {
+            let (relayed, store, events) = (relayed.clone(), store.clone(), events.clone());
+            tokio::spawn(async move {
+                let mut attempt = 0;
+                loop {
+                    attempt += 1;
+                    let outcome: lockstep_core::Result<u64> = async {
+                        let tx = PgTransaction::begin(&relayed).await?;
+                        let version = store.append(&tx, stream, expected, &events).await?;
+                        tx.commit().await?;
+                        lockstep_core::Result::Ok(version)
+                    }
+                    .await;
+                    match outcome {
+                        // A connection the cut left in the pool fails once: a new one.
+                        Err(e) if e.is_retryable() && attempt < 5 => {}
+                        other => return other,
+                    }
+                }
+            })
+        })
+        .await;
+        check(tally, matches!(retry, Ended::Returned(Ok(3))), || {
+            format!("{what}: the retry returned {retry:?}, not the replay's version 3")
+        });
+
+        let stored: Vec<Uuid> = observer
+            .query(
+                "SELECT event_id FROM wh_events WHERE stream_id = $1 ORDER BY version",
+                &[&stream.as_uuid()],
+            )
+            .await?
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?;
+        tally.cases += 1;
+        for event in &events {
+            match stored.iter().filter(|id| **id == event.event_id()).count() {
+                1 => {}
+                0 => tally.lost(format!("{what}: event {} is not stored", event.event_id())),
+                n => tally.duplicated(format!(
+                    "{what}: event {} is stored {n} times",
+                    event.event_id()
+                )),
+            }
+        }
+        let in_order = stored
+            .iter()
+            .copied()
+            .eq(events.iter().map(NewEvent::event_id));
+        check(tally, in_order || stored.len() != events.len(), || {
+            format!("{what}: the events are stored out of order: {stored:?}")
+        });
+
+        expect_recovery(tally, &format!("{what}: the relayed pool"), || {
+            let relayed = relayed.clone();
+            async move {
+                let tx = PgTransaction::begin(&relayed).await?;
+                tx.rollback().await
+            }
+        })
+        .await;
+    }
+    Ok(())
 }
