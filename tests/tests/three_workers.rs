@@ -35,13 +35,7 @@ async fn three_workers_fold_every_stream_exactly_once_with_late_arrivals() {
     let db = test_database().await;
     let admin = db.connect().await;
     // Exactly-once under concurrency is under test, not durability.
-    admin
-        .batch_execute(&format!(
-            "ALTER DATABASE \"{}\" SET synchronous_commit = off",
-            db.name()
-        ))
-        .await
-        .expect("synchronous_commit");
+    db.skip_wal_flush().await.expect("synchronous_commit");
     let setup = db.pool(2);
     lockstep_pg::migrate(&setup).await.expect("migrate");
 

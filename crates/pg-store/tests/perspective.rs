@@ -57,15 +57,8 @@ impl PerspectiveStoreFixture for PgFixture {
 
 async fn fixture() -> PgFixture {
     let db = test_database().await;
-    let admin = db.connect().await;
     // Lease semantics, not durability, are under test.
-    admin
-        .batch_execute(&format!(
-            "ALTER DATABASE \"{}\" SET synchronous_commit = off",
-            db.name()
-        ))
-        .await
-        .expect("synchronous_commit");
+    db.skip_wal_flush().await.expect("synchronous_commit");
     let pool = db.pool(6);
     lockstep_pg::migrate(&pool).await.expect("migrate");
     let options = StreamLockOptions::new(Duration::from_secs(2), Duration::from_millis(500))

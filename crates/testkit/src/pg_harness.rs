@@ -142,6 +142,19 @@ impl TestDatabase {
             .await
             .unwrap_or_else(|e| panic!("connecting to {} failed: {e}", self.name))
     }
+
+    /// Connections opened from now on commit without waiting for the WAL flush
+    /// (`synchronous_commit = off` for the database): for tests of semantics under concurrency,
+    /// not of durability, which then run faster. Connections already open keep their setting.
+    pub async fn skip_wal_flush(&self) -> Result<(), tokio_postgres::Error> {
+        let client = connect(&self.config).await?;
+        client
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" SET synchronous_commit = off",
+                self.name.replace('"', "\"\"")
+            ))
+            .await
+    }
 }
 
 impl Drop for TestDatabase {

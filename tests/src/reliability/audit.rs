@@ -952,11 +952,7 @@ pub async fn run_report(config: &AuditConfig) -> anyhow::Result<AuditReport> {
     let db = test_database().await;
     let setup = db.connect().await;
     // The audit checks lease semantics, not durability: commits need not wait for the WAL.
-    setup
-        .batch_execute(&format!(
-            "ALTER DATABASE \"{}\" SET synchronous_commit = off",
-            db.name()
-        ))
+    db.skip_wal_flush()
         .await
         .context("setting synchronous_commit")?;
     let migrations = db.pool(1);

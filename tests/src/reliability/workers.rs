@@ -178,12 +178,7 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
     let db = test_database().await;
     let admin = db.connect().await;
     // Exactly-once across crashes is under test, not durability.
-    admin
-        .batch_execute(&format!(
-            "ALTER DATABASE \"{}\" SET synchronous_commit = off",
-            db.name()
-        ))
-        .await?;
+    db.skip_wal_flush().await?;
     lockstep_pg::migrate(&db.pool(1)).await?;
 
     let mut report = WorkersReport::default();

@@ -52,12 +52,7 @@ impl Db {
     /// tests check lease semantics, not durability, and run faster that way).
     pub(crate) async fn new(pool_size: usize) -> Db {
         let db = test_database().await;
-        let admin = db.connect().await;
-        admin
-            .batch_execute(&format!(
-                "ALTER DATABASE \"{}\" SET synchronous_commit = off",
-                db.name()
-            ))
+        db.skip_wal_flush()
             .await
             .expect("setting synchronous_commit for the test database");
         let pool = db.pool(pool_size);
