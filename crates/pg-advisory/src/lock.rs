@@ -179,7 +179,13 @@ impl PostgresDistributedLock {
         internal::acquire_with(&self.queue, tx, key, timeout, |call| {
             let lock = internal::lock_statement(tx, key, call);
             let then = then();
-            async move { futures_util::try_join!(lock, then).map(|((), value)| value) }
+            // `join!`, not `try_join!`: a `then` that fails without waiting for the server must
+            // not drop the lock statement while it still waits there (the cancel guard is
+            // disarmed once this future returns, so nothing would end that wait).
+            async move {
+                let (locked, value) = futures_util::join!(lock, then);
+                locked.and(value)
+            }
         })
         .await
     }

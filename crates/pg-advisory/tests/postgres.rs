@@ -281,12 +281,6 @@ async fn a_timeout_is_a_typed_lock_timeout_that_aborts_the_transaction() {
     holder.commit().await.expect("commit");
 }
 
-/// PostgreSQL sends a statement's error before it aborts the transaction and releases its
-/// locks; a timed-out acquire returns only after the abort (the fake releases at the error, and
-/// the model of the reliability suite compares the two). The server's window between the error
-/// and the release is widened by many locks held by the waiter and by threads that keep the
-/// cores busy (the backend is then often descheduled in between): without the wait for the
-/// abort, this fails within a few rounds.
 /// Threads that spin until dropped, to load the machine's cores (bounded: at most 60 s).
 struct BusyCores {
     stop: Arc<std::sync::atomic::AtomicBool>,
@@ -322,6 +316,12 @@ impl Drop for BusyCores {
     }
 }
 
+/// PostgreSQL sends a statement's error before it aborts the transaction and releases its
+/// locks; a timed-out acquire returns only after the abort (the fake releases at the error, and
+/// the model of the reliability suite compares the two). The server's window between the error
+/// and the release is widened by many locks held by the waiter and by threads that keep the
+/// cores busy (the backend is then often descheduled in between): without the wait for the
+/// abort, this fails within a few rounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_wait_has_released_the_transactions_other_locks_when_it_returns() {
     let (_db, pool, lock) = setup(4).await;
@@ -735,6 +735,42 @@ async fn acquire_then_pipelines_a_query_that_sees_the_previous_holders_commit() 
     );
     holder.commit().await.expect("commit");
     assert_eq!(reader.await.expect("reader"), 1, "loaded after the lock");
+}
+
+/// A `then` that fails at once, without the server, must not cut the lock statement's wait
+/// short: the call ends with the lock's own outcome (here its timeout), and no wait is left at
+/// the server to be granted later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_then_waits_for_the_lock_statement_even_when_then_fails_at_once() {
+    let (db, pool, lock) = setup(3).await;
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let holder = PgTransaction::begin(&pool).await.expect("begin");
+    lock.acquire_for_transaction(&holder, &key, None)
+        .await
+        .expect("lock");
+    let waiter = PgTransaction::begin(&pool).await.expect("begin");
+    let err = lock
+        .acquire_then(&waiter, &key, Some(Duration::from_millis(300)), || async {
+            Err::<(), _>(lockstep_core::Error::new(
+                ErrorKind::InvalidInput,
+                "refused before reaching the server",
+            ))
+        })
+        .await
+        .expect_err("fails");
+    assert_eq!(
+        err.kind(),
+        ErrorKind::LockTimeout,
+        "the lock statement ran to its end and its outcome wins: {err}"
+    );
+    assert_eq!(
+        lock_counts(&admin, &key).await,
+        (1, 0),
+        "no wait is left at the server"
+    );
+    waiter.rollback().await.expect("rollback");
+    holder.commit().await.expect("commit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
