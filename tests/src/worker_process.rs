@@ -142,23 +142,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         instance,
         Some(locker),
     )?;
+    // The handlers exist before `ready` is printed: a SIGTERM sent right after it must stop the
+    // worker gracefully, not kill it with the default action.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("installing the SIGINT handler")?;
     worker.register().await?;
-    println!("ready instance={instance}");
-
     let shutdown = CancellationToken::new();
     let stop = shutdown.clone();
     tokio::spawn(async move {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => return,
-            };
         tokio::select! {
             _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
+            _ = interrupt.recv() => {}
         }
         stop.cancel();
     });
+    println!("ready instance={instance}");
     worker.run(shutdown).await?;
     println!("stopped instance={instance}");
     Ok(())

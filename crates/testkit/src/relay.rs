@@ -197,6 +197,10 @@ impl Relay {
     ///
     /// The pattern is found also when split across two reads of the same connection, if it is
     /// at most 1025 bytes long. An empty pattern cuts after the next chunk.
+    ///
+    /// It is a plain byte substring: `b"COMMIT"` also matches the `READ COMMITTED` of a
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, so arm it after the transaction began (or use a
+    /// longer pattern).
     pub fn cut_after_client_sends(&self, pattern: &[u8]) {
         *lock(&self.shared.cut) = Some(pattern.to_vec());
     }

@@ -4,9 +4,9 @@
 //! Each operation's future is polled exactly `N` times, with real I/O in between (a short sleep,
 //! or a bare yield in the long run), and then dropped, for `N = 1, 2, …` until it completes
 //! within `N` polls (with bare yields, `N` is sampled: a few dozen growing drop points per
-//! operation, elsewhere in each round). Every `N` is a case, run on a pool of its own whose connections carry an
-//! `application_name` naming the case, so the server says what that pool left behind. After
-//! each drop:
+//! operation, elsewhere in each round). Every `N` is a case, run on a pool of its own whose
+//! connections carry an `application_name` naming the case, so the server says what that pool
+//! left behind. After each drop:
 //!
 //! - **no statement keeps running** and no connection of the case's pool sits inside a
 //!   transaction (`pg_stat_activity`, once the operation's transaction, if any, has ended);

@@ -197,13 +197,12 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
             .collect::<Vec<_>>(),
     );
     let until = Instant::now() + plan.appending;
-    let mut appenders = Vec::new();
+    // A `JoinSet`: an early return (a process that does not start) aborts the appenders.
+    let mut appenders = tokio::task::JoinSet::new();
     for _ in 0..2 {
         let (pool, streams) = (db.pool(1), Arc::clone(&streams));
         let (numbers, late) = (Arc::clone(&numbers), Arc::clone(&late));
-        appenders.push(tokio::spawn(async move {
-            append_until(until, &pool, &streams, &numbers, &late).await
-        }));
+        appenders.spawn(async move { append_until(until, &pool, &streams, &numbers, &late).await });
     }
 
     // The chaos: kill or stop one process at a time, and replace it. (`StdRng`: the thread-local
@@ -228,19 +227,26 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
                 .lock()
                 .map(|t| t.is_some_and(|t| t.elapsed() < MID_REWIND))
                 .unwrap_or(false);
-            kill_9(&mut process).await?;
             report.tally.cases += 1;
-            report.stats.kills += 1;
-            report.stats.kills_mid_rewind += u64::from(mid_rewind);
+            match kill_9(&mut process).await {
+                Ok(()) => {
+                    report.stats.kills += 1;
+                    report.stats.kills_mid_rewind += u64::from(mid_rewind);
+                }
+                Err(e) => report
+                    .tally
+                    .violation(format!("worker {}: {e:#}", process.instance)),
+            }
         }
         processes.push(start(command, &db, &rewinds).await?);
     }
-    for appender in appenders {
-        match appender.await? {
-            Ok(n) => report.stats.events += n,
-            Err(e) => report
+    while let Some(appender) = appenders.join_next().await {
+        let (appended, failure) = appender?;
+        report.stats.events += appended;
+        if let Some(e) = failure {
+            report
                 .tally
-                .violation(format!("an appender gave up: {e:#}")),
+                .violation(format!("an appender gave up: {e:#}"));
         }
     }
     report.stats.late = late.load(Ordering::Relaxed);
@@ -363,8 +369,12 @@ fn pick_victim(processes: &[Process], rng: &mut impl Rng) -> usize {
     }
 }
 
-/// `kill -9`: no release, no graceful anything.
+/// `kill -9`: no release, no graceful anything. A process that already exited (a crash of its
+/// own: the worker returned an error or panicked) is an error saying how it ended.
 async fn kill_9(process: &mut Process) -> anyhow::Result<()> {
+    if let Some(status) = process.child.try_wait().context("checking the process")? {
+        anyhow::bail!("had exited on its own ({status}) before it was killed");
+    }
     process.child.start_kill().context("SIGKILL")?;
     tokio::time::timeout(PROCESS_WAIT, process.child.wait())
         .await
@@ -398,17 +408,32 @@ async fn stop(process: &mut Process) -> anyhow::Result<()> {
 }
 
 /// Appends batches of 1–5 events to random streams until `until`; returns how many were
-/// acknowledged. A retryable failure is retried with the same events (the same ids: an append
-/// that did commit is not written twice); any other failure ends the appender with an error.
+/// acknowledged and, if it gave up, why. A retryable failure is retried with the same events
+/// (the same ids: an append that did commit is not written twice); any other failure ends the
+/// appender.
 async fn append_until(
     until: Instant,
     pool: &deadpool_postgres::Pool,
     streams: &[StreamId],
     numbers: &AtomicI64,
     late: &AtomicU64,
-) -> anyhow::Result<u64> {
-    let store = PgEventStore::new();
+) -> (u64, Option<anyhow::Error>) {
     let mut appended = 0;
+    match append_batches(until, pool, streams, numbers, late, &mut appended).await {
+        Ok(()) => (appended, None),
+        Err(e) => (appended, Some(e)),
+    }
+}
+
+async fn append_batches(
+    until: Instant,
+    pool: &deadpool_postgres::Pool,
+    streams: &[StreamId],
+    numbers: &AtomicI64,
+    late: &AtomicU64,
+    appended: &mut u64,
+) -> anyhow::Result<()> {
+    let store = PgEventStore::new();
     while Instant::now() < until {
         let (stream, batch) = {
             let mut rng = rand::rng();
@@ -447,10 +472,10 @@ async fn append_until(
                 Err(e) => return Err(e).context("appending"),
             }
         }
-        appended += batch.len() as u64;
+        *appended += batch.len() as u64;
         tokio::time::sleep(APPEND_PAUSE).await;
     }
-    Ok(appended)
+    Ok(())
 }
 
 /// Compares every stream's stored state with the fold of its events.
