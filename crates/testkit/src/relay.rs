@@ -63,6 +63,10 @@ const QUEUE: usize = 64;
 /// up to `TAIL + 1` bytes is found even when split across two reads.
 const TAIL: usize = 1024;
 
+/// How long a relayed connection waits for the upstream to accept it before giving up (and
+/// closing the client's side): an upstream that drops packets must not hang the relay's task.
+const UPSTREAM_CONNECT: Duration = Duration::from_secs(10);
+
 /// How long the accept loop waits after a failed `accept` (e.g. out of file descriptors)
 /// before trying again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(10);
@@ -305,7 +309,12 @@ async fn relay_connection(
     shared: Arc<Shared>,
     connection: Arc<Connection>,
 ) -> io::Result<()> {
-    let server = TcpStream::connect(shared.upstream.as_slice()).await?;
+    let server = tokio::time::timeout(
+        UPSTREAM_CONNECT,
+        TcpStream::connect(shared.upstream.as_slice()),
+    )
+    .await
+    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connecting to the upstream"))??;
     // Small writes go out at once: the relay must not add Nagle delays of its own.
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
