@@ -234,7 +234,7 @@ fn options() -> anyhow::Result<StreamLockOptions> {
 
 /// Runs every operation's sweep. `Short`: 1 ms gaps, once, every `N`. `Long`: two rounds of
 /// 1 ms gaps (every `N`) and four of bare yields, whose drop points are sampled (see
-/// [`next_drop_point`]) so that each round drops at other points and the run stays near ten
+/// `next_drop_point`) so that each round drops at other points and the run stays near ten
 /// minutes however fast the machine is (every `N` would be thousands of cases per operation on
 /// a quiet machine, where a round trip takes thousands of yields).
 pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
