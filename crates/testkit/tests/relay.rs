@@ -191,6 +191,34 @@ async fn a_cut_forwards_the_chunk_with_the_pattern_then_closes_without_relaying_
 }
 
 #[tokio::test]
+async fn a_cut_pattern_split_across_two_writes_still_fires() {
+    let (upstream, mut seen) = line_server().await;
+    let relay = Relay::start(upstream).await.expect("relay");
+    let mut client = TcpStream::connect(relay.addr()).await.expect("connect");
+    relay.cut_after_client_sends(b"COMMIT");
+    client.write_all(b"BEGIN; COM").await.expect("write");
+    let first = tokio::time::timeout(LIMIT, seen.recv())
+        .await
+        .expect("the first half is forwarded")
+        .expect("seen");
+    assert_eq!(first, b"BEGIN; COM", "half a pattern does not cut");
+    client.write_all(b"MIT\n").await.expect("write");
+    let second = tokio::time::timeout(LIMIT, seen.recv())
+        .await
+        .expect("the second half is forwarded")
+        .expect("seen");
+    assert_eq!(second, b"MIT\n");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(LIMIT, client.read_to_end(&mut rest))
+        .await
+        .expect("the relay closed the client's connection");
+    assert!(
+        closed.is_err() || rest.is_empty(),
+        "the server's reply was relayed: {rest:?}"
+    );
+}
+
+#[tokio::test]
 async fn round_trips_count_bursts_that_follow_the_server_or_open_a_connection() {
     let (upstream, _seen) = line_server().await;
     let relay = Relay::start(upstream).await.expect("relay");
