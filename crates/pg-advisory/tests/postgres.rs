@@ -47,6 +47,15 @@ async fn setup(pool_size: usize) -> (TestDatabase, Pool, PostgresDistributedLock
     (db, pool, lock)
 }
 
+/// A new transaction on `pool` that has taken `key` (waiting for it without a timeout).
+async fn holding(pool: &Pool, lock: &PostgresDistributedLock, key: &ResourceKey) -> PgTransaction {
+    let tx = PgTransaction::begin(pool).await.expect("begin");
+    lock.acquire_for_transaction(&tx, key, None)
+        .await
+        .expect("the key is granted");
+    tx
+}
+
 fn fresh_key() -> ResourceKey {
     ResourceKey::new(format!("test:{}", Uuid::new_v4())).expect("key")
 }
@@ -228,10 +237,7 @@ async fn cancel_requests_connect_with_the_configured_tls_connector() {
     let lock = lock.with_cancel_tls(tls.clone());
     let admin = db.connect().await;
     let key = fresh_key();
-    let holder = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&holder, &key, None)
-        .await
-        .expect("lock");
+    let holder = holding(&pool, &lock, &key).await;
     let waiter = PgTransaction::begin(&pool).await.expect("begin");
     let abandoned = tokio::time::timeout(
         Duration::from_millis(300),
@@ -260,10 +266,7 @@ async fn cancel_requests_connect_with_the_configured_tls_connector() {
 async fn a_timeout_is_a_typed_lock_timeout_that_aborts_the_transaction() {
     let (_db, pool, lock) = setup(3).await;
     let key = fresh_key();
-    let holder = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&holder, &key, None)
-        .await
-        .expect("free");
+    let holder = holding(&pool, &lock, &key).await;
     let waiter = PgTransaction::begin(&pool).await.expect("begin");
     let err = lock
         .acquire_for_transaction(&waiter, &key, Some(Duration::from_millis(100)))
@@ -328,14 +331,8 @@ async fn a_timed_out_wait_has_released_the_transactions_other_locks_when_it_retu
     let _busy = BusyCores::start(3);
     for round in 0..60 {
         let (wanted, other) = (fresh_key(), fresh_key());
-        let holder = PgTransaction::begin(&pool).await.expect("begin");
-        lock.acquire_for_transaction(&holder, &wanted, None)
-            .await
-            .expect("free");
-        let waiter = PgTransaction::begin(&pool).await.expect("begin");
-        lock.acquire_for_transaction(&waiter, &other, None)
-            .await
-            .expect("free");
+        let holder = holding(&pool, &lock, &wanted).await;
+        let waiter = holding(&pool, &lock, &other).await;
         waiter
             .client()
             .batch_execute("SELECT pg_advisory_xact_lock(1, k) FROM generate_series(1, 3000) AS k")
@@ -387,10 +384,7 @@ async fn terminating_the_holder_lets_the_waiter_in_and_fails_the_holders_commit(
     let (db, pool, lock) = setup(3).await;
     let admin = db.connect().await;
     let key = fresh_key();
-    let holder = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&holder, &key, None)
-        .await
-        .expect("free");
+    let holder = holding(&pool, &lock, &key).await;
     let holder_pid = backend_pid(&holder).await;
 
     let waiter = {
@@ -505,10 +499,7 @@ async fn golden_vectors_equal_the_sql_function_and_the_view_finds_a_held_key() {
     }
     let key = ResourceKey::new("relay:aggregate:StockItem:0123456789abcdef0123456789abcdef")
         .expect("key");
-    let tx = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&tx, &key, None)
-        .await
-        .expect("lock");
+    let tx = holding(&pool, &lock, &key).await;
     let pid = backend_pid(&tx).await;
     let row = client
         .query_one(
@@ -604,17 +595,11 @@ async fn a_reentrant_acquire_does_not_queue_behind_a_local_waiter() {
     let lock = lock.with_local_patience(Duration::from_secs(3600));
     let admin = db.connect().await;
     let key = fresh_key();
-    let t1 = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&t1, &key, None)
-        .await
-        .expect("lock");
+    let t1 = holding(&pool, &lock, &key).await;
     let waiter = {
         let (pool, lock, key) = (pool.clone(), lock.clone(), key.clone());
         tokio::spawn(async move {
-            let tx = PgTransaction::begin(&pool).await.expect("begin");
-            lock.acquire_for_transaction(&tx, &key, None)
-                .await
-                .expect("eventually");
+            let tx = holding(&pool, &lock, &key).await;
             tx.commit().await.expect("commit");
         })
     };
@@ -640,18 +625,12 @@ async fn local_waiters_for_one_key_keep_one_waiting_backend() {
     let (db, pool, lock) = setup(8).await;
     let admin = db.connect().await;
     let key = fresh_key();
-    let holder = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&holder, &key, None)
-        .await
-        .expect("lock");
+    let holder = holding(&pool, &lock, &key).await;
     let waiters: Vec<_> = (0..5)
         .map(|_| {
             let (pool, lock, key) = (pool.clone(), lock.clone(), key.clone());
             tokio::spawn(async move {
-                let tx = PgTransaction::begin(&pool).await.expect("begin");
-                lock.acquire_for_transaction(&tx, &key, None)
-                    .await
-                    .expect("lock");
+                let tx = holding(&pool, &lock, &key).await;
                 tx.commit().await.expect("commit");
             })
         })
@@ -699,10 +678,7 @@ async fn acquire_then_pipelines_a_query_that_sees_the_previous_holders_commit() 
         .await
         .expect("table");
     let key = fresh_key();
-    let holder = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&holder, &key, None)
-        .await
-        .expect("lock");
+    let holder = holding(&pool, &lock, &key).await;
     holder
         .client()
         .execute("INSERT INTO t VALUES (1)", &[])
@@ -745,10 +721,7 @@ async fn acquire_then_waits_for_the_lock_statement_even_when_then_fails_at_once(
     let (db, pool, lock) = setup(3).await;
     let admin = db.connect().await;
     let key = fresh_key();
-    let holder = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&holder, &key, None)
-        .await
-        .expect("lock");
+    let holder = holding(&pool, &lock, &key).await;
     let waiter = PgTransaction::begin(&pool).await.expect("begin");
     let err = lock
         .acquire_then(&waiter, &key, Some(Duration::from_millis(300)), || async {
@@ -989,19 +962,13 @@ async fn an_unbounded_local_patience_queues_instead_of_panicking() {
     let lock = lock.with_local_patience(Duration::MAX);
     let admin = db.connect().await;
     let key = fresh_key();
-    let holder = PgTransaction::begin(&pool).await.expect("begin");
-    lock.acquire_for_transaction(&holder, &key, None)
-        .await
-        .expect("free");
+    let holder = holding(&pool, &lock, &key).await;
     // The first waiter waits at the server; the second queues behind it in process.
     let waiters: Vec<_> = (0..2)
         .map(|_| {
             let (lock, pool, key) = (lock.clone(), pool.clone(), key.clone());
             tokio::spawn(async move {
-                let tx = PgTransaction::begin(&pool).await.expect("begin");
-                lock.acquire_for_transaction(&tx, &key, None)
-                    .await
-                    .expect("acquired in turn");
+                let tx = holding(&pool, &lock, &key).await;
                 tx.commit().await.expect("commit");
             })
         })
