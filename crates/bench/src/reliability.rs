@@ -1,8 +1,8 @@
 //! `reliability`: the long run of issue 8's reliability suite.
 //!
 //! Runs every scenario of [`lockstep_tests::reliability`] (`audit`, `faults`, `cancel`,
-//! `bad_input`, `model`, `workers`), long by default, each in a spawned task so that a scenario that
-//! panics or fails is counted and the run goes on, and prints:
+//! `bad_input`, `model`, `workers`), long by default, each in a spawned task so that a scenario
+//! that panics or fails is counted and the run goes on, and prints:
 //!
 //! - one Markdown table row per scenario: cases, violations, lost, duplicated, panics, seconds;
 //! - the details of every failure, and a scenario's own figures when it has some (the audit's

@@ -1545,18 +1545,15 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         let events: Vec<NewEvent> = (0..3).map(crate::number_event).collect();
 
         // The first attempt: the server commits, the reply never arrives.
-        let first = {
-            let (relayed, relay, events) = (relayed.clone(), &relay, events.clone());
-            let store = store.clone();
-            let tx = PgTransaction::begin(&relayed).await?;
-            if at_commit {
-                store.append_at_commit(&tx, stream, expected, &events)?;
-            } else {
-                store.append(&tx, stream, expected, &events).await?;
-            }
-            relay.cut_after_client_sends(b"COMMIT");
-            bounded(STEP_LIMIT, tokio::spawn(tx.commit())).await
-        };
+        let tx = PgTransaction::begin(&relayed).await?;
+        if at_commit {
+            store.append_at_commit(&tx, stream, expected, &events)?;
+        } else {
+            store.append(&tx, stream, expected, &events).await?;
+        }
+        // Armed after `BEGIN … READ COMMITTED`, which contains the pattern too.
+        relay.cut_after_client_sends(b"COMMIT");
+        let first = bounded(STEP_LIMIT, tokio::spawn(tx.commit())).await;
         check(
             tally,
             matches!(&first, Ended::Returned(Err(e)) if e.kind() == ErrorKind::CommitUnknown),
