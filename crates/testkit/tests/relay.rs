@@ -73,6 +73,19 @@ async fn read_exactly(socket: &mut TcpStream, len: usize) -> Vec<u8> {
     buf
 }
 
+/// The relay closes `socket` within [`LIMIT`] without sending anything more (in particular
+/// not the server's reply to a cut request).
+async fn assert_closed_with_nothing_more(socket: &mut TcpStream) {
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(LIMIT, socket.read_to_end(&mut rest))
+        .await
+        .expect("the relay closed the connection");
+    assert!(
+        closed.is_err() || rest.is_empty(),
+        "bytes arrived before the close: {rest:?}"
+    );
+}
+
 /// Whether anything arrives on `socket` within [`SETTLE`].
 async fn anything_within_settle(socket: &mut TcpStream) -> bool {
     let mut buf = [0_u8; 64];
@@ -175,14 +188,7 @@ async fn a_cut_forwards_the_chunk_with_the_pattern_then_closes_without_relaying_
         .expect("the server got the chunk")
         .expect("seen");
     assert_eq!(forwarded, b"BEGIN; COMMIT\n");
-    let mut rest = Vec::new();
-    let closed = tokio::time::timeout(LIMIT, client.read_to_end(&mut rest))
-        .await
-        .expect("the relay closed the client's connection");
-    assert!(
-        closed.is_err() || rest.is_empty(),
-        "the server's reply was relayed: {rest:?}"
-    );
+    assert_closed_with_nothing_more(&mut client).await;
 
     // One-shot: another connection with the pattern is relayed normally.
     let mut other = TcpStream::connect(relay.addr()).await.expect("connect");
@@ -208,14 +214,7 @@ async fn a_cut_pattern_split_across_two_writes_still_fires() {
         .expect("the second half is forwarded")
         .expect("seen");
     assert_eq!(second, b"MIT\n");
-    let mut rest = Vec::new();
-    let closed = tokio::time::timeout(LIMIT, client.read_to_end(&mut rest))
-        .await
-        .expect("the relay closed the client's connection");
-    assert!(
-        closed.is_err() || rest.is_empty(),
-        "the server's reply was relayed: {rest:?}"
-    );
+    assert_closed_with_nothing_more(&mut client).await;
 }
 
 #[tokio::test]
@@ -250,11 +249,7 @@ async fn dropping_the_relay_closes_its_connections() {
     client.write_all(b"x").await.expect("write");
     assert_eq!(read_exactly(&mut client, 1).await, b"x");
     drop(relay);
-    let mut rest = Vec::new();
-    let closed = tokio::time::timeout(LIMIT, client.read_to_end(&mut rest))
-        .await
-        .expect("the connection closed");
-    assert!(closed.is_err() || rest.is_empty(), "{rest:?}");
+    assert_closed_with_nothing_more(&mut client).await;
 }
 
 #[tokio::test]
@@ -264,15 +259,8 @@ async fn an_upstream_that_refuses_ends_that_connection_only() {
     drop(gone);
     let relay = Relay::start(nobody).await.expect("relay");
     let mut client = TcpStream::connect(relay.addr()).await.expect("connect");
-    let mut rest = Vec::new();
-    let closed = tokio::time::timeout(LIMIT, client.read_to_end(&mut rest))
-        .await
-        .expect("the connection closed");
-    assert!(closed.is_err() || rest.is_empty(), "{rest:?}");
+    assert_closed_with_nothing_more(&mut client).await;
     // The relay still accepts (and closes) connections.
     let mut again = TcpStream::connect(relay.addr()).await.expect("connect");
-    let closed = tokio::time::timeout(LIMIT, again.read_to_end(&mut rest))
-        .await
-        .expect("the connection closed");
-    assert!(closed.is_err() || rest.is_empty(), "{rest:?}");
+    assert_closed_with_nothing_more(&mut again).await;
 }
