@@ -1,8 +1,9 @@
 # Commands people actually run; each is a thin line over cargo. `just --list` shows them.
 
-# Run every test (PostgreSQL from DATABASE_URL, else the local server, else a container).
-test:
-    cargo test --workspace
+# Run every test: the README's command (PostgreSQL up, Chromium installed when missing, then
+# cargo test --workspace).
+test *args:
+    scripts/test {{args}}
 
 # What CI runs: Postgres up, tests, fmt, clippy, docs.
 ci:

@@ -340,13 +340,13 @@ async fn perspectives_rewind_purge_and_status() {
     assert!(text(&refused).contains("holds the lease"));
 }
 
-/// Finds Chromium (installed by `.ci/run` from Debian's packages when missing).
+/// Finds Chromium (installed by `scripts/test`, the README's test command, when missing).
 fn chromium() -> std::path::PathBuf {
     ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
         .iter()
         .map(std::path::PathBuf::from)
         .find(|p| p.exists())
-        .expect("the status page is tested in a real browser: install Debian's `chromium` package (.ci/run does)")
+        .expect("the status page is tested in a real browser: install Debian's `chromium` package (scripts/test, the README's test command, does)")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
