@@ -332,7 +332,7 @@ type Fork<S> = Box<dyn Fn() -> Result<(S, Arc<dyn StreamLocker>)>>;
 struct Instance {
     name: &'static str,
     id: InstanceId,
-    paused: Arc<AtomicBool>,
+    paused: Arc<Pause>,
     stop: CancellationToken,
     applied: Arc<AtomicUsize>,
     rewinds: Arc<AtomicUsize>,
@@ -355,10 +355,43 @@ impl Instance {
     }
 }
 
+/// Pausing an instance: `requested` by the demo, `parked` once its loop has seen the request
+/// between two cycles (so no cycle of it is in flight any more).
+#[derive(Debug, Default)]
+struct Pause {
+    requested: AtomicBool,
+    parked: AtomicBool,
+}
+
+impl Pause {
+    fn set(&self, paused: bool) {
+        self.requested.store(paused, Ordering::SeqCst);
+    }
+}
+
+/// Pauses `instances` and waits (at most 30 s) until none of them has a cycle in flight: a
+/// cycle that started before the pause could otherwise still pick up the next late event.
+async fn pause_and_wait(instances: &[Instance]) -> Result<()> {
+    for instance in instances {
+        instance.paused.set(true);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !instances
+        .iter()
+        .all(|i| i.paused.parked.load(Ordering::SeqCst))
+    {
+        if Instant::now() >= deadline {
+            anyhow::bail!("a paused instance did not finish its cycle within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
 /// The worker loop of an instance: cycles while not paused, until stopped.
 async fn drive<S, P>(
     worker: PerspectiveWorker<S, P>,
-    paused: Arc<AtomicBool>,
+    paused: Arc<Pause>,
     stop: CancellationToken,
     applied: Arc<AtomicUsize>,
     rewinds: Arc<AtomicUsize>,
@@ -367,10 +400,12 @@ async fn drive<S, P>(
     P: PerspectiveStore<S::Tx>,
 {
     while !stop.is_cancelled() {
-        if paused.load(Ordering::SeqCst) {
+        if paused.requested.load(Ordering::SeqCst) {
+            paused.parked.store(true, Ordering::SeqCst);
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
         }
+        paused.parked.store(false, Ordering::SeqCst);
         let report = tokio::select! {
             () = stop.cancelled() => break,
             report = worker.run_once() => report,
@@ -538,10 +573,8 @@ where
         "the middle of the rewind (a long GC pause, SIGSTOP, a VM migration): it neither renews nor"
     );
     say!("releases its lease.");
-    for instance in &instances[..2] {
-        instance.paused.store(true, Ordering::SeqCst);
-    }
-    instances[2].paused.store(false, Ordering::SeqCst);
+    instances[2].paused.set(false);
+    pause_and_wait(&instances[..2]).await?;
     let epoch_before = lease_epoch(stack, big).await?;
     append_late(stack, big, -2).await?;
     let (holder, epoch) =
@@ -555,7 +588,7 @@ where
     say!("Instance C stalls while holding the lease (epoch {epoch}). A and B resume: the lease is");
     say!("still live, so they leave stream 1 alone until it expires.");
     for instance in &instances[..2] {
-        instance.paused.store(false, Ordering::SeqCst);
+        instance.paused.set(false);
     }
     let rewinds_a_b: Vec<usize> = instances[..2]
         .iter()
