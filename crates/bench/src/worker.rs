@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use lockstep_core::{
     ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective, PerspectiveName,
-    PerspectiveRegistry, PerspectiveStore, RecordedEvent, StreamId, StreamLockOptions,
-    StreamLocker,
+    PerspectiveRegistry, PerspectiveStore, RecordedEvent, RewindDebounce, StreamId,
+    StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{PgTransaction, PgTransactionSource};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
@@ -603,7 +603,7 @@ async fn pending_pairs_ms(db: &BenchDatabase, limit: usize) -> Result<f64> {
         let tx = PgTransaction::begin(&pool).await?;
         let started = Instant::now();
         let pairs = store
-            .pending_pairs(&tx, InstanceId::random(), Duration::ZERO, limit)
+            .pending_pairs(&tx, InstanceId::random(), RewindDebounce::NONE, limit)
             .await?;
         ms.push(started.elapsed().as_secs_f64() * 1000.0);
         tx.rollback().await?;

@@ -109,7 +109,8 @@ pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;
 pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
-    Claim, Cursor, PendingPair, PerspectiveStore, RewindRequest, Snapshot, StateCommit,
+    Claim, Cursor, PendingPair, PerspectiveStore, RewindDebounce, RewindRequest, Snapshot,
+    StateCommit,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

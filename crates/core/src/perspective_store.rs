@@ -56,6 +56,60 @@ pub struct RewindRequest {
     pub first_flagged_at: OffsetDateTime,
 }
 
+/// How long a rewind request is held back so that a burst of late events costs one rewind, not
+/// many ([`PerspectiveStore::pending_pairs`] and [`PerspectiveStore::claim`] take it).
+///
+/// A flagged pair is held back — work and all — while **both** hold: no late event moved or
+/// confirmed the request for `window` (a sliding quiet period from
+/// [`RewindRequest::flagged_at`]), and less than `max_delay` has passed since the pair was first
+/// flagged ([`RewindRequest::first_flagged_at`]). The cap keeps a steady trickle of late events
+/// from postponing the rewind forever. Times are the store's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RewindDebounce {
+    /// The quiet period a request waits for, restarted by every late event.
+    pub window: Duration,
+    /// The longest a request is held back from its first flag, whatever keeps arriving.
+    pub max_delay: Duration,
+}
+
+impl RewindDebounce {
+    /// No debounce: a request is served at once.
+    pub const NONE: RewindDebounce = RewindDebounce {
+        window: Duration::ZERO,
+        max_delay: Duration::ZERO,
+    };
+
+    /// The default cap on how long a request is held back: 30 s from its first flag.
+    pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(30);
+
+    /// A sliding `window` capped at [`RewindDebounce::DEFAULT_MAX_DELAY`] from the first flag.
+    pub const fn window(window: Duration) -> RewindDebounce {
+        RewindDebounce {
+            window,
+            max_delay: RewindDebounce::DEFAULT_MAX_DELAY,
+        }
+    }
+
+    /// Whether `request` is still held back at `now`. A bound past the calendar's end holds the
+    /// request back (saturating, never a panic).
+    pub fn holds_back(&self, request: &RewindRequest, now: OffsetDateTime) -> bool {
+        let before = |from: OffsetDateTime, wait: Duration| {
+            time::Duration::try_from(wait)
+                .ok()
+                .and_then(|d| from.checked_add(d))
+                .is_none_or(|until| now < until)
+        };
+        before(request.flagged_at, self.window) && before(request.first_flagged_at, self.max_delay)
+    }
+}
+
+impl Default for RewindDebounce {
+    /// [`RewindDebounce::NONE`].
+    fn default() -> Self {
+        RewindDebounce::NONE
+    }
+}
+
 /// One pair's cursor, as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cursor {
@@ -114,7 +168,9 @@ pub enum Claim {
         /// The cursor, with its rewind request.
         cursor: Cursor,
     },
-    /// Nothing to apply (no pending work, or a rewind inside its debounce window).
+    /// Nothing to apply (no pending work, or a rewind inside its debounce window). The claim
+    /// may have written a rewind request (a late arrival found inside the window): commit `tx`
+    /// to keep it, as for [`Claim::Rewind`].
     Idle,
     /// Another transaction holds the cursor row, or a live lease holds the pair: skip it now.
     Busy,
@@ -175,14 +231,14 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         perspectives: &'a [PerspectiveName],
     ) -> impl Future<Output = Result<()>> + Send + 'a;
 
-    /// Up to `limit` pairs with pending work or a rewind whose `debounce` window has passed,
+    /// Up to `limit` pairs with pending work or a rewind that `debounce` no longer holds back,
     /// skipping pairs under a live lease of another instance than `instance`. Oldest work
     /// first.
     fn pending_pairs<'a>(
         &'a self,
         tx: &'a Tx,
         instance: InstanceId,
-        debounce: Duration,
+        debounce: RewindDebounce,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a;
 
@@ -196,7 +252,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         stream_id: StreamId,
         perspective: &'a PerspectiveName,
         max_events: usize,
-        debounce: Duration,
+        debounce: RewindDebounce,
     ) -> impl Future<Output = Result<Claim>> + Send + 'a;
 
     /// Commits a state change (see [`StateCommit`]). Returns the new revision.

@@ -55,9 +55,9 @@ use std::time::{Duration, Instant};
 use lockstep_core::{
     AcquireOutcome, Claim, Cursor, DistributedLock, EventStore, ExpectedVersion, InstanceId,
     LeaseFence, LeaseId, LeaseInfo, LockReason, NewEvent, PendingPair, PerspectiveName,
-    PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, Snapshot,
-    StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
-    async_trait,
+    PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
+    RewindDebounce, Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions,
+    StreamLocker, TransactionSource, async_trait,
 };
 use tracing::Instrument;
 use uuid::Uuid;
@@ -480,7 +480,7 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         &'a self,
         tx: &'a Tx,
         instance: InstanceId,
-        debounce: Duration,
+        debounce: RewindDebounce,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a {
         let span = tracing::info_span!("lockstep", op = "pending_pairs", limit);
@@ -494,7 +494,7 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         stream_id: StreamId,
         perspective: &'a PerspectiveName,
         max_events: usize,
-        debounce: Duration,
+        debounce: RewindDebounce,
     ) -> impl Future<Output = Result<Claim>> + Send + 'a {
         let span = pair_span("claim", stream_id, perspective);
         let call = self

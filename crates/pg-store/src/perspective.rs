@@ -27,8 +27,9 @@
 //!
 //! ```no_run
 //! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
-//! use std::time::Duration;
-//! use lockstep_core::{Claim, PerspectiveName, PerspectiveStore, StateCommit, StreamId};
+//! use lockstep_core::{
+//!     Claim, PerspectiveName, PerspectiveStore, RewindDebounce, StateCommit, StreamId,
+//! };
 //! use lockstep_pg::PgTransaction;
 //! use lockstep_pg_store::PgPerspectiveStore;
 //!
@@ -42,7 +43,7 @@
 //! # let stream = StreamId::new_v7();
 //! let tx = PgTransaction::begin(&pool).await?;
 //! if let Claim::Apply { cursor, state, events } =
-//!     store.claim(&tx, stream, &name, 100, Duration::ZERO).await?
+//!     store.claim(&tx, stream, &name, 100, RewindDebounce::NONE).await?
 //! {
 //!     let new_state = serde_json::json!({ "seen": cursor.applied_count + events.len() as u64 });
 //! #   let _ = state;
@@ -70,8 +71,8 @@ use std::time::Duration;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     Claim, Cursor, CursorLease, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason,
-    PendingPair, PerspectiveName, PerspectiveStore, RecordedEvent, Result, RewindRequest, Snapshot,
-    StateCommit, StreamId, ValidationError,
+    PendingPair, PerspectiveName, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
+    RewindRequest, Snapshot, StateCommit, StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -100,9 +101,10 @@ pub mod sql {
     /// Registers names (`$1 text[]`); returns how many were new (they catch up).
     pub const REGISTER: &str = "SELECT lockstep_register_perspectives($1)";
 
-    /// Pairs with work, or with a rewind request whose debounce window (`$2` µs) has passed,
-    /// not under a live lease of another instance than `$1`; oldest work first, at most `$3`.
-    /// A pair with a request inside its window is held back, work and all.
+    /// Pairs with work, or with a rewind request whose debounce window (`$2` µs) has passed or
+    /// that was first flagged at least `$4` µs ago (the cap), not under a live lease of another
+    /// instance than `$1`; oldest work first, at most `$3`. A pair with a request inside its
+    /// window is held back, work and all.
     pub const PENDING_PAIRS: &str = "\
 WITH n AS (SELECT clock_timestamp() AS now),
 work AS (
@@ -123,15 +125,18 @@ SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
   LEFT JOIN wh_perspective_cursors k
          ON k.stream_id = p.stream_id AND k.perspective_name = p.perspective_name
  WHERE (k.rewind_trigger_event_id IS NULL
-        OR k.rewind_flagged_at + $2 * interval '1 microsecond' <= n.now)
+        OR k.rewind_flagged_at + $2 * interval '1 microsecond' <= n.now
+        OR coalesce(k.rewind_first_flagged_at, k.rewind_flagged_at)
+           + $4 * interval '1 microsecond' <= n.now)
    AND NOT (k.stream_lock_instance_id IS NOT NULL AND k.stream_lock_instance_id <> $1
             AND k.stream_lock_expiry > n.now)
  ORDER BY coalesce(w.oldest, k.rewind_flagged_at), p.stream_id, p.perspective_name COLLATE \"C\"
  LIMIT $3";
 
-    /// Claims a pair (`$1` stream, `$2` perspective, `$3` max events, `$4` debounce µs): a
-    /// header row (outcome, cursor columns, state), then for `apply` the events.
-    pub const CLAIM: &str = "SELECT * FROM lockstep_perspective_claim($1, $2, $3, $4)";
+    /// Claims a pair (`$1` stream, `$2` perspective, `$3` max events, `$4` debounce window µs,
+    /// `$5` debounce cap µs): a header row (outcome, cursor columns, state), then for `apply`
+    /// the events.
+    pub const CLAIM: &str = "SELECT * FROM lockstep_perspective_claim($1, $2, $3, $4, $5)";
 
     /// Commits a state change (see `lockstep_perspective_commit`).
     pub const COMMIT: &str = "SELECT outcome, revision \
@@ -278,10 +283,10 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         &self,
         tx: &T,
         instance: InstanceId,
-        debounce: Duration,
+        debounce: RewindDebounce,
         limit: usize,
     ) -> Result<Vec<PendingPair>> {
-        let debounce = micros(debounce)?;
+        let (window, max_delay) = (micros(debounce.window)?, micros(debounce.max_delay)?);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = tx
             .executor()
@@ -289,8 +294,9 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 sql::PENDING_PAIRS,
                 &[
                     (&instance.as_uuid(), Type::UUID),
-                    (&debounce, Type::INT8),
+                    (&window, Type::INT8),
                     (&limit, Type::INT8),
+                    (&max_delay, Type::INT8),
                 ],
             )
             .await
@@ -315,7 +321,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         stream_id: StreamId,
         perspective: &PerspectiveName,
         max_events: usize,
-        debounce: Duration,
+        debounce: RewindDebounce,
     ) -> Result<Claim> {
         if max_events == 0 {
             return Err(Error::new(
@@ -324,7 +330,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             ));
         }
         let max_events = i64::try_from(max_events).unwrap_or(i64::MAX);
-        let debounce = micros(debounce)?;
+        let (window, max_delay) = (micros(debounce.window)?, micros(debounce.max_delay)?);
         let rows = tx
             .executor()
             .query_typed(
@@ -333,7 +339,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                     (&stream_id.as_uuid(), Type::UUID),
                     (&perspective.as_str(), Type::TEXT),
                     (&max_events, Type::INT8),
-                    (&debounce, Type::INT8),
+                    (&window, Type::INT8),
+                    (&max_delay, Type::INT8),
                 ],
             )
             .await

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, Claim, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
-    PerspectiveStore, StreamId, StreamLockOptions, StreamLocker,
+    PerspectiveStore, RewindDebounce, StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{PgTransaction, PgTransactionSource};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
@@ -196,7 +196,7 @@ async fn a_claim_refused_for_a_lease_leaves_the_row_to_the_keepalive() {
     let claiming = PgTransaction::begin(&f.pool).await.expect("begin");
     let claim = f
         .store
-        .claim(&claiming, stream, &p, 10, Duration::ZERO)
+        .claim(&claiming, stream, &p, 10, RewindDebounce::NONE)
         .await
         .expect("claim");
     assert_eq!(claim, Claim::Busy);
@@ -229,7 +229,7 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     let tx = client.transaction().await.expect("begin");
     match f
         .store
-        .claim(&tx, stream, &p, 10, Duration::ZERO)
+        .claim(&tx, stream, &p, 10, RewindDebounce::NONE)
         .await
         .expect("claim")
     {

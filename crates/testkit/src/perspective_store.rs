@@ -20,13 +20,12 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use lockstep_core::{
     Claim, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
     LeaseFence, LeaseStatus, PendingPair, PerspectiveName, PerspectiveStore, RecordedEvent,
-    ResourceKey, Result, RewindRequest, Snapshot, StateCommit, StreamId, StreamLockAdmin,
-    perspective_store::DEFAULT_KEEP_SNAPSHOTS,
+    ResourceKey, Result, RewindDebounce, RewindRequest, Snapshot, StateCommit, StreamId,
+    StreamLockAdmin, perspective_store::DEFAULT_KEEP_SNAPSHOTS,
 };
 use time::OffsetDateTime;
 use tokio::time::Instant;
@@ -315,12 +314,8 @@ impl InMemoryPerspectiveStore {
         });
     }
 
-    fn debounced(&self, rewind: &RewindRequest, debounce: Duration) -> bool {
-        // Saturating: a debounce past the calendar's end holds the pair back, never panics.
-        time::Duration::try_from(debounce)
-            .ok()
-            .and_then(|d| rewind.flagged_at.checked_add(d))
-            .is_none_or(|until| self.now() < until)
+    fn debounced(&self, rewind: &RewindRequest, debounce: RewindDebounce) -> bool {
+        debounce.holds_back(rewind, self.now())
     }
 }
 
@@ -356,7 +351,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         &self,
         tx: &FakeTransaction,
         instance: InstanceId,
-        debounce: Duration,
+        debounce: RewindDebounce,
         limit: usize,
     ) -> Result<Vec<PendingPair>> {
         tx.check_usable()?;
@@ -421,7 +416,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         stream_id: StreamId,
         perspective: &PerspectiveName,
         max_events: usize,
-        debounce: Duration,
+        debounce: RewindDebounce,
     ) -> Result<Claim> {
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());

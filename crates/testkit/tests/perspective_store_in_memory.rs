@@ -31,8 +31,15 @@ lockstep_testkit::perspective_store_conformance! {
 /// A debounce past the calendar's end holds a flagged pair back instead of panicking.
 #[tokio::test(start_paused = true)]
 async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
-    use lockstep_core::{Claim, InstanceId, PerspectiveName, PerspectiveStore, StreamId};
+    use lockstep_core::{
+        Claim, InstanceId, PerspectiveName, PerspectiveStore, RewindDebounce, StreamId,
+    };
     use std::time::Duration;
+
+    const UNBOUNDED: RewindDebounce = RewindDebounce {
+        window: Duration::MAX,
+        max_delay: Duration::MAX,
+    };
 
     let fixture = in_memory();
     let (stream, name) = (
@@ -61,13 +68,13 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
     let tx = fixture.source.begin();
     let pairs = fixture
         .store
-        .pending_pairs(&tx, InstanceId::random(), Duration::MAX, 10)
+        .pending_pairs(&tx, InstanceId::random(), UNBOUNDED, 10)
         .await
         .expect("pending pairs");
     assert!(pairs.is_empty(), "held back: {pairs:?}");
     let claim = fixture
         .store
-        .claim(&tx, stream, &name, 10, Duration::MAX)
+        .claim(&tx, stream, &name, 10, UNBOUNDED)
         .await
         .expect("claim");
     assert_eq!(claim, Claim::Idle);

@@ -26,7 +26,8 @@
 //!   its deadline cannot commit over a successor's work.
 //! - **Release on every path.** [`HeldLease::release`] stops the keepalive for the lease and
 //!   releases it; dropping a `HeldLease` without releasing (an error path, a panic, a cancelled
-//!   future) stops the keepalive at once and releases in a spawned task.
+//!   future — a dropped `release` included) stops the keepalive at once and releases in a
+//!   spawned task that [`LeaseKeeper::shutdown`] waits for.
 //!
 //! ```no_run
 //! # async fn demo(locker: std::sync::Arc<dyn lockstep_core::StreamLocker>) -> lockstep_core::Result<()> {
@@ -61,6 +62,7 @@ use lockstep_core::{
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::telemetry::{self, count};
 
@@ -71,11 +73,14 @@ struct Entry {
     id: LeaseId,
     lost: CancellationToken,
     deadline: Instant,
+    /// A [`HeldLease::release`] is in flight: no longer renewed, but still tracked until its
+    /// statement has run, so that shutdown (or the drop of that release) still releases it.
+    releasing: bool,
 }
 
 impl Entry {
     fn kept(&self) -> bool {
-        !self.lost.is_cancelled()
+        !self.lost.is_cancelled() && !self.releasing
     }
 }
 
@@ -89,6 +94,10 @@ struct Shared {
     stop: CancellationToken,
     /// Woken when a lease is tracked: its deadline may be earlier than the one being waited for.
     tracked: Arc<Notify>,
+    /// The background releases of dropped leases, so that shutdown can wait for them.
+    releases: TaskTracker,
+    /// Leases those background releases released (shutdown reports the ones it waited for).
+    released_in_background: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Shared {
@@ -179,6 +188,8 @@ impl LeaseKeeper {
             renew_calls: std::sync::atomic::AtomicU64::new(0),
             stop: stop.clone(),
             tracked: Arc::new(Notify::new()),
+            releases: TaskTracker::new(),
+            released_in_background: std::sync::atomic::AtomicU64::new(0),
         });
         tokio::spawn(keepalive(Arc::downgrade(&shared), stop.clone()));
         LeaseKeeper {
@@ -237,6 +248,7 @@ impl LeaseKeeper {
             id: lease.id.clone(),
             lost: lost.clone(),
             deadline,
+            releasing: false,
         };
         // An acquire that returned after its own deadline hands out a lease that is lost on
         // arrival: the holder must not start work another instance may soon take over.
@@ -267,19 +279,51 @@ impl LeaseKeeper {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Stops the keepalive and releases every lease it held (graceful shutdown). Their lost
-    /// signals fire. Returns how many were released.
+    /// Stops the keepalive and releases every lease it held (graceful shutdown), including
+    /// leases whose [`HeldLease::release`] is in flight or was dropped; their lost signals fire.
+    /// Then waits for the background releases of dropped leases, at most the lock timeout
+    /// (after that their leases have expired anyway). Returns how many leases were released —
+    /// by this call or by a background release it waited for. Every lease is tried; if a
+    /// release failed, the first error is returned after all were tried (that lease expires).
     pub async fn shutdown(&self) -> Result<u64> {
+        use std::sync::atomic::Ordering::Relaxed;
         self.shared.stop.cancel();
+        let background_before = self.shared.released_in_background.load(Relaxed);
         let entries: Vec<Entry> = self.shared.entries().drain().map(|(_, e)| e).collect();
         let mut released = 0;
+        let mut first_error = None;
         for entry in entries {
             entry.lost.cancel();
-            if self.shared.locker.release(&entry.id).await? == ReleaseOutcome::Released {
-                released += 1;
+            // Every lease is tried, even after one failed: an error stops none of the others.
+            match self.shared.locker.release(&entry.id).await {
+                Ok(ReleaseOutcome::Released) => released += 1,
+                Ok(ReleaseOutcome::NotHeld) => {}
+                Err(err) => {
+                    tracing::warn!(error = %err, stream_id = %entry.id.stream_id, "releasing a lease on shutdown failed; it will expire");
+                    first_error.get_or_insert(err);
+                }
             }
         }
-        Ok(released)
+        self.shared.releases.close();
+        let bound = self.shared.locker.options().lock_timeout();
+        if tokio::time::timeout(bound, self.shared.releases.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                pending = self.shared.releases.len(),
+                "background lease releases still running after the lock timeout; they will expire"
+            );
+        }
+        released += self
+            .shared
+            .released_in_background
+            .load(Relaxed)
+            .saturating_sub(background_before);
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(released),
+        }
     }
 }
 
@@ -453,10 +497,24 @@ impl HeldLease {
     }
 
     /// Stops the keepalive for this lease and releases it.
+    ///
+    /// Cancel-safe: if this future is dropped before the release statement has run to its end
+    /// (a timeout around it, an abandoned task), the lease is released in the background as
+    /// when a `HeldLease` is dropped, and [`LeaseKeeper::shutdown`] still releases it. If the
+    /// release fails, it is tried once more in the background; if that fails too, the lease
+    /// expires after the lock timeout.
     pub async fn release(mut self) -> Result<ReleaseOutcome> {
-        self.released = true;
-        self.shared.entries().remove(&self.key);
-        self.shared.locker.release(&self.lease.id).await
+        // Not renewed any more, but still tracked until the statement has run.
+        if let Some(entry) = self.shared.entries().get_mut(&self.key) {
+            entry.releasing = true;
+        }
+        let outcome = self.shared.locker.release(&self.lease.id).await;
+        if outcome.is_ok() {
+            self.released = true;
+            self.shared.entries().remove(&self.key);
+        }
+        // On an error `self` drops unreleased: the background release tries again.
+        outcome
     }
 }
 
@@ -465,16 +523,34 @@ impl Drop for HeldLease {
         if self.released {
             return;
         }
-        // An error path, a panic or a dropped future: stop renewing now, release in the
-        // background (if that fails too, the lease simply expires).
+        // An error path, a panic, a dropped future (also a dropped `release`): stop renewing
+        // now, release in the background, tracked so that shutdown waits for it (if that fails
+        // too, the lease simply expires).
         self.shared.entries().remove(&self.key);
         let (locker, id) = (Arc::clone(&self.shared.locker), self.lease.id.clone());
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(err) = locker.release(&id).await {
+        let shared = Arc::downgrade(&self.shared);
+        let task = async move {
+            match locker.release(&id).await {
+                Ok(ReleaseOutcome::Released) => {
+                    if let Some(shared) = shared.upgrade() {
+                        shared
+                            .released_in_background
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                Ok(ReleaseOutcome::NotHeld) => {}
+                Err(err) => {
                     tracing::warn!(error = %err, stream_id = %id.stream_id, "releasing a dropped lease failed; it will expire");
                 }
-            });
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                self.shared.releases.spawn_on(task, &runtime);
+            }
+            Err(_) => {
+                tracing::warn!(stream_id = %self.lease.id.stream_id, "a lease dropped outside a tokio runtime cannot be released; it will expire");
+            }
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lockstep_core::{Error, ErrorKind, Result};
+use lockstep_core::{Error, ErrorKind, Result, RewindDebounce};
 
 /// The longest duration an option accepts (a day): far beyond any sensible setting, and small
 /// enough that adding it to any `Instant` or timestamp cannot overflow.
@@ -29,6 +29,10 @@ pub struct WorkerOptions {
     /// A rewind waits until no late event arrived for this long (late events keep arriving in
     /// bursts: one rewind instead of many). Default 0 (no debounce).
     pub rewind_debounce: Duration,
+    /// The longest a rewind is held back by `rewind_debounce`, from the first late event of the
+    /// burst: a steady trickle of late events cannot postpone it for longer. At least
+    /// `rewind_debounce`. Default 30 s.
+    pub rewind_debounce_max: Duration,
     /// First wait before a failed pair is retried; doubles per failure up to
     /// `failure_backoff_max`. Default 1 s.
     pub failure_backoff: Duration,
@@ -51,6 +55,7 @@ impl Default for WorkerOptions {
             max_events_per_claim: 1000,
             snapshot_every: 100,
             rewind_debounce: Duration::ZERO,
+            rewind_debounce_max: RewindDebounce::DEFAULT_MAX_DELAY,
             failure_backoff: Duration::from_secs(1),
             failure_backoff_max: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
@@ -62,7 +67,7 @@ impl Default for WorkerOptions {
 impl WorkerOptions {
     /// Checks every option: counts at least 1 (and at most 1 000 000), durations at most
     /// [`MAX_DURATION`], `poll_interval` at least 1 ms, `failure_backoff <=
-    /// failure_backoff_max`. A bad option is [`ErrorKind::InvalidInput`] naming it.
+    /// failure_backoff_max`, `rewind_debounce <= rewind_debounce_max`. A bad option is [`ErrorKind::InvalidInput`] naming it.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str| Err(Error::new(ErrorKind::InvalidInput, what.to_owned()));
         for (name, value) in [
@@ -80,6 +85,7 @@ impl WorkerOptions {
         for (name, value) in [
             ("poll_interval", self.poll_interval),
             ("rewind_debounce", self.rewind_debounce),
+            ("rewind_debounce_max", self.rewind_debounce_max),
             ("failure_backoff", self.failure_backoff),
             ("failure_backoff_max", self.failure_backoff_max),
             ("shutdown_grace", self.shutdown_grace),
@@ -95,7 +101,18 @@ impl WorkerOptions {
         if self.failure_backoff > self.failure_backoff_max {
             return bad("failure_backoff must not exceed failure_backoff_max");
         }
+        if self.rewind_debounce > self.rewind_debounce_max {
+            return bad("rewind_debounce must not exceed rewind_debounce_max");
+        }
         Ok(())
+    }
+
+    /// The debounce the store applies: `rewind_debounce` capped at `rewind_debounce_max`.
+    pub fn debounce(&self) -> RewindDebounce {
+        RewindDebounce {
+            window: self.rewind_debounce,
+            max_delay: self.rewind_debounce_max,
+        }
     }
 
     /// The wait before retrying a pair after `failures` consecutive failures.

@@ -323,7 +323,7 @@ where
             .pending_pairs(
                 &tx,
                 self.instance,
-                self.options.rewind_debounce,
+                self.options.debounce(),
                 self.options.pairs_per_cycle,
             )
             .await;
@@ -407,7 +407,7 @@ where
                 stream_id,
                 name,
                 self.options.max_events_per_claim,
-                self.options.rewind_debounce,
+                self.options.debounce(),
             )
             .await
         {
@@ -433,7 +433,10 @@ where
                 return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
             }
             _ => {
-                let _ = self.source.rollback(tx).await;
+                // Committed, not rolled back: a late arrival inside the debounce window is
+                // written by this claim, and the window only runs once it is stored (rolled
+                // back, every cycle found it anew and the pair never moved: issue 19).
+                self.source.commit(tx).await?;
                 return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
             }
         };

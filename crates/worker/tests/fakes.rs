@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use lockstep_core::{
     Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective,
-    PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, Snapshot,
-    StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
+    Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
@@ -246,7 +246,7 @@ async fn a_late_event_flags_the_pair_and_the_rewind_replays_it_in_order_under_a_
     let tx = world.db.begin();
     let claim = world
         .store
-        .claim(&tx, stream, &fold(), 100, Duration::ZERO)
+        .claim(&tx, stream, &fold(), 100, RewindDebounce::NONE)
         .await
         .expect("claim");
     match claim {
@@ -482,7 +482,7 @@ async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
     let tx = world.db.begin();
     let Claim::Apply { cursor, events, .. } = world
         .store
-        .claim(&tx, stream, &fold(), 10, Duration::ZERO)
+        .claim(&tx, stream, &fold(), 10, RewindDebounce::NONE)
         .await
         .expect("claim")
     else {
@@ -566,7 +566,7 @@ impl PerspectiveStore<FakeTransaction> for Slow {
         &self,
         tx: &FakeTransaction,
         i: InstanceId,
-        d: Duration,
+        d: RewindDebounce,
         l: usize,
     ) -> Result<Vec<lockstep_core::PendingPair>> {
         self.inner.pending_pairs(tx, i, d, l).await
@@ -577,7 +577,7 @@ impl PerspectiveStore<FakeTransaction> for Slow {
         s: StreamId,
         p: &PerspectiveName,
         m: usize,
-        d: Duration,
+        d: RewindDebounce,
     ) -> Result<Claim> {
         self.inner.claim(tx, s, p, m, d).await
     }
@@ -1020,4 +1020,80 @@ async fn invalid_options_and_an_empty_registry_are_refused() {
     )
     .expect_err("refused");
     assert_eq!(err.kind(), lockstep_core::ErrorKind::InvalidInput);
+}
+
+/// Issue 19, defect 1: with any `rewind_debounce`, the claim that found the late event wrote
+/// the request inside its window and answered `Idle`; the worker rolled that back, so every
+/// cycle found the late event again and the pair was wedged for good.
+#[tokio::test(start_paused = true)]
+async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
+    let world = World::new();
+    let options = WorkerOptions {
+        rewind_debounce: Duration::from_millis(200),
+        ..WorkerOptions::default()
+    };
+    let worker = world.worker_with(InstanceId::random(), true, options);
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [1, 2]).await;
+    drain(&worker).await;
+    world
+        .append(stream, &[(early_id(1), serde_json::json!(0))])
+        .await;
+    let mut rewinds = 0;
+    for _ in 0..40 {
+        let report = worker.run_once().await;
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        rewinds += report.rewinds;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(rewinds, 1, "one rewind, after the window");
+    assert_eq!(world.state(stream), vec![0, 1, 2]);
+    world.append_numbers(stream, [3]).await;
+    drain(&worker).await;
+    assert_eq!(
+        world.state(stream),
+        vec![0, 1, 2, 3],
+        "later events apply too"
+    );
+}
+
+/// Issue 19, defect 1 (the cap): late events every 100 ms inside a 200 ms window kept sliding
+/// it; `rewind_debounce_max` serves the rewind at most that long after the first flag.
+#[tokio::test(start_paused = true)]
+async fn a_steady_trickle_of_late_events_cannot_postpone_the_rewind_past_the_cap() {
+    let world = World::new();
+    let options = WorkerOptions {
+        rewind_debounce: Duration::from_millis(200),
+        rewind_debounce_max: Duration::from_secs(1),
+        ..WorkerOptions::default()
+    };
+    let worker = world.worker_with(InstanceId::random(), true, options);
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [1000]).await;
+    drain(&worker).await;
+    let started = tokio::time::Instant::now();
+    let mut first_rewind = None;
+    // 3 s of late events, each sorting before the last (so each moves the trigger and restarts
+    // the window on every backend).
+    for n in 0..30_u128 {
+        world
+            .append(stream, &[(early_id(1000 - n), serde_json::json!(n))])
+            .await;
+        let report = worker.run_once().await;
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        if report.rewinds > 0 && first_rewind.is_none() {
+            first_rewind = Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let first = first_rewind.expect("a rewind during the trickle");
+    assert!(
+        first <= Duration::from_millis(1300),
+        "first rewind after {first:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await; // past the last window
+    drain(&worker).await;
+    assert_eq!(world.state(stream), world.expected(stream));
 }

@@ -21,8 +21,8 @@ use std::time::Duration;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     AcquireOutcome, Claim, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId,
-    LockReason, NewEvent, PerspectiveName, PerspectiveStore, RecordedEvent, StateCommit, StreamId,
-    StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
+    LockReason, NewEvent, PerspectiveName, PerspectiveStore, RecordedEvent, RewindDebounce,
+    StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
 };
 use uuid::Uuid;
 
@@ -125,8 +125,11 @@ where
     }
 }
 
-/// A window no case waits out.
-const HOUR: Duration = Duration::from_secs(3600);
+/// A debounce window (and cap) no case waits out.
+const HOUR: RewindDebounce = RewindDebounce {
+    window: Duration::from_secs(3600),
+    max_delay: Duration::from_secs(3600),
+};
 /// More pairs than any case's database holds.
 const ALL_PAIRS: usize = 1_000_000;
 /// More events than any case appends to one stream.
@@ -200,7 +203,7 @@ async fn claim<F: PerspectiveStoreFixture>(
     stream: StreamId,
     name: &PerspectiveName,
     max_events: usize,
-    debounce: Duration,
+    debounce: RewindDebounce,
 ) -> Claim {
     fixture
         .store()
@@ -223,7 +226,7 @@ async fn apply<F: PerspectiveStoreFixture>(
         cursor,
         state,
         events,
-    } = claim(fixture, &tx, stream, name, max, Duration::ZERO).await
+    } = claim(fixture, &tx, stream, name, max, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
     };
@@ -349,7 +352,7 @@ async fn pending<F: PerspectiveStoreFixture>(
 async fn listed<F: PerspectiveStoreFixture>(
     fixture: &F,
     instance: InstanceId,
-    debounce: Duration,
+    debounce: RewindDebounce,
     stream: StreamId,
     name: &PerspectiveName,
 ) -> Option<(u64, bool)> {
@@ -490,7 +493,14 @@ pub async fn appended_events_become_work_for_every_registered_perspective_on_com
     }
     rollback(fixture.source(), reader).await;
     assert_eq!(
-        listed(&*fixture, InstanceId::random(), Duration::ZERO, stream, &a).await,
+        listed(
+            &*fixture,
+            InstanceId::random(),
+            RewindDebounce::NONE,
+            stream,
+            &a
+        )
+        .await,
         Some((2, false))
     );
 }
@@ -514,7 +524,14 @@ pub async fn a_rolled_back_append_leaves_no_work<F: PerspectiveStoreFixture>(fix
     rollback(fixture.source(), tx).await;
     assert!(pending(&*fixture, stream, &a).await.is_empty());
     assert_eq!(
-        listed(&*fixture, InstanceId::random(), Duration::ZERO, stream, &a).await,
+        listed(
+            &*fixture,
+            InstanceId::random(),
+            RewindDebounce::NONE,
+            stream,
+            &a
+        )
+        .await,
         None
     );
 }
@@ -564,7 +581,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         cursor,
         state,
         events,
-    } = claim(&*fixture, &tx, stream, &p, 3, Duration::ZERO).await
+    } = claim(&*fixture, &tx, stream, &p, 3, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
     };
@@ -614,7 +631,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         cursor,
         state,
         events,
-    } = claim(&*fixture, &tx, stream, &p, ALL_EVENTS, Duration::ZERO).await
+    } = claim(&*fixture, &tx, stream, &p, ALL_EVENTS, RewindDebounce::NONE).await
     else {
         panic!("expected the rest to apply");
     };
@@ -633,7 +650,7 @@ pub async fn claim_creates_the_cursor_of_a_pair_that_has_none<F: PerspectiveStor
     assert!(cursor(&*fixture, stream, &p).await.is_none());
     let tx = begin(fixture.source()).await;
     assert_eq!(
-        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await,
+        claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await,
         Claim::Idle
     );
     commit(fixture.source(), tx).await.expect("commit");
@@ -660,13 +677,13 @@ pub async fn a_second_claim_of_a_claimed_pair_is_busy_until_the_first_transactio
     let stream = stream_with(&*fixture, &ids).await;
     let first = begin(fixture.source()).await;
     assert!(matches!(
-        claim(&*fixture, &first, stream, &p, 10, Duration::ZERO).await,
+        claim(&*fixture, &first, stream, &p, 10, RewindDebounce::NONE).await,
         Claim::Apply { .. }
     ));
     let second = begin(fixture.source()).await;
     let busy = tokio::time::timeout(
         Duration::from_secs(10),
-        claim(&*fixture, &second, stream, &p, 10, Duration::ZERO),
+        claim(&*fixture, &second, stream, &p, 10, RewindDebounce::NONE),
     )
     .await
     .expect("a claim never waits for another transaction's claim");
@@ -674,7 +691,7 @@ pub async fn a_second_claim_of_a_claimed_pair_is_busy_until_the_first_transactio
     rollback(fixture.source(), second).await;
     rollback(fixture.source(), first).await;
     let third = begin(fixture.source()).await;
-    match claim(&*fixture, &third, stream, &p, 10, Duration::ZERO).await {
+    match claim(&*fixture, &third, stream, &p, 10, RewindDebounce::NONE).await {
         Claim::Apply { events, .. } => assert_eq!(event_ids(&events), ids),
         other => panic!("expected the pair to be claimable again, got {other:?}"),
     }
@@ -697,19 +714,26 @@ pub async fn a_leased_pair_is_held_back_while_its_events_keep_queueing<
 
     let tx = begin(fixture.source()).await;
     assert_eq!(
-        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await,
+        claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await,
         Claim::Busy,
         "a live lease holds normal application back"
     );
     rollback(fixture.source(), tx).await;
     renew(&*fixture, &lease).await;
     assert_eq!(
-        listed(&*fixture, InstanceId::random(), Duration::ZERO, stream, &p).await,
+        listed(
+            &*fixture,
+            InstanceId::random(),
+            RewindDebounce::NONE,
+            stream,
+            &p
+        )
+        .await,
         None,
         "not listed for another instance"
     );
     assert_eq!(
-        listed(&*fixture, lease.id.holder, Duration::ZERO, stream, &p).await,
+        listed(&*fixture, lease.id.holder, RewindDebounce::NONE, stream, &p).await,
         Some((1, false)),
         "listed for the holder"
     );
@@ -719,7 +743,7 @@ pub async fn a_leased_pair_is_held_back_while_its_events_keep_queueing<
     let released = fixture.locker().release(&lease.id).await.expect("release");
     assert!(released.is_released());
     let tx = begin(fixture.source()).await;
-    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+    match claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await {
         Claim::Apply { events, .. } => assert_eq!(event_ids(&events), ids),
         other => panic!("expected the queued events after the release, got {other:?}"),
     }
@@ -739,7 +763,7 @@ pub async fn commit_state_saves_the_state_advances_the_cursor_and_deletes_exactl
     let stream = stream_with(&*fixture, &ids).await;
     let tx = begin(fixture.source()).await;
     let Claim::Apply { cursor, events, .. } =
-        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await
+        claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
     };
@@ -936,7 +960,7 @@ pub async fn a_late_arrival_turns_the_claim_into_a_rewind_from_that_event<
 
     let tx = begin(fixture.source()).await;
     let Claim::Rewind { cursor: flagged } =
-        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await
+        claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await
     else {
         panic!("expected a rewind");
     };
@@ -961,7 +985,7 @@ pub async fn of_two_late_arrivals_the_earliest_is_the_trigger<F: PerspectiveStor
     append(&*fixture, stream, &[event(ids[1], 2)]).await;
     append(&*fixture, stream, &[event(ids[0], 1)]).await;
     let tx = begin(fixture.source()).await;
-    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+    match claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await {
         Claim::Rewind { cursor } => {
             assert_eq!(cursor.rewind.map(|r| r.trigger), Some(ids[0]));
         }
@@ -1086,11 +1110,78 @@ pub async fn the_debounce_window_holds_a_flagged_pair_back<F: PerspectiveStoreFi
     rollback(fixture.source(), tx).await;
 
     assert_eq!(
-        listed(&*fixture, instance, Duration::ZERO, stream, &p).await,
+        listed(&*fixture, instance, RewindDebounce::NONE, stream, &p).await,
         Some((1, true))
     );
     let tx = begin(fixture.source()).await;
-    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+    match claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await {
+        Claim::Rewind { cursor } => assert_eq!(cursor.rewind.map(|r| r.trigger), Some(ids[0])),
+        other => panic!("expected a rewind, got {other:?}"),
+    }
+    rollback(fixture.source(), tx).await;
+}
+
+/// The debounce window slides with every late event, but only up to `max_delay` from the first
+/// flag: a pair re-flagged just now is still served once the cap has passed, by `claim` and by
+/// `pending_pairs` alike (a steady trickle of late events cannot postpone its rewind forever).
+/// Real time passes here (about 1.5 s on a database; nothing with paused time).
+pub async fn the_debounce_window_is_capped_from_the_first_flag<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    const CAPPED: RewindDebounce = RewindDebounce {
+        window: Duration::from_secs(3600),
+        max_delay: Duration::from_millis(1000),
+    };
+    let p = name("Capped");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids[2..]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    let instance = InstanceId::random();
+
+    append(&*fixture, stream, &[event(ids[1], 1)]).await;
+    let tx = begin(fixture.source()).await;
+    assert_eq!(
+        claim(&*fixture, &tx, stream, &p, 10, CAPPED).await,
+        Claim::Idle
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    let first = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let first = first.rewind.expect("flagged");
+
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // An earlier late event moves the trigger and restarts the window, not the cap.
+    append(&*fixture, stream, &[event(ids[0], 0)]).await;
+    let tx = begin(fixture.source()).await;
+    assert_eq!(
+        claim(&*fixture, &tx, stream, &p, 10, CAPPED).await,
+        Claim::Idle
+    );
+    commit(fixture.source(), tx).await.expect("commit");
+    let moved = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let moved = moved.rewind.expect("still flagged");
+    assert_eq!(moved.trigger, ids[0], "the trigger moved earlier");
+    assert!(moved.flagged_at > first.flagged_at, "the window restarted");
+    assert_eq!(
+        moved.first_flagged_at, first.first_flagged_at,
+        "the cap did not"
+    );
+    assert_eq!(listed(&*fixture, instance, CAPPED, stream, &p).await, None);
+
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // 1.2 s after the first flag, 0.6 s after the last: the cap serves it.
+    assert_eq!(
+        listed(&*fixture, instance, CAPPED, stream, &p).await,
+        Some((2, true)),
+        "listed once the cap has passed"
+    );
+    assert_eq!(
+        listed(&*fixture, instance, HOUR, stream, &p).await,
+        None,
+        "a longer cap still holds it back"
+    );
+    let tx = begin(fixture.source()).await;
+    match claim(&*fixture, &tx, stream, &p, 10, CAPPED).await {
         Claim::Rewind { cursor } => assert_eq!(cursor.rewind.map(|r| r.trigger), Some(ids[0])),
         other => panic!("expected a rewind, got {other:?}"),
     }
@@ -1112,7 +1203,7 @@ pub async fn a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged
     append(&*fixture, stream, &[event(ids[1], 2)]).await;
     let tx = begin(fixture.source()).await;
     assert!(matches!(
-        claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await,
+        claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await,
         Claim::Rewind { .. }
     ));
     commit(fixture.source(), tx).await.expect("commit");
@@ -1220,7 +1311,7 @@ async fn claim_and_commit<F: PerspectiveStoreFixture>(
     p: &PerspectiveName,
 ) -> Claim {
     let tx = begin(fixture.source()).await;
-    let outcome = claim(fixture, &tx, stream, p, 10, Duration::ZERO).await;
+    let outcome = claim(fixture, &tx, stream, p, 10, RewindDebounce::NONE).await;
     commit(fixture.source(), tx).await.expect("commit");
     outcome
 }
@@ -1467,7 +1558,7 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
 
     append(&*fixture, stream, &[event(ids[2], 7)]).await;
     let tx = begin(fixture.source()).await;
-    match claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await {
+    match claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await {
         Claim::Apply { state, events, .. } => {
             assert_eq!(state, None);
             assert_eq!(event_ids(&events), ids[2..]);
@@ -1544,7 +1635,8 @@ pub async fn a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing<
     let ids = ids(1);
     let stream = stream_with(&*fixture, &ids).await;
     let tx = begin(fixture.source()).await;
-    let Claim::Apply { cursor, .. } = claim(&*fixture, &tx, stream, &p, 10, Duration::ZERO).await
+    let Claim::Apply { cursor, .. } =
+        claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
     };
@@ -1606,6 +1698,7 @@ macro_rules! __lockstep_perspective_store_cases {
             of_two_late_arrivals_the_earliest_is_the_trigger,
             an_existing_trigger_only_ever_moves_earlier,
             the_debounce_window_holds_a_flagged_pair_back,
+            the_debounce_window_is_capped_from_the_first_flag,
             a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged,
             a_rewind_commit_deletes_the_snapshots_at_or_after_its_trigger,
             a_commit_can_save_a_snapshot_and_snapshot_before_finds_the_latest_strictly_before,
