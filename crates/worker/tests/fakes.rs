@@ -1097,3 +1097,89 @@ async fn a_steady_trickle_of_late_events_cannot_postpone_the_rewind_past_the_cap
     drain(&worker).await;
     assert_eq!(world.state(stream), world.expected(stream));
 }
+
+/// Takes the rewind lease of a pair that has a cursor, through the worker's keeper.
+async fn held_lease(
+    world: &World,
+    worker: &Worker,
+    stream: StreamId,
+) -> lockstep_worker::HeldLease {
+    world.append_numbers(stream, [1]).await;
+    drain(worker).await;
+    let keeper = worker.keeper().expect("keeper");
+    match keeper
+        .try_acquire(stream, &fold(), &LockReason::Rewind)
+        .await
+        .expect("acquire")
+    {
+        lockstep_worker::Leased::Held(lease) => lease,
+        other => panic!("expected the lease, got {other:?}"),
+    }
+}
+
+fn live_leases(world: &World) -> impl std::future::Future<Output = usize> + '_ {
+    async move {
+        world
+            .locker
+            .list_leases()
+            .await
+            .expect("list")
+            .iter()
+            .filter(|l| l.status == lockstep_core::LeaseStatus::Held)
+            .count()
+    }
+}
+
+/// Issue 19, defect 4: `HeldLease::release` stopped tracking the lease before its statement
+/// ran, so a release dropped while it waited (for a cursor row another transaction holds)
+/// released nothing — neither its drop nor `LeaseKeeper::shutdown` did.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_release_still_releases_the_lease_once_the_row_is_free() {
+    use lockstep_core::LeaseFence;
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let lease = held_lease(&world, &worker, stream).await;
+    let id = lease.id().clone();
+    // Another transaction holds the cursor row (a fenced commit in flight).
+    let tx = world.db.begin();
+    world.locker.check_lease(&tx, &id).await.expect("fence");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), lease.release())
+            .await
+            .is_err(),
+        "the release waits for the row"
+    );
+    tx.rollback().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(live_leases(&world).await, 0, "released in the background");
+}
+
+/// Issue 19, defect 4: shutdown releases a lease whose release was dropped, waiting for the
+/// background release, and counts it.
+#[tokio::test(start_paused = true)]
+async fn shutdown_waits_for_the_release_of_a_dropped_release_and_counts_it() {
+    use lockstep_core::LeaseFence;
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let lease = held_lease(&world, &worker, stream).await;
+    let id = lease.id().clone();
+    let tx = world.db.begin();
+    world.locker.check_lease(&tx, &id).await.expect("fence");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), lease.release())
+            .await
+            .is_err()
+    );
+    let keeper = worker.keeper().expect("keeper").clone();
+    let shutdown = tokio::spawn(async move { keeper.shutdown().await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!shutdown.is_finished(), "shutdown waits for the row too");
+    tx.rollback().await;
+    let released = shutdown.await.expect("task").expect("shutdown");
+    assert_eq!(released, 1, "shutdown counts the lease it waited for");
+    assert_eq!(live_leases(&world).await, 0);
+}
