@@ -21,7 +21,9 @@
 //!   moment the keeper signals it; nothing is committed).
 //! - **Failures** are the pair's, never the worker's: the error is stored on the cursor, the
 //!   rewind request and the work stay, a metric is counted, and the pair is retried after a
-//!   backoff (doubling per failure) while every other pair is served.
+//!   backoff (doubling per failure) while every other pair is served. A commit that loses the
+//!   cursor's compare-and-set (another applier moved it first) is no failure, on either path:
+//!   the pair is skipped as busy and looked at again, nothing stored, nothing backed off.
 //! - The locker is optional (`Option<Arc<dyn StreamLocker>>`, the seed's nullable dependency):
 //!   without one, rewind, bootstrap and purge run unlocked; the coordinator still serializes
 //!   every apply path of a pair within the instance, and the store's compare-and-set still
@@ -597,7 +599,10 @@ where
                 started.elapsed().as_secs_f64(),
             );
             match outcome {
-                Ok(Some((replayed, from_snapshot))) => {
+                Ok(Rewind::Committed {
+                    replayed,
+                    from_snapshot,
+                }) => {
                     count(telemetry::REWINDS, name.as_str(), 1);
                     count(telemetry::EVENTS_REPLAYED, name.as_str(), replayed as u64);
                     count(
@@ -614,7 +619,8 @@ where
                         from_snapshot,
                     })
                 }
-                Ok(None) => Ok(PairOutcome::Skipped(SkipReason::Idle)),
+                Ok(Rewind::NothingToDo) => Ok(PairOutcome::Skipped(SkipReason::Idle)),
+                Ok(Rewind::LostRace) => Ok(PairOutcome::Skipped(SkipReason::Busy)),
                 Err((failures, err)) => {
                     count(telemetry::REWIND_FAILURES, name.as_str(), 1);
                     tracing::warn!(error = %err, "rewind failed; the request stays and is retried");
@@ -626,15 +632,15 @@ where
         .await
     }
 
-    /// Restore, replay and commit. `Ok(None)`: nothing to rewind any more. `Err((failures,
-    /// error))`: the pair's failure count before this one, and what went wrong.
+    /// Restore, replay and commit. `Err((failures, error))`: the pair's failure count before
+    /// this one, and what went wrong.
     async fn rewind_under(
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
         p: &dyn DynPerspective,
         lease: Option<&HeldLease>,
-    ) -> std::result::Result<Option<(usize, bool)>, (u32, String)> {
+    ) -> std::result::Result<Rewind, (u32, String)> {
         let never = CancellationToken::new();
         let lost = lease.map_or(&never, HeldLease::lost);
         let fence = lease.map(|l| l.id().clone());
@@ -650,7 +656,7 @@ where
             loaded = read => loaded?,
         };
         let Some(loaded) = loaded else {
-            return Ok(None);
+            return Ok(Rewind::NothingToDo);
         };
         let failures = loaded.cursor_failures;
         let replay = replay(p, loaded.state, &loaded.events);
@@ -680,8 +686,16 @@ where
             self.finish(tx, out).await
         }
         .await;
-        committed.map_err(|e| (failures, e.to_string()))?;
-        Ok(Some((replayed, loaded.base.is_some())))
+        match committed {
+            Ok(_) => Ok(Rewind::Committed {
+                replayed,
+                from_snapshot: loaded.base.is_some(),
+            }),
+            // Another applier moved the cursor first: nothing is lost, the pair is looked at
+            // again later — the normal path's rule for the same conflict.
+            Err(err) if err.kind() == ErrorKind::Conflict => Ok(Rewind::LostRace),
+            Err(err) => Err((failures, err.to_string())),
+        }
     }
 
     async fn load_for_rewind(
@@ -815,6 +829,19 @@ where
 enum Normal {
     Done(PairOutcome),
     NeedsRewind,
+}
+
+/// How a rewind ended (its failures aside).
+enum Rewind {
+    /// Replayed and committed.
+    Committed {
+        replayed: usize,
+        from_snapshot: bool,
+    },
+    /// No request any more (someone else finished it) or no cursor.
+    NothingToDo,
+    /// The commit lost the compare-and-set: another applier moved the cursor first.
+    LostRace,
 }
 
 /// What a rewind restores and replays.

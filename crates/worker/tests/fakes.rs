@@ -1183,3 +1183,59 @@ async fn shutdown_waits_for_the_release_of_a_dropped_release_and_counts_it() {
     assert_eq!(released, 1, "shutdown counts the lease it waited for");
     assert_eq!(live_leases(&world).await, 0);
 }
+
+/// Issue 19, defect 12: a rewind whose commit lost the compare-and-set (another applier moved
+/// the cursor first) was a failure — stored on the cursor and backed off — where the normal path
+/// reports the same conflict as skipped-busy. One rule now: nothing is lost, look again later.
+#[tokio::test(start_paused = true)]
+async fn a_rewind_that_loses_the_compare_and_set_is_skipped_not_failed() {
+    let world = World::new();
+    let fast = world.worker_with(InstanceId::random(), false, WorkerOptions::default());
+    fast.register().await.expect("register");
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Fold).expect("register");
+    let slow = PerspectiveWorker::new(
+        world.db.clone(),
+        Slow {
+            inner: world.store.clone(),
+            delay: Duration::from_secs(5),
+            loads: Arc::default(),
+        },
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        None,
+    )
+    .expect("worker");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20]).await;
+    drain(&fast).await;
+    world
+        .append(stream, &[(early_id(7), serde_json::json!(1))])
+        .await;
+    let tx = world.db.begin();
+    world
+        .store
+        .request_rewind(&tx, stream, &fold(), Some(early_id(7)))
+        .await
+        .expect("request");
+    tx.commit().await.expect("commit");
+
+    let name = fold();
+    let (lost, won) = tokio::join!(slow.rewind(stream, &name), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        fast.process_pair(stream, &fold()).await
+    });
+    assert!(
+        matches!(won.expect("process"), PairOutcome::Rewound { .. }),
+        "the fast instance rewound first"
+    );
+    assert_eq!(
+        lost.expect("rewind"),
+        PairOutcome::Skipped(SkipReason::Busy),
+        "a lost race is not a failure"
+    );
+    let cursor = world.cursor(stream).await;
+    assert_eq!((cursor.error, cursor.failures), (None, 0), "nothing stored");
+    assert_eq!(world.state(stream), vec![1, 10, 20]);
+}
