@@ -76,6 +76,32 @@ pub trait DynPerspective: Send + Sync {
         state: &mut serde_json::Value,
         events: &[RecordedEvent],
     ) -> Result<(), ApplyError>;
+
+    /// Applies `events` in order to `state` while `go_on()` says so, asking before each event:
+    /// a long replay can then be stopped within one event (a lost lease, a shutdown). Returns
+    /// how many events were applied; `state` is the fold of exactly those. On failure, names
+    /// the event that failed; `state` is left as it was before the call.
+    ///
+    /// The default calls [`DynPerspective::apply_all`] one event at a time; the implementation
+    /// for every [`Perspective`] decodes and encodes the state once per call instead.
+    fn apply_while(
+        &self,
+        state: &mut serde_json::Value,
+        events: &[RecordedEvent],
+        go_on: &dyn Fn() -> bool,
+    ) -> Result<usize, ApplyError> {
+        let before = state.clone();
+        for (applied, event) in events.iter().enumerate() {
+            if !go_on() {
+                return Ok(applied);
+            }
+            if let Err(err) = self.apply_all(state, std::slice::from_ref(event)) {
+                *state = before;
+                return Err(err);
+            }
+        }
+        Ok(events.len())
+    }
 }
 
 impl<P: Perspective> DynPerspective for P {
@@ -98,21 +124,35 @@ impl<P: Perspective> DynPerspective for P {
         state: &mut serde_json::Value,
         events: &[RecordedEvent],
     ) -> Result<(), ApplyError> {
+        self.apply_while(state, events, &|| true).map(|_| ())
+    }
+
+    fn apply_while(
+        &self,
+        state: &mut serde_json::Value,
+        events: &[RecordedEvent],
+        go_on: &dyn Fn() -> bool,
+    ) -> Result<usize, ApplyError> {
         let mut typed: P::State =
             serde_json::from_value(state.clone()).map_err(|e| ApplyError::State {
                 detail: e.to_string(),
             })?;
+        let mut applied = 0;
         for event in events {
+            if !go_on() {
+                break;
+            }
             self.apply(&mut typed, event)
                 .map_err(|e| ApplyError::Apply {
                     event_id: event.event_id,
                     detail: e.to_string(),
                 })?;
+            applied += 1;
         }
         *state = serde_json::to_value(typed).map_err(|e| ApplyError::State {
             detail: e.to_string(),
         })?;
-        Ok(())
+        Ok(applied)
     }
 }
 

@@ -19,6 +19,11 @@
 //!   the snapshots it invalidates; stop the keepalive and release — on every path, including an
 //!   `apply` that errors or panics, a store error, and a lost lease (the replay is abandoned the
 //!   moment the keeper signals it; nothing is committed).
+//! - **`apply` runs off the runtime's threads** (tokio's blocking pool, one task per batch or
+//!   replay), so a slow, synchronous `apply` never holds up the keepalive, the lost signal or
+//!   shutdown's grace timer; a replay checks the lost signal before every event, and a batch or
+//!   replay whose pair was abandoned (lease lost, shutdown past its grace) stops within one
+//!   event.
 //! - **Failures** are the pair's, never the worker's: the error is stored on the cursor, the
 //!   rewind request and the work stay, a metric is counted, and the pair is retried after a
 //!   backoff (doubling per failure) while every other pair is served. A commit that loses the
@@ -51,9 +56,6 @@ use crate::options::WorkerOptions;
 use crate::telemetry::{self, count, observe};
 
 type Key = (StreamId, PerspectiveName);
-
-/// Events replayed between two checks of the lost signal during a rewind.
-const REPLAY_CHUNK: usize = 1000;
 
 /// What processing one pair did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -385,9 +387,9 @@ where
                 return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
             };
             let _pair = self.coordinator.lock(stream_id, perspective).await;
-            match self.apply_pending(stream_id, perspective, &*p).await? {
+            match self.apply_pending(stream_id, perspective, &p).await? {
                 Normal::Done(outcome) => Ok(outcome),
-                Normal::NeedsRewind => self.rewind_locked(stream_id, perspective, &*p).await,
+                Normal::NeedsRewind => self.rewind_locked(stream_id, perspective, &p).await,
             }
         }
         .instrument(span)
@@ -399,7 +401,7 @@ where
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
-        p: &dyn DynPerspective,
+        p: &Arc<dyn DynPerspective>,
     ) -> Result<Normal> {
         let tx = self.source.begin().await?;
         let claim = match self
@@ -442,11 +444,20 @@ where
                 return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
             }
         };
-        let mut state = match state {
+        let state = match state {
             Some(state) => state,
             None => p.initial_state()?,
         };
-        if let Err(err) = apply_guarded(p, &mut state, &events) {
+        // Off the runtime's threads; a dropped pair (shutdown past its grace) stops it.
+        let applied = match apply_off_runtime(p, state, events, &CancellationToken::new()).await {
+            Ok(applied) => applied,
+            Err(err) => {
+                let _ = self.source.rollback(tx).await;
+                return Err(err);
+            }
+        };
+        let (state, events) = (applied.state, applied.events);
+        if let Err(err) = applied.outcome {
             let _ = self.source.rollback(tx).await;
             count(telemetry::APPLY_FAILURES, name.as_str(), 1);
             return self
@@ -550,14 +561,14 @@ where
             return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
         };
         let _pair = self.coordinator.lock(stream_id, name).await;
-        self.rewind_locked(stream_id, name, &*p).await
+        self.rewind_locked(stream_id, name, &p).await
     }
 
     async fn rewind_locked(
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
-        p: &dyn DynPerspective,
+        p: &Arc<dyn DynPerspective>,
     ) -> Result<PairOutcome> {
         let span = tracing::info_span!("rewind", reason = "rewind", epoch = tracing::field::Empty);
         async move {
@@ -638,7 +649,7 @@ where
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
-        p: &dyn DynPerspective,
+        p: &Arc<dyn DynPerspective>,
         lease: Option<&HeldLease>,
     ) -> std::result::Result<Rewind, (u32, String)> {
         let never = CancellationToken::new();
@@ -658,12 +669,31 @@ where
         let Some(loaded) = loaded else {
             return Ok(Rewind::NothingToDo);
         };
+        let mut loaded = loaded;
         let failures = loaded.cursor_failures;
-        let replay = replay(p, loaded.state, &loaded.events);
-        let state = tokio::select! {
+        let state = match loaded.state.take() {
+            Some(state) => state,
+            None => p.initial_state().map_err(|e| (failures, e.to_string()))?,
+        };
+        // On a blocking thread, checking the lost signal before every event; dropped (the lost
+        // signal wins the race below, or shutdown abandons the pair) it stops within one event.
+        let replay = apply_off_runtime(p, state, std::mem::take(&mut loaded.events), lost);
+        let applied = tokio::select! {
             biased;
             () = lost.cancelled() => return Err((failures, lease_lost())),
-            state = replay => state.map_err(|e| (failures, e.to_string()))?,
+            applied = replay => applied.map_err(|e| (failures, e.to_string()))?,
+        };
+        loaded.events = applied.events;
+        let state = match applied.outcome {
+            Ok(n) if n == loaded.events.len() => applied.state,
+            // Stopped before the end: only the lost signal stops a replay.
+            Ok(_) => return Err((failures, lease_lost())),
+            Err(e) => {
+                return Err((
+                    failures,
+                    format!("the perspective failed during replay: {e}"),
+                ));
+            }
         };
         // The commit is fenced on the lease: not raced against the lost signal, so that a commit
         // the server accepted is never reported as failed.
@@ -872,13 +902,53 @@ async fn release(lease: HeldLease) {
     }
 }
 
-/// Applies `events` to `state`, turning a panic in the perspective's code into an error.
+/// What [`apply_off_runtime`] gives back: the state (the fold of the events applied), the
+/// events, and how many were applied or why applying failed.
+struct Applied {
+    state: serde_json::Value,
+    events: Vec<RecordedEvent>,
+    outcome: std::result::Result<usize, ApplyError>,
+}
+
+/// Applies `events` to `state` on tokio's blocking pool, so that a slow `apply` (the user's
+/// code, synchronous) never holds up the runtime's threads — the keepalive, the lost signal and
+/// shutdown's grace timer keep running. Before each event it checks `stop` and whether this
+/// future is still wanted: dropped, or once `stop` fires, it stops within one event.
+async fn apply_off_runtime(
+    p: &Arc<dyn DynPerspective>,
+    mut state: serde_json::Value,
+    events: Vec<RecordedEvent>,
+    stop: &CancellationToken,
+) -> Result<Applied> {
+    let p = Arc::clone(p);
+    let abandon = stop.child_token();
+    let _abandon_when_dropped = abandon.clone().drop_guard();
+    let task = tokio::task::spawn_blocking(move || {
+        let outcome = apply_guarded(&*p, &mut state, &events, &|| !abandon.is_cancelled());
+        Applied {
+            state,
+            events,
+            outcome,
+        }
+    });
+    task.await.map_err(|e| {
+        Error::new(
+            ErrorKind::Backend,
+            "the task applying events ended without an answer (the runtime is shutting down)",
+        )
+        .with_source(e)
+    })
+}
+
+/// Applies `events` to `state` while `go_on()`, turning a panic in the perspective's code into
+/// an error.
 fn apply_guarded(
     p: &dyn DynPerspective,
     state: &mut serde_json::Value,
     events: &[RecordedEvent],
-) -> std::result::Result<(), ApplyError> {
-    match std::panic::catch_unwind(AssertUnwindSafe(|| p.apply_all(state, events))) {
+    go_on: &dyn Fn() -> bool,
+) -> std::result::Result<usize, ApplyError> {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| p.apply_while(state, events, go_on))) {
         Ok(outcome) => outcome,
         Err(panic) => {
             let detail = panic
@@ -892,27 +962,4 @@ fn apply_guarded(
             })
         }
     }
-}
-
-/// Replays `events` onto `state` (the initial state when `None`) in chunks, yielding between
-/// them so a lost lease can stop a long replay.
-async fn replay(
-    p: &dyn DynPerspective,
-    state: Option<serde_json::Value>,
-    events: &[RecordedEvent],
-) -> Result<serde_json::Value> {
-    let mut state = match state {
-        Some(state) => state,
-        None => p.initial_state()?,
-    };
-    for chunk in events.chunks(REPLAY_CHUNK) {
-        apply_guarded(p, &mut state, chunk).map_err(|e| {
-            Error::new(
-                ErrorKind::InvalidInput,
-                format!("the perspective failed during replay: {e}"),
-            )
-        })?;
-        tokio::task::yield_now().await;
-    }
-    Ok(state)
 }

@@ -74,9 +74,13 @@ struct World {
 
 impl World {
     fn new() -> World {
+        World::with_lock_options(StreamLockOptions::default())
+    }
+
+    fn with_lock_options(options: StreamLockOptions) -> World {
         let db = FakeDatabase::new();
         let events = InMemoryEventStore::new();
-        let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), &db);
+        let locker = InMemoryStreamLocker::with_database(options, &db);
         let store = InMemoryPerspectiveStore::new(&db, &events, &locker);
         World {
             db,
@@ -1117,17 +1121,15 @@ async fn held_lease(
     }
 }
 
-fn live_leases(world: &World) -> impl std::future::Future<Output = usize> + '_ {
-    async move {
-        world
-            .locker
-            .list_leases()
-            .await
-            .expect("list")
-            .iter()
-            .filter(|l| l.status == lockstep_core::LeaseStatus::Held)
-            .count()
-    }
+async fn live_leases(world: &World) -> usize {
+    world
+        .locker
+        .list_leases()
+        .await
+        .expect("list")
+        .iter()
+        .filter(|l| l.status == lockstep_core::LeaseStatus::Held)
+        .count()
 }
 
 /// Issue 19, defect 4: `HeldLease::release` stopped tracking the lease before its statement
@@ -1238,4 +1240,143 @@ async fn a_rewind_that_loses_the_compare_and_set_is_skipped_not_failed() {
     let cursor = world.cursor(stream).await;
     assert_eq!((cursor.error, cursor.failures), (None, 0), "nothing stored");
     assert_eq!(world.state(stream), vec![1, 10, 20]);
+}
+
+/// [`Fold`] with an `apply` that takes 20 ms of a thread (synchronous work: a slow read model,
+/// a blocking call), counting its applies.
+struct Sluggish(Arc<AtomicUsize>);
+
+impl Perspective for Sluggish {
+    type State = Vec<i64>;
+    type Error = Refused;
+
+    fn name(&self) -> &str {
+        "Fold"
+    }
+
+    fn apply(
+        &self,
+        state: &mut Vec<i64>,
+        event: &RecordedEvent,
+    ) -> std::result::Result<(), Refused> {
+        std::thread::sleep(Duration::from_millis(20));
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Fold.apply(state, event)
+    }
+}
+
+/// A world whose stream has 200 events applied and a rewind requested from the start, and a
+/// worker (a current-thread runtime, as `#[tokio::test]`) whose replay of them takes 4 s.
+async fn sluggish_rewind(
+    options: WorkerOptions,
+    lock: StreamLockOptions,
+) -> (World, Arc<Worker>, StreamId, Arc<AtomicUsize>) {
+    let world = World::with_lock_options(lock);
+    let applies = Arc::new(AtomicUsize::new(0));
+    let mut registry = PerspectiveRegistry::new();
+    registry
+        .register(Sluggish(Arc::clone(&applies)))
+        .expect("register");
+    let worker = PerspectiveWorker::new(
+        world.db.clone(),
+        world.store.clone(),
+        registry,
+        options,
+        InstanceId::random(),
+        Some(Arc::new(world.locker.clone()) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, 1..=200).await;
+    drain(&worker).await;
+    let tx = world.db.begin();
+    world
+        .store
+        .request_rewind(&tx, stream, &fold(), None)
+        .await
+        .expect("request");
+    tx.commit().await.expect("commit");
+    applies.store(0, Ordering::SeqCst);
+    (world, Arc::new(worker), stream, applies)
+}
+
+/// Issue 19, defect 5: the lost signal was looked at once per 1 000 replayed events, and the
+/// replay ran on the runtime's thread — a force-released rewind went on for its whole replay
+/// (the keepalive could not even run to learn it). Now it stops within one event.
+#[tokio::test]
+async fn a_force_released_rewind_stops_within_an_event_of_learning_it() {
+    let lock = StreamLockOptions::new(Duration::from_secs(2), Duration::from_millis(200))
+        .expect("2 s / 200 ms");
+    let (world, worker, stream, applies) = sluggish_rewind(WorkerOptions::default(), lock).await;
+    let before = world.cursor(stream).await;
+    let started = std::time::Instant::now();
+    let name = fold();
+    let (outcome, ()) = tokio::join!(worker.rewind(stream, &name), async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let released = world
+            .locker
+            .force_release(stream, &fold())
+            .await
+            .expect("force release");
+        assert!(released.is_released(), "the rewind was still running");
+    });
+    let took = started.elapsed();
+    assert!(
+        matches!(outcome.expect("rewind"), PairOutcome::Failed { ref error } if error.contains("lease")),
+    );
+    // Learnt at the next renew (≤ 200 ms after the force-release), then at most one event.
+    assert!(
+        took < Duration::from_millis(1500),
+        "the rewind went on for {took:?}"
+    );
+    assert!(
+        applies.load(Ordering::SeqCst) < 100,
+        "{} applies",
+        applies.load(Ordering::SeqCst)
+    );
+    assert_eq!(
+        world.cursor(stream).await.revision,
+        before.revision,
+        "nothing committed"
+    );
+}
+
+/// Issue 19, defect 5: shutdown during a long replay waited for the replay's chunk to end (a
+/// 20 s rewind outlived a 10 s grace). Now `run` returns within the grace plus one event, and
+/// the abandoned rewind commits nothing.
+#[tokio::test]
+async fn shutdown_during_a_long_replay_returns_within_the_grace() {
+    let options = WorkerOptions {
+        shutdown_grace: Duration::from_millis(300),
+        poll_interval: Duration::from_millis(10),
+        ..WorkerOptions::default()
+    };
+    let (world, worker, stream, applies) =
+        sluggish_rewind(options, StreamLockOptions::default()).await;
+    let before = world.cursor(stream).await;
+    let shutdown = CancellationToken::new();
+    let started = std::time::Instant::now();
+    let run = {
+        let (worker, shutdown) = (Arc::clone(&worker), shutdown.clone());
+        tokio::spawn(async move { worker.run(shutdown).await })
+    };
+    while applies.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    shutdown.cancel();
+    run.await.expect("task").expect("run");
+    let took = started.elapsed();
+    // The replay alone would take 4 s; the grace is 0.3 s.
+    assert!(
+        took < Duration::from_millis(2000),
+        "run returned after {took:?}"
+    );
+    let after = world.cursor(stream).await;
+    assert_eq!(
+        after.revision, before.revision,
+        "abandoned: nothing committed"
+    );
+    assert!(after.rewind.is_some(), "still requested");
+    assert!(after.lease.is_unlocked(), "released on shutdown");
 }
