@@ -50,6 +50,9 @@ struct Pair {
     state: Option<serde_json::Value>,
     /// By event id, oldest first.
     snapshots: BTreeMap<Uuid, Snapshot>,
+    /// Purged and not rebuilt since: the next claim that finds work turns it into a rewind
+    /// from the start (Postgres: status bit 2).
+    purged: bool,
 }
 
 #[derive(Debug, Default)]
@@ -439,6 +442,13 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 self.pending(&state, tx, &key),
             )
         };
+        // A purged pair that has work again is rebuilt from the start of the stream, never
+        // folded from the events after the purge alone.
+        if pair.purged && !pending.is_empty() {
+            pair.purged = false;
+            Self::flag(&mut pair, Uuid::nil(), self.now());
+            self.write(tx, key.clone(), pair.clone());
+        }
         let late = pair
             .last_event_id
             .and_then(|last| pending.iter().map(|e| e.event_id).find(|id| *id < last));
@@ -685,6 +695,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         let pair = Self::read(&self.lock_state(), tx, &key).ok_or_else(|| Self::missing(&key))?;
         let purged = Pair {
             revision: pair.revision + 1,
+            purged: true,
             ..Pair::default()
         };
         let all = self

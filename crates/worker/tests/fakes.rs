@@ -1380,3 +1380,34 @@ async fn shutdown_during_a_long_replay_returns_within_the_grace() {
     assert!(after.rewind.is_some(), "still requested");
     assert!(after.lease.is_unlocked(), "released on shutdown");
 }
+
+/// Issue 19, defect 6: purge, then a new event, gave the state `[4]` — the fold of no prefix
+/// of the stream — silently. The pair now stays empty until its next event, which rebuilds it
+/// from the start.
+#[tokio::test(start_paused = true)]
+async fn after_a_purge_the_next_event_rebuilds_the_pair_from_the_start() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [1, 2, 3]).await;
+    drain(&worker).await;
+    assert_eq!(
+        worker.purge(stream, &fold()).await.expect("purge"),
+        PurgeOutcome::Purged
+    );
+    drain(&worker).await;
+    assert_eq!(
+        world.store.committed_state(stream, &fold()),
+        None,
+        "stays empty"
+    );
+    world.append_numbers(stream, [4]).await;
+    drain(&worker).await;
+    assert_eq!(
+        world.state(stream),
+        vec![1, 2, 3, 4],
+        "the fold of the stream"
+    );
+    assert!(world.cursor(stream).await.rewind.is_none());
+}

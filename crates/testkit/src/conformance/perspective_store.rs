@@ -1517,8 +1517,9 @@ pub async fn a_recorded_failure_keeps_the_request_and_the_work_until_a_commit_su
 }
 
 /// A purge deletes the pair's state, snapshots and pending work and resets its cursor (no
-/// event applied, no rewind, a higher revision) under the lease, which stays; events appended
-/// later are applied to an empty state.
+/// event applied, no rewind, a higher revision) under the lease, which stays. The pair stays
+/// empty until its next event, whose claim is a rewind from the start of the stream (so the
+/// state is again the fold of the whole stream, never of the events after the purge alone).
 pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixture>(
     fixture: Arc<F>,
 ) {
@@ -1556,15 +1557,29 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
     assert!(snapshots(&*fixture, stream, &p).await.is_empty());
     let _ = fixture.locker().release(&lease.id).await.expect("release");
 
+    // The next event rebuilds the pair from the start of the stream (issue 19: applying just
+    // the new event gave a state that is the fold of no prefix of the stream).
     append(&*fixture, stream, &[event(ids[2], 7)]).await;
     let tx = begin(fixture.source()).await;
     match claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await {
-        Claim::Apply { state, events, .. } => {
-            assert_eq!(state, None);
-            assert_eq!(event_ids(&events), ids[2..]);
+        Claim::Rewind { cursor } => {
+            assert_eq!(
+                cursor.rewind.map(|r| r.trigger),
+                Some(Uuid::nil()),
+                "a rewind from the start"
+            );
         }
-        other => panic!("expected the new event, got {other:?}"),
+        other => panic!("expected a rewind from the start, got {other:?}"),
     }
+    commit(fixture.source(), tx).await.expect("commit");
+    let tx = begin(fixture.source()).await;
+    assert!(
+        matches!(
+            claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await,
+            Claim::Rewind { .. }
+        ),
+        "the request stays until a rewind commits"
+    );
     rollback(fixture.source(), tx).await;
 }
 
