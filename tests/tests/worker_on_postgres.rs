@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
-    EventStore, ExpectedVersion, InstanceId, LeaseStatus, LockReason, NewEvent, PerspectiveName,
+    ExpectedVersion, InstanceId, LeaseStatus, LockReason, NewEvent, PerspectiveName,
     PerspectiveRegistry, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{PgTransaction, PgTransactionSource};
