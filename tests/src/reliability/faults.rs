@@ -38,6 +38,9 @@
 //!    same ids, same expected version — must succeed as a replay: the stream then holds each
 //!    event exactly once (a missing one is **lost**, an extra one **duplicated**), and the
 //!    relayed pool works again.
+//! 5. **A dropped release** (issue 19): `HeldLease::release` given up on by its caller while
+//!    another transaction holds the cursor row — the lease must still be released once the
+//!    row is free, and a shutdown started meanwhile waits for that release and counts it.
 //!
 //! Each fault × check is one case in the [`Tally`]. Setup failures (no database, a server that
 //! does not start again) are errors of [`run`], not violations.
@@ -97,6 +100,7 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     terminate(scale, &mut tally).await?;
     stall(scale, &mut tally).await?;
     lost_commit(scale, &mut tally).await?;
+    dropped_release(scale, &mut tally).await?;
     Ok(tally)
 }
 
@@ -1641,5 +1645,82 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         })
         .await;
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part 5: a dropped release (issue 19, defect 4)
+// ---------------------------------------------------------------------------------------------
+
+/// Rounds of a `HeldLease::release` given up on by its caller (a `timeout` of 0–30 ms around
+/// it) while, in most rounds, another transaction holds the cursor row for 0–60 ms so that the
+/// release waits: the lease must be released all the same once the row is free (within 3 s),
+/// and in every fifth round the keeper's shutdown, started while the release still waits,
+/// must wait for it and count it. A lease left set is a violation.
+async fn dropped_release(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
+    use rand::{Rng, SeedableRng};
+    let rounds = match scale {
+        Scale::Short => 10,
+        Scale::Long => 300,
+    };
+    let db = lockstep_testkit::pg_harness::test_database().await;
+    let config = db.config().clone();
+    let leases = pool(&config, "faults-dropped-release", 4)?;
+    prepare_schema(&leases).await?;
+    let admin = connect(&config).await?;
+    let mut blocker = connect(&config).await?;
+    let options = StreamLockOptions::new(Duration::from_secs(30), Duration::from_secs(10))?;
+    let locker = PostgresStreamLocker::new(leases, options);
+    let name = perspective()?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(19);
+    let mut keeper = LeaseKeeper::start(Arc::new(locker.clone()), InstanceId::random());
+    for round in 0..rounds {
+        let what = format!("dropped release {round}");
+        let stream = new_cursors(&admin, 1).await?[0];
+        let Leased::Held(lease) = keeper
+            .try_acquire(stream, &name, &LockReason::Rewind)
+            .await?
+        else {
+            bail!("{what}: a fresh cursor's lease was not acquired");
+        };
+        let block = rng.random_bool(0.8);
+        let row = blocker.transaction().await?;
+        if block {
+            row.execute(
+                "SELECT 1 FROM wh_perspective_cursors
+                  WHERE stream_id = $1 AND perspective_name = $2 FOR UPDATE",
+                &[&stream.as_uuid(), &PERSPECTIVE],
+            )
+            .await?;
+        }
+        let give_up = Duration::from_millis(rng.random_range(0..=30));
+        let _ = tokio::time::timeout(give_up, lease.release()).await;
+        let shut_down = round % 5 == 4;
+        let shutdown = shut_down.then(|| {
+            let keeper = keeper.clone();
+            tokio::spawn(async move { keeper.shutdown().await })
+        });
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..=60))).await;
+        row.rollback().await?;
+        if let Some(shutdown) = shutdown {
+            let ended = bounded(END_LIMIT, shutdown).await;
+            check(
+                tally,
+                matches!(ended, Ended::Returned(Ok(n)) if n <= 1),
+                || format!("{what}: the shutdown ended with {ended:?}"),
+            );
+            keeper = LeaseKeeper::start(Arc::new(locker.clone()), InstanceId::random());
+        }
+        let released = eventually(Duration::from_secs(3), || async {
+            Ok(!lease_row(&admin, stream).await?.live)
+        })
+        .await?;
+        check(tally, released, || {
+            format!(
+                "{what} (row blocked: {block}, given up after {give_up:?}): the lease is still set"
+            )
+        });
+    }
+    let _ = keeper.shutdown().await;
     Ok(())
 }
