@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! lockstep-test-worker --database-url postgres://postgres@127.0.0.1:5432/db \
-//!     --instance 0192… [--lock-timeout-ms 2000] [--keepalive-ms 500] [--poll-ms 50]
+//!     --instance 0192… [--lock-timeout-ms 2000] [--keepalive-ms 500] [--poll-ms 50] \
+//!     [--rewind-debounce-ms 0]
 //! ```
 //!
 //! It runs the [`Numbers`] perspective, slowed down by `LOCKSTEP_TEST_APPLY_SLEEP_MS`
@@ -52,6 +53,9 @@ pub struct Args {
     /// Idle poll interval.
     #[arg(long, default_value_t = 50)]
     pub poll_ms: u64,
+    /// The worker's `rewind_debounce` (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub rewind_debounce_ms: u64,
 }
 
 /// Announces every `rewind` lease it acquires on standard output, then behaves exactly like the
@@ -131,6 +135,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     });
     let options = WorkerOptions {
         poll_interval: Duration::from_millis(args.poll_ms),
+        rewind_debounce: Duration::from_millis(args.rewind_debounce_ms),
         ..WorkerOptions::default()
     };
     let instance = InstanceId::from_uuid(args.instance)?;

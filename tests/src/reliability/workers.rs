@@ -2,7 +2,8 @@
 //! worker processes during a run with late events.
 //!
 //! Three worker processes ([`crate::worker_process`], each its own pool and instance id, 1 s
-//! lock timeout, 250 ms keepalive, 1 ms per applied event so rewinds take a while) build the
+//! lock timeout, 250 ms keepalive, 1 ms per applied event so rewinds take a while, about half
+//! of them with a 150 ms rewind debounce) build the
 //! [`crate::Numbers`] perspective while two appenders write events to a set of streams, one in
 //! twenty with a caller-chosen id that sorts before what the stream already holds (a late
 //! arrival: a rewind under a `rewind` lease). Meanwhile, every 1–2 s, one process is `kill -9`ed
@@ -102,6 +103,8 @@ impl Plan {
 /// Lease lock timeout and keepalive of the worker processes (milliseconds).
 const LOCK_TIMEOUT_MS: u64 = 1000;
 const KEEPALIVE_MS: u64 = 250;
+/// The `rewind_debounce` of the processes that debounce (about half of them).
+const REWIND_DEBOUNCE_MS: u64 = 150;
 /// Milliseconds each process sleeps per applied event: a rewind of a few hundred events lasts
 /// long enough to be killed in the middle.
 const APPLY_SLEEP_MS: u64 = 1;
@@ -301,6 +304,13 @@ async fn start(
     rewinds: &Arc<AtomicU64>,
 ) -> anyhow::Result<Process> {
     let instance = Uuid::now_v7();
+    // About half the processes debounce rewinds (the id's last, random bit decides), so that
+    // debounced and immediate rewinds of one pair meet (issue 19: a debounce wedged its pair).
+    let debounce_ms = if instance.as_u128() & 1 == 1 {
+        REWIND_DEBOUNCE_MS
+    } else {
+        0
+    };
     let mut child = Command::new(&command.program)
         .args(&command.args)
         .args(["--database-url", &database_url(db.config())])
@@ -308,6 +318,7 @@ async fn start(
         .args(["--lock-timeout-ms", &LOCK_TIMEOUT_MS.to_string()])
         .args(["--keepalive-ms", &KEEPALIVE_MS.to_string()])
         .args(["--poll-ms", "20"])
+        .args(["--rewind-debounce-ms", &debounce_ms.to_string()])
         .env(APPLY_SLEEP_ENV, APPLY_SLEEP_MS.to_string())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
