@@ -102,7 +102,7 @@ fn an_unreachable_database_is_an_actionable_error_without_the_password() {
     let report = text(&out);
     assert_eq!(out.status.code(), Some(3), "{report}");
     assert!(
-        report.contains("cannot connect to postgres://app:***@127.0.0.1:1/nowhere"),
+        report.contains("cannot connect to database \"nowhere\" on 127.0.0.1:1 as user \"app\""),
         "{report}"
     );
     assert!(
@@ -110,6 +110,50 @@ fn an_unreachable_database_is_an_actionable_error_without_the_password() {
         "{report}"
     );
     assert!(!report.contains("s3cret"), "{report}");
+}
+
+/// Issue 19, defect 3: no form a password can take in a URL shows in the output, whole or in
+/// part — neither in "cannot connect" (nothing listens on port 1) nor in the demo's first line.
+#[test]
+fn no_form_of_a_password_is_ever_printed() {
+    const PARTS: [&str; 2] = ["Zq7Kx", "Wv9Pm"];
+    let connectable = [
+        "postgres://app:Zq7KxWv9Pm@127.0.0.1:1/nowhere",
+        "postgres://app@127.0.0.1:1/nowhere?password=Zq7KxWv9Pm",
+        "postgresql://127.0.0.1:1/nowhere?user=app&password=Zq7KxWv9Pm",
+        "host=127.0.0.1 port=1 user=app password = Zq7KxWv9Pm dbname=nowhere",
+        "host=127.0.0.1 port=1 user=app password='Zq7Kx Wv9Pm' dbname=nowhere",
+    ];
+    let misread = [
+        "postgres://app:Zq7Kx@Wv9Pm@127.0.0.1:1/nowhere",
+        "postgres://127.0.0.1:1/nowhere?password=Zq7Kx@Wv9Pm",
+    ];
+    for url in connectable.iter().chain(&misread) {
+        for args in [&["locks", "list"][..], &["demo"]] {
+            let out = lockstep(args, Some(url));
+            let report = text(&out);
+            assert_ne!(out.status.code(), Some(0), "{url}: {report}");
+            for part in PARTS {
+                assert!(
+                    !report.contains(part),
+                    "{args:?} with {url} printed: {report}"
+                );
+            }
+        }
+    }
+    for url in connectable {
+        let report = text(&lockstep(&["locks", "list"], Some(url)));
+        assert!(
+            report
+                .contains("cannot connect to database \"nowhere\" on 127.0.0.1:1 as user \"app\""),
+            "{report}"
+        );
+    }
+    for url in misread {
+        let out = lockstep(&["locks", "list"], Some(url));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains("does not parse"), "{}", text(&out));
+    }
 }
 
 #[test]
