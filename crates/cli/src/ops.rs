@@ -8,9 +8,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use clap::{Args, Subcommand};
 use lockstep_core::{
-    InstanceId, LeaseStatus, LockReason, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
-    ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
-    advisory_key,
+    InstanceId, LeaseEntry, LeaseStatus, LockReason, PerspectiveName, PerspectiveRegistry,
+    PerspectiveStore, ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    TransactionSource, advisory_key,
 };
 use lockstep_pg::{PgTransactionSource, migrate::MIGRATION_LOCK_KEY};
 use lockstep_pg_store::PgPerspectiveStore;
@@ -155,20 +155,25 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
             holder,
             json,
         } => {
-            let leases = locker(&pool).list_leases().await.map_err(explain)?;
-            let leases: Vec<_> = leases
+            let entries = locker(&pool).list_lease_entries().await.map_err(explain)?;
+            // An unreadable row stays in every holder filter: its holder may be what cannot be
+            // read.
+            let entries: Vec<_> = entries
                 .into_iter()
-                .filter(|l| {
+                .filter(|e| {
                     perspective
                         .as_deref()
-                        .is_none_or(|p| l.perspective.as_str() == p)
+                        .is_none_or(|p| entry_perspective(e) == p)
                 })
-                .filter(|l| holder.is_none_or(|h| l.holder.as_uuid() == h))
+                .filter(|e| match (e, holder) {
+                    (LeaseEntry::Lease(l), Some(h)) => l.holder.as_uuid() == h,
+                    _ => true,
+                })
                 .collect();
             if json {
-                let rows: Vec<_> = leases.iter().map(lease_json).collect();
+                let rows: Vec<_> = entries.iter().map(entry_json).collect();
                 say!("{}", serde_json::Value::Array(rows));
-            } else if leases.is_empty() {
+            } else if entries.is_empty() {
                 say!("no stream leases");
             } else {
                 say!(
@@ -180,17 +185,30 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
                     "epoch",
                     "time left"
                 );
-                for l in &leases {
-                    say!(
-                        "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}",
-                        l.stream_id.to_string(),
-                        l.perspective.as_str(),
-                        l.holder.to_string(),
-                        l.reason.as_str(),
-                        l.epoch.get(),
-                        l.time_left.as_secs_f64(),
-                        status(l.status)
-                    );
+                for entry in &entries {
+                    match entry {
+                        LeaseEntry::Lease(l) => say!(
+                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}",
+                            l.stream_id.to_string(),
+                            l.perspective.as_str(),
+                            l.holder.to_string(),
+                            l.reason.as_str(),
+                            l.epoch.get(),
+                            l.time_left.as_secs_f64(),
+                            status(l.status)
+                        ),
+                        LeaseEntry::Unreadable(u) => say!(
+                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  unreadable: {}",
+                            u.stream_id.to_string(),
+                            // As stored, unvalidated: escaped, never raw control characters.
+                            u.perspective.escape_debug().to_string(),
+                            "?",
+                            "?",
+                            "?",
+                            "?",
+                            u.problem
+                        ),
+                    }
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -263,10 +281,32 @@ pub(crate) fn lease_json(l: &lockstep_core::LeaseInfo) -> serde_json::Value {
     })
 }
 
-/// Every stream lease, as JSON rows.
+/// One listed row as JSON: a lease, or a row that cannot be read — its key, `"status":
+/// "unreadable"` and `"error"` (what cannot be read), without the lease fields.
+pub(crate) fn entry_json(entry: &LeaseEntry) -> serde_json::Value {
+    match entry {
+        LeaseEntry::Lease(l) => lease_json(l),
+        LeaseEntry::Unreadable(u) => json!({
+            "stream_id": u.stream_id.to_string(),
+            "perspective": u.perspective,
+            "status": "unreadable",
+            "error": u.problem,
+        }),
+    }
+}
+
+/// The perspective a listed row names (as stored, for an unreadable row).
+fn entry_perspective(entry: &LeaseEntry) -> &str {
+    match entry {
+        LeaseEntry::Lease(l) => l.perspective.as_str(),
+        LeaseEntry::Unreadable(u) => &u.perspective,
+    }
+}
+
+/// Every stream lease, as JSON rows (a row that cannot be read is listed as unreadable).
 pub(crate) async fn lease_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<serde_json::Value>> {
-    let leases = locker(pool).list_leases().await.map_err(explain)?;
-    Ok(leases.iter().map(lease_json).collect())
+    let entries = locker(pool).list_lease_entries().await.map_err(explain)?;
+    Ok(entries.iter().map(entry_json).collect())
 }
 
 /// Advisory locks held or awaited now, with the names lockstep knows and `names` gives.

@@ -168,9 +168,10 @@ async fn respond(mut stream: TcpStream, shared: &Shared) -> Result<()> {
 /// Sets the gauges a scrape reads from the database.
 async fn gauges(shared: &Shared) -> Result<()> {
     let leases = lease_rows(&shared.pool).await?;
-    let held = leases.iter().filter(|l| l["status"] == "held").count();
-    metrics::gauge!("lockstep_stream_leases_held").set(held as f64);
-    metrics::gauge!("lockstep_stream_leases_expired").set((leases.len() - held) as f64);
+    let count = |status: &str| leases.iter().filter(|l| l["status"] == status).count() as f64;
+    metrics::gauge!("lockstep_stream_leases_held").set(count("held"));
+    metrics::gauge!("lockstep_stream_leases_expired").set(count("expired"));
+    metrics::gauge!("lockstep_stream_leases_unreadable").set(count("unreadable"));
     for p in status_rows(&shared.pool).await? {
         let name = p["perspective"].as_str().unwrap_or("").to_owned();
         let get = |k: &str| p[k].as_f64().unwrap_or(0.0);
@@ -220,11 +221,13 @@ async fn page(shared: &Shared) -> Result<String> {
                 text(&l["holder"]),
                 text(&l["reason"]),
                 text(&l["epoch"]),
-                format!(
-                    "{:.1} s",
-                    l["time_left_ms"].as_f64().unwrap_or(0.0) / 1000.0
-                ),
-                text(&l["status"]),
+                l["time_left_ms"]
+                    .as_f64()
+                    .map_or_else(String::new, |ms| format!("{:.1} s", ms / 1000.0)),
+                match l["error"].as_str() {
+                    Some(error) => format!("unreadable: {error}"),
+                    None => text(&l["status"]),
+                },
             ]
         }),
     );

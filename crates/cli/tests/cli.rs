@@ -268,6 +268,127 @@ async fn locks_list_shows_a_held_lease_and_release_needs_force() {
     );
 }
 
+/// Issue 19, defect 7: a cursor row whose lease lockstep cannot read (an operator's
+/// `'infinity'` expiry) is listed as unreadable, with its key, beside the other leases — by
+/// `locks list` (text and JSON, exit 0) and on the status page — instead of failing them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_lease_row_is_listed_as_unreadable_beside_the_others() {
+    let (_db, url, pool) = migrated().await;
+    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let name = PerspectiveName::new("Orders").expect("valid");
+    let (good, bad) = (StreamId::new_v7(), StreamId::new_v7());
+    let client = pool.get().await.expect("connection");
+    for stream in [good, bad] {
+        client
+            .execute(
+                "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) VALUES ($1, $2)",
+                &[&stream.as_uuid(), &name.as_str()],
+            )
+            .await
+            .expect("cursor");
+        assert!(
+            locker
+                .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+                .await
+                .expect("acquire")
+                .is_acquired()
+        );
+    }
+    client
+        .execute(
+            "UPDATE wh_perspective_cursors SET stream_lock_expiry = 'infinity' WHERE stream_id = $1",
+            &[&bad.as_uuid()],
+        )
+        .await
+        .expect("an operator's update");
+
+    let run = |args: &'static [&'static str]| {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || lockstep(args, Some(&url)))
+    };
+    let listed = run(&["locks", "list", "--json"]).await.expect("task");
+    assert_eq!(listed.status.code(), Some(0), "{}", text(&listed));
+    let rows: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("JSON");
+    let rows = rows.as_array().expect("an array");
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let row = |stream: StreamId| {
+        rows.iter()
+            .find(|r| r["stream_id"] == stream.to_string())
+            .unwrap_or_else(|| panic!("{stream} is listed: {rows:?}"))
+    };
+    assert_eq!(row(good)["status"], "held");
+    assert_eq!(row(bad)["status"], "unreadable");
+    assert_eq!(row(bad)["perspective"], "Orders");
+    assert!(
+        row(bad)["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("stream_lock_expiry")),
+        "{rows:?}"
+    );
+
+    let table = run(&["locks", "list"]).await.expect("task");
+    let report = text(&table);
+    assert_eq!(table.status.code(), Some(0), "{report}");
+    assert!(report.contains(&good.to_string()), "{report}");
+    let line = report
+        .lines()
+        .find(|l| l.contains(&bad.to_string()))
+        .unwrap_or_else(|| panic!("the bad row is listed: {report}"));
+    assert!(
+        line.contains("Orders") && line.contains("unreadable"),
+        "{report}"
+    );
+
+    let (mut server, addr) = serve(&url).await;
+    let (page, metrics) =
+        tokio::task::spawn_blocking(move || (http_get(&addr, "/"), http_get(&addr, "/metrics")))
+            .await
+            .expect("task");
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(page.0.contains("200"), "{page:?}");
+    assert!(page.1.contains(&good.to_string()), "{}", page.1);
+    assert!(page.1.contains(&bad.to_string()), "{}", page.1);
+    assert!(page.1.contains("unreadable"), "{}", page.1);
+    assert!(metrics.0.contains("200"), "{metrics:?}");
+    assert!(
+        metrics.1.contains("lockstep_stream_leases_unreadable 1"),
+        "{}",
+        metrics.1
+    );
+    assert!(
+        metrics.1.contains("lockstep_stream_leases_expired 0"),
+        "{}",
+        metrics.1
+    );
+}
+
+/// Starts `lockstep serve` on a free port of 127.0.0.1: the process and its address.
+async fn serve(url: &str) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut server = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["serve", "--addr", "127.0.0.1:0"])
+        .env("DATABASE_URL", url)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting lockstep serve");
+    let stdout = server.stdout.take().expect("stdout");
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).map(|_| line)
+    })
+    .await
+    .expect("task")
+    .expect("the serve banner");
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("the banner names the address: {line}"))
+        .to_owned();
+    (server, addr)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_advisory_names_a_key_a_test_holds() {
     let (_db, url, pool) = migrated().await;
