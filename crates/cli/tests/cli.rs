@@ -720,6 +720,142 @@ async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
     );
 }
 
+/// `GET path` on `addr`, giving up after `limit` (connect, write and read each).
+fn try_http_get(
+    addr: &str,
+    path: &str,
+    limit: std::time::Duration,
+) -> std::io::Result<(String, String)> {
+    use std::io::{Read, Write};
+    let socket: std::net::SocketAddr = addr.parse().map_err(std::io::Error::other)?;
+    let mut stream = std::net::TcpStream::connect_timeout(&socket, limit)?;
+    stream.set_read_timeout(Some(limit))?;
+    stream.set_write_timeout(Some(limit))?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Ok((
+        head.lines().next().unwrap_or("").to_owned(),
+        body.to_owned(),
+    ))
+}
+
+/// CPU time (user + system) `pid` has used so far.
+fn cpu_time(pid: u32) -> std::time::Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
+    // Fields after the command name (which is in parentheses and may hold spaces): utime and
+    // stime are the 12th and 13th.
+    let after = stat.rsplit_once(')').expect("stat format").1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 =
+        fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
+    let per_second: u64 = String::from_utf8_lossy(
+        &Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .expect("getconf")
+            .stdout,
+    )
+    .trim()
+    .parse()
+    .expect("CLK_TCK");
+    std::time::Duration::from_millis(ticks * 1000 / per_second)
+}
+
+/// Issue 19, defect 8: `serve` and `worker --metrics-addr`, run with 64 file descriptors, go on
+/// serving after connections exhausted them (accept fails with EMFILE), and do not spin on the
+/// failing accept meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
+    use std::io::{BufRead, BufReader};
+    use std::time::{Duration, Instant};
+
+    let (_db, url, _pool) = migrated().await;
+    for args in [
+        &["serve", "--addr", "127.0.0.1:0"][..],
+        &["worker", "--metrics-addr", "127.0.0.1:0"],
+    ] {
+        let mut server = Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -n 64 && exec \"$0\" \"$@\"")
+            .arg(env!("CARGO_BIN_EXE_lockstep"))
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting lockstep");
+        let pid = server.id();
+        let mut stdout = BufReader::new(server.stdout.take().expect("stdout"));
+        // Kept open (and so read to the end after the kill): the process writes more lines.
+        let ready = args[0] == "worker";
+        let (line, stdout) = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            stdout.read_line(&mut line)?;
+            if ready {
+                // The worker prints its metrics address, then connects: wait until it runs.
+                let mut running = String::new();
+                stdout.read_line(&mut running)?;
+                assert!(running.contains("running on"), "{running}");
+            }
+            Ok::<_, std::io::Error>((line, stdout))
+        })
+        .await
+        .expect("task")
+        .expect("the banner");
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .unwrap_or_else(|| panic!("the banner names the address: {line}"))
+            .to_owned();
+
+        let outcome = tokio::task::spawn_blocking(move || {
+            // More connections than the server has descriptors: it accepts until EMFILE, the
+            // rest wait in the backlog (the server holds each one for its 5 s read timeout).
+            let socket: std::net::SocketAddr = addr.parse().expect("address");
+            let held: Vec<_> = (0..150)
+                .filter_map(|_| std::net::TcpStream::connect(socket).ok())
+                .collect();
+            std::thread::sleep(Duration::from_millis(300));
+            let (cpu, wall) = (cpu_time(pid), Instant::now());
+            std::thread::sleep(Duration::from_secs(2));
+            let busy = (cpu_time(pid) - cpu).as_secs_f64() / wall.elapsed().as_secs_f64();
+            drop(held);
+            let deadline = Instant::now() + Duration::from_secs(15);
+            let answer = loop {
+                match try_http_get(&addr, "/healthz", Duration::from_secs(2)) {
+                    Ok(answer) if answer.0.contains("200") => break Ok(answer),
+                    other if Instant::now() > deadline => break Err(format!("{other:?}")),
+                    _ => std::thread::sleep(Duration::from_millis(100)),
+                }
+            };
+            (busy, answer)
+        })
+        .await
+        .expect("task");
+        let _ = server.kill();
+        let _ = server.wait();
+        drop(stdout);
+        let mut log = String::new();
+        if let Some(mut stderr) = server.stderr.take() {
+            use std::io::Read;
+            let _ = stderr.read_to_string(&mut log);
+        }
+        let (busy, answer) = outcome;
+        assert!(
+            answer.is_ok(),
+            "{args:?} answers once descriptors are free again: {answer:?}\n{log}"
+        );
+        assert!(
+            busy < 0.5,
+            "{args:?} used {:.0} % of a CPU while accept failed\n{log}",
+            busy * 100.0
+        );
+    }
+}
+
 #[test]
 fn the_benchmarks_are_reachable_from_the_command() {
     let out = lockstep(&["bench", "--help"], None);
