@@ -9,6 +9,7 @@
 
 use std::fmt::Write as _;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::ops::{advisory_rows, lease_rows, status_rows};
 use crate::pg::DbUrl;
-use crate::say;
+use crate::{bad_argument, say};
 
 /// The longest request head accepted.
 const MAX_HEAD: usize = 8 * 1024;
@@ -34,13 +35,11 @@ struct Shared {
 }
 
 pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result<ExitCode> {
+    let listener = listen("--addr", addr).await?;
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .context("installing the metrics recorder")?;
     let pool = url.pool(4).await?;
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("listening on {addr}"))?;
     let shared = Arc::new(Shared {
         pool,
         metrics,
@@ -64,15 +63,38 @@ pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result
     Ok(ExitCode::SUCCESS)
 }
 
-/// Serves only `/metrics` (and `/healthz`) on `addr`, from a Prometheus recorder installed now,
-/// in a background task: `lockstep worker --metrics-addr`. Returns the bound address.
-pub(crate) async fn metrics_endpoint(addr: &str) -> Result<std::net::SocketAddr> {
+/// A listener on `addr`, the value of the option `flag`. An address that does not parse or
+/// resolve, or is not one of this machine's, is a bad argument (exit 2); a port in use or
+/// refused is another error.
+pub(crate) async fn listen(flag: &str, addr: &str) -> Result<TcpListener> {
+    let refused = |why: String| {
+        bad_argument(format!(
+            "{flag} {addr:?}: {why}; expected host:port to listen on, e.g. 127.0.0.1:7878 \
+             (port 0 picks a free one)"
+        ))
+    };
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| refused(format!("not an address ({e})")))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(refused("it resolves to no address".to_owned()));
+    }
+    match TcpListener::bind(&addrs[..]).await {
+        Ok(listener) => Ok(listener),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+            Err(refused(format!("not an address of this machine ({e})")))
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("listening on {addr} ({flag})"))),
+    }
+}
+
+/// Serves only `/metrics` (and `/healthz`) on `listener`, from a Prometheus recorder installed
+/// now, in a background task: `lockstep worker --metrics-addr`. Returns the bound address.
+pub(crate) fn metrics_endpoint(listener: TcpListener) -> Result<SocketAddr> {
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .context("installing the metrics recorder")?;
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("listening on {addr}"))?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
         accept_loop(&listener, std::future::pending(), |mut stream| {

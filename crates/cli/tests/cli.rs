@@ -166,8 +166,154 @@ fn bad_arguments_exit_2_and_commands_that_need_a_database_say_so() {
         Some(2)
     );
     let out = lockstep(&["migrate"], None);
-    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).contains("DATABASE_URL"));
+}
+
+/// Issue 19, defect 9: every bad argument exits 2 (as documented) with a message naming it, and
+/// changes nothing — checked before the database is touched, so also with an unreachable one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_argument_exits_2_with_a_clear_message_and_changes_nothing() {
+    let (_db, url, pool) = migrated().await;
+    let snapshot = || async {
+        let client = pool.get().await.expect("connection");
+        let count = |table: &'static str| {
+            let client = &client;
+            async move {
+                client
+                    .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+                    .await
+                    .expect("count")
+                    .get::<_, i64>(0)
+            }
+        };
+        (
+            count("wh_perspectives").await,
+            count("wh_perspective_cursors").await,
+            count("wh_perspective_events").await,
+        )
+    };
+    let before = snapshot().await;
+    let stream = StreamId::new_v7().to_string();
+    let long = "N".repeat(201);
+    let nil = uuid::Uuid::nil().to_string();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["locks", "release", &stream, " ", "--force"],
+            "perspective name",
+        ),
+        (
+            vec!["locks", "release", &stream, &long, "--force"],
+            "perspective name",
+        ),
+        (
+            vec!["locks", "list", "--perspective", ""],
+            "perspective name",
+        ),
+        (
+            vec!["perspectives", "rewind", &stream, ""],
+            "perspective name",
+        ),
+        (
+            vec!["perspectives", "purge", &stream, " "],
+            "perspective name",
+        ),
+        (
+            vec!["perspectives", "purge", &stream, &long],
+            "perspective name",
+        ),
+        (
+            vec![
+                "worker",
+                "--lock-timeout-ms",
+                "1000",
+                "--keepalive-ms",
+                "900",
+            ],
+            "keepalive",
+        ),
+        (vec!["worker", "--lock-timeout-ms", "0"], "lock timeout"),
+        (vec!["worker", "--instance", &nil], "--instance"),
+        (
+            vec!["worker", "--metrics-addr", "nonsense"],
+            "--metrics-addr",
+        ),
+        (vec!["serve", "--addr", "nonsense"], "--addr"),
+        (vec!["serve", "--addr", "127.0.0.1:99999"], "--addr"),
+    ];
+    for db_url in [url.as_str(), "postgres://app@127.0.0.1:1/nowhere"] {
+        for (args, names) in &cases {
+            let (args, db_url) = (args.clone(), db_url.to_owned());
+            let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+            let out = tokio::task::spawn_blocking(move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                (lockstep(&args, Some(&db_url)), args.join(" "))
+            })
+            .await
+            .expect("task");
+            let (out, shown) = out;
+            let report = text(&out);
+            assert_eq!(out.status.code(), Some(2), "{shown}: {report}");
+            assert!(report.contains(names), "{shown}: {report}");
+        }
+    }
+    let out = lockstep(&["migrate"], None);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("DATABASE_URL"), "{}", text(&out));
+    assert_eq!(snapshot().await, before, "nothing changed");
+}
+
+/// Issue 19, defect 9: a purge of a pair whose cursor row another transaction holds right now
+/// is refused (exit 1, saying so) and purges nothing, like one whose lease another instance
+/// holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_of_a_row_another_transaction_holds_is_refused() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgPerspectiveStore::new()
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
+    PgEventStore::new()
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+
+    let mut other = pool.get().await.expect("connection");
+    let held = other.transaction().await.expect("begin");
+    held.execute(
+        "SELECT 1 FROM wh_perspective_cursors WHERE stream_id = $1 FOR UPDATE",
+        &[&stream.as_uuid()],
+    )
+    .await
+    .expect("the row is held by another transaction (a worker applying its events)");
+    let s = stream.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        lockstep(&["perspectives", "purge", &s, "Ledger"], Some(&url))
+    })
+    .await
+    .expect("task");
+    held.rollback().await.expect("rollback");
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("refused") && report.contains("holds"),
+        "{report}"
+    );
+    let client = pool.get().await.expect("connection");
+    let pending: i64 = client
+        .query_one(
+            "SELECT count(*) FROM wh_perspective_events WHERE stream_id = $1",
+            &[&stream.as_uuid()],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(pending, 1, "nothing was purged");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
