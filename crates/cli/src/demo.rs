@@ -95,7 +95,7 @@ async fn on_postgres(url: &DbUrl) -> Result<()> {
         "lockstep_demo_{}",
         &Uuid::new_v4().simple().to_string()[..12]
     );
-    say!("lockstep demo — on PostgreSQL at {url}");
+    say!("lockstep demo — on PostgreSQL: {url}");
     say!(
         "It creates the database {name} on that server, migrates it, runs there, and drops it at the end."
     );

@@ -27,7 +27,8 @@ macro_rules! say {
 }
 
 const EXIT_CODES: &str = "Exit codes: 0 success; 1 a check failed or an operation was refused \
-(e.g. a lease held by another instance); 2 bad arguments; 3 the database is unreachable or not \
+(e.g. a lease held by another instance, a cursor row another transaction holds); 2 bad arguments \
+(checked before anything connects: nothing changes); 3 the database is unreachable or not \
 migrated, or another error.";
 
 /// Safe multi-instance event sourcing on PostgreSQL: a demo, and operations on a lockstep
@@ -107,9 +108,31 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(err) => {
             eprintln!("error: {err:#}");
-            ExitCode::from(3)
+            if err.chain().any(|e| e.is::<BadArgument>()) {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(3)
+            }
         }
     }
+}
+
+/// An argument the command refuses: it exits 2 with this message. Every argument is checked
+/// before the command touches the database or binds a port, so a refusal changes nothing.
+#[derive(Debug)]
+pub(crate) struct BadArgument(String);
+
+impl std::fmt::Display for BadArgument {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BadArgument {}
+
+/// A [`BadArgument`] error (exit 2).
+pub(crate) fn bad_argument(message: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(BadArgument(message.into()))
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -147,6 +170,6 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 fn require(url: Option<pg::DbUrl>) -> anyhow::Result<pg::DbUrl> {
     url.ok_or_else(|| {
-        anyhow::anyhow!("this command needs a database: pass --database-url or set DATABASE_URL")
+        bad_argument("this command needs a database: pass --database-url or set DATABASE_URL")
     })
 }

@@ -5,12 +5,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use lockstep_core::{
-    InstanceId, LeaseStatus, LockReason, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
-    ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
-    advisory_key,
+    ErrorKind, InstanceId, LeaseEntry, LeaseStatus, LockReason, PerspectiveName,
+    PerspectiveRegistry, PerspectiveStore, ReleaseOutcome, StreamId, StreamLockAdmin,
+    StreamLockOptions, StreamLocker, TransactionSource, advisory_key,
 };
 use lockstep_pg::{PgTransactionSource, migrate::MIGRATION_LOCK_KEY};
 use lockstep_pg_store::PgPerspectiveStore;
@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use crate::ledger::Ledger;
 use crate::pg::{DbUrl, explain};
-use crate::say;
+use crate::{bad_argument, say};
 
 /// `lockstep locks …`
 #[derive(Debug, Subcommand)]
@@ -82,7 +82,8 @@ pub(crate) enum PerspectivesCommand {
         from: Option<Uuid>,
     },
     /// Deletes a pair's state, snapshots and pending work and resets its cursor, under a
-    /// 'purge' lease (refused while another instance holds the pair's lease).
+    /// 'purge' lease (refused while another instance holds the pair's lease or another
+    /// transaction holds its cursor row).
     Purge {
         /// The stream id.
         stream: Uuid,
@@ -143,11 +144,23 @@ fn locker(pool: &deadpool_postgres::Pool) -> PostgresStreamLocker {
     PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default())
 }
 
+/// `name` as a perspective name; a bad one is a bad argument (exit 2).
 fn perspective(name: &str) -> Result<PerspectiveName> {
-    PerspectiveName::new(name).map_err(|e| anyhow!("invalid perspective name: {e}"))
+    PerspectiveName::new(name).map_err(|e| bad_argument(format!("invalid perspective name: {e}")))
 }
 
 pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
+    // The arguments first: a bad one is refused before anything connects.
+    if let LocksCommand::List {
+        perspective: Some(name),
+        ..
+    }
+    | LocksCommand::Release {
+        perspective: name, ..
+    } = &cmd
+    {
+        perspective(name)?;
+    }
     let pool = url.pool(2).await?;
     match cmd {
         LocksCommand::List {
@@ -155,20 +168,25 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
             holder,
             json,
         } => {
-            let leases = locker(&pool).list_leases().await.map_err(explain)?;
-            let leases: Vec<_> = leases
+            let entries = locker(&pool).list_lease_entries().await.map_err(explain)?;
+            // An unreadable row stays in every holder filter: its holder may be what cannot be
+            // read.
+            let entries: Vec<_> = entries
                 .into_iter()
-                .filter(|l| {
+                .filter(|e| {
                     perspective
                         .as_deref()
-                        .is_none_or(|p| l.perspective.as_str() == p)
+                        .is_none_or(|p| entry_perspective(e) == p)
                 })
-                .filter(|l| holder.is_none_or(|h| l.holder.as_uuid() == h))
+                .filter(|e| match (e, holder) {
+                    (LeaseEntry::Lease(l), Some(h)) => l.holder.as_uuid() == h,
+                    _ => true,
+                })
                 .collect();
             if json {
-                let rows: Vec<_> = leases.iter().map(lease_json).collect();
+                let rows: Vec<_> = entries.iter().map(entry_json).collect();
                 say!("{}", serde_json::Value::Array(rows));
-            } else if leases.is_empty() {
+            } else if entries.is_empty() {
                 say!("no stream leases");
             } else {
                 say!(
@@ -180,17 +198,30 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
                     "epoch",
                     "time left"
                 );
-                for l in &leases {
-                    say!(
-                        "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}",
-                        l.stream_id.to_string(),
-                        l.perspective.as_str(),
-                        l.holder.to_string(),
-                        l.reason.as_str(),
-                        l.epoch.get(),
-                        l.time_left.as_secs_f64(),
-                        status(l.status)
-                    );
+                for entry in &entries {
+                    match entry {
+                        LeaseEntry::Lease(l) => say!(
+                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}",
+                            l.stream_id.to_string(),
+                            l.perspective.as_str(),
+                            l.holder.to_string(),
+                            l.reason.as_str(),
+                            l.epoch.get(),
+                            l.time_left.as_secs_f64(),
+                            status(l.status)
+                        ),
+                        LeaseEntry::Unreadable(u) => say!(
+                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  unreadable: {}",
+                            u.stream_id.to_string(),
+                            // As stored, unvalidated: escaped, never raw control characters.
+                            u.perspective.escape_debug().to_string(),
+                            "?",
+                            "?",
+                            "?",
+                            "?",
+                            u.problem
+                        ),
+                    }
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -263,10 +294,32 @@ pub(crate) fn lease_json(l: &lockstep_core::LeaseInfo) -> serde_json::Value {
     })
 }
 
-/// Every stream lease, as JSON rows.
+/// One listed row as JSON: a lease, or a row that cannot be read — its key, `"status":
+/// "unreadable"` and `"error"` (what cannot be read), without the lease fields.
+pub(crate) fn entry_json(entry: &LeaseEntry) -> serde_json::Value {
+    match entry {
+        LeaseEntry::Lease(l) => lease_json(l),
+        LeaseEntry::Unreadable(u) => json!({
+            "stream_id": u.stream_id.to_string(),
+            "perspective": u.perspective,
+            "status": "unreadable",
+            "error": u.problem,
+        }),
+    }
+}
+
+/// The perspective a listed row names (as stored, for an unreadable row).
+fn entry_perspective(entry: &LeaseEntry) -> &str {
+    match entry {
+        LeaseEntry::Lease(l) => l.perspective.as_str(),
+        LeaseEntry::Unreadable(u) => &u.perspective,
+    }
+}
+
+/// Every stream lease, as JSON rows (a row that cannot be read is listed as unreadable).
 pub(crate) async fn lease_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<serde_json::Value>> {
-    let leases = locker(pool).list_leases().await.map_err(explain)?;
-    Ok(leases.iter().map(lease_json).collect())
+    let entries = locker(pool).list_lease_entries().await.map_err(explain)?;
+    Ok(entries.iter().map(entry_json).collect())
 }
 
 /// Advisory locks held or awaited now, with the names lockstep knows and `names` gives.
@@ -372,6 +425,16 @@ fn status(status: LeaseStatus) -> &'static str {
 }
 
 pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Result<ExitCode> {
+    // The arguments first: a bad one is refused before anything connects.
+    if let PerspectivesCommand::Rewind {
+        perspective: name, ..
+    }
+    | PerspectivesCommand::Purge {
+        perspective: name, ..
+    } = &cmd
+    {
+        perspective(name)?;
+    }
     let pool = url.pool(4).await?;
     let source = PgTransactionSource::new(pool.clone());
     let store = PgPerspectiveStore::new();
@@ -416,20 +479,27 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
             let stream = StreamId::from_uuid(stream);
             let locker: Arc<dyn StreamLocker> = Arc::new(locker(&pool));
             let keeper = LeaseKeeper::start(locker, InstanceId::random());
-            let lease = match keeper
-                .try_acquire(stream, &name, &LockReason::Purge)
-                .await
-                .map_err(explain)?
-            {
-                Leased::Held(lease) => lease,
-                Leased::Denied(holder) => {
+            let busy = || {
+                eprintln!(
+                    "refused: another transaction holds the cursor row of {stream}/{name} right now \
+                     (a worker applying its events, or an open transaction of an operator); \
+                     nothing was purged: try again"
+                );
+                Ok(ExitCode::from(1))
+            };
+            let acquired = keeper.try_acquire(stream, &name, &LockReason::Purge).await;
+            let lease = match acquired {
+                Err(e) if e.kind() == ErrorKind::LockTimeout => return busy(),
+                Err(e) => return Err(explain(e)),
+                Ok(Leased::Held(lease)) => lease,
+                Ok(Leased::Denied(holder)) => {
                     eprintln!(
                         "refused: instance {} holds the lease of {stream}/{name} ({}) for {} more",
                         holder.instance, holder.reason, holder.expires_at
                     );
                     return Ok(ExitCode::from(1));
                 }
-                Leased::NoCursor => {
+                Ok(Leased::NoCursor) => {
                     eprintln!("{stream}/{name} has no cursor: nothing to purge");
                     return Ok(ExitCode::from(1));
                 }
@@ -444,7 +514,11 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
                 }
             };
             let released = lease.release().await;
-            outcome.map_err(explain)?;
+            match outcome {
+                // The purge waited for the row past its lock timeout; it rolled back.
+                Err(e) if e.kind() == ErrorKind::LockTimeout => return busy(),
+                outcome => outcome.map_err(explain)?,
+            }
             let released = released.map_err(explain)?;
             say!(
                 "purged {stream}/{name} under a 'purge' lease ({})",
@@ -499,20 +573,27 @@ async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Resul
 }
 
 pub(crate) async fn worker(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
+    // The arguments first: a bad one is refused before anything binds or connects.
     let options = StreamLockOptions::new(
         Duration::from_millis(args.lock_timeout_ms),
         Duration::from_millis(args.keepalive_ms),
     )
-    .map_err(|e| anyhow!("lease options: {e}"))?;
-    if let Some(addr) = &args.metrics_addr {
-        let bound = crate::serve::metrics_endpoint(addr).await?;
+    .map_err(|e| bad_argument(format!("--lock-timeout-ms / --keepalive-ms: {e}")))?;
+    let instance = match args.instance {
+        Some(id) => {
+            InstanceId::from_uuid(id).map_err(|e| bad_argument(format!("--instance: {e}")))?
+        }
+        None => InstanceId::random(),
+    };
+    let metrics = match &args.metrics_addr {
+        Some(addr) => Some(crate::serve::listen("--metrics-addr", addr).await?),
+        None => None,
+    };
+    if let Some(listener) = metrics {
+        let bound = crate::serve::metrics_endpoint(listener)?;
         say!("metrics on http://{bound}/metrics");
     }
     let pool = url.pool(8).await?;
-    let instance = match args.instance {
-        Some(id) => InstanceId::from_uuid(id).map_err(|e| anyhow!("--instance: {e}"))?,
-        None => InstanceId::random(),
-    };
     let ledger = Ledger::default();
     ledger
         .slow

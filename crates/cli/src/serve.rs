@@ -4,9 +4,12 @@
 //!
 //! A deliberately small HTTP/1.1 responder over tokio: `GET` only, one request per connection,
 //! a bounded request head and a read timeout. It serves operators on a trusted network; put it
-//! behind your usual proxy for anything else.
+//! behind your usual proxy for anything else. Both servers here (the status page, the worker's
+//! metrics endpoint) share one accept loop, [`accept_loop`], which outlives failed accepts.
 
 use std::fmt::Write as _;
+use std::future::Future;
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::ops::{advisory_rows, lease_rows, status_rows};
 use crate::pg::DbUrl;
-use crate::say;
+use crate::{bad_argument, say};
 
 /// The longest request head accepted.
 const MAX_HEAD: usize = 8 * 1024;
@@ -32,13 +35,11 @@ struct Shared {
 }
 
 pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result<ExitCode> {
+    let listener = listen("--addr", addr).await?;
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .context("installing the metrics recorder")?;
     let pool = url.pool(4).await?;
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("listening on {addr}"))?;
     let shared = Arc::new(Shared {
         pool,
         metrics,
@@ -49,33 +50,54 @@ pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result
         "serving the status page on http://{}/ (metrics on /metrics; Ctrl-C stops it)",
         listener.local_addr()?
     );
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let shared = Arc::clone(&shared);
-                tokio::spawn(async move {
-                    let _ = respond(stream, &shared).await;
-                });
-            }
-            _ = tokio::signal::ctrl_c() => break,
-        }
-    }
+    let stop = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    accept_loop(&listener, stop, |stream| {
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            let _ = respond(stream, &shared).await;
+        });
+    })
+    .await;
     Ok(ExitCode::SUCCESS)
 }
 
-/// Serves only `/metrics` (and `/healthz`) on `addr`, from a Prometheus recorder installed now,
-/// in a background task: `lockstep worker --metrics-addr`. Returns the bound address.
-pub(crate) async fn metrics_endpoint(addr: &str) -> Result<std::net::SocketAddr> {
+/// A listener on `addr`, the value of the option `flag`. An address that does not parse or
+/// resolve, or is not one of this machine's, is a bad argument (exit 2); a port in use or
+/// refused is another error.
+pub(crate) async fn listen(flag: &str, addr: &str) -> Result<TcpListener> {
+    let refused = |why: String| {
+        bad_argument(format!(
+            "{flag} {addr:?}: {why}; expected host:port to listen on, e.g. 127.0.0.1:7878 \
+             (port 0 picks a free one)"
+        ))
+    };
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| refused(format!("not an address ({e})")))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(refused("it resolves to no address".to_owned()));
+    }
+    match TcpListener::bind(&addrs[..]).await {
+        Ok(listener) => Ok(listener),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+            Err(refused(format!("not an address of this machine ({e})")))
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("listening on {addr} ({flag})"))),
+    }
+}
+
+/// Serves only `/metrics` (and `/healthz`) on `listener`, from a Prometheus recorder installed
+/// now, in a background task: `lockstep worker --metrics-addr`. Returns the bound address.
+pub(crate) fn metrics_endpoint(listener: TcpListener) -> Result<SocketAddr> {
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .context("installing the metrics recorder")?;
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("listening on {addr}"))?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
+        accept_loop(&listener, std::future::pending(), |mut stream| {
             let body = metrics.render();
             tokio::spawn(async move {
                 let path = read_path(&mut stream).await.unwrap_or_default();
@@ -87,9 +109,75 @@ pub(crate) async fn metrics_endpoint(addr: &str) -> Result<std::net::SocketAddr>
                 let _ =
                     write_response(&mut stream, status, "text/plain; version=0.0.4", &body).await;
             });
-        }
+        })
+        .await;
     });
     Ok(bound)
+}
+
+/// The pause after a failed accept; it doubles while accepts go on failing, up to
+/// [`ACCEPT_PAUSE_MAX`], and starts again from here after a success.
+const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(50);
+/// The longest pause after failed accepts: how late a server notices that it can accept again.
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// Where a server's connections come from: a [`TcpListener`], or a fake in tests.
+pub(crate) trait Acceptor {
+    /// An accepted connection.
+    type Connection;
+    /// The next connection.
+    fn accept(&self) -> impl Future<Output = std::io::Result<Self::Connection>> + Send;
+}
+
+impl Acceptor for TcpListener {
+    type Connection = TcpStream;
+
+    async fn accept(&self) -> std::io::Result<TcpStream> {
+        TcpListener::accept(self).await.map(|(stream, _)| stream)
+    }
+}
+
+/// The accept loop of both servers (`serve`, `worker --metrics-addr`): accepts connections
+/// until `stop` completes and hands each to `handle`. A failed accept — most often EMFILE, out
+/// of file descriptors, which fails again at once as long as it lasts — is logged and followed
+/// by a pause ([`ACCEPT_PAUSE_MIN`], doubling up to [`ACCEPT_PAUSE_MAX`] while failures go on):
+/// the server neither spins on it nor stops serving, and recovers once descriptors are free.
+pub(crate) async fn accept_loop<A: Acceptor>(
+    acceptor: &A,
+    stop: impl Future<Output = ()>,
+    mut handle: impl FnMut(A::Connection),
+) {
+    tokio::pin!(stop);
+    let mut pause = ACCEPT_PAUSE_MIN;
+    let mut failures: u64 = 0;
+    loop {
+        let accepted = tokio::select! {
+            () = &mut stop => return,
+            accepted = acceptor.accept() => accepted,
+        };
+        match accepted {
+            Ok(connection) => {
+                if failures > 0 {
+                    eprintln!("accepting connections again after {failures} failed accept(s)");
+                    failures = 0;
+                    pause = ACCEPT_PAUSE_MIN;
+                }
+                handle(connection);
+            }
+            Err(err) => {
+                failures += 1;
+                eprintln!(
+                    "accepting a connection failed: {err}; trying again in {} ms",
+                    pause.as_millis()
+                );
+                tokio::select! {
+                    () = &mut stop => return,
+                    () = tokio::time::sleep(pause) => {}
+                }
+                pause = pause.saturating_mul(2).min(ACCEPT_PAUSE_MAX);
+            }
+        }
+    }
 }
 
 /// Reads a request head (bounded in size and time) and returns the path of a `GET`.
@@ -168,9 +256,10 @@ async fn respond(mut stream: TcpStream, shared: &Shared) -> Result<()> {
 /// Sets the gauges a scrape reads from the database.
 async fn gauges(shared: &Shared) -> Result<()> {
     let leases = lease_rows(&shared.pool).await?;
-    let held = leases.iter().filter(|l| l["status"] == "held").count();
-    metrics::gauge!("lockstep_stream_leases_held").set(held as f64);
-    metrics::gauge!("lockstep_stream_leases_expired").set((leases.len() - held) as f64);
+    let count = |status: &str| leases.iter().filter(|l| l["status"] == status).count() as f64;
+    metrics::gauge!("lockstep_stream_leases_held").set(count("held"));
+    metrics::gauge!("lockstep_stream_leases_expired").set(count("expired"));
+    metrics::gauge!("lockstep_stream_leases_unreadable").set(count("unreadable"));
     for p in status_rows(&shared.pool).await? {
         let name = p["perspective"].as_str().unwrap_or("").to_owned();
         let get = |k: &str| p[k].as_f64().unwrap_or(0.0);
@@ -220,11 +309,13 @@ async fn page(shared: &Shared) -> Result<String> {
                 text(&l["holder"]),
                 text(&l["reason"]),
                 text(&l["epoch"]),
-                format!(
-                    "{:.1} s",
-                    l["time_left_ms"].as_f64().unwrap_or(0.0) / 1000.0
-                ),
-                text(&l["status"]),
+                l["time_left_ms"]
+                    .as_f64()
+                    .map_or_else(String::new, |ms| format!("{:.1} s", ms / 1000.0)),
+                match l["error"].as_str() {
+                    Some(error) => format!("unreadable: {error}"),
+                    None => text(&l["status"]),
+                },
             ]
         }),
     );
@@ -327,6 +418,78 @@ fn escape(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::future::Future;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{Acceptor, accept_loop};
+
+    /// Answers accepts from a script (`true`: a connection, `false`: EMFILE), then never again;
+    /// records when each accept was called.
+    struct Scripted {
+        script: Mutex<std::vec::IntoIter<bool>>,
+        calls: Mutex<Vec<Instant>>,
+    }
+
+    impl Acceptor for Scripted {
+        type Connection = usize;
+
+        fn accept(&self) -> impl Future<Output = std::io::Result<usize>> + Send {
+            let next = {
+                let mut calls = self.calls.lock().expect("calls");
+                calls.push(Instant::now());
+                let n = calls.len();
+                self.script.lock().expect("script").next().map(|ok| (ok, n))
+            };
+            async move {
+                match next {
+                    Some((true, n)) => Ok(n),
+                    Some((false, _)) => Err(std::io::Error::from_raw_os_error(24)),
+                    None => std::future::pending().await,
+                }
+            }
+        }
+    }
+
+    /// Issue 19, defect 8: failed accepts pause 50 ms, doubling to at most 1 s, and the pause
+    /// starts over after a success; the loop goes on accepting after failures and stops when
+    /// told to.
+    #[tokio::test(start_paused = true)]
+    async fn failed_accepts_pause_with_a_bounded_backoff_and_serving_goes_on() {
+        let mut script = vec![false; 8];
+        script.extend([true, false, true]);
+        let acceptor = Scripted {
+            script: Mutex::new(script.into_iter()),
+            calls: Mutex::new(Vec::new()),
+        };
+        let started = Instant::now();
+        let mut handled = Vec::new();
+        accept_loop(
+            &acceptor,
+            tokio::time::sleep(Duration::from_secs(60)),
+            |n| handled.push(n),
+        )
+        .await;
+        assert_eq!(
+            handled,
+            [9, 11],
+            "the connections after the failures are handled"
+        );
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(60),
+            "the loop ran until stopped"
+        );
+        let calls = acceptor.calls.lock().expect("calls");
+        let gaps: Vec<u64> = calls
+            .windows(2)
+            .map(|w| (w[1] - w[0]).as_millis() as u64)
+            .collect();
+        assert_eq!(gaps, [50, 100, 200, 400, 800, 1000, 1000, 1000, 0, 50, 0]);
+    }
+
     #[test]
     fn database_text_is_escaped() {
         assert_eq!(

@@ -102,7 +102,7 @@ fn an_unreachable_database_is_an_actionable_error_without_the_password() {
     let report = text(&out);
     assert_eq!(out.status.code(), Some(3), "{report}");
     assert!(
-        report.contains("cannot connect to postgres://app:***@127.0.0.1:1/nowhere"),
+        report.contains("cannot connect to database \"nowhere\" on 127.0.0.1:1 as user \"app\""),
         "{report}"
     );
     assert!(
@@ -110,6 +110,50 @@ fn an_unreachable_database_is_an_actionable_error_without_the_password() {
         "{report}"
     );
     assert!(!report.contains("s3cret"), "{report}");
+}
+
+/// Issue 19, defect 3: no form a password can take in a URL shows in the output, whole or in
+/// part — neither in "cannot connect" (nothing listens on port 1) nor in the demo's first line.
+#[test]
+fn no_form_of_a_password_is_ever_printed() {
+    const PARTS: [&str; 2] = ["Zq7Kx", "Wv9Pm"];
+    let connectable = [
+        "postgres://app:Zq7KxWv9Pm@127.0.0.1:1/nowhere",
+        "postgres://app@127.0.0.1:1/nowhere?password=Zq7KxWv9Pm",
+        "postgresql://127.0.0.1:1/nowhere?user=app&password=Zq7KxWv9Pm",
+        "host=127.0.0.1 port=1 user=app password = Zq7KxWv9Pm dbname=nowhere",
+        "host=127.0.0.1 port=1 user=app password='Zq7Kx Wv9Pm' dbname=nowhere",
+    ];
+    let misread = [
+        "postgres://app:Zq7Kx@Wv9Pm@127.0.0.1:1/nowhere",
+        "postgres://127.0.0.1:1/nowhere?password=Zq7Kx@Wv9Pm",
+    ];
+    for url in connectable.iter().chain(&misread) {
+        for args in [&["locks", "list"][..], &["demo"]] {
+            let out = lockstep(args, Some(url));
+            let report = text(&out);
+            assert_ne!(out.status.code(), Some(0), "{url}: {report}");
+            for part in PARTS {
+                assert!(
+                    !report.contains(part),
+                    "{args:?} with {url} printed: {report}"
+                );
+            }
+        }
+    }
+    for url in connectable {
+        let report = text(&lockstep(&["locks", "list"], Some(url)));
+        assert!(
+            report
+                .contains("cannot connect to database \"nowhere\" on 127.0.0.1:1 as user \"app\""),
+            "{report}"
+        );
+    }
+    for url in misread {
+        let out = lockstep(&["locks", "list"], Some(url));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains("does not parse"), "{}", text(&out));
+    }
 }
 
 #[test]
@@ -122,8 +166,154 @@ fn bad_arguments_exit_2_and_commands_that_need_a_database_say_so() {
         Some(2)
     );
     let out = lockstep(&["migrate"], None);
-    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).contains("DATABASE_URL"));
+}
+
+/// Issue 19, defect 9: every bad argument exits 2 (as documented) with a message naming it, and
+/// changes nothing — checked before the database is touched, so also with an unreachable one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_argument_exits_2_with_a_clear_message_and_changes_nothing() {
+    let (_db, url, pool) = migrated().await;
+    let snapshot = || async {
+        let client = pool.get().await.expect("connection");
+        let count = |table: &'static str| {
+            let client = &client;
+            async move {
+                client
+                    .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+                    .await
+                    .expect("count")
+                    .get::<_, i64>(0)
+            }
+        };
+        (
+            count("wh_perspectives").await,
+            count("wh_perspective_cursors").await,
+            count("wh_perspective_events").await,
+        )
+    };
+    let before = snapshot().await;
+    let stream = StreamId::new_v7().to_string();
+    let long = "N".repeat(201);
+    let nil = uuid::Uuid::nil().to_string();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["locks", "release", &stream, " ", "--force"],
+            "perspective name",
+        ),
+        (
+            vec!["locks", "release", &stream, &long, "--force"],
+            "perspective name",
+        ),
+        (
+            vec!["locks", "list", "--perspective", ""],
+            "perspective name",
+        ),
+        (
+            vec!["perspectives", "rewind", &stream, ""],
+            "perspective name",
+        ),
+        (
+            vec!["perspectives", "purge", &stream, " "],
+            "perspective name",
+        ),
+        (
+            vec!["perspectives", "purge", &stream, &long],
+            "perspective name",
+        ),
+        (
+            vec![
+                "worker",
+                "--lock-timeout-ms",
+                "1000",
+                "--keepalive-ms",
+                "900",
+            ],
+            "keepalive",
+        ),
+        (vec!["worker", "--lock-timeout-ms", "0"], "lock timeout"),
+        (vec!["worker", "--instance", &nil], "--instance"),
+        (
+            vec!["worker", "--metrics-addr", "nonsense"],
+            "--metrics-addr",
+        ),
+        (vec!["serve", "--addr", "nonsense"], "--addr"),
+        (vec!["serve", "--addr", "127.0.0.1:99999"], "--addr"),
+    ];
+    for db_url in [url.as_str(), "postgres://app@127.0.0.1:1/nowhere"] {
+        for (args, names) in &cases {
+            let (args, db_url) = (args.clone(), db_url.to_owned());
+            let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+            let out = tokio::task::spawn_blocking(move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                (lockstep(&args, Some(&db_url)), args.join(" "))
+            })
+            .await
+            .expect("task");
+            let (out, shown) = out;
+            let report = text(&out);
+            assert_eq!(out.status.code(), Some(2), "{shown}: {report}");
+            assert!(report.contains(names), "{shown}: {report}");
+        }
+    }
+    let out = lockstep(&["migrate"], None);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("DATABASE_URL"), "{}", text(&out));
+    assert_eq!(snapshot().await, before, "nothing changed");
+}
+
+/// Issue 19, defect 9: a purge of a pair whose cursor row another transaction holds right now
+/// is refused (exit 1, saying so) and purges nothing, like one whose lease another instance
+/// holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_of_a_row_another_transaction_holds_is_refused() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgPerspectiveStore::new()
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
+    PgEventStore::new()
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+
+    let mut other = pool.get().await.expect("connection");
+    let held = other.transaction().await.expect("begin");
+    held.execute(
+        "SELECT 1 FROM wh_perspective_cursors WHERE stream_id = $1 FOR UPDATE",
+        &[&stream.as_uuid()],
+    )
+    .await
+    .expect("the row is held by another transaction (a worker applying its events)");
+    let s = stream.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        lockstep(&["perspectives", "purge", &s, "Ledger"], Some(&url))
+    })
+    .await
+    .expect("task");
+    held.rollback().await.expect("rollback");
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("refused") && report.contains("holds"),
+        "{report}"
+    );
+    let client = pool.get().await.expect("connection");
+    let pending: i64 = client
+        .query_one(
+            "SELECT count(*) FROM wh_perspective_events WHERE stream_id = $1",
+            &[&stream.as_uuid()],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(pending, 1, "nothing was purged");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,6 +412,127 @@ async fn locks_list_shows_a_held_lease_and_release_needs_force() {
         !locker.renew(&lease.id).await.expect("renew").is_renewed(),
         "fenced out"
     );
+}
+
+/// Issue 19, defect 7: a cursor row whose lease lockstep cannot read (an operator's
+/// `'infinity'` expiry) is listed as unreadable, with its key, beside the other leases — by
+/// `locks list` (text and JSON, exit 0) and on the status page — instead of failing them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_lease_row_is_listed_as_unreadable_beside_the_others() {
+    let (_db, url, pool) = migrated().await;
+    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let name = PerspectiveName::new("Orders").expect("valid");
+    let (good, bad) = (StreamId::new_v7(), StreamId::new_v7());
+    let client = pool.get().await.expect("connection");
+    for stream in [good, bad] {
+        client
+            .execute(
+                "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) VALUES ($1, $2)",
+                &[&stream.as_uuid(), &name.as_str()],
+            )
+            .await
+            .expect("cursor");
+        assert!(
+            locker
+                .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+                .await
+                .expect("acquire")
+                .is_acquired()
+        );
+    }
+    client
+        .execute(
+            "UPDATE wh_perspective_cursors SET stream_lock_expiry = 'infinity' WHERE stream_id = $1",
+            &[&bad.as_uuid()],
+        )
+        .await
+        .expect("an operator's update");
+
+    let run = |args: &'static [&'static str]| {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || lockstep(args, Some(&url)))
+    };
+    let listed = run(&["locks", "list", "--json"]).await.expect("task");
+    assert_eq!(listed.status.code(), Some(0), "{}", text(&listed));
+    let rows: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("JSON");
+    let rows = rows.as_array().expect("an array");
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let row = |stream: StreamId| {
+        rows.iter()
+            .find(|r| r["stream_id"] == stream.to_string())
+            .unwrap_or_else(|| panic!("{stream} is listed: {rows:?}"))
+    };
+    assert_eq!(row(good)["status"], "held");
+    assert_eq!(row(bad)["status"], "unreadable");
+    assert_eq!(row(bad)["perspective"], "Orders");
+    assert!(
+        row(bad)["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("stream_lock_expiry")),
+        "{rows:?}"
+    );
+
+    let table = run(&["locks", "list"]).await.expect("task");
+    let report = text(&table);
+    assert_eq!(table.status.code(), Some(0), "{report}");
+    assert!(report.contains(&good.to_string()), "{report}");
+    let line = report
+        .lines()
+        .find(|l| l.contains(&bad.to_string()))
+        .unwrap_or_else(|| panic!("the bad row is listed: {report}"));
+    assert!(
+        line.contains("Orders") && line.contains("unreadable"),
+        "{report}"
+    );
+
+    let (mut server, addr) = serve(&url).await;
+    let (page, metrics) =
+        tokio::task::spawn_blocking(move || (http_get(&addr, "/"), http_get(&addr, "/metrics")))
+            .await
+            .expect("task");
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(page.0.contains("200"), "{page:?}");
+    assert!(page.1.contains(&good.to_string()), "{}", page.1);
+    assert!(page.1.contains(&bad.to_string()), "{}", page.1);
+    assert!(page.1.contains("unreadable"), "{}", page.1);
+    assert!(metrics.0.contains("200"), "{metrics:?}");
+    assert!(
+        metrics.1.contains("lockstep_stream_leases_unreadable 1"),
+        "{}",
+        metrics.1
+    );
+    assert!(
+        metrics.1.contains("lockstep_stream_leases_expired 0"),
+        "{}",
+        metrics.1
+    );
+}
+
+/// Starts `lockstep serve` on a free port of 127.0.0.1: the process and its address.
+async fn serve(url: &str) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut server = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["serve", "--addr", "127.0.0.1:0"])
+        .env("DATABASE_URL", url)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting lockstep serve");
+    let stdout = server.stdout.take().expect("stdout");
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).map(|_| line)
+    })
+    .await
+    .expect("task")
+    .expect("the serve banner");
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("the banner names the address: {line}"))
+        .to_owned();
+    (server, addr)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -553,6 +864,142 @@ async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
             .any(|l| l.contains("stopped; its leases are released")),
         "{rest:?}"
     );
+}
+
+/// `GET path` on `addr`, giving up after `limit` (connect, write and read each).
+fn try_http_get(
+    addr: &str,
+    path: &str,
+    limit: std::time::Duration,
+) -> std::io::Result<(String, String)> {
+    use std::io::{Read, Write};
+    let socket: std::net::SocketAddr = addr.parse().map_err(std::io::Error::other)?;
+    let mut stream = std::net::TcpStream::connect_timeout(&socket, limit)?;
+    stream.set_read_timeout(Some(limit))?;
+    stream.set_write_timeout(Some(limit))?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Ok((
+        head.lines().next().unwrap_or("").to_owned(),
+        body.to_owned(),
+    ))
+}
+
+/// CPU time (user + system) `pid` has used so far.
+fn cpu_time(pid: u32) -> std::time::Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
+    // Fields after the command name (which is in parentheses and may hold spaces): utime and
+    // stime are the 12th and 13th.
+    let after = stat.rsplit_once(')').expect("stat format").1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 =
+        fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
+    let per_second: u64 = String::from_utf8_lossy(
+        &Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .expect("getconf")
+            .stdout,
+    )
+    .trim()
+    .parse()
+    .expect("CLK_TCK");
+    std::time::Duration::from_millis(ticks * 1000 / per_second)
+}
+
+/// Issue 19, defect 8: `serve` and `worker --metrics-addr`, run with 64 file descriptors, go on
+/// serving after connections exhausted them (accept fails with EMFILE), and do not spin on the
+/// failing accept meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
+    use std::io::{BufRead, BufReader};
+    use std::time::{Duration, Instant};
+
+    let (_db, url, _pool) = migrated().await;
+    for args in [
+        &["serve", "--addr", "127.0.0.1:0"][..],
+        &["worker", "--metrics-addr", "127.0.0.1:0"],
+    ] {
+        let mut server = Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -n 64 && exec \"$0\" \"$@\"")
+            .arg(env!("CARGO_BIN_EXE_lockstep"))
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting lockstep");
+        let pid = server.id();
+        let mut stdout = BufReader::new(server.stdout.take().expect("stdout"));
+        // Kept open (and so read to the end after the kill): the process writes more lines.
+        let ready = args[0] == "worker";
+        let (line, stdout) = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            stdout.read_line(&mut line)?;
+            if ready {
+                // The worker prints its metrics address, then connects: wait until it runs.
+                let mut running = String::new();
+                stdout.read_line(&mut running)?;
+                assert!(running.contains("running on"), "{running}");
+            }
+            Ok::<_, std::io::Error>((line, stdout))
+        })
+        .await
+        .expect("task")
+        .expect("the banner");
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .unwrap_or_else(|| panic!("the banner names the address: {line}"))
+            .to_owned();
+
+        let outcome = tokio::task::spawn_blocking(move || {
+            // More connections than the server has descriptors: it accepts until EMFILE, the
+            // rest wait in the backlog (the server holds each one for its 5 s read timeout).
+            let socket: std::net::SocketAddr = addr.parse().expect("address");
+            let held: Vec<_> = (0..150)
+                .filter_map(|_| std::net::TcpStream::connect(socket).ok())
+                .collect();
+            std::thread::sleep(Duration::from_millis(300));
+            let (cpu, wall) = (cpu_time(pid), Instant::now());
+            std::thread::sleep(Duration::from_secs(2));
+            let busy = (cpu_time(pid) - cpu).as_secs_f64() / wall.elapsed().as_secs_f64();
+            drop(held);
+            let deadline = Instant::now() + Duration::from_secs(15);
+            let answer = loop {
+                match try_http_get(&addr, "/healthz", Duration::from_secs(2)) {
+                    Ok(answer) if answer.0.contains("200") => break Ok(answer),
+                    other if Instant::now() > deadline => break Err(format!("{other:?}")),
+                    _ => std::thread::sleep(Duration::from_millis(100)),
+                }
+            };
+            (busy, answer)
+        })
+        .await
+        .expect("task");
+        let _ = server.kill();
+        let _ = server.wait();
+        drop(stdout);
+        let mut log = String::new();
+        if let Some(mut stderr) = server.stderr.take() {
+            use std::io::Read;
+            let _ = stderr.read_to_string(&mut log);
+        }
+        let (busy, answer) = outcome;
+        assert!(
+            answer.is_ok(),
+            "{args:?} answers once descriptors are free again: {answer:?}\n{log}"
+        );
+        assert!(
+            busy < 0.5,
+            "{args:?} used {:.0} % of a CPU while accept failed\n{log}",
+            busy * 100.0
+        );
+    }
 }
 
 #[test]

@@ -62,7 +62,8 @@
 //!   load in order; [`NewEvent`] in, [`RecordedEvent`] out ([`event_store`]).
 //! - [`StreamLocker`] / [`StreamLockAdmin`] / [`LeaseFence`] — leases per `(stream,
 //!   perspective)` for rewind, bootstrap and purge: [`AcquireOutcome`], [`StreamLease`],
-//!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`] ([`stream_lease`]).
+//!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`], [`LeaseEntry`]
+//!   ([`stream_lease`]).
 //! - [`Perspective`] / [`PerspectiveStore`] — read models and their storage ([`perspective`],
 //!   [`perspective_store`]).
 //!
@@ -118,8 +119,9 @@ pub use retry::RetryPolicy;
 #[cfg(feature = "tokio")]
 pub use retry::tokio_sleep;
 pub use stream_lease::{
-    AcquireOutcome, CursorLease, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo,
-    LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin, StreamLocker,
+    AcquireOutcome, CursorLease, LeaseEntry, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId,
+    LeaseInfo, LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin,
+    StreamLocker, UnreadableLease,
 };
 pub use unit_of_work::{Retryable, TransactionSource};
 

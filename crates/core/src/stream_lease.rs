@@ -269,12 +269,50 @@ pub struct LeaseInfo {
     pub status: LeaseStatus,
 }
 
+/// A cursor row with a lease set that cannot be read (a value written by hand outside
+/// lockstep, e.g. an expiry of `'infinity'`), named by its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnreadableLease {
+    /// The stream.
+    pub stream_id: StreamId,
+    /// The perspective name as stored (raw: it may itself be what cannot be read).
+    pub perspective: String,
+    /// What cannot be read, for people.
+    pub problem: String,
+}
+
+/// One row of [`StreamLockAdmin::list_lease_entries`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseEntry {
+    /// A lease, read.
+    Lease(LeaseInfo),
+    /// A row whose lease cannot be read.
+    Unreadable(UnreadableLease),
+}
+
 /// Operator operations on stream leases, kept apart from the hot path.
 #[async_trait]
 pub trait StreamLockAdmin: Send + Sync {
     /// Every lease that is set (held or expired but not cleared), ordered by stream, then
-    /// perspective.
+    /// perspective. Fails if one of them cannot be read; an operator's view that must show the
+    /// others wants [`StreamLockAdmin::list_lease_entries`].
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>>;
+
+    /// Like [`StreamLockAdmin::list_leases`], but a row whose lease cannot be read is an
+    /// [`LeaseEntry::Unreadable`] entry, in its place and with its key, instead of failing the
+    /// whole listing (it still fails when the listing itself cannot be read).
+    ///
+    /// The default lists [`StreamLockAdmin::list_leases`] as [`LeaseEntry::Lease`] entries: right
+    /// for a backend that cannot hold an unreadable row (the in-memory fake cannot); the
+    /// PostgreSQL locker overrides it, and wrappers forward it.
+    async fn list_lease_entries(&self) -> Result<Vec<LeaseEntry>> {
+        Ok(self
+            .list_leases()
+            .await?
+            .into_iter()
+            .map(LeaseEntry::Lease)
+            .collect())
+    }
 
     /// The lease columns of one cursor row; `None` if the row does not exist.
     async fn inspect(

@@ -35,7 +35,7 @@
 //! | `contract` | `op` |
 //! |---|---|
 //! | `stream_locker` | `try_acquire`, `renew`, `release`, `renew_many` |
-//! | `stream_lock_admin` | `list_leases`, `inspect`, `force_release`, `release_all_held_by` |
+//! | `stream_lock_admin` | `list_leases`, `list_lease_entries`, `inspect`, `force_release`, `release_all_held_by` |
 //! | `lease_fence` | `check_lease` |
 //! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
 //! | `event_store` | `load`, `load_locked`, `append` |
@@ -268,6 +268,18 @@ impl<T: StreamLockAdmin> StreamLockAdmin for Observed<T> {
             span,
             ok,
             self.inner.list_leases(),
+        )
+        .await
+    }
+
+    async fn list_lease_entries(&self) -> Result<Vec<lockstep_core::LeaseEntry>> {
+        let span = tracing::info_span!("lockstep", op = "list_lease_entries");
+        observe(
+            "stream_lock_admin",
+            "list_lease_entries",
+            span,
+            ok,
+            self.inner.list_lease_entries(),
         )
         .await
     }

@@ -1033,3 +1033,54 @@ async fn session_acquires_on_an_exhausted_pool_fail_after_the_checkout_wait() {
         .expect("free");
     next.release().await.expect("release");
 }
+
+/// Issue 19, defect 10: every advisory-lock operation on a database that was never migrated
+/// (no `lockstep_advisory_lock` function) says to run the migrations, like the other backends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_on_an_unmigrated_database_say_to_run_the_migrations() {
+    let db = test_database().await;
+    let pool = db.pool(2);
+    let lock = PostgresDistributedLock::new(pool.clone());
+    let key = fresh_key();
+    let says_migrate = |err: lockstep_core::Error, doing: &str| {
+        let text = err.to_string();
+        assert!(
+            text.contains("run the migrations") && text.contains("lockstep_pg::migrate"),
+            "{doing}: {text}"
+        );
+        assert!(
+            text.contains(&key.to_string()),
+            "{doing} names the key: {text}"
+        );
+    };
+    for timeout in [None, Some(Duration::from_secs(1))] {
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        let err = lock
+            .acquire_for_transaction(&tx, &key, timeout)
+            .await
+            .expect_err("no schema");
+        says_migrate(err, "acquire_for_transaction");
+        tx.rollback().await.expect("rollback");
+    }
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let err = lock
+        .try_acquire_for_transaction(&tx, &key)
+        .await
+        .expect_err("no schema");
+    says_migrate(err, "try_acquire_for_transaction");
+    tx.rollback().await.expect("rollback");
+    for timeout in [None, Some(Duration::from_secs(1))] {
+        let err = lock
+            .acquire_session(&key, timeout)
+            .await
+            .map(drop)
+            .expect_err("no schema");
+        says_migrate(err, "acquire_session");
+    }
+    let err = lock
+        .try_acquire_session(&key)
+        .await
+        .map(drop)
+        .expect_err("no schema");
+    says_migrate(err, "try_acquire_session");
+}

@@ -1,5 +1,7 @@
 //! [`StreamLockAdmin`] for [`PostgresStreamLocker`]: list, inspect, force-release and
-//! release-all, for operators and for graceful shutdown.
+//! release-all, for operators and for graceful shutdown. The operators' listing
+//! ([`StreamLockAdmin::list_lease_entries`]) shows a row it cannot read as unreadable, with its
+//! key, beside the others.
 //!
 //! Like the hot path, each operation is one statement; "time left" and held/expired are
 //! computed on the database clock.
@@ -8,8 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lockstep_core::{
-    CursorLease, InstanceId, LeaseEpoch, LeaseInfo, LeaseStatus, PerspectiveName, ReleaseOutcome,
-    Result, StreamId, StreamLockAdmin,
+    CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseInfo, LeaseStatus, PerspectiveName,
+    ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
 };
 use tokio_postgres::Row;
 use tracing::instrument;
@@ -28,26 +30,38 @@ impl StreamLockAdmin for PostgresStreamLocker {
             .await?;
         rows.iter()
             .map(|row| {
-                let listed = RowName::Listed;
-                let stream_id = StreamId::from_uuid(column(row, "stream_id", listed)?);
-                let perspective: String = column(row, "perspective_name", listed)?;
-                let at = RowName::Pair(stream_id, &perspective);
-                let live: bool = column(row, "live", at)?;
-                let expires_at = column(row, "stream_lock_expiry", at)?;
-                let time_left_us: i64 = column(row, "time_left_us", at)?;
-                Ok(LeaseInfo {
-                    stream_id,
-                    holder: stored_holder(column(row, "stream_lock_instance_id", at)?, at)?,
-                    reason: stored_reason(column(row, "stream_lock_reason", at)?)?,
-                    epoch: LeaseEpoch::new(column(row, "stream_lock_epoch", at)?),
-                    expires_at,
-                    time_left: Duration::from_micros(u64::try_from(time_left_us).unwrap_or(0)),
-                    status: if live {
-                        LeaseStatus::Held
-                    } else {
-                        LeaseStatus::Expired
-                    },
-                    perspective: stored_name(perspective)?,
+                let (stream_id, perspective) = listed_key(row)?;
+                listed_lease(row, stream_id, perspective)
+            })
+            .collect()
+    }
+
+    /// One entry per row: a row whose lease cannot be read (an operator's `'infinity'` expiry,
+    /// a nil holder, a name or reason that does not validate) is [`LeaseEntry::Unreadable`]
+    /// with its key; only a row without a readable key fails the listing.
+    #[instrument(name = "list_lease_entries", skip_all)]
+    async fn list_lease_entries(&self) -> Result<Vec<LeaseEntry>> {
+        let rows: Vec<Row> = self
+            .run(sql::LIST_LEASES, &[], "listing stream leases")
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let (stream_id, perspective) = listed_key(row)?;
+                Ok(match listed_lease(row, stream_id, perspective.clone()) {
+                    Ok(lease) => LeaseEntry::Lease(lease),
+                    Err(err) => {
+                        tracing::warn!(
+                            stream_id = %stream_id,
+                            perspective = %perspective,
+                            error = %err,
+                            "a listed lease cannot be read"
+                        );
+                        LeaseEntry::Unreadable(UnreadableLease {
+                            stream_id,
+                            perspective,
+                            problem: problem(&err),
+                        })
+                    }
                 })
             })
             .collect()
@@ -123,4 +137,46 @@ impl StreamLockAdmin for PostgresStreamLocker {
         tracing::info!(cleared, "released every lease of the instance");
         Ok(cleared)
     }
+}
+
+/// The key of a listed row: its stream id and its perspective name as stored.
+fn listed_key(row: &Row) -> Result<(StreamId, String)> {
+    let listed = RowName::Listed;
+    let stream_id = StreamId::from_uuid(column(row, "stream_id", listed)?);
+    let perspective: String = column(row, "perspective_name", listed)?;
+    Ok((stream_id, perspective))
+}
+
+/// The lease of a listed row, or a typed error naming the row.
+fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<LeaseInfo> {
+    let at = RowName::Pair(stream_id, &perspective);
+    let live: bool = column(row, "live", at)?;
+    let expires_at = column(row, "stream_lock_expiry", at)?;
+    let time_left_us: i64 = column(row, "time_left_us", at)?;
+    Ok(LeaseInfo {
+        stream_id,
+        holder: stored_holder(column(row, "stream_lock_instance_id", at)?, at)?,
+        reason: stored_reason(column(row, "stream_lock_reason", at)?)?,
+        epoch: LeaseEpoch::new(column(row, "stream_lock_epoch", at)?),
+        expires_at,
+        time_left: Duration::from_micros(u64::try_from(time_left_us).unwrap_or(0)),
+        status: if live {
+            LeaseStatus::Held
+        } else {
+            LeaseStatus::Expired
+        },
+        perspective: stored_name(perspective)?,
+    })
+}
+
+/// An error and its causes, on one line.
+fn problem(err: &lockstep_core::Error) -> String {
+    let mut text = err.message().to_owned();
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }

@@ -24,8 +24,8 @@
 //! # Spans
 //!
 //! Every operation runs in a `tracing` span named after it (`try_acquire`, `renew`, `release`,
-//! `renew_many`, `check_lease`, `list_leases`, `inspect`, `force_release`,
-//! `release_all_held_by`) with the fixed fields below, recorded with `Display` and never as
+//! `renew_many`, `check_lease`, `list_leases`, `list_lease_entries`, `inspect`,
+//! `force_release`, `release_all_held_by`) with the fixed fields below, recorded with `Display` and never as
 //! whole values:
 //!
 //! | field | value |

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{Db, acquire, long_options};
 use lockstep_core::{
-    AcquireOutcome, ErrorKind, InstanceId, LockReason, StreamId, StreamLockAdmin,
+    AcquireOutcome, ErrorKind, InstanceId, LeaseEntry, LockReason, StreamId, StreamLockAdmin,
     StreamLockOptions, StreamLocker,
 };
 
@@ -90,6 +90,94 @@ async fn an_infinite_expiry_set_by_an_operator_is_a_typed_error_naming_the_row()
             .is_released()
     );
     assert!(locker.list_leases().await.expect("listing").is_empty());
+}
+
+/// Issue 19, defect 7: one row lockstep cannot read (an operator's `'infinity'` expiry, a nil
+/// holder, a name that does not validate) does not break the operators' listing: the others are
+/// listed, and each bad row is an unreadable entry with its key.
+#[tokio::test]
+async fn unreadable_rows_are_listed_as_unreadable_beside_the_others() {
+    let db = Db::new(2).await;
+    let locker = db.locker(long_options());
+    let (good, perspective) = db.order_cursor().await;
+    let holder = InstanceId::random();
+    acquire(&locker, good, &perspective, holder, LockReason::Rewind).await;
+    let (infinite, nil_holder, long_name) =
+        (StreamId::new_v7(), StreamId::new_v7(), StreamId::new_v7());
+    let name_201 = "N".repeat(201);
+    let client = db.client().await;
+    for (stream, name, holder, expiry) in [
+        (
+            infinite,
+            perspective.as_str(),
+            holder.as_uuid(),
+            "'infinity'",
+        ),
+        (
+            nil_holder,
+            perspective.as_str(),
+            uuid::Uuid::nil(),
+            "now() + interval '1 minute'",
+        ),
+        (
+            long_name,
+            name_201.as_str(),
+            holder.as_uuid(),
+            "now() + interval '1 minute'",
+        ),
+    ] {
+        client
+            .execute(
+                &format!(
+                    "INSERT INTO wh_perspective_cursors (stream_id, perspective_name, \
+                     stream_lock_instance_id, stream_lock_reason, stream_lock_expiry) \
+                     VALUES ($1, $2, $3, 'rewind', {expiry})"
+                ),
+                &[&stream.as_uuid(), &name, &holder],
+            )
+            .await
+            .expect("an operator's insert");
+    }
+
+    let entries = locker.list_lease_entries().await.expect("the listing runs");
+    assert_eq!(entries.len(), 4, "{entries:?}");
+    let leases: Vec<_> = entries
+        .iter()
+        .filter_map(|e| match e {
+            LeaseEntry::Lease(l) => Some(l),
+            LeaseEntry::Unreadable(_) => None,
+        })
+        .collect();
+    assert_eq!(leases.len(), 1, "{entries:?}");
+    assert_eq!(
+        (leases[0].stream_id, leases[0].holder),
+        (good, holder),
+        "the readable lease is listed"
+    );
+    let unreadable = |stream: StreamId| {
+        entries
+            .iter()
+            .find_map(|e| match e {
+                LeaseEntry::Unreadable(u) if u.stream_id == stream => Some(u),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("{stream} is listed as unreadable: {entries:?}"))
+    };
+    let bad = unreadable(infinite);
+    assert_eq!(bad.perspective, perspective.as_str());
+    assert!(bad.problem.contains("stream_lock_expiry"), "{bad:?}");
+    assert!(
+        unreadable(nil_holder).problem.contains("nil"),
+        "{entries:?}"
+    );
+    assert_eq!(unreadable(long_name).perspective, name_201);
+
+    // The strict listing still refuses to leave a row out.
+    let err = locker
+        .list_leases()
+        .await
+        .expect_err("a row cannot be read");
+    assert_eq!(err.kind(), ErrorKind::Backend, "{err}");
 }
 
 /// Issue 8, defect 3: try-acquire does not wait for a cursor row locked by another transaction

@@ -22,7 +22,6 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Row, Socket};
 
 use crate::cancel::Canceller;
-use crate::error::kind_of;
 use crate::queue::LocalQueue;
 use crate::transaction::PgTransaction;
 
@@ -380,10 +379,13 @@ pub fn check_isolation(refused: Option<&str>, key: &ResourceKey) -> Result<()> {
     }
 }
 
-/// A driver error of a lock statement, with its kind.
+/// A driver error of a lock statement, with its kind, through the helper every lockstep
+/// statement shares ([`crate::internal::statement_error`]): the server's message and SQLSTATE,
+/// and on a database without lockstep's schema (no `lockstep_advisory_lock`, migration V4)
+/// advice to run the migrations.
 #[doc(hidden)]
 pub fn lock_error(err: tokio_postgres::Error, key: &ResourceKey, doing: &str) -> Error {
-    Error::new(kind_of(&err), format!("{doing} advisory lock {key}")).with_source(err)
+    crate::error::map_statement_error(err, &format!("{doing} advisory lock {key}"))
 }
 
 /// Column `idx` of a lock statement's row, or a typed error (never a panic).

@@ -354,6 +354,11 @@ impl<L: StreamLockAdmin> StreamLockAdmin for FaultyStreamLocker<L> {
         self.inner.list_leases().await
     }
 
+    async fn list_lease_entries(&self) -> Result<Vec<lockstep_core::LeaseEntry>> {
+        self.admin_fault("list_lease_entries").await?;
+        self.inner.list_lease_entries().await
+    }
+
     async fn inspect(
         &self,
         stream_id: StreamId,

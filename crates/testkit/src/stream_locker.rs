@@ -278,6 +278,8 @@ impl StreamLocker for InMemoryStreamLocker {
     }
 }
 
+/// `list_lease_entries` is the default (every entry a lease): the fake's rows hold typed values,
+/// so it cannot have the unreadable row a hand-edited PostgreSQL row can.
 #[async_trait]
 impl StreamLockAdmin for InMemoryStreamLocker {
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
