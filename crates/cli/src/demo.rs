@@ -355,6 +355,65 @@ impl Instance {
     }
 }
 
+/// A stream locker whose every call waits while `stalled` is set: the lease calls of an
+/// instance that is frozen (a long GC pause, SIGSTOP, a VM migration), resumed when it thaws.
+struct Frozen {
+    inner: Arc<dyn StreamLocker>,
+    stalled: Arc<AtomicBool>,
+}
+
+impl Frozen {
+    async fn thawed(&self) {
+        while self.stalled.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+#[lockstep_core::async_trait]
+impl StreamLocker for Frozen {
+    fn options(&self) -> StreamLockOptions {
+        self.inner.options()
+    }
+
+    async fn try_acquire(
+        &self,
+        stream_id: StreamId,
+        perspective: &lockstep_core::PerspectiveName,
+        instance: InstanceId,
+        reason: &lockstep_core::LockReason,
+    ) -> lockstep_core::Result<lockstep_core::AcquireOutcome> {
+        self.thawed().await;
+        self.inner
+            .try_acquire(stream_id, perspective, instance, reason)
+            .await
+    }
+
+    async fn renew(
+        &self,
+        lease: &lockstep_core::LeaseId,
+    ) -> lockstep_core::Result<lockstep_core::RenewOutcome> {
+        self.thawed().await;
+        self.inner.renew(lease).await
+    }
+
+    async fn release(
+        &self,
+        lease: &lockstep_core::LeaseId,
+    ) -> lockstep_core::Result<lockstep_core::ReleaseOutcome> {
+        self.thawed().await;
+        self.inner.release(lease).await
+    }
+
+    async fn renew_many(
+        &self,
+        leases: &[lockstep_core::LeaseId],
+    ) -> lockstep_core::Result<Vec<lockstep_core::RenewOutcome>> {
+        self.thawed().await;
+        self.inner.renew_many(leases).await
+    }
+}
+
 /// Pausing an instance: `requested` by the demo, `parked` once its loop has seen the request
 /// between two cycles (so no cycle of it is in flight any more).
 #[derive(Debug, Default)]
@@ -494,6 +553,13 @@ where
         let worker = {
             let _entered = runtime.enter();
             let (source, locker) = (stack.fork)()?;
+            // A stall freezes C's lease calls too, as a paused process would: `apply` runs
+            // off the runtime's threads, so a stalled `apply` alone no longer stops the
+            // keepalive.
+            let locker: Arc<dyn StreamLocker> = Arc::new(Frozen {
+                inner: locker,
+                stalled: Arc::clone(&ledger_c.stalled),
+            });
             worker_for(source, locker, stack.store.clone(), &ledger_c, c.id)?
         };
         let (paused, stop, applied, rewinds) = (
@@ -502,7 +568,7 @@ where
             Arc::clone(&c.applied),
             Arc::clone(&c.rewinds),
         );
-        // A runtime of one thread: when C's `apply` stalls, all of C stalls — its keepalive too.
+        // A runtime of one thread of its own, as a separate process would have.
         c.done = Some(std::thread::spawn(move || {
             runtime.block_on(drive(worker, paused, stop, applied, rewinds));
         }));
@@ -614,9 +680,12 @@ where
     wait_until_idle(stack, &streams, Duration::from_secs(60)).await?;
     let rewinds_before = instances[2].rewinds.load(Ordering::SeqCst);
     say!(
-        "C wakes up and finishes its replay: its keepalive learns the lease is lost, and its commit"
+        "C wakes up: its lost signal fired at its local deadline, before the takeover, so it gave"
     );
-    say!("is fenced on epoch {epoch} anyway — so it cannot overwrite what {taker} committed.");
+    say!(
+        "up the replay — and a commit would be fenced on epoch {epoch} anyway: it cannot overwrite"
+    );
+    say!("what {taker} committed.");
     ledger_c.stalled.store(false, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     checks.check(
