@@ -22,7 +22,12 @@ use clap::{Parser, Subcommand};
 #[macro_export]
 macro_rules! say {
     ($($arg:tt)*) => {{
-        println!($($arg)*);
+        // Not `println!`, which panics when standard output is closed (`lockstep … | head`):
+        // output nobody reads any more is dropped, and the command goes on to its end.
+        let _ = std::io::Write::write_fmt(
+            &mut std::io::stdout(),
+            format_args!("{}\n", format_args!($($arg)*)),
+        );
     }};
 }
 

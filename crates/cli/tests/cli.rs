@@ -1011,3 +1011,26 @@ fn the_benchmarks_are_reachable_from_the_command() {
         assert!(help.contains(benchmark), "{help}");
     }
 }
+
+/// Output into a pipe whose reader has gone (`lockstep … | head -n 1`) panicked in `println!`:
+/// the command now runs to its end without a panic and with its own exit code.
+#[test]
+fn output_into_a_closed_pipe_does_not_panic() {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["demo"])
+        .env_remove("DATABASE_URL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting lockstep demo");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut first)
+        .expect("the first line");
+    // The reader is gone now (dropped with the BufReader).
+    let out = child.wait_with_output().expect("lockstep demo ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
