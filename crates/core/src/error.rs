@@ -216,6 +216,17 @@ pub enum ValidationError {
         /// Which value.
         field: &'static str,
     },
+    /// A JSON value (an event payload, a perspective state) nested arrays and objects more
+    /// than [`crate::json::MAX_DEPTH`] levels deep: it could be stored but never read back.
+    #[error(
+        "{field} nests arrays and objects more than {max} levels deep; at most {max} can be read back"
+    )]
+    JsonTooDeep {
+        /// Which value.
+        field: &'static str,
+        /// The limit ([`crate::json::MAX_DEPTH`]).
+        max: usize,
+    },
     /// A duration option was zero.
     #[error("{field} must be greater than zero")]
     NonPositiveDuration {

@@ -125,8 +125,18 @@ impl NewEvent {
     /// The longest event type accepted, in characters.
     pub const MAX_TYPE_CHARS: usize = 200;
 
+    /// The deepest nesting of arrays and objects a payload may have: [`crate::json::MAX_DEPTH`]
+    /// (127), the deepest a load can read back.
+    pub const MAX_PAYLOAD_DEPTH: usize = crate::json::MAX_DEPTH;
+
     /// Validates the type name (not blank, at most [`NewEvent::MAX_TYPE_CHARS`] characters,
-    /// no NUL) and wraps the event. The payload is stored as given (Postgres: `jsonb`).
+    /// no NUL) and the payload (storable, see [`crate::json`]: nested at most
+    /// [`NewEvent::MAX_PAYLOAD_DEPTH`] levels deep — [`ValidationError::JsonTooDeep`] — and no
+    /// U+0000 in any string or key) and wraps the event. The payload is stored as given
+    /// (Postgres: `jsonb`) and read back unchanged.
+    ///
+    /// This is the only way to build a `NewEvent` ([`NewEvent::with_id`] changes only the id of
+    /// one built here), so every event an [`EventStore`] is given has a payload it can load.
     pub fn new(event_type: impl Into<String>, payload: serde_json::Value) -> Result<NewEvent> {
         let event_type = event_type.into();
         if event_type.trim().is_empty() {
@@ -146,14 +156,10 @@ impl NewEvent {
             }
             .into());
         }
-        // PostgreSQL's jsonb cannot store U+0000 in any string (key or value); refuse it here so
-        // every backend rejects the same event the same way, before anything is written.
-        if json_contains_nul(&payload) {
-            return Err(ValidationError::ContainsNul {
-                field: "event payload",
-            }
-            .into());
-        }
+        // A payload nested deeper than a load can read would make the stream unloadable for
+        // good; PostgreSQL's jsonb cannot store U+0000 in any string (key or value). Refuse both
+        // here so every backend rejects the same event the same way, before anything is written.
+        crate::json::check_storable(&payload, "event payload")?;
         Ok(NewEvent {
             event_id: Uuid::now_v7(),
             event_type,
@@ -351,17 +357,6 @@ pub trait EventStore<Tx: ?Sized + Sync>: Send + Sync {
     }
 }
 
-fn json_contains_nul(value: &serde_json::Value) -> bool {
-    match value {
-        serde_json::Value::String(s) => s.contains('\0'),
-        serde_json::Value::Array(items) => items.iter().any(json_contains_nul),
-        serde_json::Value::Object(map) => map
-            .iter()
-            .any(|(k, v)| k.contains('\0') || json_contains_nul(v)),
-        _ => false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -434,5 +429,54 @@ mod tests {
             assert_eq!(err.kind(), ErrorKind::InvalidInput);
         }
         assert!(NewEvent::new("Noted", serde_json::json!({ "note": "ok" })).is_ok());
+    }
+
+    /// `depth` arrays and objects, alternating, around a string (a scalar has depth 0).
+    fn nested(depth: usize) -> serde_json::Value {
+        (0..depth).fold(serde_json::json!("leaf"), |value, level| {
+            if level % 2 == 0 {
+                serde_json::json!([1, value])
+            } else {
+                serde_json::json!({ "a": 1, "k": value })
+            }
+        })
+    }
+
+    /// Issue 19, item 2: a payload is refused at construction when it nests deeper than a load
+    /// can read back (serde_json, which decodes the `jsonb` column, stops at 128 levels).
+    #[test]
+    fn the_deepest_payload_that_reads_back_is_accepted_and_one_level_deeper_is_refused() {
+        assert_eq!(NewEvent::MAX_PAYLOAD_DEPTH, 127);
+        let deepest = nested(NewEvent::MAX_PAYLOAD_DEPTH);
+        let text = serde_json::to_vec(&deepest).expect("serializes");
+        let back: serde_json::Value = serde_json::from_slice(&text).expect("reads back");
+        assert_eq!(back, deepest);
+        let too_deep = nested(NewEvent::MAX_PAYLOAD_DEPTH + 1);
+        let text = serde_json::to_vec(&too_deep).expect("serializes");
+        let err = serde_json::from_slice::<serde_json::Value>(&text).expect_err("unreadable");
+        assert!(err.to_string().contains("recursion limit"), "{err}");
+
+        let event = NewEvent::new("Deep", deepest.clone()).expect("the deepest readable payload");
+        assert_eq!(event.payload(), &deepest);
+        let refused = ValidationError::JsonTooDeep {
+            field: "event payload",
+            max: 127,
+        };
+        let err = NewEvent::new("Deep", too_deep).expect_err("one level deeper is refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        assert_eq!(err.validation(), Some(&refused));
+        assert_eq!(
+            err.to_string(),
+            "invalid input: event payload nests arrays and objects more than 127 levels deep; \
+             at most 127 can be read back"
+        );
+        // Plain arrays and plain objects count the same.
+        for deep in [
+            (0..128).fold(serde_json::json!(0), |v, _| serde_json::json!([v])),
+            (0..128).fold(serde_json::json!(0), |v, _| serde_json::json!({ "k": v })),
+        ] {
+            let err = NewEvent::new("Deep", deep).expect_err("refused");
+            assert_eq!(err.validation(), Some(&refused));
+        }
     }
 }

@@ -88,6 +88,7 @@ pub mod distributed_lock;
 pub mod error;
 pub mod event_store;
 pub mod ids;
+pub mod json;
 pub mod options;
 pub mod perspective;
 pub mod perspective_store;

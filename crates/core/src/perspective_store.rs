@@ -197,7 +197,9 @@ pub struct StateCommit {
     /// The cursor revision the new state was computed from; anything else is a
     /// [`crate::ErrorKind::Conflict`] and nothing is written.
     pub expected_revision: i64,
-    /// The new state.
+    /// The new state. It must be storable ([`crate::json::check_storable`]: nested at most
+    /// [`crate::json::MAX_DEPTH`] levels deep, no U+0000); anything else is refused with
+    /// [`crate::ErrorKind::InvalidInput`] and nothing is written.
     pub state: serde_json::Value,
     /// The last event it is the fold of.
     pub last_event_id: Option<Uuid>,

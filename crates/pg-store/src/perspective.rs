@@ -21,9 +21,9 @@
 //!   lease lost) writes nothing and leaves the transaction usable.
 //!
 //! Every statement is sent with `query_typed` (parse, bind and execute in one round trip), with
-//! every value bound as a parameter. Bad input (a state that `jsonb` cannot store, a count out of
-//! range, a fence naming another pair) is refused with [`ErrorKind::InvalidInput`] before any SQL
-//! is sent.
+//! every value bound as a parameter. Bad input (a state that `jsonb` cannot store or that is
+//! nested deeper than a claim can read back, [`lockstep_core::json`]; a count out of range; a
+//! fence naming another pair) is refused with [`ErrorKind::InvalidInput`] before any SQL is sent.
 //!
 //! ```no_run
 //! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
@@ -784,25 +784,11 @@ fn lease_lost() -> Error {
     )
 }
 
-/// Refuses a JSON value `jsonb` cannot store (U+0000 in a string or key) before any SQL.
+/// Refuses, before any SQL, a state `jsonb` cannot store (U+0000 in a string or key) or a
+/// claim could not read back (nested deeper than [`lockstep_core::json::MAX_DEPTH`]: the
+/// pair's every later claim would fail to decode it).
 fn check_json(value: &serde_json::Value) -> Result<()> {
-    fn has_nul(value: &serde_json::Value) -> bool {
-        match value {
-            serde_json::Value::String(s) => s.contains('\0'),
-            serde_json::Value::Array(items) => items.iter().any(has_nul),
-            serde_json::Value::Object(map) => {
-                map.iter().any(|(k, v)| k.contains('\0') || has_nul(v))
-            }
-            _ => false,
-        }
-    }
-    if has_nul(value) {
-        return Err(ValidationError::ContainsNul {
-            field: "perspective state",
-        }
-        .into());
-    }
-    Ok(())
+    lockstep_core::json::check_storable(value, "perspective state")
 }
 
 fn micros(d: Duration) -> Result<i64> {
@@ -845,6 +831,17 @@ mod tests {
             );
         }
         assert!(check_json(&serde_json::json!({ "note": "ok" })).is_ok());
+        let deep = |depth: usize| {
+            (0..depth).fold(serde_json::json!(1), |v, _| serde_json::json!({ "k": [v] }))
+        };
+        assert!(check_json(&deep(63)).is_ok(), "126 levels");
+        assert_eq!(
+            check_json(&deep(64)).expect_err("128 levels").validation(),
+            Some(&ValidationError::JsonTooDeep {
+                field: "perspective state",
+                max: lockstep_core::json::MAX_DEPTH,
+            })
+        );
     }
 
     #[test]

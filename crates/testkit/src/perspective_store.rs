@@ -322,22 +322,10 @@ impl InMemoryPerspectiveStore {
     }
 }
 
+/// Refuses a state Postgres could not store or read back (U+0000, nested deeper than
+/// [`lockstep_core::json::MAX_DEPTH`]), with the same typed error as the Postgres store.
 fn check_state(state: &serde_json::Value) -> Result<()> {
-    fn has_nul(v: &serde_json::Value) -> bool {
-        match v {
-            serde_json::Value::String(s) => s.contains('\0'),
-            serde_json::Value::Array(a) => a.iter().any(has_nul),
-            serde_json::Value::Object(m) => m.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
-            _ => false,
-        }
-    }
-    if has_nul(state) {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "a perspective state must not contain U+0000 (jsonb cannot store it)",
-        ));
-    }
-    Ok(())
+    lockstep_core::json::check_storable(state, "perspective state")
 }
 
 impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use lockstep_core::{
     ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, StreamId, TransactionSource,
-    version_conflict,
+    ValidationError, version_conflict,
 };
 
 use super::{begin, commit, rollback};
@@ -769,6 +769,68 @@ pub async fn a_unit_of_work_retries_a_conflicting_append_at_commit<F: EventStore
     assert_eq!(committed_versions(&*fixture, stream).await, [1, 2]);
 }
 
+/// `depth` arrays and objects, alternating, around a string (a scalar has depth 0).
+fn nested(depth: usize) -> serde_json::Value {
+    (0..depth).fold(serde_json::json!("leaf"), |value, level| {
+        if level % 2 == 0 {
+            serde_json::json!([1, value])
+        } else {
+            serde_json::json!({ "a": 1, "k": value })
+        }
+    })
+}
+
+/// The deepest payload a load can read back (127 levels of arrays and objects) is appended and
+/// read back unchanged, by `load` and `load_locked`; one level deeper is refused when the event
+/// is built, so it can never reach a stream and make it unloadable (issue 19, item 2).
+pub async fn the_deepest_readable_payload_round_trips_and_one_level_deeper_is_refused<
+    F: EventStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let (stream, key) = (StreamId::new_v7(), fresh_key());
+    let deepest = nested(NewEvent::MAX_PAYLOAD_DEPTH);
+    let deep = NewEvent::new("Deep", deepest.clone()).expect("the deepest readable payload");
+    let err = NewEvent::new("Deep", nested(NewEvent::MAX_PAYLOAD_DEPTH + 1))
+        .expect_err("one level deeper is refused");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert_eq!(
+        err.validation(),
+        Some(&ValidationError::JsonTooDeep {
+            field: "event payload",
+            max: 127
+        })
+    );
+
+    let tx = begin(fixture.source()).await;
+    let v = fixture
+        .store()
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[deep, event("A", 1)],
+        )
+        .await
+        .expect("append");
+    assert_eq!(v, 2);
+    commit(fixture.source(), tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    let loaded = fixture.store().load(&tx, stream).await.expect("load");
+    let locked = fixture
+        .store()
+        .load_locked(&tx, stream, &key, None)
+        .await
+        .expect("load_locked");
+    rollback(fixture.source(), tx).await;
+    for events in [loaded, locked] {
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0].payload, deepest);
+        assert_eq!(events[1].version, 2);
+    }
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`event_store_conformance!`](crate::event_store_conformance): a test per case.
 pub async fn run_all<F: EventStoreFixture>(fixture: Arc<F>) {
@@ -795,6 +857,7 @@ macro_rules! __lockstep_event_store_cases {
             a_conflicting_append_at_commit_rolls_the_transaction_back,
             append_at_commit_refuses_bad_input_at_once,
             a_unit_of_work_retries_a_conflicting_append_at_commit,
+            the_deepest_readable_payload_round_trips_and_one_level_deeper_is_refused,
         ] }
     };
 }

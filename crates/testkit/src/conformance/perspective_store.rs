@@ -18,11 +18,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockstep_core::json::MAX_DEPTH;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     AcquireOutcome, Claim, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId,
     LockReason, NewEvent, PerspectiveName, PerspectiveStore, RecordedEvent, RewindDebounce,
     StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
+    ValidationError,
 };
 use uuid::Uuid;
 
@@ -1686,6 +1688,103 @@ pub async fn a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing<
     assert!(snapshots(&*fixture, stream, &p).await.is_empty());
 }
 
+/// `depth` arrays and objects, alternating, around a string (a scalar has depth 0).
+fn nested(depth: usize) -> serde_json::Value {
+    (0..depth).fold(serde_json::json!("leaf"), |value, level| {
+        if level % 2 == 0 {
+            serde_json::json!([1, value])
+        } else {
+            serde_json::json!({ "a": 1, "k": value })
+        }
+    })
+}
+
+/// A state nested deeper than a claim can read back (128 levels of arrays and objects) is
+/// `InvalidInput` and writes nothing, instead of being stored and failing every later claim of
+/// the pair (issue 19, item 2); the deepest readable state (127 levels) is committed and read
+/// back unchanged.
+pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_writes_nothing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("DeepState");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids).await;
+    let commit_of = |cursor: &Cursor, state: serde_json::Value, applied: &[Uuid]| StateCommit {
+        stream_id: stream,
+        perspective: p.clone(),
+        expected_revision: cursor.revision,
+        state,
+        last_event_id: applied.last().copied(),
+        applied_count: cursor.applied_count + applied.len() as u64,
+        applied_events: applied.to_vec(),
+        rewound_from: None,
+        snapshot: true,
+        fence: None,
+    };
+
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply { cursor, .. } = claim(&*fixture, &tx, stream, &p, 1, Duration::ZERO).await
+    else {
+        panic!("expected events to apply");
+    };
+    let err = fixture
+        .store()
+        .commit_state(&tx, &commit_of(&cursor, nested(MAX_DEPTH + 1), &ids[..1]))
+        .await
+        .expect_err("refused");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert_eq!(
+        err.validation(),
+        Some(&ValidationError::JsonTooDeep {
+            field: "perspective state",
+            max: 127
+        })
+    );
+    commit(fixture.source(), tx).await.expect("still usable");
+    let (after, stored) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (after.revision, after.last_event_id),
+        (cursor.revision, None)
+    );
+    assert_eq!(stored, None);
+    assert_eq!(pending(&*fixture, stream, &p).await, ids);
+    assert!(snapshots(&*fixture, stream, &p).await.is_empty());
+
+    let deepest = nested(MAX_DEPTH);
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply { cursor, .. } = claim(&*fixture, &tx, stream, &p, 1, Duration::ZERO).await
+    else {
+        panic!("expected events to apply");
+    };
+    fixture
+        .store()
+        .commit_state(&tx, &commit_of(&cursor, deepest.clone(), &ids[..1]))
+        .await
+        .expect("the deepest readable state");
+    commit(fixture.source(), tx).await.expect("commit");
+    let (_, stored) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(stored, Some(deepest.clone()));
+    // The pair goes on: the next claim reads the state back.
+    let tx = begin(fixture.source()).await;
+    let Claim::Apply {
+        state: claimed,
+        events,
+        ..
+    } = claim(&*fixture, &tx, stream, &p, 1, Duration::ZERO).await
+    else {
+        panic!("expected the second event to apply");
+    };
+    rollback(fixture.source(), tx).await;
+    assert_eq!(claimed, Some(deepest));
+    assert_eq!(
+        events.iter().map(|e| e.event_id).collect::<Vec<_>>(),
+        ids[1..]
+    );
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`perspective_store_conformance!`](crate::perspective_store_conformance): a test per case.
 pub async fn run_all<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
@@ -1724,6 +1823,7 @@ macro_rules! __lockstep_perspective_store_cases {
             purge_empties_the_pair_and_keeps_its_lease,
             ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair,
             a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing,
+            a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_writes_nothing,
         ] }
     };
 }
