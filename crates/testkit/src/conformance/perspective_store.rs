@@ -1726,7 +1726,8 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     };
 
     let tx = begin(fixture.source()).await;
-    let Claim::Apply { cursor, .. } = claim(&*fixture, &tx, stream, &p, 1, Duration::ZERO).await
+    let Claim::Apply { cursor, .. } =
+        claim(&*fixture, &tx, stream, &p, 1, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
     };
@@ -1755,7 +1756,8 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
 
     let deepest = nested(MAX_DEPTH);
     let tx = begin(fixture.source()).await;
-    let Claim::Apply { cursor, .. } = claim(&*fixture, &tx, stream, &p, 1, Duration::ZERO).await
+    let Claim::Apply { cursor, .. } =
+        claim(&*fixture, &tx, stream, &p, 1, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
     };
@@ -1773,7 +1775,7 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
         state: claimed,
         events,
         ..
-    } = claim(&*fixture, &tx, stream, &p, 1, Duration::ZERO).await
+    } = claim(&*fixture, &tx, stream, &p, 1, RewindDebounce::NONE).await
     else {
         panic!("expected the second event to apply");
     };
