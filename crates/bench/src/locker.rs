@@ -13,6 +13,13 @@
 //! - **renew**: every row is held by the benchmark instance at one epoch; renew a random row.
 //!   One operation = one statement.
 //!
+//! **Each client draws from rows of its own**: client `k` of `c` (a locker task, a pgbench
+//! client, `:client_id`) only uses rows `k`, `k + c`, `k + 2c`, … So no two clients ever meet on
+//! a row: the benchmark measures lease operations, not row-lock contention. With rows shared,
+//! two clients drawing the same row at once made the loser's try-acquire find the row locked by
+//! the winner's statement (`FOR NO KEY UPDATE NOWAIT`): the locker answers `Busy`, but pgbench
+//! aborts a client on that `55P03` and fails the run ("Run was aborted").
+//!
 //! Each side runs `--duration-secs` per round, for `--rounds` rounds, alternating which side
 //! goes first (ABBA…) so drift on a shared machine hits both. A workload's ratio is the median
 //! over rounds of lockstep ops/s divided by pgbench ops/s in the same round; the headline ratio
@@ -25,8 +32,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use hdrhistogram::Histogram;
 use lockstep_core::{
-    InstanceId, LeaseEpoch, LeaseId, LockReason, PerspectiveName, StreamId, StreamLockOptions,
-    StreamLocker,
+    AcquireOutcome, InstanceId, LeaseEpoch, LeaseId, LockReason, PerspectiveName, StreamId,
+    StreamLockOptions, StreamLocker,
 };
 use lockstep_pg_stream::{PgInterval, PostgresStreamLocker, sql};
 use rand::rngs::StdRng;
@@ -110,6 +117,9 @@ pub(crate) async fn run(args: Args) -> Result<()> {
     }
     if args.rows == 0 || args.rounds == 0 || args.duration_secs == 0 {
         bail!("--rows, --rounds and --duration-secs must be positive");
+    }
+    if let Some(&c) = args.concurrency.iter().find(|&&c| c > args.rows) {
+        bail!("--rows must be at least the concurrency ({c}): each client needs rows of its own");
     }
     let db = BenchDatabase::create(&admin_url(args.database_url.clone())).await?;
     let work_dir = std::env::temp_dir().join(db.name());
@@ -292,6 +302,33 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
     Ok(lines.join("\n"))
 }
 
+/// The rows one client uses: indices `client`, `client + clients`, `client + 2 clients`, … below
+/// `rows`, the same `slots` of them for every client (so that pgbench, which draws
+/// `client + clients * random(0, slots - 1)`, addresses exactly the same rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slice {
+    client: usize,
+    clients: usize,
+    slots: usize,
+}
+
+impl Slice {
+    /// `clients` is at least 1 and at most `rows` (checked by `run`).
+    fn new(client: usize, clients: usize, rows: usize) -> Slice {
+        let clients = clients.max(1);
+        Slice {
+            client,
+            clients,
+            slots: (rows / clients).max(1),
+        }
+    }
+
+    /// A random row index of this client's, 0-based.
+    fn draw(&self, rng: &mut StdRng) -> usize {
+        self.client + self.clients * rng.random_range(0..self.slots)
+    }
+}
+
 fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
@@ -405,7 +442,7 @@ async fn run_locker(
     let start = Instant::now();
     let deadline = start + duration;
     let mut tasks = Vec::with_capacity(concurrency);
-    for _ in 0..concurrency {
+    for client in 0..concurrency {
         let locker = locker.clone();
         let names = Arc::clone(&setup.names);
         let leases = leases.clone();
@@ -416,8 +453,9 @@ async fn run_locker(
             let mut ops = 0_usize;
             let stream = StreamId::from_uuid(BENCH_STREAM);
             let reason = LockReason::Rewind;
+            let slice = Slice::new(client, concurrency, names.len());
             while Instant::now() < deadline {
-                let i = rng.random_range(0..names.len());
+                let i = slice.draw(&mut rng);
                 let t = Instant::now();
                 match (&leases, workload) {
                     (Some(leases), Workload::Renew) => {
@@ -426,14 +464,20 @@ async fn run_locker(
                             bail!("a benchmark lease was lost");
                         }
                     }
-                    _ => {
-                        let lease = locker
-                            .try_acquire(stream, &names[i], instance, &reason)
-                            .await?
-                            .into_lease()
-                            .context("the benchmark instance is the only holder")?;
-                        let _ = locker.release(&lease.id).await?;
-                    }
+                    _ => match locker
+                        .try_acquire(stream, &names[i], instance, &reason)
+                        .await?
+                    {
+                        AcquireOutcome::Acquired(lease) => {
+                            let _ = locker.release(&lease.id).await?;
+                        }
+                        // No other task uses this row (see `Slice`): busy means the set-up is
+                        // broken, and the comparison with pgbench would not be fair.
+                        other => bail!(
+                            "the benchmark instance is the only holder and no other task uses \
+                             this row: {other:?}"
+                        ),
+                    },
                 }
                 histogram.saturating_record(t.elapsed().as_micros().try_into().unwrap_or(u64::MAX));
                 ops += 1;
@@ -464,7 +508,13 @@ async fn run_pgbench(
     let timeout = PgInterval::from_duration(setup.options.lock_timeout())
         .context("lock timeout")?
         .micros();
-    let pick = format!("\\set p random(1, {})\n", args.rows);
+    // pgbench's half of `Slice`: client `:client_id` (0-based) uses perspectives
+    // `1 + :client_id + c * j`, `j` in `0 .. slots`.
+    let slice = Slice::new(0, concurrency, args.rows);
+    let pick = format!(
+        "\\set p 1 + :client_id + {concurrency} * random(0, {})\n",
+        slice.slots - 1
+    );
     let script = match workload {
         Workload::AcquireRelease => format!(
             "{pick}{}\n\\gset out_\n{};\n",
@@ -503,4 +553,25 @@ async fn run_pgbench(
         },
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clients_draw_disjoint_rows_within_range() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for (clients, rows) in [(1, 10), (8, 10_000), (3, 10), (8, 8)] {
+            let mut seen = vec![None; rows];
+            for client in 0..clients {
+                let slice = Slice::new(client, clients, rows);
+                for _ in 0..2_000 {
+                    let i = slice.draw(&mut rng);
+                    assert!(i < rows, "{i} of {rows}");
+                    assert_eq!(*seen[i].get_or_insert(client), client, "row {i} shared");
+                }
+            }
+        }
+    }
 }

@@ -499,6 +499,7 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
                     );
                     return Ok(ExitCode::from(1));
                 }
+                Ok(Leased::Busy) => return busy(),
                 Ok(Leased::NoCursor) => {
                     eprintln!("{stream}/{name} has no cursor: nothing to purge");
                     return Ok(ExitCode::from(1));

@@ -13,7 +13,8 @@
 //!   the same instance — already held, and one release ends it for everyone). It is denied
 //!   when another instance holds a live lease, and the denial says who, why and until when. A
 //!   pair without a cursor row is never acquired. It never waits: a cursor row locked by
-//!   another transaction is the retryable [`crate::ErrorKind::LockTimeout`] at once.
+//!   another transaction is answered [`AcquireOutcome::Busy`] at once (an outcome like a
+//!   denial, not an error).
 //! - **Cancel safety**: dropping the future of any operation leaves no statement running and
 //!   no lease behind (Postgres: a cancel request, and the connection is closed).
 //! - **epoch** (the fencing token) increases whenever a lease is established anew: a new holder,
@@ -114,10 +115,17 @@ pub enum AcquireOutcome {
     Denied(LeaseHolder),
     /// The pair has no cursor row, so there is nothing to lease.
     NoCursor,
+    /// The pair's cursor row is in use by another transaction right now (a claim applying
+    /// events, a fenced commit, another lease statement in flight), so the lease could not be
+    /// decided without waiting, and try-acquire never waits. Nothing was written. Handle it like
+    /// a denial: skip the pair and retry later (the row is usually free again within one short
+    /// transaction). Who holds the lease, if anyone, is unknown.
+    Busy,
 }
 
 impl AcquireOutcome {
-    /// Whether the lease was acquired (the seed's `bool`).
+    /// Whether the lease was acquired (the seed's `bool`: `false` for a denial, a busy row and
+    /// a missing cursor row alike).
     pub fn is_acquired(&self) -> bool {
         matches!(self, AcquireOutcome::Acquired(_))
     }
@@ -191,8 +199,9 @@ pub trait StreamLocker: Send + Sync {
     ///
     /// Never waits, not even for the cursor row: while another transaction holds the row's
     /// lock (a fenced commit, a claim applying events, another lease operation in flight) it
-    /// fails at once with the retryable [`crate::ErrorKind::LockTimeout`] — skip the pair and
-    /// retry later, as after a denial.
+    /// answers [`AcquireOutcome::Busy`] at once, writing nothing — skip the pair and retry
+    /// later, as after a denial. Errors are left for failures (a lost connection, a database
+    /// without the schema, an unreadable row).
     async fn try_acquire(
         &self,
         stream_id: StreamId,
@@ -352,6 +361,14 @@ pub trait LeaseFence<Tx: ?Sized + Sync>: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn busy_is_not_acquired_and_has_no_lease() {
+        let busy = AcquireOutcome::Busy;
+        assert!(!busy.is_acquired());
+        assert_eq!(busy.lease(), None);
+        assert_eq!(busy.into_lease(), None);
+    }
 
     // Compile-time check that the worker can keep these behind `dyn`.
     #[allow(dead_code)]

@@ -24,8 +24,8 @@
 //!
 //! Through the [`metrics`] facade (install any recorder; without one they cost next to nothing).
 //! Labels have fixed, small cardinality: `contract` and `op` are from the tables below,
-//! `outcome` is `ok`, an outcome name (`acquired`, `denied`, `no_cursor`, `renewed`, `lost`,
-//! `released`, `not_held`, `busy`) or the [`lockstep_core::ErrorKind`] of a failure.
+//! `outcome` is `ok`, an outcome name (`acquired`, `denied`, `busy`, `no_cursor`, `renewed`,
+//! `lost`, `released`, `not_held`) or the [`lockstep_core::ErrorKind`] of a failure.
 //!
 //! | constant | name | kind | labels |
 //! |---|---|---|---|
@@ -143,12 +143,11 @@ fn kind_label(kind: lockstep_core::ErrorKind) -> &'static str {
 }
 
 fn acquire_label(o: &AcquireOutcome) -> &'static str {
-    if o.is_acquired() {
-        "acquired"
-    } else if matches!(o, AcquireOutcome::NoCursor) {
-        "no_cursor"
-    } else {
-        "denied"
+    match o {
+        AcquireOutcome::Acquired(_) => "acquired",
+        AcquireOutcome::Denied(_) => "denied",
+        AcquireOutcome::Busy => "busy",
+        AcquireOutcome::NoCursor => "no_cursor",
     }
 }
 

@@ -4,12 +4,12 @@
 use std::sync::Arc;
 
 use lockstep_core::{
-    DistributedLock, ErrorKind, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent,
-    PerspectiveName, ResourceKey, StreamId, StreamLockOptions, StreamLocker,
+    AcquireOutcome, DistributedLock, ErrorKind, EventStore, ExpectedVersion, InstanceId,
+    LockReason, NewEvent, PerspectiveName, ResourceKey, StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_observe::{CALLS, Observed};
 use lockstep_testkit::{
-    FakeDatabase, FakeDistributedLock, InMemoryEventStore, InMemoryStreamLocker,
+    FakeDatabase, FakeDistributedLock, FaultyStreamLocker, InMemoryEventStore, InMemoryStreamLocker,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
@@ -64,7 +64,8 @@ fn stream_locker_calls_are_counted_by_outcome_and_pass_through_unchanged() {
     metrics::with_local_recorder(&recorder, || {
         run(async {
             let inner = InMemoryStreamLocker::new(StreamLockOptions::default());
-            let locker: Arc<dyn StreamLocker> = Arc::new(Observed::new(inner.clone()));
+            let (faulty, faults) = FaultyStreamLocker::new(inner.clone());
+            let locker: Arc<dyn StreamLocker> = Arc::new(Observed::new(faulty));
             let (stream, name) = (
                 StreamId::new_v7(),
                 PerspectiveName::new("P").expect("valid"),
@@ -86,6 +87,12 @@ fn stream_locker_calls_are_counted_by_outcome_and_pass_through_unchanged() {
                 .await
                 .expect("try");
             assert!(!denied.is_acquired());
+            faults.busy_next_acquires(1);
+            let busy = locker
+                .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+                .await
+                .expect("try");
+            assert_eq!(busy, AcquireOutcome::Busy);
             assert!(locker.renew(&lease.id).await.expect("renew").is_renewed());
             assert!(
                 locker
@@ -108,6 +115,7 @@ fn stream_locker_calls_are_counted_by_outcome_and_pass_through_unchanged() {
         ("try_acquire", "no_cursor"),
         ("try_acquire", "acquired"),
         ("try_acquire", "denied"),
+        ("try_acquire", "busy"),
         ("renew", "renewed"),
         ("release", "released"),
         ("release", "not_held"),

@@ -19,10 +19,11 @@
 //! - **Fencing**: the epoch increases whenever a lease is established anew and on
 //!   force-release; renew, release and the fenced commit ([`fence`]) match holder *and* epoch.
 //! - **Try-acquire never waits**: a cursor row locked by another transaction (a claim applying
-//!   events, a fenced commit, another lease statement) is the retryable
-//!   [`ErrorKind::LockTimeout`](lockstep_core::ErrorKind::LockTimeout) at once — skip the pair
-//!   and retry, as after a denial. A live lease the caller's instance already held is joined,
-//!   and says so ([`StreamLease::reentered`](lockstep_core::StreamLease::reentered)).
+//!   events, a fenced commit, another lease statement) is answered
+//!   [`AcquireOutcome::Busy`](lockstep_core::AcquireOutcome::Busy) at once (`55P03` from the
+//!   statement's `NOWAIT`, and only from that statement, nothing written) — skip the pair and
+//!   retry, as after a denial. A live lease the caller's instance already held is joined, and
+//!   says so ([`StreamLease::reentered`](lockstep_core::StreamLease::reentered)).
 //! - **Cancel safety**: dropping the future of any operation (a caller's timeout) sends a cancel
 //!   request for its statement and closes its connection instead of pooling it, so no
 //!   statement keeps running and no lease is written for a caller that gave up. Give the pool's
@@ -71,10 +72,10 @@
 //!         // Another instance is rewinding this stream: skip it this cycle.
 //!         let _ = (holder.instance, holder.reason, holder.expires_at);
 //!     }
+//!     // Another transaction is using the cursor row right now: skip it, like a denial.
+//!     AcquireOutcome::Busy => {}
 //!     AcquireOutcome::NoCursor => {}
 //! }
-//! // A busy cursor row (`ErrorKind::LockTimeout`) is skipped like a denial by the `?` above in
-//! // this sketch; a worker would match on `err.kind()` and retry on its next cycle.
 //! // As a trait object, the way the perspective worker takes it:
 //! let _shared: Arc<dyn StreamLocker> = Arc::new(locker);
 //! # Ok(()) }

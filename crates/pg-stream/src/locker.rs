@@ -18,13 +18,14 @@ use lockstep_pg::LockQueue;
 use time::OffsetDateTime;
 use tokio_postgres::Row;
 use tokio_postgres::Socket;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tracing::{Span, instrument};
 use uuid::Uuid;
 
 use crate::interval::PgInterval;
 use crate::sql;
-use crate::statement::{RowName, column};
+use crate::statement::{RowName, column, statement_error};
 use crate::telemetry::{self, count};
 
 /// Stream leases on `wh_perspective_cursors`, one atomic statement per operation, on the
@@ -149,8 +150,9 @@ impl StreamLocker for PostgresStreamLocker {
         instance: InstanceId,
         reason: &LockReason,
     ) -> Result<AcquireOutcome> {
-        let row: Option<Row> = self
-            .run(
+        const DOING: &str = "acquiring a stream lease";
+        let ran = self
+            .run_statement::<Option<Row>>(
                 sql::TRY_ACQUIRE,
                 &[
                     &stream_id.as_uuid(),
@@ -159,9 +161,20 @@ impl StreamLocker for PostgresStreamLocker {
                     &reason.as_str(),
                     &self.timeout,
                 ],
-                "acquiring a stream lease",
+                DOING,
             )
             .await?;
+        let row = match ran {
+            Ok(row) => row,
+            // `FOR NO KEY UPDATE NOWAIT` on the cursor row: another transaction holds its lock
+            // right now. The statement wrote nothing; an outcome, not an error (ADR 0002).
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                count(telemetry::BUSY, 1);
+                tracing::debug!("cursor row busy");
+                return Ok(AcquireOutcome::Busy);
+            }
+            Err(e) => return Err(statement_error(e, DOING)),
+        };
         let Some(row) = row else {
             count(telemetry::NO_CURSOR, 1);
             tracing::debug!("no cursor row");

@@ -16,7 +16,8 @@
 /// - `cur` locks the cursor row (`FOR NO KEY UPDATE NOWAIT`) and reads its lease as it is *now*:
 ///   when another transaction holds the row's lock (a perspective store's claim applying events,
 ///   a fenced commit, another lease operation in flight) the statement fails at once with
-///   `55P03 lock_not_available` instead of waiting (try-acquire never waits). Otherwise, under
+///   `55P03 lock_not_available` instead of waiting (try-acquire never waits), which the locker
+///   answers [`AcquireOutcome::Busy`](lockstep_core::AcquireOutcome::Busy). Otherwise, under
 ///   READ COMMITTED a row updated by a transaction that committed after the statement's
 ///   snapshot is re-read at its latest version, so the decision and the denial report never
 ///   see a stale lease.

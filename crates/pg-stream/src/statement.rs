@@ -69,6 +69,21 @@ impl PostgresStreamLocker {
         params: &[&(dyn ToSql + Sync)],
         doing: &'static str,
     ) -> Result<O> {
+        self.run_statement(sql, params, doing)
+            .await?
+            .map_err(|e| statement_error(e, doing))
+    }
+
+    /// [`run`](Self::run), with a failure *of the statement itself* handed back as the driver's
+    /// error (`Ok(Err(_))`) for the caller to read its SQLSTATE (try-acquire answers `55P03`
+    /// from its `NOWAIT` as an outcome). Checking a connection out and preparing the statement
+    /// fail as typed errors, as in `run`. The connection is handled exactly as by `run`.
+    pub(crate) async fn run_statement<O: Outcome>(
+        &self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+        doing: &'static str,
+    ) -> Result<Result<O, tokio_postgres::Error>> {
         // Bounded: never longer than the keepalive interval, so a renew waiting for a
         // connection cannot outlive the lease it is meant to keep (an exhausted pool is then a
         // typed, retryable error instead of a hang).
@@ -88,7 +103,7 @@ impl PostgresStreamLocker {
         // Finished (either way): nothing to cancel, and the connection goes back to the pool
         // before the caller reads the result — unless it was lost, then it is closed.
         guard.disarm(outcome.as_ref().err());
-        outcome.map_err(|e| statement_error(e, doing))
+        Ok(outcome)
     }
 }
 

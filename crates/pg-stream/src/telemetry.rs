@@ -12,6 +12,7 @@
 //! | [`TAKEOVERS`] | `lockstep_stream_lease_takeovers_total` | acquisitions that replaced an **expired**, uncleared lease (a holder that crashed or stalled); also counted in `acquired` |
 //! | [`DENIED`] | `lockstep_stream_lease_denied_total` | try-acquires denied because another instance holds a live lease |
 //! | [`NO_CURSOR`] | `lockstep_stream_lease_no_cursor_total` | try-acquires on a pair without a cursor row |
+//! | [`BUSY`] | `lockstep_stream_lease_busy_total` | try-acquires answered busy: the cursor row was locked by another transaction (nothing written) |
 //! | [`RENEWED`] | `lockstep_stream_lease_renewed_total` | leases extended (by `renew` or `renew_many`) |
 //! | [`RENEW_LOST`] | `lockstep_stream_lease_renew_lost_total` | renews refused because the lease is no longer held at that epoch (the protected work must stop) |
 //! | [`RELEASED`] | `lockstep_stream_lease_released_total` | leases cleared by their holder |
@@ -43,6 +44,8 @@ pub const TAKEOVERS: &str = "lockstep_stream_lease_takeovers_total";
 pub const DENIED: &str = "lockstep_stream_lease_denied_total";
 /// Try-acquires on a pair without a cursor row.
 pub const NO_CURSOR: &str = "lockstep_stream_lease_no_cursor_total";
+/// Try-acquires answered busy (the cursor row was locked by another transaction).
+pub const BUSY: &str = "lockstep_stream_lease_busy_total";
 /// Leases extended.
 pub const RENEWED: &str = "lockstep_stream_lease_renewed_total";
 /// Renews refused because the lease was lost.
@@ -55,11 +58,12 @@ pub const FORCE_RELEASED: &str = "lockstep_stream_lease_force_released_total";
 pub const FENCE_LOST: &str = "lockstep_stream_lease_fence_lost_total";
 
 /// Every counter name, for recorders that want to describe them up front.
-pub const ALL_COUNTERS: [&str; 9] = [
+pub const ALL_COUNTERS: [&str; 10] = [
     ACQUIRED,
     TAKEOVERS,
     DENIED,
     NO_CURSOR,
+    BUSY,
     RENEWED,
     RENEW_LOST,
     RELEASED,

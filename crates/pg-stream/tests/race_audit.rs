@@ -277,20 +277,19 @@ async fn run_task(
             .try_acquire(stream, &perspective, instance, &LockReason::Rewind)
             .await
         {
-            Ok(outcome) => Some(outcome),
-            // The row is locked by another task's statement or fenced commit: busy, which a
-            // caller treats like a denial (try-acquire never waits; ADR 0002, addendum).
-            Err(err) if err.kind() == lockstep_core::ErrorKind::LockTimeout => None,
+            Ok(outcome) => outcome,
             Err(err) => panic!("try_acquire runs: {err:?}"),
         };
         let lease = match outcome {
-            Some(AcquireOutcome::Acquired(lease)) => lease,
-            Some(AcquireOutcome::Denied(_)) | None => {
+            AcquireOutcome::Acquired(lease) => lease,
+            // Busy: the row is locked by another task's statement or fenced commit, which a
+            // caller treats like a denial (try-acquire never waits; ADR 0002, addenda).
+            AcquireOutcome::Denied(_) | AcquireOutcome::Busy => {
                 outcomes.lock().expect("outcome log").denied += 1;
                 tokio::task::yield_now().await;
                 continue;
             }
-            Some(AcquireOutcome::NoCursor) => panic!("the cursor row exists"),
+            AcquireOutcome::NoCursor => panic!("the cursor row exists"),
         };
         let epoch = lease.id.epoch.get();
         outcomes

@@ -1,7 +1,7 @@
 //! Fault-injecting wrappers: forward to the wrapped implementation unless the test, through the
-//! wrapper's handle, has asked for a fault — deny the next acquires, fail or lose the next
-//! renews, fail the next lock calls, fence checks, loads or appends with a chosen kind, add
-//! latency to every call.
+//! wrapper's handle, has asked for a fault — deny the next acquires (or answer them busy), fail
+//! or lose the next renews, fail the next lock calls, fence checks, loads or appends with a
+//! chosen kind, add latency to every call.
 //!
 //! Each wrapper has a handle of its own type, offering only the faults that can happen to it
 //! (the model is tower-test's `mock::Handle`): [`StreamLockerFaults`] for
@@ -146,6 +146,7 @@ impl AcquireFaults {
 #[derive(Debug, Default)]
 struct LockerState {
     acquires: AcquireFaults,
+    busy_acquires: u32,
     fail_renews: Failures,
     lose_renews: u32,
     fail_releases: Failures,
@@ -191,6 +192,13 @@ impl StreamLockerFaults {
     /// The next `n` `try_acquire` calls fail with an error of `kind`.
     pub fn fail_next_acquires(&self, n: u32, kind: ErrorKind) {
         self.controls.with(|f| f.acquires.fail = Some((n, kind)));
+    }
+
+    /// The next `n` `try_acquire` calls report [`AcquireOutcome::Busy`] (the cursor row in use
+    /// by another transaction) without reaching the locker. An injected error or denial of the
+    /// same call comes first.
+    pub fn busy_next_acquires(&self, n: u32) {
+        self.controls.with(|f| f.busy_acquires = n);
     }
 
     /// The next `n` renews fail with an error of `kind` (the lease itself is untouched).
@@ -288,7 +296,11 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
         reason: &LockReason,
     ) -> Result<AcquireOutcome> {
         self.faults.controls.delay().await;
-        let (deny, fail) = self.faults.controls.with(|f| f.acquires.next());
+        let (deny, fail, busy) = self.faults.controls.with(|f| {
+            let (deny, fail) = f.acquires.next();
+            let busy = fail.is_none() && !deny && take(&mut f.busy_acquires);
+            (deny, fail, busy)
+        });
         if let Some(kind) = fail {
             return Err(injected(kind, "try_acquire"));
         }
@@ -299,6 +311,9 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
                 expires_at: OffsetDateTime::now_utc() + self.inner.options().lock_timeout(),
                 epoch: LeaseEpoch::new(0),
             }));
+        }
+        if busy {
+            return Ok(AcquireOutcome::Busy);
         }
         self.inner
             .try_acquire(stream_id, perspective, instance, reason)

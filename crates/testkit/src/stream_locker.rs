@@ -4,8 +4,8 @@
 //! Built [`with_database`](InMemoryStreamLocker::with_database), it also implements
 //! [`LeaseFence`] over [`FakeTransaction`]s of that database, like Postgres: a fence check that
 //! finds the lease held locks the cursor row until the transaction ends; renew, release and the
-//! admin operations on that row wait for it, and try-acquire fails at once with the retryable
-//! [`ErrorKind::LockTimeout`] (a takeover cannot slip in between a fenced check and its commit).
+//! admin operations on that row wait for it, and try-acquire answers [`AcquireOutcome::Busy`] at
+//! once (a takeover cannot slip in between a fenced check and its commit).
 //! A check that finds the lease lost locks nothing, as the Postgres `SELECT … FOR NO KEY UPDATE`
 //! locks no row its `WHERE` rejects.
 //!
@@ -143,26 +143,13 @@ impl InMemoryStreamLocker {
         Ok(())
     }
 
-    /// Fails at once, like `FOR NO KEY UPDATE NOWAIT`, while a fenced transaction holds the row:
-    /// try-acquire never waits.
-    fn refuse_if_row_locked(
-        &self,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<()> {
-        if let Some(db) = &self.db {
-            let key = Self::row_key(stream_id, perspective);
-            if db.holder_of(&key).is_some() {
-                return Err(Error::new(
-                    ErrorKind::LockTimeout,
-                    format!(
-                        "acquiring a stream lease: the cursor row ({stream_id}, {perspective}) \
-                         is locked by another transaction"
-                    ),
-                ));
-            }
-        }
-        Ok(())
+    /// Whether a fenced transaction holds the row's lock now: try-acquire then answers busy at
+    /// once, like Postgres's `FOR NO KEY UPDATE NOWAIT` (try-acquire never waits).
+    fn row_locked(&self, stream_id: StreamId, perspective: &PerspectiveName) -> bool {
+        self.db.as_ref().is_some_and(|db| {
+            db.holder_of(&Self::row_key(stream_id, perspective))
+                .is_some()
+        })
     }
 
     /// Creates the cursor row of a pair (unlocked); does nothing if it exists.
@@ -202,7 +189,9 @@ impl StreamLocker for InMemoryStreamLocker {
         instance: InstanceId,
         reason: &LockReason,
     ) -> Result<AcquireOutcome> {
-        self.refuse_if_row_locked(stream_id, perspective)?;
+        if self.row_locked(stream_id, perspective) {
+            return Ok(AcquireOutcome::Busy);
+        }
         let now = Instant::now();
         let expires = self.expiry_from(now);
         let mut rows = self.rows();

@@ -45,6 +45,7 @@
 //!         lease.release().await?;
 //!     }
 //!     Leased::Denied(holder) => { /* another instance holds it: skip, retry later */ let _ = holder; }
+//!     Leased::Busy => { /* another transaction is using the cursor row: skip, retry later */ }
 //!     Leased::NoCursor => { /* nothing to lease */ }
 //! }
 //! # Ok(()) }
@@ -171,6 +172,9 @@ pub enum Leased {
     Held(HeldLease),
     /// Another instance holds a live lease.
     Denied(LeaseHolder),
+    /// The pair's cursor row is in use by another transaction right now
+    /// ([`AcquireOutcome::Busy`]): handle it like a denial, skip the pair and retry later.
+    Busy,
     /// The pair has no cursor row.
     NoCursor,
 }
@@ -230,6 +234,7 @@ impl LeaseKeeper {
         Ok(match outcome {
             AcquireOutcome::Acquired(lease) => Leased::Held(self.track(lease, sent)),
             AcquireOutcome::Denied(holder) => Leased::Denied(holder),
+            AcquireOutcome::Busy => Leased::Busy,
             AcquireOutcome::NoCursor => Leased::NoCursor,
         })
     }

@@ -18,6 +18,7 @@
 //! | [`REPLAYS_FULL`] | `lockstep_worker_replays_full_total` | counter | rewinds that replayed the whole stream |
 //! | [`BOOTSTRAPS`] | `lockstep_worker_bootstraps_total` | counter | snapshots created by bootstrap |
 //! | [`SKIPPED_LEASED`] | `lockstep_worker_pairs_skipped_leased_total` | counter | pairs skipped because another instance holds their lease |
+//! | [`SKIPPED_BUSY`] | `lockstep_worker_pairs_skipped_busy_total` | counter | rewinds skipped because another transaction was using the pair's cursor row (the lease's try-acquire answered busy) |
 //! | [`APPLY_FAILURES`] | `lockstep_worker_apply_failures_total` | counter | normal-path applies that failed (error or panic) |
 //! | [`LEASES_LOST`] | `lockstep_worker_leases_lost_total` | counter | held leases reported lost by the keeper (renew refused or local deadline passed) |
 //! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
@@ -46,6 +47,8 @@ pub const REPLAYS_FULL: &str = "lockstep_worker_replays_full_total";
 pub const BOOTSTRAPS: &str = "lockstep_worker_bootstraps_total";
 /// Pairs skipped because another instance holds their lease.
 pub const SKIPPED_LEASED: &str = "lockstep_worker_pairs_skipped_leased_total";
+/// Rewinds skipped because the pair's cursor row was busy (another transaction).
+pub const SKIPPED_BUSY: &str = "lockstep_worker_pairs_skipped_busy_total";
 /// Normal-path applies that failed.
 pub const APPLY_FAILURES: &str = "lockstep_worker_apply_failures_total";
 /// Held leases reported lost by the keeper.

@@ -108,6 +108,9 @@ pub enum PurgeOutcome {
     Purged,
     /// Another instance holds the pair's lease: nothing was purged.
     Denied(LeaseHolder),
+    /// Another transaction was using the pair's cursor row, so its lease could not be taken:
+    /// nothing was purged; try again.
+    Busy,
     /// The pair has no cursor row.
     NoCursor,
 }
@@ -527,7 +530,7 @@ where
                 Ok(Leased::Held(lease)) => Some(lease),
                 // Graceful degradation (the seed): proceed without the lease; the save is
                 // idempotent and refused if the cursor moved on.
-                Ok(Leased::Denied(_) | Leased::NoCursor) => None,
+                Ok(Leased::Denied(_) | Leased::Busy | Leased::NoCursor) => None,
                 Err(err) => {
                     tracing::debug!(error = %err, "bootstrap lease unavailable; proceeding without");
                     None
@@ -579,16 +582,18 @@ where
                     .try_acquire(stream_id, name, &LockReason::Rewind)
                     .await
                 {
-                    // The cursor row is busy (another transaction holds it: a claim, a fenced
-                    // commit): like a denial, try again on a later cycle.
-                    Err(err) if err.kind() == ErrorKind::LockTimeout => {
-                        return Ok(PairOutcome::Skipped(SkipReason::Busy));
-                    }
                     Err(err) => return Err(err),
                     Ok(Leased::Held(lease)) => Some(lease),
                     Ok(Leased::Denied(holder)) => {
                         count(telemetry::SKIPPED_LEASED, name.as_str(), 1);
                         return Ok(PairOutcome::Skipped(SkipReason::Leased(holder)));
+                    }
+                    // The cursor row is busy (another transaction holds it: a claim, a fenced
+                    // commit): like a denial, try again on a later cycle.
+                    Ok(Leased::Busy) => {
+                        count(telemetry::SKIPPED_BUSY, name.as_str(), 1);
+                        tracing::debug!("cursor row busy; rewind retried on a later cycle");
+                        return Ok(PairOutcome::Skipped(SkipReason::Busy));
                     }
                     Ok(Leased::NoCursor) => return Ok(PairOutcome::Skipped(SkipReason::Idle)),
                 },
@@ -822,6 +827,7 @@ where
                 {
                     Leased::Held(lease) => Some(lease),
                     Leased::Denied(holder) => return Ok(PurgeOutcome::Denied(holder)),
+                    Leased::Busy => return Ok(PurgeOutcome::Busy),
                     Leased::NoCursor => return Ok(PurgeOutcome::NoCursor),
                 },
                 None => None,

@@ -12,8 +12,8 @@ use lockstep_core::{
     Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
 };
 use lockstep_testkit::{
-    FakeDatabase, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
-    InMemoryStreamLocker,
+    FakeDatabase, FakeTransaction, FaultyStreamLocker, InMemoryEventStore,
+    InMemoryPerspectiveStore, InMemoryStreamLocker,
 };
 use lockstep_worker::{
     CancellationToken, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason, WorkerOptions,
@@ -933,6 +933,66 @@ async fn purge_runs_under_a_purge_lease_and_resets_the_pair() {
             .await
             .expect("purge"),
         PurgeOutcome::NoCursor
+    );
+}
+
+/// Issue 19, item 11: a lease whose cursor row is busy (`AcquireOutcome::Busy`) is handled like
+/// a denial — the rewind is skipped with its request and work kept, the purge purges nothing —
+/// and both go through once the row is free.
+#[tokio::test(start_paused = true)]
+async fn a_busy_cursor_row_skips_the_rewind_and_the_purge_like_a_denial() {
+    let world = World::new();
+    let (faulty, faults) = FaultyStreamLocker::new(world.locker.clone());
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Fold).expect("register");
+    let worker: Worker = PerspectiveWorker::new(
+        world.db.clone(),
+        world.store.clone(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        Some(Arc::new(faulty) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20]).await;
+    drain(&worker).await;
+    let late = early_id(3);
+    world.append(stream, &[(late, serde_json::json!(1))]).await;
+    let tx = world.db.begin();
+    world
+        .store
+        .request_rewind(&tx, stream, &fold(), Some(late))
+        .await
+        .expect("request");
+    tx.commit().await.expect("commit");
+
+    faults.busy_next_acquires(2);
+    let outcome = worker.rewind(stream, &fold()).await.expect("rewind");
+    assert_eq!(outcome, PairOutcome::Skipped(SkipReason::Busy));
+    assert_eq!(world.pending(stream).await, vec![late], "work untouched");
+    let cursor = world.cursor(stream).await;
+    assert!(cursor.rewind.is_some(), "still requested");
+    assert!(cursor.lease.is_unlocked(), "no lease taken");
+    assert_eq!(
+        worker.purge(stream, &fold()).await.expect("purge"),
+        PurgeOutcome::Busy
+    );
+    assert_eq!(
+        world.state(stream),
+        vec![10, 20],
+        "nothing purged while busy"
+    );
+
+    assert!(matches!(
+        worker.rewind(stream, &fold()).await.expect("rewind"),
+        PairOutcome::Rewound { .. }
+    ));
+    assert_eq!(world.state(stream), vec![1, 10, 20]);
+    assert_eq!(
+        worker.purge(stream, &fold()).await.expect("purge"),
+        PurgeOutcome::Purged
     );
 }
 

@@ -730,18 +730,18 @@ impl Racer {
                     self.back_off().await;
                     continue;
                 }
+                // A row locked by a fenced transaction or another lease statement: busy, which
+                // a caller treats like a denial (try-acquire never waits).
+                Ok(Ok(AcquireOutcome::Busy)) => {
+                    log.stats.busy += 1;
+                    self.back_off().await;
+                    continue;
+                }
                 Ok(Ok(AcquireOutcome::NoCursor)) => {
                     log.problems.push(format!(
                         "try-acquire of {}/{} found no cursor row",
                         self.stream, self.perspective
                     ));
-                    self.back_off().await;
-                    continue;
-                }
-                // A row locked by a fenced transaction or another lease statement: busy, which
-                // a caller treats like a denial (try-acquire never waits).
-                Ok(Err(e)) if e.kind() == ErrorKind::LockTimeout => {
-                    log.stats.busy += 1;
                     self.back_off().await;
                     continue;
                 }

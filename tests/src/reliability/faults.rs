@@ -456,8 +456,8 @@ async fn expect_fenced_refused(
     Ok(())
 }
 
-/// A try-acquire by a second instance; transient (retryable) errors are retried a few times,
-/// anything else is a violation (`None`).
+/// A try-acquire by a second instance; a busy row and transient (retryable) errors are retried
+/// a few times, anything else is a violation (`None`). Never returns `Busy`.
 async fn try_acquire_as(
     tally: &mut Tally,
     what: &str,
@@ -473,6 +473,10 @@ async fn try_acquire_as(
         )
         .await;
         match attempt {
+            // The row is in use by another transaction right now: like a transient error.
+            Ok(Ok(AcquireOutcome::Busy)) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             Ok(Ok(outcome)) => return Ok(Some(outcome)),
             Ok(Err(e)) if e.is_retryable() => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -488,7 +492,7 @@ async fn try_acquire_as(
         }
     }
     check(tally, false, || {
-        format!("{what}: try-acquire kept failing with retryable errors")
+        format!("{what}: try-acquire kept answering busy or failing with retryable errors")
     });
     Ok(None)
 }
@@ -889,6 +893,9 @@ pub mod restart {
                 AcquireOutcome::NoCursor => {
                     check(tally, false, || format!("{what}: the cursor row is gone"));
                 }
+                AcquireOutcome::Busy => {
+                    check(tally, false, || format!("{what}: busy after retries"));
+                }
             }
         }
         expect_recovery(tally, &format!("{at}: locker pool"), || async {
@@ -1012,6 +1019,10 @@ pub mod restart {
                 }
                 AcquireOutcome::NoCursor => {
                     check(tally, false, || format!("{what}: the cursor row is gone"));
+                    return Ok(());
+                }
+                AcquireOutcome::Busy => {
+                    check(tally, false, || format!("{what}: busy after retries"));
                     return Ok(());
                 }
             }
@@ -1446,7 +1457,7 @@ async fn stall_round(
                 break;
             }
             AcquireOutcome::Denied(by) => denials_ok &= by.instance == lease.id().holder,
-            AcquireOutcome::NoCursor => break,
+            AcquireOutcome::NoCursor | AcquireOutcome::Busy => break,
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -355,6 +355,7 @@ impl<L: StreamLocker + StreamLockAdmin> LeaseSide<L> {
                 holder.epoch
             ),
             Ok(AcquireOutcome::NoCursor) => "no cursor".to_owned(),
+            Ok(AcquireOutcome::Busy) => "busy".to_owned(),
             Err(e) => format!("error {}", e.kind()),
         }
     }
