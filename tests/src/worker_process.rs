@@ -29,9 +29,9 @@ use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseId, LockReason, PerspectiveName, PerspectiveRegistry,
     ReleaseOutcome, RenewOutcome, StreamId, StreamLockOptions, StreamLocker,
 };
-use lockstep_pg::PgTransactionSource;
+use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_worker::{CancellationToken, PerspectiveWorker, WorkerOptions};
 
 /// A perspective worker process for lockstep's multi-process tests.
@@ -61,7 +61,7 @@ pub struct Args {
 /// Announces every `rewind` lease it acquires on standard output, then behaves exactly like the
 /// locker it wraps.
 struct Announcing {
-    inner: PostgresStreamLocker,
+    inner: PgStreamLocker,
 }
 
 #[async_trait]
@@ -131,7 +131,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut registry = PerspectiveRegistry::new();
     registry.register(Numbers::slowed(Duration::from_millis(sleep_ms)))?;
     let locker: Arc<dyn StreamLocker> = Arc::new(Announcing {
-        inner: PostgresStreamLocker::new(pool.clone(), lock_options),
+        inner: PgStreamLocker::from_pool(pool.clone(), lock_options),
     });
     let options = WorkerOptions {
         poll_interval: Duration::from_millis(args.poll_ms),
@@ -140,7 +140,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let instance = InstanceId::from_uuid(args.instance)?;
     let worker = PerspectiveWorker::new(
-        PgTransactionSource::new(pool),
+        PgDatabase::from_pool(pool),
         PgPerspectiveStore::new(),
         registry,
         options,

@@ -5,8 +5,10 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 use lockstep_core::{ExpectedVersion, InstanceId, PerspectiveRegistry, StreamId};
-use lockstep_pg::{PgTransaction, PgTransactionSource};
+use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_tests::{
@@ -105,9 +107,9 @@ async fn a_killed_rewind_is_taken_over_after_the_lock_timeout_and_completed_exac
     lockstep_pg::migrate(&pool).await.expect("migrate");
     let client = db.connect().await;
     let (source, store, events) = (
-        PgTransactionSource::new(pool.clone()),
+        PgDatabase::from_pool(pool.clone()),
         PgPerspectiveStore::new(),
-        PgEventStore::new(),
+        PgEventStore::with_queue(lockstep_pg::LockQueue::new()),
     );
 
     // A stream of EVENTS events, applied by an in-process worker (snapshots included).

@@ -6,13 +6,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     ExpectedVersion, InstanceId, NewEvent, PerspectiveRegistry, StreamId, StreamLockOptions,
     StreamLocker,
 };
-use lockstep_pg::{PgTransaction, PgTransactionSource};
+use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::test_database;
 use lockstep_tests::{Numbers, early_id, expected_folds, number_event, perspective_states};
 use lockstep_worker::{CancellationToken, PerspectiveWorker, WorkerOptions};
@@ -62,10 +64,10 @@ async fn three_workers_fold_every_stream_exactly_once_with_late_arrivals() {
         let mut registry = PerspectiveRegistry::new();
         registry.register(numbers.clone()).expect("register");
         let locker: Arc<dyn StreamLocker> =
-            Arc::new(PostgresStreamLocker::new(pool.clone(), lock_options));
+            Arc::new(PgStreamLocker::from_pool(pool.clone(), lock_options));
         let instance = InstanceId::random();
         let worker = PerspectiveWorker::new(
-            PgTransactionSource::new(pool),
+            PgDatabase::from_pool(pool),
             PgPerspectiveStore::new(),
             registry,
             options,
@@ -84,7 +86,7 @@ async fn three_workers_fold_every_stream_exactly_once_with_late_arrivals() {
     for a in 0..APPENDERS {
         let (pool, streams) = (db.pool(1), Arc::clone(&streams));
         appenders.push(tokio::spawn(async move {
-            let events = PgEventStore::new();
+            let events = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
             let mut rng = rand::rngs::StdRng::from_os_rng();
             let mut n = a;
             let mut early = 0usize;

@@ -6,23 +6,25 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     ExpectedVersion, InstanceId, LeaseStatus, LockReason, NewEvent, PerspectiveName,
     PerspectiveRegistry, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
 };
-use lockstep_pg::{PgTransaction, PgTransactionSource};
+use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_tests::{NUMBERS, Numbers, early_id, number_event};
 use lockstep_worker::{CycleReport, Leased, PerspectiveWorker, PurgeOutcome, WorkerOptions};
 
-type Worker = PerspectiveWorker<PgTransactionSource, PgPerspectiveStore>;
+type Worker = PerspectiveWorker<PgDatabase, PgPerspectiveStore>;
 
 struct Setup {
     db: TestDatabase,
     pool: deadpool_postgres::Pool,
-    locker: PostgresStreamLocker,
+    locker: PgStreamLocker,
     worker: Worker,
 }
 
@@ -30,14 +32,14 @@ async fn setup(options: WorkerOptions) -> Setup {
     let db = test_database().await;
     let pool = db.pool(4);
     lockstep_pg::migrate(&pool).await.expect("migrate");
-    let locker = PostgresStreamLocker::new(
+    let locker = PgStreamLocker::from_pool(
         pool.clone(),
         StreamLockOptions::new(Duration::from_secs(5), Duration::from_secs(1)).expect("5 s / 1 s"),
     );
     let mut registry = PerspectiveRegistry::new();
     registry.register(Numbers::new()).expect("register");
     let worker = PerspectiveWorker::new(
-        PgTransactionSource::new(pool.clone()),
+        PgDatabase::from_pool(pool.clone()),
         PgPerspectiveStore::new(),
         registry,
         options,
@@ -57,7 +59,7 @@ async fn setup(options: WorkerOptions) -> Setup {
 impl Setup {
     async fn append(&self, stream: StreamId, events: Vec<NewEvent>) {
         let tx = PgTransaction::begin(&self.pool).await.expect("begin");
-        PgEventStore::new()
+        PgEventStore::with_queue(lockstep_pg::LockQueue::new())
             .append(&tx, stream, ExpectedVersion::Any, &events)
             .await
             .expect("append");
@@ -169,7 +171,7 @@ async fn a_release_dropped_while_it_waits_for_the_row_still_releases_and_shutdow
     s.drain().await;
     let name = PerspectiveName::new(NUMBERS).expect("name");
     let keeper = s.worker.keeper().expect("keeper").clone();
-    let Leased::Held(lease) = keeper
+    let Leased::Acquired(lease) = keeper
         .try_acquire(stream, &name, &LockReason::Rewind)
         .await
         .expect("acquire")

@@ -58,7 +58,7 @@ use lockstep_core::{
     aggregate_key,
 };
 use lockstep_pg::PgTransaction;
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::pg_harness::server_address;
 use lockstep_testkit::relay::Relay;
@@ -67,6 +67,7 @@ use uuid::Uuid;
 use crate::bench_db::{BenchDatabase, admin_url};
 use crate::pgbench::{self, PgbenchRun};
 use crate::report::new_histogram;
+use lockstep_core::Transaction as _;
 
 /// Options of the `aggregate` benchmark.
 #[derive(clap::Args, Debug, Clone)]
@@ -304,7 +305,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                 for mode in order {
                     let pool = db.pool(writers)?;
                     let setup = Setup {
-                        store: PgEventStore::with_lock(PostgresDistributedLock::new(pool.clone())),
+                        store: PgEventStore::with_queue(PgDistributedLock::from_pool(pool.clone())),
                         retry,
                         hold,
                     };
@@ -348,7 +349,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
             for mode in [Mode::Optimistic, Mode::Pessimistic] {
                 let rt_pool = relayed_pool(writers)?;
                 let rt_setup = Setup {
-                    store: PgEventStore::with_lock(PostgresDistributedLock::new(rt_pool.clone())),
+                    store: PgEventStore::with_queue(PgDistributedLock::from_pool(rt_pool.clone())),
                     retry,
                     hold,
                 };
@@ -517,7 +518,7 @@ async fn server_view(db: &BenchDatabase, events: usize, samples: usize) -> Resul
     let samples = samples.clamp(1, 200);
     let pool = db.pool(1)?;
     warm_up(&pool, 1).await?;
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let sku = Uuid::now_v7();
     // Grows by one event per sample: seed so that the mean size is `events`.
     seed(
@@ -538,12 +539,14 @@ async fn server_view(db: &BenchDatabase, events: usize, samples: usize) -> Resul
         let loaded = store.load_locked(&tx, stream, &key, None).await?;
         let t2 = Instant::now();
         let event = NewEvent::new("Reserved", serde_json::json!({ "quantity": 1 }))?;
-        store.append_at_commit(
-            &tx,
-            stream,
-            ExpectedVersion::Exact(loaded.len() as u64),
-            &[event],
-        )?;
+        store
+            .append_at_commit(
+                &tx,
+                stream,
+                ExpectedVersion::Exact(loaded.len() as u64),
+                &[event],
+            )
+            .await?;
         tx.commit().await?;
         let t3 = Instant::now();
         begin += (t1 - t0).as_secs_f64() * 1e6;
@@ -606,7 +609,7 @@ async fn pgbench_peer(
     hold: Duration,
 ) -> Result<f64> {
     let pool = db.pool(2)?;
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let sku = Uuid::now_v7();
     seed(&pool, &store, &[sku], args.seed_events).await?;
     pool.close();
@@ -683,7 +686,7 @@ async fn scenario(
                     let result = retry
                         .run(tokio::time::sleep, |_| {
                             attempts.fetch_add(1, Ordering::Relaxed);
-                            command(&pool, &store, sku, mode, hold, &conflicts, &holds)
+                            Box::pin(command(&pool, &store, sku, mode, hold, &conflicts, &holds))
                         })
                         .await;
                     match result {
@@ -896,7 +899,10 @@ async fn command(
         serde_json::json!({ "quantity": 1, "reserved_before": reserved }),
     )?;
     let expected = ExpectedVersion::Exact(events.len() as u64);
-    if let Err(e) = store.append_at_commit(&tx, stream, expected, &[event]) {
+    if let Err(e) = store
+        .append_at_commit(&tx, stream, expected, &[event])
+        .await
+    {
         let _ = tx.rollback().await;
         return Err(e);
     }

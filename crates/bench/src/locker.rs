@@ -1,4 +1,4 @@
-//! `locker`: `PostgresStreamLocker` against `pgbench` running the very statements the locker
+//! `locker`: `PgStreamLocker` against `pgbench` running the very statements the locker
 //! sends, in the same run, on the same database.
 //!
 //! Set-up: a fresh database, the migrations, 10 000 cursor rows (one stream, perspectives
@@ -35,7 +35,7 @@ use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseEpoch, LeaseId, LockReason, PerspectiveName, StreamId,
     StreamLockOptions, StreamLocker,
 };
-use lockstep_pg_stream::{PgInterval, PostgresStreamLocker, sql};
+use lockstep_pg_stream::{PgInterval, PgStreamLocker, sql};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -410,7 +410,7 @@ async fn run_locker(
     epoch: Option<i64>,
 ) -> Result<Measurement> {
     let pool = setup.db.pool(concurrency)?;
-    let locker = PostgresStreamLocker::new(pool.clone(), setup.options);
+    let locker = PgStreamLocker::from_pool(pool.clone(), setup.options);
     // Open every connection and prepare the statements before the clock starts (pgbench also
     // reports its rate without connection set-up).
     {

@@ -37,14 +37,16 @@ use lockstep_core::{
     PerspectiveRegistry, PerspectiveStore, RecordedEvent, RewindDebounce, StreamId,
     StreamLockOptions, StreamLocker,
 };
-use lockstep_pg::{PgTransaction, PgTransactionSource};
+use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_worker::{LeaseKeeper, Leased, PairOutcome, PerspectiveWorker, WorkerOptions};
 use uuid::Uuid;
 
 use crate::bench_db::{BenchDatabase, admin_url};
 use crate::server_stats::StatementCounter;
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 
 /// Options of the `worker` benchmark.
 #[derive(clap::Args, Debug, Clone)]
@@ -127,7 +129,7 @@ impl Perspective for Totals {
     }
 }
 
-type PgWorker = PerspectiveWorker<PgTransactionSource, PgPerspectiveStore>;
+type PgWorker = PerspectiveWorker<PgDatabase, PgPerspectiveStore>;
 
 /// Runs the benchmark and prints its report.
 pub(crate) async fn run(args: Args) -> Result<()> {
@@ -216,7 +218,7 @@ fn number_event(n: i64) -> Result<NewEvent> {
 /// Appends `per_stream` events to each stream, 500 per statement.
 async fn append(db: &BenchDatabase, streams: &[StreamId], per_stream: usize) -> Result<()> {
     let pool = db.pool(1)?;
-    let events = PgEventStore::new();
+    let events = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let mut n = 0i64;
     for stream in streams {
         let mut written = 0;
@@ -260,9 +262,9 @@ fn worker(
     for p in perspectives {
         registry.register_dyn(Arc::clone(p))?;
     }
-    let locker: Arc<dyn StreamLocker> = Arc::new(PostgresStreamLocker::new(pool.clone(), lock));
+    let locker: Arc<dyn StreamLocker> = Arc::new(PgStreamLocker::from_pool(pool.clone(), lock));
     Ok(PerspectiveWorker::new(
-        PgTransactionSource::new(pool),
+        PgDatabase::from_pool(pool),
         PgPerspectiveStore::new(),
         registry,
         options,
@@ -829,7 +831,7 @@ async fn keepalive(db: &BenchDatabase, args: &Args) -> Result<Keepalive> {
         let before = counter.read(db).await?;
         let pool = db.pool(1)?;
         let keeper = LeaseKeeper::start(
-            Arc::new(PostgresStreamLocker::new(pool.clone(), lock)),
+            Arc::new(PgStreamLocker::from_pool(pool.clone(), lock)),
             InstanceId::random(),
         );
         let mut held = Vec::with_capacity(streams.len());
@@ -838,7 +840,7 @@ async fn keepalive(db: &BenchDatabase, args: &Args) -> Result<Keepalive> {
                 .try_acquire(*stream, &name, &LockReason::Rewind)
                 .await?
             {
-                Leased::Held(lease) => held.push(lease),
+                Leased::Acquired(lease) => held.push(lease),
                 other => bail!("keepalive lease not acquired: {other:?}"),
             }
         }

@@ -34,6 +34,7 @@ use uuid::Uuid;
 use crate::ledger::{Entries, Ledger, entry, fold, ledger_name};
 use crate::pg::DbUrl;
 use crate::say;
+use lockstep_core::Transaction as _;
 
 const BUYERS: usize = 32;
 const STOCK: u32 = 100;
@@ -116,10 +117,8 @@ async fn on_postgres(url: &DbUrl) -> Result<()> {
 }
 
 async fn postgres_demo(url: &DbUrl) -> Result<()> {
-    let pool = url.pool(24).await?;
-    let report = lockstep_pg::migrate(&pool)
-        .await
-        .map_err(crate::pg::explain)?;
+    let db = url.handle(24).await?;
+    let report = db.migrate().await.map_err(crate::pg::explain)?;
     say!("Migrated: {} migrations applied.", report.applied.len());
     let mut checks = Checks::default();
 
@@ -127,32 +126,33 @@ async fn postgres_demo(url: &DbUrl) -> Result<()> {
         "\n== 1. Flash sale: {BUYERS} buyers, {EACH} units each, stock {STOCK} (25 can buy, 7 must be told 'sold out')"
     );
     explain_modes();
-    let source = Arc::new(lockstep_pg::PgTransactionSource::new(pool.clone()));
+    let source = Arc::new(db.clone());
     for mode in [LockMode::Optimistic, LockMode::Pessimistic] {
-        let handler = Arc::new(wiring::postgres_handler(&pool, mode));
-        let store = lockstep_pg_store::PgEventStore::new();
+        let handler = Arc::new(wiring::postgres_handler(&db, mode));
+        let store = lockstep_pg_store::PgEventStore::new(&db);
         let report = sale(Arc::clone(&source), handler, &store).await?;
         report.print(&mut checks);
     }
 
     say!("\n== 2. Perspectives on three worker instances (lock timeout 3 s, keepalive 1 s)");
-    let locker = Arc::new(lockstep_pg_stream::PostgresStreamLocker::new(
-        pool.clone(),
+    let locker = Arc::new(lockstep_pg_stream::PgStreamLocker::new(
+        &db,
         demo_lock_options()?,
     ));
     let fork_url = url.clone();
     let stack = Stack {
-        source: lockstep_pg::PgTransactionSource::new(pool.clone()),
+        source: db.clone(),
         store: lockstep_pg_store::PgPerspectiveStore::new(),
-        events: lockstep_pg_store::PgEventStore::new(),
+        events: lockstep_pg_store::PgEventStore::new(&db),
         locker: locker.clone(),
         admin: locker,
         fork: Box::new(move || {
-            let pool = fork_url.pool_lazy(4)?;
-            let locker: Arc<dyn StreamLocker> = Arc::new(
-                lockstep_pg_stream::PostgresStreamLocker::new(pool.clone(), demo_lock_options()?),
-            );
-            Ok((lockstep_pg::PgTransactionSource::new(pool), locker))
+            let db = fork_url.handle_lazy(4)?;
+            let locker: Arc<dyn StreamLocker> = Arc::new(lockstep_pg_stream::PgStreamLocker::new(
+                &db,
+                demo_lock_options()?,
+            ));
+            Ok((db, locker))
         }),
     };
     perspectives(&stack, &mut checks).await?;
@@ -736,9 +736,9 @@ where
         .append(&tx, stream, ExpectedVersion::Any, &events)
         .await;
     match outcome {
-        Ok(_) => stack.source.commit(tx).await?,
+        Ok(_) => tx.commit().await?,
         Err(err) => {
-            let _ = stack.source.rollback(tx).await;
+            let _ = tx.rollback().await;
             return Err(err.into());
         }
     }
@@ -768,7 +768,7 @@ where
         .store
         .pending_events(&tx, stream, &ledger_name())
         .await;
-    let _ = stack.source.rollback(tx).await;
+    let _ = tx.rollback().await;
     Ok(pending?.len())
 }
 
@@ -800,7 +800,7 @@ where
             let tx = stack.source.begin().await?;
             let pending = stack.store.pending_events(&tx, *stream, &name).await;
             let cursor = stack.store.cursor(&tx, *stream, &name).await;
-            let _ = stack.source.rollback(tx).await;
+            let _ = tx.rollback().await;
             busy = !pending?.is_empty() || cursor?.is_some_and(|c| c.rewind.is_some());
         }
         if !busy {
@@ -885,7 +885,7 @@ where
         let tx = stack.source.begin().await?;
         let state = stack.store.state(&tx, *stream, &name).await;
         let events = stack.store.stream_events(&tx, *stream, None).await;
-        let _ = stack.source.rollback(tx).await;
+        let _ = tx.rollback().await;
         let state: Entries = match state?.and_then(|(_, s)| s) {
             Some(json) => serde_json::from_value(json).context("reading a ledger state")?,
             None => Entries::default(),

@@ -12,9 +12,9 @@ use lockstep_core::{
     PerspectiveRegistry, PerspectiveStore, ReleaseOutcome, StreamId, StreamLockAdmin,
     StreamLockOptions, StreamLocker, TransactionSource, advisory_key,
 };
-use lockstep_pg::{PgTransactionSource, migrate::MIGRATION_LOCK_KEY};
+use lockstep_pg::migrate::MIGRATION_LOCK_KEY;
 use lockstep_pg_store::PgPerspectiveStore;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_worker::{CancellationToken, LeaseKeeper, Leased, PerspectiveWorker, WorkerOptions};
 use serde_json::json;
 use uuid::Uuid;
@@ -22,6 +22,7 @@ use uuid::Uuid;
 use crate::ledger::Ledger;
 use crate::pg::{DbUrl, explain};
 use crate::{bad_argument, say};
+use lockstep_core::Transaction as _;
 
 /// `lockstep locks …`
 #[derive(Debug, Subcommand)]
@@ -113,8 +114,8 @@ pub(crate) struct WorkerArgs {
 }
 
 pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
-    let pool = url.pool(2).await?;
-    let report = lockstep_pg::migrate(&pool).await.map_err(explain)?;
+    let db = url.handle(2).await?;
+    let report = db.migrate().await.map_err(explain)?;
     if json {
         let applied: Vec<_> = report
             .applied
@@ -140,8 +141,8 @@ pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn locker(pool: &deadpool_postgres::Pool) -> PostgresStreamLocker {
-    PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default())
+fn locker(pool: &deadpool_postgres::Pool) -> PgStreamLocker {
+    PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default())
 }
 
 /// `name` as a perspective name; a bad one is a bad argument (exit 2).
@@ -161,7 +162,8 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
     {
         perspective(name)?;
     }
-    let pool = url.pool(2).await?;
+    let db = url.handle(2).await?;
+    let pool = db.pool().clone();
     match cmd {
         LocksCommand::List {
             perspective,
@@ -435,8 +437,9 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
     {
         perspective(name)?;
     }
-    let pool = url.pool(4).await?;
-    let source = PgTransactionSource::new(pool.clone());
+    let db = url.handle(4).await?;
+    let pool = db.pool().clone();
+    let source = db.clone();
     let store = PgPerspectiveStore::new();
     match cmd {
         PerspectivesCommand::Status { json } => perspective_status(&pool, json).await,
@@ -452,11 +455,11 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
                 .await;
             let requested = match requested {
                 Ok(r) => {
-                    source.commit(tx).await.map_err(explain)?;
+                    tx.commit().await.map_err(explain)?;
                     r
                 }
                 Err(e) => {
-                    let _ = source.rollback(tx).await;
+                    let _ = tx.rollback().await;
                     return Err(explain(e));
                 }
             };
@@ -491,7 +494,7 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
             let lease = match acquired {
                 Err(e) if e.kind() == ErrorKind::LockTimeout => return busy(),
                 Err(e) => return Err(explain(e)),
-                Ok(Leased::Held(lease)) => lease,
+                Ok(Leased::Acquired(lease)) => lease,
                 Ok(Leased::Denied(holder)) => {
                     eprintln!(
                         "refused: instance {} holds the lease of {stream}/{name} ({}) for {} more",
@@ -508,9 +511,9 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
             let tx = source.begin().await.map_err(explain)?;
             let purged = store.purge(&tx, stream, &name, Some(lease.id())).await;
             let outcome = match purged {
-                Ok(()) => source.commit(tx).await,
+                Ok(()) => tx.commit().await,
                 Err(e) => {
-                    let _ = source.rollback(tx).await;
+                    let _ = tx.rollback().await;
                     Err(e)
                 }
             };
@@ -594,16 +597,16 @@ pub(crate) async fn worker(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
         let bound = crate::serve::metrics_endpoint(listener)?;
         say!("metrics on http://{bound}/metrics");
     }
-    let pool = url.pool(8).await?;
+    let db = url.handle(8).await?;
     let ledger = Ledger::default();
     ledger
         .slow
         .store(args.slow_apply_us, std::sync::atomic::Ordering::SeqCst);
     let mut registry = PerspectiveRegistry::new();
     registry.register(ledger)?;
-    let locker: Arc<dyn StreamLocker> = Arc::new(PostgresStreamLocker::new(pool.clone(), options));
+    let locker: Arc<dyn StreamLocker> = Arc::new(PgStreamLocker::new(&db, options));
     let worker = PerspectiveWorker::new(
-        PgTransactionSource::new(pool.clone()),
+        db.clone(),
         PgPerspectiveStore::new(),
         registry,
         WorkerOptions::default(),

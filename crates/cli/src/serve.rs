@@ -39,7 +39,8 @@ pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .context("installing the metrics recorder")?;
-    let pool = url.pool(4).await?;
+    let db = url.handle(4).await?;
+    let pool = db.pool().clone();
     let shared = Arc::new(Shared {
         pool,
         metrics,

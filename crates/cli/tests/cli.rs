@@ -5,13 +5,15 @@
 
 use std::process::{Command, Output};
 
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
     PerspectiveStore, StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 
 fn lockstep(args: &[&str], url: Option<&str>) -> Output {
@@ -277,7 +279,7 @@ async fn purge_of_a_row_another_transaction_holds_is_refused() {
         .await
         .expect("register");
     let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
-    PgEventStore::new()
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
         .append(&tx, stream, ExpectedVersion::NoStream, &[event])
         .await
         .expect("append");
@@ -353,7 +355,7 @@ async fn migrate_is_safe_to_repeat_and_to_run_concurrently() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_list_shows_a_held_lease_and_release_needs_force() {
     let (_db, url, pool) = migrated().await;
-    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
     let (stream, name) = (
         StreamId::new_v7(),
         PerspectiveName::new("Orders").expect("valid"),
@@ -420,7 +422,7 @@ async fn locks_list_shows_a_held_lease_and_release_needs_force() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreadable_lease_row_is_listed_as_unreadable_beside_the_others() {
     let (_db, url, pool) = migrated().await;
-    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
     let name = PerspectiveName::new("Orders").expect("valid");
     let (good, bad) = (StreamId::new_v7(), StreamId::new_v7());
     let client = pool.get().await.expect("connection");
@@ -578,7 +580,7 @@ async fn perspectives_rewind_purge_and_status() {
         .await
         .expect("register");
     let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
-    PgEventStore::new()
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
         .append(&tx, stream, ExpectedVersion::NoStream, &[event])
         .await
         .expect("append");
@@ -637,7 +639,7 @@ async fn perspectives_rewind_purge_and_status() {
     assert!(pending.is_empty(), "purge dropped the pending work");
 
     // Purge is refused while another instance holds the pair's lease.
-    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
     let _held = locker
         .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
         .await
@@ -665,7 +667,7 @@ async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
     use std::io::{BufRead, BufReader};
 
     let (_db, url, pool) = migrated().await;
-    let locker = PostgresStreamLocker::new(pool.clone(), StreamLockOptions::default());
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
     let (stream, name) = (
         StreamId::new_v7(),
         PerspectiveName::new("Orders").expect("valid"),
@@ -813,7 +815,7 @@ async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
         drop(client);
         if registered == 1 {
             let tx = PgTransaction::begin(&pool).await.expect("begin");
-            PgEventStore::new()
+            PgEventStore::with_queue(lockstep_pg::LockQueue::new())
                 .append(
                     &tx,
                     stream,

@@ -92,12 +92,17 @@ impl fmt::Display for ErrorKind {
 /// The error of every lockstep contract.
 ///
 /// `Display` prints the kind and the message, never the source; walk
-/// [`std::error::Error::source`] for the cause.
+/// [`std::error::Error::source`] for the cause. A cause whose text the message already tells
+/// (the server's message and SQLSTATE, the I/O failure — [`Error::with_cause_in_message`]) is
+/// not returned by `source()`, so a report that prints the whole chain (`anyhow`'s `{:#}`) says
+/// it once; [`Error::underlying`] still returns it, for downcasting.
 #[derive(Debug)]
 pub struct Error {
     kind: ErrorKind,
     message: Cow<'static, str>,
     source: Option<BoxError>,
+    // A cause the message already describes: reachable through `underlying`, not `source`.
+    described: Option<BoxError>,
     // Kept beside, not as, the source: its text is already the message (Display must not
     // print the cause twice).
     validation: Option<ValidationError>,
@@ -110,15 +115,34 @@ impl Error {
             kind,
             message: message.into(),
             source: None,
+            described: None,
             validation: None,
         }
     }
 
-    /// Attaches the underlying cause.
+    /// Attaches the underlying cause, returned by [`std::error::Error::source`] (the message
+    /// should then not repeat its text).
     #[must_use]
     pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
         self.source = Some(source.into());
         self
+    }
+
+    /// Attaches a cause whose text the message already tells (a driver error whose server
+    /// message and SQLSTATE were written into it). It is kept for [`Error::underlying`] but not
+    /// returned by [`std::error::Error::source`]: printed as a chain, the error says its cause
+    /// once.
+    #[must_use]
+    pub fn with_cause_in_message(mut self, cause: impl Into<BoxError>) -> Self {
+        self.described = Some(cause.into());
+        self
+    }
+
+    /// The underlying cause, whether it is the [`std::error::Error::source`] or one the
+    /// message already describes ([`Error::with_cause_in_message`]) — e.g. to downcast to the
+    /// driver's error type.
+    pub fn underlying(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.source.as_deref().or(self.described.as_deref())
     }
 
     /// What went wrong.

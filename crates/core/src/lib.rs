@@ -14,7 +14,7 @@
 //! ```
 //! use lockstep_core::{
 //!     AggregateType, AggregateWriteLock, Error, EventStore, ExpectedVersion, NewEvent, StreamId,
-//!     TransactionSource, serde_json::json,
+//!     Transaction, TransactionSource, serde_json::json,
 //! };
 //!
 //! /// Reserves `quantity` of a stock item: lock the aggregate, load it, decide, append — in one
@@ -32,28 +32,30 @@
 //!     L: AggregateWriteLock<S::Tx>,
 //!     E: EventStore<S::Tx>,
 //! {
-//!     source
-//!         .transaction(|tx| async move {
-//!             lock.acquire(&*tx, stock, item.as_uuid()).await?; // writers queue here
-//!             let history = store.load(&*tx, item).await?;
-//!             let event = NewEvent::new("StockReserved", json!({ "quantity": quantity }))?;
-//!             let expected = ExpectedVersion::Exact(history.len() as u64);
-//!             store.append(&*tx, item, expected, &[event]).await
-//!         })
-//!         .await
+//!     let tx = source.begin().await?; // rolled back if dropped before commit (`?` below)
+//!     lock.acquire(&tx, stock, item.as_uuid()).await?; // writers queue here
+//!     let history = store.load(&tx, item).await?;
+//!     let event = NewEvent::new("StockReserved", json!({ "quantity": quantity }))?;
+//!     let expected = ExpectedVersion::Exact(history.len() as u64);
+//!     let version = store.append(&tx, item, expected, &[event]).await?;
+//!     tx.commit().await?; // releases the lock
+//!     Ok(version)
 //! }
 //! # fn main() {}
 //! ```
 //!
-//! Wire it with `lockstep_pg::PgTransactionSource`, `lockstep_pg_advisory::PostgresAggregateWriteLock`
-//! and `lockstep_pg_store::PgEventStore`, or in tests with the testkit's `FakeDatabase`,
-//! `DistributedAggregateWriteLock<FakeDistributedLock>` and `InMemoryEventStore`.
+//! Wire it with one `lockstep_pg::PgDatabase` (the transaction source) and the backends built
+//! from it, `lockstep_pg_advisory::PgAggregateWriteLock` and `lockstep_pg_store::PgEventStore`,
+//! or in tests with the testkit's `FakeDatabase`, `DistributedAggregateWriteLock<FakeDistributedLock>`
+//! and `InMemoryEventStore`. It compiles and runs from inside `tokio::spawn` with those concrete
+//! types, as a web handler calls it.
 //!
 //! ## What is here
 //!
 //! Contracts:
-//! - [`TransactionSource`] — where transactions come from; [`TransactionSource::transaction`]
-//!   and [`TransactionSource::transaction_with_retry`] run a unit of work ([`unit_of_work`]).
+//! - [`TransactionSource`] / [`Transaction`] — where transactions come from and the guard that
+//!   ends them (commit, rollback, or rollback on drop); [`TransactionSource::transaction`] and
+//!   [`TransactionSource::transaction_with_retry`] run a unit of work ([`unit_of_work`]).
 //! - [`AggregateWriteLock`] / [`DistributedAggregateWriteLock`] — the pessimistic
 //!   per-aggregate write lock `relay:aggregate:{type}:{id}` ([`aggregate_lock`]), over any
 //!   [`DistributedLock`]; [`SessionLocks`] / [`SessionLockGuard`] for session-scoped locks
@@ -124,10 +126,14 @@ pub use stream_lease::{
     LeaseInfo, LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin,
     StreamLocker, UnreadableLease,
 };
-pub use unit_of_work::{Retryable, TransactionSource};
+pub use unit_of_work::{BoxFuture, Retryable, Transaction, TransactionSource};
 
 /// Re-exported so implementors and users name the same versions.
 pub use async_trait::async_trait;
+/// The `serde` a [`Perspective::State`] derives `Serialize` / `Deserialize` from (with the
+/// `derive` feature). Through this re-export, tell the derive where it is:
+/// `#[derive(lockstep_core::serde::Serialize)]` with `#[serde(crate = "lockstep_core::serde")]`.
+pub use serde;
 pub use serde_json;
 pub use time::OffsetDateTime;
 pub use uuid::Uuid;

@@ -25,13 +25,13 @@
 //!         |_attempt| {
 //!             let fail = failures > 0;
 //!             failures -= 1;
-//!             async move {
+//!             Box::pin(async move {
 //!                 if fail {
 //!                     Err(Error::new(ErrorKind::Conflict, "lost the race"))
 //!                 } else {
 //!                     Ok(42)
 //!                 }
-//!             }
+//!             })
 //!         },
 //!     )
 //!     .await?;
@@ -45,7 +45,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::unit_of_work::Retryable;
+use crate::unit_of_work::{BoxFuture, Retryable};
 
 /// How often and how patiently to retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,29 +124,39 @@ impl RetryPolicy {
     /// For a unit of work on a database, prefer
     /// [`TransactionSource::transaction_with_retry`](crate::TransactionSource::transaction_with_retry),
     /// which begins and ends the transaction of every attempt.
-    pub async fn run<T, E, A, AFut, S, SFut>(&self, mut sleep: S, mut attempt: A) -> Result<T, E>
+    ///
+    /// `attempt` returns a [`BoxFuture`] (`Box::pin(async move { … })`) and so does `run`, so a
+    /// caller spawned with concrete types compiles (see [`crate::unit_of_work`]).
+    pub fn run<'a, T, E, A, S, SFut>(
+        &self,
+        mut sleep: S,
+        mut attempt: A,
+    ) -> BoxFuture<'a, Result<T, E>>
     where
-        E: Retryable,
-        A: FnMut(u32) -> AFut,
-        AFut: Future<Output = Result<T, E>>,
-        S: FnMut(Duration) -> SFut,
-        SFut: Future<Output = ()>,
+        T: Send + 'a,
+        E: Retryable + Send + 'a,
+        A: FnMut(u32) -> BoxFuture<'a, Result<T, E>> + Send + 'a,
+        S: FnMut(Duration) -> SFut + Send + 'a,
+        SFut: Future<Output = ()> + Send,
     {
-        let mut n = 1;
-        loop {
-            match attempt(n).await {
-                Ok(value) => return Ok(value),
-                Err(err) => match self.retry_after(n, &err) {
-                    Some(delay) => {
-                        if !delay.is_zero() {
-                            sleep(delay).await;
+        let policy = *self;
+        Box::pin(async move {
+            let mut n = 1;
+            loop {
+                match attempt(n).await {
+                    Ok(value) => return Ok(value),
+                    Err(err) => match policy.retry_after(n, &err) {
+                        Some(delay) => {
+                            if !delay.is_zero() {
+                                sleep(delay).await;
+                            }
+                            n += 1;
                         }
-                        n += 1;
-                    }
-                    None => return Err(err),
-                },
+                        None => return Err(err),
+                    },
+                }
             }
-        }
+        })
     }
 }
 
@@ -168,7 +178,8 @@ fn random_unit() -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use std::cell::Cell;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU32, Ordering};
 
     use super::*;
     use crate::error::{Error, ErrorKind};
@@ -230,48 +241,52 @@ mod tests {
 
     #[test]
     fn retries_retryable_errors_up_to_the_cap_and_returns_the_last_error() {
-        let calls = Cell::new(0);
-        let slept = Cell::new(Duration::ZERO);
+        let calls = AtomicU32::new(0);
+        let slept = Mutex::new(Duration::ZERO);
         let result: Result<()> = block_on(policy(3).run(
             |d| {
-                slept.set(slept.get() + d);
+                *slept.lock().expect("lock") += d;
                 async {}
             },
             |n| {
-                calls.set(calls.get() + 1);
-                async move { Err(Error::new(ErrorKind::Conflict, format!("attempt {n}"))) }
+                calls.fetch_add(1, Ordering::Relaxed);
+                Box::pin(
+                    async move { Err(Error::new(ErrorKind::Conflict, format!("attempt {n}"))) },
+                )
             },
         ));
         let err = result.expect_err("gives up");
-        assert_eq!(calls.get(), 3);
+        assert_eq!(calls.load(Ordering::Relaxed), 3);
         assert_eq!(err.message(), "attempt 3");
-        assert!(slept.get() <= Duration::from_millis(30));
+        assert!(*slept.lock().expect("lock") <= Duration::from_millis(30));
     }
 
     #[test]
     fn does_not_retry_errors_that_are_not_retryable() {
-        let calls = Cell::new(0);
+        let calls = AtomicU32::new(0);
         let result: Result<()> = block_on(policy(5).run(
             |_| async {},
             |_| {
-                calls.set(calls.get() + 1);
-                async { Err(Error::new(ErrorKind::InvalidInput, "bad")) }
+                calls.fetch_add(1, Ordering::Relaxed);
+                Box::pin(async { Err(Error::new(ErrorKind::InvalidInput, "bad")) })
             },
         ));
         assert_eq!(result.expect_err("fails").kind(), ErrorKind::InvalidInput);
-        assert_eq!(calls.get(), 1);
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
     }
 
     #[test]
     fn returns_the_first_success() {
         let value = block_on(policy(5).run(
             |_| async {},
-            |n| async move {
-                if n < 3 {
-                    Err(Error::new(ErrorKind::Deadlock, "victim"))
-                } else {
-                    Ok(n)
-                }
+            |n| {
+                Box::pin(async move {
+                    if n < 3 {
+                        Err(Error::new(ErrorKind::Deadlock, "victim"))
+                    } else {
+                        Ok(n)
+                    }
+                })
             },
         ));
         assert_eq!(value.expect("succeeds"), 3);

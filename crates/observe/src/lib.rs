@@ -40,7 +40,7 @@
 //! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
 //! | `event_store` | `load`, `load_locked`, `append` |
 //! | `perspective_store` | `claim`, `commit_state`, `pending_pairs`, `save_snapshot`, `purge`, `request_rewind`, `record_failure`, … (every method) |
-//! | `transaction_source` | `begin`, `commit`, `rollback` |
+//! | `transaction_source` | `begin` (commit and rollback are methods of the transaction guard, which the layer does not wrap: the contracts take the backend's own `Tx`) |
 //!
 //! # Spans
 //!
@@ -442,28 +442,6 @@ impl<T: TransactionSource> TransactionSource for Observed<T> {
     fn begin(&self) -> impl Future<Output = Result<T::Tx>> + Send {
         let span = tracing::info_span!("lockstep", op = "begin");
         observe("transaction_source", "begin", span, ok, self.inner.begin())
-    }
-
-    fn commit(&self, tx: T::Tx) -> impl Future<Output = Result<()>> + Send {
-        let span = tracing::info_span!("lockstep", op = "commit");
-        observe(
-            "transaction_source",
-            "commit",
-            span,
-            ok,
-            self.inner.commit(tx),
-        )
-    }
-
-    fn rollback(&self, tx: T::Tx) -> impl Future<Output = Result<()>> + Send {
-        let span = tracing::info_span!("lockstep", op = "rollback");
-        observe(
-            "transaction_source",
-            "rollback",
-            span,
-            ok,
-            self.inner.rollback(tx),
-        )
     }
 }
 

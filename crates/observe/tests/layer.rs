@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, DistributedLock, ErrorKind, EventStore, ExpectedVersion, InstanceId,
     LockReason, NewEvent, PerspectiveName, ResourceKey, StreamId, StreamLockOptions, StreamLocker,
@@ -138,23 +139,23 @@ fn failures_are_counted_by_kind_and_returned_unchanged() {
             let store = Observed::new(InMemoryEventStore::new());
             let stream = StreamId::new_v7();
             let event = || NewEvent::new("Happened", serde_json::json!(1)).expect("event");
-            let tx = db.begin();
+            let tx = db.begin_now();
             store
                 .append(&tx, stream, ExpectedVersion::NoStream, &[event()])
                 .await
                 .expect("append");
             tx.commit().await.expect("commit");
-            let tx = db.begin();
+            let tx = db.begin_now();
             let err = store
                 .append(&tx, stream, ExpectedVersion::NoStream, &[event()])
                 .await
                 .expect_err("stale");
             assert_eq!(err.kind(), ErrorKind::Conflict);
-            tx.rollback().await;
+            tx.rollback().await.expect("rollback");
 
             let lock = Observed::new(FakeDistributedLock::new(&db));
             let key = ResourceKey::new("observe:test").expect("key");
-            let (a, b) = (db.begin(), db.begin());
+            let (a, b) = (db.begin_now(), db.begin_now());
             assert!(
                 lock.try_acquire_for_transaction(&a, &key)
                     .await

@@ -5,35 +5,33 @@
 //! cancel-on-drop are `lockstep-pg`'s [`LockQueue`](lockstep_pg::LockQueue), which the event
 //! store's `load_locked` shares.
 //!
-//! - [`PostgresDistributedLock`] implements [`DistributedLock`](lockstep_core::DistributedLock)
+//! - [`PgDistributedLock`] implements [`DistributedLock`](lockstep_core::DistributedLock)
 //!   for the owned [`PgTransaction`](lockstep_pg::PgTransaction): a **transaction-scoped**
 //!   advisory lock (`pg_advisory_xact_lock`) taken on the caller's own unit-of-work
 //!   transaction, released by the server at commit or rollback — and when the client dies.
 //!   (Not for a borrowed `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`:
 //!   after an abandoned wait the connection must be closed, which only a transaction that owns
-//!   it can do; see [`PostgresDistributedLock`].)
+//!   it can do; see [`PgDistributedLock`].)
 //! - It also implements [`SessionLocks`](lockstep_core::SessionLocks): a **session-scoped**
 //!   lock held by a [`PgSessionGuard`] that owns its pooled connection ([`session`]). The lock
 //!   is built with its pool, so session locks are always available. A session lock lives as
 //!   long as its connection: [`PgSessionGuard::is_held`] tells a holder whether it still has
 //!   it (a lost connection loses the lock silently otherwise), and a release never pools a
 //!   connection left inside a transaction block.
-//! - [`PostgresAggregateWriteLock`] is the per-aggregate write lock
+//! - [`PgAggregateWriteLock`] is the per-aggregate write lock
 //!   `relay:aggregate:{type}:{id}`: the pure
 //!   [`DistributedAggregateWriteLock`](lockstep_core::DistributedAggregateWriteLock) of
 //!   `lockstep-core` over this lock.
 //!
 //! ```no_run
-//! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
-//! use lockstep_core::AggregateWriteLock;
-//! use lockstep_pg::PgTransaction;
-//! use lockstep_pg_advisory::PostgresDistributedLock;
+//! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
+//! use lockstep_core::{AggregateWriteLock, Transaction, TransactionSource};
+//! use lockstep_pg_advisory::PgDistributedLock;
 //!
-//! lockstep_pg::migrate(&pool).await?; // the lock statements call SQL functions of the schema
-//! let lock = PostgresDistributedLock::new(pool.clone());
-//! let aggregate_lock = lock.aggregate_write_lock();
+//! db.migrate().await?; // the lock statements call SQL functions of the schema
+//! let aggregate_lock = PgDistributedLock::new(&db).aggregate_write_lock();
 //!
-//! let tx = PgTransaction::begin(&pool).await?;
+//! let tx = db.begin().await?;
 //! let sku = uuid::Uuid::now_v7();
 //! aggregate_lock.acquire(&tx, "StockItem", sku).await?; // lock first …
 //! // … then load, decide, append on &tx …
@@ -72,7 +70,7 @@
 //! - **Cancellation**: dropping a waiting acquire sends a cancel request for the connection
 //!   (tokio-postgres sends nothing on drop), so the server-side wait ends at once and the
 //!   backend never gets the lock for a caller that is gone. The request is a new connection to
-//!   the server: give [`PostgresDistributedLock::with_cancel_tls`] the TLS connector the pool
+//!   the server: give [`PgDistributedLock::with_cancel_tls`] the TLS connector the pool
 //!   was built with (default: none). The transaction's connection is closed rather than pooled
 //!   when the transaction ends (a late request must not cancel the next borrower's statement);
 //!   a session lock's waiting connection is closed at once. After a dropped acquire the
@@ -95,8 +93,8 @@
 //!   while the lock is held, so a transaction that never commits cannot wedge the queue). A
 //!   waiter that finds the queue busy first tries the lock without waiting (its transaction
 //!   may already hold it: re-entrancy), and waits in memory at most
-//!   [`PostgresDistributedLock::with_local_patience`] before going to the server anyway.
-//! - **No extra round trip**: [`PostgresDistributedLock::acquire_then`] pipelines the lock
+//!   [`PgDistributedLock::with_local_patience`] before going to the server anyway.
+//! - **No extra round trip**: [`PgDistributedLock::acquire_then`] pipelines the lock
 //!   statement with the statements that follow (the aggregate load), and the event store's
 //!   `load_locked` calls a SQL function that locks, then loads, under the same queue, deadline
 //!   and cancellation. Every statement is sent with `query_typed` (no prepare round trip).
@@ -126,5 +124,5 @@ mod lock;
 pub mod session;
 mod sql;
 
-pub use lock::{PostgresAggregateWriteLock, PostgresDistributedLock};
+pub use lock::{PgAggregateWriteLock, PgDistributedLock};
 pub use session::PgSessionGuard;

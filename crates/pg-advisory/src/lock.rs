@@ -1,4 +1,4 @@
-//! [`PostgresDistributedLock`]: transaction-scoped advisory locks on the caller's transaction,
+//! [`PgDistributedLock`]: transaction-scoped advisory locks on the caller's transaction,
 //! with an in-process queue in front, pipelining, timeouts, cancellation and an isolation check.
 //! The queue, the deadline and cancel-on-drop are `lockstep-pg`'s [`LockQueue`], shared with the
 //! event store's `load_locked`.
@@ -9,13 +9,13 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use lockstep_core::{DistributedAggregateWriteLock, DistributedLock, ResourceKey, Result};
 use lockstep_pg::internal;
-use lockstep_pg::{LockQueue, PgTransaction};
+use lockstep_pg::{LockQueue, PgDatabase, PgTransaction};
 use tokio_postgres::Socket;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 
 /// The Postgres aggregate write lock: the pure [`DistributedAggregateWriteLock`] of
-/// `lockstep-core` over [`PostgresDistributedLock`] (no second implementation).
-pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDistributedLock>;
+/// `lockstep-core` over [`PgDistributedLock`] (no second implementation).
+pub type PgAggregateWriteLock = DistributedAggregateWriteLock<PgDistributedLock>;
 
 /// Exclusive locks on [`ResourceKey`]s, as PostgreSQL advisory locks on
 /// [`ResourceKey::advisory_key`].
@@ -31,12 +31,12 @@ pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDist
 ///   holding `pg_advisory_lock`. Every constructor takes the pool, so a lock that cannot take
 ///   session locks cannot be built (there is no run-time "no pool" error).
 ///
-/// Clones share the in-process queue ([`LockQueue`]); use one instance (or its clones) per
-/// process, and give it to the event store (`PgEventStore::with_lock(lock.clone())`) so that
-/// `load_locked` queues with the aggregate lock.
+/// Clones share the in-process queue ([`LockQueue`]). Build it from the process's one
+/// [`PgDatabase`] ([`PgDistributedLock::new`]), as the event store is
+/// (`PgEventStore::new(&db)`), so that `load_locked` queues with the aggregate lock.
 ///
 /// ```compile_fail
-/// # async fn demo(lock: lockstep_pg_advisory::PostgresDistributedLock,
+/// # async fn demo(lock: lockstep_pg_advisory::PgDistributedLock,
 /// #               tx: tokio_postgres::Transaction<'_>, key: lockstep_core::ResourceKey) {
 /// use lockstep_core::DistributedLock;
 /// // A borrowed transaction cannot wait for a lock: it could not close its connection after
@@ -46,7 +46,7 @@ pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDist
 /// ```
 ///
 /// ```no_run
-/// # async fn demo(lock: lockstep_pg_advisory::PostgresDistributedLock,
+/// # async fn demo(lock: lockstep_pg_advisory::PgDistributedLock,
 /// #               tx: lockstep_pg::PgTransaction, key: lockstep_core::ResourceKey)
 /// #               -> lockstep_core::Result<()> {
 /// use lockstep_core::DistributedLock;
@@ -54,16 +54,16 @@ pub type PostgresAggregateWriteLock = DistributedAggregateWriteLock<PostgresDist
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct PostgresDistributedLock {
+pub struct PgDistributedLock {
     pub(crate) pool: Pool,
     pub(crate) queue: LockQueue,
     pub(crate) checkout_wait: Duration,
 }
 
-impl std::fmt::Debug for PostgresDistributedLock {
+impl std::fmt::Debug for PgDistributedLock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The pool's configuration holds the connection string: only its status is shown.
-        f.debug_struct("PostgresDistributedLock")
+        f.debug_struct("PgDistributedLock")
             .field("pool_status", &self.pool.status())
             .field("queue", &self.queue)
             .field("checkout_wait", &self.checkout_wait)
@@ -71,24 +71,31 @@ impl std::fmt::Debug for PostgresDistributedLock {
     }
 }
 
-impl PostgresDistributedLock {
+impl PgDistributedLock {
     /// How long a waiter queues in process before it waits at the server regardless
-    /// (default 1 s); see [`PostgresDistributedLock::with_local_patience`].
+    /// (default 1 s); see [`PgDistributedLock::with_local_patience`].
     pub const DEFAULT_LOCAL_PATIENCE: Duration = LockQueue::DEFAULT_LOCAL_PATIENCE;
 
-    /// Transaction-scoped locks, plus session-scoped locks on connections from `pool`, with an
-    /// in-process queue of their own.
-    ///
-    /// Cancel requests for abandoned waits go out without TLS; for a pool built with a TLS
-    /// connector, pass the same connector to [`PostgresDistributedLock::with_cancel_tls`].
-    pub fn new(pool: Pool) -> PostgresDistributedLock {
-        PostgresDistributedLock::with_queue(pool, LockQueue::new())
+    /// The locks of `db`: transaction-scoped locks, plus session-scoped locks on connections
+    /// from its pool (checkouts waiting its checkout wait), queueing in its lock queue — shared
+    /// with every other backend built from `db` — and cancelling abandoned waits with its TLS.
+    pub fn new(db: &PgDatabase) -> PgDistributedLock {
+        PgDistributedLock::with_queue(db.pool().clone(), db.lock_queue().clone())
+            .with_checkout_wait(db.checkout_wait())
     }
 
-    /// Like [`PostgresDistributedLock::new`], queueing in `queue` (shared with whoever else
+    /// For wiring by hand (prefer [`PgDistributedLock::new`]): locks on connections from
+    /// `pool`, with an in-process queue of their own and cancel requests without TLS (for a
+    /// pool built with a TLS connector, pass the same connector to
+    /// [`PgDistributedLock::with_cancel_tls`]).
+    pub fn from_pool(pool: Pool) -> PgDistributedLock {
+        PgDistributedLock::with_queue(pool, LockQueue::new())
+    }
+
+    /// Like [`PgDistributedLock::from_pool`], queueing in `queue` (shared with whoever else
     /// holds a clone of it).
-    pub fn with_queue(pool: Pool, queue: LockQueue) -> PostgresDistributedLock {
-        PostgresDistributedLock {
+    pub fn with_queue(pool: Pool, queue: LockQueue) -> PgDistributedLock {
+        PgDistributedLock {
             pool,
             queue,
             checkout_wait: lockstep_pg::DEFAULT_CHECKOUT_WAIT,
@@ -147,7 +154,7 @@ impl PostgresDistributedLock {
     }
 
     /// The per-aggregate write lock over this lock (shares its queue).
-    pub fn aggregate_write_lock(&self) -> PostgresAggregateWriteLock {
+    pub fn aggregate_write_lock(&self) -> PgAggregateWriteLock {
         DistributedAggregateWriteLock::new(self.clone())
     }
 
@@ -191,22 +198,22 @@ impl PostgresDistributedLock {
     }
 }
 
-/// The lock's queue, so the event store's `load_locked` queues with the lock:
-/// `PgEventStore::with_lock(lock.clone())`.
-impl From<PostgresDistributedLock> for LockQueue {
-    fn from(lock: PostgresDistributedLock) -> LockQueue {
+/// The lock's queue, so an event store wired by hand queues its `load_locked` with the lock:
+/// `PgEventStore::with_queue(lock.clone())` (built from one `PgDatabase`, both share its queue).
+impl From<PgDistributedLock> for LockQueue {
+    fn from(lock: PgDistributedLock) -> LockQueue {
         lock.queue
     }
 }
 
 /// The lock's queue (shared, not copied).
-impl From<&PostgresDistributedLock> for LockQueue {
-    fn from(lock: &PostgresDistributedLock) -> LockQueue {
+impl From<&PgDistributedLock> for LockQueue {
+    fn from(lock: &PgDistributedLock) -> LockQueue {
         lock.queue.clone()
     }
 }
 
-impl DistributedLock<PgTransaction> for PostgresDistributedLock {
+impl DistributedLock<PgTransaction> for PgDistributedLock {
     fn acquire_for_transaction<'a>(
         &'a self,
         tx: &'a PgTransaction,

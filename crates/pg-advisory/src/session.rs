@@ -38,7 +38,7 @@ use lockstep_pg::internal::{
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 
-use crate::lock::PostgresDistributedLock;
+use crate::lock::PgDistributedLock;
 use crate::sql;
 
 /// Holds one session advisory lock on its own pooled connection.
@@ -219,7 +219,7 @@ impl Drop for Waiting {
     }
 }
 
-impl SessionLocks for PostgresDistributedLock {
+impl SessionLocks for PgDistributedLock {
     type Guard = PgSessionGuard;
 
     async fn acquire_session(

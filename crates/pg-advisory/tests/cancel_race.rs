@@ -9,9 +9,10 @@
 
 use std::time::Duration;
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{DistributedLock, ResourceKey};
 use lockstep_pg::{PgTransaction, migrate};
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_testkit::pg_harness::test_database;
 use lockstep_testkit::relay::Relay;
 
@@ -28,7 +29,7 @@ async fn an_abandoned_wait_is_cancelled_even_when_the_first_cancel_arrives_befor
         .await
         .expect("start the relay");
     let pool = db.pool_through(relay.addr(), 1);
-    let lock = PostgresDistributedLock::new(pool.clone());
+    let lock = PgDistributedLock::from_pool(pool.clone());
     let key = ResourceKey::new(format!("cancel-race:{}", uuid::Uuid::new_v4())).expect("key");
 
     // Another transaction (straight to the server) holds the lock.

@@ -3,6 +3,7 @@
 //! timeouts, crash release, deadlock-free multi-aggregate locking, the isolation check, session
 //! locks, the in-process queue and the SQL key function.
 
+use lockstep_core::Transaction as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,8 +12,8 @@ use lockstep_core::{
     ADVISORY_KEY_GOLDEN_VECTORS, AggregateWriteLock, DistributedLock, ErrorKind, ResourceKey,
     SessionLockGuard, SessionLocks,
 };
-use lockstep_pg::{PgTransaction, PgTransactionSource, migrate};
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg::{PgDatabase, PgTransaction, migrate};
+use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_testkit::conformance::distributed_lock::DistributedLockFixture;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use tokio_postgres::Client;
@@ -20,35 +21,35 @@ use uuid::Uuid;
 
 struct Fixture {
     _db: TestDatabase,
-    source: PgTransactionSource,
-    lock: PostgresDistributedLock,
+    source: PgDatabase,
+    lock: PgDistributedLock,
 }
 
 impl DistributedLockFixture for Fixture {
     type Tx = PgTransaction;
-    type Source = PgTransactionSource;
-    type Lock = PostgresDistributedLock;
+    type Source = PgDatabase;
+    type Lock = PgDistributedLock;
 
-    fn lock(&self) -> &PostgresDistributedLock {
+    fn lock(&self) -> &PgDistributedLock {
         &self.lock
     }
 
-    fn source(&self) -> &PgTransactionSource {
+    fn source(&self) -> &PgDatabase {
         &self.source
     }
 }
 
-async fn setup(pool_size: usize) -> (TestDatabase, Pool, PostgresDistributedLock) {
+async fn setup(pool_size: usize) -> (TestDatabase, Pool, PgDistributedLock) {
     let db = test_database().await;
     let pool = db.pool(pool_size);
     // The lock statements call the SQL function of migration V4.
     migrate(&pool).await.expect("migrate");
-    let lock = PostgresDistributedLock::new(pool.clone());
+    let lock = PgDistributedLock::from_pool(pool.clone());
     (db, pool, lock)
 }
 
 /// A new transaction on `pool` that has taken `key` (waiting for it without a timeout).
-async fn holding(pool: &Pool, lock: &PostgresDistributedLock, key: &ResourceKey) -> PgTransaction {
+async fn holding(pool: &Pool, lock: &PgDistributedLock, key: &ResourceKey) -> PgTransaction {
     let tx = PgTransaction::begin(pool).await.expect("begin");
     lock.acquire_for_transaction(&tx, key, None)
         .await
@@ -107,7 +108,7 @@ async fn fixture(local_queue: bool) -> Fixture {
     let (db, pool, lock) = setup(8).await;
     Fixture {
         _db: db,
-        source: PgTransactionSource::new(pool),
+        source: PgDatabase::from_pool(pool),
         lock: if local_queue {
             lock
         } else {
@@ -549,7 +550,7 @@ async fn transactions_that_are_not_read_committed_are_refused_before_locking() {
         tx.rollback().await.expect("rollback");
     }
     // A READ COMMITTED one locks. (A borrowed tokio_postgres::Transaction does not compile
-    // with the lock at all: see the compile_fail example on PostgresDistributedLock.)
+    // with the lock at all: see the compile_fail example on PgDistributedLock.)
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     assert!(
         lock.try_acquire_for_transaction(&tx, &key)
@@ -1040,7 +1041,7 @@ async fn session_acquires_on_an_exhausted_pool_fail_after_the_checkout_wait() {
 async fn locks_on_an_unmigrated_database_say_to_run_the_migrations() {
     let db = test_database().await;
     let pool = db.pool(2);
-    let lock = PostgresDistributedLock::new(pool.clone());
+    let lock = PgDistributedLock::from_pool(pool.clone());
     let key = fresh_key();
     let says_migrate = |err: lockstep_core::Error, doing: &str| {
         let text = err.to_string();

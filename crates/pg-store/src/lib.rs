@@ -9,8 +9,8 @@
 //!   [`PgTransaction`]: its `load_locked` waits for a lock, and only a transaction that owns
 //!   its connection can close it after an abandoned wait (a late cancel request must not hit
 //!   the next borrower).
-//! - [`PgEventStore::load`] and [`PgEventStore::append`], which never wait for a lock, also run
-//!   on any [`PgTransactionRef`]: a borrowed `tokio_postgres::Transaction` or
+//! - [`PgEventStore::load_on`] and [`PgEventStore::append_on`], which never wait for a lock,
+//!   also run on any [`PgTransactionRef`]: a borrowed `tokio_postgres::Transaction` or
 //!   `deadpool_postgres::Transaction` the application manages itself (pass `&tx`).
 //!
 //! - Storage: table `wh_events` (migration `V3`): `event_id uuid` primary key (the id the
@@ -44,29 +44,29 @@
 //!   statement**, the SQL function `lockstep_lock_and_load` (it takes the advisory lock through
 //!   `lockstep_advisory_lock`, which checks the isolation level first, then loads in a fresh
 //!   READ COMMITTED snapshot; migrations `V3` and `V4`), under the store's
-//!   [`LockQueue`] (in-process queue, deadline, cancel on drop). Give the store the
-//!   process's lock (`PgEventStore::with_lock(lock.clone())` with
-//!   `lockstep_pg_advisory::PostgresDistributedLock`), so that `load_locked` and the aggregate
-//!   lock queue together. Lock and load cost one round trip and one statement together, like
+//!   [`LockQueue`] (in-process queue, deadline, cancel on drop). Built from the process's
+//!   one [`PgDatabase`] ([`PgEventStore::new`]), the store shares that queue with the aggregate
+//!   lock built from the same handle, so that `load_locked` and the aggregate lock queue
+//!   together. Lock and load cost one round trip and one statement together, like
 //!   a plain load.
 //!
 //! Every statement is sent with `query_typed` (no separate prepare round trip). Apply the
-//! schema first with [`lockstep_pg::migrate()`].
+//! schema first with [`PgDatabase::migrate`].
 //!
 //! ```no_run
-//! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
-//! use lockstep_core::{EventStore, ExpectedVersion, NewEvent, StreamId, aggregate_key, AggregateType};
-//! use lockstep_pg::{LockQueue, PgTransaction};
+//! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
+//! use lockstep_core::{
+//!     AggregateType, EventStore, ExpectedVersion, NewEvent, StreamId, Transaction,
+//!     TransactionSource, aggregate_key,
+//! };
 //! use lockstep_pg_store::PgEventStore;
 //!
-//! lockstep_pg::migrate(&pool).await?;
-//! // One queue per process; with lockstep-pg-advisory, pass the process's lock instead:
-//! // `PgEventStore::with_lock(lock.clone())`.
-//! let store = PgEventStore::with_lock(LockQueue::new());
+//! db.migrate().await?;
+//! let store = PgEventStore::new(&db); // queues with every lock built from `db`
 //!
 //! let sku = uuid::Uuid::now_v7();
 //! let key = aggregate_key(&AggregateType::new("StockItem")?, sku);
-//! let tx = PgTransaction::begin(&pool).await?;
+//! let tx = db.begin().await?;
 //! let events = store.load_locked(&tx, StreamId::from_uuid(sku), &key, None).await?; // 1 round trip
 //! let event = NewEvent::new("StockReserved", serde_json::json!({ "quantity": 1 }))?;
 //! let expected = ExpectedVersion::Exact(events.len() as u64);
@@ -86,7 +86,7 @@ use lockstep_core::{
     StreamId, VersionConflict,
 };
 use lockstep_pg::internal::{self, check_isolation};
-use lockstep_pg::{LockQueue, PgTransaction, PgTransactionRef, WriteAtCommit};
+use lockstep_pg::{LockQueue, PgDatabase, PgTransaction, PgTransactionRef, WriteAtCommit};
 use time::OffsetDateTime;
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
@@ -118,25 +118,21 @@ pub struct PgEventStore {
     queue: LockQueue,
 }
 
-impl Default for PgEventStore {
-    fn default() -> Self {
-        PgEventStore::new()
-    }
-}
-
 impl PgEventStore {
-    /// A store whose [`EventStore::load_locked`] queues in a [`LockQueue`] of its own.
-    /// Prefer [`PgEventStore::with_lock`] with the process's lock, so that the in-process
-    /// queue is shared with the aggregate write lock.
-    pub fn new() -> PgEventStore {
-        PgEventStore::with_lock(LockQueue::new())
+    /// The event store of `db`: its [`EventStore::load_locked`] queues in the handle's lock
+    /// queue, shared with the aggregate write lock built from the same handle
+    /// (`lockstep_pg_advisory::PgDistributedLock::new(&db)`).
+    pub fn new(db: &PgDatabase) -> PgEventStore {
+        PgEventStore::with_queue(db.lock_queue().clone())
     }
 
-    /// A store whose [`EventStore::load_locked`] queues with `lock`: the process's
-    /// `lockstep_pg_advisory::PostgresDistributedLock` (or a reference to it), or a
-    /// [`LockQueue`]. Clones share one queue, so the store and the lock queue together.
-    pub fn with_lock(lock: impl Into<LockQueue>) -> PgEventStore {
-        PgEventStore { queue: lock.into() }
+    /// A store whose [`EventStore::load_locked`] queues in `queue` — a [`LockQueue`], or the
+    /// process's `lockstep_pg_advisory::PgDistributedLock` (or a reference to it). Clones share
+    /// one queue. For wiring by hand; [`PgEventStore::new`] shares the handle's queue.
+    pub fn with_queue(queue: impl Into<LockQueue>) -> PgEventStore {
+        PgEventStore {
+            queue: queue.into(),
+        }
     }
 
     /// The queue [`EventStore::load_locked`] waits in.
@@ -147,7 +143,7 @@ impl PgEventStore {
     /// The stream's events in version order ([`EventStore::load`]), on any transaction,
     /// including one the application manages itself (`&tokio_postgres::Transaction`,
     /// `&deadpool_postgres::Transaction`).
-    pub async fn load<T: PgTransactionRef + ?Sized>(
+    pub async fn load_on<T: PgTransactionRef + ?Sized>(
         &self,
         tx: &T,
         stream_id: StreamId,
@@ -162,7 +158,7 @@ impl PgEventStore {
 
     /// Appends `events` at `expected` ([`EventStore::append`]), on any transaction, including
     /// one the application manages itself. Returns the stream's new version.
-    pub async fn append<T: PgTransactionRef + ?Sized>(
+    pub async fn append_on<T: PgTransactionRef + ?Sized>(
         &self,
         tx: &T,
         stream_id: StreamId,
@@ -173,12 +169,11 @@ impl PgEventStore {
         append.run(tx.executor()).await
     }
 
-    /// Appends `events` at `expected` as the transaction's last write
-    /// ([`EventStore::append_at_commit`]): the append is held back
-    /// ([`PgTransaction::write_at_commit`]) and travels with the `COMMIT`, one round trip for
-    /// both. Bad input is refused here; a conflict is returned by [`PgTransaction::commit`]
-    /// (which rolls back).
-    pub fn append_at_commit(
+    /// Appends `events` at `expected` as the transaction's last write: the append is held
+    /// back ([`PgTransaction::write_at_commit`]) and travels with the `COMMIT`, one round trip
+    /// for both. Bad input is refused here; a conflict is returned by the commit (which rolls
+    /// back). [`EventStore::append_at_commit`] is this.
+    fn hold_append(
         &self,
         tx: &PgTransaction,
         stream_id: StreamId,
@@ -280,7 +275,7 @@ fn decode(row: &tokio_postgres::Row, offset: usize, stream_id: StreamId) -> Resu
 
 impl EventStore<PgTransaction> for PgEventStore {
     async fn load(&self, tx: &PgTransaction, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
-        PgEventStore::load(self, tx, stream_id).await
+        self.load_on(tx, stream_id).await
     }
 
     async fn load_locked(
@@ -320,7 +315,7 @@ impl EventStore<PgTransaction> for PgEventStore {
         expected: ExpectedVersion,
         events: &[NewEvent],
     ) -> Result<u64> {
-        PgEventStore::append(self, tx, stream_id, expected, events).await
+        self.append_on(tx, stream_id, expected, events).await
     }
 
     async fn append_at_commit(
@@ -330,7 +325,7 @@ impl EventStore<PgTransaction> for PgEventStore {
         expected: ExpectedVersion,
         events: &[NewEvent],
     ) -> Result<()> {
-        PgEventStore::append_at_commit(self, tx, stream_id, expected, events)
+        self.hold_append(tx, stream_id, expected, events)
     }
 }
 

@@ -26,22 +26,22 @@
 //! fence naming another pair) is refused with [`ErrorKind::InvalidInput`] before any SQL is sent.
 //!
 //! ```no_run
-//! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
+//! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
 //! use lockstep_core::{
 //!     Claim, PerspectiveName, PerspectiveStore, RewindDebounce, StateCommit, StreamId,
+//!     Transaction, TransactionSource,
 //! };
-//! use lockstep_pg::PgTransaction;
 //! use lockstep_pg_store::PgPerspectiveStore;
 //!
-//! lockstep_pg::migrate(&pool).await?;
+//! db.migrate().await?;
 //! let store = PgPerspectiveStore::new();
 //! let name = PerspectiveName::new("OrderPerspective")?;
-//! let tx = PgTransaction::begin(&pool).await?;
+//! let tx = db.begin().await?;
 //! store.register(&tx, std::slice::from_ref(&name)).await?;
 //! tx.commit().await?;
 //!
 //! # let stream = StreamId::new_v7();
-//! let tx = PgTransaction::begin(&pool).await?;
+//! let tx = db.begin().await?;
 //! if let Claim::Apply { cursor, state, events } =
 //!     store.claim(&tx, stream, &name, 100, RewindDebounce::NONE).await?
 //! {

@@ -3,15 +3,17 @@
 //! a registration waits for an append in flight and catches its events up, a refused claim
 //! leaves the leased row to the keepalive, the store runs on a borrowed transaction.
 
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, Claim, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
     PerspectiveStore, RewindDebounce, StreamId, StreamLockOptions, StreamLocker,
 };
-use lockstep_pg::{PgTransaction, PgTransactionSource};
+use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::conformance::perspective_store::PerspectiveStoreFixture;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 
@@ -20,21 +22,21 @@ use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 struct PgFixture {
     db: TestDatabase,
     pool: deadpool_postgres::Pool,
-    source: PgTransactionSource,
+    source: PgDatabase,
     store: PgPerspectiveStore,
     events: PgEventStore,
-    locker: PostgresStreamLocker,
+    locker: PgStreamLocker,
 }
 
 impl PerspectiveStoreFixture for PgFixture {
     type Tx = PgTransaction;
-    type Source = PgTransactionSource;
+    type Source = PgDatabase;
     type Store = PgPerspectiveStore;
     type Events = PgEventStore;
-    type Locker = PostgresStreamLocker;
-    type Admin = PostgresStreamLocker;
+    type Locker = PgStreamLocker;
+    type Admin = PgStreamLocker;
 
-    fn source(&self) -> &PgTransactionSource {
+    fn source(&self) -> &PgDatabase {
         &self.source
     }
 
@@ -46,11 +48,11 @@ impl PerspectiveStoreFixture for PgFixture {
         &self.events
     }
 
-    fn locker(&self) -> &PostgresStreamLocker {
+    fn locker(&self) -> &PgStreamLocker {
         &self.locker
     }
 
-    fn admin(&self) -> &PostgresStreamLocker {
+    fn admin(&self) -> &PgStreamLocker {
         &self.locker
     }
 }
@@ -64,10 +66,10 @@ async fn fixture() -> PgFixture {
     let options = StreamLockOptions::new(Duration::from_secs(2), Duration::from_millis(500))
         .expect("2 s / 500 ms is a valid pair");
     PgFixture {
-        source: PgTransactionSource::new(pool.clone()),
+        source: PgDatabase::from_pool(pool.clone()),
         store: PgPerspectiveStore::new(),
-        events: PgEventStore::new(),
-        locker: PostgresStreamLocker::new(pool.clone(), options),
+        events: PgEventStore::with_queue(lockstep_pg::LockQueue::new()),
+        locker: PgStreamLocker::from_pool(pool.clone(), options),
         pool,
         db,
     }
@@ -221,7 +223,7 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
         .await
         .expect("register");
     f.events
-        .append(&tx, stream, ExpectedVersion::NoStream, &[event(3)])
+        .append_on(&tx, stream, ExpectedVersion::NoStream, &[event(3)])
         .await
         .expect("append");
     tx.commit().await.expect("commit");

@@ -3,28 +3,29 @@
 //! `deadpool_postgres::Transaction`s.
 
 use deadpool_postgres::Pool;
+use lockstep_core::Transaction as _;
 use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, StreamId};
-use lockstep_pg::{LockQueue, PgTransaction, PgTransactionSource, migrate};
+use lockstep_pg::{LockQueue, PgDatabase, PgTransaction, migrate};
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::conformance::event_store::EventStoreFixture;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 
 struct Fixture {
     _db: TestDatabase,
-    source: PgTransactionSource,
+    source: PgDatabase,
     store: PgEventStore,
 }
 
 impl EventStoreFixture for Fixture {
     type Tx = PgTransaction;
-    type Source = PgTransactionSource;
+    type Source = PgDatabase;
     type Store = PgEventStore;
 
     fn store(&self) -> &PgEventStore {
         &self.store
     }
 
-    fn source(&self) -> &PgTransactionSource {
+    fn source(&self) -> &PgDatabase {
         &self.source
     }
 }
@@ -41,7 +42,7 @@ async fn fixture(store: PgEventStore) -> Fixture {
     let (db, pool) = migrated(8).await;
     Fixture {
         _db: db,
-        source: PgTransactionSource::new(pool),
+        source: PgDatabase::from_pool(pool),
         store,
     }
 }
@@ -53,7 +54,7 @@ mod event_store_suite {
 
     lockstep_testkit::event_store_conformance! {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        fixture: fixture(PgEventStore::with_lock(LockQueue::new())).await,
+        fixture: fixture(PgEventStore::with_queue(LockQueue::new())).await,
     }
 }
 
@@ -63,7 +64,7 @@ mod event_store_suite_without_the_local_queue {
 
     lockstep_testkit::event_store_conformance! {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        fixture: fixture(PgEventStore::with_lock(LockQueue::new().with_local_queue(false))).await,
+        fixture: fixture(PgEventStore::with_queue(LockQueue::new().with_local_queue(false))).await,
     }
 }
 
@@ -73,7 +74,7 @@ mod event_store_suite_with_its_own_lock {
 
     lockstep_testkit::event_store_conformance! {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        fixture: fixture(PgEventStore::new()).await,
+        fixture: fixture(PgEventStore::with_queue(lockstep_pg::LockQueue::new())).await,
     }
 }
 
@@ -81,12 +82,12 @@ mod event_store_suite_with_its_own_lock {
 async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     let (db, _pool) = migrated(1).await;
     let mut client = db.connect().await;
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let stream = StreamId::new_v7();
     let event = NewEvent::new("Opened", serde_json::json!({"by": "test"})).expect("event");
     let tx = client.transaction().await.expect("begin");
     let v = store
-        .append(
+        .append_on(
             &tx,
             stream,
             ExpectedVersion::NoStream,
@@ -99,19 +100,19 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
 
     let tx = client.transaction().await.expect("begin");
     let replayed = store
-        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .append_on(&tx, stream, ExpectedVersion::NoStream, &[event])
         .await
         .expect("the same event again is a replay");
     assert_eq!(replayed, 1);
     let another = NewEvent::new("Opened", serde_json::json!({"by": "another"})).expect("event");
     let err = store
-        .append(&tx, stream, ExpectedVersion::NoStream, &[another])
+        .append_on(&tx, stream, ExpectedVersion::NoStream, &[another])
         .await
         .expect_err("stream exists");
     assert_eq!(err.kind(), ErrorKind::Conflict);
     tx.rollback().await.expect("rollback");
     let tx = client.transaction().await.expect("begin");
-    let events = store.load(&tx, stream).await.expect("load");
+    let events = store.load_on(&tx, stream).await.expect("load");
     assert_eq!(events.len(), 1);
     assert_eq!(events[0].payload["by"], "test");
     tx.commit().await.expect("commit");
@@ -120,17 +121,17 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_runs_on_a_borrowed_deadpool_transaction_passed_as_a_reference() {
     let (_db, pool) = migrated(1).await;
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let stream = StreamId::new_v7();
     let event = NewEvent::new("Opened", serde_json::json!({"by": "deadpool"})).expect("event");
     let mut conn = pool.get().await.expect("connection");
     let tx = conn.transaction().await.expect("begin");
     let v = store
-        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .append_on(&tx, stream, ExpectedVersion::NoStream, &[event])
         .await
         .expect("append");
     assert_eq!(v, 1);
-    let events = store.load(&tx, stream).await.expect("load");
+    let events = store.load_on(&tx, stream).await.expect("load");
     assert_eq!(events.len(), 1);
     tx.commit().await.expect("commit");
 }
@@ -155,7 +156,7 @@ async fn waiting_for(client: &tokio_postgres::Client, key: &lockstep_core::Resou
 async fn load_locked_refuses_a_repeatable_read_transaction_before_locking() {
     let (db, pool) = migrated(1).await;
     let admin = db.connect().await;
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let key = fresh_key();
     // load_locked waits for a lock, so it takes an owned PgTransaction (READ COMMITTED by
     // default); switch it to REPEATABLE READ before its first query.
@@ -190,7 +191,7 @@ async fn load_locked_refuses_a_repeatable_read_transaction_before_locking() {
 async fn a_dropped_waiting_load_locked_ends_its_server_side_wait() {
     let (db, pool) = migrated(3).await;
     let admin = db.connect().await;
-    let store = PgEventStore::with_lock(LockQueue::new());
+    let store = PgEventStore::with_queue(LockQueue::new());
     let (key, stream) = (fresh_key(), StreamId::new_v7());
     let holder = PgTransaction::begin(&pool).await.expect("begin");
     store

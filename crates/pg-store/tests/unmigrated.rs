@@ -2,6 +2,7 @@
 //! perspective store say what is wrong and what to do (run `lockstep_pg::migrate`), with the
 //! database's own message and SQLSTATE, instead of a bare "backend error: appending to stream".
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     EventStore, ExpectedVersion, NewEvent, PerspectiveName, PerspectiveStore, ResourceKey, StreamId,
 };
@@ -13,10 +14,16 @@ fn says_to_migrate(what: &str, err: &lockstep_core::Error) {
     let shown = err.to_string();
     assert!(shown.contains("lockstep_pg::migrate"), "{what}: {shown}");
     assert!(shown.contains("SQLSTATE 42"), "{what}: {shown}");
-    let source = std::error::Error::source(err).expect("the driver error is the source");
+    // The message tells the driver's error, so it is not repeated as the `source()`; it is
+    // still reachable for downcasting.
     assert!(
-        source.downcast_ref::<tokio_postgres::Error>().is_some(),
-        "{what}: {source:?}"
+        std::error::Error::source(err).is_none(),
+        "{what}: said once"
+    );
+    let driver = err.underlying().expect("the driver error is kept");
+    assert!(
+        driver.downcast_ref::<tokio_postgres::Error>().is_some(),
+        "{what}: {driver:?}"
     );
 }
 
@@ -24,7 +31,7 @@ fn says_to_migrate(what: &str, err: &lockstep_core::Error) {
 async fn the_stores_on_an_unmigrated_database_say_to_run_the_migrations() {
     let db = test_database().await;
     let pool = db.pool(2);
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let stream = StreamId::new_v7();
     let key = ResourceKey::new("unmigrated:store").expect("key");
     let event = NewEvent::new("Happened", serde_json::json!({})).expect("event");

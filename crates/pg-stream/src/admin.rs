@@ -1,4 +1,4 @@
-//! [`StreamLockAdmin`] for [`PostgresStreamLocker`]: list, inspect, force-release and
+//! [`StreamLockAdmin`] for [`PgStreamLocker`]: list, inspect, force-release and
 //! release-all, for operators and for graceful shutdown. The operators' listing
 //! ([`StreamLockAdmin::list_lease_entries`]) shows a row it cannot read as unreadable, with its
 //! key, beside the others.
@@ -16,13 +16,13 @@ use lockstep_core::{
 use tokio_postgres::Row;
 use tracing::instrument;
 
-use crate::locker::{PostgresStreamLocker, stored_holder, stored_name, stored_reason};
+use crate::locker::{PgStreamLocker, stored_holder, stored_name, stored_reason};
 use crate::sql;
 use crate::statement::{RowName, column};
 use crate::telemetry::{self, count};
 
 #[async_trait]
-impl StreamLockAdmin for PostgresStreamLocker {
+impl StreamLockAdmin for PgStreamLocker {
     #[instrument(name = "list_leases", skip_all)]
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
         let rows: Vec<Row> = self

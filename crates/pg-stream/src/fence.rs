@@ -1,4 +1,4 @@
-//! The fenced commit on PostgreSQL: [`LeaseFence`] for [`PostgresStreamLocker`] over any
+//! The fenced commit on PostgreSQL: [`LeaseFence`] for [`PgStreamLocker`] over any
 //! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`], or a borrowed
 //! `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`, passed as `&tx`).
 //!
@@ -29,12 +29,12 @@ use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
 use tracing::Instrument;
 
-use crate::locker::PostgresStreamLocker;
+use crate::locker::PgStreamLocker;
 use crate::sql;
 use crate::statement::statement_error;
 use crate::telemetry::{self, count};
 
-impl<T: PgTransactionRef> LeaseFence<T> for PostgresStreamLocker {
+impl<T: PgTransactionRef> LeaseFence<T> for PgStreamLocker {
     fn check_lease<'a>(
         &'a self,
         tx: &'a T,

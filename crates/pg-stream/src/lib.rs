@@ -1,6 +1,6 @@
 //! # lockstep-pg-stream
 //!
-//! Stream leases on PostgreSQL: [`PostgresStreamLocker`] implements the
+//! Stream leases on PostgreSQL: [`PgStreamLocker`] implements the
 //! [`StreamLocker`](lockstep_core::StreamLocker) hot path, the
 //! [`StreamLockAdmin`](lockstep_core::StreamLockAdmin) operator view and the
 //! [`LeaseFence`](lockstep_core::LeaseFence) fenced commit of `lockstep-core`, storing each
@@ -27,7 +27,7 @@
 //! - **Cancel safety**: dropping the future of any operation (a caller's timeout) sends a cancel
 //!   request for its statement and closes its connection instead of pooling it, so no
 //!   statement keeps running and no lease is written for a caller that gave up. Give the pool's
-//!   TLS connector to [`PostgresStreamLocker::with_cancel_tls`] when it is not `NoTls`.
+//!   TLS connector to [`PgStreamLocker::with_cancel_tls`] when it is not `NoTls`.
 //! - **No panics on stored values**: a row lockstep cannot read (an expiry past year 9999 or
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run
@@ -44,15 +44,15 @@
 //!
 //! use lockstep_core::{
 //!     InstanceId, LockReason, PerspectiveName, StreamId, StreamLockOptions, StreamLocker,
-//!     AcquireOutcome, LeaseFence,
+//!     AcquireOutcome, LeaseFence, Transaction, TransactionSource,
 //! };
-//! use lockstep_pg::PgTransaction;
-//! use lockstep_pg_stream::PostgresStreamLocker;
+//! use lockstep_pg::PgDatabase;
+//! use lockstep_pg_stream::PgStreamLocker;
 //!
-//! # async fn demo(pool: deadpool_postgres::Pool, stream_id: StreamId) -> lockstep_core::Result<()> {
-//! lockstep_pg::migrate(&pool).await?;
+//! # async fn demo(db: PgDatabase, stream_id: StreamId) -> lockstep_core::Result<()> {
+//! db.migrate().await?;
 //! let options = StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))?;
-//! let locker = PostgresStreamLocker::new(pool.clone(), options);
+//! let locker = PgStreamLocker::new(&db, options);
 //!
 //! let perspective = PerspectiveName::new("OrderPerspective")?;
 //! let instance = InstanceId::process();
@@ -62,7 +62,7 @@
 //! {
 //!     AcquireOutcome::Acquired(lease) => {
 //!         // ... rebuild the read model; a keepalive calls `locker.renew(&lease.id)` ...
-//!         let tx = PgTransaction::begin(&pool).await?;
+//!         let tx = db.begin().await?;
 //!         locker.check_lease(&tx, &lease.id).await?; // LeaseLost if taken over meanwhile
 //!         // ... write the rebuilt state on `tx` ...
 //!         tx.commit().await?;
@@ -90,7 +90,7 @@ mod statement;
 pub mod telemetry;
 
 pub use interval::PgInterval;
-pub use locker::PostgresStreamLocker;
+pub use locker::PgStreamLocker;
 
 #[cfg(test)]
 mod tests {
@@ -99,7 +99,7 @@ mod tests {
     // Compile-time checks: the locker can be shared as the worker takes it, and it fences both
     // kinds of Postgres transaction.
     #[allow(dead_code)]
-    fn usable_as_trait_objects(locker: PostgresStreamLocker) {
+    fn usable_as_trait_objects(locker: PgStreamLocker) {
         let _: std::sync::Arc<dyn lockstep_core::StreamLocker> =
             std::sync::Arc::new(locker.clone());
         let _: std::sync::Arc<dyn lockstep_core::StreamLockAdmin> = std::sync::Arc::new(locker);
@@ -108,7 +108,7 @@ mod tests {
     #[allow(dead_code)]
     fn fences_owned_and_borrowed_transactions<'t>()
     where
-        PostgresStreamLocker: lockstep_core::LeaseFence<lockstep_pg::PgTransaction>
+        PgStreamLocker: lockstep_core::LeaseFence<lockstep_pg::PgTransaction>
             + lockstep_core::LeaseFence<tokio_postgres::Transaction<'t>>
             + lockstep_core::LeaseFence<deadpool_postgres::Transaction<'t>>,
     {

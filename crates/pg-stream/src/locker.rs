@@ -1,9 +1,9 @@
-//! [`PostgresStreamLocker`]: the hot path (try-acquire, renew, release, batched renew) over a
+//! [`PgStreamLocker`]: the hot path (try-acquire, renew, release, batched renew) over a
 //! `deadpool_postgres` pool.
 //!
 //! Each call checks a connection out of the pool, runs exactly one prepared statement from
 //! [`crate::sql`] (one round trip) and returns the connection. The statements are prepared once
-//! per connection (`prepare_cached`). That block is one helper, `PostgresStreamLocker::run`.
+//! per connection (`prepare_cached`). That block is one helper, `PgStreamLocker::run`.
 
 use std::collections::HashMap;
 
@@ -14,7 +14,7 @@ use lockstep_core::{
     PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
     StreamLockOptions, StreamLocker,
 };
-use lockstep_pg::LockQueue;
+use lockstep_pg::{LockQueue, PgDatabase};
 use time::OffsetDateTime;
 use tokio_postgres::Row;
 use tokio_postgres::Socket;
@@ -34,7 +34,7 @@ use crate::telemetry::{self, count};
 /// Cheap to clone (the pool is reference-counted). The locker holds no lease state of its own:
 /// the instance is passed to every call, so one locker serves a whole process.
 #[derive(Clone)]
-pub struct PostgresStreamLocker {
+pub struct PgStreamLocker {
     pub(crate) pool: Pool,
     options: StreamLockOptions,
     timeout: PgInterval,
@@ -42,26 +42,37 @@ pub struct PostgresStreamLocker {
     pub(crate) cancel: LockQueue,
 }
 
-impl std::fmt::Debug for PostgresStreamLocker {
+impl std::fmt::Debug for PgStreamLocker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PostgresStreamLocker")
+        f.debug_struct("PgStreamLocker")
             .field("options", &self.options)
             .field("pool_status", &self.pool.status())
             .finish_non_exhaustive()
     }
 }
 
-impl PostgresStreamLocker {
-    /// A locker over `pool` granting leases with `options` (already validated).
+impl PgStreamLocker {
+    /// The stream locker of `db`, granting leases with `options` (already validated): on its
+    /// pool, cancelling abandoned statements with its TLS.
     ///
-    /// Does not touch the database: apply the schema first with [`lockstep_pg::migrate()`].
-    pub fn new(pool: Pool, options: StreamLockOptions) -> PostgresStreamLocker {
+    /// Does not touch the database: apply the schema first with
+    /// [`PgDatabase::migrate`](lockstep_pg::PgDatabase::migrate).
+    pub fn new(db: &PgDatabase, options: StreamLockOptions) -> PgStreamLocker {
+        let mut locker = PgStreamLocker::from_pool(db.pool().clone(), options);
+        locker.cancel = db.lock_queue().clone();
+        locker
+    }
+
+    /// For wiring by hand (prefer [`PgStreamLocker::new`]): a locker over `pool` granting
+    /// leases with `options`, cancelling without TLS unless told
+    /// ([`PgStreamLocker::with_cancel_tls`]).
+    pub fn from_pool(pool: Pool, options: StreamLockOptions) -> PgStreamLocker {
         let timeout = match PgInterval::from_duration(options.lock_timeout()) {
             Some(timeout) => timeout,
             // `StreamLockOptions::new` refuses timeouts beyond i64 microseconds.
             None => unreachable!("StreamLockOptions guarantees the lock timeout fits"),
         };
-        PostgresStreamLocker {
+        PgStreamLocker {
             pool,
             options,
             timeout,
@@ -128,7 +139,7 @@ fn inconsistent(what: &'static str) -> Error {
 }
 
 #[async_trait]
-impl StreamLocker for PostgresStreamLocker {
+impl StreamLocker for PgStreamLocker {
     fn options(&self) -> StreamLockOptions {
         self.options
     }

@@ -13,7 +13,7 @@ use tokio_postgres::row::RowIndex;
 use tokio_postgres::types::{FromSql, ToSql};
 use tokio_postgres::{Client, Row, Statement};
 
-use crate::locker::PostgresStreamLocker;
+use crate::locker::PgStreamLocker;
 
 /// What a statement's result is read as: `Option<Row>` (at most one row), `Vec<Row>` (every
 /// row), or `u64` (the number of rows affected).
@@ -56,7 +56,7 @@ impl Outcome for u64 {
     }
 }
 
-impl PostgresStreamLocker {
+impl PgStreamLocker {
     /// Runs `sql` (one of [`crate::sql`]) with `params` on a pooled connection, one round trip
     /// once the statement is prepared on that connection. `doing` names the operation in errors.
     ///

@@ -17,7 +17,7 @@ use common::{Db, acquire_by_anyone, long_options};
 use lockstep_core::{
     LeaseId, PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLocker,
 };
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::relay::Relay;
 use time::OffsetDateTime;
 use tokio::time::Instant;
@@ -37,7 +37,7 @@ enum Operation {
 
 impl Operation {
     /// Runs the operation on `lease` (its outcome is not looked at: it is abandoned).
-    async fn run(self, locker: &PostgresStreamLocker, lease: &LeaseId) {
+    async fn run(self, locker: &PgStreamLocker, lease: &LeaseId) {
         match self {
             Operation::Renew => drop(locker.renew(lease).await),
             Operation::Release => drop(locker.release(lease).await),
@@ -88,7 +88,7 @@ async fn an_abandoned_operation_never_runs_even_when_the_first_cancel_arrives_fi
         .await
         .expect("start the relay");
     let pool = db.db.pool_through(relay.addr(), 1);
-    let locker = PostgresStreamLocker::new(pool.clone(), long_options());
+    let locker = PgStreamLocker::from_pool(pool.clone(), long_options());
     let (stream, perspective) = db.order_cursor().await;
     let lease = acquire_by_anyone(&locker, stream, &perspective).await;
 

@@ -5,27 +5,27 @@ mod common;
 
 use common::{Db, create_cursor, short_options};
 use lockstep_core::{PerspectiveName, StreamId};
-use lockstep_pg::{PgTransaction, PgTransactionSource};
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg::{PgDatabase, PgTransaction};
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::conformance::lease_fence::LeaseFenceFixture;
 use lockstep_testkit::conformance::stream_locker::StreamLockerFixture;
 
 /// A locker with a 400 ms lock timeout (keepalive 100 ms) on a database of the test's own.
 struct PgFixture {
     db: Db,
-    source: PgTransactionSource,
-    locker: PostgresStreamLocker,
+    source: PgDatabase,
+    locker: PgStreamLocker,
 }
 
 impl StreamLockerFixture for PgFixture {
-    type Locker = PostgresStreamLocker;
-    type Admin = PostgresStreamLocker;
+    type Locker = PgStreamLocker;
+    type Admin = PgStreamLocker;
 
-    fn locker(&self) -> &PostgresStreamLocker {
+    fn locker(&self) -> &PgStreamLocker {
         &self.locker
     }
 
-    fn admin(&self) -> &PostgresStreamLocker {
+    fn admin(&self) -> &PgStreamLocker {
         &self.locker
     }
 
@@ -37,14 +37,14 @@ impl StreamLockerFixture for PgFixture {
 /// Fenced commits in owned `PgTransaction`s on the locker's pool.
 impl LeaseFenceFixture for PgFixture {
     type Tx = PgTransaction;
-    type Source = PgTransactionSource;
-    type Fence = PostgresStreamLocker;
+    type Source = PgDatabase;
+    type Fence = PgStreamLocker;
 
-    fn fence(&self) -> &PostgresStreamLocker {
+    fn fence(&self) -> &PgStreamLocker {
         &self.locker
     }
 
-    fn source(&self) -> &PgTransactionSource {
+    fn source(&self) -> &PgDatabase {
         &self.source
     }
 }
@@ -52,7 +52,7 @@ impl LeaseFenceFixture for PgFixture {
 async fn fixture() -> PgFixture {
     let db = Db::new(4).await;
     let locker = db.locker(short_options());
-    let source = PgTransactionSource::new(db.pool.clone());
+    let source = PgDatabase::from_pool(db.pool.clone());
     PgFixture { db, source, locker }
 }
 

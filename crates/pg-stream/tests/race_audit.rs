@@ -31,12 +31,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use common::{Db, acquire, long_options};
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, PerspectiveName, ReleaseOutcome,
     StreamId, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -265,7 +266,7 @@ struct Outcomes {
 }
 
 async fn run_task(
-    locker: PostgresStreamLocker,
+    locker: PgStreamLocker,
     instance: InstanceId,
     stream: StreamId,
     perspective: PerspectiveName,
@@ -338,7 +339,7 @@ async fn two_lockers_racing_on_one_pair_never_hold_it_at_the_same_time() {
     let mut tasks = Vec::new();
     let instances = [InstanceId::random(), InstanceId::random()];
     for instance in instances {
-        let locker = PostgresStreamLocker::new(db.other_pool(8), long_options());
+        let locker = PgStreamLocker::from_pool(db.other_pool(8), long_options());
         for _ in 0..TASKS_PER_LOCKER {
             tasks.push(tokio::spawn(run_task(
                 locker.clone(),

@@ -379,7 +379,7 @@ async fn concurrent_renew_many_batches_of_mixed_sizes_never_deadlock() {
 #[tokio::test]
 async fn an_unmigrated_database_says_to_run_the_migrations() {
     let db = lockstep_testkit::pg_harness::test_database().await;
-    let locker = lockstep_pg_stream::PostgresStreamLocker::new(db.pool(1), long_options());
+    let locker = lockstep_pg_stream::PgStreamLocker::from_pool(db.pool(1), long_options());
     let err = locker
         .try_acquire(
             StreamId::new_v7(),
@@ -394,9 +394,10 @@ async fn an_unmigrated_database_says_to_run_the_migrations() {
     assert!(shown.contains("does not exist"), "{shown}");
     assert!(shown.contains("SQLSTATE 42P01"), "{shown}");
     assert!(shown.contains("lockstep_pg::migrate"), "{shown}");
-    // The driver error is the direct source.
-    let source = std::error::Error::source(&err).expect("source");
-    assert!(source.downcast_ref::<tokio_postgres::Error>().is_some());
+    // The message tells the driver error, which is kept (not repeated as the `source()`).
+    assert!(std::error::Error::source(&err).is_none(), "said once");
+    let driver = err.underlying().expect("the driver error is kept");
+    assert!(driver.downcast_ref::<tokio_postgres::Error>().is_some());
     let listing = locker.list_leases().await.expect_err("no schema");
     assert!(
         listing.to_string().contains("run the migrations"),
@@ -419,7 +420,7 @@ async fn a_pool_error_shows_the_server_message() {
         .max_size(1)
         .build()
         .expect("pool");
-    let locker = lockstep_pg_stream::PostgresStreamLocker::new(pool, long_options());
+    let locker = lockstep_pg_stream::PgStreamLocker::from_pool(pool, long_options());
     let err = locker.list_leases().await.expect_err("no such database");
     let shown = err.to_string();
     assert!(shown.contains("lockstep_no_such_database"), "{shown}");

@@ -11,12 +11,13 @@ use std::time::Duration;
 use common::{
     Db, acquire, acquire_by_anyone, inspect_row, long_options, medium_options, short_options,
 };
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseFence, LockReason, ReleaseOutcome, RenewOutcome,
     StreamLockAdmin, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 
 #[tokio::test]
 async fn an_expired_lease_is_taken_over_with_a_new_epoch_and_the_old_holder_is_fenced_out() {
@@ -163,7 +164,7 @@ async fn a_fence_check_refuses_a_takeover_until_the_fenced_transaction_ends() {
         .expect("work table");
     let locker = db.locker(medium_options());
     // B runs on a pool of its own, like another process.
-    let other = PostgresStreamLocker::new(db.other_pool(2), medium_options());
+    let other = PgStreamLocker::from_pool(db.other_pool(2), medium_options());
     let (stream, perspective) = db.order_cursor().await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
 
@@ -221,7 +222,7 @@ async fn a_fence_check_refuses_a_takeover_until_the_fenced_transaction_ends() {
 async fn a_fence_check_makes_a_force_release_wait_and_changes_no_lease_column() {
     let db = Db::new(4).await;
     let locker = db.locker(long_options());
-    let admin = PostgresStreamLocker::new(db.other_pool(2), long_options());
+    let admin = PgStreamLocker::from_pool(db.other_pool(2), long_options());
     let (stream, perspective) = db.order_cursor().await;
     let lease = acquire_by_anyone(&locker, stream, &perspective).await;
     let before = db.lease_snapshot().await;

@@ -1,5 +1,5 @@
 //! The process side of lockstep's transaction-scoped advisory locks, shared by every backend
-//! that waits for one (`lockstep-pg-advisory`'s `PostgresDistributedLock`, `lockstep-pg-store`'s
+//! that waits for one (`lockstep-pg-advisory`'s `PgDistributedLock`, `lockstep-pg-store`'s
 //! `load_locked`): the in-process queue in front of the server's lock ([`LockQueue`]), the
 //! deadline, and cancel-on-drop. The protocol at the server — isolation check, `lock_timeout`
 //! for the wait — is the SQL function `lockstep_advisory_lock` of migration `V4`; the
@@ -39,7 +39,7 @@ use crate::transaction::PgTransaction;
 /// statement is spent finding out (ADR 0009).
 ///
 /// Use one per process and share it (clones share the queue): build the process's
-/// `lockstep_pg_advisory::PostgresDistributedLock` and hand it, or its queue, to
+/// `lockstep_pg_advisory::PgDistributedLock` and hand it, or its queue, to
 /// `lockstep_pg_store::PgEventStore::with_lock`, so that the aggregate lock and `load_locked`
 /// queue together.
 ///

@@ -35,17 +35,40 @@ pub(crate) fn kind_of_sqlstate(code: &SqlState) -> ErrorKind {
     }
 }
 
-/// Wraps a driver error with its kind and what was being done. When the server reported the
-/// error, the message carries its own text and SQLSTATE (`preparing try-acquire: relation
-/// "wh_perspective_cursors" does not exist (SQLSTATE 42P01)`), so `Display` says what happened
-/// without walking the source chain; the driver error stays the source.
-pub fn map_error(err: tokio_postgres::Error, doing: &'static str) -> Error {
+/// What the driver says went wrong, once: the server's message and SQLSTATE for an error the
+/// server sent (`relation "t" does not exist (SQLSTATE 42P01)`), else the innermost cause of a
+/// connection failure (`Connection refused (os error 111)`, `failed to lookup address
+/// information: …`, `timeout waiting for server`), else the driver's own words.
+pub fn describe(err: &tokio_postgres::Error) -> String {
+    if let Some(db) = err.as_db_error() {
+        let mut text = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+        if let Some(detail) = db.detail() {
+            text.push_str("; ");
+            text.push_str(detail);
+        }
+        return text;
+    }
+    // The driver's own text ("error connecting to server") says where; the innermost source
+    // says why. Both, once each.
+    let mut innermost: Option<&(dyn std::error::Error + 'static)> = None;
+    let mut next = std::error::Error::source(err);
+    while let Some(cause) = next {
+        innermost = Some(cause);
+        next = cause.source();
+    }
+    match innermost {
+        Some(cause) => format!("{err}: {cause}"),
+        None => err.to_string(),
+    }
+}
+
+/// Wraps a driver error with its kind and what was being done: `{doing}: {what the driver
+/// says}` ([`describe`]), so `Display` tells the server's message and SQLSTATE (or the I/O
+/// cause) exactly once. The driver error is kept as [`Error::underlying`] (for downcasting),
+/// not as the `source()`, whose text would repeat the message in a printed chain.
+pub fn map_error(err: tokio_postgres::Error, doing: &str) -> Error {
     let kind = kind_of(&err);
-    let message = match err.as_db_error() {
-        Some(db) => format!("{doing}: {} (SQLSTATE {})", db.message(), db.code().code()),
-        None => doing.to_owned(),
-    };
-    Error::new(kind, message).with_source(err)
+    Error::new(kind, format!("{doing}: {}", describe(&err))).with_cause_in_message(err)
 }
 
 /// [`map_error`] for lockstep's own statements (sibling crates reach it through
@@ -60,41 +83,50 @@ pub(crate) fn map_statement_error(err: tokio_postgres::Error, doing: &str) -> Er
             || *code == SqlState::UNDEFINED_FUNCTION
     });
     let kind = kind_of(&err);
-    let message = match err.as_db_error() {
-        Some(db) if missing_schema => format!(
-            "{doing}: {} (SQLSTATE {}); the database lacks lockstep's schema: run the \
-             migrations first (lockstep_pg::migrate)",
-            db.message(),
-            db.code().code()
-        ),
-        Some(db) => format!("{doing}: {} (SQLSTATE {})", db.message(), db.code().code()),
-        None => doing.to_owned(),
+    let message = if missing_schema {
+        format!(
+            "{doing}: {}; the database lacks lockstep's schema: run the migrations first \
+             (lockstep_pg::migrate)",
+            describe(&err)
+        )
+    } else {
+        format!("{doing}: {}", describe(&err))
     };
-    Error::new(kind, message).with_source(err)
+    Error::new(kind, message).with_cause_in_message(err)
 }
 
 /// Wraps a pool error: a failed checkout is a lost connection (retryable), a bad pool setup is
-/// a backend error.
+/// a backend error. The message says why, once: the server's refusal (`database "x" does not
+/// exist (SQLSTATE 3D000)`), the I/O cause (`Connection refused`), or which timeout ran out.
 pub fn map_pool_error(err: deadpool_postgres::PoolError) -> Error {
-    use deadpool_postgres::PoolError;
+    map_pool_error_for(err, None)
+}
+
+/// [`map_pool_error`], naming where the pool connects (`database "app" on 127.0.0.1:5432 as
+/// user "app"` — never a password) when it is known.
+pub(crate) fn map_pool_error_for(err: deadpool_postgres::PoolError, target: Option<&str>) -> Error {
+    use deadpool_postgres::{PoolError, TimeoutType};
     let kind = match &err {
         PoolError::Backend(e) => kind_of(e),
-        PoolError::Timeout(_) => ErrorKind::ConnectionLost,
-        PoolError::Closed => ErrorKind::ConnectionLost,
+        PoolError::Timeout(_) | PoolError::Closed => ErrorKind::ConnectionLost,
         _ => ErrorKind::Backend,
     };
+    let to = target.map(|t| format!(" to {t}")).unwrap_or_default();
     let message = match &err {
-        PoolError::Backend(e) => match e.as_db_error() {
-            Some(db) => format!(
-                "getting a connection from the pool: {} (SQLSTATE {})",
-                db.message(),
-                db.code().code()
-            ),
-            None => "getting a connection from the pool".to_owned(),
-        },
-        _ => "getting a connection from the pool".to_owned(),
+        PoolError::Backend(e) => format!("connecting{to}: {}", describe(e)),
+        PoolError::Timeout(TimeoutType::Wait) => {
+            format!("getting a pooled connection{to}: no connection came free in time")
+        }
+        PoolError::Timeout(TimeoutType::Create) => {
+            format!("connecting{to}: the server did not answer in time")
+        }
+        PoolError::Timeout(TimeoutType::Recycle) => {
+            format!("getting a pooled connection{to}: checking an idle connection timed out")
+        }
+        PoolError::Closed => format!("getting a pooled connection{to}: the pool is closed"),
+        other => format!("getting a pooled connection{to}: {other}"),
     };
-    Error::new(kind, message).with_source(err)
+    Error::new(kind, message).with_cause_in_message(err)
 }
 
 #[cfg(test)]

@@ -3,6 +3,13 @@
 //! The PostgreSQL plumbing shared by the lockstep backends (`lockstep-pg-stream`,
 //! `lockstep-pg-advisory`, `lockstep-pg-store`):
 //!
+//! - [`PgDatabase`] ([`database`]): **the one handle** a process builds — from a URL, a config
+//!   or a pool of its own, with the pool size, checkout wait, TLS and lock-queue settings. It is
+//!   the unit-of-work source ([`lockstep_core::TransactionSource`], `Tx` = [`PgTransaction`]),
+//!   runs [`PgDatabase::migrate`], and every backend is built from it
+//!   (`lockstep_pg_advisory::PgDistributedLock::new(&db)`,
+//!   `lockstep_pg_stream::PgStreamLocker::new(&db, options)`,
+//!   `lockstep_pg_store::PgEventStore::new(&db)`), so they share its queue and TLS.
 //! - [`migrate()`]: applies the schema, the numbered SQL files of the workspace's `migrations/`
 //!   folder, which this crate carries a checked copy of ([`migrate`](mod@migrate) says what
 //!   it creates and what the `wh_` prefix means). Explicit, idempotent, safe from several
@@ -20,14 +27,14 @@
 //! - [`pool`]: every checkout lockstep makes waits a bounded time ([`checkout`],
 //!   [`DEFAULT_CHECKOUT_WAIT`]), so an exhausted pool is an error instead of a hang, and how
 //!   to size the pool.
-//! - [`source`]: [`PgTransactionSource`], the unit-of-work contract
-//!   ([`lockstep_core::TransactionSource`]) over a pool, whose transactions are
-//!   [`PgTransaction`]s.
 //!
 //! ```no_run
-//! # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
-//! lockstep_pg::migrate(&pool).await?;
-//! let tx = lockstep_pg::PgTransaction::begin(&pool).await?;
+//! # async fn demo() -> lockstep_core::Result<()> {
+//! use lockstep_pg::{PgDatabase, Transaction, TransactionSource};
+//!
+//! let db = PgDatabase::connect("postgres://app@db.internal/app").await?;
+//! db.migrate().await?;
+//! let tx = db.begin().await?;
 //! // ... take locks and write through the backends on &tx ...
 //! tx.commit().await?;
 //! # Ok(()) }
@@ -42,21 +49,26 @@
 
 mod advisory;
 mod cancel;
+pub mod database;
 pub mod error;
 #[doc(hidden)]
 pub mod internal;
 pub mod migrate;
 pub mod pool;
 mod queue;
-pub mod source;
+pub mod target;
 pub mod transaction;
 
 pub use advisory::LockQueue;
-pub use error::{map_error, map_pool_error};
+pub use database::{PgDatabase, PgDatabaseBuilder};
+pub use error::{describe, map_error, map_pool_error};
 pub use migrate::migrate;
 pub use pool::{DEFAULT_CHECKOUT_WAIT, checkout};
-pub use source::PgTransactionSource;
 pub use transaction::{PgTransaction, PgTransactionRef, WriteAtCommit};
+
+/// The unit-of-work traits [`PgDatabase`] and [`PgTransaction`] implement, so Postgres-only
+/// code can `use lockstep_pg::{Transaction, TransactionSource}` for `begin` and `commit`.
+pub use lockstep_core::{Transaction, TransactionSource};
 
 /// Re-exported so users name the same driver versions as the backends.
 pub use deadpool_postgres;

@@ -3,8 +3,8 @@
 //! deadpool's defaults wait for a free connection for ever: with every connection busy, a
 //! lease renewal, a lock or a commit would hang while the lease it is meant to keep expires.
 //! Every checkout lockstep makes therefore waits at most a bounded time ([`checkout`],
-//! [`DEFAULT_CHECKOUT_WAIT`] unless configured: `PgTransactionSource::with_checkout_wait`,
-//! `PgTransaction::begin_within`, `PostgresDistributedLock::with_checkout_wait`) and then fails
+//! [`DEFAULT_CHECKOUT_WAIT`] unless configured: `PgDatabaseBuilder::checkout_wait`,
+//! `PgTransaction::begin_within`, `PgDistributedLock::with_checkout_wait`) and then fails
 //! with a retryable [`ErrorKind::ConnectionLost`] that names the pool's state — an exhausted
 //! pool is an error you can see, not a hang. A pool's own `wait` timeout, if shorter, applies
 //! too. A component that must act within a deadline (a keepalive renewing a lease every
@@ -36,7 +36,7 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, Object, Pool, Runtime, Timeouts};
 use lockstep_core::{Error, ErrorKind, Result};
 
-use crate::error::map_pool_error;
+use crate::error::map_pool_error_for;
 
 /// How long a lockstep checkout waits for a free connection unless configured otherwise: 5 s.
 pub const DEFAULT_CHECKOUT_WAIT: Duration = Duration::from_secs(5);
@@ -45,15 +45,25 @@ pub const DEFAULT_CHECKOUT_WAIT: Duration = Duration::from_secs(5);
 /// own wait timeout applies too, if shorter). An exhausted pool is
 /// [`ErrorKind::ConnectionLost`] (retryable), its message naming the pool's size and waiters.
 pub async fn checkout(pool: &Pool, wait: Duration) -> Result<Object> {
+    checkout_naming(pool, wait, None).await
+}
+
+/// [`checkout`], naming `target` (host, port, database, user) in its errors.
+pub(crate) async fn checkout_naming(
+    pool: &Pool,
+    wait: Duration,
+    target: Option<&str>,
+) -> Result<Object> {
     match tokio::time::timeout(wait, pool.get()).await {
-        Ok(conn) => conn.map_err(map_pool_error),
+        Ok(conn) => conn.map_err(|e| map_pool_error_for(e, target)),
         Err(_) => {
             let status = pool.status();
             Err(Error::new(
                 ErrorKind::ConnectionLost,
                 format!(
-                    "no pooled connection came free within {wait:?} (pool exhausted: {} of {} \
+                    "no pooled connection{} came free within {wait:?} (pool exhausted: {} of {} \
                      in use, {} waiting); see lockstep_pg::pool for sizing",
+                    target.map(|t| format!(" to {t}")).unwrap_or_default(),
                     status.size - status.available.min(status.size),
                     status.max_size,
                     status.waiting

@@ -2,9 +2,11 @@
 //!
 //! [`PgTransaction`] owns its pooled connection, so it is `'static` and a handler holding it can
 //! be spawned. It runs at READ COMMITTED (lock-then-load needs each statement to see the latest
-//! committed data). Dropping it without commit or rollback discards the connection instead of
-//! returning it to the pool mid-transaction; the server rolls the transaction back and releases
-//! its locks. It is the transaction the contracts that **wait for a lock** are implemented for
+//! committed data). It is a guard ([`lockstep_core::Transaction`]): `commit(self)`,
+//! `rollback(self)`, and dropped open it is rolled back — in the background, the connection
+//! pooled again only once the server confirmed the `ROLLBACK` (within
+//! [`DROPPED_ROLLBACK_WAIT`], else it is closed; without a tokio runtime it is closed at once).
+//! It is never returned to the pool mid-transaction. It is the transaction the contracts that **wait for a lock** are implemented for
 //! (`DistributedLock`, `EventStore` with its `load_locked`): a wait that is abandoned is ended
 //! with a cancel request, which can arrive late — after the statement ended — and so must not
 //! find the connection serving anyone else. A [`PgTransaction`] then closes its connection when
@@ -28,8 +30,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use std::future::Future;
+use std::time::Duration;
+
 use deadpool_postgres::{Object, Pool};
-use lockstep_core::{Error, ErrorKind, Result};
+use lockstep_core::{Error, ErrorKind, Result, Transaction};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient};
 
@@ -211,6 +216,7 @@ impl PgTransaction {
     ///
     /// ```no_run
     /// # async fn demo(pool: deadpool_postgres::Pool) -> lockstep_core::Result<()> {
+    /// use lockstep_core::Transaction as _; // commit
     /// use lockstep_pg::{PgTransaction, WriteAtCommit};
     /// use tokio_postgres::types::Type;
     ///
@@ -232,23 +238,8 @@ impl PgTransaction {
         lock(&self.at_commit).len()
     }
 
-    /// Commits. Transaction-scoped locks are released by the server. A transaction that had
-    /// failed is rolled back by the server instead, reported as
-    /// [`ErrorKind::TransactionAborted`]. Writes held back by
-    /// [`PgTransaction::write_at_commit`] are sent first, in the same round trip as the
-    /// `COMMIT`; if one fails, the transaction is rolled back and its error returned.
-    ///
-    /// If the connection is lost while the `COMMIT` is in flight, nobody can say whether the
-    /// server committed (it may have, and only the reply was lost): that is
-    /// [`ErrorKind::CommitUnknown`], which is **not** retryable — running the unit of work again
-    /// could apply it twice. Check what was written (event-store appends are idempotent by
-    /// event id, so re-appending the same events is safe). A connection already known to be
-    /// lost before the `COMMIT` was sent is [`ErrorKind::ConnectionLost`] (retryable: the
-    /// server rolled the transaction back).
-    ///
-    /// Cancel-safe: dropped while the `COMMIT` is in flight, the connection is closed, never
-    /// pooled (its transaction may still be open, aborted).
-    pub async fn commit(mut self) -> Result<()> {
+    /// The commit of [`Transaction::commit`] (documented there, for this type).
+    async fn commit_now(mut self) -> Result<()> {
         let Some(conn) = self.conn.take() else {
             return Ok(());
         };
@@ -383,9 +374,8 @@ impl PgTransaction {
         // Otherwise the guard closes the connection.
     }
 
-    /// Rolls back. Transaction-scoped locks are released by the server. A connection that
-    /// fails here is closed, never pooled.
-    pub async fn rollback(mut self) -> Result<()> {
+    /// The rollback of [`Transaction::rollback`].
+    async fn rollback_now(mut self) -> Result<()> {
         let Some(conn) = self.conn.take() else {
             return Ok(());
         };
@@ -421,12 +411,71 @@ impl PgTransaction {
     }
 }
 
+/// The guard contract: [`PgTransaction`] is the `Tx` of [`crate::PgDatabase`].
+impl Transaction for PgTransaction {
+    /// Commits. Transaction-scoped locks are released by the server. A transaction that had
+    /// failed is rolled back by the server instead, reported as
+    /// [`ErrorKind::TransactionAborted`]. Writes held back by
+    /// [`PgTransaction::write_at_commit`] are sent first, in the same round trip as the
+    /// `COMMIT`; if one fails, the transaction is rolled back and its error returned.
+    ///
+    /// If the connection is lost while the `COMMIT` is in flight, nobody can say whether the
+    /// server committed (it may have, and only the reply was lost): that is
+    /// [`ErrorKind::CommitUnknown`], which is **not** retryable — running the unit of work again
+    /// could apply it twice. Check what was written (event-store appends are idempotent by
+    /// event id, so re-appending the same events is safe). A connection already known to be
+    /// lost before the `COMMIT` was sent is [`ErrorKind::ConnectionLost`] (retryable: the
+    /// server rolled the transaction back).
+    ///
+    /// Cancel-safe: dropped while the `COMMIT` is in flight, the connection is closed, never
+    /// pooled (its transaction may still be open, aborted).
+    fn commit(self) -> impl Future<Output = Result<()>> + Send {
+        self.commit_now()
+    }
+
+    /// Rolls back. Transaction-scoped locks are released by the server. A connection that
+    /// fails here is closed, never pooled; so is one on which an abandoned lock wait's cancel
+    /// request may still arrive (the server rolls back when it goes).
+    fn rollback(self) -> impl Future<Output = Result<()>> + Send {
+        self.rollback_now()
+    }
+}
+
+/// How long a transaction dropped open waits for its `ROLLBACK` before its connection is closed
+/// instead of pooled (a statement dropped mid-flight is still running ahead of it).
+pub const DROPPED_ROLLBACK_WAIT: Duration = Duration::from_secs(5);
+
 impl Drop for PgTransaction {
     fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            // Never hand a connection back to the pool inside an open transaction (it may hold
-            // locks or be waiting for one): detach it, closing it; the server rolls back.
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        // Never hand a connection back to the pool inside an open transaction (it may hold
+        // locks or be waiting for one). On a tokio runtime, roll back in the background and
+        // pool the connection once the server confirms (sqlx queues its rollback the same
+        // way); a late cancel request may still hit a connection whose lock wait was
+        // abandoned, so that one is closed — as is every connection when there is no runtime
+        // to roll back on. Closed, the server rolls back when it notices.
+        if self.discard.load(Ordering::Acquire) || conn.is_closed() {
             let _ = Object::take(conn);
+            return;
+        }
+        let mut conn = DetachOnDrop(Some(conn));
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let rolled_back = tokio::time::timeout(
+                        DROPPED_ROLLBACK_WAIT,
+                        conn.client().batch_execute("ROLLBACK"),
+                    )
+                    .await;
+                    if matches!(rolled_back, Ok(Ok(()))) {
+                        drop(conn.disarm()); // back to the pool, outside any transaction
+                    }
+                    // Otherwise (or if this task is dropped) the guard closes the connection.
+                });
+            }
+            Err(_) => drop(conn),
         }
     }
 }

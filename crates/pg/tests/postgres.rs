@@ -1,6 +1,7 @@
 //! lockstep-pg against a real PostgreSQL: migrations and owned transactions.
 
 use lockstep_core::ErrorKind;
+use lockstep_core::Transaction as _;
 use lockstep_pg::{PgTransaction, migrate, migrate::embedded_migrations};
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_testkit::relay::Relay;
@@ -110,7 +111,7 @@ async fn committing_a_failed_transaction_reports_it_and_keeps_nothing() {
 }
 
 #[tokio::test]
-async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection() {
+async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection_inside_it() {
     let db = test_database().await;
     let pool = db.pool(1);
     let setup = db.connect().await;
@@ -124,31 +125,58 @@ async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection(
         .execute("INSERT INTO t VALUES (1)", &[])
         .await
         .expect("insert");
-    let dropped_pid: i32 = tx
-        .client()
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
     drop(tx);
 
-    // The pool (size 1) hands out a new connection, not the one left mid-transaction.
-    let conn = pool.get().await.expect("connection");
-    let pid: i32 = conn
-        .query_one("SELECT pg_backend_pid()", &[])
+    // The pool (size 1) hands the connection back only after the background ROLLBACK: it is
+    // outside any transaction, and the insert is gone.
+    let conn = tokio::time::timeout(std::time::Duration::from_secs(10), pool.get())
         .await
-        .expect("pid")
+        .expect("the connection comes back")
+        .expect("connection");
+    let in_transaction: bool = conn
+        .query_one("SELECT now() <> statement_timestamp()", &[])
+        .await
+        .expect("probe")
         .get(0);
-    assert_ne!(
-        pid, dropped_pid,
-        "the open transaction's connection was not pooled"
-    );
+    assert!(!in_transaction, "pooled outside any transaction");
     let count: i64 = setup
         .query_one("SELECT count(*) FROM t", &[])
         .await
         .expect("count")
         .get(0);
     assert_eq!(count, 0);
+}
+
+/// Dropped with no runtime to roll back on, the connection is closed, never pooled.
+#[test]
+fn dropping_an_open_transaction_without_a_runtime_closes_its_connection() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (db, pool, tx, pid) = runtime.block_on(async {
+        let db = test_database().await;
+        let pool = db.pool(1);
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        let pid: i32 = tx
+            .client()
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pid")
+            .get(0);
+        (db, pool, tx, pid)
+    });
+    drop(tx); // outside the runtime: nothing to roll back on
+    runtime.block_on(async {
+        let conn = pool.get().await.expect("connection");
+        let now: i32 = conn
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pid")
+            .get(0);
+        assert_ne!(now, pid, "the open transaction's connection was not pooled");
+        drop(db);
+    });
 }
 
 /// A relay in front of `db`'s server and a pool of 2 connections through it: arm
@@ -265,8 +293,11 @@ async fn an_exhausted_pool_is_a_typed_error_after_the_checkout_wait_not_a_hang()
     let held = PgTransaction::begin(&pool)
         .await
         .expect("the only connection");
-    let source = lockstep_pg::PgTransactionSource::new(pool.clone())
-        .with_checkout_wait(Duration::from_millis(100));
+    let source = lockstep_pg::PgDatabase::builder()
+        .pool(pool.clone())
+        .checkout_wait(Duration::from_millis(100))
+        .build()
+        .expect("handle");
     let err = tokio::time::timeout(Duration::from_secs(10), source.begin())
         .await
         .expect("bounded, not a hang")
@@ -284,7 +315,7 @@ async fn an_exhausted_pool_is_a_typed_error_after_the_checkout_wait_not_a_hang()
     assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err}");
     held.rollback().await.expect("rollback");
     let tx = source.begin().await.expect("free again");
-    source.rollback(tx).await.expect("rollback");
+    tx.rollback().await.expect("rollback");
 }
 
 /// The default wait is bounded too: [`lockstep_pg::DEFAULT_CHECKOUT_WAIT`] (tokio's paused

@@ -35,16 +35,16 @@
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
-//! use lockstep_core::{EventStore, ExpectedVersion, NewEvent, StreamId};
+//! use lockstep_core::{EventStore, ExpectedVersion, NewEvent, StreamId, Transaction, TransactionSource};
 //! use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
 //!
 //! let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
 //! let stream = StreamId::new_v7();
-//! let tx = db.begin();
+//! let tx = db.begin().await?;
 //! let event = NewEvent::new("StockAdded", serde_json::json!({ "quantity": 100 }))?;
 //! assert_eq!(store.append(&tx, stream, ExpectedVersion::NoStream, &[event]).await?, 1);
 //! tx.commit().await?;
-//! assert_eq!(store.load(&db.begin(), stream).await?.len(), 1);
+//! assert_eq!(store.load(&db.begin().await?, stream).await?.len(), 1);
 //! # Ok(()) }
 //! ```
 

@@ -21,13 +21,13 @@
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockstep_core::Result<()> {
-//! use lockstep_core::{DistributedLock, ResourceKey};
+//! use lockstep_core::{DistributedLock, ResourceKey, Transaction, TransactionSource};
 //! use lockstep_testkit::{FakeDatabase, FakeDistributedLock};
 //!
 //! let db = FakeDatabase::new();
 //! let lock = FakeDistributedLock::new(&db);
 //! let key = ResourceKey::new("relay:aggregate:StockItem:1")?;
-//! let (a, b) = (db.begin(), db.begin());
+//! let (a, b) = (db.begin().await?, db.begin().await?);
 //! assert!(lock.try_acquire_for_transaction(&a, &key).await?);
 //! assert!(!lock.try_acquire_for_transaction(&b, &key).await?);
 //! a.commit().await?;
@@ -190,16 +190,7 @@ impl lockstep_core::TransactionSource for FakeDatabase {
     type Tx = FakeTransaction;
 
     fn begin(&self) -> impl Future<Output = Result<FakeTransaction>> + Send {
-        std::future::ready(Ok(FakeDatabase::begin(self)))
-    }
-
-    fn commit(&self, tx: FakeTransaction) -> impl Future<Output = Result<()>> + Send {
-        tx.commit()
-    }
-
-    async fn rollback(&self, tx: FakeTransaction) -> Result<()> {
-        tx.rollback().await;
-        Ok(())
+        std::future::ready(Ok(self.begin_now()))
     }
 }
 
@@ -215,8 +206,10 @@ impl FakeDatabase {
         }
     }
 
-    /// Begins a transaction.
-    pub fn begin(&self) -> FakeTransaction {
+    /// Begins a transaction at once — what the unit-of-work contract's
+    /// [`begin`](lockstep_core::TransactionSource::begin) does (it never fails or waits on the
+    /// fake), without an `.await`, for tests.
+    pub fn begin_now(&self) -> FakeTransaction {
         FakeTransaction {
             db: self.clone(),
             id: self.next_id(),
@@ -521,11 +514,36 @@ impl FakeTransaction {
         self.state().at_commit.push(write);
     }
 
+    fn state(&self) -> MutexGuard<'_, TxState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn end(&self, how: TxEnd) {
+        let hooks = {
+            let mut state = self.state();
+            if state.status == TxStatus::Ended {
+                return;
+            }
+            state.status = TxStatus::Ended;
+            std::mem::take(&mut state.hooks)
+        };
+        // Effects become visible before the locks go, as in Postgres (commit, then unlock).
+        for hook in hooks {
+            hook(how);
+        }
+        self.db.release_owner(LockOwner::Transaction(self.id));
+    }
+}
+
+/// The guard contract: commit and rollback end the fake transaction as on Postgres.
+impl lockstep_core::Transaction for FakeTransaction {
     /// Commits: runs the writes held back by [`FakeTransaction::write_at_commit`], releases
     /// every lock and runs the end hooks with [`TxEnd::Committed`]. An aborted transaction is
     /// rolled back instead and the commit fails with [`ErrorKind::TransactionAborted`]; a
     /// held-back write that fails rolls the transaction back and the commit returns its error.
-    pub async fn commit(self) -> Result<()> {
+    async fn commit(self) -> Result<()> {
         let writes = std::mem::take(&mut self.state().at_commit);
         if self.state().status == TxStatus::Open {
             for write in writes {
@@ -550,30 +568,10 @@ impl FakeTransaction {
     }
 
     /// Rolls back: releases every lock and runs the end hooks with [`TxEnd::RolledBack`].
-    pub async fn rollback(self) {
+    /// Never fails on the fake.
+    async fn rollback(self) -> Result<()> {
         self.end(TxEnd::RolledBack);
-    }
-
-    fn state(&self) -> MutexGuard<'_, TxState> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn end(&self, how: TxEnd) {
-        let hooks = {
-            let mut state = self.state();
-            if state.status == TxStatus::Ended {
-                return;
-            }
-            state.status = TxStatus::Ended;
-            std::mem::take(&mut state.hooks)
-        };
-        // Effects become visible before the locks go, as in Postgres (commit, then unlock).
-        for hook in hooks {
-            hook(how);
-        }
-        self.db.release_owner(LockOwner::Transaction(self.id));
+        Ok(())
     }
 }
 

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     AggregateWriteLock, DistributedAggregateWriteLock, ErrorKind, ResourceKey, Uuid,
 };
@@ -18,7 +19,7 @@ async fn a_second_writer_is_denied_while_the_first_holds_the_sku() {
     let db = FakeDatabase::new();
     let sut = DistributedAggregateWriteLock::new(FakeDistributedLock::new(&db));
     let sku = Uuid::now_v7();
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(sut.try_acquire(&a, "StockItem", sku).await.expect("try"));
     assert!(!sut.try_acquire(&b, "StockItem", sku).await.expect("try"));
     assert_eq!(
@@ -34,13 +35,13 @@ async fn a_blocking_acquire_waits_until_the_first_transaction_ends() {
         FakeDistributedLock::new(&db),
     ));
     let sku = Uuid::now_v7();
-    let a = db.begin();
+    let a = db.begin_now();
     assert!(sut.try_acquire(&a, "StockItem", sku).await.expect("try"));
 
     let writer_b = {
         let (sut, db) = (sut.clone(), db.clone());
         tokio::spawn(async move {
-            let b = db.begin();
+            let b = db.begin_now();
             sut.acquire(&b, "StockItem", sku).await.map(|()| b)
         })
     };
@@ -65,7 +66,7 @@ async fn writers_to_different_ids_never_wait() {
     let db = FakeDatabase::new();
     let sut = DistributedAggregateWriteLock::new(FakeDistributedLock::new(&db))
         .with_timeout(Duration::from_millis(1));
-    let txs: Vec<_> = (0..16).map(|_| db.begin()).collect();
+    let txs: Vec<_> = (0..16).map(|_| db.begin_now()).collect();
     for tx in &txs {
         // A 1 ms timeout would fail any writer that had to wait.
         sut.acquire(tx, "StockItem", Uuid::now_v7())
@@ -81,7 +82,7 @@ async fn the_key_is_namespaced_by_aggregate_type_and_id() {
     let recording = RecordingDistributedLock::new(FakeDistributedLock::new(&db));
     let sut = DistributedAggregateWriteLock::new(recording.clone());
     let id = Uuid::parse_str("0123456789abcdef0123456789abcdef").expect("uuid");
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(sut.try_acquire(&a, "StockItem", id).await.expect("try"));
     // Same id under another type: a different key, so no contention.
     assert!(sut.try_acquire(&b, "Order", id).await.expect("try"));
@@ -99,7 +100,7 @@ async fn the_key_is_namespaced_by_aggregate_type_and_id() {
 async fn invalid_aggregate_types_are_refused_and_lock_nothing() {
     let db = FakeDatabase::new();
     let sut = DistributedAggregateWriteLock::new(FakeDistributedLock::new(&db));
-    let tx = db.begin();
+    let tx = db.begin_now();
     for bad in ["", "   ", "Stock:Item"] {
         let err = sut
             .acquire(&tx, bad, Uuid::now_v7())
@@ -125,7 +126,7 @@ async fn locking_two_aggregates_in_opposite_argument_order_never_deadlocks() {
     for i in 0..20 {
         let (sut, db) = (sut.clone(), db.clone());
         tasks.push(tokio::spawn(async move {
-            let tx = db.begin();
+            let tx = db.begin_now();
             let order = if i % 2 == 0 {
                 [("StockItem", x), ("StockItem", y)]
             } else {

@@ -2,6 +2,7 @@
 //! the fake's own documented behaviour (deadlock detection among writers waiting for each
 //! other's versions, or for versions and locks).
 
+use lockstep_core::Transaction as _;
 use std::time::Duration;
 
 use lockstep_core::{
@@ -46,7 +47,7 @@ fn event() -> NewEvent {
 async fn writers_waiting_for_each_others_versions_get_a_deadlock_error() {
     let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
     let (s1, s2) = (StreamId::new_v7(), StreamId::new_v7());
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     store
         .append(&a, s1, ExpectedVersion::NoStream, &[event()])
         .await
@@ -62,7 +63,7 @@ async fn writers_waiting_for_each_others_versions_get_a_deadlock_error() {
             tokio::task::yield_now().await;
             let result = store.append(&b, s1, ExpectedVersion::NoStream, &one).await;
             // The victim ends, so the other writer can finish.
-            b.rollback().await;
+            b.rollback().await.expect("rollback");
             result
         }
     );
@@ -83,7 +84,7 @@ async fn writers_waiting_for_each_others_versions_get_a_deadlock_error() {
 async fn a_dropped_waiting_append_aborts_its_transaction() {
     let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
     let stream = StreamId::new_v7();
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     store
         .append(&a, stream, ExpectedVersion::Any, &[event()])
         .await
@@ -111,7 +112,7 @@ async fn a_cycle_of_a_version_wait_and_a_lock_wait_is_a_deadlock() {
         StreamId::new_v7(),
         ResourceKey::new("test:mixed").expect("key"),
     );
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(
         lock.try_acquire_for_transaction(&a, &key)
             .await
@@ -127,7 +128,7 @@ async fn a_cycle_of_a_version_wait_and_a_lock_wait_is_a_deadlock() {
         async {
             tokio::task::yield_now().await;
             let result = lock.acquire_for_transaction(&b, &key, None).await;
-            b.rollback().await;
+            b.rollback().await.expect("rollback");
             result
         }
     );
@@ -152,12 +153,12 @@ async fn a_store_refuses_transactions_of_another_database() {
         InMemoryEventStore::new(),
     );
     let stream = StreamId::new_v7();
-    let tx = db.begin();
+    let tx = db.begin_now();
     store
         .append(&tx, stream, ExpectedVersion::NoStream, &[event()])
         .await
         .expect("the first database binds the store");
-    let foreign = other.begin();
+    let foreign = other.begin_now();
     let err = store.load(&foreign, stream).await.expect_err("refused");
     assert_eq!(err.kind(), ErrorKind::Unsupported);
     let err = tokio::time::timeout(

@@ -2,6 +2,7 @@
 //! faults never reach the store, recorded calls come back in order with their outcomes, and an
 //! application's optimistic retry loop can be driven through injected conflicts.
 
+use lockstep_core::Transaction as _;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -26,7 +27,7 @@ fn key(name: &str) -> ResourceKey {
 /// Commits `events` to a new stream straight on the store (no wrapper involved).
 async fn seeded(db: &FakeDatabase, store: &InMemoryEventStore, events: &[NewEvent]) -> StreamId {
     let stream = StreamId::new_v7();
-    let tx = db.begin();
+    let tx = db.begin_now();
     store
         .append(&tx, stream, ExpectedVersion::NoStream, events)
         .await
@@ -42,7 +43,7 @@ async fn an_injected_conflict_is_retryable_is_not_applied_and_the_next_append_go
     let (faulty, faults) = FaultyEventStore::new(store.clone());
 
     faults.fail_next_appends(1, ErrorKind::Conflict);
-    let tx = db.begin();
+    let tx = db.begin_now();
     let err = faulty
         .append(
             &tx,
@@ -64,11 +65,11 @@ async fn an_injected_conflict_is_retryable_is_not_applied_and_the_next_append_go
     // docs), and the stream is still at version 1.
     assert!(tx.is_usable());
     assert_eq!(faulty.load(&tx, stream).await.expect("load").len(), 1);
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
     assert_eq!(store.committed(stream).len(), 1);
 
     // One fault per call: the retry, in a new transaction, goes through.
-    let tx = db.begin();
+    let tx = db.begin_now();
     let version = faulty
         .append(
             &tx,
@@ -93,7 +94,7 @@ async fn injected_load_faults_and_denials_take_no_lock_and_then_delegate() {
     let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
     let stream = seeded(&db, &store, &[event("StockAdded", 10)]).await;
     let (faulty, faults) = FaultyEventStore::new(store);
-    let tx = db.begin();
+    let tx = db.begin_now();
 
     faults.fail_next_loads(2, ErrorKind::ConnectionLost);
     let err = faulty.load(&tx, stream).await.expect_err("injected");
@@ -125,7 +126,7 @@ async fn injected_load_faults_and_denials_take_no_lock_and_then_delegate() {
         .expect("load_locked");
     assert_eq!(events.len(), 1);
     assert_eq!(db.held_keys().len(), 1);
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
 }
 
 #[tokio::test(start_paused = true)]
@@ -134,7 +135,7 @@ async fn latency_delays_the_call_before_it_reaches_the_store() {
     let (faulty, faults) = FaultyEventStore::new(store.clone());
     let stream = StreamId::new_v7();
     faults.set_latency(Duration::from_secs(5));
-    let tx = db.begin();
+    let tx = db.begin_now();
     let one = [event("StockAdded", 1)];
 
     // On the paused clock: abandoned halfway through the delay, the append never started.
@@ -161,7 +162,7 @@ async fn the_recording_store_lists_calls_in_order_with_their_outcomes() {
     let recording = RecordingEventStore::new(store);
     let stream = StreamId::new_v7();
 
-    let tx = db.begin();
+    let tx = db.begin_now();
     recording.load(&tx, stream).await.expect("load");
     recording
         .append(
@@ -174,7 +175,7 @@ async fn the_recording_store_lists_calls_in_order_with_their_outcomes() {
         .expect("append");
     tx.commit().await.expect("commit");
 
-    let tx = db.begin();
+    let tx = db.begin_now();
     let err = recording
         .append(
             &tx,
@@ -185,15 +186,15 @@ async fn the_recording_store_lists_calls_in_order_with_their_outcomes() {
         .await
         .expect_err("stale expected version");
     assert_eq!(err.kind(), ErrorKind::Conflict);
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
 
-    let tx = db.begin();
+    let tx = db.begin_now();
     let timeout = Some(Duration::from_secs(2));
     recording
         .load_locked(&tx, stream, &key("stock"), timeout)
         .await
         .expect("load_locked");
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
 
     assert_eq!(
         recording.calls(),
@@ -240,28 +241,30 @@ async fn reserve<S: EventStore<FakeTransaction>>(
     attempts: &AtomicU32,
 ) -> Result<u64> {
     RetryPolicy::default()
-        .run(tokio::time::sleep, |_attempt| async move {
-            attempts.fetch_add(1, Ordering::SeqCst);
-            let tx = db.begin();
-            let events = store.load(&tx, stream).await?;
-            let available: i64 = events
-                .iter()
-                .map(|e| {
-                    let q = e.payload["quantity"].as_i64().unwrap_or(0);
-                    if e.event_type == "StockAdded" { q } else { -q }
-                })
-                .sum();
-            assert!(available >= quantity, "enough stock in this test");
-            let version = store
-                .append(
-                    &tx,
-                    stream,
-                    ExpectedVersion::Exact(events.len() as u64),
-                    &[event("StockReserved", quantity)],
-                )
-                .await?;
-            tx.commit().await?;
-            Ok(version)
+        .run(tokio::time::sleep, |_attempt| {
+            Box::pin(async move {
+                attempts.fetch_add(1, Ordering::SeqCst);
+                let tx = db.begin_now();
+                let events = store.load(&tx, stream).await?;
+                let available: i64 = events
+                    .iter()
+                    .map(|e| {
+                        let q = e.payload["quantity"].as_i64().unwrap_or(0);
+                        if e.event_type == "StockAdded" { q } else { -q }
+                    })
+                    .sum();
+                assert!(available >= quantity, "enough stock in this test");
+                let version = store
+                    .append(
+                        &tx,
+                        stream,
+                        ExpectedVersion::Exact(events.len() as u64),
+                        &[event("StockReserved", quantity)],
+                    )
+                    .await?;
+                tx.commit().await?;
+                Ok(version)
+            })
         })
         .await
 }

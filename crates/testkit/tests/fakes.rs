@@ -1,5 +1,6 @@
 //! Behaviour of the fakes beyond the shared suites: what a test author relies on.
 
+use lockstep_core::Transaction as _;
 use std::time::Duration;
 
 use lockstep_core::{
@@ -20,7 +21,7 @@ async fn a_dropped_waiting_acquire_leaves_no_ghost_waiter_and_aborts_its_transac
     let db = FakeDatabase::new();
     let lock = FakeDistributedLock::new(&db);
     let k = key("ghost");
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(lock.try_acquire_for_transaction(&a, &k).await.expect("try"));
     let waited = tokio::time::timeout(
         Duration::from_millis(50),
@@ -54,7 +55,7 @@ async fn a_deadlock_is_reported_to_the_waiter_that_closes_the_cycle() {
     let db = FakeDatabase::new();
     let lock = std::sync::Arc::new(FakeDistributedLock::new(&db));
     let (k1, k2) = (key("k1"), key("k2"));
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(
         lock.try_acquire_for_transaction(&a, &k1)
             .await
@@ -79,7 +80,7 @@ async fn a_deadlock_is_reported_to_the_waiter_that_closes_the_cycle() {
         .expect_err("deadlock");
     assert_eq!(err.kind(), ErrorKind::Deadlock);
     assert!(err.is_retryable());
-    b.rollback().await;
+    b.rollback().await.expect("rollback");
     let (a, result) = a_waits.await.expect("task");
     result.expect("A gets k2 once B rolled back");
     a.commit().await.expect("commit");
@@ -90,7 +91,7 @@ async fn transaction_end_hooks_see_how_it_ended_and_drop_rolls_back() {
     let db = FakeDatabase::new();
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     for commit in [true, false] {
-        let tx = db.begin();
+        let tx = db.begin_now();
         let seen = seen.clone();
         tx.on_end(move |end| seen.lock().expect("lock").push(end));
         if commit {
@@ -122,7 +123,7 @@ async fn session_locks_exclude_transactions_and_each_other_until_released() {
             .expect("try")
             .is_none()
     );
-    let tx = db.begin();
+    let tx = db.begin_now();
     assert!(
         !lock
             .try_acquire_for_transaction(&tx, &k)
@@ -140,7 +141,7 @@ async fn session_locks_exclude_transactions_and_each_other_until_released() {
             .await
             .expect("try")
     );
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
     let dropped = sessions.acquire_session(&k, None).await.expect("acquire");
     assert_eq!(dropped.key(), &k);
     drop(dropped);
@@ -151,7 +152,7 @@ async fn session_locks_exclude_transactions_and_each_other_until_released() {
 async fn a_transaction_from_another_fake_database_is_refused() {
     let (db1, db2) = (FakeDatabase::new(), FakeDatabase::new());
     let lock = FakeDistributedLock::new(&db1);
-    let foreign = db2.begin();
+    let foreign = db2.begin_now();
     let err = lock
         .try_acquire_for_transaction(&foreign, &key("x"))
         .await
@@ -208,7 +209,7 @@ async fn fault_handle_fails_and_loses_renews_then_recovers() {
 async fn faulty_distributed_lock_denies_then_delegates() {
     let db = FakeDatabase::new();
     let (lock, faults) = FaultyDistributedLock::new(FakeDistributedLock::new(&db));
-    let tx = db.begin();
+    let tx = db.begin_now();
     faults.deny_next_acquires(1);
     assert!(
         !lock

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     DistributedLock, ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, StreamId,
 };
@@ -23,7 +24,7 @@ async fn a_failed_statement_releases_the_transactions_locks_at_once() {
     let db = FakeDatabase::new();
     let lock = FakeDistributedLock::new(&db);
     let (k0, k1) = (key("abort:0"), key("abort:1"));
-    let (a, b, c) = (db.begin(), db.begin(), db.begin());
+    let (a, b, c) = (db.begin_now(), db.begin_now(), db.begin_now());
     assert!(
         lock.try_acquire_for_transaction(&b, &k1)
             .await
@@ -54,7 +55,7 @@ async fn a_failed_statement_releases_the_transactions_locks_at_once() {
             .kind(),
         ErrorKind::TransactionAborted
     );
-    b.rollback().await;
+    b.rollback().await.expect("rollback");
 }
 
 #[tokio::test(start_paused = true)]
@@ -62,7 +63,7 @@ async fn a_waiter_for_a_lock_proceeds_when_the_holder_is_aborted() {
     let db = FakeDatabase::new();
     let lock = FakeDistributedLock::new(&db);
     let (k0, k1) = (key("wake:0"), key("wake:1"));
-    let (a, b, c) = (db.begin(), db.begin(), db.begin());
+    let (a, b, c) = (db.begin_now(), db.begin_now(), db.begin_now());
     assert!(
         lock.try_acquire_for_transaction(&a, &k0)
             .await
@@ -109,7 +110,7 @@ async fn an_append_waiting_for_a_version_proceeds_when_its_writer_is_aborted() {
     let (lock, store) = (FakeDistributedLock::new(&db), InMemoryEventStore::new());
     let stream = StreamId::new_v7();
     let k = key("store:abort");
-    let (a, b, holder) = (db.begin(), db.begin(), db.begin());
+    let (a, b, holder) = (db.begin_now(), db.begin_now(), db.begin_now());
     assert!(
         lock.try_acquire_for_transaction(&holder, &k)
             .await
@@ -144,8 +145,8 @@ async fn an_append_waiting_for_a_version_proceeds_when_its_writer_is_aborted() {
         .expect("task");
     assert_eq!(result.expect("B's append goes through"), 1);
     b.commit().await.expect("commit");
-    a.rollback().await;
-    holder.rollback().await;
+    a.rollback().await.expect("rollback");
+    holder.rollback().await.expect("rollback");
     assert_eq!(store.committed(stream).len(), 1);
     assert!(db.is_idle());
 }
@@ -158,7 +159,7 @@ async fn an_expected_version_past_i64_max_is_refused_before_anything_happens() {
     let db = FakeDatabase::new();
     let store = InMemoryEventStore::new();
     let stream = StreamId::new_v7();
-    let tx = db.begin();
+    let tx = db.begin_now();
     for version in [1u64 << 63, u64::MAX] {
         let expected = ExpectedVersion::Exact(version);
         let err = store
@@ -179,6 +180,6 @@ async fn an_expected_version_past_i64_max_is_refused_before_anything_happens() {
         .await
         .expect_err("the stream is not at i64::MAX");
     assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
     assert!(store.committed(stream).is_empty());
 }

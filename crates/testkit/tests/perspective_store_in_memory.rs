@@ -3,6 +3,7 @@
 //! passes on PostgreSQL.
 
 use lockstep_core::StreamLockOptions;
+use lockstep_core::Transaction as _;
 use lockstep_testkit::conformance::perspective_store::Fixture;
 use lockstep_testkit::conformance::stream_locker::{SHORT_KEEPALIVE, SHORT_LOCK_TIMEOUT};
 use lockstep_testkit::{
@@ -46,7 +47,7 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
         StreamId::new_v7(),
         PerspectiveName::new("P").expect("valid"),
     );
-    let tx = fixture.source.begin();
+    let tx = fixture.source.begin_now();
     fixture
         .store
         .register(&tx, std::slice::from_ref(&name))
@@ -65,7 +66,7 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
             .expect("request")
     );
     tx.commit().await.expect("commit");
-    let tx = fixture.source.begin();
+    let tx = fixture.source.begin_now();
     let pairs = fixture
         .store
         .pending_pairs(&tx, InstanceId::random(), UNBOUNDED, 10)
@@ -78,5 +79,5 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
         .await
         .expect("claim");
     assert_eq!(claim, Claim::Idle);
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
 }

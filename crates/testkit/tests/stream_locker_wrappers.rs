@@ -3,6 +3,7 @@
 //! and the fence, and behind `dyn` as the worker holds a locker); with faults, fence checks and
 //! admin calls fail as asked and never reach the locker; the record keeps error kinds.
 
+use lockstep_core::Transaction as _;
 use std::future::Future;
 use std::time::Duration;
 
@@ -123,7 +124,7 @@ async fn injected_lease_check_failures_never_reach_the_locker_and_are_recorded_b
     fixture
         .faults
         .fail_next_lease_checks(1, ErrorKind::LeaseLost);
-    let tx = db.begin();
+    let tx = db.begin_now();
     let err = fixture
         .stack
         .check_lease(&tx, &lease.id)
@@ -134,10 +135,10 @@ async fn injected_lease_check_failures_never_reach_the_locker_and_are_recorded_b
         db.is_idle(),
         "the locker never saw the check: no row locked"
     );
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
 
     // One fault per call: the next check goes through and locks the cursor row.
-    let tx = db.begin();
+    let tx = db.begin_now();
     fixture
         .stack
         .check_lease(&tx, &lease.id)
@@ -271,7 +272,7 @@ async fn a_fenced_unit_of_work_is_rolled_back_when_the_fence_reports_the_lease_l
         fence: &F,
         lease: &StreamLease,
     ) -> lockstep_core::Result<()> {
-        let tx = db.begin();
+        let tx = db.begin_now();
         // ... rebuild the read model on `tx` ...
         fence.check_lease(&tx, &lease.id).await?;
         tx.commit().await

@@ -37,7 +37,7 @@
 //! let keeper = LeaseKeeper::start(locker, InstanceId::process());
 //! let (stream, name) = (StreamId::new_v7(), PerspectiveName::new("OrderPerspective")?);
 //! match keeper.try_acquire(stream, &name, &LockReason::Rewind).await? {
-//!     Leased::Held(lease) => {
+//!     Leased::Acquired(lease) => {
 //!         tokio::select! {
 //!             () = lease.lost().cancelled() => { /* stop: commit nothing */ }
 //!             () = async { /* rebuild, then commit fenced with lease.id() */ } => {}
@@ -168,8 +168,8 @@ impl Drop for TaskGuard {
 #[derive(Debug)]
 #[must_use]
 pub enum Leased {
-    /// Held and kept alive until released or dropped.
-    Held(HeldLease),
+    /// Acquired, and kept alive until released or dropped.
+    Acquired(HeldLease),
     /// Another instance holds a live lease.
     Denied(LeaseHolder),
     /// The pair's cursor row is in use by another transaction right now
@@ -232,7 +232,7 @@ impl LeaseKeeper {
             .try_acquire(stream_id, perspective, self.shared.instance, reason)
             .await?;
         Ok(match outcome {
-            AcquireOutcome::Acquired(lease) => Leased::Held(self.track(lease, sent)),
+            AcquireOutcome::Acquired(lease) => Leased::Acquired(self.track(lease, sent)),
             AcquireOutcome::Denied(holder) => Leased::Denied(holder),
             AcquireOutcome::Busy => Leased::Busy,
             AcquireOutcome::NoCursor => Leased::NoCursor,

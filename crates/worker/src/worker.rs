@@ -42,7 +42,7 @@ use futures_util::StreamExt;
 use lockstep_core::{
     ApplyError, Claim, DynPerspective, Error, ErrorKind, InstanceId, LeaseHolder, LeaseId,
     LockReason, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result,
-    StateCommit, StreamId, StreamLocker, TransactionSource,
+    StateCommit, StreamId, StreamLocker, Transaction, TransactionSource,
 };
 use time::OffsetDateTime;
 use tokio::time::Instant;
@@ -232,8 +232,8 @@ where
     pub async fn register(&self) -> Result<()> {
         let names = self.registry.names();
         let tx = self.source.begin().await?;
-        let out = self.store.register(&tx, &names).await;
-        self.finish(tx, out).await
+        self.store.register(&tx, &names).await?;
+        tx.commit().await
     }
 
     /// Runs until `shutdown` fires: registers, then cycles, sleeping `poll_interval` after a
@@ -324,8 +324,9 @@ where
     }
 
     async fn pending_pairs(&self) -> Result<Vec<lockstep_core::PendingPair>> {
+        // A `?` drops the guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let out = self
+        let pairs = self
             .store
             .pending_pairs(
                 &tx,
@@ -333,24 +334,9 @@ where
                 self.options.debounce(),
                 self.options.pairs_per_cycle,
             )
-            .await;
-        self.finish(tx, out).await
-    }
-
-    /// Ends `tx`: commit when `out` is `Ok`, roll back otherwise. (Not the closure runner of
-    /// `TransactionSource`: its closures, generic over the store, trip rustc's higher-ranked
-    /// `Send` inference when the worker's future is spawned.)
-    async fn finish<T>(&self, tx: S::Tx, out: Result<T>) -> Result<T> {
-        match out {
-            Ok(value) => {
-                self.source.commit(tx).await?;
-                Ok(value)
-            }
-            Err(err) => {
-                let _ = self.source.rollback(tx).await;
-                Err(err)
-            }
-        }
+            .await?;
+        tx.commit().await?;
+        Ok(pairs)
     }
 
     fn backing_off(&self, key: &Key) -> bool {
@@ -406,8 +392,9 @@ where
         name: &PerspectiveName,
         p: &Arc<dyn DynPerspective>,
     ) -> Result<Normal> {
+        // Every `?` below drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let claim = match self
+        let claim = self
             .store
             .claim(
                 &tx,
@@ -416,14 +403,7 @@ where
                 self.options.max_events_per_claim,
                 self.options.debounce(),
             )
-            .await
-        {
-            Ok(claim) => claim,
-            Err(err) => {
-                let _ = self.source.rollback(tx).await;
-                return Err(err);
-            }
-        };
+            .await?;
         let (cursor, state, events) = match claim {
             Claim::Apply {
                 cursor,
@@ -432,18 +412,18 @@ where
             } => (cursor, state, events),
             Claim::Rewind { .. } => {
                 // Keep a rewind request the claim may have just written.
-                self.source.commit(tx).await?;
+                tx.commit().await?;
                 return Ok(Normal::NeedsRewind);
             }
             Claim::Busy => {
-                let _ = self.source.rollback(tx).await;
+                tx.rollback().await?;
                 return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
             }
             _ => {
                 // Committed, not rolled back: a late arrival inside the debounce window is
                 // written by this claim, and the window only runs once it is stored (rolled
                 // back, every cycle found it anew and the pair never moved: issue 19).
-                self.source.commit(tx).await?;
+                tx.commit().await?;
                 return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
             }
         };
@@ -452,16 +432,12 @@ where
             None => p.initial_state()?,
         };
         // Off the runtime's threads; a dropped pair (shutdown past its grace) stops it.
-        let applied = match apply_off_runtime(p, state, events, &CancellationToken::new()).await {
-            Ok(applied) => applied,
-            Err(err) => {
-                let _ = self.source.rollback(tx).await;
-                return Err(err);
-            }
-        };
+        let applied = apply_off_runtime(p, state, events, &CancellationToken::new()).await?;
         let (state, events) = (applied.state, applied.events);
         if let Err(err) = applied.outcome {
-            let _ = self.source.rollback(tx).await;
+            // Ended before the failure is stored on the same cursor row (by `fail`, in a
+            // transaction of its own), so that one does not wait for this one's row lock.
+            let _ = tx.rollback().await;
             count(telemetry::APPLY_FAILURES, name.as_str(), 1);
             return self
                 .fail(stream_id, name, cursor.failures, &err.to_string())
@@ -485,7 +461,7 @@ where
             fence: None,
         };
         if let Err(err) = self.store.commit_state(&tx, &commit).await {
-            let _ = self.source.rollback(tx).await;
+            drop(tx); // rolls back
             return match err.kind() {
                 // Another applier moved the cursor first: nothing lost, look again later.
                 ErrorKind::Conflict => Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy))),
@@ -493,7 +469,7 @@ where
             };
         }
         let revision = cursor.revision + 1;
-        self.source.commit(tx).await?;
+        tx.commit().await?;
         count(
             telemetry::EVENTS_APPLIED,
             name.as_str(),
@@ -527,7 +503,7 @@ where
                 .try_acquire(stream_id, name, &LockReason::Bootstrap)
                 .await
             {
-                Ok(Leased::Held(lease)) => Some(lease),
+                Ok(Leased::Acquired(lease)) => Some(lease),
                 // Graceful degradation (the seed): proceed without the lease; the save is
                 // idempotent and refused if the cursor moved on.
                 Ok(Leased::Denied(_) | Leased::Busy | Leased::NoCursor) => None,
@@ -541,11 +517,12 @@ where
         let fence = lease.as_ref().map(|l| l.id().clone());
         let saved = async {
             let tx = self.source.begin().await?;
-            let out = self
+            let saved = self
                 .store
                 .save_snapshot(&tx, stream_id, name, revision, fence.as_ref())
-                .await;
-            self.finish(tx, out).await
+                .await?;
+            tx.commit().await?;
+            Ok::<_, Error>(saved)
         }
         .await;
         if let Some(lease) = lease {
@@ -583,7 +560,7 @@ where
                     .await
                 {
                     Err(err) => return Err(err),
-                    Ok(Leased::Held(lease)) => Some(lease),
+                    Ok(Leased::Acquired(lease)) => Some(lease),
                     Ok(Leased::Denied(holder)) => {
                         count(telemetry::SKIPPED_LEASED, name.as_str(), 1);
                         return Ok(PairOutcome::Skipped(SkipReason::Leased(holder)));
@@ -663,7 +640,8 @@ where
         let read = async {
             let tx = self.source.begin().await.map_err(|e| (0, e.to_string()))?;
             let loaded = self.load_for_rewind(&tx, stream_id, name).await;
-            let _ = self.source.rollback(tx).await;
+            // Read only: a failed rollback still ends it, and changes nothing.
+            let _ = tx.rollback().await;
             loaded
         };
         let loaded = tokio::select! {
@@ -717,8 +695,8 @@ where
         };
         let committed = async {
             let tx = self.source.begin().await?;
-            let out = self.store.commit_state(&tx, &commit).await;
-            self.finish(tx, out).await
+            self.store.commit_state(&tx, &commit).await?;
+            tx.commit().await
         }
         .await;
         match committed {
@@ -793,8 +771,10 @@ where
                 .insert((stream_id, name.clone()), until);
         }
         let tx = self.source.begin().await?;
-        let out = self.store.record_failure(&tx, stream_id, name, error).await;
-        self.finish(tx, out).await?;
+        self.store
+            .record_failure(&tx, stream_id, name, error)
+            .await?;
+        tx.commit().await?;
         Ok(PairOutcome::Failed {
             error: error.to_owned(),
         })
@@ -809,8 +789,12 @@ where
         from: Option<Uuid>,
     ) -> Result<bool> {
         let tx = self.source.begin().await?;
-        let out = self.store.request_rewind(&tx, stream_id, name, from).await;
-        self.finish(tx, out).await
+        let requested = self
+            .store
+            .request_rewind(&tx, stream_id, name, from)
+            .await?;
+        tx.commit().await?;
+        Ok(requested)
     }
 
     /// Purges a pair under a `purge` lease (the seed's reserved reason): its state, snapshots
@@ -825,7 +809,7 @@ where
                     .try_acquire(stream_id, name, &LockReason::Purge)
                     .await?
                 {
-                    Leased::Held(lease) => Some(lease),
+                    Leased::Acquired(lease) => Some(lease),
                     Leased::Denied(holder) => return Ok(PurgeOutcome::Denied(holder)),
                     Leased::Busy => return Ok(PurgeOutcome::Busy),
                     Leased::NoCursor => return Ok(PurgeOutcome::NoCursor),
@@ -835,16 +819,14 @@ where
             let fence: Option<LeaseId> = lease.as_ref().map(|l| l.id().clone());
             let purged: Result<bool> = async {
                 let tx = self.source.begin().await?;
-                let out = match self.store.cursor(&tx, stream_id, name).await {
-                    Ok(None) => Ok(false),
-                    Ok(Some(_)) => self
-                        .store
+                let exists = self.store.cursor(&tx, stream_id, name).await?.is_some();
+                if exists {
+                    self.store
                         .purge(&tx, stream_id, name, fence.as_ref())
-                        .await
-                        .map(|()| true),
-                    Err(err) => Err(err),
-                };
-                self.finish(tx, out).await
+                        .await?;
+                }
+                tx.commit().await?;
+                Ok(exists)
             }
             .await;
             if let Some(lease) = lease {

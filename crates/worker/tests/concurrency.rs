@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     EventStore, ExpectedVersion, InstanceId, NewEvent, Perspective, PerspectiveName,
     PerspectiveRegistry, RecordedEvent, StreamId, StreamLockOptions, StreamLocker,
@@ -63,7 +64,7 @@ async fn a_worker_with_several_pairs_in_flight_folds_every_stream_exactly_once()
             if let Some(id) = id {
                 event = event.with_id(id).expect("id");
             }
-            let tx = db.begin();
+            let tx = db.begin_now();
             events
                 .append(&tx, stream, ExpectedVersion::Any, &[event])
                 .await

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective,
     PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
@@ -123,7 +124,7 @@ impl World {
                     .expect("event")
             })
             .collect();
-        let tx = self.db.begin();
+        let tx = self.db.begin_now();
         self.events
             .append(&tx, stream, ExpectedVersion::Any, &new)
             .await
@@ -145,24 +146,24 @@ impl World {
     }
 
     async fn cursor(&self, stream: StreamId) -> Cursor {
-        let tx = self.db.begin();
+        let tx = self.db.begin_now();
         let cursor = self
             .store
             .cursor(&tx, stream, &fold())
             .await
             .expect("cursor");
-        tx.rollback().await;
+        tx.rollback().await.expect("rollback");
         cursor.expect("a cursor exists")
     }
 
     async fn pending(&self, stream: StreamId) -> Vec<Uuid> {
-        let tx = self.db.begin();
+        let tx = self.db.begin_now();
         let pending = self
             .store
             .pending_events(&tx, stream, &fold())
             .await
             .expect("pending");
-        tx.rollback().await;
+        tx.rollback().await.expect("rollback");
         pending
     }
 
@@ -247,7 +248,7 @@ async fn a_late_event_flags_the_pair_and_the_rewind_replays_it_in_order_under_a_
     let late = early_id(1);
     world.append(stream, &[(late, serde_json::json!(5))]).await;
     // The claim sees an event before the cursor: a rewind with that trigger, not an apply.
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     let claim = world
         .store
         .claim(&tx, stream, &fold(), 100, RewindDebounce::NONE)
@@ -334,7 +335,7 @@ async fn a_rewind_denied_by_another_holder_is_skipped_with_its_work_untouched_an
         .into_lease()
         .expect("held by the other instance");
     // Flag it (the claim would, but the other instance's lease makes the claim Busy).
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world
         .store
         .request_rewind(&tx, stream, &fold(), Some(late))
@@ -483,7 +484,7 @@ async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
     let stream = StreamId::new_v7();
     world.append_numbers(stream, [1]).await;
     // Apply first (a live lease of another instance would pause the normal path) …
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     let Claim::Apply { cursor, events, .. } = world
         .store
         .claim(&tx, stream, &fold(), 10, RewindDebounce::NONE)
@@ -520,7 +521,7 @@ async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
     let cursor = world.cursor(stream).await;
     assert!(cursor.latest_snapshot.is_none());
     // The worker's bootstrap goes ahead unleased and leaves the other's lease alone.
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     let saved = world
         .store
         .save_snapshot(&tx, stream, &fold(), cursor.revision, None)
@@ -537,7 +538,7 @@ async fn a_cursor_that_never_applied_an_event_gets_neither_rewind_nor_bootstrap(
     let worker = world.worker();
     worker.register().await.expect("register");
     let stream = StreamId::new_v7();
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world
         .store
         .ensure_cursor(&tx, stream, &fold())
@@ -711,7 +712,7 @@ async fn slow_world(delay: Duration) -> (World, Worker<Slow>, StreamId, Uuid, Ar
     drain_slow(&worker).await;
     let late = early_id(4);
     world.append(stream, &[(late, serde_json::json!(1))]).await;
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world
         .store
         .request_rewind(&tx, stream, &fold(), Some(late))
@@ -792,7 +793,7 @@ async fn a_rewind_racing_a_live_apply_of_the_same_pair_loses_no_update() {
     world
         .append(stream, &[(early_id(5), serde_json::json!(1))])
         .await;
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world
         .store
         .request_rewind(&tx, stream, &fold(), Some(early_id(5)))
@@ -960,7 +961,7 @@ async fn a_busy_cursor_row_skips_the_rewind_and_the_purge_like_a_denial() {
     drain(&worker).await;
     let late = early_id(3);
     world.append(stream, &[(late, serde_json::json!(1))]).await;
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world
         .store
         .request_rewind(&tx, stream, &fold(), Some(late))
@@ -1176,7 +1177,7 @@ async fn held_lease(
         .await
         .expect("acquire")
     {
-        lockstep_worker::Leased::Held(lease) => lease,
+        lockstep_worker::Leased::Acquired(lease) => lease,
         other => panic!("expected the lease, got {other:?}"),
     }
 }
@@ -1205,7 +1206,7 @@ async fn a_dropped_release_still_releases_the_lease_once_the_row_is_free() {
     let lease = held_lease(&world, &worker, stream).await;
     let id = lease.id().clone();
     // Another transaction holds the cursor row (a fenced commit in flight).
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world.locker.check_lease(&tx, &id).await.expect("fence");
     assert!(
         tokio::time::timeout(Duration::from_millis(300), lease.release())
@@ -1213,7 +1214,7 @@ async fn a_dropped_release_still_releases_the_lease_once_the_row_is_free() {
             .is_err(),
         "the release waits for the row"
     );
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(live_leases(&world).await, 0, "released in the background");
 }
@@ -1229,7 +1230,7 @@ async fn shutdown_waits_for_the_release_of_a_dropped_release_and_counts_it() {
     let stream = StreamId::new_v7();
     let lease = held_lease(&world, &worker, stream).await;
     let id = lease.id().clone();
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world.locker.check_lease(&tx, &id).await.expect("fence");
     assert!(
         tokio::time::timeout(Duration::from_millis(300), lease.release())
@@ -1240,7 +1241,7 @@ async fn shutdown_waits_for_the_release_of_a_dropped_release_and_counts_it() {
     let shutdown = tokio::spawn(async move { keeper.shutdown().await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!shutdown.is_finished(), "shutdown waits for the row too");
-    tx.rollback().await;
+    tx.rollback().await.expect("rollback");
     let released = shutdown.await.expect("task").expect("shutdown");
     assert_eq!(released, 1, "shutdown counts the lease it waited for");
     assert_eq!(live_leases(&world).await, 0);
@@ -1275,7 +1276,7 @@ async fn a_rewind_that_loses_the_compare_and_set_is_skipped_not_failed() {
     world
         .append(stream, &[(early_id(7), serde_json::json!(1))])
         .await;
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world
         .store
         .request_rewind(&tx, stream, &fold(), Some(early_id(7)))
@@ -1350,7 +1351,7 @@ async fn sluggish_rewind(
     let stream = StreamId::new_v7();
     world.append_numbers(stream, 1..=200).await;
     drain(&worker).await;
-    let tx = world.db.begin();
+    let tx = world.db.begin_now();
     world
         .store
         .request_rewind(&tx, stream, &fold(), None)

@@ -170,7 +170,7 @@ impl Rig {
             .await
             .expect("try_acquire")
         {
-            Leased::Held(lease) => (stream, lease, sent),
+            Leased::Acquired(lease) => (stream, lease, sent),
             other => panic!("a fresh cursor was not leased: {other:?}"),
         }
     }

@@ -24,6 +24,7 @@ use lockstep_core::{
 use uuid::Uuid;
 
 use crate::domain::{InventoryError, STOCK_ITEM, StockEvent, StockItem};
+use lockstep_core::Transaction as _;
 
 /// How the handler deals with concurrent writers of one SKU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,10 +178,10 @@ impl<L, S> ReserveStockHandler<L, S> {
         let attempts = AtomicU32::new(0);
         let conflicts = AtomicU32::new(0);
         let (version, available) = source
-            .transaction_with_retry(&self.retry, tokio_sleep, |tx| {
-                attempts.fetch_add(1, Ordering::Relaxed);
+            .transaction_with_retry(&self.retry, tokio_sleep, |tx, attempt| {
+                attempts.store(attempt, Ordering::Relaxed);
                 let conflicts = &conflicts;
-                async move {
+                Box::pin(async move {
                     let outcome = self.attempt(&*tx, cmd).await;
                     if let Err(InventoryError::Store(err)) = &outcome
                         && err.kind() == ErrorKind::Conflict
@@ -188,7 +189,7 @@ impl<L, S> ReserveStockHandler<L, S> {
                         conflicts.fetch_add(1, Ordering::Relaxed);
                     }
                     outcome
-                }
+                })
             })
             .await?;
         Ok(Reserved {
@@ -213,14 +214,12 @@ where
 {
     let event = StockEvent::Stocked { quantity }.to_new_event()?;
     let stream = StreamId::from_uuid(sku);
-    source
-        .transaction(|tx| async move {
-            let version = store
-                .append(&*tx, stream, ExpectedVersion::NoStream, &[event])
-                .await?;
-            Ok(version)
-        })
-        .await
+    let tx = source.begin().await?;
+    let version = store
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await?;
+    tx.commit().await?;
+    Ok(version)
 }
 
 /// The committed state of a SKU, read in its own transaction (rolled back: it writes nothing).
@@ -236,6 +235,6 @@ where
     let tx = source.begin().await?;
     let events = store.load(&tx, StreamId::from_uuid(sku)).await;
     // A read-only transaction: how it ends changes nothing, and a failed rollback still ends it.
-    let _ = source.rollback(tx).await;
+    let _ = tx.rollback().await;
     StockItem::from_events(sku, &events?)
 }

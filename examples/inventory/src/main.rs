@@ -12,7 +12,7 @@ use lockstep_example_inventory::InventoryError;
 use lockstep_example_inventory::flash_sale::{self, Tally};
 use lockstep_example_inventory::handler::{self, LockMode, ReserveStockHandler};
 use lockstep_example_inventory::wiring;
-use lockstep_pg::PgTransactionSource;
+use lockstep_pg::PgDatabase;
 use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
 use uuid::Uuid;
 
@@ -57,17 +57,13 @@ fn report(mode: LockMode, tally: &Tally) {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     match std::env::var("DATABASE_URL") {
         Ok(url) => {
-            let config: tokio_postgres::Config = url.parse()?;
-            let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
-            let pool = deadpool_postgres::Pool::builder(manager)
-                .max_size(16)
-                .build()?;
-            lockstep_pg::migrate(&pool).await?;
+            let db = PgDatabase::connect(&url).await?;
+            db.migrate().await?;
             println!("flash sale on PostgreSQL");
-            let source = Arc::new(PgTransactionSource::new(pool.clone()));
+            let source = Arc::new(db.clone());
+            let store = lockstep_pg_store::PgEventStore::new(&db);
             for mode in LockMode::ALL {
-                let reserve = wiring::postgres_handler(&pool, mode);
-                let store = lockstep_pg_store::PgEventStore::new();
+                let reserve = wiring::postgres_handler(&db, mode);
                 let tally = sale(Arc::clone(&source), Arc::new(reserve), &store).await?;
                 report(mode, &tally);
             }

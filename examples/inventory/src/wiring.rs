@@ -1,25 +1,24 @@
 //! The composition root: the handler bound to a backend — PostgreSQL ([`postgres_handler`],
-//! with units of work from `lockstep_pg::PgTransactionSource`) or the testkit fakes
+//! with units of work from `lockstep_pg::PgDatabase`) or the testkit fakes
 //! ([`fake_handler`], with units of work from `lockstep_testkit::FakeDatabase`). Domain code
 //! never imports this module.
 
-use deadpool_postgres::Pool;
 use lockstep_core::DistributedAggregateWriteLock;
-use lockstep_pg_advisory::{PostgresAggregateWriteLock, PostgresDistributedLock};
+use lockstep_pg::PgDatabase;
+use lockstep_pg_advisory::{PgAggregateWriteLock, PgDistributedLock};
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::{FakeDatabase, FakeDistributedLock, InMemoryEventStore};
 
 use crate::handler::{LockMode, ReserveStockHandler};
 
-/// The handler on PostgreSQL: advisory write lock and event store sharing one lock (and its
-/// in-process queue).
+/// The handler on PostgreSQL: the advisory write lock and the event store, both built from the
+/// process's one [`PgDatabase`], so they share its in-process lock queue.
 pub fn postgres_handler(
-    pool: &Pool,
+    db: &PgDatabase,
     mode: LockMode,
-) -> ReserveStockHandler<PostgresAggregateWriteLock, PgEventStore> {
-    let lock = PostgresDistributedLock::new(pool.clone());
-    let store = PgEventStore::with_lock(lock.clone());
-    ReserveStockHandler::new(lock.aggregate_write_lock(), store, mode)
+) -> ReserveStockHandler<PgAggregateWriteLock, PgEventStore> {
+    let lock = PgDistributedLock::new(db).aggregate_write_lock();
+    ReserveStockHandler::new(lock, PgEventStore::new(db), mode)
 }
 
 /// The handler on the fakes of `db`.

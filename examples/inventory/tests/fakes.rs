@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use lockstep_core::Transaction as _;
 use lockstep_core::{AggregateWriteLock, DistributedAggregateWriteLock, EventStore, StreamId};
 use lockstep_example_inventory::flash_sale::{self, Tally};
 use lockstep_example_inventory::handler::{self, stock_item_key};
@@ -21,7 +22,7 @@ async fn writers_to_the_same_sku_serialize_on_the_write_lock() {
     let db = FakeDatabase::new();
     let lock = Arc::new(write_lock(&db));
     let sku = Uuid::now_v7();
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(lock.try_acquire(&a, STOCK_ITEM, sku).await.expect("a"));
     assert!(
         !lock
@@ -49,14 +50,14 @@ async fn writers_to_the_same_sku_serialize_on_the_write_lock() {
         db.holder_of(&stock_item_key(sku)),
         Some(LockOwner::Transaction(b_id))
     );
-    b.rollback().await;
+    b.rollback().await.expect("rollback");
 }
 
 #[tokio::test]
 async fn writers_to_different_skus_never_wait() {
     let db = FakeDatabase::new();
     let lock = write_lock(&db);
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(
         lock.try_acquire(&a, STOCK_ITEM, Uuid::now_v7())
             .await
@@ -82,7 +83,7 @@ async fn the_lock_key_is_namespaced_by_aggregate_type_and_id() {
     // The same id under another aggregate type is another lock.
     let db = FakeDatabase::new();
     let lock = write_lock(&db);
-    let (a, b) = (db.begin(), db.begin());
+    let (a, b) = (db.begin_now(), db.begin_now());
     assert!(
         lock.try_acquire(&a, STOCK_ITEM, sku)
             .await
@@ -144,7 +145,7 @@ async fn fail_fast_answers_busy_while_another_writer_holds_the_sku() {
     handler::stock_new_item(&uow, &store, sku, 10)
         .await
         .expect("stock");
-    let holder = db.begin();
+    let holder = db.begin_now();
     assert!(
         write_lock(&db)
             .try_acquire(&holder, STOCK_ITEM, sku)
@@ -162,10 +163,10 @@ async fn fail_fast_answers_busy_while_another_writer_holds_the_sku() {
         matches!(err, InventoryError::Busy { sku: s } if s == sku),
         "{err}"
     );
-    holder.rollback().await;
+    holder.rollback().await.expect("rollback");
     let done = reserve.handle(&uow, &cmd).await.expect("free now");
     assert_eq!(done.available, 9);
-    let tx = db.begin();
+    let tx = db.begin_now();
     assert_eq!(
         store
             .load(&tx, StreamId::from_uuid(sku))

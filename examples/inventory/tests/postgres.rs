@@ -8,7 +8,7 @@ use lockstep_example_inventory::LockMode;
 use lockstep_example_inventory::flash_sale;
 use lockstep_example_inventory::handler;
 use lockstep_example_inventory::wiring::postgres_handler;
-use lockstep_pg::PgTransactionSource;
+use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::pg_harness::test_database;
 use uuid::Uuid;
@@ -17,9 +17,9 @@ use uuid::Uuid;
 async fn thirty_two_concurrent_writers_never_oversell_on_postgres_in_any_mode() {
     let db = test_database().await;
     let pool = db.pool(16);
-    lockstep_pg::migrate(&pool).await.expect("migrate");
-    let uow = Arc::new(PgTransactionSource::new(pool.clone()));
-    let store = PgEventStore::new();
+    let uow = Arc::new(PgDatabase::from_pool(pool));
+    uow.migrate().await.expect("migrate");
+    let store = PgEventStore::new(&uow);
     for mode in LockMode::ALL {
         let sku = Uuid::now_v7();
         handler::stock_new_item(&*uow, &store, sku, 100)
@@ -31,7 +31,7 @@ async fn thirty_two_concurrent_writers_never_oversell_on_postgres_in_any_mode() 
             std::time::Duration::from_millis(1),
             std::time::Duration::from_millis(50),
         );
-        let reserve = Arc::new(postgres_handler(&pool, mode).with_retry(retry));
+        let reserve = Arc::new(postgres_handler(&uow, mode).with_retry(retry));
         let tally = flash_sale::run(Arc::clone(&uow), reserve, &store, sku, 32, 4)
             .await
             .expect("sale");

@@ -4,7 +4,7 @@
 //! would have) run one task per `(stream, perspective)` pair on a shared database, with a short
 //! lock timeout so that leases really expire and are taken over. Each task loops:
 //!
-//! 1. **try-acquire** with [`PostgresStreamLocker`]; a denial or a busy row backs off;
+//! 1. **try-acquire** with [`PgStreamLocker`]; a denial or a busy row backs off;
 //! 2. **hold** for a random time: mostly a few milliseconds, sometimes longer than the keepalive
 //!    interval (with one renew in the middle), sometimes a **stall** longer than the lock timeout
 //!    without renewing, so the lease expires and another instance takes it over;
@@ -55,7 +55,7 @@ use lockstep_core::{
     RenewOutcome, StreamId, StreamLease, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::test_database;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -63,6 +63,7 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use super::{Scale, Tally};
+use lockstep_core::Transaction as _;
 
 /// Microseconds since the Unix epoch, on the database clock.
 pub type Micros = i64;
@@ -673,7 +674,7 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
 
 /// One racing task: one instance's loop on one pair.
 struct Racer {
-    locker: PostgresStreamLocker,
+    locker: PgStreamLocker,
     instance: InstanceId,
     instance_index: usize,
     stream: StreamId,
@@ -1004,7 +1005,7 @@ pub async fn run_report(config: &AuditConfig) -> anyhow::Result<AuditReport> {
             warm.push(conn);
         }
         drop(warm);
-        let locker = PostgresStreamLocker::new(pool.clone(), options);
+        let locker = PgStreamLocker::from_pool(pool.clone(), options);
         pools.push(pool);
         let instance = InstanceId::random();
         for (pair, (stream, perspective)) in pairs.iter().enumerate() {

@@ -41,9 +41,9 @@ use lockstep_core::{
     RetryPolicy, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, ValidationError,
 };
 use lockstep_pg::{LockQueue, PgTransaction};
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_testkit::{
     FakeDatabase, FakeDistributedLock, InMemoryEventStore, InMemoryStreamLocker,
@@ -55,6 +55,7 @@ use uuid::Uuid;
 
 use super::{Scale, Tally};
 use crate::number_event;
+use lockstep_core::Transaction as _;
 
 const YEAR: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
@@ -65,8 +66,8 @@ struct Ctx {
     _db: TestDatabase,
     pool: Pool,
     observer: Client,
-    locker: PostgresStreamLocker,
-    lock: PostgresDistributedLock,
+    locker: PgStreamLocker,
+    lock: PgDistributedLock,
     store: PgEventStore,
     fake_db: FakeDatabase,
     fake_locker: InMemoryStreamLocker,
@@ -208,9 +209,9 @@ impl Ctx {
         let observer = db.connect().await;
         let fake_db = FakeDatabase::new();
         let ctx = Ctx {
-            locker: PostgresStreamLocker::new(pool.clone(), long_options()?),
-            lock: PostgresDistributedLock::new(pool.clone()),
-            store: PgEventStore::new(),
+            locker: PgStreamLocker::from_pool(pool.clone(), long_options()?),
+            lock: PgDistributedLock::from_pool(pool.clone()),
+            store: PgEventStore::with_queue(lockstep_pg::LockQueue::new()),
             fake_locker: InMemoryStreamLocker::with_database(long_options()?, &fake_db),
             fake_lock: FakeDistributedLock::new(&fake_db),
             fake_store: InMemoryEventStore::new(),
@@ -243,7 +244,7 @@ impl Ctx {
         let tx = PgTransaction::begin(&ctx.pool).await?;
         EventStore::append(&ctx.store, &tx, stream, ExpectedVersion::NoStream, &events).await?;
         tx.commit().await?;
-        let ftx = ctx.fake_db.begin();
+        let ftx = ctx.fake_db.begin_now();
         EventStore::append(
             &ctx.fake_store,
             &ftx,
@@ -728,7 +729,7 @@ async fn lock_timeout_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
         Duration::MAX,
     ] {
         n += 2;
-        let ftx = ctx.fake_db.begin();
+        let ftx = ctx.fake_db.begin_now();
         let tx = PgTransaction::begin(&ctx.pool).await?;
         let fake = ctx
             .fake_lock
@@ -755,7 +756,7 @@ async fn lock_timeout_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
             &pg,
             Some(ErrorKind::InvalidInput),
         );
-        ftx.rollback().await;
+        ftx.rollback().await.expect("rollback");
         tx.rollback().await?;
     }
     Ok((n, p))
@@ -786,7 +787,7 @@ async fn append_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
     let n = cases.len() as u64;
     for (what, events, expected) in cases {
         let stream = StreamId::new_v7();
-        let ftx = ctx.fake_db.begin();
+        let ftx = ctx.fake_db.begin_now();
         let tx = PgTransaction::begin(&ctx.pool).await?;
         let fake = EventStore::append(&ctx.fake_store, &ftx, stream, expected, &events).await;
         let pg = EventStore::append(&ctx.store, &tx, stream, expected, &events).await;
@@ -863,7 +864,7 @@ async fn patience_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
     let mut p = Problems::new();
     let key = ResourceKey::new(format!("bad-input:{}", Uuid::new_v4()))?;
     let queue = LockQueue::new().with_local_patience(Duration::MAX);
-    let lock = PostgresDistributedLock::with_queue(ctx.pool.clone(), queue);
+    let lock = PgDistributedLock::with_queue(ctx.pool.clone(), queue);
     let holder = PgTransaction::begin(&ctx.pool).await?;
     lock.acquire_for_transaction(&holder, &key, Some(Duration::from_secs(5)))
         .await?;
@@ -1115,7 +1116,7 @@ async fn limits_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
     let mut p = Problems::new();
     let options =
         StreamLockOptions::new(StreamLockOptions::MAX_LOCK_TIMEOUT, Duration::from_secs(60))?;
-    let pg = PostgresStreamLocker::new(ctx.pool.clone(), options);
+    let pg = PgStreamLocker::from_pool(ctx.pool.clone(), options);
     let fake = InMemoryStreamLocker::new(options);
     let name = PerspectiveName::new("é".repeat(PerspectiveName::MAX_CHARS))?;
     let reason = LockReason::custom("ü".repeat(LockReason::MAX_CHARS))?;
@@ -1153,7 +1154,7 @@ async fn limits_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
         p.push(format!("listing a century-long lease: {listed:?}"));
     }
     let key = ResourceKey::new("k".repeat(ResourceKey::MAX_BYTES))?;
-    let ftx = ctx.fake_db.begin();
+    let ftx = ctx.fake_db.begin_now();
     let tx = PgTransaction::begin(&ctx.pool).await?;
     let longest = Some(lockstep_testkit::fake_lock::MAX_LOCK_TIMEOUT);
     let f = ctx
@@ -1168,7 +1169,7 @@ async fn limits_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
         &g,
         None,
     );
-    ftx.rollback().await;
+    ftx.rollback().await.expect("rollback");
     tx.rollback().await?;
     // Leave no lease behind for the checksummed cases.
     ctx.observer
@@ -1188,9 +1189,9 @@ async fn unmigrated_case() -> anyhow::Result<(u64, Problems)> {
     let pool = db.pool(3);
     let observer = db.connect().await;
     let before = checksum(&observer).await?;
-    let locker = PostgresStreamLocker::new(pool.clone(), long_options()?);
-    let lock = PostgresDistributedLock::new(pool.clone());
-    let store = PgEventStore::new();
+    let locker = PgStreamLocker::from_pool(pool.clone(), long_options()?);
+    let lock = PgDistributedLock::from_pool(pool.clone());
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let name = PerspectiveName::new("Unmigrated")?;
     let (stream, me) = (StreamId::new_v7(), InstanceId::random());
     let id = LeaseId {

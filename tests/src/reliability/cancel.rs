@@ -42,9 +42,9 @@ use lockstep_core::{
     PerspectiveName, ResourceKey, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{LockQueue, PgTransaction};
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use tokio::sync::Notify;
 use tokio_postgres::Client;
@@ -52,6 +52,7 @@ use uuid::Uuid;
 
 use super::{Scale, Tally};
 use crate::number_event;
+use lockstep_core::Transaction as _;
 
 /// The most polls a sweep tries before it reports an operation that never completes, with 1 ms
 /// between polls.
@@ -221,7 +222,7 @@ struct Ctx {
     admin: Pool,
     observer: Client,
     /// The setup locker (on the admin pool).
-    setup: PostgresStreamLocker,
+    setup: PgStreamLocker,
     perspective: PerspectiveName,
 }
 
@@ -349,7 +350,7 @@ impl Ctx {
         observer
             .batch_execute("SET application_name = 'lockstep_cancel_observer'")
             .await?;
-        let setup = PostgresStreamLocker::new(admin.clone(), options()?);
+        let setup = PgStreamLocker::from_pool(admin.clone(), options()?);
         Ok(Ctx {
             db,
             admin,
@@ -643,7 +644,7 @@ async fn lease_case(
         Some(()) => Some(row_holder(ctx, streams[0], Arc::clone(&release)).await?),
         None => None,
     };
-    let locker = PostgresStreamLocker::new(pool.clone(), options()?);
+    let locker = PgStreamLocker::from_pool(pool.clone(), options()?);
     let name = &ctx.perspective;
     let fut = async {
         match op {
@@ -758,7 +759,7 @@ async fn lock_holder(
     key: &ResourceKey,
     release: Arc<Notify>,
 ) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
-    let lock = PostgresDistributedLock::new(ctx.admin.clone());
+    let lock = PgDistributedLock::from_pool(ctx.admin.clone());
     let tx = PgTransaction::begin(&ctx.admin).await?;
     lock.acquire_for_transaction(&tx, key, Some(Duration::from_secs(5)))
         .await?;
@@ -812,7 +813,7 @@ async fn lock_try_case(
     } else {
         None
     };
-    let lock = PostgresDistributedLock::new(pool.clone());
+    let lock = PgDistributedLock::from_pool(pool.clone());
     let tx = PgTransaction::begin(pool).await?;
     let (outcome, _) = poll_n(lock.try_acquire_for_transaction(&tx, &key), n, gap, None).await;
     match &outcome {
@@ -859,8 +860,8 @@ async fn lock_wait_case(
     } else {
         None
     };
-    let lock = PostgresDistributedLock::new(pool.clone());
-    let store = PgEventStore::with_lock(LockQueue::from(&lock));
+    let lock = PgDistributedLock::from_pool(pool.clone());
+    let store = PgEventStore::with_queue(LockQueue::from(&lock));
     let stream = StreamId::new_v7();
     let tx = PgTransaction::begin(pool).await?;
     let pid = pid_of(&tx).await?;
@@ -919,7 +920,7 @@ async fn append_case(
     label: &str,
     tally: &mut Tally,
 ) -> anyhow::Result<bool> {
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let stream = StreamId::new_v7();
     let events = [number_event(1), number_event(2), number_event(3)];
     let tx = PgTransaction::begin(pool).await?;
@@ -988,7 +989,7 @@ async fn end_case(
     label: &str,
     tally: &mut Tally,
 ) -> anyhow::Result<bool> {
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let stream = StreamId::new_v7();
     let events = [number_event(1), number_event(2)];
     let tx = PgTransaction::begin(pool).await?;
@@ -1133,7 +1134,7 @@ pub async fn demonstrate_checks() -> anyhow::Result<(Tally, Vec<String>)> {
     let mut t = Tally::default();
     let stream = StreamId::new_v7();
     let tx = PgTransaction::begin(&ctx.admin).await?;
-    PgEventStore::new()
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
         .append(&tx, stream, ExpectedVersion::NoStream, &[number_event(1)])
         .await?;
     tx.commit().await?;

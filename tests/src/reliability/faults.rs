@@ -5,7 +5,7 @@
 //!
 //! 1. **PostgreSQL restart** ([`restart`] rounds) on a private server ([`super::server`]; the
 //!    shared one is never stopped). A [`LeaseKeeper`] keeps leases alive, a lease is held
-//!    without keepalive, a [`PostgresDistributedLock`] holder and an
+//!    without keepalive, a [`PgDistributedLock`] holder and an
 //!    [`AggregateWriteLock`] holder each have a waiter blocked
 //!    at the server (plus one queued in process), then the server stops (`-m fast` or
 //!    `-m immediate`, sometimes for longer than the lock timeout) and starts again on the same
@@ -69,9 +69,9 @@ use lockstep_core::{
     StreamLocker,
 };
 use lockstep_pg::PgTransaction;
-use lockstep_pg_advisory::PostgresDistributedLock;
+use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::relay::Relay;
 use lockstep_worker::{HeldLease, LeaseKeeper, Leased};
 use tokio::task::JoinHandle;
@@ -81,6 +81,8 @@ use uuid::Uuid;
 
 use super::server::{PrivateServer, StopMode};
 use super::{Scale, Tally};
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 
 /// The perspective of every cursor row the scenario creates.
 const PERSPECTIVE: &str = "FaultsPerspective";
@@ -364,7 +366,7 @@ where
 /// Commits a fresh mark under the fence of `lease` on a transaction of `pool`: check the
 /// fence, write, commit (a refused fence rolls back). `None` if it did not end in time.
 async fn fenced_commit(
-    locker: &PostgresStreamLocker,
+    locker: &PgStreamLocker,
     pool: &Pool,
     lease: &LeaseId,
 ) -> (Uuid, Option<lockstep_core::Result<()>>) {
@@ -407,7 +409,7 @@ async fn mark_count(client: &Client, mark: Uuid) -> anyhow::Result<i64> {
 async fn expect_fenced_ok(
     tally: &mut Tally,
     what: &str,
-    locker: &PostgresStreamLocker,
+    locker: &PgStreamLocker,
     pool: &Pool,
     client: &Client,
     lease: &LeaseId,
@@ -436,7 +438,7 @@ async fn expect_fenced_ok(
 async fn expect_fenced_refused(
     tally: &mut Tally,
     what: &str,
-    locker: &PostgresStreamLocker,
+    locker: &PgStreamLocker,
     pool: &Pool,
     client: &Client,
     lease: &LeaseId,
@@ -461,7 +463,7 @@ async fn expect_fenced_refused(
 async fn try_acquire_as(
     tally: &mut Tally,
     what: &str,
-    locker: &PostgresStreamLocker,
+    locker: &PgStreamLocker,
     stream: StreamId,
     instance: InstanceId,
 ) -> anyhow::Result<Option<AcquireOutcome>> {
@@ -498,7 +500,7 @@ async fn try_acquire_as(
 }
 
 /// Releases a lease, tolerating nothing but typed errors (logged as violations).
-async fn release(tally: &mut Tally, what: &str, locker: &PostgresStreamLocker, lease: &LeaseId) {
+async fn release(tally: &mut Tally, what: &str, locker: &PgStreamLocker, lease: &LeaseId) {
     if let Ok(Err(e)) | Err(e) = tokio::time::timeout(STEP_LIMIT, locker.release(lease))
         .await
         .map_err(|_| Error::new(ErrorKind::Backend, "release hung"))
@@ -620,9 +622,9 @@ pub mod restart {
         keeper_pool: Pool,
         other_pool: Pool,
         lock_pool: Pool,
-        locker_a: PostgresStreamLocker,
-        locker_b: PostgresStreamLocker,
-        lock: PostgresDistributedLock,
+        locker_a: PgStreamLocker,
+        locker_b: PgStreamLocker,
+        lock: PgDistributedLock,
     }
 
     /// Runs the restart rounds of `scale` (see the module docs for a server that cannot be
@@ -679,9 +681,9 @@ pub mod restart {
         let lock_pool = pool(&config, "faults-locks", 8)?;
         prepare_schema(&keeper_pool).await?;
         Ok(Rig {
-            locker_a: PostgresStreamLocker::new(keeper_pool.clone(), options),
-            locker_b: PostgresStreamLocker::new(other_pool.clone(), options),
-            lock: PostgresDistributedLock::new(lock_pool.clone()),
+            locker_a: PgStreamLocker::from_pool(keeper_pool.clone(), options),
+            locker_b: PgStreamLocker::from_pool(other_pool.clone(), options),
+            lock: PgDistributedLock::from_pool(lock_pool.clone()),
             server,
             config,
             keeper_pool,
@@ -712,7 +714,7 @@ pub mod restart {
                 .try_acquire(*stream, &perspective, &LockReason::Rewind)
                 .await?
             {
-                Leased::Held(lease) => held.push(lease),
+                Leased::Acquired(lease) => held.push(lease),
                 other => bail!("setup: a fresh cursor was not leased: {other:?}"),
             }
         }
@@ -1053,8 +1055,8 @@ async fn terminate(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
     let keeper_pool = pool(&config, "faults-keepalive", 2)?;
     let other_pool = pool(&config, "faults-other", 4)?;
     prepare_schema(&other_pool).await?;
-    let locker_k = PostgresStreamLocker::new(keeper_pool.clone(), options);
-    let locker_b = PostgresStreamLocker::new(other_pool.clone(), options);
+    let locker_k = PgStreamLocker::from_pool(keeper_pool.clone(), options);
+    let locker_b = PgStreamLocker::from_pool(other_pool.clone(), options);
     let admin = connect(&config).await?;
     for round in 0..rounds {
         let at = format!("terminate keepalive {round}");
@@ -1064,7 +1066,7 @@ async fn terminate(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
             .try_acquire(stream, &perspective()?, &LockReason::Rewind)
             .await?
         {
-            Leased::Held(lease) => lease,
+            Leased::Acquired(lease) => lease,
             other => bail!("setup: a fresh cursor was not leased: {other:?}"),
         };
         // Let a renew go through, so the pool holds the keepalive's connection.
@@ -1149,8 +1151,8 @@ async fn terminate_holder(
     // Separate pools and locks: the waiter waits at the server, not in the holder's queue.
     let holder_pool = pool(config, "faults-holder", 1)?;
     let waiter_pool = pool(config, "faults-waiter", 1)?;
-    let lock_h = PostgresDistributedLock::new(holder_pool.clone());
-    let lock_w = PostgresDistributedLock::new(waiter_pool.clone());
+    let lock_h = PgDistributedLock::from_pool(holder_pool.clone());
+    let lock_w = PgDistributedLock::from_pool(waiter_pool.clone());
     let id = Uuid::new_v4();
     let key = if aggregate {
         aggregate_key(id)?
@@ -1289,7 +1291,7 @@ async fn terminate_holder(
         format!("{at}: the terminated holder's uncommitted write is visible")
     });
     expect_recovery(tally, &format!("{at}: holder's pool"), || async {
-        let lock = PostgresDistributedLock::new(holder_pool.clone());
+        let lock = PgDistributedLock::from_pool(holder_pool.clone());
         let tx = PgTransaction::begin_within(&holder_pool, STEP_LIMIT).await?;
         let free = lock.try_acquire_for_transaction(&tx, &key).await?;
         tx.commit().await?;
@@ -1382,8 +1384,8 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
             Stall::PoolExhausted => pool(&config, "faults-stalled", 1)?,
         };
         let rig = StallRig {
-            locker_a: PostgresStreamLocker::new(holder_pool.clone(), options),
-            locker_b: PostgresStreamLocker::new(other_pool.clone(), options),
+            locker_a: PgStreamLocker::from_pool(holder_pool.clone(), options),
+            locker_b: PgStreamLocker::from_pool(other_pool.clone(), options),
             holder_pool,
             other_pool: other_pool.clone(),
             relay: &relay,
@@ -1396,8 +1398,8 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
 }
 
 struct StallRig<'a> {
-    locker_a: PostgresStreamLocker,
-    locker_b: PostgresStreamLocker,
+    locker_a: PgStreamLocker,
+    locker_b: PgStreamLocker,
     holder_pool: Pool,
     other_pool: Pool,
     relay: &'a Relay,
@@ -1419,7 +1421,7 @@ async fn stall_round(
         .try_acquire(stream, &perspective()?, &LockReason::Rewind)
         .await?
     {
-        Leased::Held(lease) => lease,
+        Leased::Acquired(lease) => lease,
         other => bail!("setup: a fresh cursor was not leased: {other:?}"),
     };
     tokio::time::sleep(settle).await;
@@ -1541,7 +1543,7 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         .await
         .context("starting the commit relay")?;
     let relayed = db.pool_through(relay.addr(), 2);
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     for round in 0..rounds {
         let at_commit = round % 2 == 1;
         let expected = match round % 4 {
@@ -1562,7 +1564,9 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         // The first attempt: the server commits, the reply never arrives.
         let tx = PgTransaction::begin(&relayed).await?;
         if at_commit {
-            store.append_at_commit(&tx, stream, expected, &events)?;
+            store
+                .append_at_commit(&tx, stream, expected, &events)
+                .await?;
         } else {
             store.append(&tx, stream, expected, &events).await?;
         }
@@ -1681,14 +1685,14 @@ async fn dropped_release(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> 
     let admin = connect(&config).await?;
     let mut blocker = connect(&config).await?;
     let options = StreamLockOptions::new(Duration::from_secs(30), Duration::from_secs(10))?;
-    let locker = PostgresStreamLocker::new(leases, options);
+    let locker = PgStreamLocker::from_pool(leases, options);
     let name = perspective()?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(19);
     let mut keeper = LeaseKeeper::start(Arc::new(locker.clone()), InstanceId::random());
     for round in 0..rounds {
         let what = format!("dropped release {round}");
         let stream = new_cursors(&admin, 1).await?[0];
-        let Leased::Held(lease) = keeper
+        let Leased::Acquired(lease) = keeper
             .try_acquire(stream, &name, &LockReason::Rewind)
             .await?
         else {

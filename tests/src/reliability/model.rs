@@ -42,8 +42,8 @@ use lockstep_core::{
     PerspectiveName, ResourceKey, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
-use lockstep_pg_advisory::PostgresDistributedLock;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_advisory::PgDistributedLock;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::test_database;
 use lockstep_testkit::{FakeDatabase, FakeDistributedLock, FakeTransaction, InMemoryStreamLocker};
 use proptest::prelude::*;
@@ -51,6 +51,7 @@ use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 use tokio::runtime::Handle;
 
 use super::{Scale, Tally};
+use lockstep_core::Transaction as _;
 
 /// The lock timeout of the lease model (both sides).
 pub const LOCK_TIMEOUT: Duration = Duration::from_millis(1000);
@@ -483,7 +484,7 @@ async fn lease_case(
         held: Default::default(),
     };
     let mut postgres = LeaseSide {
-        locker: Arc::new(PostgresStreamLocker::new(pool.clone(), options()?)),
+        locker: Arc::new(PgStreamLocker::from_pool(pool.clone(), options()?)),
         held: Default::default(),
     };
     let mut segment_start = tokio::time::Instant::now();
@@ -501,7 +502,7 @@ async fn lease_case(
                 then_try,
             } => {
                 let id = in_memory.lease_of(*who, *pair, &world);
-                let tx = fake_db.begin();
+                let tx = fake_db.begin_now();
                 let checked = in_memory.locker.check_lease(&tx, &id).await;
                 let mut a = show(&checked);
                 if let Some(other) = then_try {
@@ -668,7 +669,7 @@ async fn lock_case(pool: &Pool, ops: Vec<LockOp>, sabotage: Sabotage) -> Result<
         .map_err(fail)?;
     let db = FakeDatabase::new();
     let fake_lock = FakeDistributedLock::new(&db);
-    let pg_lock = PostgresDistributedLock::new(pool.clone());
+    let pg_lock = PgDistributedLock::from_pool(pool.clone());
     let mut fake_tx: Vec<Option<FakeTransaction>> = vec![None, None, None];
     let mut pg_tx: Vec<Option<PgTx>> = vec![None, None, None];
     for (step, op) in ops.iter().enumerate() {
@@ -676,7 +677,7 @@ async fn lock_case(pool: &Pool, ops: Vec<LockOp>, sabotage: Sabotage) -> Result<
             LockOp::Try { tx, key } | LockOp::Acquire { tx, key } => {
                 // A transaction begins at its first statement.
                 if fake_tx[*tx].is_none() {
-                    fake_tx[*tx] = Some(db.begin());
+                    fake_tx[*tx] = Some(db.begin_now());
                 }
                 if pg_tx[*tx].is_none() {
                     pg_tx[*tx] = Some(begin_pg(pool).await?);
@@ -719,7 +720,7 @@ async fn lock_case(pool: &Pool, ops: Vec<LockOp>, sabotage: Sabotage) -> Result<
             LockOp::Rollback { tx } => {
                 let a = match fake_tx[*tx].take() {
                     Some(t) => {
-                        t.rollback().await;
+                        t.rollback().await.expect("rollback");
                         "rolled back".to_owned()
                     }
                     None => "idle".to_owned(),
@@ -761,7 +762,7 @@ async fn lock_case(pool: &Pool, ops: Vec<LockOp>, sabotage: Sabotage) -> Result<
     }
     for (f, p) in fake_tx.into_iter().zip(pg_tx) {
         if let Some(f) = f {
-            f.rollback().await;
+            f.rollback().await.expect("rollback");
         }
         if let Some(p) = p {
             let _ = p.tx.rollback().await;

@@ -47,6 +47,8 @@ use crate::{
     APPLY_SLEEP_ENV, NUMBERS, database_url, early_id, expected_folds, number_event,
     perspective_states, queue_is_empty,
 };
+use lockstep_core::EventStore as _;
+use lockstep_core::Transaction as _;
 
 /// How a worker process is started: a program and the arguments before the worker's own.
 #[derive(Debug, Clone)]
@@ -444,7 +446,7 @@ async fn append_batches(
     late: &AtomicU64,
     appended: &mut u64,
 ) -> anyhow::Result<()> {
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     while Instant::now() < until {
         let (stream, batch) = {
             let mut rng = rand::rng();
@@ -547,7 +549,7 @@ pub async fn demonstrate_checks() -> anyhow::Result<Tally> {
     let pool = db.pool(2);
     lockstep_pg::migrate(&pool).await?;
     let client = db.connect().await;
-    let store = PgEventStore::new();
+    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let mut report = WorkersReport::default();
     type Wrong = fn(&[i64]) -> Vec<i64>;
     let wrong_states: [Wrong; 4] = [

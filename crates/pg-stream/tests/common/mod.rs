@@ -8,13 +8,14 @@
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, CursorLease, ErrorKind, InstanceId, LeaseFence, LeaseId, LockReason,
     PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLease, StreamLockAdmin,
     StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
-use lockstep_pg_stream::PostgresStreamLocker;
+use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use time::OffsetDateTime;
 
@@ -60,8 +61,8 @@ impl Db {
         Db { db, pool }
     }
 
-    pub(crate) fn locker(&self, options: StreamLockOptions) -> PostgresStreamLocker {
-        PostgresStreamLocker::new(self.pool.clone(), options)
+    pub(crate) fn locker(&self, options: StreamLockOptions) -> PgStreamLocker {
+        PgStreamLocker::from_pool(self.pool.clone(), options)
     }
 
     /// Another pool on the same database (a second "process").
@@ -145,7 +146,7 @@ impl Db {
     /// database's pool (rolled back afterwards).
     pub(crate) async fn fence_outcome(
         &self,
-        locker: &PostgresStreamLocker,
+        locker: &PgStreamLocker,
         lease: &LeaseId,
     ) -> lockstep_core::Result<()> {
         let tx = PgTransaction::begin(&self.pool).await.expect("begin");
@@ -158,7 +159,7 @@ impl Db {
     /// fence passes instead.
     pub(crate) async fn assert_fenced_out(
         &self,
-        locker: &PostgresStreamLocker,
+        locker: &PgStreamLocker,
         lease: &LeaseId,
         why: &str,
     ) {
@@ -171,7 +172,7 @@ impl Db {
     /// the fence passes.
     pub(crate) async fn assert_lease_lost(
         &self,
-        locker: &PostgresStreamLocker,
+        locker: &PgStreamLocker,
         lease: &LeaseId,
         why: &str,
     ) {
@@ -189,7 +190,7 @@ impl Db {
 
 /// The admin view of a pair's cursor row, which must exist.
 pub(crate) async fn inspect_row(
-    locker: &PostgresStreamLocker,
+    locker: &PgStreamLocker,
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> CursorLease {
@@ -202,7 +203,7 @@ pub(crate) async fn inspect_row(
 
 /// Acquires the lease of a pair, panicking on any outcome but `Acquired`.
 pub(crate) async fn acquire(
-    locker: &PostgresStreamLocker,
+    locker: &PgStreamLocker,
     stream_id: StreamId,
     perspective: &PerspectiveName,
     instance: InstanceId,
@@ -220,7 +221,7 @@ pub(crate) async fn acquire(
 
 /// Acquires the lease of a pair for a new, random instance, for `Rewind`.
 pub(crate) async fn acquire_by_anyone(
-    locker: &PostgresStreamLocker,
+    locker: &PgStreamLocker,
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> StreamLease {

@@ -18,7 +18,7 @@ use crate::{FakeDatabase, FakeDistributedLock, FakeTransaction};
 /// it locks on.
 pub trait DistributedLockFixture: Send + Sync + 'static {
     /// An owned, open transaction (must be `'static` so a waiting writer can be spawned).
-    type Tx: Send + Sync + 'static;
+    type Tx: lockstep_core::Transaction;
     /// Where the suite's transactions come from (each on its own connection, for a database
     /// backend).
     type Source: TransactionSource<Tx = Self::Tx>;
@@ -65,8 +65,8 @@ pub async fn same_key_in_two_transactions_excludes<F: DistributedLockFixture>(fi
     let (a, b) = (begin(fixture.source()).await, begin(fixture.source()).await);
     assert!(try_lock(&*fixture, &a, &key).await);
     assert!(!try_lock(&*fixture, &b, &key).await);
-    rollback(fixture.source(), b).await;
-    rollback(fixture.source(), a).await;
+    rollback(b).await;
+    rollback(a).await;
 }
 
 /// Different keys never block each other.
@@ -83,8 +83,8 @@ pub async fn different_keys_never_block<F: DistributedLockFixture>(fixture: Arc<
         blocking.is_ok(),
         "a free key is acquired at once: {blocking:?}"
     );
-    commit(fixture.source(), a).await.expect("commit");
-    commit(fixture.source(), b).await.expect("commit");
+    commit(a).await.expect("commit");
+    commit(b).await.expect("commit");
 }
 
 /// The lock is re-entrant within one transaction, and still exclusive to it.
@@ -99,8 +99,8 @@ pub async fn reentrant_within_one_transaction<F: DistributedLockFixture>(fixture
         .await
         .expect("re-entrant blocking acquire");
     assert!(!try_lock(&*fixture, &b, &key).await);
-    rollback(fixture.source(), b).await;
-    commit(fixture.source(), a).await.expect("commit");
+    rollback(b).await;
+    commit(a).await.expect("commit");
 }
 
 /// Commit releases the transaction's locks.
@@ -109,13 +109,13 @@ pub async fn released_at_commit<F: DistributedLockFixture>(fixture: Arc<F>) {
     let a = begin(fixture.source()).await;
     assert!(try_lock(&*fixture, &a, &key).await);
     assert!(try_lock(&*fixture, &a, &key).await, "held twice");
-    commit(fixture.source(), a).await.expect("commit");
+    commit(a).await.expect("commit");
     let b = begin(fixture.source()).await;
     assert!(
         try_lock(&*fixture, &b, &key).await,
         "released by commit, however deep"
     );
-    rollback(fixture.source(), b).await;
+    rollback(b).await;
 }
 
 /// Rollback releases the transaction's locks.
@@ -123,10 +123,10 @@ pub async fn released_at_rollback<F: DistributedLockFixture>(fixture: Arc<F>) {
     let key = fresh_key();
     let a = begin(fixture.source()).await;
     assert!(try_lock(&*fixture, &a, &key).await);
-    rollback(fixture.source(), a).await;
+    rollback(a).await;
     let b = begin(fixture.source()).await;
     assert!(try_lock(&*fixture, &b, &key).await, "released by rollback");
-    rollback(fixture.source(), b).await;
+    rollback(b).await;
 }
 
 /// A blocking acquire waits while the holder's transaction is open (still pending 200 ms
@@ -152,9 +152,9 @@ pub async fn blocking_acquire_completes_once_the_holder_ends<F: DistributedLockF
             "the waiter is still waiting 200 ms later"
         );
         if end_by_commit {
-            commit(fixture.source(), a).await.expect("commit");
+            commit(a).await.expect("commit");
         } else {
-            rollback(fixture.source(), a).await;
+            rollback(a).await;
         }
         let (b, result) = tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
@@ -166,8 +166,8 @@ pub async fn blocking_acquire_completes_once_the_holder_ends<F: DistributedLockF
             !try_lock(&*fixture, &c, &key).await,
             "now the waiter holds it"
         );
-        rollback(fixture.source(), c).await;
-        commit(fixture.source(), b).await.expect("commit");
+        rollback(c).await;
+        commit(b).await.expect("commit");
     }
 }
 
@@ -186,14 +186,14 @@ pub async fn acquire_with_timeout_fails_with_lock_timeout<F: DistributedLockFixt
         .expect_err("the wait times out");
     assert_eq!(err.kind(), lockstep_core::ErrorKind::LockTimeout, "{err}");
     assert!(err.is_retryable());
-    rollback(fixture.source(), b).await;
+    rollback(b).await;
     let c = begin(fixture.source()).await;
     assert!(
         !try_lock(&*fixture, &c, &key).await,
         "the holder still holds"
     );
-    rollback(fixture.source(), c).await;
-    commit(fixture.source(), a).await.expect("commit");
+    rollback(c).await;
+    commit(a).await.expect("commit");
 }
 
 /// A timeout longer than Postgres's `lock_timeout` can hold (`i32::MAX` milliseconds, about
@@ -216,13 +216,13 @@ pub async fn a_timeout_beyond_what_postgres_accepts_is_invalid_input<F: Distribu
     }
     let other = begin(fixture.source()).await;
     assert!(try_lock(&*fixture, &other, &key).await, "nothing locked");
-    rollback(fixture.source(), other).await;
+    rollback(other).await;
     fixture
         .lock()
         .acquire_for_transaction(&tx, &key, Some(longest))
         .await
         .expect("the longest timeout is accepted, and the transaction is usable");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 /// Dropping a waiting acquire leaves no waiter behind: once the holder ends, the key is free
@@ -240,8 +240,8 @@ pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(
         abandoned.is_err(),
         "the acquire was still waiting when dropped"
     );
-    rollback(fixture.source(), b).await;
-    commit(fixture.source(), a).await.expect("commit");
+    rollback(b).await;
+    commit(a).await.expect("commit");
     let c = begin(fixture.source()).await;
     let acquired = tokio::time::timeout(
         Duration::from_secs(5),
@@ -250,7 +250,7 @@ pub async fn dropped_waiting_acquire_leaves_no_ghost<F: DistributedLockFixture>(
     .await
     .expect("no ghost waiter holds the key");
     acquired.expect("acquired");
-    commit(fixture.source(), c).await.expect("commit");
+    commit(c).await.expect("commit");
 }
 
 /// Runs every case, in order, in one test. Prefer

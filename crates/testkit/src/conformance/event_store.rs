@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
-    ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, StreamId, TransactionSource,
-    ValidationError, version_conflict,
+    ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, StreamId, Transaction,
+    TransactionSource, ValidationError, version_conflict,
 };
 
 use super::{begin, commit, rollback};
@@ -23,7 +23,7 @@ use super::{begin, commit, rollback};
 /// type it runs on.
 pub trait EventStoreFixture: Send + Sync + 'static {
     /// An owned, open transaction (`'static`, so a concurrent writer can be spawned).
-    type Tx: Send + Sync + 'static;
+    type Tx: lockstep_core::Transaction;
     /// The store under test.
     type Store: EventStore<Self::Tx> + 'static;
     /// The transaction source.
@@ -90,7 +90,7 @@ async fn versions<F: EventStoreFixture>(fixture: &F, tx: &F::Tx, stream: StreamI
 async fn committed_versions<F: EventStoreFixture>(fixture: &F, stream: StreamId) -> Vec<u64> {
     let tx = begin(fixture.source()).await;
     let seen = versions(fixture, &tx, stream).await;
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     seen
 }
 
@@ -126,11 +126,11 @@ pub async fn appends_number_versions_from_one_and_load_in_order<F: EventStoreFix
         .await
         .expect("append");
     assert_eq!(v, 3);
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let tx = begin(fixture.source()).await;
     let events = fixture.store().load(&tx, stream).await.expect("load");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     assert_eq!(
         events.iter().map(|e| e.version).collect::<Vec<_>>(),
         [1, 2, 3]
@@ -162,13 +162,13 @@ pub async fn appends_are_visible_to_others_only_after_commit<F: EventStoreFixtur
         .expect("append");
     assert_eq!(versions(&*fixture, &writer, stream).await, [1]);
     assert!(versions(&*fixture, &reader, stream).await.is_empty());
-    commit(fixture.source(), writer).await.expect("commit");
+    commit(writer).await.expect("commit");
     assert_eq!(
         versions(&*fixture, &reader, stream).await,
         [1],
         "READ COMMITTED: the next read sees the commit"
     );
-    rollback(fixture.source(), reader).await;
+    rollback(reader).await;
 }
 
 /// A rolled-back append leaves nothing, and its version is free again.
@@ -180,7 +180,7 @@ pub async fn rolled_back_appends_vanish<F: EventStoreFixture>(fixture: Arc<F>) {
         .append(&tx, stream, ExpectedVersion::NoStream, &[event("A", 1)])
         .await
         .expect("append");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     assert!(committed_versions(&*fixture, stream).await.is_empty());
     let tx = begin(fixture.source()).await;
     let v = fixture
@@ -189,7 +189,7 @@ pub async fn rolled_back_appends_vanish<F: EventStoreFixture>(fixture: Arc<F>) {
         .await
         .expect("version 1 is free again");
     assert_eq!(v, 1);
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 /// Expecting a version the stream is not at — behind it, ahead of it, or `NoStream` on an
@@ -212,7 +212,7 @@ pub async fn a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction<
         )
         .await
         .expect("append");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     for expected in [
         ExpectedVersion::Exact(1),
@@ -236,7 +236,7 @@ pub async fn a_wrong_expected_version_is_a_conflict_that_aborts_the_transaction<
             after.expect_err("aborted").kind(),
             ErrorKind::TransactionAborted
         );
-        let commit = commit(fixture.source(), tx).await;
+        let commit = commit(tx).await;
         assert_eq!(
             commit.expect_err("aborted").kind(),
             ErrorKind::TransactionAborted
@@ -261,7 +261,7 @@ pub async fn any_appends_after_the_current_version<F: EventStoreFixture>(fixture
             .await
             .expect("append");
         assert_eq!(v, expected_new);
-        commit(fixture.source(), tx).await.expect("commit");
+        commit(tx).await.expect("commit");
     }
 }
 
@@ -276,7 +276,7 @@ pub async fn an_empty_append_is_invalid_input<F: EventStoreFixture>(fixture: Arc
         .expect_err("empty");
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     assert!(versions(&*fixture, &tx, stream).await.is_empty(), "usable");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 /// Appends are idempotent by event id. Appending events whose ids are all stored in that
@@ -303,7 +303,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
         .await
         .expect("append");
     assert_eq!(v, 2);
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     // Replays: the same append again (a retry after an unknown commit outcome), with `Any`,
     // of a suffix, and after the stream moved on.
@@ -320,7 +320,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
             .await
             .unwrap_or_else(|e| panic!("replay at {expected}: {e}"));
         assert_eq!(v, 2, "{expected}: the original append's result");
-        commit(fixture.source(), tx).await.expect("commit");
+        commit(tx).await.expect("commit");
     }
     let tx = begin(fixture.source()).await;
     fixture
@@ -328,7 +328,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
         .append(&tx, stream, ExpectedVersion::Exact(2), &[event("C", 3)])
         .await
         .expect("append");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let tx = begin(fixture.source()).await;
     let v = fixture
         .store()
@@ -341,7 +341,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
         .await
         .expect("a replay after the stream moved on");
     assert_eq!(v, 2);
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
 
     // Refusals.
@@ -374,7 +374,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
             after.expect_err("aborted").kind(),
             ErrorKind::TransactionAborted
         );
-        rollback(fixture.source(), tx).await;
+        rollback(tx).await;
     }
     assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
     assert!(committed_versions(&*fixture, other).await.is_empty());
@@ -388,7 +388,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
         .expect_err("one id twice");
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
     assert!(versions(&*fixture, &tx, other).await.is_empty(), "usable");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 /// Two transactions append the same event ids: the second waits for the first. When the first
@@ -426,16 +426,16 @@ pub async fn a_concurrent_append_of_the_same_event_ids_stores_them_once<F: Event
         // Give the second writer a chance to reach its append (either way it must wait).
         tokio::time::sleep(Duration::from_millis(50)).await;
         if first_commits {
-            commit(fixture.source(), first).await.expect("commit");
+            commit(first).await.expect("commit");
         } else {
-            rollback(fixture.source(), first).await;
+            rollback(first).await;
         }
         let (tx, result) = second.await.expect("second writer");
         if first_commits {
             let err = result.expect_err("the second append lost the race");
             assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
             assert!(err.is_retryable());
-            rollback(fixture.source(), tx).await;
+            rollback(tx).await;
             let retry = begin(fixture.source()).await;
             let v = fixture
                 .store()
@@ -443,10 +443,10 @@ pub async fn a_concurrent_append_of_the_same_event_ids_stores_them_once<F: Event
                 .await
                 .expect("the retry is a replay");
             assert_eq!(v, 2);
-            commit(fixture.source(), retry).await.expect("commit");
+            commit(retry).await.expect("commit");
         } else {
             assert_eq!(result.expect("the second append goes through"), 2);
-            commit(fixture.source(), tx).await.expect("commit");
+            commit(tx).await.expect("commit");
         }
         assert_eq!(committed_versions(&*fixture, stream).await, [1, 2]);
     }
@@ -463,8 +463,8 @@ pub async fn streams_are_independent<F: EventStoreFixture>(fixture: Arc<F>) {
             .await
             .expect("append");
     }
-    commit(fixture.source(), a).await.expect("commit");
-    commit(fixture.source(), b).await.expect("commit");
+    commit(a).await.expect("commit");
+    commit(b).await.expect("commit");
     assert_eq!(committed_versions(&*fixture, s1).await, [1]);
     assert_eq!(committed_versions(&*fixture, s2).await, [1]);
 }
@@ -497,9 +497,9 @@ pub async fn concurrent_appends_of_one_version_let_exactly_one_commit<F: EventSt
         // Give the second writer a chance to reach its append (either way it must wait).
         tokio::time::sleep(Duration::from_millis(50)).await;
         if first_commits {
-            commit(fixture.source(), first).await.expect("commit");
+            commit(first).await.expect("commit");
         } else {
-            rollback(fixture.source(), first).await;
+            rollback(first).await;
         }
         let (tx, result) = second.await.expect("second writer");
         if first_commits {
@@ -510,23 +510,20 @@ pub async fn concurrent_appends_of_one_version_let_exactly_one_commit<F: EventSt
                 Some(ExpectedVersion::NoStream)
             );
             assert_eq!(
-                commit(fixture.source(), tx)
-                    .await
-                    .expect_err("aborted")
-                    .kind(),
+                commit(tx).await.expect_err("aborted").kind(),
                 ErrorKind::TransactionAborted
             );
             let tx = begin(fixture.source()).await;
             let events = fixture.store().load(&tx, stream).await.expect("load");
-            rollback(fixture.source(), tx).await;
+            rollback(tx).await;
             assert_eq!(events.len(), 1);
             assert_eq!(events[0].event_type, "A");
         } else {
             assert_eq!(result.expect("the second append goes through"), 1);
-            commit(fixture.source(), tx).await.expect("commit");
+            commit(tx).await.expect("commit");
             let tx = begin(fixture.source()).await;
             let events = fixture.store().load(&tx, stream).await.expect("load");
-            rollback(fixture.source(), tx).await;
+            rollback(tx).await;
             assert_eq!(events.len(), 1);
             assert_eq!(events[0].event_type, "B");
         }
@@ -559,7 +556,7 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
         .await
         .expect_err("held");
     assert_eq!(err.kind(), ErrorKind::LockTimeout, "{err}");
-    rollback(fixture.source(), timed_out).await;
+    rollback(timed_out).await;
 
     let waiter = {
         let (fixture, key) = (Arc::clone(&fixture), key.clone());
@@ -580,12 +577,12 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
                 )
                 .await
                 .expect("no conflict under the lock");
-            commit(fixture.source(), tx).await.expect("commit");
+            commit(tx).await.expect("commit");
             (events.len(), v)
         })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
-    commit(fixture.source(), holder).await.expect("commit");
+    commit(holder).await.expect("commit");
     let (loaded, v) = waiter.await.expect("waiter");
     assert_eq!(loaded, 1, "loaded after the holder's commit");
     assert_eq!(v, 2);
@@ -611,10 +608,10 @@ pub async fn append_at_commit_is_stored_by_the_commit<F: EventStoreFixture>(fixt
         committed_versions(&*fixture, stream).await.is_empty(),
         "nothing is visible before the commit"
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let tx = begin(fixture.source()).await;
     let events = fixture.store().load(&tx, stream).await.expect("load");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     let seen: Vec<_> = events.iter().map(|e| (e.version, e.event_id)).collect();
     assert_eq!(
         seen,
@@ -631,7 +628,7 @@ pub async fn append_at_commit_is_stored_by_the_commit<F: EventStoreFixture>(fixt
         .append_at_commit(&tx, stream, ExpectedVersion::Exact(3), &[event("C", 4)])
         .await
         .expect("accepted");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
 }
 
@@ -650,7 +647,7 @@ pub async fn a_conflicting_append_at_commit_rolls_the_transaction_back<F: EventS
         .append(&tx, stream, ExpectedVersion::NoStream, &[event("A", 1)])
         .await
         .expect("append");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let tx = begin(fixture.source()).await;
     fixture
@@ -669,10 +666,10 @@ pub async fn a_conflicting_append_at_commit_rolls_the_transaction_back<F: EventS
         .await;
     let err = match stale {
         Err(err) => {
-            let _ = commit(fixture.source(), tx).await;
+            let _ = commit(tx).await;
             err
         }
-        Ok(()) => commit(fixture.source(), tx)
+        Ok(()) => commit(tx)
             .await
             .expect_err("the commit reports the conflict"),
     };
@@ -691,7 +688,7 @@ pub async fn a_conflicting_append_at_commit_rolls_the_transaction_back<F: EventS
         .load_locked(&tx, stream, &key, Some(Duration::from_secs(5)))
         .await
         .expect("the key is free again");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// Bad input is refused by `append_at_commit` itself, with nothing held back: the transaction
@@ -722,7 +719,7 @@ pub async fn append_at_commit_refuses_bad_input_at_once<F: EventStoreFixture>(fi
         .append(&tx, stream, ExpectedVersion::NoStream, &[event("B", 1)])
         .await
         .expect("the transaction is still usable");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     assert_eq!(committed_versions(&*fixture, stream).await, [1]);
 }
 
@@ -742,26 +739,28 @@ pub async fn a_unit_of_work_retries_a_conflicting_append_at_commit<F: EventStore
     let store = fx.store();
     let attempts_ref = &attempts;
     fx.source()
-        .transaction_with_retry(&policy, tokio::time::sleep, |tx| async move {
-            let attempt = attempts_ref.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let seen = store.load(&tx, stream).await?.len() as u64;
-            if attempt == 0 {
-                // Another writer gets there first, after our load.
-                let source = fx.source();
-                let other = source.begin().await?;
+        .transaction_with_retry(&policy, tokio::time::sleep, |tx, _| {
+            Box::pin(async move {
+                let attempt = attempts_ref.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let seen = store.load(&tx, stream).await?.len() as u64;
+                if attempt == 0 {
+                    // Another writer gets there first, after our load.
+                    let source = fx.source();
+                    let other = source.begin().await?;
+                    store
+                        .append(
+                            &other,
+                            stream,
+                            ExpectedVersion::Exact(seen),
+                            &[event("X", 0)],
+                        )
+                        .await?;
+                    other.commit().await?;
+                }
                 store
-                    .append(
-                        &other,
-                        stream,
-                        ExpectedVersion::Exact(seen),
-                        &[event("X", 0)],
-                    )
-                    .await?;
-                source.commit(other).await?;
-            }
-            store
-                .append_at_commit(&tx, stream, ExpectedVersion::Exact(seen), &[event("Y", 1)])
-                .await
+                    .append_at_commit(&tx, stream, ExpectedVersion::Exact(seen), &[event("Y", 1)])
+                    .await
+            })
         })
         .await
         .expect("the retry commits");
@@ -814,7 +813,7 @@ pub async fn the_deepest_readable_payload_round_trips_and_one_level_deeper_is_re
         .await
         .expect("append");
     assert_eq!(v, 2);
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let tx = begin(fixture.source()).await;
     let loaded = fixture.store().load(&tx, stream).await.expect("load");
@@ -823,7 +822,7 @@ pub async fn the_deepest_readable_payload_round_trips_and_one_level_deeper_is_re
         .load_locked(&tx, stream, &key, None)
         .await
         .expect("load_locked");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     for events in [loaded, locked] {
         assert_eq!(events.len(), 2);
         assert_eq!(events[0].payload, deepest);

@@ -21,7 +21,7 @@ use crate::{FakeDatabase, FakeTransaction, InMemoryStreamLocker};
 /// it checks in.
 pub trait LeaseFenceFixture: StreamLockerFixture {
     /// An owned, open transaction.
-    type Tx: Send + Sync + 'static;
+    type Tx: lockstep_core::Transaction;
     /// The transaction source.
     type Source: TransactionSource<Tx = Self::Tx>;
     /// The fence under test (normally the locker itself).
@@ -84,7 +84,7 @@ pub async fn fence_passes_for_the_current_holder<F: LeaseFenceFixture>(fixture: 
         .check_lease(&tx, &lease.id)
         .await
         .expect("the holder passes the fence");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let _ = fixture.locker().release(&lease.id).await.expect("release");
 }
 
@@ -106,7 +106,7 @@ pub async fn fence_fails_after_takeover<F: LeaseFenceFixture>(fixture: Arc<F>) {
         .await
         .expect_err("stale holder is fenced out");
     assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// An expired lease fails the fence even before anyone takes it over.
@@ -120,7 +120,7 @@ pub async fn fence_fails_after_expiry<F: LeaseFenceFixture>(fixture: Arc<F>) {
         .await
         .expect_err("expired");
     assert_eq!(err.kind(), ErrorKind::LeaseLost);
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// Force-release fences the old holder out at once.
@@ -139,7 +139,7 @@ pub async fn fence_fails_after_force_release<F: LeaseFenceFixture>(fixture: Arc<
         .await
         .expect_err("force-released");
     assert_eq!(err.kind(), ErrorKind::LeaseLost);
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// A takeover of an expired lease is refused at once while a fenced transaction is open
@@ -167,9 +167,7 @@ pub async fn fence_holds_off_a_takeover_until_the_transaction_ends<F: LeaseFence
         .expect("a busy row is an outcome, not an error");
     assert_eq!(busy, AcquireOutcome::Busy);
     assert!(!busy.is_acquired());
-    commit(fixture.source(), tx)
-        .await
-        .expect("the fenced commit succeeds");
+    commit(tx).await.expect("the fenced commit succeeds");
     let outcome = takeover().await.expect("try_acquire");
     assert!(
         outcome.is_acquired(),
@@ -204,7 +202,7 @@ pub async fn a_fence_check_that_finds_the_lease_lost_locks_nothing<F: LeaseFence
         outcome.is_acquired(),
         "expired lease taken over: {outcome:?}"
     );
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// Runs every case, in order, in one test. Prefer

@@ -51,7 +51,7 @@ pub mod perspective_store;
 pub mod session_lock;
 pub mod stream_locker;
 
-use lockstep_core::{Result, TransactionSource};
+use lockstep_core::{Result, Transaction, TransactionSource};
 
 /// Begins a transaction for a case; a backend that cannot begin fails the case.
 async fn begin<S: TransactionSource>(source: &S) -> S::Tx {
@@ -59,13 +59,13 @@ async fn begin<S: TransactionSource>(source: &S) -> S::Tx {
 }
 
 /// Commits, reporting failure (some cases expect a commit to fail).
-async fn commit<S: TransactionSource>(source: &S, tx: S::Tx) -> Result<()> {
-    source.commit(tx).await
+async fn commit<T: Transaction>(tx: T) -> Result<()> {
+    tx.commit().await
 }
 
 /// Rolls back; a backend that cannot confirm the rollback fails the case.
-async fn rollback<S: TransactionSource>(source: &S, tx: S::Tx) {
-    source.rollback(tx).await.expect("rolling back");
+async fn rollback<T: Transaction>(tx: T) {
+    tx.rollback().await.expect("rolling back");
 }
 
 /// Calls an `after_each:` check of the suite macros (a function, so the closure's argument

@@ -35,7 +35,7 @@ use super::{begin, commit, rollback};
 /// (with its admin view) over the same cursor rows for the lease cases.
 pub trait PerspectiveStoreFixture: Send + Sync + 'static {
     /// An owned, open transaction.
-    type Tx: Send + Sync + 'static;
+    type Tx: lockstep_core::Transaction;
     /// The transaction source.
     type Source: TransactionSource<Tx = Self::Tx>;
     /// The store under test. It keeps [`DEFAULT_KEEP_SNAPSHOTS`] snapshots per pair.
@@ -173,7 +173,7 @@ async fn register<F: PerspectiveStoreFixture>(fixture: &F, names: &[PerspectiveN
         .register(&tx, names)
         .await
         .expect("register");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 /// Appends `events` to `stream` in a transaction of its own.
@@ -184,7 +184,7 @@ async fn append<F: PerspectiveStoreFixture>(fixture: &F, stream: StreamId, event
         .append(&tx, stream, ExpectedVersion::Any, events)
         .await
         .expect("append");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 /// A fresh stream with one event per id (`n` = its position), appended in that order.
@@ -251,7 +251,7 @@ async fn apply<F: PerspectiveStoreFixture>(
         )
         .await
         .expect("commit_state");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     revision
 }
 
@@ -298,7 +298,7 @@ async fn rewind<F: PerspectiveStoreFixture>(
             },
         )
         .await;
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     result
 }
 
@@ -314,7 +314,7 @@ async fn cursor<F: PerspectiveStoreFixture>(
         .cursor(&tx, stream, name)
         .await
         .expect("cursor");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     cursor
 }
 
@@ -330,7 +330,7 @@ async fn state<F: PerspectiveStoreFixture>(
         .state(&tx, stream, name)
         .await
         .expect("state");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     found
 }
 
@@ -346,7 +346,7 @@ async fn pending<F: PerspectiveStoreFixture>(
         .pending_events(&tx, stream, name)
         .await
         .expect("pending_events");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     ids
 }
 
@@ -364,7 +364,7 @@ async fn listed<F: PerspectiveStoreFixture>(
         .pending_pairs(&tx, instance, debounce, ALL_PAIRS)
         .await
         .expect("pending_pairs");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     pairs
         .into_iter()
         .find(|p| p.stream_id == stream && &p.perspective == name)
@@ -402,7 +402,7 @@ async fn snapshots<F: PerspectiveStoreFixture>(
         before = s.event_id;
         found.push(s);
     }
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     found
 }
 
@@ -418,7 +418,7 @@ async fn ensure_cursor<F: PerspectiveStoreFixture>(
         .ensure_cursor(&tx, stream, name)
         .await
         .expect("ensure_cursor");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 async fn lease<F: PerspectiveStoreFixture>(
@@ -484,7 +484,7 @@ pub async fn appended_events_become_work_for_every_registered_perspective_on_com
             .expect("pending_events");
         assert!(seen.is_empty(), "no work before the appender commits");
     }
-    commit(fixture.source(), writer).await.expect("commit");
+    commit(writer).await.expect("commit");
     for name in [&a, &b] {
         let seen = fixture
             .store()
@@ -493,7 +493,7 @@ pub async fn appended_events_become_work_for_every_registered_perspective_on_com
             .expect("pending_events");
         assert_eq!(seen, ids, "work for {name} once the appender committed");
     }
-    rollback(fixture.source(), reader).await;
+    rollback(reader).await;
     assert_eq!(
         listed(
             &*fixture,
@@ -523,7 +523,7 @@ pub async fn a_rolled_back_append_leaves_no_work<F: PerspectiveStoreFixture>(fix
         )
         .await
         .expect("append");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     assert!(pending(&*fixture, stream, &a).await.is_empty());
     assert_eq!(
         listed(
@@ -626,7 +626,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         )
         .await
         .expect("commit_state");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let tx = begin(fixture.source()).await;
     let Claim::Apply {
@@ -641,7 +641,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
     assert_eq!(cursor.last_event_id, Some(ids[2]));
     assert_eq!(cursor.applied_count, 3);
     assert_eq!(state, Some(serde_json::json!({ "sum": 6 })));
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// Claiming a pair that has no cursor row creates it (empty, unlocked) and finds nothing to do.
@@ -655,7 +655,7 @@ pub async fn claim_creates_the_cursor_of_a_pair_that_has_none<F: PerspectiveStor
         claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await,
         Claim::Idle
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let created = cursor(&*fixture, stream, &p).await.expect("created");
     assert_eq!(created.last_event_id, None);
     assert_eq!(created.applied_count, 0);
@@ -690,14 +690,14 @@ pub async fn a_second_claim_of_a_claimed_pair_is_busy_until_the_first_transactio
     .await
     .expect("a claim never waits for another transaction's claim");
     assert_eq!(busy, Claim::Busy);
-    rollback(fixture.source(), second).await;
-    rollback(fixture.source(), first).await;
+    rollback(second).await;
+    rollback(first).await;
     let third = begin(fixture.source()).await;
     match claim(&*fixture, &third, stream, &p, 10, RewindDebounce::NONE).await {
         Claim::Apply { events, .. } => assert_eq!(event_ids(&events), ids),
         other => panic!("expected the pair to be claimable again, got {other:?}"),
     }
-    rollback(fixture.source(), third).await;
+    rollback(third).await;
 }
 
 /// A pair under a live lease is `Busy` for every claim and absent from other instances'
@@ -720,7 +720,7 @@ pub async fn a_leased_pair_is_held_back_while_its_events_keep_queueing<
         Claim::Busy,
         "a live lease holds normal application back"
     );
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     renew(&*fixture, &lease).await;
     assert_eq!(
         listed(
@@ -749,7 +749,7 @@ pub async fn a_leased_pair_is_held_back_while_its_events_keep_queueing<
         Claim::Apply { events, .. } => assert_eq!(event_ids(&events), ids),
         other => panic!("expected the queued events after the release, got {other:?}"),
     }
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// A commit saves the state, advances the cursor, increments the revision and deletes exactly
@@ -790,7 +790,7 @@ pub async fn commit_state_saves_the_state_advances_the_cursor_and_deletes_exactl
         .await
         .expect("commit_state");
     assert_eq!(revision, cursor.revision + 1);
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(after.last_event_id, Some(ids[1]));
@@ -839,9 +839,7 @@ pub async fn a_stale_expected_revision_is_a_conflict_that_writes_nothing<
         .expect_err("stale revision");
     assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
     assert!(err.is_retryable());
-    commit(fixture.source(), tx)
-        .await
-        .expect("the transaction is still usable");
+    commit(tx).await.expect("the transaction is still usable");
 
     let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
@@ -897,7 +895,7 @@ async fn assert_fenced_out<F: PerspectiveStoreFixture>(
         .await
         .expect_err("a fenced purge too");
     assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
-    commit(fixture.source(), tx).await.expect("still usable");
+    commit(tx).await.expect("still usable");
     let (after, state) = state(fixture, stream, p).await.expect("cursor");
     assert_eq!(after.revision, before.revision, "nothing written");
     assert_eq!(state, None);
@@ -970,7 +968,7 @@ pub async fn a_late_arrival_turns_the_claim_into_a_rewind_from_that_event<
     assert_eq!(request.trigger, ids[0]);
     assert!(request.first_flagged_at <= request.flagged_at);
     assert_eq!(flagged.last_event_id, Some(ids[1]));
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     assert_eq!(trigger(&*fixture, stream, &p).await, Some(ids[0]), "kept");
     assert_eq!(pending(&*fixture, stream, &p).await, ids[..1], "work kept");
 }
@@ -993,7 +991,7 @@ pub async fn of_two_late_arrivals_the_earliest_is_the_trigger<F: PerspectiveStor
         }
         other => panic!("expected a rewind, got {other:?}"),
     }
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 }
 
 /// A rewind request's trigger only ever moves earlier — by a later late arrival or by
@@ -1056,7 +1054,7 @@ pub async fn an_existing_trigger_only_ever_moves_earlier<F: PerspectiveStoreFixt
         .await
         .expect("request_rewind");
     assert!(!found, "no cursor, no request");
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// Requests a rewind of a pair that has a cursor, in a transaction of its own.
@@ -1072,7 +1070,7 @@ async fn request<F: PerspectiveStoreFixture>(
         .request_rewind(&tx, stream, p, from)
         .await
         .expect("request_rewind");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     assert!(found, "the pair has a cursor");
 }
 
@@ -1095,7 +1093,7 @@ pub async fn the_debounce_window_holds_a_flagged_pair_back<F: PerspectiveStoreFi
         Claim::Idle,
         "found late, inside the window"
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     assert_eq!(
         trigger(&*fixture, stream, &p).await,
         Some(ids[0]),
@@ -1109,7 +1107,7 @@ pub async fn the_debounce_window_holds_a_flagged_pair_back<F: PerspectiveStoreFi
         claim(&*fixture, &tx, stream, &p, 10, HOUR).await,
         Claim::Idle
     );
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 
     assert_eq!(
         listed(&*fixture, instance, RewindDebounce::NONE, stream, &p).await,
@@ -1120,7 +1118,7 @@ pub async fn the_debounce_window_holds_a_flagged_pair_back<F: PerspectiveStoreFi
         Claim::Rewind { cursor } => assert_eq!(cursor.rewind.map(|r| r.trigger), Some(ids[0])),
         other => panic!("expected a rewind, got {other:?}"),
     }
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// The debounce window slides with every late event, but only up to `max_delay` from the first
@@ -1147,7 +1145,7 @@ pub async fn the_debounce_window_is_capped_from_the_first_flag<F: PerspectiveSto
         claim(&*fixture, &tx, stream, &p, 10, CAPPED).await,
         Claim::Idle
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let first = cursor(&*fixture, stream, &p).await.expect("cursor");
     let first = first.rewind.expect("flagged");
 
@@ -1159,7 +1157,7 @@ pub async fn the_debounce_window_is_capped_from_the_first_flag<F: PerspectiveSto
         claim(&*fixture, &tx, stream, &p, 10, CAPPED).await,
         Claim::Idle
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let moved = cursor(&*fixture, stream, &p).await.expect("cursor");
     let moved = moved.rewind.expect("still flagged");
     assert_eq!(moved.trigger, ids[0], "the trigger moved earlier");
@@ -1187,7 +1185,7 @@ pub async fn the_debounce_window_is_capped_from_the_first_flag<F: PerspectiveSto
         Claim::Rewind { cursor } => assert_eq!(cursor.rewind.map(|r| r.trigger), Some(ids[0])),
         other => panic!("expected a rewind, got {other:?}"),
     }
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// A rewind's commit clears the request only if its trigger is still the one it rewound from:
@@ -1208,7 +1206,7 @@ pub async fn a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged
         claim(&*fixture, &tx, stream, &p, 10, RewindDebounce::NONE).await,
         Claim::Rewind { .. }
     ));
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let lease = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
     // Meanwhile an operator asks for an earlier rewind.
@@ -1220,7 +1218,7 @@ pub async fn a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged
             .await
             .expect("request_rewind")
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     renew(&*fixture, &lease).await;
     rewind(&*fixture, stream, &p, ids[1], Some(lease.id.clone()))
         .await
@@ -1292,7 +1290,7 @@ pub async fn a_rewind_commit_deletes_the_snapshots_at_or_after_its_trigger<
             .await
             .expect("request_rewind")
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     rewind(&*fixture, stream, &p, e1, None)
         .await
         .expect("rewind");
@@ -1314,7 +1312,7 @@ async fn claim_and_commit<F: PerspectiveStoreFixture>(
 ) -> Claim {
     let tx = begin(fixture.source()).await;
     let outcome = claim(fixture, &tx, stream, p, 10, RewindDebounce::NONE).await;
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     outcome
 }
 
@@ -1355,7 +1353,7 @@ pub async fn a_commit_can_save_a_snapshot_and_snapshot_before_finds_the_latest_s
     assert_eq!(s.applied_count, 1);
     assert_eq!(s.state, serde_json::json!({ "sum": 1 }));
     assert_eq!(before(ids[0]).await.expect("snapshot_before"), None);
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     let after = cursor(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(after.latest_snapshot, Some(ids[1]));
 }
@@ -1436,7 +1434,7 @@ async fn save<F: PerspectiveStoreFixture>(
         .save_snapshot(&tx, stream, p, revision, None)
         .await
         .expect("save_snapshot");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     saved
 }
 
@@ -1472,7 +1470,7 @@ pub async fn stream_events_come_in_event_id_order_after_the_given_id<F: Perspect
         .await
         .expect("stream_events");
     assert!(none.is_empty());
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// A recorded failure keeps the rewind request and the work, and counts; the next successful
@@ -1496,7 +1494,7 @@ pub async fn a_recorded_failure_keeps_the_request_and_the_work_until_a_commit_su
             .record_failure(&tx, stream, &p, message)
             .await
             .expect("record_failure");
-        commit(fixture.source(), tx).await.expect("commit");
+        commit(tx).await.expect("commit");
     }
     let failed = cursor(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(failed.error.as_deref(), Some("apply failed: boom again"));
@@ -1538,7 +1536,7 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
             .await
             .expect("request_rewind")
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let lease = lease(&*fixture, stream, &p, &LockReason::Purge).await;
     let tx = begin(fixture.source()).await;
@@ -1547,7 +1545,7 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
         .purge(&tx, stream, &p, Some(&lease.id))
         .await
         .expect("purge");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
 
     let (after, state) = state(&*fixture, stream, &p).await.expect("cursor kept");
     assert_eq!(state, None);
@@ -1573,7 +1571,7 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
         }
         other => panic!("expected a rewind from the start, got {other:?}"),
     }
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let tx = begin(fixture.source()).await;
     assert!(
         matches!(
@@ -1582,7 +1580,7 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
         ),
         "the request stays until a rewind commits"
     );
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
 }
 
 /// `ensure_cursor` creates a cursor row once; `delete_cursor` deletes it with its state,
@@ -1609,7 +1607,7 @@ pub async fn ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair<
             .expect("ensure"),
         "already there"
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let created = cursor(&*fixture, stream, &p).await.expect("created");
     assert_eq!((created.last_event_id, created.applied_count), (None, 0));
     assert!(created.lease.is_unlocked());
@@ -1634,7 +1632,7 @@ pub async fn ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair<
             .expect("delete"),
         "already gone"
     );
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     assert!(state(&*fixture, stream, &p).await.is_none());
     assert!(pending(&*fixture, stream, &p).await.is_empty());
     assert!(snapshots(&*fixture, stream, &p).await.is_empty());
@@ -1677,7 +1675,7 @@ pub async fn a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing<
         .await
         .expect_err("refused");
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
-    commit(fixture.source(), tx).await.expect("still usable");
+    commit(tx).await.expect("still usable");
     let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
         (after.revision, after.last_event_id),
@@ -1744,7 +1742,7 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
             max: 127
         })
     );
-    commit(fixture.source(), tx).await.expect("still usable");
+    commit(tx).await.expect("still usable");
     let (after, stored) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
         (after.revision, after.last_event_id),
@@ -1766,7 +1764,7 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
         .commit_state(&tx, &commit_of(&cursor, deepest.clone(), &ids[..1]))
         .await
         .expect("the deepest readable state");
-    commit(fixture.source(), tx).await.expect("commit");
+    commit(tx).await.expect("commit");
     let (_, stored) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(stored, Some(deepest.clone()));
     // The pair goes on: the next claim reads the state back.
@@ -1779,7 +1777,7 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     else {
         panic!("expected the second event to apply");
     };
-    rollback(fixture.source(), tx).await;
+    rollback(tx).await;
     assert_eq!(claimed, Some(deepest));
     assert_eq!(
         events.iter().map(|e| e.event_id).collect::<Vec<_>>(),

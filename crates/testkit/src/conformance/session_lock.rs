@@ -101,7 +101,7 @@ pub async fn session_and_transaction_locks_exclude_each_other<F: SessionLockFixt
         try_session(locks, &key).await.is_none(),
         "a session is denied while a transaction holds the key"
     );
-    super::commit(fixture.source(), tx).await.expect("commit");
+    super::commit(tx).await.expect("commit");
     let after = try_session(locks, &key).await.expect("free after commit");
     after.release().await.expect("release");
 }

@@ -1,0 +1,398 @@
+//! [`PgDatabase`]: the one Postgres handle every lockstep backend is built from.
+//!
+//! A process builds it once — from a URL, a `tokio_postgres::Config` or a pool of its own — with
+//! the pool's size, how long a checkout waits, the TLS connector (for new connections **and**
+//! for the cancel requests that end abandoned waits) and the in-process lock queue's settings.
+//! Then:
+//!
+//! - it is the unit-of-work source ([`lockstep_core::TransactionSource`], `Tx` =
+//!   [`PgTransaction`]): `let tx = db.begin().await?; …; tx.commit().await?`;
+//! - [`PgDatabase::migrate`] applies the schema;
+//! - every backend takes it — `PgDistributedLock::new(&db)`, `PgStreamLocker::new(&db, …)`,
+//!   `PgEventStore::new(&db)` — so the aggregate lock and the event store's `load_locked` share
+//!   one queue, and every cancel request uses the pool's TLS, by construction.
+//!
+//! Clones share everything (the pool, the queue).
+//!
+//! ```no_run
+//! # async fn demo() -> lockstep_core::Result<()> {
+//! use lockstep_core::{Transaction, TransactionSource};
+//! use lockstep_pg::PgDatabase;
+//!
+//! let db = PgDatabase::builder()
+//!     .url("postgres://app@db.internal/app")
+//!     .max_connections(32)
+//!     .build()?;
+//! db.migrate().await?;
+//! let tx = db.begin().await?;
+//! // … lock, load, decide, append on &tx …
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use lockstep_core::{Error, ErrorKind, Result, TransactionSource};
+use tokio_postgres::Socket;
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+
+use crate::advisory::LockQueue;
+use crate::migrate::MigrationReport;
+use crate::transaction::PgTransaction;
+
+/// The one Postgres handle: a pool, how long checkouts wait, and the lock queue (with the TLS
+/// connector for cancel requests) that every backend built from it shares. See the
+/// [module docs](self).
+#[derive(Clone)]
+pub struct PgDatabase {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    checkout_wait: Duration,
+    queue: LockQueue,
+    // Where the pool connects (database, hosts, ports, user; never the password), for errors.
+    target: Option<String>,
+}
+
+impl fmt::Debug for PgDatabase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The pool's configuration holds the connection string: never print it.
+        f.debug_struct("PgDatabase")
+            .field("target", &self.inner.target)
+            .field("pool_status", &self.inner.pool.status())
+            .field("checkout_wait", &self.inner.checkout_wait)
+            .field("queue", &self.inner.queue)
+            .finish()
+    }
+}
+
+impl PgDatabase {
+    /// The default pool size of [`PgDatabase::builder`]: 16 connections.
+    pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
+
+    /// A handle on the database at `url` (`postgres://user@host:port/database`), with the
+    /// defaults: [`PgDatabase::DEFAULT_MAX_CONNECTIONS`], checkouts waiting at most
+    /// [`crate::DEFAULT_CHECKOUT_WAIT`], no TLS, the lock queue on. Connects lazily: nothing is
+    /// sent until the first checkout ([`PgDatabase::connect`] checks at once).
+    ///
+    /// A URL that does not parse is [`ErrorKind::InvalidInput`] (the message never repeats
+    /// the URL, which may hold a password).
+    pub fn from_url(url: &str) -> Result<PgDatabase> {
+        PgDatabase::builder().url(url).build()
+    }
+
+    /// [`PgDatabase::from_url`], then one connection checked out and returned, so a wrong
+    /// host, port, database or password is an error now, naming the target, rather than at
+    /// the first unit of work.
+    pub async fn connect(url: &str) -> Result<PgDatabase> {
+        let db = PgDatabase::from_url(url)?;
+        drop(db.checkout().await?);
+        Ok(db)
+    }
+
+    /// A handle on a pool the application built itself, with the defaults: checkouts waiting
+    /// at most [`crate::DEFAULT_CHECKOUT_WAIT`], cancel requests without TLS, the lock queue
+    /// on. For a pool built with a TLS connector, use [`PgDatabaseBuilder::pool`] and
+    /// [`PgDatabaseBuilder::tls`] with the same connector.
+    pub fn from_pool(pool: Pool) -> PgDatabase {
+        PgDatabase::builder().pool(pool).build_with_pool()
+    }
+
+    /// Everything configurable; see [`PgDatabaseBuilder`].
+    pub fn builder() -> PgDatabaseBuilder {
+        PgDatabaseBuilder::default()
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// How long a checkout waits for a free connection before failing with a retryable
+    /// [`ErrorKind::ConnectionLost`].
+    pub fn checkout_wait(&self) -> Duration {
+        self.inner.checkout_wait
+    }
+
+    /// The in-process lock queue the backends built from this handle share.
+    pub fn lock_queue(&self) -> &LockQueue {
+        &self.inner.queue
+    }
+
+    /// Where the pool connects — `database "d" on host:port as user "u"`
+    /// ([`crate::target::connection_target`]) — when the handle was built from a URL or a
+    /// config (never the password); `None` for a pool of the application's.
+    pub fn target(&self) -> Option<&str> {
+        self.inner.target.as_deref()
+    }
+
+    /// Checks a connection out, waiting at most [`PgDatabase::checkout_wait`]. A failure says
+    /// why once (the server's refusal with its SQLSTATE, `Connection refused`, a timeout) and
+    /// names the target; it is never the password.
+    pub async fn checkout(&self) -> Result<Object> {
+        crate::pool::checkout_naming(
+            &self.inner.pool,
+            self.inner.checkout_wait,
+            self.inner.target.as_deref(),
+        )
+        .await
+    }
+
+    /// Applies lockstep's schema ([`crate::migrate()`]).
+    pub async fn migrate(&self) -> Result<MigrationReport> {
+        crate::migrate::migrate(&self.inner.pool).await
+    }
+}
+
+/// Units of work on PostgreSQL: owned READ COMMITTED [`PgTransaction`]s on pooled connections.
+///
+/// ```no_run
+/// # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
+/// use lockstep_core::{Transaction, TransactionSource};
+///
+/// let tx = db.begin().await?;
+/// let row = tx.client().query_one("SELECT 1", &[]).await
+///     .map_err(|e| lockstep_pg::map_error(e, "selecting one"))?;
+/// let one: i32 = row.try_get(0).map_err(|e| lockstep_pg::map_error(e, "reading one"))?;
+/// tx.commit().await?;
+/// assert_eq!(one, 1);
+/// # Ok(()) }
+/// ```
+impl TransactionSource for PgDatabase {
+    type Tx = PgTransaction;
+
+    async fn begin(&self) -> Result<PgTransaction> {
+        PgTransaction::begin_on(self.checkout().await?).await
+    }
+}
+
+type MakeManager = Box<dyn FnOnce(tokio_postgres::Config) -> Manager + Send>;
+
+/// Builds a [`PgDatabase`]: where to connect ([`url`](Self::url), [`config`](Self::config) or an
+/// existing [`pool`](Self::pool)), the pool's size, the checkout wait, TLS and the lock queue.
+///
+/// ```
+/// use std::time::Duration;
+/// # fn demo() -> lockstep_core::Result<()> {
+/// let db = lockstep_pg::PgDatabase::builder()
+///     .url("postgres://app@127.0.0.1:5432/app")
+///     .max_connections(8)
+///     .checkout_wait(Duration::from_secs(2))
+///     .local_patience(Duration::from_millis(500))
+///     .tls(tokio_postgres::NoTls)
+///     .build()?;
+/// assert_eq!(db.target(), Some(r#"database "app" on 127.0.0.1:5432 as user "app""#));
+/// # Ok(()) }
+/// # #[tokio::main(flavor = "current_thread")] async fn main() { demo().expect("built"); }
+/// ```
+#[must_use]
+pub struct PgDatabaseBuilder {
+    config: Option<std::result::Result<tokio_postgres::Config, Error>>,
+    pool: Option<Pool>,
+    max_connections: usize,
+    checkout_wait: Duration,
+    queue: LockQueue,
+    make_manager: Option<MakeManager>,
+}
+
+impl Default for PgDatabaseBuilder {
+    fn default() -> Self {
+        PgDatabaseBuilder {
+            config: None,
+            pool: None,
+            max_connections: PgDatabase::DEFAULT_MAX_CONNECTIONS,
+            checkout_wait: crate::DEFAULT_CHECKOUT_WAIT,
+            queue: LockQueue::new(),
+            make_manager: None,
+        }
+    }
+}
+
+impl fmt::Debug for PgDatabaseBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgDatabaseBuilder")
+            .field("has_config", &self.config.is_some())
+            .field("has_pool", &self.pool.is_some())
+            .field("max_connections", &self.max_connections)
+            .field("checkout_wait", &self.checkout_wait)
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgDatabaseBuilder {
+    /// Connect to `url` (`postgres://user[:password]@host[:port]/database[?options]`). A URL
+    /// that does not parse fails [`build`](Self::build) with [`ErrorKind::InvalidInput`].
+    pub fn url(mut self, url: &str) -> Self {
+        // Never repeats the URL, which may hold a password (crate::target::parse_url).
+        self.config = Some(crate::target::parse_url(url));
+        self
+    }
+
+    /// Connect with `config`.
+    pub fn config(mut self, config: tokio_postgres::Config) -> Self {
+        self.config = Some(Ok(config));
+        self
+    }
+
+    /// Use a pool the application built itself (its size and connector are its own; pass the
+    /// connector it was built with to [`tls`](Self::tls) for the cancel requests). Instead of
+    /// [`url`](Self::url) / [`config`](Self::config): both is an error at
+    /// [`build`](Self::build).
+    pub fn pool(mut self, pool: Pool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// At most `n` connections (default [`PgDatabase::DEFAULT_MAX_CONNECTIONS`]; see
+    /// [`crate::pool`] for sizing). Ignored with a pool of the application's.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// How long a checkout waits for a free connection (default
+    /// [`crate::DEFAULT_CHECKOUT_WAIT`]).
+    pub fn checkout_wait(mut self, wait: Duration) -> Self {
+        self.checkout_wait = wait;
+        self
+    }
+
+    /// The TLS connector: for the pool's new connections (with a URL or a config) and for the
+    /// cancel requests that end abandoned waits, so the two can never disagree. Default
+    /// `tokio_postgres::NoTls`.
+    pub fn tls<T>(mut self, tls: T) -> Self
+    where
+        T: MakeTlsConnect<Socket> + Clone + Sync + Send + 'static,
+        T::Stream: Sync + Send,
+        T::TlsConnect: Sync + Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        self.queue = self.queue.with_cancel_tls(tls.clone());
+        self.make_manager = Some(Box::new(move |config| {
+            Manager::from_config(config, tls, manager_config())
+        }));
+        self
+    }
+
+    /// Turns the in-process lock queue on (default) or off; see
+    /// [`LockQueue::with_local_queue`].
+    pub fn local_queue(mut self, enabled: bool) -> Self {
+        self.queue = self.queue.with_local_queue(enabled);
+        self
+    }
+
+    /// How long a lock waiter queues in process before it waits at the server anyway; see
+    /// [`LockQueue::with_local_patience`].
+    pub fn local_patience(mut self, patience: Duration) -> Self {
+        self.queue = self.queue.with_local_patience(patience);
+        self
+    }
+
+    /// The handle. Fails with [`ErrorKind::InvalidInput`] for a URL that does not parse, for
+    /// no target at all, for both a target and a pool, or for `max_connections(0)`. Sends
+    /// nothing to the server. Needs a tokio runtime (the pool's timeouts run on it).
+    pub fn build(mut self) -> Result<PgDatabase> {
+        let config = self.config.take();
+        match (config, self.pool.is_some()) {
+            (Some(_), true) => Err(Error::new(
+                ErrorKind::InvalidInput,
+                "a PgDatabase connects either to a URL / config or through a pool of the \
+                 application's, not both",
+            )),
+            (None, true) => Ok(self.build_with_pool()),
+            (None, false) => Err(Error::new(
+                ErrorKind::InvalidInput,
+                "a PgDatabase needs somewhere to connect: a URL, a config or a pool",
+            )),
+            (Some(config), false) => {
+                let config = config?;
+                if self.max_connections == 0 {
+                    return Err(Error::new(
+                        ErrorKind::InvalidInput,
+                        "a PgDatabase needs at least one connection (max_connections(0))",
+                    ));
+                }
+                let target = crate::target::connection_target(&config);
+                let manager = match self.make_manager.take() {
+                    Some(make) => make(config),
+                    None => Manager::from_config(config, tokio_postgres::NoTls, manager_config()),
+                };
+                let pool = crate::pool::bounded_pool(manager, self.max_connections)?;
+                Ok(PgDatabase {
+                    inner: Arc::new(Inner {
+                        pool,
+                        checkout_wait: self.checkout_wait,
+                        queue: self.queue,
+                        target: Some(target),
+                    }),
+                })
+            }
+        }
+    }
+
+    fn build_with_pool(self) -> PgDatabase {
+        let pool = match self.pool {
+            Some(pool) => pool,
+            None => unreachable!("build_with_pool is only called with a pool"),
+        };
+        PgDatabase {
+            inner: Arc::new(Inner {
+                pool,
+                checkout_wait: self.checkout_wait,
+                queue: self.queue,
+                target: None,
+            }),
+        }
+    }
+}
+
+fn manager_config() -> ManagerConfig {
+    // Fast recycling: a connection that a lockstep transaction could not prove clean is never
+    // pooled (PgTransaction closes it), so a check query per checkout would buy nothing.
+    ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_target_names_host_port_database_and_user_but_never_the_password() {
+        let config: tokio_postgres::Config = "postgres://app:s3cret@db.internal:6543/orders"
+            .parse()
+            .expect("url");
+        let target = crate::target::connection_target(&config);
+        assert_eq!(target, "db.internal:6543, database orders, user app");
+        assert!(!target.contains("s3cret"));
+    }
+
+    #[test]
+    fn a_url_that_does_not_parse_is_invalid_input_without_echoing_it() {
+        let err = PgDatabaseBuilder::default()
+            .url("postgres://app:s3cret@db:notaport/x")
+            .build()
+            .expect_err("refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn nowhere_to_connect_both_targets_or_no_connections_are_refused() {
+        let none = PgDatabaseBuilder::default().build().expect_err("no target");
+        assert_eq!(none.kind(), ErrorKind::InvalidInput);
+        let zero = PgDatabaseBuilder::default()
+            .url("postgres://app@db/app")
+            .max_connections(0)
+            .build()
+            .expect_err("no connections");
+        assert_eq!(zero.kind(), ErrorKind::InvalidInput);
+    }
+}

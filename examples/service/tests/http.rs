@@ -1,0 +1,171 @@
+//! The service end to end, over HTTP, on PostgreSQL and on the testkit fakes: concurrent requests
+//! on one account, each on axum's spawned tasks, each a unit of work under the account's write
+//! lock. Deposits all count, withdrawals never overdraw, every request gets its answer.
+
+use std::net::SocketAddr;
+
+use axum::Router;
+use futures_util::future::join_all;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use lockstep_example_service::{serve, wiring};
+use lockstep_pg::PgDatabase;
+use lockstep_testkit::FakeDatabase;
+use lockstep_testkit::pg_harness::test_database;
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+/// The service on an ephemeral port; dropping it stops the server.
+struct Running {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(router: Router) -> Running {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind an ephemeral port");
+    let addr = listener.local_addr().expect("address");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, router, async {
+        let _ = stopped.await;
+    }));
+    Running { addr, stop, server }
+}
+
+/// One request on a connection of its own; the status and the JSON body.
+async fn call(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(connection);
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(
+            body.map(|b| b.to_string()).unwrap_or_default(),
+        )))
+        .expect("request");
+    let response = sender.send_request(request).await.expect("response");
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    (status, value)
+}
+
+async fn command(addr: SocketAddr, account: Uuid, kind: &str, amount: u64) -> (StatusCode, Value) {
+    call(
+        addr,
+        Method::POST,
+        &format!("/accounts/{account}/commands"),
+        Some(json!({ "type": kind, "amount": amount })),
+    )
+    .await
+}
+
+/// 32 concurrent deposits of 10, then 40 concurrent withdrawals of 10 on one account: every
+/// deposit commits at its own version, exactly 32 withdrawals commit and 8 are told "insufficient
+/// funds", and the balance ends at 0 with 64 events. Then the answers for bad input.
+async fn concurrent_requests_on_one_account(router: Router) {
+    let service = start(router).await;
+    let addr = service.addr;
+    let account = Uuid::now_v7();
+
+    let deposits = join_all((0..32).map(|_| command(addr, account, "deposit", 10))).await;
+    let mut versions: Vec<u64> = deposits
+        .iter()
+        .map(|(status, body)| {
+            assert_eq!(*status, StatusCode::OK, "{body}");
+            body["version"].as_u64().expect("a version")
+        })
+        .collect();
+    versions.sort_unstable();
+    assert_eq!(versions, (1..=32).collect::<Vec<_>>(), "one version each");
+
+    let withdrawals = join_all((0..40).map(|_| command(addr, account, "withdraw", 10))).await;
+    let ok = withdrawals
+        .iter()
+        .filter(|(status, _)| *status == StatusCode::OK)
+        .count();
+    let refused = withdrawals
+        .iter()
+        .filter(|(status, body)| {
+            *status == StatusCode::CONFLICT
+                && body["error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("insufficient funds"))
+        })
+        .count();
+    assert_eq!((ok, refused), (32, 8), "{withdrawals:?}");
+    assert!(
+        withdrawals.iter().all(|(_, body)| body["balance"]
+            .as_u64()
+            .is_none_or(|balance| balance <= 320)),
+        "never more than was paid in"
+    );
+
+    let (status, state) = call(addr, Method::GET, &format!("/accounts/{account}"), None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(state, json!({ "balance": 0, "version": 64 }));
+
+    let (status, body) = command(addr, account, "deposit", 0).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let (status, _) = call(
+        addr,
+        Method::POST,
+        &format!("/accounts/{account}/commands"),
+        Some(json!({ "type": "transfer" })),
+    )
+    .await;
+    assert!(
+        status.is_client_error(),
+        "an unknown command is refused: {status}"
+    );
+    let (status, _) = call(addr, Method::GET, "/accounts/not-a-uuid", None).await;
+    assert!(status.is_client_error(), "a bad id is refused: {status}");
+    let (status, state) = call(addr, Method::GET, &format!("/accounts/{account}"), None).await;
+    assert_eq!(
+        (status, state),
+        (StatusCode::OK, json!({ "balance": 0, "version": 64 }))
+    );
+
+    drop(service.stop);
+    service
+        .server
+        .await
+        .expect("the server task")
+        .expect("a graceful stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_on_one_account_on_postgres() {
+    let test_db = test_database().await;
+    let db = PgDatabase::builder()
+        .pool(test_db.pool(8))
+        .build()
+        .expect("handle");
+    db.migrate().await.expect("migrate");
+    concurrent_requests_on_one_account(wiring::postgres_router(&db)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_on_one_account_in_memory() {
+    concurrent_requests_on_one_account(wiring::in_memory_router(&FakeDatabase::new())).await;
+}
