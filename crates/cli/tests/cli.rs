@@ -114,6 +114,56 @@ fn an_unreachable_database_is_an_actionable_error_without_the_password() {
     assert!(!report.contains("s3cret"), "{report}");
 }
 
+/// Issue 17: the server's own refusal is shown, once — not "Error occurred while creating a new
+/// object: db error".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_does_not_exist_says_so_once() {
+    let db = test_database().await;
+    let url = url_of(&db);
+    let missing = format!(
+        "{}/lockstep_no_such_database",
+        &url[..url.rfind('/').expect("a path")]
+    );
+    let out = lockstep(&["locks", "list"], Some(&missing));
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(3), "{report}");
+    assert_eq!(
+        report
+            .matches(r#"database "lockstep_no_such_database" does not exist (SQLSTATE 3D000)"#)
+            .count(),
+        1,
+        "{report}"
+    );
+    assert!(
+        report.contains(r#"cannot connect to database "lockstep_no_such_database" on "#),
+        "{report}"
+    );
+    assert!(!report.contains("db error"), "{report}");
+}
+
+/// Issue 17: a port nobody listens on says "connection refused", once.
+#[test]
+fn a_refused_connection_says_so_once() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("address")
+        .port();
+    let out = lockstep(
+        &["locks", "list"],
+        Some(&format!("postgres://app:s3cret@127.0.0.1:{port}/app")),
+    );
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(3), "{report}");
+    assert_eq!(
+        report.to_lowercase().matches("connection refused").count(),
+        1,
+        "{report}"
+    );
+    assert!(report.contains(&format!("127.0.0.1:{port}")), "{report}");
+    assert!(!report.contains("s3cret"), "{report}");
+}
+
 /// Issue 19, defect 3: no form a password can take in a URL shows in the output, whole or in
 /// part — neither in "cannot connect" (nothing listens on port 1) nor in the demo's first line.
 #[test]

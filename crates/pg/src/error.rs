@@ -102,6 +102,23 @@ pub fn map_pool_error(err: deadpool_postgres::PoolError) -> Error {
     map_pool_error_for(err, None)
 }
 
+/// Why a checkout failed, once: the server's refusal (`database "x" does not exist (SQLSTATE
+/// 3D000)`), the I/O cause (`error connecting to server: Connection refused (os error 111)`), or
+/// which timeout ran out.
+pub fn describe_pool_error(err: &deadpool_postgres::PoolError) -> String {
+    use deadpool_postgres::{PoolError, TimeoutType};
+    match err {
+        PoolError::Backend(e) => describe(e),
+        PoolError::Timeout(TimeoutType::Wait) => "no connection came free in time".to_owned(),
+        PoolError::Timeout(TimeoutType::Create) => "the server did not answer in time".to_owned(),
+        PoolError::Timeout(TimeoutType::Recycle) => {
+            "checking an idle connection timed out".to_owned()
+        }
+        PoolError::Closed => "the pool is closed".to_owned(),
+        other => other.to_string(),
+    }
+}
+
 /// [`map_pool_error`], naming where the pool connects (`database "app" on 127.0.0.1:5432 as
 /// user "app"` — never a password) when it is known.
 pub(crate) fn map_pool_error_for(err: deadpool_postgres::PoolError, target: Option<&str>) -> Error {
@@ -112,20 +129,11 @@ pub(crate) fn map_pool_error_for(err: deadpool_postgres::PoolError, target: Opti
         _ => ErrorKind::Backend,
     };
     let to = target.map(|t| format!(" to {t}")).unwrap_or_default();
-    let message = match &err {
-        PoolError::Backend(e) => format!("connecting{to}: {}", describe(e)),
-        PoolError::Timeout(TimeoutType::Wait) => {
-            format!("getting a pooled connection{to}: no connection came free in time")
-        }
-        PoolError::Timeout(TimeoutType::Create) => {
-            format!("connecting{to}: the server did not answer in time")
-        }
-        PoolError::Timeout(TimeoutType::Recycle) => {
-            format!("getting a pooled connection{to}: checking an idle connection timed out")
-        }
-        PoolError::Closed => format!("getting a pooled connection{to}: the pool is closed"),
-        other => format!("getting a pooled connection{to}: {other}"),
+    let doing = match &err {
+        PoolError::Backend(_) | PoolError::Timeout(TimeoutType::Create) => "connecting",
+        _ => "getting a pooled connection",
     };
+    let message = format!("{doing}{to}: {}", describe_pool_error(&err));
     Error::new(kind, message).with_cause_in_message(err)
 }
 

@@ -61,7 +61,7 @@ pub mod transaction;
 
 pub use advisory::LockQueue;
 pub use database::{PgDatabase, PgDatabaseBuilder};
-pub use error::{describe, map_error, map_pool_error};
+pub use error::{describe, describe_pool_error, map_error, map_pool_error};
 pub use migrate::migrate;
 pub use pool::{DEFAULT_CHECKOUT_WAIT, checkout};
 pub use transaction::{PgTransaction, PgTransactionRef, WriteAtCommit};

@@ -106,13 +106,23 @@ pub fn return_or_discard(conn: Object, error: Option<&tokio_postgres::Error>) ->
 /// # let _ = pool; Ok(()) }
 /// ```
 pub fn bounded_pool(manager: Manager, max_size: usize) -> Result<Pool> {
+    bounded_pool_within(manager, max_size, DEFAULT_CHECKOUT_WAIT)
+}
+
+/// [`bounded_pool`] whose checkouts wait at most `wait` (for a free connection, a new one, a
+/// recycled one).
+pub(crate) fn bounded_pool_within(
+    manager: Manager,
+    max_size: usize,
+    wait: Duration,
+) -> Result<Pool> {
     Pool::builder(manager)
         .max_size(max_size)
         .runtime(Runtime::Tokio1)
         .timeouts(Timeouts {
-            wait: Some(DEFAULT_CHECKOUT_WAIT),
-            create: Some(DEFAULT_CHECKOUT_WAIT),
-            recycle: Some(DEFAULT_CHECKOUT_WAIT),
+            wait: Some(wait),
+            create: Some(wait),
+            recycle: Some(wait),
         })
         .build()
         .map_err(|e| Error::new(ErrorKind::Backend, "building a bounded pool").with_source(e))

@@ -101,7 +101,7 @@ async fn a_failed_statement_says_its_server_message_and_sqlstate_once() {
     let chained = chain(&err);
     assert_eq!(
         err.to_string(),
-        r#"backend: reading the table: relation "no_such_table" does not exist (SQLSTATE 42P01)"#
+        r#"backend error: reading the table: relation "no_such_table" does not exist (SQLSTATE 42P01)"#
     );
     assert_eq!(occurrences(&chained, "does not exist"), 1, "{chained}");
 }

@@ -639,13 +639,16 @@ async fn begin_pg(pool: &Pool) -> Result<PgTx, TestCaseError> {
     Ok(PgTx { tx, pid })
 }
 
-/// Waits (bounded) until backend `pid` is gone: its transaction's locks are then released.
-async fn wait_for_backend_exit(pool: &Pool, pid: i32) -> Result<(), TestCaseError> {
+/// Waits (bounded) until backend `pid` has no transaction open and holds no advisory lock: a
+/// dropped `PgTransaction` is rolled back in the background (its connection pooled again) or
+/// its connection is closed (the backend exits) — either way its locks are then released.
+async fn wait_for_transaction_end(pool: &Pool, pid: i32) -> Result<(), TestCaseError> {
     let client = pool.get().await.map_err(fail)?;
     for _ in 0..250 {
         let row = client
             .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                "SELECT (SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND xact_start IS NOT NULL)
+                      + (SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory')",
                 &[&pid],
             )
             .await
@@ -656,7 +659,7 @@ async fn wait_for_backend_exit(pool: &Pool, pid: i32) -> Result<(), TestCaseErro
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Err(TestCaseError::fail(format!(
-        "the backend of a dropped transaction ({pid}) did not end within 5 s"
+        "the transaction of a dropped guard (backend {pid}) did not end within 5 s"
     )))
 }
 
@@ -750,7 +753,7 @@ async fn lock_case(pool: &Pool, ops: Vec<LockOp>, sabotage: Sabotage) -> Result<
                     Some(t) => {
                         let pid = t.pid;
                         drop(t);
-                        wait_for_backend_exit(pool, pid).await?;
+                        wait_for_transaction_end(pool, pid).await?;
                         "dropped".to_owned()
                     }
                     None => "idle".to_owned(),
