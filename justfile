@@ -9,9 +9,9 @@ test *args:
 ci:
     bash .ci/run
 
-# Build the docs with warnings as errors.
+# Build the docs with warnings as errors, and check that every intra-doc link resolved.
 doc:
-    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+    scripts/doc
 
 # Format everything.
 fmt:

@@ -11,7 +11,7 @@ use lockstep_pg::PgDatabase;
 use lockstep_pg::target::connection_target;
 use tokio_postgres::{Config, NoTls};
 
-/// A database URL, parsed; it displays as its connection target ([`target`]), never as the text
+/// A database URL, parsed; it displays as its connection target ([`connection_target`]), never as the text
 /// it was parsed from.
 #[derive(Clone)]
 pub(crate) struct DbUrl {

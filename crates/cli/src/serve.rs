@@ -122,7 +122,7 @@ const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(50);
 /// The longest pause after failed accepts: how late a server notices that it can accept again.
 const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 
-/// Where a server's connections come from: a [`TcpListener`], or a fake in tests.
+/// Where a server's connections come from: a `tokio::net::TcpListener`, or a fake in tests.
 pub(crate) trait Acceptor {
     /// An accepted connection.
     type Connection;

@@ -131,8 +131,20 @@ pub use unit_of_work::{BoxFuture, Retryable, Transaction, TransactionSource};
 /// Re-exported so implementors and users name the same versions.
 pub use async_trait::async_trait;
 /// The `serde` a [`Perspective::State`] derives `Serialize` / `Deserialize` from (with the
-/// `derive` feature). Through this re-export, tell the derive where it is:
-/// `#[derive(lockstep_core::serde::Serialize)]` with `#[serde(crate = "lockstep_core::serde")]`.
+/// `derive` feature), so an application needs no `serde` dependency of its own. Through this
+/// re-export, tell the derive where it is:
+///
+/// ```
+/// use lockstep_core::serde::{Deserialize, Serialize};
+///
+/// #[derive(Debug, Default, Clone, Serialize, Deserialize)]
+/// #[serde(crate = "lockstep_core::serde")]
+/// struct Seen {
+///     count: u64,
+/// }
+/// let state = lockstep_core::serde_json::to_value(Seen { count: 2 }).expect("serializes");
+/// assert_eq!(state["count"], 2);
+/// ```
 pub use serde;
 pub use serde_json;
 pub use time::OffsetDateTime;

@@ -139,7 +139,7 @@ pub trait TransactionSource: Send + Sync {
     /// first success or the last error.
     ///
     /// `sleep` waits between attempts: `tokio::time::sleep` in a tokio application (with the
-    /// `tokio` feature, [`crate::retry::tokio_sleep`]), so tests can use paused time.
+    /// `tokio` feature, `lockstep_core::tokio_sleep`), so tests can use paused time.
     ///
     /// ```
     /// # use lockstep_core::{Error, RetryPolicy, TransactionSource};

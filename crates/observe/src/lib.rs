@@ -22,7 +22,7 @@
 //!
 //! # Metrics
 //!
-//! Through the [`metrics`] facade (install any recorder; without one they cost next to nothing).
+//! Through the `metrics` facade (install any recorder; without one they cost next to nothing).
 //! Labels have fixed, small cardinality: `contract` and `op` are from the tables below,
 //! `outcome` is `ok`, an outcome name (`acquired`, `denied`, `busy`, `no_cursor`, `renewed`,
 //! `lost`, `released`, `not_held`) or the [`lockstep_core::ErrorKind`] of a failure.

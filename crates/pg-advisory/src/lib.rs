@@ -70,8 +70,9 @@
 //! - **Cancellation**: dropping a waiting acquire sends a cancel request for the connection
 //!   (tokio-postgres sends nothing on drop), so the server-side wait ends at once and the
 //!   backend never gets the lock for a caller that is gone. The request is a new connection to
-//!   the server: give [`PgDistributedLock::with_cancel_tls`] the TLS connector the pool
-//!   was built with (default: none). The transaction's connection is closed rather than pooled
+//!   the server, made with the TLS connector of the [`lockstep_pg::PgDatabase`] the lock was
+//!   built from (`PgDatabaseBuilder::tls`; wired by hand, [`PgDistributedLock::with_cancel_tls`];
+//!   default: none). The transaction's connection is closed rather than pooled
 //!   when the transaction ends (a late request must not cancel the next borrower's statement);
 //!   a session lock's waiting connection is closed at once. After a dropped acquire the
 //!   transaction's state is unspecified (aborted by the cancel, or holding the lock if the

@@ -26,8 +26,9 @@
 //!   says so ([`StreamLease::reentered`](lockstep_core::StreamLease::reentered)).
 //! - **Cancel safety**: dropping the future of any operation (a caller's timeout) sends a cancel
 //!   request for its statement and closes its connection instead of pooling it, so no
-//!   statement keeps running and no lease is written for a caller that gave up. Give the pool's
-//!   TLS connector to [`PgStreamLocker::with_cancel_tls`] when it is not `NoTls`.
+//!   statement keeps running and no lease is written for a caller that gave up. The request uses
+//!   the TLS connector of the [`lockstep_pg::PgDatabase`] the locker was built from (wired by
+//!   hand: [`PgStreamLocker::with_cancel_tls`]).
 //! - **No panics on stored values**: a row lockstep cannot read (an expiry past year 9999 or
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run

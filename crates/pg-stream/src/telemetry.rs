@@ -2,7 +2,7 @@
 //!
 //! # Metrics
 //!
-//! Counters, reported through the [`metrics`] facade (install any recorder, e.g. a
+//! Counters, reported through the `metrics` facade (install any recorder, e.g. a
 //! Prometheus exporter; without one they cost next to nothing). They carry no labels, so their
 //! cardinality is fixed.
 //!

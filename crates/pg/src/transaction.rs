@@ -71,7 +71,7 @@ impl<'a> PgTransactionRef for deadpool_postgres::Transaction<'a> {
 }
 
 /// A write held back until commit ([`PgTransaction::write_at_commit`]): one statement with its
-/// parameters, sent with [`tokio_postgres::Client::query_typed`] — parse, bind and execute in a
+/// parameters, sent with `tokio_postgres::Client::query_typed` — parse, bind and execute in a
 /// single message, so it is sure to reach the server before the `COMMIT` that follows it (a
 /// statement that needed a prepare round trip first would let the `COMMIT` overtake it and run
 /// outside the transaction; that is why this is a statement and not a closure).

@@ -408,7 +408,7 @@ struct TxState {
 }
 
 /// A fake unit-of-work transaction. Locks taken on it are released when it ends: by
-/// [`commit`](FakeTransaction::commit), [`rollback`](FakeTransaction::rollback) or drop
+/// [`commit`](lockstep_core::Transaction::commit), [`rollback`](lockstep_core::Transaction::rollback) or drop
 /// (drop rolls back, as a Postgres transaction whose client goes away) — or earlier, when a
 /// failed statement aborts it ([`FakeTransaction::abort`]), as Postgres releases them at the
 /// error.
@@ -506,7 +506,7 @@ impl FakeTransaction {
         self.state().hooks.push(Box::new(hook));
     }
 
-    /// Holds `write` back until [`FakeTransaction::commit`], which runs it (in the order given)
+    /// Holds `write` back until [commit](lockstep_core::Transaction::commit), which runs it (in the order given)
     /// before committing; if it fails, the transaction is rolled back and the commit returns its
     /// error — as `lockstep_pg::PgTransaction::write_at_commit` sends the write with the
     /// `COMMIT`. A rollback or a drop discards it.

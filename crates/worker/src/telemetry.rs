@@ -3,7 +3,7 @@
 //!
 //! # Metrics
 //!
-//! Reported through the [`metrics`] facade (install any recorder, e.g. a Prometheus exporter;
+//! Reported through the `metrics` facade (install any recorder, e.g. a Prometheus exporter;
 //! without one they cost next to nothing). They carry one label, `perspective`, whose
 //! cardinality is the number of registered perspectives.
 //!
