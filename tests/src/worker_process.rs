@@ -133,11 +133,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let locker: Arc<dyn StreamLocker> = Arc::new(Announcing {
         inner: PgStreamLocker::from_pool(pool.clone(), lock_options),
     });
-    let options = WorkerOptions {
-        poll_interval: Duration::from_millis(args.poll_ms),
-        rewind_debounce: Duration::from_millis(args.rewind_debounce_ms),
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default()
+        .with_poll_interval(Duration::from_millis(args.poll_ms))
+        .with_rewind_debounce(Duration::from_millis(args.rewind_debounce_ms));
     let instance = InstanceId::from_uuid(args.instance)?;
     let worker = PerspectiveWorker::new(
         PgDatabase::from_pool(pool),

@@ -41,13 +41,11 @@ async fn three_workers_fold_every_stream_exactly_once_with_late_arrivals() {
     let setup = db.pool(2);
     lockstep_pg::migrate(&setup).await.expect("migrate");
 
-    let options = WorkerOptions {
-        poll_interval: Duration::from_millis(20),
-        pairs_per_cycle: 32,
-        max_events_per_claim: 200,
-        snapshot_every: 20,
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default()
+        .with_poll_interval(Duration::from_millis(20))
+        .with_pairs_per_cycle(32)
+        .with_max_events_per_claim(200)
+        .with_snapshot_every(20);
     let lock_options =
         StreamLockOptions::new(Duration::from_secs(5), Duration::from_secs(1)).expect("5 s / 1 s");
     let shutdown = CancellationToken::new();
@@ -56,10 +54,7 @@ async fn three_workers_fold_every_stream_exactly_once_with_late_arrivals() {
     for w in 0..WORKERS {
         // Each instance has a pool of its own, as separate processes would, and processes 1, 2
         // and 3 pairs at a time (a connection per pair in flight, one for the keepalive).
-        let options = WorkerOptions {
-            concurrency: w + 1,
-            ..options
-        };
+        let options = options.with_concurrency(w + 1);
         let pool = db.pool(w + 2);
         let mut registry = PerspectiveRegistry::new();
         registry.register(numbers.clone()).expect("register");

@@ -117,11 +117,7 @@ fn late(n: i64) -> NewEvent {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
-    let s = setup(WorkerOptions {
-        rewind_debounce: Duration::from_millis(200),
-        ..WorkerOptions::default()
-    })
-    .await;
+    let s = setup(WorkerOptions::default().with_rewind_debounce(Duration::from_millis(200))).await;
     let stream = StreamId::new_v7();
     s.numbers(stream, [1, 2]).await;
     s.drain().await;

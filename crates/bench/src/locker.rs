@@ -429,11 +429,13 @@ async fn run_locker(
             setup
                 .names
                 .iter()
-                .map(|name| LeaseId {
-                    stream_id: StreamId::from_uuid(BENCH_STREAM),
-                    perspective: name.clone(),
-                    holder: setup.instance,
-                    epoch: LeaseEpoch::new(epoch),
+                .map(|name| {
+                    LeaseId::new(
+                        StreamId::from_uuid(BENCH_STREAM),
+                        name.clone(),
+                        setup.instance,
+                        LeaseEpoch::new(epoch),
+                    )
                 })
                 .collect(),
         )

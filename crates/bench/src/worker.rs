@@ -242,12 +242,10 @@ async fn append(db: &BenchDatabase, streams: &[StreamId], per_stream: usize) -> 
 
 /// The worker's options: the defaults, polling every 10 ms, `concurrency` pairs at a time.
 fn options(args: &Args, concurrency: usize) -> WorkerOptions {
-    WorkerOptions {
-        poll_interval: Duration::from_millis(10),
-        pairs_per_cycle: args.pairs_per_cycle,
-        concurrency,
-        ..WorkerOptions::default()
-    }
+    WorkerOptions::default()
+        .with_poll_interval(Duration::from_millis(10))
+        .with_pairs_per_cycle(args.pairs_per_cycle)
+        .with_concurrency(concurrency)
 }
 
 /// A worker instance for `perspectives` with a pool and a locker of its own.
@@ -714,11 +712,9 @@ async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
     // 100th event (the last 3 kept).
     let w = worker(
         db,
-        WorkerOptions {
-            max_events_per_claim: 100,
-            snapshot_every: 100,
-            ..options(args, 1)
-        },
+        options(args, 1)
+            .with_max_events_per_claim(100)
+            .with_snapshot_every(100),
         &[Arc::clone(&totals), Arc::clone(&numbers)],
         lock,
     )?;

@@ -490,11 +490,9 @@ where
 {
     let mut registry = PerspectiveRegistry::new();
     registry.register(ledger.clone())?;
-    let options = WorkerOptions {
-        poll_interval: Duration::from_millis(20),
-        snapshot_every: 50,
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default()
+        .with_poll_interval(Duration::from_millis(20))
+        .with_snapshot_every(50);
     Ok(PerspectiveWorker::new(
         source,
         store,

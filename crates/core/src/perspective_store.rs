@@ -112,6 +112,7 @@ impl Default for RewindDebounce {
 
 /// One pair's cursor, as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Cursor {
     /// The stream.
     pub stream_id: StreamId,
@@ -133,6 +134,26 @@ pub struct Cursor {
     pub latest_snapshot: Option<Uuid>,
     /// The stream lease on this cursor row.
     pub lease: CursorLease,
+}
+
+impl Cursor {
+    /// The cursor of a pair with nothing applied yet: no last event, revision 0, no applied
+    /// events, no rewind, no error or failures, no snapshot and no lease
+    /// ([`CursorLease::default`]).
+    pub fn new(stream_id: StreamId, perspective: PerspectiveName) -> Cursor {
+        Cursor {
+            stream_id,
+            perspective,
+            last_event_id: None,
+            revision: 0,
+            applied_count: 0,
+            rewind: None,
+            error: None,
+            failures: 0,
+            latest_snapshot: None,
+            lease: CursorLease::default(),
+        }
+    }
 }
 
 /// A pair with something to do, as listed by [`PerspectiveStore::pending_pairs`].
@@ -189,6 +210,7 @@ pub struct Snapshot {
 
 /// One state change of a pair, committed by [`PerspectiveStore::commit_state`].
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct StateCommit {
     /// The stream.
     pub stream_id: StreamId,
@@ -215,6 +237,31 @@ pub struct StateCommit {
     pub snapshot: bool,
     /// For work under a stream lease: the lease that must still be held, at its epoch.
     pub fence: Option<LeaseId>,
+}
+
+impl StateCommit {
+    /// A commit of `state` to the pair, computed from the cursor at `expected_revision`; the
+    /// rest is empty (no last event, no applied events or count, no rewind, no snapshot, no
+    /// fence): set the fields that apply.
+    pub fn new(
+        stream_id: StreamId,
+        perspective: PerspectiveName,
+        expected_revision: i64,
+        state: serde_json::Value,
+    ) -> StateCommit {
+        StateCommit {
+            stream_id,
+            perspective,
+            expected_revision,
+            state,
+            last_event_id: None,
+            applied_count: 0,
+            applied_events: Vec::new(),
+            rewound_from: None,
+            snapshot: false,
+            fence: None,
+        }
+    }
 }
 
 /// Retention of snapshots per pair.

@@ -64,6 +64,7 @@ impl fmt::Display for LeaseEpoch {
 /// Names one held lease: the pair, the holder and the epoch it was acquired at. Renew and
 /// release act only on a lease that still matches all four.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct LeaseId {
     /// The stream.
     pub stream_id: StreamId,
@@ -75,8 +76,26 @@ pub struct LeaseId {
     pub epoch: LeaseEpoch,
 }
 
+impl LeaseId {
+    /// Names the lease on `(stream_id, perspective)` held by `holder` at `epoch`.
+    pub fn new(
+        stream_id: StreamId,
+        perspective: PerspectiveName,
+        holder: InstanceId,
+        epoch: LeaseEpoch,
+    ) -> LeaseId {
+        LeaseId {
+            stream_id,
+            perspective,
+            holder,
+            epoch,
+        }
+    }
+}
+
 /// A lease the caller acquired.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StreamLease {
     /// Which lease (pass it to renew, release and fenced commits).
     pub id: LeaseId,
@@ -90,6 +109,27 @@ pub struct StreamLease {
     /// [`InstanceId::process`]) share such a lease: the first release ends it for both. A task
     /// that needs the lease to itself treats `reentered == true` as busy and does not release it.
     pub reentered: bool,
+}
+
+impl StreamLease {
+    /// A lease `id` taken for `reason`, expiring at `expires_at` (backend clock), established
+    /// anew ([`StreamLease::reentered`] is `false`; see [`StreamLease::with_reentered`]).
+    pub fn new(id: LeaseId, reason: LockReason, expires_at: OffsetDateTime) -> StreamLease {
+        StreamLease {
+            id,
+            reason,
+            expires_at,
+            reentered: false,
+        }
+    }
+
+    /// The same lease, saying whether the caller's instance already held it
+    /// ([`StreamLease::reentered`]).
+    #[must_use]
+    pub fn with_reentered(mut self, reentered: bool) -> Self {
+        self.reentered = reentered;
+        self
+    }
 }
 
 /// Who holds a lease the caller was denied.
@@ -241,6 +281,18 @@ pub struct CursorLease {
     pub epoch: LeaseEpoch,
 }
 
+impl Default for CursorLease {
+    /// No lease: no holder, reason or expiry, at epoch 0 (a cursor row never leased).
+    fn default() -> Self {
+        CursorLease {
+            holder: None,
+            reason: None,
+            expires_at: None,
+            epoch: LeaseEpoch::new(0),
+        }
+    }
+}
+
 impl CursorLease {
     /// Whether no lease fields are set.
     pub fn is_unlocked(&self) -> bool {
@@ -259,6 +311,7 @@ pub enum LeaseStatus {
 
 /// One lease, as listed for operators.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LeaseInfo {
     /// The stream.
     pub stream_id: StreamId,
@@ -276,6 +329,35 @@ pub struct LeaseInfo {
     pub time_left: Duration,
     /// Held or expired.
     pub status: LeaseStatus,
+}
+
+impl LeaseInfo {
+    /// The listing of `lease` (its stream, perspective, holder and epoch), held for `reason`
+    /// until `expires_at` (backend clock), with `time_left` before then and its `status`.
+    pub fn new(
+        lease: LeaseId,
+        reason: LockReason,
+        expires_at: OffsetDateTime,
+        time_left: Duration,
+        status: LeaseStatus,
+    ) -> LeaseInfo {
+        let LeaseId {
+            stream_id,
+            perspective,
+            holder,
+            epoch,
+        } = lease;
+        LeaseInfo {
+            stream_id,
+            perspective,
+            holder,
+            reason,
+            epoch,
+            expires_at,
+            time_left,
+            status,
+        }
+    }
 }
 
 /// A cursor row with a lease set that cannot be read (a value written by hand outside

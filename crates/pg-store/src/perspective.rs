@@ -47,20 +47,11 @@
 //! {
 //!     let new_state = serde_json::json!({ "seen": cursor.applied_count + events.len() as u64 });
 //! #   let _ = state;
-//!     store
-//!         .commit_state(&tx, &StateCommit {
-//!             stream_id: stream,
-//!             perspective: name.clone(),
-//!             expected_revision: cursor.revision,
-//!             state: new_state,
-//!             last_event_id: events.last().map(|e| e.event_id),
-//!             applied_count: cursor.applied_count + events.len() as u64,
-//!             applied_events: events.iter().map(|e| e.event_id).collect(),
-//!             rewound_from: None,
-//!             snapshot: false,
-//!             fence: None,
-//!         })
-//!         .await?;
+//!     let mut commit = StateCommit::new(stream, name.clone(), cursor.revision, new_state);
+//!     commit.last_event_id = events.last().map(|e| e.event_id);
+//!     commit.applied_count = cursor.applied_count + events.len() as u64;
+//!     commit.applied_events = events.iter().map(|e| e.event_id).collect();
+//!     store.commit_state(&tx, &commit).await?;
 //! }
 //! tx.commit().await?;
 //! # Ok(()) }
@@ -728,31 +719,29 @@ fn decode_cursor(
     let failures: i32 = row.try_get(at + 7).map_err(decode_error)?;
     let holder: Option<Uuid> = row.try_get(at + 9).map_err(decode_error)?;
     let reason: Option<String> = row.try_get(at + 10).map_err(decode_error)?;
-    Ok(Cursor {
-        stream_id,
-        perspective: perspective.clone(),
-        last_event_id: row.try_get(at).map_err(decode_error)?,
-        revision: row.try_get(at + 1).map_err(decode_error)?,
-        applied_count: stored_count(applied)?,
-        rewind,
-        error: row.try_get(at + 6).map_err(decode_error)?,
-        failures: u32::try_from(failures)
-            .map_err(|_| Error::new(ErrorKind::Backend, "a stored failure count is negative"))?,
-        latest_snapshot: row.try_get(at + 8).map_err(decode_error)?,
-        lease: CursorLease {
-            holder: holder.map(InstanceId::from_uuid).transpose()?,
-            reason: reason
-                .map(|r| {
-                    LockReason::parse(r).map_err(|e| {
-                        Error::new(ErrorKind::Backend, "a stored lease reason is invalid")
-                            .with_source(e)
-                    })
+    let mut cursor = Cursor::new(stream_id, perspective.clone());
+    cursor.last_event_id = row.try_get(at).map_err(decode_error)?;
+    cursor.revision = row.try_get(at + 1).map_err(decode_error)?;
+    cursor.applied_count = stored_count(applied)?;
+    cursor.rewind = rewind;
+    cursor.error = row.try_get(at + 6).map_err(decode_error)?;
+    cursor.failures = u32::try_from(failures)
+        .map_err(|_| Error::new(ErrorKind::Backend, "a stored failure count is negative"))?;
+    cursor.latest_snapshot = row.try_get(at + 8).map_err(decode_error)?;
+    cursor.lease = CursorLease {
+        holder: holder.map(InstanceId::from_uuid).transpose()?,
+        reason: reason
+            .map(|r| {
+                LockReason::parse(r).map_err(|e| {
+                    Error::new(ErrorKind::Backend, "a stored lease reason is invalid")
+                        .with_source(e)
                 })
-                .transpose()?,
-            expires_at: row.try_get(at + 11).map_err(decode_error)?,
-            epoch: LeaseEpoch::new(row.try_get(at + 12).map_err(decode_error)?),
-        },
-    })
+            })
+            .transpose()?,
+        expires_at: row.try_get(at + 11).map_err(decode_error)?,
+        epoch: LeaseEpoch::new(row.try_get(at + 12).map_err(decode_error)?),
+    };
+    Ok(cursor)
 }
 
 /// A fence as `(holder, epoch)` parameters; a fence naming another pair is invalid input.

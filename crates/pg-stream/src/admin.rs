@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lockstep_core::{
-    CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseInfo, LeaseStatus, PerspectiveName,
-    ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
+    CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo, LeaseStatus,
+    PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
 };
 use tokio_postgres::Row;
 use tracing::instrument;
@@ -153,20 +153,22 @@ fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<L
     let live: bool = column(row, "live", at)?;
     let expires_at = column(row, "stream_lock_expiry", at)?;
     let time_left_us: i64 = column(row, "time_left_us", at)?;
-    Ok(LeaseInfo {
-        stream_id,
-        holder: stored_holder(column(row, "stream_lock_instance_id", at)?, at)?,
-        reason: stored_reason(column(row, "stream_lock_reason", at)?)?,
-        epoch: LeaseEpoch::new(column(row, "stream_lock_epoch", at)?),
+    let holder = stored_holder(column(row, "stream_lock_instance_id", at)?, at)?;
+    let reason = stored_reason(column(row, "stream_lock_reason", at)?)?;
+    let epoch = LeaseEpoch::new(column(row, "stream_lock_epoch", at)?);
+    let time_left = Duration::from_micros(u64::try_from(time_left_us).unwrap_or(0));
+    let status = if live {
+        LeaseStatus::Held
+    } else {
+        LeaseStatus::Expired
+    };
+    Ok(LeaseInfo::new(
+        LeaseId::new(stream_id, stored_name(perspective)?, holder, epoch),
+        reason,
         expires_at,
-        time_left: Duration::from_micros(u64::try_from(time_left_us).unwrap_or(0)),
-        status: if live {
-            LeaseStatus::Held
-        } else {
-            LeaseStatus::Expired
-        },
-        perspective: stored_name(perspective)?,
-    })
+        time_left,
+        status,
+    ))
 }
 
 /// An error and its causes, on one line.

@@ -207,17 +207,19 @@ impl StreamLocker for PgStreamLocker {
             } else {
                 tracing::debug!("acquired");
             }
-            return Ok(AcquireOutcome::Acquired(StreamLease {
-                id: LeaseId {
-                    stream_id,
-                    perspective: perspective.clone(),
-                    holder: instance,
-                    epoch: LeaseEpoch::new(epoch),
-                },
-                reason: reason.clone(),
-                expires_at,
-                reentered: reentered == Some(true),
-            }));
+            return Ok(AcquireOutcome::Acquired(
+                StreamLease::new(
+                    LeaseId::new(
+                        stream_id,
+                        perspective.clone(),
+                        instance,
+                        LeaseEpoch::new(epoch),
+                    ),
+                    reason.clone(),
+                    expires_at,
+                )
+                .with_reentered(reentered == Some(true)),
+            ));
         }
         // Denied: `cur` is the row as locked, i.e. its latest committed version.
         let holder: Option<Uuid> = column(&row, "holder", at)?;

@@ -74,10 +74,8 @@ async fn release_clears_the_lease_but_keeps_the_epoch_and_the_next_holder_gets_t
 
     let lease = acquire(&locker, stream, &perspective, a, LockReason::Rewind).await;
     // Another instance cannot release it.
-    let foreign = LeaseId {
-        holder: b,
-        ..lease.id.clone()
-    };
+    let mut foreign = lease.id.clone();
+    foreign.holder = b;
     assert_eq!(
         locker.release(&foreign).await.expect("release runs"),
         ReleaseOutcome::NotHeld
@@ -120,14 +118,10 @@ async fn renew_extends_only_the_holders_lease_at_its_epoch() {
     assert!(renewed > lease.expires_at);
 
     let before = db.lease_snapshot().await;
-    let by_other = LeaseId {
-        holder: b,
-        ..lease.id.clone()
-    };
-    let stale_epoch = LeaseId {
-        epoch: LeaseEpoch::new(lease.id.epoch.get() + 7),
-        ..lease.id.clone()
-    };
+    let mut by_other = lease.id.clone();
+    by_other.holder = b;
+    let mut stale_epoch = lease.id.clone();
+    stale_epoch.epoch = LeaseEpoch::new(lease.id.epoch.get() + 7);
     assert_eq!(
         locker.renew(&by_other).await.expect("renew runs"),
         RenewOutcome::Lost
@@ -156,16 +150,14 @@ async fn renew_many_renews_in_one_batch_and_reports_in_input_order() {
         .force_release(streams[2], &perspective)
         .await
         .expect("force_release runs");
-    let no_row = LeaseId {
-        stream_id: StreamId::new_v7(),
-        perspective: perspective.clone(),
-        holder: a,
-        epoch: LeaseEpoch::new(1),
-    };
-    let someone_else = LeaseId {
-        holder: InstanceId::random(),
-        ..held_1.id.clone()
-    };
+    let no_row = LeaseId::new(
+        StreamId::new_v7(),
+        perspective.clone(),
+        a,
+        LeaseEpoch::new(1),
+    );
+    let mut someone_else = held_1.id.clone();
+    someone_else.holder = InstanceId::random();
 
     // Listed out of key order, with a duplicate.
     let batch = vec![

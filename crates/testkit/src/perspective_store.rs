@@ -259,18 +259,16 @@ impl InMemoryPerspectiveStore {
     }
 
     fn cursor_of(key: &Key, pair: &Pair, lease: CursorLease) -> Cursor {
-        Cursor {
-            stream_id: key.0,
-            perspective: key.1.clone(),
-            last_event_id: pair.last_event_id,
-            revision: pair.revision,
-            applied_count: pair.applied_count,
-            rewind: pair.rewind,
-            error: pair.error.clone(),
-            failures: pair.failures,
-            latest_snapshot: pair.snapshots.keys().next_back().copied(),
-            lease,
-        }
+        let mut cursor = Cursor::new(key.0, key.1.clone());
+        cursor.last_event_id = pair.last_event_id;
+        cursor.revision = pair.revision;
+        cursor.applied_count = pair.applied_count;
+        cursor.rewind = pair.rewind;
+        cursor.error = pair.error.clone();
+        cursor.failures = pair.failures;
+        cursor.latest_snapshot = pair.snapshots.keys().next_back().copied();
+        cursor.lease = lease;
+        cursor
     }
 
     /// Makes sure the pair has a cursor row (the locker's and ours).

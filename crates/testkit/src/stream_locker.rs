@@ -220,17 +220,19 @@ impl StreamLocker for InMemoryStreamLocker {
             reason: reason.clone(),
             expires,
         });
-        Ok(AcquireOutcome::Acquired(StreamLease {
-            id: LeaseId {
-                stream_id,
-                perspective: perspective.clone(),
-                holder: instance,
-                epoch: LeaseEpoch::new(row.epoch),
-            },
-            reason: reason.clone(),
-            expires_at: self.clock.wall(expires),
-            reentered,
-        }))
+        Ok(AcquireOutcome::Acquired(
+            StreamLease::new(
+                LeaseId::new(
+                    stream_id,
+                    perspective.clone(),
+                    instance,
+                    LeaseEpoch::new(row.epoch),
+                ),
+                reason.clone(),
+                self.clock.wall(expires),
+            )
+            .with_reentered(reentered),
+        ))
     }
 
     async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
@@ -278,20 +280,22 @@ impl StreamLockAdmin for InMemoryStreamLocker {
             .iter()
             .filter_map(|((stream_id, perspective), row)| {
                 let held = row.lease.as_ref()?;
-                Some(LeaseInfo {
-                    stream_id: *stream_id,
-                    perspective: perspective.clone(),
-                    holder: held.holder,
-                    reason: held.reason.clone(),
-                    epoch: LeaseEpoch::new(row.epoch),
-                    expires_at: self.clock.wall(held.expires),
-                    time_left: held.expires.saturating_duration_since(now),
-                    status: if held.expires > now {
+                Some(LeaseInfo::new(
+                    LeaseId::new(
+                        *stream_id,
+                        perspective.clone(),
+                        held.holder,
+                        LeaseEpoch::new(row.epoch),
+                    ),
+                    held.reason.clone(),
+                    self.clock.wall(held.expires),
+                    held.expires.saturating_duration_since(now),
+                    if held.expires > now {
                         LeaseStatus::Held
                     } else {
                         LeaseStatus::Expired
                     },
-                })
+                ))
             })
             .collect())
     }

@@ -11,6 +11,7 @@ pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Options of a [`crate::PerspectiveWorker`]. Defaults are documented on each field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WorkerOptions {
     /// How long an idle worker waits before polling again. Default 200 ms.
     pub poll_interval: Duration,
@@ -65,6 +66,83 @@ impl Default for WorkerOptions {
 }
 
 impl WorkerOptions {
+    /// These options with [`WorkerOptions::poll_interval`] set to `poll_interval`.
+    #[must_use]
+    pub fn with_poll_interval(mut self, poll_interval: Duration) -> Self {
+        self.poll_interval = poll_interval;
+        self
+    }
+
+    /// These options with [`WorkerOptions::pairs_per_cycle`] set to `pairs_per_cycle`.
+    #[must_use]
+    pub fn with_pairs_per_cycle(mut self, pairs_per_cycle: usize) -> Self {
+        self.pairs_per_cycle = pairs_per_cycle;
+        self
+    }
+
+    /// These options with [`WorkerOptions::concurrency`] set to `concurrency`.
+    #[must_use]
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// These options with [`WorkerOptions::max_events_per_claim`] set to `max_events_per_claim`.
+    #[must_use]
+    pub fn with_max_events_per_claim(mut self, max_events_per_claim: usize) -> Self {
+        self.max_events_per_claim = max_events_per_claim;
+        self
+    }
+
+    /// These options with [`WorkerOptions::snapshot_every`] set to `snapshot_every`.
+    #[must_use]
+    pub fn with_snapshot_every(mut self, snapshot_every: u64) -> Self {
+        self.snapshot_every = snapshot_every;
+        self
+    }
+
+    /// These options with [`WorkerOptions::rewind_debounce`] set to `rewind_debounce`.
+    #[must_use]
+    pub fn with_rewind_debounce(mut self, rewind_debounce: Duration) -> Self {
+        self.rewind_debounce = rewind_debounce;
+        self
+    }
+
+    /// These options with [`WorkerOptions::rewind_debounce_max`] set to `rewind_debounce_max`.
+    #[must_use]
+    pub fn with_rewind_debounce_max(mut self, rewind_debounce_max: Duration) -> Self {
+        self.rewind_debounce_max = rewind_debounce_max;
+        self
+    }
+
+    /// These options with [`WorkerOptions::failure_backoff`] set to `failure_backoff`.
+    #[must_use]
+    pub fn with_failure_backoff(mut self, failure_backoff: Duration) -> Self {
+        self.failure_backoff = failure_backoff;
+        self
+    }
+
+    /// These options with [`WorkerOptions::failure_backoff_max`] set to `failure_backoff_max`.
+    #[must_use]
+    pub fn with_failure_backoff_max(mut self, failure_backoff_max: Duration) -> Self {
+        self.failure_backoff_max = failure_backoff_max;
+        self
+    }
+
+    /// These options with [`WorkerOptions::shutdown_grace`] set to `shutdown_grace`.
+    #[must_use]
+    pub fn with_shutdown_grace(mut self, shutdown_grace: Duration) -> Self {
+        self.shutdown_grace = shutdown_grace;
+        self
+    }
+
+    /// These options with [`WorkerOptions::coordinator_warn_after`] set to `coordinator_warn_after`.
+    #[must_use]
+    pub fn with_coordinator_warn_after(mut self, coordinator_warn_after: Duration) -> Self {
+        self.coordinator_warn_after = coordinator_warn_after;
+        self
+    }
+
     /// Checks every option: counts at least 1 (and at most 1 000 000), durations at most
     /// [`MAX_DURATION`], `poll_interval` at least 1 ms, `failure_backoff <=
     /// failure_backoff_max`, `rewind_debounce <= rewind_debounce_max`. A bad option is [`ErrorKind::InvalidInput`] naming it.

@@ -117,6 +117,7 @@ pub enum PurgeOutcome {
 
 /// What one cycle did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CycleReport {
     /// Pairs looked at.
     pub pairs: usize,
@@ -448,18 +449,11 @@ where
         let every = self.options.snapshot_every;
         let snapshot = applied_count / every > cursor.applied_count / every;
         let oldest = events.iter().map(|e| e.recorded_at).min();
-        let commit = StateCommit {
-            stream_id,
-            perspective: name.clone(),
-            expected_revision: cursor.revision,
-            state,
-            last_event_id: events.last().map(|e| e.event_id).or(cursor.last_event_id),
-            applied_count,
-            applied_events: events.iter().map(|e| e.event_id).collect(),
-            rewound_from: None,
-            snapshot,
-            fence: None,
-        };
+        let mut commit = StateCommit::new(stream_id, name.clone(), cursor.revision, state);
+        commit.last_event_id = events.last().map(|e| e.event_id).or(cursor.last_event_id);
+        commit.applied_count = applied_count;
+        commit.applied_events = events.iter().map(|e| e.event_id).collect();
+        commit.snapshot = snapshot;
         if let Err(err) = self.store.commit_state(&tx, &commit).await {
             drop(tx); // rolls back
             return match err.kind() {
@@ -681,18 +675,13 @@ where
         // The commit is fenced on the lease: not raced against the lost signal, so that a commit
         // the server accepted is never reported as failed.
         let replayed = loaded.events.len();
-        let commit = StateCommit {
-            stream_id,
-            perspective: name.clone(),
-            expected_revision: loaded.revision,
-            state,
-            last_event_id: loaded.events.last().map(|e| e.event_id).or(loaded.base),
-            applied_count: loaded.base_count + replayed as u64,
-            applied_events: loaded.events.iter().map(|e| e.event_id).collect(),
-            rewound_from: Some(loaded.trigger),
-            snapshot: true,
-            fence,
-        };
+        let mut commit = StateCommit::new(stream_id, name.clone(), loaded.revision, state);
+        commit.last_event_id = loaded.events.last().map(|e| e.event_id).or(loaded.base);
+        commit.applied_count = loaded.base_count + replayed as u64;
+        commit.applied_events = loaded.events.iter().map(|e| e.event_id).collect();
+        commit.rewound_from = Some(loaded.trigger);
+        commit.snapshot = true;
+        commit.fence = fence;
         let committed = async {
             let tx = self.source.begin().await?;
             self.store.commit_state(&tx, &commit).await?;

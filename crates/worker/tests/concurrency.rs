@@ -45,11 +45,9 @@ async fn a_worker_with_several_pairs_in_flight_folds_every_stream_exactly_once()
         db.clone(),
         store.clone(),
         registry,
-        WorkerOptions {
-            concurrency: 4,
-            pairs_per_cycle: 8,
-            ..WorkerOptions::default()
-        },
+        WorkerOptions::default()
+            .with_concurrency(4)
+            .with_pairs_per_cycle(8),
         InstanceId::random(),
         Some(locker),
     )

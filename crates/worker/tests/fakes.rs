@@ -221,10 +221,7 @@ async fn events_are_applied_in_order_and_their_work_completed() {
 #[tokio::test(start_paused = true)]
 async fn only_claimed_events_are_completed_and_the_rest_stay_pending() {
     let world = World::new();
-    let options = WorkerOptions {
-        max_events_per_claim: 3,
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default().with_max_events_per_claim(3);
     let worker = world.worker_with(InstanceId::random(), true, options);
     worker.register().await.expect("register");
     let stream = StreamId::new_v7();
@@ -284,11 +281,9 @@ async fn a_late_event_flags_the_pair_and_the_rewind_replays_it_in_order_under_a_
 #[tokio::test(start_paused = true)]
 async fn a_rewind_restores_the_latest_snapshot_before_the_trigger() {
     let world = World::new();
-    let options = WorkerOptions {
-        snapshot_every: 2,
-        max_events_per_claim: 2,
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default()
+        .with_snapshot_every(2)
+        .with_max_events_per_claim(2);
     let worker = world.worker_with(InstanceId::random(), true, options);
     worker.register().await.expect("register");
     let stream = StreamId::new_v7();
@@ -493,18 +488,10 @@ async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
     else {
         panic!("expected work");
     };
-    let commit = StateCommit {
-        stream_id: stream,
-        perspective: fold(),
-        expected_revision: cursor.revision,
-        state: serde_json::json!([1]),
-        last_event_id: Some(events[0].event_id),
-        applied_count: 1,
-        applied_events: vec![events[0].event_id],
-        rewound_from: None,
-        snapshot: false,
-        fence: None,
-    };
+    let mut commit = StateCommit::new(stream, fold(), cursor.revision, serde_json::json!([1]));
+    commit.last_event_id = Some(events[0].event_id);
+    commit.applied_count = 1;
+    commit.applied_events = vec![events[0].event_id];
     world
         .store
         .commit_state(&tx, &commit)
@@ -1061,10 +1048,7 @@ async fn invalid_options_and_an_empty_registry_are_refused() {
     let world = World::new();
     let mut registry = PerspectiveRegistry::new();
     registry.register(Fold).expect("register");
-    let bad = WorkerOptions {
-        snapshot_every: 0,
-        ..WorkerOptions::default()
-    };
+    let bad = WorkerOptions::default().with_snapshot_every(0);
     let err = PerspectiveWorker::new(
         world.db.clone(),
         world.store.clone(),
@@ -1093,10 +1077,7 @@ async fn invalid_options_and_an_empty_registry_are_refused() {
 #[tokio::test(start_paused = true)]
 async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
     let world = World::new();
-    let options = WorkerOptions {
-        rewind_debounce: Duration::from_millis(200),
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default().with_rewind_debounce(Duration::from_millis(200));
     let worker = world.worker_with(InstanceId::random(), true, options);
     worker.register().await.expect("register");
     let stream = StreamId::new_v7();
@@ -1128,11 +1109,9 @@ async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
 #[tokio::test(start_paused = true)]
 async fn a_steady_trickle_of_late_events_cannot_postpone_the_rewind_past_the_cap() {
     let world = World::new();
-    let options = WorkerOptions {
-        rewind_debounce: Duration::from_millis(200),
-        rewind_debounce_max: Duration::from_secs(1),
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default()
+        .with_rewind_debounce(Duration::from_millis(200))
+        .with_rewind_debounce_max(Duration::from_secs(1));
     let worker = world.worker_with(InstanceId::random(), true, options);
     worker.register().await.expect("register");
     let stream = StreamId::new_v7();
@@ -1408,11 +1387,9 @@ async fn a_force_released_rewind_stops_within_an_event_of_learning_it() {
 /// the abandoned rewind commits nothing.
 #[tokio::test]
 async fn shutdown_during_a_long_replay_returns_within_the_grace() {
-    let options = WorkerOptions {
-        shutdown_grace: Duration::from_millis(300),
-        poll_interval: Duration::from_millis(10),
-        ..WorkerOptions::default()
-    };
+    let options = WorkerOptions::default()
+        .with_shutdown_grace(Duration::from_millis(300))
+        .with_poll_interval(Duration::from_millis(10));
     let (world, worker, stream, applies) =
         sluggish_rewind(options, StreamLockOptions::default()).await;
     let before = world.cursor(stream).await;

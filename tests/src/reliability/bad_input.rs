@@ -672,46 +672,25 @@ async fn retry_case(_: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
     let d = WorkerOptions::default();
     bad_worker(
         "worker poll interval of zero",
-        WorkerOptions {
-            poll_interval: Duration::ZERO,
-            ..d
-        },
+        d.with_poll_interval(Duration::ZERO),
     );
     bad_worker(
         "worker poll interval of Duration::MAX",
-        WorkerOptions {
-            poll_interval: Duration::MAX,
-            ..d
-        },
+        d.with_poll_interval(Duration::MAX),
     );
     bad_worker(
         "worker shutdown grace of Duration::MAX",
-        WorkerOptions {
-            shutdown_grace: Duration::MAX,
-            ..d
-        },
+        d.with_shutdown_grace(Duration::MAX),
     );
-    bad_worker(
-        "worker concurrency of zero",
-        WorkerOptions {
-            concurrency: 0,
-            ..d
-        },
-    );
+    bad_worker("worker concurrency of zero", d.with_concurrency(0));
     bad_worker(
         "worker batch of usize::MAX",
-        WorkerOptions {
-            max_events_per_claim: usize::MAX,
-            ..d
-        },
+        d.with_max_events_per_claim(usize::MAX),
     );
     bad_worker(
         "worker backoff above its maximum",
-        WorkerOptions {
-            failure_backoff: DAY,
-            failure_backoff_max: Duration::from_secs(1),
-            ..d
-        },
+        d.with_failure_backoff(DAY)
+            .with_failure_backoff_max(Duration::from_secs(1)),
     );
     Ok((n, p))
 }
@@ -903,21 +882,17 @@ async fn patience_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
 async fn nobody_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
     let mut p = Problems::new();
     let stranger = InstanceId::random();
-    let ghost = LeaseId {
-        stream_id: ctx.pair,
-        perspective: ctx.perspective.clone(),
-        holder: stranger,
-        epoch: LeaseEpoch::new(1),
-    };
-    let wrong_epoch = LeaseId {
-        holder: ctx.holder,
-        epoch: LeaseEpoch::new(i64::MAX),
-        ..ghost.clone()
-    };
-    let no_cursor = LeaseId {
-        stream_id: StreamId::new_v7(),
-        ..ghost.clone()
-    };
+    let ghost = LeaseId::new(
+        ctx.pair,
+        ctx.perspective.clone(),
+        stranger,
+        LeaseEpoch::new(1),
+    );
+    let mut wrong_epoch = ghost.clone();
+    wrong_epoch.holder = ctx.holder;
+    wrong_epoch.epoch = LeaseEpoch::new(i64::MAX);
+    let mut no_cursor = ghost.clone();
+    no_cursor.stream_id = StreamId::new_v7();
     let mut n = 0;
     for (what, id) in [
         ("a stranger's lease", &ghost),
@@ -965,9 +940,10 @@ async fn nobody_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
     for size in [0usize, 5000] {
         n += 1;
         let ids: Vec<LeaseId> = (0..size)
-            .map(|_| LeaseId {
-                stream_id: StreamId::new_v7(),
-                ..ghost.clone()
+            .map(|_| {
+                let mut id = ghost.clone();
+                id.stream_id = StreamId::new_v7();
+                id
             })
             .collect();
         let fake = ctx.fake_locker.renew_many(&ids).await;
@@ -1194,12 +1170,7 @@ async fn unmigrated_case() -> anyhow::Result<(u64, Problems)> {
     let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
     let name = PerspectiveName::new("Unmigrated")?;
     let (stream, me) = (StreamId::new_v7(), InstanceId::random());
-    let id = LeaseId {
-        stream_id: stream,
-        perspective: name.clone(),
-        holder: me,
-        epoch: LeaseEpoch::new(1),
-    };
+    let id = LeaseId::new(stream, name.clone(), me, LeaseEpoch::new(1));
     let key = ResourceKey::new("unmigrated")?;
     let mut results: Vec<(&str, Result<String, Error>)> = vec![
         (

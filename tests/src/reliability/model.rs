@@ -320,11 +320,13 @@ impl World {
 
 impl<L: StreamLocker + StreamLockAdmin> LeaseSide<L> {
     fn lease_of(&self, who: usize, pair: usize, world: &World) -> LeaseId {
-        self.held[who][pair].clone().unwrap_or_else(|| LeaseId {
-            stream_id: world.pairs[pair].0,
-            perspective: world.pairs[pair].1.clone(),
-            holder: world.instances[who],
-            epoch: LeaseEpoch::new(0),
+        self.held[who][pair].clone().unwrap_or_else(|| {
+            LeaseId::new(
+                world.pairs[pair].0,
+                world.pairs[pair].1.clone(),
+                world.instances[who],
+                LeaseEpoch::new(0),
+            )
         })
     }
 

@@ -232,23 +232,19 @@ async fn apply<F: PerspectiveStoreFixture>(
     else {
         panic!("expected events to apply");
     };
+    let mut change = StateCommit::new(
+        stream,
+        name.clone(),
+        cursor.revision,
+        folded(state.as_ref(), &events),
+    );
+    change.last_event_id = events.last().map(|e| e.event_id);
+    change.applied_count = cursor.applied_count + events.len() as u64;
+    change.applied_events = events.iter().map(|e| e.event_id).collect();
+    change.snapshot = snapshot;
     let revision = fixture
         .store()
-        .commit_state(
-            &tx,
-            &StateCommit {
-                stream_id: stream,
-                perspective: name.clone(),
-                expected_revision: cursor.revision,
-                state: folded(state.as_ref(), &events),
-                last_event_id: events.last().map(|e| e.event_id),
-                applied_count: cursor.applied_count + events.len() as u64,
-                applied_events: events.iter().map(|e| e.event_id).collect(),
-                rewound_from: None,
-                snapshot,
-                fence: None,
-            },
-        )
+        .commit_state(&tx, &change)
         .await
         .expect("commit_state");
     commit(tx).await.expect("commit");
@@ -280,24 +276,13 @@ async fn rewind<F: PerspectiveStoreFixture>(
         .pending_events(&tx, stream, name)
         .await
         .expect("pending_events");
-    let result = fixture
-        .store()
-        .commit_state(
-            &tx,
-            &StateCommit {
-                stream_id: stream,
-                perspective: name.clone(),
-                expected_revision: cursor.revision,
-                state: folded(None, &all),
-                last_event_id: all.last().map(|e| e.event_id),
-                applied_count: all.len() as u64,
-                applied_events: pending,
-                rewound_from: Some(from),
-                snapshot: false,
-                fence,
-            },
-        )
-        .await;
+    let mut change = StateCommit::new(stream, name.clone(), cursor.revision, folded(None, &all));
+    change.last_event_id = all.last().map(|e| e.event_id);
+    change.applied_count = all.len() as u64;
+    change.applied_events = pending;
+    change.rewound_from = Some(from);
+    change.fence = fence;
+    let result = fixture.store().commit_state(&tx, &change).await;
     commit(tx).await.expect("commit");
     result
 }
@@ -607,23 +592,13 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         (cursor.last_event_id, cursor.applied_count, state),
         (None, 0, None)
     );
+    let mut change = StateCommit::new(stream, p.clone(), cursor.revision, folded(None, &events));
+    change.last_event_id = Some(ids[2]);
+    change.applied_count = 3;
+    change.applied_events = event_ids(&events);
     fixture
         .store()
-        .commit_state(
-            &tx,
-            &StateCommit {
-                stream_id: stream,
-                perspective: p.clone(),
-                expected_revision: cursor.revision,
-                state: folded(None, &events),
-                last_event_id: Some(ids[2]),
-                applied_count: 3,
-                applied_events: event_ids(&events),
-                rewound_from: None,
-                snapshot: false,
-                fence: None,
-            },
-        )
+        .commit_state(&tx, &change)
         .await
         .expect("commit_state");
     commit(tx).await.expect("commit");
@@ -770,23 +745,18 @@ pub async fn commit_state_saves_the_state_advances_the_cursor_and_deletes_exactl
         panic!("expected events to apply");
     };
     assert_eq!(events.len(), 3);
+    let mut change = StateCommit::new(
+        stream,
+        p.clone(),
+        cursor.revision,
+        folded(None, &events[..2]),
+    );
+    change.last_event_id = Some(ids[1]);
+    change.applied_count = 2;
+    change.applied_events = ids[..2].to_vec();
     let revision = fixture
         .store()
-        .commit_state(
-            &tx,
-            &StateCommit {
-                stream_id: stream,
-                perspective: p.clone(),
-                expected_revision: cursor.revision,
-                state: folded(None, &events[..2]),
-                last_event_id: Some(ids[1]),
-                applied_count: 2,
-                applied_events: ids[..2].to_vec(),
-                rewound_from: None,
-                snapshot: false,
-                fence: None,
-            },
-        )
+        .commit_state(&tx, &change)
         .await
         .expect("commit_state");
     assert_eq!(revision, cursor.revision + 1);
@@ -818,23 +788,19 @@ pub async fn a_stale_expected_revision_is_a_conflict_that_writes_nothing<
     let revision = apply(&*fixture, stream, &p, 1, false).await;
 
     let tx = begin(fixture.source()).await;
+    let mut change = StateCommit::new(
+        stream,
+        p.clone(),
+        revision - 1,
+        serde_json::json!({ "sum": 999 }),
+    );
+    change.last_event_id = Some(ids[1]);
+    change.applied_count = 2;
+    change.applied_events = vec![ids[1]];
+    change.snapshot = true;
     let err = fixture
         .store()
-        .commit_state(
-            &tx,
-            &StateCommit {
-                stream_id: stream,
-                perspective: p.clone(),
-                expected_revision: revision - 1,
-                state: serde_json::json!({ "sum": 999 }),
-                last_event_id: Some(ids[1]),
-                applied_count: 2,
-                applied_events: vec![ids[1]],
-                rewound_from: None,
-                snapshot: true,
-                fence: None,
-            },
-        )
+        .commit_state(&tx, &change)
         .await
         .expect_err("stale revision");
     assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
@@ -1655,23 +1621,19 @@ pub async fn a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing<
     else {
         panic!("expected events to apply");
     };
+    let mut change = StateCommit::new(
+        stream,
+        p.clone(),
+        cursor.revision,
+        serde_json::json!({ "note": "a\u{0}b" }),
+    );
+    change.last_event_id = Some(ids[0]);
+    change.applied_count = 1;
+    change.applied_events = ids.clone();
+    change.snapshot = true;
     let err = fixture
         .store()
-        .commit_state(
-            &tx,
-            &StateCommit {
-                stream_id: stream,
-                perspective: p.clone(),
-                expected_revision: cursor.revision,
-                state: serde_json::json!({ "note": "a\u{0}b" }),
-                last_event_id: Some(ids[0]),
-                applied_count: 1,
-                applied_events: ids.clone(),
-                rewound_from: None,
-                snapshot: true,
-                fence: None,
-            },
-        )
+        .commit_state(&tx, &change)
         .await
         .expect_err("refused");
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
@@ -1710,17 +1672,13 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     register(&*fixture, std::slice::from_ref(&p)).await;
     let ids = ids(2);
     let stream = stream_with(&*fixture, &ids).await;
-    let commit_of = |cursor: &Cursor, state: serde_json::Value, applied: &[Uuid]| StateCommit {
-        stream_id: stream,
-        perspective: p.clone(),
-        expected_revision: cursor.revision,
-        state,
-        last_event_id: applied.last().copied(),
-        applied_count: cursor.applied_count + applied.len() as u64,
-        applied_events: applied.to_vec(),
-        rewound_from: None,
-        snapshot: true,
-        fence: None,
+    let commit_of = |cursor: &Cursor, state: serde_json::Value, applied: &[Uuid]| {
+        let mut change = StateCommit::new(stream, p.clone(), cursor.revision, state);
+        change.last_event_id = applied.last().copied();
+        change.applied_count = cursor.applied_count + applied.len() as u64;
+        change.applied_events = applied.to_vec();
+        change.snapshot = true;
+        change
     };
 
     let tx = begin(fixture.source()).await;

@@ -122,16 +122,11 @@ async fn leased<F: StreamLockerFixture>(fixture: &F) -> (StreamId, PerspectiveNa
 /// Two lease ids that do not hold `lease`: another instance, and the holder at an epoch moved
 /// by `epoch_delta`.
 fn not_the_holder(lease: &LeaseId, epoch_delta: i64) -> [LeaseId; 2] {
-    [
-        LeaseId {
-            holder: InstanceId::random(),
-            ..lease.clone()
-        },
-        LeaseId {
-            epoch: lockstep_core::LeaseEpoch::new(lease.epoch.get() + epoch_delta),
-            ..lease.clone()
-        },
-    ]
+    let mut other_instance = lease.clone();
+    other_instance.holder = InstanceId::random();
+    let mut other_epoch = lease.clone();
+    other_epoch.epoch = lockstep_core::LeaseEpoch::new(lease.epoch.get() + epoch_delta);
+    [other_instance, other_epoch]
 }
 
 /// Waits until a lease taken now has expired on the backend's clock.
@@ -385,22 +380,15 @@ pub async fn release_by_another_instance_changes_nothing<F: StreamLockerFixture>
 pub async fn release_when_unlocked_is_fine<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = fresh_cursor(fixture).await;
     let before = state(fixture, stream, &name).await;
-    let id = LeaseId {
-        stream_id: stream,
-        perspective: name.clone(),
-        holder: InstanceId::random(),
-        epoch: before.epoch,
-    };
+    let id = LeaseId::new(stream, name.clone(), InstanceId::random(), before.epoch);
     let locker = fixture.locker();
     assert_eq!(
         locker.release(&id).await.expect("release"),
         ReleaseOutcome::NotHeld
     );
     assert_eq!(state(fixture, stream, &name).await, before);
-    let missing = LeaseId {
-        stream_id: StreamId::new_v7(),
-        ..id
-    };
+    let mut missing = id;
+    missing.stream_id = StreamId::new_v7();
     assert_eq!(
         locker.release(&missing).await.expect("release"),
         ReleaseOutcome::NotHeld
