@@ -133,12 +133,17 @@ async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection_
         .await
         .expect("the connection comes back")
         .expect("connection");
-    let in_transaction: bool = conn
-        .query_one("SELECT now() <> statement_timestamp()", &[])
+    let pid: i32 = conn
+        .query_one("SELECT pg_backend_pid()", &[])
         .await
-        .expect("probe")
+        .expect("pid")
         .get(0);
-    assert!(!in_transaction, "pooled outside any transaction");
+    let state: String = setup
+        .query_one("SELECT state FROM pg_stat_activity WHERE pid = $1", &[&pid])
+        .await
+        .expect("state")
+        .get(0);
+    assert_eq!(state, "idle", "pooled outside any transaction");
     let count: i64 = setup
         .query_one("SELECT count(*) FROM t", &[])
         .await

@@ -627,31 +627,34 @@ fn lock_regressions() -> Vec<Vec<LockOp>> {
 struct PgTx {
     tx: PgTransaction,
     pid: i32,
+    // When its transaction began (`now()`), to tell it from a later transaction on the same
+    // backend: a dropped guard's connection goes back to the pool once rolled back.
+    began: String,
 }
 
 async fn begin_pg(pool: &Pool) -> Result<PgTx, TestCaseError> {
     let tx = PgTransaction::begin(pool).await.map_err(fail)?;
-    let pid = tx
+    let row = tx
         .client()
-        .query_one("SELECT pg_backend_pid()", &[])
+        .query_one("SELECT pg_backend_pid(), now()::text", &[])
         .await
-        .map_err(fail)?
-        .try_get(0)
         .map_err(fail)?;
-    Ok(PgTx { tx, pid })
+    let pid = row.try_get(0).map_err(fail)?;
+    let began = row.try_get(1).map_err(fail)?;
+    Ok(PgTx { tx, pid, began })
 }
 
-/// Waits (bounded) until backend `pid` has no transaction open and holds no advisory lock: a
-/// dropped `PgTransaction` is rolled back in the background (its connection pooled again) or
-/// its connection is closed (the backend exits) — either way its locks are then released.
-async fn wait_for_transaction_end(pool: &Pool, pid: i32) -> Result<(), TestCaseError> {
+/// Waits (bounded) until the transaction that began at `began` on backend `pid` has ended: a
+/// dropped `PgTransaction` is rolled back in the background (its connection pooled again, maybe
+/// already serving another transaction) or its connection is closed (the backend exits) —
+/// either way its locks are then released.
+async fn wait_for_transaction_end(pool: &Pool, pid: i32, began: &str) -> Result<(), TestCaseError> {
     let client = pool.get().await.map_err(fail)?;
     for _ in 0..250 {
         let row = client
             .query_one(
-                "SELECT (SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND xact_start IS NOT NULL)
-                      + (SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory')",
-                &[&pid],
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND xact_start::text = $2",
+                &[&pid, &began],
             )
             .await
             .map_err(fail)?;
@@ -661,7 +664,7 @@ async fn wait_for_transaction_end(pool: &Pool, pid: i32) -> Result<(), TestCaseE
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Err(TestCaseError::fail(format!(
-        "the transaction of a dropped guard (backend {pid}) did not end within 5 s"
+        "the transaction of a dropped guard (backend {pid}, begun {began}) did not end within 5 s"
     )))
 }
 
@@ -753,9 +756,9 @@ async fn lock_case(pool: &Pool, ops: Vec<LockOp>, sabotage: Sabotage) -> Result<
                 };
                 let b = match pg_tx[*tx].take() {
                     Some(t) => {
-                        let pid = t.pid;
+                        let (pid, began) = (t.pid, t.began.clone());
                         drop(t);
-                        wait_for_transaction_end(pool, pid).await?;
+                        wait_for_transaction_end(pool, pid, &began).await?;
                         "dropped".to_owned()
                     }
                     None => "idle".to_owned(),
