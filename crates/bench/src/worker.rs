@@ -406,7 +406,7 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
             }
             let first = round == 0 && i == 0;
             if first {
-                probe = Some(pending_pairs_ms(db, args.pairs_per_cycle).await?);
+                probe = Some(pending_pairs_ms(db, &perspective, args.pairs_per_cycle).await?);
                 functions_before = function_times(db).await?;
             }
             progress.step(format!(
@@ -595,7 +595,7 @@ async fn function_times(db: &BenchDatabase) -> Result<Vec<(String, i64, f64)>> {
 }
 
 /// The median of 3 `pending_pairs` calls (own transaction each), in ms.
-async fn pending_pairs_ms(db: &BenchDatabase, limit: usize) -> Result<f64> {
+async fn pending_pairs_ms(db: &BenchDatabase, name: &PerspectiveName, limit: usize) -> Result<f64> {
     let pool = db.pool(1)?;
     let store = PgPerspectiveStore::new();
     let mut ms = Vec::new();
@@ -603,7 +603,13 @@ async fn pending_pairs_ms(db: &BenchDatabase, limit: usize) -> Result<f64> {
         let tx = PgTransaction::begin(&pool).await?;
         let started = Instant::now();
         let pairs = store
-            .pending_pairs(&tx, InstanceId::random(), RewindDebounce::NONE, limit)
+            .pending_pairs(
+                &tx,
+                InstanceId::random(),
+                std::slice::from_ref(name),
+                RewindDebounce::NONE,
+                limit,
+            )
             .await?;
         ms.push(started.elapsed().as_secs_f64() * 1000.0);
         tx.rollback().await?;

@@ -19,7 +19,7 @@ use lockstep_worker::{CancellationToken, LeaseKeeper, Leased, PerspectiveWorker,
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::ledger::Ledger;
+use crate::ledger::{LEDGER, Ledger};
 use crate::pg::{DbUrl, explain};
 use crate::{bad_argument, say};
 use lockstep_core::Transaction as _;
@@ -111,6 +111,12 @@ pub(crate) struct WorkerArgs {
     /// Serve the worker's metrics in the Prometheus text format on this address (`/metrics`).
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Register the sample `Ledger` perspective in this database if it is not registered yet.
+    /// A registered perspective gets work for every event appended from then on, whoever
+    /// appends it, so the worker never registers it unasked: do not pass this on an
+    /// application's database.
+    #[arg(long)]
+    register_sample: bool,
 }
 
 pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
@@ -598,6 +604,15 @@ pub(crate) async fn worker(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
         say!("metrics on http://{bound}/metrics");
     }
     let db = url.handle(8).await?;
+    if !args.register_sample && !sample_registered(&db).await? {
+        return Err(bad_argument(format!(
+            "the sample perspective `{LEDGER}` is not registered in {}: `lockstep worker` runs \
+             only that sample, and registering it makes every event appended to this database \
+             queue work for it from then on; pass --register-sample to register it (a database \
+             of its own, never an application's)",
+            url.database()
+        )));
+    }
     let ledger = Ledger::default();
     ledger
         .slow
@@ -626,6 +641,24 @@ pub(crate) async fn worker(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
     worker.run(shutdown).await.map_err(explain)?;
     say!("worker {instance} stopped; its leases are released");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Whether the sample `Ledger` perspective is registered in `db`.
+async fn sample_registered(db: &lockstep_pg::PgDatabase) -> Result<bool> {
+    let client = db.checkout().await.map_err(explain)?;
+    let row = client
+        .query_opt(
+            "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1",
+            &[&LEDGER],
+        )
+        .await
+        .map_err(|e| {
+            explain(lockstep_pg::map_error(
+                e,
+                "reading the registered perspectives",
+            ))
+        })?;
+    Ok(row.is_some())
 }
 
 async fn wait_for_signal() {

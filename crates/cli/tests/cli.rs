@@ -821,13 +821,36 @@ fn http_get(addr: &str, path: &str) -> (String, String) {
     )
 }
 
+/// Issue 18: the sample worker never registers its perspective on a database unasked (once
+/// registered, every event appended there queues work for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sample_worker_registers_nothing_unless_asked() {
+    let (_db, url, pool) = migrated().await;
+    let out = lockstep(&["worker"], Some(&url));
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{report}");
+    assert!(report.contains("--register-sample"), "{report}");
+    let client = pool.get().await.expect("connection");
+    let registered: i64 = client
+        .query_one("SELECT count(*) FROM wh_perspectives", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(registered, 0, "nothing registered");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
     use std::io::{BufRead, BufReader};
 
     let (_db, url, pool) = migrated().await;
     let mut worker = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(["worker", "--metrics-addr", "127.0.0.1:0"])
+        .args([
+            "worker",
+            "--register-sample",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
         .env("DATABASE_URL", &url)
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -972,7 +995,12 @@ async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
     let (_db, url, _pool) = migrated().await;
     for args in [
         &["serve", "--addr", "127.0.0.1:0"][..],
-        &["worker", "--metrics-addr", "127.0.0.1:0"],
+        &[
+            "worker",
+            "--register-sample",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
     ] {
         let mut server = Command::new("sh")
             .arg("-c")

@@ -280,13 +280,16 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         perspectives: &'a [PerspectiveName],
     ) -> impl Future<Output = Result<()>> + Send + 'a;
 
-    /// Up to `limit` pairs with pending work or a rewind that `debounce` no longer holds back,
-    /// skipping pairs under a live lease of another instance than `instance`. Oldest work
-    /// first.
+    /// Up to `limit` pairs **of `perspectives`** (the ones the caller runs; an empty slice lists
+    /// none) with pending work or a rewind that `debounce` no longer holds back, skipping pairs
+    /// under a live lease of another instance than `instance`. Oldest work first. Work of a
+    /// registered perspective that the caller does not run is never listed, so it cannot hold
+    /// the head of the caller's queue (issue 18).
     fn pending_pairs<'a>(
         &'a self,
         tx: &'a Tx,
         instance: InstanceId,
+        perspectives: &'a [PerspectiveName],
         debounce: RewindDebounce,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a;

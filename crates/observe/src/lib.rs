@@ -469,11 +469,14 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         &'a self,
         tx: &'a Tx,
         instance: InstanceId,
+        perspectives: &'a [PerspectiveName],
         debounce: RewindDebounce,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a {
         let span = tracing::info_span!("lockstep", op = "pending_pairs", limit);
-        let call = self.inner.pending_pairs(tx, instance, debounce, limit);
+        let call = self
+            .inner
+            .pending_pairs(tx, instance, perspectives, debounce, limit);
         observe("perspective_store", "pending_pairs", span, ok, call)
     }
 

@@ -92,21 +92,23 @@ pub mod sql {
     /// Registers names (`$1 text[]`); returns how many were new (they catch up).
     pub const REGISTER: &str = "SELECT lockstep_register_perspectives($1)";
 
-    /// Pairs with work, or with a rewind request whose debounce window (`$2` µs) has passed or
-    /// that was first flagged at least `$4` µs ago (the cap), not under a live lease of another
-    /// instance than `$1`; oldest work first, at most `$3`. A pair with a request inside its
+    /// Pairs of the perspectives `$5 text[]` with work, or with a rewind request whose debounce
+    /// window (`$2` µs) has passed or that was first flagged at least `$4` µs ago (the cap), not
+    /// under a live lease of another instance than `$1`; oldest work first, at most `$3`. A pair with a request inside its
     /// window is held back, work and all.
     pub const PENDING_PAIRS: &str = "\
 WITH n AS (SELECT clock_timestamp() AS now),
 work AS (
     SELECT w.stream_id, w.perspective_name, count(*) AS pending, min(w.enqueued_at) AS oldest
       FROM wh_perspective_events w
+     WHERE w.perspective_name = ANY($5)
      GROUP BY w.stream_id, w.perspective_name
 ), pairs AS (
     SELECT work.stream_id, work.perspective_name FROM work
     UNION
     SELECT k.stream_id, k.perspective_name FROM wh_perspective_cursors k
      WHERE k.rewind_trigger_event_id IS NOT NULL
+       AND k.perspective_name = ANY($5)
 )
 SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
        k.rewind_trigger_event_id IS NOT NULL
@@ -274,11 +276,13 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         &self,
         tx: &T,
         instance: InstanceId,
+        perspectives: &[PerspectiveName],
         debounce: RewindDebounce,
         limit: usize,
     ) -> Result<Vec<PendingPair>> {
         let (window, max_delay) = (micros(debounce.window)?, micros(debounce.max_delay)?);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
         let rows = tx
             .executor()
             .query_typed(
@@ -288,6 +292,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                     (&window, Type::INT8),
                     (&limit, Type::INT8),
                     (&max_delay, Type::INT8),
+                    (&names, Type::TEXT_ARRAY),
                 ],
             )
             .await

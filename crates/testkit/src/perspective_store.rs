@@ -340,6 +340,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         &self,
         tx: &FakeTransaction,
         instance: InstanceId,
+        perspectives: &[PerspectiveName],
         debounce: RewindDebounce,
         limit: usize,
     ) -> Result<Vec<PendingPair>> {
@@ -366,7 +367,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         keys.extend(state.pairs.keys().cloned());
         let mut found: Vec<(OffsetDateTime, PendingPair)> = Vec::new();
         for key in keys {
-            if leased_by_others.contains(&key) {
+            // Only the perspectives the caller runs (issue 18): others never take its places.
+            if leased_by_others.contains(&key) || !perspectives.contains(&key.1) {
                 continue;
             }
             let pending = self.pending(&state, tx, &key);

@@ -69,7 +69,13 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
     let tx = fixture.source.begin_now();
     let pairs = fixture
         .store
-        .pending_pairs(&tx, InstanceId::random(), UNBOUNDED, 10)
+        .pending_pairs(
+            &tx,
+            InstanceId::random(),
+            std::slice::from_ref(&name),
+            UNBOUNDED,
+            10,
+        )
         .await
         .expect("pending pairs");
     assert!(pairs.is_empty(), "held back: {pairs:?}");

@@ -327,11 +327,15 @@ where
     async fn pending_pairs(&self) -> Result<Vec<lockstep_core::PendingPair>> {
         // A `?` drops the guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
+        // Only this worker's perspectives: a registered one it does not run never takes the
+        // places of the work it can serve.
+        let perspectives = self.registry.names();
         let pairs = self
             .store
             .pending_pairs(
                 &tx,
                 self.instance,
+                &perspectives,
                 self.options.debounce(),
                 self.options.pairs_per_cycle,
             )

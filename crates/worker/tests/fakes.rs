@@ -420,6 +420,49 @@ async fn a_failing_rewind_keeps_the_request_and_the_work_releases_the_lease_and_
     assert_eq!(world.cursor(bad).await.failures, 2);
 }
 
+/// Issue 18: work of a registered perspective this worker does not run never takes the places
+/// of the work it can serve (it did: the oldest pairs of the other perspective filled every
+/// cycle and later pairs were never served, without a word).
+#[tokio::test(start_paused = true)]
+async fn a_registered_perspective_the_worker_does_not_run_never_starves_its_own() {
+    let world = World::new();
+    // Registered by someone else (another application, a sample worker run once); its pairs
+    // sort before this worker's ("Absent" < "Fold") and are as old.
+    let absent = PerspectiveName::new("Absent").expect("valid");
+    let tx = world.db.begin_now();
+    world
+        .store
+        .register(&tx, std::slice::from_ref(&absent))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    let worker = world.worker_with(
+        InstanceId::random(),
+        true,
+        WorkerOptions::default().with_pairs_per_cycle(4),
+    );
+    worker.register().await.expect("register");
+    let streams: Vec<StreamId> = (0..20).map(|_| StreamId::new_v7()).collect();
+    for (i, stream) in streams.iter().enumerate() {
+        world.append_numbers(*stream, [i as i64]).await;
+    }
+    drain(&worker).await;
+    for stream in &streams {
+        assert_eq!(world.state(*stream), world.expected(*stream), "{stream}");
+    }
+    // The other perspective's work waits, untouched, for whoever runs it.
+    let tx = world.db.begin_now();
+    for stream in &streams {
+        let pending = world
+            .store
+            .pending_events(&tx, *stream, &absent)
+            .await
+            .expect("pending");
+        assert_eq!(pending.len(), 1);
+    }
+    tx.rollback().await.expect("rollback");
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_apply_that_errors_or_panics_on_one_pair_does_not_stop_the_others() {
     let world = World::new();
@@ -558,10 +601,11 @@ impl PerspectiveStore<FakeTransaction> for Slow {
         &self,
         tx: &FakeTransaction,
         i: InstanceId,
+        names: &[PerspectiveName],
         d: RewindDebounce,
         l: usize,
     ) -> Result<Vec<lockstep_core::PendingPair>> {
-        self.inner.pending_pairs(tx, i, d, l).await
+        self.inner.pending_pairs(tx, i, names, d, l).await
     }
     async fn claim(
         &self,

@@ -346,7 +346,13 @@ async fn listed<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let pairs = fixture
         .store()
-        .pending_pairs(&tx, instance, debounce, ALL_PAIRS)
+        .pending_pairs(
+            &tx,
+            instance,
+            std::slice::from_ref(name),
+            debounce,
+            ALL_PAIRS,
+        )
         .await
         .expect("pending_pairs");
     rollback(tx).await;
@@ -1038,6 +1044,62 @@ async fn request<F: PerspectiveStoreFixture>(
         .expect("request_rewind");
     commit(tx).await.expect("commit");
     assert!(found, "the pair has a cursor");
+}
+
+/// Issue 18: `pending_pairs` lists only pairs of the perspectives the caller runs — work or a
+/// rewind request of another registered perspective, however old, never takes their places.
+pub async fn pending_pairs_lists_only_the_perspectives_asked_for<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    // "Absent-…" sorts before "Served-…": unfiltered, its pair would come first.
+    let (served, absent) = (name("Served"), name("Absent"));
+    register(&*fixture, &[served.clone(), absent.clone()]).await;
+    let old = stream_with(&*fixture, &ids(2)).await;
+    let new = stream_with(&*fixture, &ids(1)).await;
+    ensure_cursor(&*fixture, new, &absent).await;
+    request(&*fixture, new, &absent, None).await;
+    let instance = InstanceId::random();
+    let tx = begin(fixture.source()).await;
+    let listed = |names: Vec<PerspectiveName>, limit: usize| {
+        let (store, tx) = (fixture.store(), &tx);
+        async move {
+            store
+                .pending_pairs(tx, instance, &names, RewindDebounce::NONE, limit)
+                .await
+                .expect("pending_pairs")
+                .into_iter()
+                .map(|p| (p.stream_id, p.perspective.as_str().to_owned(), p.rewind))
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        listed(vec![served.clone()], 1).await,
+        [(old, served.as_str().to_owned(), false)],
+        "the oldest work of the perspective asked for, not the oldest overall"
+    );
+    let mut mine = listed(vec![served.clone()], ALL_PAIRS).await;
+    mine.sort();
+    let mut expected = vec![
+        (old, served.as_str().to_owned(), false),
+        (new, served.as_str().to_owned(), false),
+    ];
+    expected.sort();
+    assert_eq!(
+        mine, expected,
+        "no pair of another perspective, not even a rewind"
+    );
+    assert_eq!(
+        listed(vec![served.clone(), absent.clone()], ALL_PAIRS)
+            .await
+            .len(),
+        4,
+        "both perspectives when asked for both"
+    );
+    assert!(
+        listed(Vec::new(), ALL_PAIRS).await.is_empty(),
+        "none asked for, none listed"
+    );
+    rollback(tx).await;
 }
 
 /// Inside the debounce window a flagged pair is held back: its claim is `Idle` and
@@ -1771,6 +1833,7 @@ macro_rules! __lockstep_perspective_store_cases {
             an_existing_trigger_only_ever_moves_earlier,
             the_debounce_window_holds_a_flagged_pair_back,
             the_debounce_window_is_capped_from_the_first_flag,
+            pending_pairs_lists_only_the_perspectives_asked_for,
             a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged,
             a_rewind_commit_deletes_the_snapshots_at_or_after_its_trigger,
             a_commit_can_save_a_snapshot_and_snapshot_before_finds_the_latest_strictly_before,
