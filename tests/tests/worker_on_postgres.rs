@@ -152,6 +152,86 @@ async fn a_registered_perspective_the_worker_does_not_run_never_starves_its_own(
     );
 }
 
+/// A state that refuses to serialize (a bug in an application's perspective).
+#[derive(Debug, Default)]
+struct Unserializable;
+
+impl serde::Serialize for Unserializable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("this state cannot be serialized"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Unserializable {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Ok(Unserializable)
+    }
+}
+
+struct Broken;
+
+impl lockstep_core::Perspective for Broken {
+    type State = Unserializable;
+    type Error = std::io::Error;
+
+    fn name(&self) -> &str {
+        "Broken"
+    }
+
+    fn apply(
+        &self,
+        _: &mut Unserializable,
+        _: &lockstep_core::RecordedEvent,
+    ) -> Result<(), std::io::Error> {
+        Ok(())
+    }
+}
+
+/// Issue 18: a failure outside `apply` (a state that does not serialize) is the pair's: stored
+/// on its cursor and counted as failed, not a cycle error invisible in `perspectives status`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_outside_apply_is_stored_on_the_pair() {
+    let s = setup(WorkerOptions::default()).await;
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Broken).expect("register");
+    let worker = PerspectiveWorker::new(
+        PgDatabase::from_pool(s.pool.clone()),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        None,
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    s.numbers(stream, [1, 2]).await;
+    let report = worker.run_once().await;
+    assert!(
+        report.errors.is_empty(),
+        "not a cycle error: {:?}",
+        report.errors
+    );
+    assert_eq!(report.failed, 1, "{report:?}");
+    let client = s.db.connect().await;
+    let row = client
+        .query_one(
+            "SELECT error, failures FROM wh_perspective_cursors \
+              WHERE stream_id = $1 AND perspective_name = 'Broken'",
+            &[&stream.as_uuid()],
+        )
+        .await
+        .expect("cursor");
+    let (error, failures): (Option<String>, i32) = (row.get(0), row.get(1));
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.contains("does not serialize")),
+        "{error:?}"
+    );
+    assert_eq!(failures, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
     let s = setup(WorkerOptions::default().with_rewind_debounce(Duration::from_millis(200))).await;

@@ -20,6 +20,7 @@
 //! | [`SKIPPED_LEASED`] | `lockstep_worker_pairs_skipped_leased_total` | counter | pairs skipped because another instance holds their lease |
 //! | [`SKIPPED_BUSY`] | `lockstep_worker_pairs_skipped_busy_total` | counter | rewinds skipped because another transaction was using the pair's cursor row (the lease's try-acquire answered busy) |
 //! | [`APPLY_FAILURES`] | `lockstep_worker_apply_failures_total` | counter | normal-path applies that failed (error or panic) |
+//! | [`PAIR_FAILURES`] | `lockstep_worker_pair_failures_total` | counter | normal-path failures outside `apply` (a state that does not serialize, a refused or lost commit), stored on the pair's cursor |
 //! | [`LEASES_LOST`] | `lockstep_worker_leases_lost_total` | counter | held leases reported lost by the keeper (renew refused or local deadline passed) |
 //! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
 //!
@@ -51,6 +52,8 @@ pub const SKIPPED_LEASED: &str = "lockstep_worker_pairs_skipped_leased_total";
 pub const SKIPPED_BUSY: &str = "lockstep_worker_pairs_skipped_busy_total";
 /// Normal-path applies that failed.
 pub const APPLY_FAILURES: &str = "lockstep_worker_apply_failures_total";
+/// Normal-path failures of a pair outside `apply`, stored on its cursor.
+pub const PAIR_FAILURES: &str = "lockstep_worker_pair_failures_total";
 /// Held leases reported lost by the keeper.
 pub const LEASES_LOST: &str = "lockstep_worker_leases_lost_total";
 /// Age of the oldest event applied in a batch, at commit, in seconds.

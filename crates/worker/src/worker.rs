@@ -432,6 +432,40 @@ where
                 return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
             }
         };
+        // From here on whatever fails is the pair's (issue 18): a state that does not serialize,
+        // a commit the server refuses, a lost commit — stored on its cursor and backed off like a
+        // failing `apply`, not a cycle error retried at full size every cycle. Only when even
+        // storing the failure fails is it the cycle's (the database itself is unavailable).
+        let failures = cursor.failures;
+        match self
+            .apply_claimed(tx, stream_id, name, p, cursor, state, events)
+            .await
+        {
+            Ok(normal) => Ok(normal),
+            Err(err) => {
+                count(telemetry::PAIR_FAILURES, name.as_str(), 1);
+                tracing::warn!(error = %err, "processing the pair failed; stored on its cursor");
+                match self.fail(stream_id, name, failures, &err.to_string()).await {
+                    Ok(outcome) => Ok(Normal::Done(outcome)),
+                    Err(_) => Err(err),
+                }
+            }
+        }
+    }
+
+    /// The normal path after a claim returned events: fold them and commit. An `Err` is a
+    /// failure of the pair (the caller stores it); the transaction is ended on every path.
+    #[allow(clippy::too_many_arguments)]
+    async fn apply_claimed(
+        &self,
+        tx: S::Tx,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynPerspective>,
+        cursor: lockstep_core::Cursor,
+        state: Option<serde_json::Value>,
+        events: Vec<RecordedEvent>,
+    ) -> Result<Normal> {
         let state = match state {
             Some(state) => state,
             None => p.initial_state()?,

@@ -463,6 +463,94 @@ async fn a_registered_perspective_the_worker_does_not_run_never_starves_its_own(
     tx.rollback().await.expect("rollback");
 }
 
+/// A state that refuses to serialize (a bug in an application's perspective).
+#[derive(Debug, Default)]
+struct Unserializable;
+
+impl serde::Serialize for Unserializable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> std::result::Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("this state cannot be serialized"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Unserializable {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> std::result::Result<Self, D::Error> {
+        Ok(Unserializable)
+    }
+}
+
+struct Broken;
+
+impl Perspective for Broken {
+    type State = Unserializable;
+    type Error = Refused;
+
+    fn name(&self) -> &str {
+        "Broken"
+    }
+
+    fn apply(&self, _: &mut Unserializable, _: &RecordedEvent) -> std::result::Result<(), Refused> {
+        Ok(())
+    }
+}
+
+/// Issue 18: a failure outside `apply` (here: a state that does not serialize) is the pair's —
+/// stored on its cursor, counted as failed, backed off — not a cycle error retried at full size
+/// every cycle and invisible in the cursor.
+#[tokio::test(start_paused = true)]
+async fn a_failure_outside_apply_is_stored_on_the_pair_and_backed_off() {
+    let world = World::new();
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Broken).expect("register");
+    let worker: Worker = PerspectiveWorker::new(
+        world.db.clone(),
+        world.store.clone(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        Some(Arc::new(world.locker.clone()) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [1, 2]).await;
+
+    let report = worker.run_once().await;
+    assert!(
+        report.errors.is_empty(),
+        "not a cycle error: {:?}",
+        report.errors
+    );
+    assert_eq!(report.failed, 1, "{report:?}");
+    let broken = PerspectiveName::new("Broken").expect("valid");
+    let tx = world.db.begin_now();
+    let cursor = world
+        .store
+        .cursor(&tx, stream, &broken)
+        .await
+        .expect("cursor")
+        .expect("a cursor exists");
+    let pending = world
+        .store
+        .pending_events(&tx, stream, &broken)
+        .await
+        .expect("pending");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(cursor.failures, 1);
+    assert!(
+        cursor
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("does not serialize")),
+        "{cursor:?}"
+    );
+    assert_eq!(pending.len(), 2, "nothing applied, nothing lost");
+
+    // Backed off: the next cycle does not spend a claim on it.
+    let report = worker.run_once().await;
+    assert_eq!((report.failed, report.errors.len()), (0, 0), "{report:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_apply_that_errors_or_panics_on_one_pair_does_not_stop_the_others() {
     let world = World::new();
