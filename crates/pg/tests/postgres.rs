@@ -6,6 +6,24 @@ use lockstep_pg::{PgTransaction, migrate, migrate::embedded_migrations};
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_testkit::relay::Relay;
 
+/// The server process id of `client`'s connection.
+async fn backend_pid(client: &tokio_postgres::Client) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0)
+}
+
+/// `pg_stat_activity.state` of backend `pid` (`idle`, `idle in transaction`, …), read by `setup`.
+async fn backend_state(setup: &tokio_postgres::Client, pid: i32) -> String {
+    setup
+        .query_one("SELECT state FROM pg_stat_activity WHERE pid = $1", &[&pid])
+        .await
+        .expect("state")
+        .get(0)
+}
+
 #[tokio::test]
 async fn migrations_apply_once_even_when_two_runs_race() {
     let db = test_database().await;
@@ -133,16 +151,8 @@ async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection_
         .await
         .expect("the connection comes back")
         .expect("connection");
-    let pid: i32 = conn
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
-    let state: String = setup
-        .query_one("SELECT state FROM pg_stat_activity WHERE pid = $1", &[&pid])
-        .await
-        .expect("state")
-        .get(0);
+    let pid = backend_pid(&conn).await;
+    let state = backend_state(&setup, pid).await;
     assert_eq!(state, "idle", "pooled outside any transaction");
     let count: i64 = setup
         .query_one("SELECT count(*) FROM t", &[])
@@ -163,22 +173,13 @@ fn dropping_an_open_transaction_without_a_runtime_closes_its_connection() {
         let db = test_database().await;
         let pool = db.pool(1);
         let tx = PgTransaction::begin(&pool).await.expect("begin");
-        let pid: i32 = tx
-            .client()
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .expect("pid")
-            .get(0);
+        let pid = backend_pid(tx.client()).await;
         (db, pool, tx, pid)
     });
     drop(tx); // outside the runtime: nothing to roll back on
     runtime.block_on(async {
         let conn = pool.get().await.expect("connection");
-        let now: i32 = conn
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .expect("pid")
-            .get(0);
+        let now = backend_pid(&conn).await;
         assert_ne!(now, pid, "the open transaction's connection was not pooled");
         drop(db);
     });
@@ -255,12 +256,7 @@ async fn a_connection_lost_before_commit_is_a_retryable_connection_loss() {
         .execute("INSERT INTO t VALUES (1)", &[])
         .await
         .expect("insert");
-    let pid: i32 = tx
-        .client()
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let pid = backend_pid(tx.client()).await;
     admin
         .execute("SELECT pg_terminate_backend($1)", &[&pid])
         .await
@@ -352,11 +348,7 @@ async fn a_connection_that_failed_with_a_lost_connection_is_not_pooled_again() {
     let conn = lockstep_pg::checkout(&pool, std::time::Duration::from_secs(5))
         .await
         .expect("checkout");
-    let pid: i32 = conn
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let pid = backend_pid(&conn).await;
     admin
         .execute("SELECT pg_terminate_backend($1)", &[&pid])
         .await
@@ -420,12 +412,7 @@ async fn writes_held_back_until_commit_are_stored_by_it_or_roll_everything_back(
     tx.commit().await.expect("commit");
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
-    let pid: i32 = tx
-        .client()
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let pid = backend_pid(tx.client()).await;
     tx.client()
         .execute("INSERT INTO t VALUES (4)", &[])
         .await
@@ -448,18 +435,10 @@ async fn writes_held_back_until_commit_are_stored_by_it_or_roll_everything_back(
         .collect();
     assert_eq!(xs, vec![1, 2, 3], "the failed transaction kept nothing");
     // The same connection, pooled again, is outside any transaction.
-    let state: String = setup
-        .query_one("SELECT state FROM pg_stat_activity WHERE pid = $1", &[&pid])
-        .await
-        .expect("state")
-        .get(0);
+    let state = backend_state(&setup, pid).await;
     assert_eq!(state, "idle", "not inside a transaction");
     let conn = pool.get().await.expect("connection");
-    let again: i32 = conn
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let again = backend_pid(&conn).await;
     assert_eq!(again, pid, "the clean connection was pooled again");
 
     // A rollback discards held-back writes unsent.
@@ -512,12 +491,7 @@ async fn a_commit_dropped_in_flight_never_pools_its_connection() {
         .expect("create");
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
-    let pid: i32 = tx
-        .client()
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let pid = backend_pid(tx.client()).await;
     tx.client()
         .execute("INSERT INTO t VALUES (1)", &[])
         .await
@@ -527,11 +501,7 @@ async fn a_commit_dropped_in_flight_never_pools_its_connection() {
     assert!(dropped.is_err(), "the commit was still in flight");
 
     let conn = pool.get().await.expect("connection");
-    let now: i32 = conn
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let now = backend_pid(&conn).await;
     assert_ne!(
         now, pid,
         "the connection of the dropped commit was not pooled"
