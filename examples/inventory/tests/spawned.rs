@@ -199,6 +199,36 @@ async fn every_unit_of_work_form_runs_in_a_spawned_task_on_postgres() {
     assert_eq!((done.available, done.attempts), (7, 1));
 }
 
+/// The handle's own async entry points (build from a config, migrate, check out, begin), each
+/// called from a spawned task as a service's start-up or a handler would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handle_s_entry_points_run_in_spawned_tasks() {
+    let test_db = test_database().await;
+    let db = PgDatabase::builder()
+        .config(test_db.config().clone())
+        .max_connections(2)
+        .build()
+        .expect("handle");
+    let d = db.clone();
+    let migrated = tokio::spawn(async move { d.migrate().await })
+        .await
+        .expect("no panic")
+        .expect("migrate");
+    assert!(
+        !migrated.applied.is_empty(),
+        "a fresh database gets the schema"
+    );
+    let d = db.clone();
+    tokio::spawn(async move {
+        let conn = d.checkout().await.expect("checkout");
+        let tx = d.begin().await.expect("begin");
+        tx.commit().await.expect("commit");
+        drop(conn);
+    })
+    .await
+    .expect("no panic");
+}
+
 /// A guard dropped open (an early `?`, a cancelled task) rolls back: on Postgres its connection
 /// is rolled back in the background and pooled again, outside any transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
