@@ -113,8 +113,9 @@ pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;
 pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
-    Claim, Cursor, PendingPair, PerspectiveStore, RewindDebounce, RewindRequest, Snapshot,
-    StateCommit,
+    BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
+    ClaimedWork, Cursor, Pair, PairFailure, PendingPair, PerspectiveStore, RewindDebounce,
+    RewindRequest, SkippedEvent, Snapshot, StateCommit,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

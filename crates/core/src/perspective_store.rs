@@ -130,6 +130,16 @@ pub struct Cursor {
     pub error: Option<String>,
     /// Failures since the last successful commit.
     pub failures: u32,
+    /// The event the last failure happened at, when it was an event's (the one an operator
+    /// would skip).
+    pub failed_event_id: Option<Uuid>,
+    /// Until when the pair backs off after a failure (store clock): no batch claims it before.
+    /// Stored on the cursor, so every instance sees the same backoff.
+    pub retry_at: Option<OffsetDateTime>,
+    /// When the pair was parked (store clock): after too many failures it is not claimed again
+    /// until an operator retries it, skips its failing event or requests a rewind. Its work
+    /// keeps queueing.
+    pub parked_at: Option<OffsetDateTime>,
     /// The event id of the latest snapshot, if any.
     pub latest_snapshot: Option<Uuid>,
     /// The stream lease on this cursor row.
@@ -137,8 +147,13 @@ pub struct Cursor {
 }
 
 impl Cursor {
+    /// The pair this cursor belongs to.
+    pub fn pair(&self) -> Pair {
+        Pair::new(self.stream_id, self.perspective.clone())
+    }
+
     /// The cursor of a pair with nothing applied yet: no last event, revision 0, no applied
-    /// events, no rewind, no error or failures, no snapshot and no lease
+    /// events, no rewind, no error, failures, backoff or parking, no snapshot and no lease
     /// ([`CursorLease::default`]).
     pub fn new(stream_id: StreamId, perspective: PerspectiveName) -> Cursor {
         Cursor {
@@ -150,10 +165,282 @@ impl Cursor {
             rewind: None,
             error: None,
             failures: 0,
+            failed_event_id: None,
+            retry_at: None,
+            parked_at: None,
             latest_snapshot: None,
             lease: CursorLease::default(),
         }
     }
+}
+
+/// A `(stream, perspective)` pair: the unit the worker applies, leases, fails and parks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Pair {
+    /// The stream.
+    pub stream_id: StreamId,
+    /// The perspective.
+    pub perspective: PerspectiveName,
+}
+
+impl Pair {
+    /// The pair of `stream_id` and `perspective`.
+    pub fn new(stream_id: StreamId, perspective: PerspectiveName) -> Pair {
+        Pair {
+            stream_id,
+            perspective,
+        }
+    }
+}
+
+impl std::fmt::Display for Pair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.stream_id, self.perspective)
+    }
+}
+
+/// How much one [`PerspectiveStore::claim_batch`] hands out. Every bound is at least 1.
+///
+/// The batch stops growing at the first bound reached; its first pair always gets at least one
+/// event, whatever its size, so that an event larger than `bytes` is still applied (alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchLimits {
+    /// Pairs per batch. Default 32.
+    pub pairs: usize,
+    /// Events per pair. Default 1 000.
+    pub events_per_pair: usize,
+    /// Events in the whole batch. Default 10 000.
+    pub events: usize,
+    /// Bytes of event payloads and states in the whole batch, as stored (Postgres:
+    /// `pg_column_size`, which is the compressed size of a large value). Default 16 MiB.
+    pub bytes: u64,
+    /// Pairs looked at per claim, claimable or not (busy, leased, backing off, parked): what
+    /// bounds a claim's cost when most pairs with work cannot be served now. At least `pairs`.
+    /// Default 256.
+    pub scan: usize,
+}
+
+impl Default for BatchLimits {
+    fn default() -> Self {
+        BatchLimits {
+            pairs: 32,
+            events_per_pair: 1000,
+            events: 10_000,
+            bytes: 16 * 1024 * 1024,
+            scan: 256,
+        }
+    }
+}
+
+impl BatchLimits {
+    /// A batch of one pair with at most `events` events (the smallest batch: what a batch
+    /// shrinks to after its claim outlived a server timeout).
+    pub fn single(events: usize) -> BatchLimits {
+        BatchLimits {
+            pairs: 1,
+            events_per_pair: events,
+            events,
+            ..BatchLimits::default()
+        }
+    }
+
+    /// Checks the bounds: each at least 1, `scan >= pairs`, and each at most 1 000 000 pairs or
+    /// events (bytes: at most 1 TiB). A bad bound is [`crate::ErrorKind::InvalidInput`]
+    /// naming it.
+    pub fn validate(&self) -> Result<()> {
+        const MAX: usize = 1_000_000;
+        let bad = |what: &str| {
+            Err(crate::Error::new(
+                crate::ErrorKind::InvalidInput,
+                format!("batch limits: {what}"),
+            ))
+        };
+        for (name, n) in [
+            ("pairs", self.pairs),
+            ("events_per_pair", self.events_per_pair),
+            ("events", self.events),
+            ("scan", self.scan),
+        ] {
+            if n == 0 || n > MAX {
+                return bad(&format!("{name} must be between 1 and {MAX}, not {n}"));
+            }
+        }
+        if self.bytes == 0 || self.bytes > 1 << 40 {
+            return bad("bytes must be between 1 and 1 TiB");
+        }
+        if self.scan < self.pairs {
+            return bad("scan must be at least pairs");
+        }
+        Ok(())
+    }
+}
+
+/// A request for a batch of work ([`PerspectiveStore::claim_batch`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchClaim {
+    /// The perspectives to claim work of, each with the stream its scan continues after
+    /// (`None`: from the first stream). They are served in this order: rotate it between claims
+    /// so that one perspective's backlog does not always fill the batch.
+    pub positions: Vec<(PerspectiveName, Option<StreamId>)>,
+    /// How long a rewind request is held back ([`RewindDebounce`]).
+    pub debounce: RewindDebounce,
+    /// How much to hand out.
+    pub limits: BatchLimits,
+}
+
+impl BatchClaim {
+    /// A claim of `perspectives`' work from their first streams, with no debounce and the
+    /// default limits.
+    pub fn new(perspectives: &[PerspectiveName]) -> BatchClaim {
+        BatchClaim {
+            positions: perspectives.iter().map(|p| (p.clone(), None)).collect(),
+            debounce: RewindDebounce::NONE,
+            limits: BatchLimits::default(),
+        }
+    }
+}
+
+/// What a batch claimed for one pair. Its cursor row stays locked by the claiming transaction
+/// until that ends.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum ClaimedWork {
+    /// Pending events after the cursor, in event-id order (at least one).
+    Apply {
+        /// The current state (`None`: nothing applied yet).
+        state: Option<serde_json::Value>,
+        /// The events to apply.
+        events: Vec<RecordedEvent>,
+    },
+    /// The pair needs a rewind (the request may have been written by this claim: commit the
+    /// transaction to keep it). Run the rewind path after the transaction ends.
+    Rewind,
+}
+
+/// One pair of a claimed batch.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct ClaimedPair {
+    /// The cursor as locked.
+    pub cursor: Cursor,
+    /// What to do.
+    pub work: ClaimedWork,
+}
+
+/// What [`PerspectiveStore::claim_batch`] handed out.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ClaimedBatch {
+    /// The pairs, in the order they were claimed.
+    pub pairs: Vec<ClaimedPair>,
+    /// Where each perspective's scan stopped, in the request's order: the last stream looked
+    /// at (the request's position when none was). Pass them back as the next claim's positions
+    /// so that successive claims go round every pair with work.
+    pub positions: Vec<(PerspectiveName, Option<StreamId>)>,
+}
+
+/// A pair's failure, as stored on its cursor ([`PerspectiveStore::record_failure`],
+/// [`BatchEntry::failure`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PairFailure {
+    /// What went wrong (U+0000 is stored as U+FFFD).
+    pub error: String,
+    /// The event it failed at, when it was one event's.
+    pub event_id: Option<Uuid>,
+    /// How long no claim hands the pair out (the backoff; `retry_at` is the store's clock plus
+    /// this).
+    pub retry_after: Duration,
+    /// Park the pair: no claim hands it out until an operator retries it
+    /// ([`PerspectiveStore::unpark`]), skips the failing event
+    /// ([`PerspectiveStore::skip_event`]) or requests a rewind.
+    pub park: bool,
+}
+
+impl PairFailure {
+    /// A failure with `error`, at no particular event, retried at once and not parked.
+    pub fn new(error: impl Into<String>) -> PairFailure {
+        PairFailure {
+            error: error.into(),
+            event_id: None,
+            retry_after: Duration::ZERO,
+            park: false,
+        }
+    }
+
+    /// This failure, at `event_id`.
+    #[must_use]
+    pub fn at_event(mut self, event_id: Option<Uuid>) -> PairFailure {
+        self.event_id = event_id;
+        self
+    }
+
+    /// This failure, backed off for `retry_after`.
+    #[must_use]
+    pub fn retry_after(mut self, retry_after: Duration) -> PairFailure {
+        self.retry_after = retry_after;
+        self
+    }
+
+    /// This failure, parking the pair when `park`.
+    #[must_use]
+    pub fn park(mut self, park: bool) -> PairFailure {
+        self.park = park;
+        self
+    }
+}
+
+/// One pair's result in a batch commit ([`PerspectiveStore::commit_batch`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct BatchEntry {
+    /// The pair.
+    pub pair: Pair,
+    /// The state change, when events were applied (for a pair that failed part-way: the fold
+    /// of the events before the failing one). Its pair must be `pair`.
+    pub commit: Option<StateCommit>,
+    /// The failure, when the pair failed; stored after the commit (which clears the previous
+    /// failure), so a pair that made progress counts one failure again.
+    pub failure: Option<PairFailure>,
+}
+
+/// What [`PerspectiveStore::commit_batch`] did with one entry, in the entries' order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BatchCommitted {
+    /// The state change is committed (`revision`: the new one); the failure, if any, is stored
+    /// (`parked`: the pair is now parked).
+    Committed {
+        /// The new revision.
+        revision: i64,
+        /// Whether the entry's failure parked the pair.
+        parked: bool,
+    },
+    /// Only a failure was stored (`parked`: the pair is now parked).
+    FailureRecorded {
+        /// Whether the failure parked the pair.
+        parked: bool,
+    },
+    /// The state change was refused and nothing of the entry was written: another applier
+    /// moved the cursor first ([`crate::ErrorKind::Conflict`]), the cursor is gone, or the
+    /// fence's lease was lost ([`crate::ErrorKind::LeaseLost`]). The other entries are not
+    /// affected.
+    Refused(crate::ErrorKind),
+}
+
+/// An event an operator skipped for a pair ([`PerspectiveStore::skip_event`]): never applied to
+/// the pair, not by later claims nor by rewinds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SkippedEvent {
+    /// The event.
+    pub event_id: Uuid,
+    /// Why it was skipped (the operator's note, or the failure it was skipped for).
+    pub reason: String,
+    /// When (store clock).
+    pub skipped_at: OffsetDateTime,
 }
 
 /// A pair with something to do, as listed by [`PerspectiveStore::pending_pairs`].
@@ -294,7 +581,41 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         limit: usize,
     ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a;
 
+    /// Claims a batch of work in one statement (see [`BatchClaim`], [`ClaimedBatch`]): up to
+    /// `limits.pairs` pairs of the requested perspectives, each with its state and pending
+    /// events (or marked for a rewind), within the limits.
+    ///
+    /// For each perspective, in the request's order, the scan walks the pairs with pending
+    /// work in stream order from its position (wrapping round once), and claims a pair only
+    /// if it can lock its cursor row without waiting (`SKIP LOCKED`: another instance's batch
+    /// is skipped, never waited for), no live lease is on it, it is not backing off
+    /// ([`Cursor::retry_at`] in the future) and not parked ([`Cursor::parked_at`]). A late
+    /// arrival or a purged pair's new work becomes a rewind request as in
+    /// [`PerspectiveStore::claim`]; a request inside its debounce window holds the pair back.
+    /// At most `limits.scan` pairs are looked at: the cost of a claim does not grow with the
+    /// length of the queue, nor with the number of pairs that cannot be served. A pair without
+    /// a cursor row gets one. Bad limits are [`crate::ErrorKind::InvalidInput`].
+    fn claim_batch<'a>(
+        &'a self,
+        tx: &'a Tx,
+        request: &'a BatchClaim,
+    ) -> impl Future<Output = Result<ClaimedBatch>> + Send + 'a;
+
+    /// Commits a batch in one statement: for each entry, its state change (as
+    /// [`PerspectiveStore::commit_state`], which clears the pair's error, backoff and parking)
+    /// and then its failure (as [`PerspectiveStore::record_failure`]). An entry whose state
+    /// change is refused writes nothing and does not affect the others
+    /// ([`BatchCommitted::Refused`]). Bad input in any entry (a state that cannot be stored, a
+    /// commit of another pair) is [`crate::ErrorKind::InvalidInput`] and nothing is written.
+    fn commit_batch<'a>(
+        &'a self,
+        tx: &'a Tx,
+        entries: &'a [BatchEntry],
+    ) -> impl Future<Output = Result<Vec<BatchCommitted>>> + Send + 'a;
+
     /// Claims a pair for normal application (see [`Claim`]); at most `max_events` events.
+    /// An explicit claim of one pair does not wait for its backoff nor for its parking (an
+    /// operator's "process this pair now").
     /// Creates the cursor row if the pair has none. A late arrival among the pending events
     /// becomes a rewind request (kept by committing `tx`). `debounce` as for
     /// [`PerspectiveStore::pending_pairs`].
@@ -379,15 +700,56 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         from: Option<Uuid>,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
-    /// Records a failure of the pair (its error text, one more failure). The rewind request and
-    /// the pending work stay.
+    /// Records a failure of the pair: its error, the event it failed at, one more failure, the
+    /// backoff (`retry_at`), and parks it when `failure.park`. Returns whether the pair is now
+    /// parked. The rewind request and the pending work stay. Creates the cursor row if the
+    /// pair has none.
     fn record_failure<'a>(
         &'a self,
         tx: &'a Tx,
         stream_id: StreamId,
         perspective: &'a PerspectiveName,
-        error: &'a str,
-    ) -> impl Future<Output = Result<()>> + Send + 'a;
+        failure: &'a PairFailure,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+    /// The parked pairs' cursors of `perspectives` (all perspectives when empty), longest
+    /// parked first, at most `limit`.
+    fn parked_pairs<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Cursor>>> + Send + 'a;
+
+    /// Retries a pair now: clears its parking, backoff and failure count (the last error text
+    /// stays until a commit). `Ok(false)` when the pair has no cursor.
+    fn unpark<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+    /// Skips one pending event of the pair for good: records it ([`SkippedEvent`], with
+    /// `reason`), deletes its work item and retries the pair ([`PerspectiveStore::unpark`]).
+    /// A rewind of the pair leaves it out too. `Ok(false)`, with nothing changed, when the
+    /// event is not pending work of the pair.
+    fn skip_event<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        event_id: Uuid,
+        reason: &'a str,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+    /// The events skipped for the pair, in event-id order.
+    fn skipped_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a;
 
     /// Purges the pair: deletes its state, snapshots and pending work, and resets its cursor
     /// (no event applied, no rewind, no error; the revision increases and the lease stays).
