@@ -1,7 +1,10 @@
-//! Worker defects of issue 19 on PostgreSQL, each the test that would have caught it (the same
-//! cases run on the fakes in `crates/worker/tests/fakes.rs`): a debounced late event is rewound
-//! once its window has passed, a purge is followed by a rebuild from the start, and a release
-//! dropped while it waits for the cursor row still releases the lease.
+//! Worker defects of issues 18 and 19 on PostgreSQL, each the test that would have caught it
+//! (the same cases run on the fakes in `crates/worker/tests/fakes.rs`): work of a perspective
+//! the worker does not run, failing pairs that back off (on the cursor, for every instance),
+//! are parked, skipped and retried without starving the healthy ones, a batch that outlives the
+//! server's idle timeout shrinks, a debounced late event is rewound once its window has passed,
+//! a purge is followed by a rebuild from the start, and a release dropped while it waits for the
+//! cursor row still releases the lease.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -316,4 +319,256 @@ async fn a_release_dropped_while_it_waits_for_the_row_still_releases_and_shutdow
         "shutdown counts the lease it released or waited for"
     );
     assert_eq!(s.live_leases().await, 0, "no lease left set");
+}
+
+/// An event `Numbers` cannot apply (no integer `n`): a poison event.
+fn poison() -> NewEvent {
+    NewEvent::new("Garbled", serde_json::json!({ "x": "not a number" })).expect("valid")
+}
+
+/// Options under which a failing pair is retried at once and parked after two failures.
+fn parking_options() -> WorkerOptions {
+    WorkerOptions::default()
+        .with_pairs_per_cycle(4)
+        .with_failure_backoff(Duration::from_millis(1))
+        .with_failure_backoff_max(Duration::from_millis(1))
+        .with_park_after_failures(Some(2))
+}
+
+impl Setup {
+    async fn cursor(&self, stream: StreamId) -> lockstep_core::Cursor {
+        use lockstep_core::PerspectiveStore as _;
+        let tx = PgTransaction::begin(&self.pool).await.expect("begin");
+        let cursor = PgPerspectiveStore::new()
+            .cursor(&tx, stream, &numbers_name())
+            .await
+            .expect("cursor")
+            .expect("a cursor");
+        tx.rollback().await.expect("rollback");
+        cursor
+    }
+
+    /// How many pairs are parked.
+    async fn parked(&self) -> usize {
+        use lockstep_core::PerspectiveStore as _;
+        let tx = PgTransaction::begin(&self.pool).await.expect("begin");
+        let parked = PgPerspectiveStore::new()
+            .parked_pairs(&tx, &[], 1000)
+            .await
+            .expect("parked");
+        tx.rollback().await.expect("rollback");
+        parked.len()
+    }
+
+    /// Runs cycles (at most `max`) until `done` holds; the cycles' own errors fail the test.
+    async fn cycle_until(&self, max: usize, mut done: impl AsyncFnMut(&Setup) -> bool) {
+        for _ in 0..max {
+            if done(self).await {
+                return;
+            }
+            let report = self.worker.run_once().await;
+            assert!(report.errors.is_empty(), "{:?}", report.errors);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(done(self).await, "not done after {max} cycles");
+    }
+}
+
+fn numbers_name() -> PerspectiveName {
+    PerspectiveName::new(NUMBERS).expect("valid")
+}
+
+/// Issue 18, measured before: 70 pairs whose `apply` fails → 0 of 10 healthy pairs served in
+/// 8 s. Now the failing pairs back off on their cursors, are parked after two failures, and
+/// never hold the head of the queue: the healthy pairs are served, and the events before each
+/// poison event are committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
+    use lockstep_core::PerspectiveStore as _;
+    let s = setup(parking_options()).await;
+    let failing: Vec<StreamId> = (0..70).map(|_| StreamId::new_v7()).collect();
+    for stream in &failing {
+        s.append(*stream, vec![number_event(1), poison(), number_event(3)])
+            .await;
+    }
+    let healthy: Vec<StreamId> = (0..10).map(|_| StreamId::new_v7()).collect();
+    for (i, stream) in healthy.iter().enumerate() {
+        s.numbers(*stream, [i as i64]).await;
+    }
+    s.cycle_until(200, async |s| s.parked().await == failing.len())
+        .await;
+    for (i, stream) in healthy.iter().enumerate() {
+        assert_eq!(s.state(*stream).await, Some(vec![i as i64]), "{stream}");
+    }
+    for stream in &failing {
+        assert_eq!(
+            s.state(*stream).await,
+            Some(vec![1]),
+            "the event before the poison one is committed"
+        );
+        let cursor = s.cursor(*stream).await;
+        assert!(cursor.parked_at.is_some(), "{cursor:?}");
+        assert_eq!(cursor.failures, 2);
+        assert!(cursor.failed_event_id.is_some());
+        assert!(
+            cursor.error.as_deref().is_some_and(|e| e.contains("not a number") || e.contains("apply failed")),
+            "{:?}",
+            cursor.error
+        );
+    }
+    // A parked pair's work keeps queueing; healthy work appended now is served.
+    s.numbers(failing[0], [4]).await;
+    s.numbers(healthy[0], [100]).await;
+    s.drain().await;
+    assert_eq!(s.state(healthy[0]).await, Some(vec![0, 100]));
+    assert_eq!(s.state(failing[0]).await, Some(vec![1]), "parked: not claimed");
+    assert_eq!(s.parked().await, 70);
+
+    // Skipping the failing event (recorded, never silent) retries the pair: the rest is applied.
+    let cursor = s.cursor(failing[0]).await;
+    let bad = cursor.failed_event_id.expect("the failing event");
+    let tx = PgTransaction::begin(&s.pool).await.expect("begin");
+    let store = PgPerspectiveStore::new();
+    assert!(
+        store
+            .skip_event(&tx, failing[0], &numbers_name(), bad, "garbled import")
+            .await
+            .expect("skip")
+    );
+    tx.commit().await.expect("commit");
+    s.drain().await;
+    assert_eq!(s.state(failing[0]).await, Some(vec![1, 3, 4]));
+    let cursor = s.cursor(failing[0]).await;
+    assert!(cursor.parked_at.is_none() && cursor.error.is_none(), "{cursor:?}");
+    let tx = PgTransaction::begin(&s.pool).await.expect("begin");
+    let skipped = store
+        .skipped_events(&tx, failing[0], &numbers_name())
+        .await
+        .expect("skipped");
+    assert_eq!(skipped.len(), 1);
+    assert_eq!((skipped[0].event_id, skipped[0].reason.as_str()), (bad, "garbled import"));
+    // A rewind from the start leaves the skipped event out too.
+    assert!(
+        store
+            .request_rewind(&tx, failing[0], &numbers_name(), None)
+            .await
+            .expect("rewind")
+    );
+    tx.commit().await.expect("commit");
+    let report = s.drain().await;
+    assert_eq!(report.rewinds, 1);
+    assert_eq!(s.state(failing[0]).await, Some(vec![1, 3, 4]));
+
+    // Retrying a parked pair without fixing it: it fails again, counted from zero.
+    let tx = PgTransaction::begin(&s.pool).await.expect("begin");
+    assert!(store.unpark(&tx, failing[1], &numbers_name()).await.expect("unpark"));
+    tx.commit().await.expect("commit");
+    let cursor = s.cursor(failing[1]).await;
+    assert!(cursor.parked_at.is_none() && cursor.failures == 0, "{cursor:?}");
+    s.cycle_until(50, async |s| s.cursor(failing[1]).await.parked_at.is_some())
+        .await;
+}
+
+/// Issue 18: the backoff lives on the cursor, so another instance does not waste a claim on a
+/// pair that waits: instance B claims nothing while A's failure backs the pair off for an hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backoff_stored_by_one_instance_holds_every_instance_back() {
+    let options = WorkerOptions::default()
+        .with_failure_backoff(Duration::from_secs(3600))
+        .with_failure_backoff_max(Duration::from_secs(3600));
+    let s = setup(options).await;
+    let stream = StreamId::new_v7();
+    s.append(stream, vec![poison()]).await;
+    let report = s.worker.run_once().await;
+    assert_eq!(report.failed, 1, "{report:?}");
+    let cursor = s.cursor(stream).await;
+    assert!(
+        cursor.retry_at.is_some_and(|at| at > time::OffsetDateTime::now_utc() + Duration::from_secs(3000)),
+        "{cursor:?}"
+    );
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Numbers::new()).expect("register");
+    let other = PerspectiveWorker::new(
+        PgDatabase::from_pool(s.pool.clone()),
+        PgPerspectiveStore::new(),
+        registry,
+        options,
+        InstanceId::random(),
+        None,
+    )
+    .expect("worker");
+    let report = other.run_once().await;
+    assert_eq!((report.pairs, report.failed), (0, 0), "{report:?}");
+    assert_eq!(s.cursor(stream).await.failures, 1, "nobody retried it");
+}
+
+/// Issue 18, measured before: with `idle_in_transaction_session_timeout = 1s` and a claim whose
+/// apply takes longer, the pair livelocked (600 events at 3 ms: 0 committed in 14 s, 4 200
+/// applies, `failures = 0`). Now the batch that outlived the timeout shrinks and every event is
+/// committed; the pair's failure count is not charged for the batch's size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
+    let db = test_database().await;
+    let client = db.connect().await;
+    let name: String = client
+        .query_one("SELECT current_database()", &[])
+        .await
+        .expect("name")
+        .get(0);
+    client
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{name}\" SET idle_in_transaction_session_timeout = '1s'"
+        ))
+        .await
+        .expect("set the timeout");
+    let pool = db.pool(4);
+    lockstep_pg::migrate(&pool).await.expect("migrate");
+    let mut registry = PerspectiveRegistry::new();
+    let numbers = Numbers::slowed(Duration::from_millis(3));
+    registry.register(numbers.clone()).expect("register");
+    let worker = PerspectiveWorker::new(
+        PgDatabase::from_pool(pool.clone()),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        None,
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgEventStore::new(&PgDatabase::from_pool(pool.clone()))
+        .append(&tx, stream, ExpectedVersion::Any, &(0..600).map(number_event).collect::<Vec<_>>())
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    let mut batch_failures = 0;
+    for _ in 0..60 {
+        let report = worker.run_once().await;
+        batch_failures += report.errors.len();
+        assert_eq!(report.failed, 0, "never the pair's failure: {report:?}");
+        let applied: i64 = client
+            .query_one(
+                "SELECT applied_count FROM wh_perspective_cursors WHERE stream_id = $1",
+                &[&stream.as_uuid()],
+            )
+            .await
+            .expect("cursor")
+            .get(0);
+        if applied == 600 {
+            assert!(batch_failures >= 1, "the first batch (600 events × 3 ms) outlived the 1 s timeout");
+            let failures: i32 = client
+                .query_one(
+                    "SELECT failures FROM wh_perspective_cursors WHERE stream_id = $1",
+                    &[&stream.as_uuid()],
+                )
+                .await
+                .expect("cursor")
+                .get(0);
+            assert_eq!(failures, 0);
+            return;
+        }
+    }
+    panic!("600 events were not all committed in 60 cycles");
 }

@@ -91,6 +91,42 @@ pub(crate) enum PerspectivesCommand {
         /// The perspective name.
         perspective: String,
     },
+    /// Lists the parked pairs (failed too often in a row; their work keeps queueing): the
+    /// failing event, the error, how often.
+    Parked {
+        /// Only this perspective's.
+        #[arg(long)]
+        perspective: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Retries a parked (or backing-off) pair now: its parking, backoff and failure count are
+    /// cleared; the next batch claims it.
+    Retry {
+        /// The stream id.
+        stream: Uuid,
+        /// The perspective name.
+        perspective: String,
+    },
+    /// Skips one pending event of a pair for good (recorded on the pair, never silent; rewinds
+    /// leave it out too) and retries the pair. Without --event: the event its last failure
+    /// happened at.
+    Skip {
+        /// The stream id.
+        stream: Uuid,
+        /// The perspective name.
+        perspective: String,
+        /// The event to skip (default: the pair's failing event).
+        #[arg(long)]
+        event: Option<Uuid>,
+        /// Why (recorded with the skip).
+        #[arg(long, default_value = "skipped by an operator")]
+        reason: String,
+    },
 }
 
 /// `lockstep worker`
@@ -385,7 +421,11 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
                 (SELECT extract(epoch FROM clock_timestamp() - min(e.enqueued_at))::float8 \
                    FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS lag_s, \
                 (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
-                   AND c.rewind_trigger_event_id IS NOT NULL) AS rewinds \
+                   AND c.rewind_trigger_event_id IS NOT NULL) AS rewinds, \
+                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
+                   AND c.parked_at IS NOT NULL) AS parked, \
+                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
+                   AND c.parked_at IS NULL AND c.retry_at > clock_timestamp()) AS backing_off \
              FROM wh_perspectives p ORDER BY p.perspective_name",
             &[],
         )
@@ -419,6 +459,8 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
             "pending_events": row.try_get::<_, i64>("pending").context("reading status")?,
             "lag_s": row.try_get::<_, Option<f64>>("lag_s").context("reading status")?.unwrap_or(0.0),
             "rewinds_pending": row.try_get::<_, i64>("rewinds").context("reading status")?,
+            "parked": row.try_get::<_, i64>("parked").context("reading status")?,
+            "backing_off": row.try_get::<_, i64>("backing_off").context("reading status")?,
             "pairs_in_error": in_error,
         }));
     }
@@ -439,6 +481,16 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
     }
     | PerspectivesCommand::Purge {
         perspective: name, ..
+    }
+    | PerspectivesCommand::Retry {
+        perspective: name, ..
+    }
+    | PerspectivesCommand::Skip {
+        perspective: name, ..
+    }
+    | PerspectivesCommand::Parked {
+        perspective: Some(name),
+        ..
     } = &cmd
     {
         perspective(name)?;
@@ -449,6 +501,9 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
     let store = PgPerspectiveStore::new();
     match cmd {
         PerspectivesCommand::Status { json } => perspective_status(&pool, json).await,
+        cmd @ (PerspectivesCommand::Parked { .. }
+        | PerspectivesCommand::Retry { .. }
+        | PerspectivesCommand::Skip { .. }) => parking(&source, &store, cmd).await,
         PerspectivesCommand::Rewind {
             stream,
             perspective: name,
@@ -456,9 +511,17 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
         } => {
             let name = perspective(&name)?;
             let tx = source.begin().await.map_err(explain)?;
-            let requested = store
-                .request_rewind(&tx, StreamId::from_uuid(stream), &name, from)
-                .await;
+            // A parked pair is never claimed: the operator's rewind retries it too.
+            let requested = async {
+                let requested = store
+                    .request_rewind(&tx, StreamId::from_uuid(stream), &name, from)
+                    .await?;
+                if requested {
+                    store.unpark(&tx, StreamId::from_uuid(stream), &name).await?;
+                }
+                Ok::<_, lockstep_core::Error>(requested)
+            }
+            .await;
             let requested = match requested {
                 Ok(r) => {
                     tx.commit().await.map_err(explain)?;
@@ -543,6 +606,112 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
     }
 }
 
+/// `lockstep perspectives parked | retry | skip`: the parked pairs and what an operator does
+/// about them, through the store's contract.
+async fn parking(
+    source: &lockstep_pg::PgDatabase,
+    store: &PgPerspectiveStore,
+    cmd: PerspectivesCommand,
+) -> Result<ExitCode> {
+    let tx = source.begin().await.map_err(explain)?;
+    let done = match cmd {
+        PerspectivesCommand::Parked {
+            perspective: name,
+            limit,
+            json,
+        } => {
+            let names: Vec<PerspectiveName> = name.as_deref().map(perspective).transpose()?.into_iter().collect();
+            let parked = store.parked_pairs(&tx, &names, limit).await.map_err(explain)?;
+            let rows: Vec<serde_json::Value> = parked
+                .iter()
+                .map(|c| {
+                    json!({
+                        "stream_id": c.stream_id.to_string(),
+                        "perspective": c.perspective.as_str(),
+                        "failures": c.failures,
+                        "error": c.error,
+                        "failed_event_id": c.failed_event_id.map(|e| e.to_string()),
+                        "parked_at": c.parked_at.map(|t| t.to_string()),
+                        "last_event_id": c.last_event_id.map(|e| e.to_string()),
+                    })
+                })
+                .collect();
+            if json {
+                say!("{}", serde_json::Value::Array(rows));
+            } else if parked.is_empty() {
+                say!("no parked pairs");
+            } else {
+                for c in &parked {
+                    say!(
+                        "{}/{} parked after {} failures at event {}: {}",
+                        c.stream_id,
+                        c.perspective,
+                        c.failures,
+                        c.failed_event_id
+                            .map_or_else(|| "(none)".to_owned(), |e| e.to_string()),
+                        c.error.as_deref().unwrap_or("")
+                    );
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        PerspectivesCommand::Retry {
+            stream,
+            perspective: name,
+        } => {
+            let name = perspective(&name)?;
+            if store
+                .unpark(&tx, StreamId::from_uuid(stream), &name)
+                .await
+                .map_err(explain)?
+            {
+                say!("{stream}/{name} is retried: the next batch claims it");
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("{stream}/{name} has no cursor: nothing to retry");
+                ExitCode::from(1)
+            }
+        }
+        PerspectivesCommand::Skip {
+            stream,
+            perspective: name,
+            event,
+            reason,
+        } => {
+            let name = perspective(&name)?;
+            let stream_id = StreamId::from_uuid(stream);
+            let event = match event {
+                Some(event) => Some(event),
+                None => store
+                    .cursor(&tx, stream_id, &name)
+                    .await
+                    .map_err(explain)?
+                    .and_then(|c| c.failed_event_id),
+            };
+            let Some(event) = event else {
+                eprintln!(
+                    "{stream}/{name} has no failing event on record: name the event with --event"
+                );
+                return Ok(ExitCode::from(1));
+            };
+            if store
+                .skip_event(&tx, stream_id, &name, event, &reason)
+                .await
+                .map_err(explain)?
+            {
+                say!("skipped event {event} of {stream}/{name} (recorded: {reason}); the pair is retried");
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("event {event} is not pending work of {stream}/{name}: nothing skipped");
+                ExitCode::from(1)
+            }
+        }
+        _ => return Err(anyhow::anyhow!("not a parking command")),
+    };
+    tx.commit().await.map_err(explain)?;
+    Ok(done)
+}
+
 async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Result<ExitCode> {
     let out = status_rows(pool).await?;
     if json {
@@ -551,23 +720,27 @@ async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Resul
         say!("no perspectives registered");
     } else {
         say!(
-            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7}",
+            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7}",
             "perspective",
             "pairs",
             "pending",
             "lag",
             "rewinds",
-            "errors"
+            "errors",
+            "backoff",
+            "parked"
         );
         for p in &out {
             say!(
-                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7}",
+                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7} {:>8} {:>7}",
                 p["perspective"].as_str().unwrap_or(""),
                 p["pairs"].as_i64().unwrap_or(0),
                 p["pending_events"].as_i64().unwrap_or(0),
                 p["lag_s"].as_f64().unwrap_or(0.0),
                 p["rewinds_pending"].as_i64().unwrap_or(0),
-                p["pairs_in_error"].as_array().map_or(0, Vec::len)
+                p["pairs_in_error"].as_array().map_or(0, Vec::len),
+                p["backing_off"].as_i64().unwrap_or(0),
+                p["parked"].as_i64().unwrap_or(0)
             );
             for e in p["pairs_in_error"].as_array().into_iter().flatten() {
                 say!(

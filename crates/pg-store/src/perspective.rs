@@ -57,13 +57,16 @@
 //! # Ok(()) }
 //! ```
 
+mod batch;
+
 use std::time::Duration;
 
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
-    Claim, Cursor, CursorLease, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason,
-    PendingPair, PerspectiveName, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
-    RewindRequest, Snapshot, StateCommit, StreamId, ValidationError,
+    BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
+    ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, PairFailure, PendingPair,
+    PerspectiveName, PerspectiveStore, RecordedEvent, Result, RewindDebounce, RewindRequest,
+    SkippedEvent, Snapshot, StateCommit, StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -85,7 +88,7 @@ pub mod sql {
                WHERE s.stream_id = k.stream_id AND s.perspective_name = k.perspective_name \
                ORDER BY s.event_id DESC LIMIT 1), \
              k.stream_lock_instance_id, k.stream_lock_reason::text, k.stream_lock_expiry, \
-             k.stream_lock_epoch"
+             k.stream_lock_epoch, k.failed_event_id, k.retry_at, k.parked_at"
         };
     }
 
@@ -128,8 +131,61 @@ SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
 
     /// Claims a pair (`$1` stream, `$2` perspective, `$3` max events, `$4` debounce window µs,
     /// `$5` debounce cap µs): a header row (outcome, cursor columns, state), then for `apply`
-    /// the events.
-    pub const CLAIM: &str = "SELECT * FROM lockstep_perspective_claim($1, $2, $3, $4, $5)";
+    /// the events. The V8 cursor columns (failed event, backoff, parking), which the claim
+    /// function of V7 does not return and does not change, are joined at the end.
+    pub const CLAIM: &str = "\
+SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
+  FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
+  LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
+
+    /// Claims a batch (see `lockstep_perspective_claim_batch`, migration V8): `$1` perspective
+    /// names, `$2` their positions, `$3` pairs, `$4` events per pair, `$5` events, `$6` bytes,
+    /// `$7` scan, `$8` debounce window µs, `$9` debounce cap µs.
+    pub const CLAIM_BATCH: &str =
+        "SELECT * FROM lockstep_perspective_claim_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+
+    /// Commits a batch (see `lockstep_perspective_commit_batch`, migration V8).
+    pub const COMMIT_BATCH: &str = "SELECT ord, outcome, revision, parked \
+         FROM lockstep_perspective_commit_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
+                                                $12, $13, $14, $15, $16, $17, $18)";
+
+    /// The parked pairs of the perspectives `$1` (all when empty), longest parked first, at
+    /// most `$2`.
+    pub const PARKED_PAIRS: &str = concat!(
+        "SELECT k.stream_id, k.perspective_name, ",
+        cursor_columns!(),
+        " FROM wh_perspective_cursors k WHERE k.parked_at IS NOT NULL \
+           AND (cardinality($1::text[]) = 0 OR k.perspective_name = ANY ($1)) \
+         ORDER BY k.parked_at, k.stream_id, k.perspective_name COLLATE \"C\" LIMIT $2"
+    );
+
+    /// Retries a pair: parking, backoff and failure count cleared. No row: no cursor.
+    pub const UNPARK: &str = "UPDATE wh_perspective_cursors k \
+         SET parked_at = NULL, retry_at = NULL, failures = 0 \
+         WHERE k.stream_id = $1 AND k.perspective_name = $2 RETURNING 1";
+
+    /// Skips the pending event `$3` of a pair for good, with the reason `$4`: records it,
+    /// deletes its work item and retries the pair. The count is 0 when it was not pending.
+    pub const SKIP_EVENT: &str = "\
+WITH w AS (
+    DELETE FROM wh_perspective_events x
+     WHERE x.perspective_name = $2 AND x.stream_id = $1 AND x.event_id = $3
+    RETURNING x.event_id
+), recorded AS (
+    INSERT INTO wh_perspective_skipped_events (stream_id, perspective_name, event_id, reason)
+    SELECT $1, $2, w.event_id, $4 FROM w
+    ON CONFLICT (stream_id, perspective_name, event_id)
+    DO UPDATE SET reason = EXCLUDED.reason, skipped_at = clock_timestamp()
+), retried AS (
+    UPDATE wh_perspective_cursors k SET parked_at = NULL, retry_at = NULL, failures = 0
+      FROM w WHERE k.stream_id = $1 AND k.perspective_name = $2
+)
+SELECT count(*) FROM w";
+
+    /// The events skipped for a pair, in event-id order.
+    pub const SKIPPED_EVENTS: &str = "SELECT x.event_id, x.reason, x.skipped_at \
+         FROM wh_perspective_skipped_events x \
+         WHERE x.stream_id = $1 AND x.perspective_name = $2 ORDER BY x.event_id";
 
     /// Commits a state change (see `lockstep_perspective_commit`).
     pub const COMMIT: &str = "SELECT outcome, revision \
@@ -187,12 +243,10 @@ UPDATE wh_perspective_cursors k
  WHERE k.stream_id = $1 AND k.perspective_name = $2
 RETURNING k.revision";
 
-    /// Records a failure (creating the cursor row if the pair has none).
-    pub const RECORD_FAILURE: &str = "\
-INSERT INTO wh_perspective_cursors AS k (stream_id, perspective_name, error, failures)
-VALUES ($1, $2, $3, 1)
-ON CONFLICT (stream_id, perspective_name)
-DO UPDATE SET error = EXCLUDED.error, failures = k.failures + 1";
+    /// Records a failure (see `lockstep_perspective_record_failure`, migration V8): `$3` error,
+    /// `$4` event, `$5` backoff µs, `$6` park. Returns whether the pair is parked.
+    pub const RECORD_FAILURE: &str =
+        "SELECT lockstep_perspective_record_failure($1, $2, $3, $4, $5, $6)";
 
     /// Purges a pair (see `lockstep_perspective_purge`).
     pub const PURGE: &str = "SELECT lockstep_perspective_purge($1, $2, $3, $4)";
@@ -204,6 +258,8 @@ DO UPDATE SET error = EXCLUDED.error, failures = k.failures + 1";
     /// Deletes a cursor row with its state, snapshots and work; a row back means it existed.
     pub const DELETE_CURSOR: &str = "\
 WITH w AS (DELETE FROM wh_perspective_events x WHERE x.stream_id = $1 AND x.perspective_name = $2),
+     sk AS (DELETE FROM wh_perspective_skipped_events x
+             WHERE x.stream_id = $1 AND x.perspective_name = $2),
      st AS (DELETE FROM wh_perspective_states x WHERE x.stream_id = $1 AND x.perspective_name = $2),
      sn AS (DELETE FROM wh_perspective_snapshots x WHERE x.stream_id = $1 AND x.perspective_name = $2)
 DELETE FROM wh_perspective_cursors k WHERE k.stream_id = $1 AND k.perspective_name = $2
@@ -213,11 +269,19 @@ RETURNING 1";
 /// Where the cursor columns start in a claim's header row (after `outcome`).
 const CLAIM_CURSOR_AT: usize = 1;
 /// Where the state is in a claim's header row.
-const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + CURSOR_COLUMNS;
+const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + V7_CURSOR_COLUMNS;
 /// Where the event columns start in a claim's event rows.
 const CLAIM_EVENT_AT: usize = CLAIM_STATE_AT + 1;
-/// How many columns `decode_cursor` reads.
-const CURSOR_COLUMNS: usize = 13;
+/// Where the V8 cursor columns, joined at the end, are in a claim's rows.
+const CLAIM_EXTRA_AT: usize = CLAIM_EVENT_AT + 5;
+/// The cursor columns of V7 (the single claim's function returns these).
+const V7_CURSOR_COLUMNS: usize = 13;
+/// How many columns `cursor_columns!` has: V7's and V8's failed event, backoff and parking.
+const CURSOR_COLUMNS: usize = V7_CURSOR_COLUMNS + 3;
+/// A batch claim's rows: kind, stream, perspective, the cursor columns, the state, the events.
+const BATCH_CURSOR_AT: usize = 3;
+const BATCH_STATE_AT: usize = BATCH_CURSOR_AT + CURSOR_COLUMNS;
+const BATCH_EVENT_AT: usize = BATCH_STATE_AT + 1;
 
 /// The PostgreSQL perspective store. Cheap to clone; holds no connection (every call runs on
 /// the transaction it is given). Apply the schema first with [`lockstep_pg::migrate()`].
@@ -349,11 +413,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             Some("busy") => Ok(Claim::Busy),
             Some("idle") => Ok(Claim::Idle),
             Some("rewind") => Ok(Claim::Rewind {
-                cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
+                cursor: decode_cursor(header, CLAIM_CURSOR_AT, CLAIM_EXTRA_AT, stream_id, perspective)?,
             }),
             Some("apply") if event_rows.is_empty() => Ok(Claim::Idle),
             Some("apply") => Ok(Claim::Apply {
-                cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
+                cursor: decode_cursor(header, CLAIM_CURSOR_AT, CLAIM_EXTRA_AT, stream_id, perspective)?,
                 state: header.try_get(CLAIM_STATE_AT).map_err(decode_error)?,
                 events: event_rows
                     .iter()
@@ -439,7 +503,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             )
             .await
             .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
-        row.map(|row| decode_cursor(&row, 0, stream_id, perspective))
+        row.map(|row| decode_cursor(&row, 0, V7_CURSOR_COLUMNS, stream_id, perspective))
             .transpose()
     }
 
@@ -462,7 +526,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .map_err(|e| statement_error(e, "reading a perspective state"))?;
         row.map(|row| {
             Ok((
-                decode_cursor(&row, 0, stream_id, perspective)?,
+                decode_cursor(&row, 0, V7_CURSOR_COLUMNS, stream_id, perspective)?,
                 row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
             ))
         })
@@ -604,23 +668,135 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         tx: &T,
         stream_id: StreamId,
         perspective: &PerspectiveName,
-        error: &str,
-    ) -> Result<()> {
+        failure: &PairFailure,
+    ) -> Result<bool> {
         // Text cannot hold U+0000; the message is diagnostics, so it is kept readable rather
         // than refused (a failure must always be recordable).
-        let error = error.replace('\0', "\u{FFFD}");
-        tx.executor()
-            .query_typed(
+        let error = failure.error.replace('\0', "\u{FFFD}");
+        let retry_after = backoff_micros(failure.retry_after);
+        let row = tx
+            .executor()
+            .query_typed_one(
                 sql::RECORD_FAILURE,
                 &[
                     (&stream_id.as_uuid(), Type::UUID),
                     (&perspective.as_str(), Type::TEXT),
                     (&error, Type::TEXT),
+                    (&failure.event_id, Type::UUID),
+                    (&retry_after, Type::INT8),
+                    (&failure.park, Type::BOOL),
                 ],
             )
             .await
             .map_err(|e| statement_error(e, "recording a perspective failure"))?;
-        Ok(())
+        row.try_get(0).map_err(decode_error)
+    }
+
+    async fn claim_batch(&self, tx: &T, request: &BatchClaim) -> Result<ClaimedBatch> {
+        batch::claim(tx, request).await
+    }
+
+    async fn commit_batch(&self, tx: &T, entries: &[BatchEntry]) -> Result<Vec<BatchCommitted>> {
+        batch::commit(tx, entries, self.keep_snapshots).await
+    }
+
+    async fn parked_pairs(
+        &self,
+        tx: &T,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<Cursor>> {
+        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = tx
+            .executor()
+            .query_typed(
+                sql::PARKED_PAIRS,
+                &[(&names, Type::TEXT_ARRAY), (&limit, Type::INT8)],
+            )
+            .await
+            .map_err(|e| statement_error(e, "listing parked perspective pairs"))?;
+        rows.iter()
+            .map(|row| {
+                let stream_id = StreamId::from_uuid(row.try_get(0).map_err(decode_error)?);
+                let name = stored_name(row.try_get(1).map_err(decode_error)?)?;
+                decode_cursor(row, 2, 2 + V7_CURSOR_COLUMNS, stream_id, &name)
+            })
+            .collect()
+    }
+
+    async fn unpark(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<bool> {
+        let row = tx
+            .executor()
+            .query_typed_opt(
+                sql::UNPARK,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "retrying a perspective pair"))?;
+        Ok(row.is_some())
+    }
+
+    async fn skip_event(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        event_id: Uuid,
+        reason: &str,
+    ) -> Result<bool> {
+        let reason = reason.replace('\0', "\u{FFFD}");
+        let row = tx
+            .executor()
+            .query_typed_one(
+                sql::SKIP_EVENT,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                    (&event_id, Type::UUID),
+                    (&reason, Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "skipping an event of a perspective pair"))?;
+        let skipped: i64 = row.try_get(0).map_err(decode_error)?;
+        Ok(skipped > 0)
+    }
+
+    async fn skipped_events(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Vec<SkippedEvent>> {
+        let rows = tx
+            .executor()
+            .query_typed(
+                sql::SKIPPED_EVENTS,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading a pair's skipped events"))?;
+        rows.iter()
+            .map(|row| {
+                Ok(SkippedEvent::new(
+                    row.try_get(0).map_err(decode_error)?,
+                    row.try_get::<_, String>(1).map_err(decode_error)?,
+                    row.try_get(2).map_err(decode_error)?,
+                ))
+            })
+            .collect()
     }
 
     async fn purge(
@@ -696,10 +872,12 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     }
 }
 
-/// The cursor columns of [`sql`] starting at `at`.
+/// The cursor columns of [`sql`]: V7's starting at `at`, V8's (failed event, backoff, parking)
+/// at `extra_at`.
 fn decode_cursor(
     row: &Row,
     at: usize,
+    extra_at: usize,
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> Result<Cursor> {
@@ -733,6 +911,9 @@ fn decode_cursor(
     cursor.failures = u32::try_from(failures)
         .map_err(|_| Error::new(ErrorKind::Backend, "a stored failure count is negative"))?;
     cursor.latest_snapshot = row.try_get(at + 8).map_err(decode_error)?;
+    cursor.failed_event_id = row.try_get(extra_at).map_err(decode_error)?;
+    cursor.retry_at = row.try_get(extra_at + 1).map_err(decode_error)?;
+    cursor.parked_at = row.try_get(extra_at + 2).map_err(decode_error)?;
     cursor.lease = CursorLease {
         holder: holder.map(InstanceId::from_uuid).transpose()?,
         reason: reason
@@ -783,6 +964,14 @@ fn lease_lost() -> Error {
 /// pair's every later claim would fail to decode it).
 fn check_json(value: &serde_json::Value) -> Result<()> {
     lockstep_core::json::check_storable(value, "perspective state")
+}
+
+/// A backoff in microseconds, capped (a backoff of centuries is still "not now", never an
+/// error: a failure must always be recordable).
+fn backoff_micros(d: Duration) -> i64 {
+    // 100 years.
+    const CAP: i64 = 100 * 365 * 24 * 60 * 60 * 1_000_000;
+    i64::try_from(d.as_micros()).map_or(CAP, |us| us.min(CAP))
 }
 
 fn micros(d: Duration) -> Result<i64> {
@@ -855,9 +1044,15 @@ mod tests {
 
     #[test]
     fn the_claim_header_columns_line_up_with_the_function() {
-        // lockstep_perspective_claim: outcome, 13 cursor columns, state, 5 event columns.
+        // lockstep_perspective_claim: outcome, 13 cursor columns, state, 5 event columns; then
+        // the 3 joined V8 columns.
         assert_eq!(CLAIM_STATE_AT, 14);
         assert_eq!(CLAIM_EVENT_AT, 15);
+        assert_eq!(CLAIM_EXTRA_AT, 20);
+        // lockstep_perspective_claim_batch: kind, stream, perspective, 16 cursor columns,
+        // state, 5 event columns.
+        assert_eq!(BATCH_STATE_AT, 19);
+        assert_eq!(BATCH_EVENT_AT, 20);
     }
 
     #[allow(dead_code)]

@@ -71,6 +71,38 @@ impl ApplyCoordinator {
         }
     }
 
+    /// The pair's apply lock if nobody holds it now (a batch leaves a pair that another task
+    /// of the instance is working on to that task instead of waiting for it while holding
+    /// the rest of its batch).
+    pub fn try_lock(&self, stream_id: StreamId, perspective: &PerspectiveName) -> Option<PairGuard> {
+        let key = (stream_id, perspective.clone());
+        let mutex = {
+            let mut locks = self
+                .locks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            Arc::clone(locks.entry(key.clone()).or_default())
+        };
+        let guard = mutex.try_lock_owned().ok();
+        let guard = guard.map(|guard| PairGuard {
+            _guard: guard,
+            key: key.clone(),
+            coordinator: self.clone(),
+        });
+        if guard.is_none() {
+            // Not ours: forget the entry if the holder is gone meanwhile (as a dropped guard
+            // does), so a failed try never grows the map.
+            let mut locks = self
+                .locks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if locks.get(&key).is_some_and(|m| Arc::strong_count(m) <= 1) {
+                locks.remove(&key);
+            }
+        }
+        guard
+    }
+
     /// Pairs with a lock entry (held or recently used); for tests.
     pub fn tracked(&self) -> usize {
         self.locks

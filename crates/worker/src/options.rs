@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lockstep_core::{Error, ErrorKind, Result, RewindDebounce};
+use lockstep_core::{BatchLimits, Error, ErrorKind, Result, RewindDebounce};
 
 /// The longest duration an option accepts (a day): far beyond any sensible setting, and small
 /// enough that adding it to any `Instant` or timestamp cannot overflow.
@@ -15,15 +15,25 @@ pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
 pub struct WorkerOptions {
     /// How long an idle worker waits before polling again. Default 200 ms.
     pub poll_interval: Duration,
-    /// Pairs looked at per cycle. Default 64.
+    /// Pairs per batch: one claim statement hands out at most this many. Default 64.
     pub pairs_per_cycle: usize,
-    /// Pairs of one cycle processed at the same time (each on a transaction of its own, so
-    /// the source needs this many connections, plus one for the keepalive). Pairs are
-    /// distinct, and every apply path of a pair is serialized by the coordinator; more than 1
-    /// overlaps the round trips of different pairs. Default 1 (one pair after the other).
+    /// Batches of one cycle in flight at the same time (each on a transaction of its own, so
+    /// the source needs this many connections, plus one for the keepalive). Batches never
+    /// share a pair (the claim skips rows another batch holds); more than 1 overlaps one
+    /// batch's `apply` with another's round trips. Default 1.
     pub concurrency: usize,
-    /// Events applied per pair per transaction. Default 1 000.
+    /// Events applied per pair per batch. Default 1 000.
     pub max_events_per_claim: usize,
+    /// Events per batch, all pairs together. Default 10 000.
+    pub max_events_per_batch: usize,
+    /// Bytes of event payloads and states per batch, as stored (see
+    /// [`BatchLimits::bytes`]); the first event of a batch is always handed out. Default
+    /// 16 MiB.
+    pub max_bytes_per_batch: u64,
+    /// A pair that failed this many times in a row is parked: not claimed again until an
+    /// operator retries it, skips its failing event or requests a rewind (its work keeps
+    /// queueing). `None`: never parked, retried after the backoff forever. Default 10.
+    pub park_after_failures: Option<u32>,
     /// A snapshot is taken each time a pair's applied-event count crosses a multiple of this.
     /// Default 100.
     pub snapshot_every: u64,
@@ -54,6 +64,9 @@ impl Default for WorkerOptions {
             pairs_per_cycle: 64,
             concurrency: 1,
             max_events_per_claim: 1000,
+            max_events_per_batch: 10_000,
+            max_bytes_per_batch: 16 * 1024 * 1024,
+            park_after_failures: Some(10),
             snapshot_every: 100,
             rewind_debounce: Duration::ZERO,
             rewind_debounce_max: RewindDebounce::DEFAULT_MAX_DELAY,
@@ -91,6 +104,27 @@ impl WorkerOptions {
     #[must_use]
     pub fn with_max_events_per_claim(mut self, max_events_per_claim: usize) -> Self {
         self.max_events_per_claim = max_events_per_claim;
+        self
+    }
+
+    /// These options with [`WorkerOptions::max_events_per_batch`] set to `max_events_per_batch`.
+    #[must_use]
+    pub fn with_max_events_per_batch(mut self, max_events_per_batch: usize) -> Self {
+        self.max_events_per_batch = max_events_per_batch;
+        self
+    }
+
+    /// These options with [`WorkerOptions::max_bytes_per_batch`] set to `max_bytes_per_batch`.
+    #[must_use]
+    pub fn with_max_bytes_per_batch(mut self, max_bytes_per_batch: u64) -> Self {
+        self.max_bytes_per_batch = max_bytes_per_batch;
+        self
+    }
+
+    /// These options with [`WorkerOptions::park_after_failures`] set to `park_after_failures`.
+    #[must_use]
+    pub fn with_park_after_failures(mut self, park_after_failures: Option<u32>) -> Self {
+        self.park_after_failures = park_after_failures;
         self
     }
 
@@ -152,6 +186,7 @@ impl WorkerOptions {
             ("pairs_per_cycle", self.pairs_per_cycle as u64),
             ("concurrency", self.concurrency as u64),
             ("max_events_per_claim", self.max_events_per_claim as u64),
+            ("max_events_per_batch", self.max_events_per_batch as u64),
             ("snapshot_every", self.snapshot_every),
         ] {
             if !(1..=1_000_000).contains(&value) {
@@ -182,7 +217,30 @@ impl WorkerOptions {
         if self.rewind_debounce > self.rewind_debounce_max {
             return bad("rewind_debounce must not exceed rewind_debounce_max");
         }
-        Ok(())
+        if self.park_after_failures == Some(0) {
+            return bad("park_after_failures must be at least 1 (None: never park)");
+        }
+        self.batch_limits().validate()
+    }
+
+    /// The limits of one batch: `pairs_per_cycle` pairs, `max_events_per_claim` events per
+    /// pair, `max_events_per_batch` events, `max_bytes_per_batch` bytes, and at most four
+    /// times as many pairs looked at as claimed (at least 256): what a claim may skip over
+    /// (pairs other batches hold, backing off, parked, leased) before it gives up for this
+    /// cycle.
+    pub fn batch_limits(&self) -> BatchLimits {
+        let mut limits = BatchLimits::default();
+        limits.pairs = self.pairs_per_cycle;
+        limits.events_per_pair = self.max_events_per_claim;
+        limits.events = self.max_events_per_batch;
+        limits.bytes = self.max_bytes_per_batch;
+        limits.scan = self.pairs_per_cycle.saturating_mul(4).clamp(256, 1_000_000);
+        limits
+    }
+
+    /// Whether a pair that has now failed `failures` times in a row is parked.
+    pub fn parks_after(&self, failures: u32) -> bool {
+        self.park_after_failures.is_some_and(|n| failures >= n)
     }
 
     /// The debounce the store applies: `rewind_debounce` capped at `rewind_debounce_max`.

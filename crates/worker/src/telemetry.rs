@@ -21,6 +21,9 @@
 //! | [`SKIPPED_BUSY`] | `lockstep_worker_pairs_skipped_busy_total` | counter | rewinds skipped because another transaction was using the pair's cursor row (the lease's try-acquire answered busy) |
 //! | [`APPLY_FAILURES`] | `lockstep_worker_apply_failures_total` | counter | normal-path applies that failed (error or panic) |
 //! | [`PAIR_FAILURES`] | `lockstep_worker_pair_failures_total` | counter | normal-path failures outside `apply` (a state that does not serialize, a refused or lost commit), stored on the pair's cursor |
+//! | [`PAIRS_PARKED`] | `lockstep_worker_pairs_parked_total` | counter | pairs parked after `park_after_failures` failures in a row |
+//! | [`BATCH_FAILURES`] | `lockstep_worker_batch_failures_total` | counter | batches whose commit failed after the claim (a server timeout, a lost connection); the next batches are smaller |
+//! | [`BATCH_PAIRS`] | `lockstep_worker_batch_pairs` | histogram | pairs per claimed batch (label: the batch's first perspective) |
 //! | [`LEASES_LOST`] | `lockstep_worker_leases_lost_total` | counter | held leases reported lost by the keeper (renew refused or local deadline passed) |
 //! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
 //!
@@ -54,6 +57,12 @@ pub const SKIPPED_BUSY: &str = "lockstep_worker_pairs_skipped_busy_total";
 pub const APPLY_FAILURES: &str = "lockstep_worker_apply_failures_total";
 /// Normal-path failures of a pair outside `apply`, stored on its cursor.
 pub const PAIR_FAILURES: &str = "lockstep_worker_pair_failures_total";
+/// Pairs parked after too many failures in a row.
+pub const PAIRS_PARKED: &str = "lockstep_worker_pairs_parked_total";
+/// Batches whose commit failed after the claim (the batch shrinks: issue 18).
+pub const BATCH_FAILURES: &str = "lockstep_worker_batch_failures_total";
+/// Pairs per claimed batch.
+pub const BATCH_PAIRS: &str = "lockstep_worker_batch_pairs";
 /// Held leases reported lost by the keeper.
 pub const LEASES_LOST: &str = "lockstep_worker_leases_lost_total";
 /// Age of the oldest event applied in a batch, at commit, in seconds.

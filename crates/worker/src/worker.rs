@@ -1,48 +1,56 @@
 //! [`PerspectiveWorker`]: builds read models from events, on as many instances as you run.
 //!
-//! Each cycle asks the store for pairs with work ([`PerspectiveStore::pending_pairs`], which
-//! skips pairs leased by other instances and pairs whose rewind is still in its debounce window)
-//! and processes them one by one (or up to [`WorkerOptions::concurrency`] at a time), each under
-//! the in-process [`ApplyCoordinator`]:
+//! Each cycle claims a **batch** of this worker's share of the work in one statement
+//! ([`PerspectiveStore::claim_batch`]: only its own perspectives; never a pair another batch
+//! holds, under a live lease, backing off or parked), folds it, and commits it in one statement
+//! ([`PerspectiveStore::commit_batch`]) — see the [`batch`] module for the normal path. Up to
+//! [`WorkerOptions::concurrency`] batches are in flight at once; instances split the work the
+//! same way (the claims skip each other's rows). Every apply path of a pair runs under the
+//! in-process [`ApplyCoordinator`]:
 //!
-//! - **Normal path**: claim the pair (its cursor row is locked for the transaction, `SKIP
-//!   LOCKED`), apply the pending events in event-id order, commit state + cursor + completed work
-//!   in one transaction (a compare-and-set on the cursor's revision), with a snapshot each time
-//!   the applied count crosses a multiple of `snapshot_every`. Then **bootstrap**: a pair that
-//!   has applied events but no snapshot gets one, under a `bootstrap` lease when it can be had
-//!   and without one when not (the seed's graceful degradation: the operation is idempotent and
-//!   fenced by the cursor's revision); only a lease it acquired is released.
+//! - **Normal path** ([`batch`]): apply the pending events in event-id order, commit state +
+//!   cursor + completed work (a compare-and-set on the cursor's revision per pair), with a
+//!   snapshot each time the applied count crosses a multiple of `snapshot_every`. Then
+//!   **bootstrap**: a pair that has applied events but no snapshot gets one, under a
+//!   `bootstrap` lease when it can be had and without one when not (the seed's graceful
+//!   degradation: the operation is idempotent and fenced by the cursor's revision); only a lease
+//!   it acquired is released.
 //! - **Rewind path** (a late arrival, or an operator's request), the seed's lifecycle: try the
 //!   `rewind` lease (denied → skip the pair until a later cycle, its work untouched); keep it
 //!   alive ([`LeaseKeeper`]); restore the latest snapshot strictly before the trigger (or start
-//!   empty) and replay every event in order; commit fenced on the lease, clearing the request and
-//!   the snapshots it invalidates; stop the keepalive and release — on every path, including an
-//!   `apply` that errors or panics, a store error, and a lost lease (the replay is abandoned the
-//!   moment the keeper signals it; nothing is committed).
+//!   empty) and replay every event in order but the ones an operator skipped; commit fenced on
+//!   the lease, clearing the request and the snapshots it invalidates; stop the keepalive and
+//!   release — on every path, including an `apply` that errors or panics, a store error, and a
+//!   lost lease (the replay is abandoned the moment the keeper signals it; nothing is
+//!   committed).
 //! - **`apply` runs off the runtime's threads** (tokio's blocking pool, one task per batch or
 //!   replay), so a slow, synchronous `apply` never holds up the keepalive, the lost signal or
 //!   shutdown's grace timer; a replay checks the lost signal before every event, and a batch or
 //!   replay whose pair was abandoned (lease lost, shutdown past its grace) stops within one
 //!   event.
-//! - **Failures** are the pair's, never the worker's: the error is stored on the cursor, the
-//!   rewind request and the work stay, a metric is counted, and the pair is retried after a
-//!   backoff (doubling per failure) while every other pair is served. A commit that loses the
+//! - **Failures** are the pair's, never the worker's: the error is stored on the cursor with
+//!   the event it happened at, the rewind request and the work stay, a metric is counted, and
+//!   the pair backs off (`retry_at` on the cursor, doubling per failure: every instance waits
+//!   it out) while every other pair is served; after
+//!   [`WorkerOptions::park_after_failures`] failures in a row it is **parked** until an
+//!   operator retries it, skips its failing event or requests a rewind. A commit that loses the
 //!   cursor's compare-and-set (another applier moved it first) is no failure, on either path:
-//!   the pair is skipped as busy and looked at again, nothing stored, nothing backed off.
+//!   the pair is skipped and looked at again, nothing stored, nothing backed off.
 //! - The locker is optional (`Option<Arc<dyn StreamLocker>>`, the seed's nullable dependency):
 //!   without one, rewind, bootstrap and purge run unlocked; the coordinator still serializes
 //!   every apply path of a pair within the instance, and the store's compare-and-set still
 //!   refuses a commit computed from a state another instance has moved on from.
 
-use std::collections::HashMap;
+pub mod batch;
+
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
-use futures_util::StreamExt;
 use lockstep_core::{
     ApplyError, Claim, DynPerspective, Error, ErrorKind, InstanceId, LeaseHolder, LeaseId,
-    LockReason, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result,
-    StateCommit, StreamId, StreamLocker, Transaction, TransactionSource,
+    LockReason, Pair, PairFailure, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
+    RecordedEvent, Result, StateCommit, StreamId, StreamLocker, Transaction, TransactionSource,
 };
 use time::OffsetDateTime;
 use tokio::time::Instant;
@@ -54,8 +62,6 @@ use crate::coordinator::ApplyCoordinator;
 use crate::lease::{HeldLease, LeaseKeeper, Leased};
 use crate::options::WorkerOptions;
 use crate::telemetry::{self, count, observe};
-
-type Key = (StreamId, PerspectiveName);
 
 /// What processing one pair did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,8 +98,6 @@ pub enum SkipReason {
     Busy,
     /// Another instance holds the pair's lease.
     Leased(LeaseHolder),
-    /// The pair failed recently and waits for its backoff.
-    BackingOff,
     /// The pair's perspective is not registered with this worker.
     UnknownPerspective,
     /// The worker is shutting down.
@@ -142,6 +146,36 @@ impl CycleReport {
     pub fn did_work(&self) -> bool {
         self.applied > 0 || self.rewinds > 0
     }
+
+    /// Adds one pair's outcome.
+    fn add(&mut self, pair: &Pair, outcome: Result<PairOutcome>) {
+        self.pairs += 1;
+        match outcome {
+            Ok(PairOutcome::Applied { events }) => self.applied += events,
+            Ok(PairOutcome::Rewound { replayed, .. }) => {
+                self.rewinds += 1;
+                self.replayed += replayed;
+            }
+            Ok(PairOutcome::Skipped(_)) => self.skipped += 1,
+            Ok(PairOutcome::Failed { error }) => {
+                self.failed += 1;
+                self.failures.push(format!("{pair}: {error}"));
+            }
+            Err(err) => self.errors.push(err.to_string()),
+        }
+    }
+
+    /// Adds another report (of a batch of the same cycle).
+    fn merge(&mut self, other: CycleReport) {
+        self.pairs += other.pairs;
+        self.applied += other.applied;
+        self.rewinds += other.rewinds;
+        self.replayed += other.replayed;
+        self.skipped += other.skipped;
+        self.failed += other.failed;
+        self.failures.extend(other.failures);
+        self.errors.extend(other.errors);
+    }
 }
 
 /// Builds perspectives from events; see the [module docs](self).
@@ -153,7 +187,11 @@ pub struct PerspectiveWorker<S, P> {
     instance: InstanceId,
     keeper: Option<LeaseKeeper>,
     coordinator: ApplyCoordinator,
-    backoff: Mutex<HashMap<Key, Instant>>,
+    /// Per perspective, where its walk of pairs with work continues; the first leads the next
+    /// batch (rotated per claim).
+    positions: Mutex<Vec<(PerspectiveName, Option<StreamId>)>>,
+    /// How many times the batch limits are halved (after batches that failed as a whole).
+    shrink: AtomicU32,
 }
 
 impl<S, P> std::fmt::Debug for PerspectiveWorker<S, P> {
@@ -191,7 +229,9 @@ where
                 "a worker needs at least one perspective",
             ));
         }
+        let positions = Mutex::new(registry.names().into_iter().map(|n| (n, None)).collect());
         Ok(PerspectiveWorker {
+            positions,
             source,
             store,
             registry,
@@ -199,7 +239,7 @@ where
             instance,
             keeper: locker.map(|l| LeaseKeeper::start(l, instance)),
             coordinator: ApplyCoordinator::new(options.coordinator_warn_after),
-            backoff: Mutex::default(),
+            shrink: AtomicU32::new(0),
         })
     }
 
@@ -268,100 +308,43 @@ where
     }
 
     async fn cycle(&self, shutdown: Option<&CancellationToken>) -> CycleReport {
-        let mut report = CycleReport::default();
-        let pairs = match self.pending_pairs().await {
-            Ok(pairs) => pairs,
-            Err(err) => {
-                report.errors.push(err.to_string());
-                return report;
-            }
-        };
-        let one = |pair: lockstep_core::PendingPair| async move {
-            let work = self.process_pair(pair.stream_id, &pair.perspective);
-            let outcome = match shutdown {
+        // Up to `concurrency` batches at once: the claims skip each other's rows, so they never
+        // share a pair.
+        let batches = (0..self.options.concurrency).map(|_| async move {
+            let mut report = CycleReport::default();
+            let work = async {
+                if let Err(err) = self.run_batch(&mut report).await {
+                    report.errors.push(err.to_string());
+                }
+            };
+            match shutdown {
                 None => work.await,
                 Some(shutdown) => {
-                    // Drain with a bound: once shutdown fires, the pair in flight gets
+                    // Drain with a bound: once shutdown fires, the batch in flight gets
                     // `shutdown_grace` more, then is abandoned (dropping it rolls back).
                     let grace = async {
                         shutdown.cancelled().await;
                         tokio::time::sleep(self.options.shutdown_grace).await;
                     };
                     tokio::select! {
-                        outcome = work => outcome,
-                        () = grace => Ok(PairOutcome::Skipped(SkipReason::ShuttingDown)),
+                        () = work => {}
+                        () = grace => {}
                     }
                 }
-            };
-            (pair, outcome)
-        };
-        // Up to `concurrency` pairs at a time (distinct pairs: the coordinator never makes one
-        // wait for another); no new pair starts once shutdown fired.
-        let mut outcomes = futures_util::stream::iter(pairs)
-            .take_while(|_| {
-                std::future::ready(!shutdown.is_some_and(CancellationToken::is_cancelled))
-            })
-            .map(one)
-            .buffer_unordered(self.options.concurrency);
-        while let Some((pair, outcome)) = outcomes.next().await {
-            report.pairs += 1;
-            match outcome {
-                Ok(PairOutcome::Applied { events }) => report.applied += events,
-                Ok(PairOutcome::Rewound { replayed, .. }) => {
-                    report.rewinds += 1;
-                    report.replayed += replayed;
-                }
-                Ok(PairOutcome::Skipped(_)) => report.skipped += 1,
-                Ok(PairOutcome::Failed { error }) => {
-                    report.failed += 1;
-                    report
-                        .failures
-                        .push(format!("{}/{}: {error}", pair.stream_id, pair.perspective));
-                }
-                Err(err) => report.errors.push(err.to_string()),
             }
+            report
+        });
+        let mut report = CycleReport::default();
+        for one in futures_util::future::join_all(batches).await {
+            report.merge(one);
         }
         report
     }
 
-    async fn pending_pairs(&self) -> Result<Vec<lockstep_core::PendingPair>> {
-        // A `?` drops the guard, which rolls the transaction back.
-        let tx = self.source.begin().await?;
-        // Only this worker's perspectives: a registered one it does not run never takes the
-        // places of the work it can serve.
-        let perspectives = self.registry.names();
-        let pairs = self
-            .store
-            .pending_pairs(
-                &tx,
-                self.instance,
-                &perspectives,
-                self.options.debounce(),
-                self.options.pairs_per_cycle,
-            )
-            .await?;
-        tx.commit().await?;
-        Ok(pairs)
-    }
-
-    fn backing_off(&self, key: &Key) -> bool {
-        let mut backoff = self
-            .backoff
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match backoff.get(key) {
-            Some(until) if Instant::now() < *until => true,
-            Some(_) => {
-                backoff.remove(key);
-                false
-            }
-            None => false,
-        }
-    }
-
     /// Processes one pair now: the normal path, or the rewind path when the pair needs one.
     /// Errors of the store are returned; errors of the pair are stored on it
-    /// ([`PairOutcome::Failed`]).
+    /// ([`PairOutcome::Failed`]). An explicit call does not wait for the pair's backoff nor
+    /// for its parking (it is the operator's "process this pair now"); the cycles do.
     pub async fn process_pair(
         &self,
         stream_id: StreamId,
@@ -373,10 +356,6 @@ where
             perspective = %perspective,
         );
         async move {
-            let key = (stream_id, perspective.clone());
-            if self.backing_off(&key) {
-                return Ok(PairOutcome::Skipped(SkipReason::BackingOff));
-            }
             let Some(p) = self.registry.get(perspective).cloned() else {
                 return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
             };
@@ -762,11 +741,20 @@ where
             .await
             .map_err(|e| (failures, e.to_string()))?;
         let base = snapshot.as_ref().map(|s| s.event_id);
-        let events = self
+        let mut events = self
             .store
             .stream_events(tx, stream_id, base)
             .await
             .map_err(|e| (failures, e.to_string()))?;
+        // Events an operator skipped for this pair stay skipped in a replay too.
+        let skipped = self
+            .store
+            .skipped_events(tx, stream_id, name)
+            .await
+            .map_err(|e| (failures, e.to_string()))?;
+        if !skipped.is_empty() {
+            events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
+        }
         let (state, base_count) = match snapshot {
             Some(s) => (Some(s.state), s.applied_count),
             None => (None, 0),
@@ -782,7 +770,8 @@ where
         }))
     }
 
-    /// Stores a pair's failure and schedules its retry after the backoff.
+    /// Stores a pair's failure on its cursor, with its backoff (`retry_at`: every instance
+    /// waits it out) and, after `park_after_failures` in a row, parked.
     async fn fail(
         &self,
         stream_id: StreamId,
@@ -790,18 +779,19 @@ where
         failures_before: u32,
         error: &str,
     ) -> Result<PairOutcome> {
-        let wait = self.options.backoff(failures_before.saturating_add(1));
-        if let Some(until) = Instant::now().checked_add(wait) {
-            self.backoff
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert((stream_id, name.clone()), until);
-        }
+        let failures = failures_before.saturating_add(1);
+        let failure = PairFailure::new(error)
+            .retry_after(self.options.backoff(failures))
+            .park(self.options.parks_after(failures));
         let tx = self.source.begin().await?;
-        self.store
-            .record_failure(&tx, stream_id, name, error)
+        let parked = self
+            .store
+            .record_failure(&tx, stream_id, name, &failure)
             .await?;
         tx.commit().await?;
+        if parked {
+            count(telemetry::PAIRS_PARKED, name.as_str(), 1);
+        }
         Ok(PairOutcome::Failed {
             error: error.to_owned(),
         })

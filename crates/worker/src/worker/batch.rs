@@ -1,0 +1,526 @@
+//! The normal path in batches: one claim statement hands out up to `pairs_per_cycle` pairs of
+//! this worker's perspectives with their states and events ([`PerspectiveStore::claim_batch`]);
+//! `apply` folds them on tokio's blocking pool; one statement commits every pair that
+//! progressed and stores every failure ([`PerspectiveStore::commit_batch`]); then the pairs the
+//! claim marked for a rewind go down the rewind path, and pairs that need a first snapshot get
+//! their bootstrap.
+//!
+//! - **A failure is the pair's**: `apply` failing or panicking at an event, a state that does
+//!   not serialize or cannot be stored — the events before the failing one are committed, the
+//!   failure is stored on the cursor with its backoff (`retry_at`, so every instance waits it
+//!   out) and, after `park_after_failures` in a row, parks the pair. The other pairs of the
+//!   batch commit.
+//! - **A batch that fails as a whole** (its commit fails after the claim: the server's
+//!   `idle_in_transaction_session_timeout`, a lost connection) rolls back, and the next batches
+//!   are half the size, down to one pair with one event; successes grow them back. Only a
+//!   batch of that smallest size stores the failure on its pair: a batch too large for the
+//!   server's timeout is the batch's fault, not its pairs'.
+//! - **Rotation**: each perspective's walk continues where the last claim stopped, and the
+//!   perspectives take turns leading the batch, so every pair with work is reached and no
+//!   backlog of one perspective holds the others back.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use lockstep_core::{
+    ApplyError, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, ClaimedPair, ClaimedWork,
+    Cursor, DynPerspective, ErrorKind, Pair, PairFailure, PerspectiveStore, RecordedEvent,
+    Result, StateCommit, Transaction, TransactionSource,
+};
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{CycleReport, PerspectiveWorker, apply_guarded};
+use crate::coordinator::PairGuard;
+use crate::telemetry::{self, count, observe};
+
+/// The deepest the batch shrinks: every limit halved this many times is 1.
+const MAX_SHRINK: u32 = 20;
+
+/// How folding one pair's events ended.
+enum Folded {
+    /// Every event applied: the new state.
+    All(serde_json::Value),
+    /// Applying failed at `event_id` (or outside any one event); `prefix` is the fold of the
+    /// events before it, when there were some.
+    Failed {
+        prefix: Option<(serde_json::Value, usize)>,
+        error: String,
+        event_id: Option<Uuid>,
+    },
+    /// Stopped before the end: the batch was abandoned (shutdown past its grace).
+    Stopped,
+}
+
+/// A claimed pair on its way through the batch.
+struct Work {
+    cursor: Cursor,
+    events: Vec<RecordedEvent>,
+    perspective: Arc<dyn DynPerspective>,
+    state: Option<serde_json::Value>,
+    _guard: PairGuard,
+}
+
+impl<S, P> PerspectiveWorker<S, P>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
+    /// The limits of the next batch: the configured ones, halved per failed batch since the
+    /// last success.
+    pub(super) fn current_limits(&self) -> BatchLimits {
+        let configured = self.options.batch_limits();
+        let shift = self.shrink.load(Ordering::Relaxed).min(MAX_SHRINK);
+        if shift == 0 {
+            return configured;
+        }
+        let mut limits = configured;
+        limits.pairs = (configured.pairs >> shift).max(1);
+        limits.events_per_pair = (configured.events_per_pair >> shift).max(1);
+        limits.events = (configured.events >> shift).max(1);
+        limits.bytes = (configured.bytes >> shift).max(1);
+        limits
+    }
+
+    /// The next claim's request: the perspectives in turn, each from where its walk stopped.
+    fn next_request(&self) -> BatchClaim {
+        let mut positions = self
+            .positions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let request_positions = positions.clone();
+        // The next claim is led by the next perspective.
+        let lead = 1.min(positions.len());
+        positions.rotate_left(lead);
+        let mut request = BatchClaim::new(&[]);
+        request.positions = request_positions;
+        request.debounce = self.options.debounce();
+        request.limits = self.current_limits();
+        request
+    }
+
+    fn remember_positions(&self, reached: Vec<(lockstep_core::PerspectiveName, Option<lockstep_core::StreamId>)>) {
+        let mut positions = self
+            .positions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (name, at) in reached {
+            if let Some(slot) = positions.iter_mut().find(|(n, _)| *n == name) {
+                slot.1 = at;
+            }
+        }
+    }
+
+    /// Claims, applies and commits one batch, then runs its rewinds and bootstraps; adds what
+    /// it did to `report`. `Err`: the claim itself failed (nothing was claimed).
+    pub(super) async fn run_batch(&self, report: &mut CycleReport) -> Result<()> {
+        let request = self.next_request();
+        let limits = request.limits;
+        // A `?` drops the guard, which rolls back: nothing claimed stays claimed.
+        let tx = self.source.begin().await?;
+        let batch = self.store.claim_batch(&tx, &request).await?;
+        self.remember_positions(batch.positions);
+        if batch.pairs.is_empty() {
+            // Committed, not rolled back: a late arrival inside the debounce window was
+            // written by the claim, and the window only runs once it is stored.
+            tx.commit().await?;
+            return Ok(());
+        }
+        if let Some((first, _)) = request.positions.first() {
+            observe(telemetry::BATCH_PAIRS, first.as_str(), batch.pairs.len() as f64);
+        }
+        let (work, rewinds) = self.sort_claimed(batch.pairs, report);
+        let claimed: Vec<Pair> = work.iter().map(|w| w.cursor.pair()).collect();
+        let folded = fold_off_runtime(work).await;
+        let (entries, applied) = self.entries(folded, report);
+        let committed = async {
+            let outcomes = self.store.commit_batch(&tx, &entries).await?;
+            tx.commit().await?;
+            Ok::<_, lockstep_core::Error>(outcomes)
+        }
+        .await;
+        let outcomes = match committed {
+            Ok(outcomes) => outcomes,
+            Err(err) => {
+                self.batch_failed(&claimed, limits, &err, report).await;
+                return Ok(());
+            }
+        };
+        let _ = self
+            .shrink
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| s.checked_sub(1));
+        for ((entry, outcome), applied) in entries.iter().zip(outcomes).zip(applied) {
+            self.report_entry(entry, outcome, applied, report).await;
+        }
+        for cursor in rewinds {
+            match self.rewind(cursor.stream_id, &cursor.perspective).await {
+                Ok(outcome) => report.add(&cursor.pair(), Ok(outcome)),
+                Err(err) => report.add(&cursor.pair(), Err(err)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Splits a claimed batch into the pairs to fold (with their in-process apply locks) and the
+    /// pairs that need a rewind. A pair another task of this instance is working on is left to
+    /// it (skipped, untouched).
+    fn sort_claimed(
+        &self,
+        pairs: Vec<ClaimedPair>,
+        report: &mut CycleReport,
+    ) -> (Vec<Work>, Vec<Cursor>) {
+        let mut work = Vec::with_capacity(pairs.len());
+        let mut rewinds = Vec::new();
+        for claimed in pairs {
+            let cursor = claimed.cursor;
+            match claimed.work {
+                ClaimedWork::Apply { state, events } => {
+                    let Some(perspective) = self.registry.get(&cursor.perspective).cloned()
+                    else {
+                        // Only this worker's perspectives are asked for.
+                        report.skipped += 1;
+                        continue;
+                    };
+                    let Some(guard) = self
+                        .coordinator
+                        .try_lock(cursor.stream_id, &cursor.perspective)
+                    else {
+                        report.pairs += 1;
+                        report.skipped += 1;
+                        continue;
+                    };
+                    work.push(Work {
+                        cursor,
+                        events,
+                        perspective,
+                        state,
+                        _guard: guard,
+                    });
+                }
+                ClaimedWork::Rewind => rewinds.push(cursor),
+                _ => report.skipped += 1,
+            }
+        }
+        (work, rewinds)
+    }
+
+    /// The commit entries of a folded batch, and per entry the events it commits (for the
+    /// report and the metrics, in the same order).
+    fn entries(
+        &self,
+        folded: Vec<(Work, Folded)>,
+        report: &mut CycleReport,
+    ) -> (Vec<BatchEntry>, Vec<Applied>) {
+        let mut entries = Vec::with_capacity(folded.len());
+        let mut applied = Vec::with_capacity(folded.len());
+        for (work, folded) in folded {
+            let cursor = &work.cursor;
+            let (commit_of, failure) = match folded {
+                Folded::All(state) => (Some((state, work.events.len())), None),
+                Folded::Failed {
+                    prefix,
+                    error,
+                    event_id,
+                } => (prefix, Some((error, event_id, true))),
+                Folded::Stopped => {
+                    report.pairs += 1;
+                    report.skipped += 1;
+                    continue;
+                }
+            };
+            // A state the store would refuse fails the pair here, so that it cannot fail the
+            // whole batch's commit.
+            let (commit_of, failure) = match commit_of {
+                Some((state, n)) => match lockstep_core::json::check_storable(
+                    &state,
+                    "perspective state",
+                ) {
+                    Ok(()) => (Some((state, n)), failure),
+                    Err(err) => (
+                        None,
+                        Some((
+                            format!("the new state cannot be stored: {err}"),
+                            work.events.get(n.saturating_sub(1)).map(|e| e.event_id),
+                            false,
+                        )),
+                    ),
+                },
+                None => (None, failure),
+            };
+            let n = commit_of.as_ref().map_or(0, |(_, n)| *n);
+            let commit = commit_of.map(|(state, n)| self.state_commit(cursor, state, &work.events[..n]));
+            let from_apply = failure.as_ref().is_some_and(|f| f.2);
+            let failure = failure.map(|(error, event_id, _)| {
+                // A commit clears the failure count: the pair made progress, and this is its
+                // first failure at the new position.
+                let failures = if commit.is_some() {
+                    1
+                } else {
+                    cursor.failures.saturating_add(1)
+                };
+                PairFailure::new(error)
+                    .at_event(event_id)
+                    .retry_after(self.options.backoff(failures))
+                    .park(self.options.parks_after(failures))
+            });
+            applied.push(Applied {
+                from_apply,
+                events: n,
+                oldest: work.events[..n].iter().map(|e| e.recorded_at).min(),
+                bootstrap: cursor.latest_snapshot.is_none()
+                    && commit.as_ref().is_some_and(|c| !c.snapshot && c.applied_count > 0),
+                revision: cursor.revision.saturating_add(1),
+            });
+            entries.push(BatchEntry::new(cursor.pair(), commit, failure));
+        }
+        (entries, applied)
+    }
+
+    fn state_commit(
+        &self,
+        cursor: &Cursor,
+        state: serde_json::Value,
+        events: &[RecordedEvent],
+    ) -> StateCommit {
+        let applied_count = cursor.applied_count + events.len() as u64;
+        let every = self.options.snapshot_every;
+        let mut commit = StateCommit::new(
+            cursor.stream_id,
+            cursor.perspective.clone(),
+            cursor.revision,
+            state,
+        );
+        commit.last_event_id = events.last().map(|e| e.event_id).or(cursor.last_event_id);
+        commit.applied_count = applied_count;
+        commit.applied_events = events.iter().map(|e| e.event_id).collect();
+        commit.snapshot = applied_count / every > cursor.applied_count / every;
+        commit
+    }
+
+    /// Reports one committed entry, counts it, and bootstraps the pair when it has no snapshot.
+    async fn report_entry(
+        &self,
+        entry: &BatchEntry,
+        outcome: BatchCommitted,
+        applied: Applied,
+        report: &mut CycleReport,
+    ) {
+        let pair = &entry.pair;
+        let name = pair.perspective.as_str();
+        report.pairs += 1;
+        let parked = match outcome {
+            BatchCommitted::Committed { parked, .. } => {
+                report.applied += applied.events;
+                count(telemetry::EVENTS_APPLIED, name, applied.events as u64);
+                if let Some(oldest) = applied.oldest {
+                    let lag = (OffsetDateTime::now_utc() - oldest).as_seconds_f64().max(0.0);
+                    observe(telemetry::LAG_SECONDS, name, lag);
+                }
+                parked
+            }
+            BatchCommitted::FailureRecorded { parked } => parked,
+            // Another applier moved the cursor first: nothing lost, looked at again later.
+            _ => {
+                report.skipped += 1;
+                return;
+            }
+        };
+        if let Some(failure) = &entry.failure {
+            report.failed += 1;
+            report.failures.push(format!("{pair}: {}", failure.error));
+            let metric = if applied.from_apply {
+                telemetry::APPLY_FAILURES
+            } else {
+                telemetry::PAIR_FAILURES
+            };
+            count(metric, name, 1);
+            tracing::warn!(pair = %pair, error = %failure.error, parked, "a pair failed; stored on its cursor");
+            if parked {
+                count(telemetry::PAIRS_PARKED, name, 1);
+            }
+        }
+        if applied.bootstrap
+            && entry.failure.is_none()
+            && let Err(err) = self
+                .bootstrap(pair.stream_id, &pair.perspective, applied.revision)
+                .await
+        {
+            tracing::warn!(error = %err, "bootstrap failed; retried after the next apply");
+        }
+    }
+
+    /// A batch whose commit failed after its claim: the next ones are smaller; at the smallest
+    /// size the failure is its pair's (stored, backed off, parked in the end).
+    async fn batch_failed(
+        &self,
+        claimed: &[Pair],
+        limits: BatchLimits,
+        err: &lockstep_core::Error,
+        report: &mut CycleReport,
+    ) {
+        let first = claimed.first().map_or("", |p| p.perspective.as_str());
+        count(telemetry::BATCH_FAILURES, first, 1);
+        let smallest = limits.pairs == 1 && limits.events_per_pair == 1;
+        let _ = self
+            .shrink
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| {
+                Some((s + 1).min(MAX_SHRINK))
+            });
+        tracing::warn!(error = %err, pairs = claimed.len(), smallest, "a batch failed after its claim; the next batches are smaller");
+        if !smallest || err.kind() == ErrorKind::Conflict {
+            report.errors.push(format!(
+                "a batch of {} pairs failed after its claim (the next ones are smaller): {err}",
+                claimed.len()
+            ));
+            return;
+        }
+        for pair in claimed {
+            let failures = self
+                .cursor_failures(pair)
+                .await
+                .unwrap_or(0)
+                .saturating_add(1);
+            count(telemetry::PAIR_FAILURES, pair.perspective.as_str(), 1);
+            match self
+                .fail(pair.stream_id, &pair.perspective, failures - 1, &err.to_string())
+                .await
+            {
+                Ok(outcome) => report.add(pair, Ok(outcome)),
+                Err(store_err) => report.add(pair, Err(store_err)),
+            }
+        }
+    }
+
+    async fn cursor_failures(&self, pair: &Pair) -> Result<u32> {
+        let tx = self.source.begin().await?;
+        let cursor = self
+            .store
+            .cursor(&tx, pair.stream_id, &pair.perspective)
+            .await?;
+        let _ = tx.rollback().await;
+        Ok(cursor.map_or(0, |c| c.failures))
+    }
+}
+
+/// What one entry commits, for the report and the metrics.
+struct Applied {
+    /// The entry's failure came from `apply` (else: from storing its state).
+    from_apply: bool,
+    events: usize,
+    oldest: Option<OffsetDateTime>,
+    bootstrap: bool,
+    /// The pair's revision once committed (what a bootstrap snapshot is fenced on).
+    revision: i64,
+}
+
+/// Folds every pair of a batch on one blocking task of tokio's pool, so that the user's
+/// synchronous `apply` never holds up the runtime's threads. Dropped (shutdown past its grace)
+/// it stops within one event.
+async fn fold_off_runtime(work: Vec<Work>) -> Vec<(Work, Folded)> {
+    let abandon = CancellationToken::new();
+    let _abandon_when_dropped = abandon.clone().drop_guard();
+    let task = tokio::task::spawn_blocking(move || {
+        let go_on = || !abandon.is_cancelled();
+        work.into_iter()
+            .map(|mut w| {
+                let folded = fold(&*w.perspective, w.state.take(), &w.events, &go_on);
+                (w, folded)
+            })
+            .collect::<Vec<_>>()
+    });
+    match task.await {
+        Ok(folded) => folded,
+        // The runtime is shutting down (or the task panicked outside the guarded `apply`):
+        // nothing of the batch is committed; the pairs are looked at again later.
+        Err(err) => {
+            tracing::warn!(error = %err, "the task folding a batch ended without an answer");
+            Vec::new()
+        }
+    }
+}
+
+/// Folds one pair's events into its state; on a failure, also the fold of the events before
+/// the failing one (committed, so that a poison event costs only itself).
+fn fold(
+    p: &dyn DynPerspective,
+    state: Option<serde_json::Value>,
+    events: &[RecordedEvent],
+    go_on: &dyn Fn() -> bool,
+) -> Folded {
+    let mut state = match state {
+        Some(state) => state,
+        None => match p.initial_state() {
+            Ok(state) => state,
+            Err(err) => {
+                return Folded::Failed {
+                    prefix: None,
+                    error: err.to_string(),
+                    event_id: events.first().map(|e| e.event_id),
+                };
+            }
+        },
+    };
+    // On failure `state` is left as it was (the `apply_while` contract).
+    let err = match apply_guarded(p, &mut state, events, go_on) {
+        Ok(n) if n == events.len() => return Folded::All(state),
+        Ok(_) => return Folded::Stopped,
+        Err(err) => err,
+    };
+    let error = err.to_string();
+    let at = match &err {
+        ApplyError::Apply { event_id, .. }
+        | ApplyError::Panicked {
+            event_id: Some(event_id),
+            ..
+        } => events.iter().position(|e| e.event_id == *event_id),
+        // Where a panic happened is not known: find it one event at a time.
+        ApplyError::Panicked { event_id: None, .. } => {
+            let mut probe = state.clone();
+            let mut found = None;
+            for (i, event) in events.iter().enumerate() {
+                if !go_on() {
+                    return Folded::Stopped;
+                }
+                if apply_guarded(p, &mut probe, std::slice::from_ref(event), go_on).is_err() {
+                    found = Some(i);
+                    break;
+                }
+            }
+            match found {
+                Some(i) => {
+                    return Folded::Failed {
+                        prefix: (i > 0).then_some((probe, i)),
+                        error,
+                        event_id: Some(events[i].event_id),
+                    };
+                }
+                // It did not happen again: the one-at-a-time fold is the whole fold.
+                None => return Folded::All(probe),
+            }
+        }
+        // The stored state does not decode: no event is to blame.
+        _ => None,
+    };
+    let Some(at) = at else {
+        return Folded::Failed {
+            prefix: None,
+            error,
+            event_id: None,
+        };
+    };
+    let prefix = if at == 0 {
+        None
+    } else {
+        match apply_guarded(p, &mut state, &events[..at], go_on) {
+            Ok(n) if n == at => Some((state, at)),
+            // Not deterministic, or abandoned: commit nothing, store the failure.
+            _ => None,
+        }
+    };
+    Folded::Failed {
+        prefix,
+        error,
+        event_id: Some(events[at].event_id),
+    }
+}
