@@ -329,6 +329,13 @@ pub struct ClaimedPair {
     pub work: ClaimedWork,
 }
 
+impl ClaimedPair {
+    /// A claimed pair: its cursor and what to do.
+    pub fn new(cursor: Cursor, work: ClaimedWork) -> ClaimedPair {
+        ClaimedPair { cursor, work }
+    }
+}
+
 /// What [`PerspectiveStore::claim_batch`] handed out.
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
@@ -406,6 +413,21 @@ pub struct BatchEntry {
     pub failure: Option<PairFailure>,
 }
 
+impl BatchEntry {
+    /// An entry for `pair`: its state change and its failure, each when there is one.
+    pub fn new(
+        pair: Pair,
+        commit: Option<StateCommit>,
+        failure: Option<PairFailure>,
+    ) -> BatchEntry {
+        BatchEntry {
+            pair,
+            commit,
+            failure,
+        }
+    }
+}
+
 /// What [`PerspectiveStore::commit_batch`] did with one entry, in the entries' order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -441,6 +463,17 @@ pub struct SkippedEvent {
     pub reason: String,
     /// When (store clock).
     pub skipped_at: OffsetDateTime,
+}
+
+impl SkippedEvent {
+    /// A skipped event.
+    pub fn new(event_id: Uuid, reason: impl Into<String>, skipped_at: OffsetDateTime) -> Self {
+        SkippedEvent {
+            event_id,
+            reason: reason.into(),
+            skipped_at,
+        }
+    }
 }
 
 /// A pair with something to do, as listed by [`PerspectiveStore::pending_pairs`].
