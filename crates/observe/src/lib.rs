@@ -39,7 +39,7 @@
 //! | `lease_fence` | `check_lease` |
 //! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
 //! | `event_store` | `load`, `load_locked`, `append` |
-//! | `perspective_store` | `claim`, `commit_state`, `pending_pairs`, `save_snapshot`, `purge`, `request_rewind`, `record_failure`, … (every method) |
+//! | `perspective_store` | `claim_batch`, `commit_batch`, `claim`, `commit_state`, `pending_pairs`, `save_snapshot`, `purge`, `request_rewind`, `record_failure`, … (every method) |
 //! | `transaction_source` | `begin` (commit and rollback are methods of the transaction guard, which the layer does not wrap: the contracts take the backend's own `Tx`) |
 //!
 //! # Spans
@@ -53,11 +53,12 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use lockstep_core::{
-    AcquireOutcome, Claim, Cursor, DistributedLock, EventStore, ExpectedVersion, InstanceId,
-    LeaseFence, LeaseId, LeaseInfo, LockReason, NewEvent, PendingPair, PerspectiveName,
-    PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
-    RewindDebounce, Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions,
-    StreamLocker, TransactionSource, async_trait,
+    AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor,
+    DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LeaseInfo,
+    LockReason, NewEvent, PairFailure, PendingPair, PerspectiveName, PerspectiveStore,
+    RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, RewindDebounce, SkippedEvent,
+    Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    TransactionSource, async_trait,
 };
 use tracing::Instrument;
 use uuid::Uuid;
@@ -480,6 +481,27 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         observe("perspective_store", "pending_pairs", span, ok, call)
     }
 
+    fn claim_batch<'a>(
+        &'a self,
+        tx: &'a Tx,
+        request: &'a BatchClaim,
+    ) -> impl Future<Output = Result<ClaimedBatch>> + Send + 'a {
+        let span =
+            tracing::info_span!("lockstep", op = "claim_batch", pairs = request.limits.pairs);
+        let call = self.inner.claim_batch(tx, request);
+        observe("perspective_store", "claim_batch", span, ok, call)
+    }
+
+    fn commit_batch<'a>(
+        &'a self,
+        tx: &'a Tx,
+        entries: &'a [BatchEntry],
+    ) -> impl Future<Output = Result<Vec<BatchCommitted>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "commit_batch", entries = entries.len());
+        let call = self.inner.commit_batch(tx, entries);
+        observe("perspective_store", "commit_batch", span, ok, call)
+    }
+
     fn claim<'a>(
         &'a self,
         tx: &'a Tx,
@@ -601,11 +623,61 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         tx: &'a Tx,
         stream_id: StreamId,
         perspective: &'a PerspectiveName,
-        error: &'a str,
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        failure: &'a PairFailure,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
         let span = pair_span("record_failure", stream_id, perspective);
-        let call = self.inner.record_failure(tx, stream_id, perspective, error);
+        let call = self
+            .inner
+            .record_failure(tx, stream_id, perspective, failure);
         observe("perspective_store", "record_failure", span, ok, call)
+    }
+
+    fn parked_pairs<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Cursor>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "parked_pairs", limit);
+        let call = self.inner.parked_pairs(tx, perspectives, limit);
+        observe("perspective_store", "parked_pairs", span, ok, call)
+    }
+
+    fn unpark<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("unpark", stream_id, perspective);
+        let call = self.inner.unpark(tx, stream_id, perspective);
+        observe("perspective_store", "unpark", span, ok, call)
+    }
+
+    fn skip_event<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+        event_id: Uuid,
+        reason: &'a str,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("skip_event", stream_id, perspective);
+        let call = self
+            .inner
+            .skip_event(tx, stream_id, perspective, event_id, reason);
+        observe("perspective_store", "skip_event", span, ok, call)
+    }
+
+    fn skipped_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a {
+        let span = pair_span("skipped_events", stream_id, perspective);
+        let call = self.inner.skipped_events(tx, stream_id, perspective);
+        observe("perspective_store", "skipped_events", span, ok, call)
     }
 
     fn purge<'a>(

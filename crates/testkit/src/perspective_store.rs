@@ -7,27 +7,44 @@
 //!   appears exactly when the appender commits and a perspective registered later catches up,
 //!   as the Postgres fan-out does.
 //! - **Row locks.** Every write takes the pair's cursor-row lock for its transaction (waiting, like
-//!   an `UPDATE`); [`PerspectiveStore::claim`] takes it without waiting (`SKIP LOCKED`). The key is
-//!   the one the in-memory locker waits on, so a lease write waits for a claiming transaction,
-//!   as on Postgres.
+//!   an `UPDATE`); [`PerspectiveStore::claim`] and [`PerspectiveStore::claim_batch`] take it
+//!   without waiting (`SKIP LOCKED`). The key is the one the in-memory locker waits on, so a
+//!   lease write waits for a claiming transaction, as on Postgres.
+//! - **Batches.** [`PerspectiveStore::claim_batch`] serves the requested perspectives' rewind
+//!   requests first (oldest `flagged_at` first, only servable ones, bounded by `pairs`), then
+//!   walks each perspective's pairs with work in stream order from its position, wrapping round
+//!   once; every pair of the walk counts towards `scan`. It skips pairs whose row is locked,
+//!   under a live lease, backing off or parked (checked before the row lock is taken, as a
+//!   `WHERE` would). Sizes are the JSON text's length (`pg_column_size` on Postgres). A pair
+//!   whose state and first event do not fit the bytes left ends the batch without moving the
+//!   position past it. [`PerspectiveStore::commit_batch`] checks every entry first (an entry
+//!   needs a commit or a failure) and drops what it staged if an entry fails with anything but a
+//!   refusal (one statement on Postgres).
+//! - **Failures.** `retry_at` is the store clock plus the backoff, clamped to the calendar's end.
+//!   A successful commit, [`PerspectiveStore::unpark`], [`PerspectiveStore::skip_event`] and
+//!   [`PerspectiveStore::request_rewind`] clear the parking, the backoff and the failure count
+//!   (the commit also the error and the failed event). Skipped events are kept per pair: a
+//!   purge keeps them, deleting the cursor deletes them.
 //! - **Visibility.** Writes are staged per transaction and applied when it commits (an
 //!   [`FakeTransaction::on_end`] hook); a transaction reads its own staged writes.
 //!
-//! Differences from PostgreSQL: `ensure_cursor` and the cursor row of `claim` are created at
-//! once, not at commit (an empty cursor row changes nothing observable); `stream_events` does not
-//! see the calling transaction's own uncommitted appends.
+//! Differences from PostgreSQL: `ensure_cursor` and the cursor rows of `claim`, `claim_batch`,
+//! `record_failure` and `skip_event` are created at once, not at commit (an empty cursor row
+//! changes nothing observable); `stream_events` does not see the calling transaction's own
+//! uncommitted appends.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lockstep_core::{
-    Claim, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
-    LeaseFence, LeaseStatus, PendingPair, PerspectiveName, PerspectiveStore, RecordedEvent,
-    ResourceKey, Result, RewindDebounce, RewindRequest, Snapshot, StateCommit, StreamId,
-    StreamLockAdmin, perspective_store::DEFAULT_KEEP_SNAPSHOTS,
+    BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
+    ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
+    LeaseFence, LeaseStatus, PairFailure, PendingPair, PerspectiveName, PerspectiveStore,
+    RecordedEvent, ResourceKey, Result, RewindDebounce, RewindRequest, SkippedEvent, Snapshot,
+    StateCommit, StreamId, StreamLockAdmin, perspective_store::DEFAULT_KEEP_SNAPSHOTS,
 };
-use time::OffsetDateTime;
+use time::{OffsetDateTime, PrimitiveDateTime};
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -47,15 +64,34 @@ struct Pair {
     rewind: Option<RewindRequest>,
     error: Option<String>,
     failures: u32,
+    failed_event_id: Option<Uuid>,
+    retry_at: Option<OffsetDateTime>,
+    parked_at: Option<OffsetDateTime>,
     state: Option<serde_json::Value>,
     /// By event id, oldest first.
     snapshots: BTreeMap<Uuid, Snapshot>,
     /// Purged and not rebuilt since: the next claim that finds work turns it into a rewind
     /// from the start (Postgres: status bit 2).
     purged: bool,
+    /// By event id. Kept by a purge, deleted with the cursor.
+    skipped: BTreeMap<Uuid, SkippedEvent>,
 }
 
-#[derive(Debug, Default)]
+impl Pair {
+    /// Backing off at `now`, or parked: no batch claims it.
+    fn blocked(&self, now: OffsetDateTime) -> bool {
+        self.parked_at.is_some() || self.retry_at.is_some_and(|at| at > now)
+    }
+
+    /// Clears the parking, the backoff and the failure count (an operator's retry).
+    fn unpark(&mut self) {
+        self.parked_at = None;
+        self.retry_at = None;
+        self.failures = 0;
+    }
+}
+
+#[derive(Debug, Default, Clone)]
 struct Staged {
     pairs: HashMap<Key, Pair>,
     registered: BTreeSet<PerspectiveName>,
@@ -266,6 +302,9 @@ impl InMemoryPerspectiveStore {
         cursor.rewind = pair.rewind;
         cursor.error = pair.error.clone();
         cursor.failures = pair.failures;
+        cursor.failed_event_id = pair.failed_event_id;
+        cursor.retry_at = pair.retry_at;
+        cursor.parked_at = pair.parked_at;
         cursor.latest_snapshot = pair.snapshots.keys().next_back().copied();
         cursor.lease = lease;
         cursor
@@ -318,6 +357,279 @@ impl InMemoryPerspectiveStore {
     fn debounced(&self, rewind: &RewindRequest, debounce: RewindDebounce) -> bool {
         debounce.holds_back(rewind, self.now())
     }
+
+    /// Turns a purged pair's new work or a late arrival into a rewind request (staged for
+    /// `tx`), as every claim does before deciding what to hand out.
+    fn flag_if_needed(
+        &self,
+        tx: &FakeTransaction,
+        key: &Key,
+        pair: &mut Pair,
+        pending: &[RecordedEvent],
+    ) {
+        // A purged pair that has work again is rebuilt from the start of the stream, never
+        // folded from the events after the purge alone.
+        if pair.purged && !pending.is_empty() {
+            pair.purged = false;
+            Self::flag(pair, Uuid::nil(), self.now());
+            self.write(tx, key.clone(), pair.clone());
+        }
+        let late = pair
+            .last_event_id
+            .and_then(|last| pending.iter().map(|e| e.event_id).find(|id| *id < last));
+        if let Some(trigger) = late.filter(|t| pair.rewind.is_none_or(|r| *t < r.trigger)) {
+            Self::flag(pair, trigger, self.now());
+            self.write(tx, key.clone(), pair.clone());
+        }
+    }
+
+    /// The streams of `perspective` whose pair has pending work for `tx`, in stream order.
+    fn with_work(&self, tx: &FakeTransaction, perspective: &PerspectiveName) -> Vec<StreamId> {
+        let state = self.lock_state();
+        if !Self::registered(&state, tx, perspective) {
+            return Vec::new();
+        }
+        let mut streams: BTreeSet<StreamId> = self.events.streams().into_iter().collect();
+        streams.extend(
+            state
+                .pairs
+                .keys()
+                .filter(|(_, p)| p == perspective)
+                .map(|(s, _)| *s),
+        );
+        streams
+            .into_iter()
+            .filter(|s| {
+                !self
+                    .pending(&state, tx, &(*s, perspective.clone()))
+                    .is_empty()
+            })
+            .collect()
+    }
+
+    /// Every pair `tx` sees a cursor of: committed, created, or staged by `tx`.
+    fn keys(state: &State, tx: &FakeTransaction) -> BTreeSet<Key> {
+        let mut keys: BTreeSet<Key> = state.pairs.keys().cloned().collect();
+        if let Some(staged) = state.staged.get(&tx.id()) {
+            keys.extend(staged.pairs.keys().cloned());
+        }
+        keys
+    }
+
+    /// Tries to claim one pair for a batch (see [`PerspectiveStore::claim_batch`]).
+    async fn take(
+        &self,
+        tx: &FakeTransaction,
+        key: &Key,
+        debounce: RewindDebounce,
+        limits: &BatchLimits,
+        budget: &mut Budget,
+    ) -> Result<Taken> {
+        let now = self.now();
+        // What the statement's WHERE filters out before it locks anything.
+        if Self::read(&self.lock_state(), tx, key).is_some_and(|p| p.blocked(now)) {
+            return Ok(Taken::Passed);
+        }
+        if !self
+            .rows
+            .try_acquire_for_transaction(tx, &Self::row_key(key.0, &key.1))
+            .await?
+        {
+            return Ok(Taken::Passed);
+        }
+        self.create(tx, key);
+        let (lease, live) = self.lease(key).await?;
+        let (mut pair, pending) = {
+            let state = self.lock_state();
+            (
+                Self::read(&state, tx, key).unwrap_or_default(),
+                self.pending(&state, tx, key),
+            )
+        };
+        if live || pair.blocked(now) {
+            return Ok(Taken::Passed);
+        }
+        self.flag_if_needed(tx, key, &mut pair, &pending);
+        if let Some(rewind) = &pair.rewind {
+            if self.debounced(rewind, debounce) {
+                return Ok(Taken::Passed);
+            }
+            return Ok(Taken::Claimed(Box::new(ClaimedPair::new(
+                Self::cursor_of(key, &pair, lease),
+                ClaimedWork::Rewind,
+            ))));
+        }
+        let Some(first) = pending.first() else {
+            return Ok(Taken::Passed);
+        };
+        let state_size = pair.state.as_ref().map_or(0, size);
+        // The batch's first event is always taken, whatever its size (it could never be
+        // applied otherwise); later pairs only when their state and first event fit.
+        if budget.events > 0
+            && budget
+                .bytes
+                .saturating_add(state_size.saturating_add(size(&first.payload)))
+                > limits.bytes
+        {
+            return Ok(Taken::NoRoom);
+        }
+        budget.bytes = budget.bytes.saturating_add(state_size);
+        let mut events = Vec::new();
+        for event in pending {
+            if events.len() >= limits.events_per_pair || budget.events >= limits.events {
+                break;
+            }
+            let bytes = budget.bytes.saturating_add(size(&event.payload));
+            if budget.events > 0 && bytes > limits.bytes {
+                break;
+            }
+            budget.bytes = bytes;
+            budget.events += 1;
+            events.push(event);
+        }
+        let cursor = Self::cursor_of(key, &pair, lease);
+        Ok(Taken::Claimed(Box::new(ClaimedPair::new(
+            cursor,
+            ClaimedWork::Apply {
+                state: pair.state,
+                events,
+            },
+        ))))
+    }
+
+    /// A state change on a pair whose state was checked: a refusal (`Conflict`, `LeaseLost`)
+    /// writes nothing.
+    async fn commit_checked(&self, tx: &FakeTransaction, commit: &StateCommit) -> Result<i64> {
+        let key = (commit.stream_id, commit.perspective.clone());
+        self.lock_row(tx, &key).await?;
+        self.fence(tx, commit.fence.as_ref()).await?;
+        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Err(Error::new(
+                ErrorKind::Conflict,
+                format!("stream {} perspective {}: the cursor is gone", key.0, key.1),
+            ));
+        };
+        if pair.revision != commit.expected_revision {
+            return Err(Error::new(
+                ErrorKind::Conflict,
+                format!(
+                    "stream {} perspective {}: expected revision {}, found {}",
+                    key.0, key.1, commit.expected_revision, pair.revision
+                ),
+            ));
+        }
+        pair.revision += 1;
+        pair.state = Some(commit.state.clone());
+        pair.last_event_id = commit.last_event_id;
+        pair.applied_count = commit.applied_count;
+        pair.error = None;
+        pair.failed_event_id = None;
+        pair.unpark();
+        if let Some(trigger) = commit.rewound_from {
+            pair.snapshots.retain(|id, _| *id < trigger);
+            if pair.rewind.is_some_and(|r| r.trigger == trigger) {
+                pair.rewind = None;
+            }
+        }
+        if commit.snapshot
+            && let Some(at) = commit.last_event_id
+        {
+            pair.snapshots.insert(
+                at,
+                Snapshot {
+                    event_id: at,
+                    state: commit.state.clone(),
+                    applied_count: commit.applied_count,
+                },
+            );
+            while pair.snapshots.len() > DEFAULT_KEEP_SNAPSHOTS {
+                pair.snapshots.pop_first();
+            }
+        }
+        let revision = pair.revision;
+        self.complete(tx, key.clone(), commit.applied_events.iter().copied());
+        self.write(tx, key, pair);
+        Ok(revision)
+    }
+
+    /// Stores a failure on the pair (creating its cursor); whether it is now parked.
+    async fn fail(&self, tx: &FakeTransaction, key: &Key, failure: &PairFailure) -> Result<bool> {
+        self.lock_row(tx, key).await?;
+        self.create(tx, key);
+        let mut pair = Self::read(&self.lock_state(), tx, key).unwrap_or_default();
+        let now = self.now();
+        pair.error = Some(failure.error.replace('\0', "\u{FFFD}"));
+        pair.failures = pair.failures.saturating_add(1);
+        pair.failed_event_id = failure.event_id;
+        pair.retry_at = Some(later(now, failure.retry_after));
+        if failure.park {
+            pair.parked_at = pair.parked_at.or(Some(now));
+        }
+        let parked = pair.parked_at.is_some();
+        self.write(tx, key.clone(), pair);
+        Ok(parked)
+    }
+
+    /// The entries of a batch commit, checked (see [`PerspectiveStore::commit_batch`]).
+    async fn commit_entries(
+        &self,
+        tx: &FakeTransaction,
+        entries: &[BatchEntry],
+    ) -> Result<Vec<BatchCommitted>> {
+        let mut done = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let key = (entry.pair.stream_id, entry.pair.perspective.clone());
+            let revision = match &entry.commit {
+                Some(commit) => match self.commit_checked(tx, commit).await {
+                    Ok(revision) => Some(revision),
+                    Err(e) if matches!(e.kind(), ErrorKind::Conflict | ErrorKind::LeaseLost) => {
+                        done.push(BatchCommitted::Refused(e.kind()));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                },
+                None => None,
+            };
+            let parked = match &entry.failure {
+                Some(failure) => self.fail(tx, &key, failure).await?,
+                None => false,
+            };
+            done.push(match revision {
+                Some(revision) => BatchCommitted::Committed { revision, parked },
+                None => BatchCommitted::FailureRecorded { parked },
+            });
+        }
+        Ok(done)
+    }
+}
+
+/// What a batch handed out so far.
+#[derive(Debug, Default)]
+struct Budget {
+    events: usize,
+    bytes: u64,
+}
+
+/// One pair's outcome in a batch claim.
+enum Taken {
+    Claimed(Box<ClaimedPair>),
+    /// Not claimable now (locked, leased, backing off, parked, debounced, no work left).
+    Passed,
+    /// Its state and first event do not fit the bytes left: the batch is full.
+    NoRoom,
+}
+
+/// The size the byte bound counts for a value: its JSON text.
+fn size(value: &serde_json::Value) -> u64 {
+    serde_json::to_string(value).map_or(0, |text| text.len() as u64)
+}
+
+/// `now + wait`, or the calendar's last instant when that is past it.
+fn later(now: OffsetDateTime, wait: std::time::Duration) -> OffsetDateTime {
+    time::Duration::try_from(wait)
+        .ok()
+        .and_then(|d| now.checked_add(d))
+        .unwrap_or(PrimitiveDateTime::MAX.assume_utc())
 }
 
 /// Refuses a state Postgres could not store or read back (U+0000, nested deeper than
@@ -401,6 +713,147 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         Ok(found.into_iter().take(limit).map(|(_, p)| p).collect())
     }
 
+    async fn claim_batch(
+        &self,
+        tx: &FakeTransaction,
+        request: &BatchClaim,
+    ) -> Result<ClaimedBatch> {
+        tx.check_usable()?;
+        let limits = request.limits;
+        limits.validate()?;
+        let debounce = request.debounce;
+        let mut budget = Budget::default();
+        let mut batch = ClaimedBatch::default();
+        let mut claimed: HashSet<Key> = HashSet::new();
+        let full = |batch: &ClaimedBatch, budget: &Budget| {
+            batch.pairs.len() >= limits.pairs
+                || budget.events >= limits.events
+                || budget.bytes >= limits.bytes
+        };
+
+        // Rewind requests first, oldest first: a request on a pair without pending work is
+        // in no work walk. Bounded by `pairs`, not by `scan`: only servable ones are looked at.
+        let requested: Vec<Key> = {
+            let now = self.now();
+            let leased: HashSet<Key> = self
+                .locker
+                .list_leases()
+                .await?
+                .into_iter()
+                .filter(|l| l.status == LeaseStatus::Held)
+                .map(|l| (l.stream_id, l.perspective))
+                .collect();
+            let state = self.lock_state();
+            let mut found: Vec<(OffsetDateTime, Key)> = Self::keys(&state, tx)
+                .into_iter()
+                .filter(|key| request.positions.iter().any(|(p, _)| *p == key.1))
+                .filter(|key| !leased.contains(key))
+                .filter_map(|key| {
+                    let pair = Self::read(&state, tx, &key)?;
+                    let rewind = pair.rewind?;
+                    (!pair.blocked(now) && !self.debounced(&rewind, debounce))
+                        .then_some((rewind.flagged_at, key))
+                })
+                .collect();
+            found.sort();
+            found.into_iter().map(|(_, key)| key).collect()
+        };
+        for key in requested {
+            if full(&batch, &budget) {
+                break;
+            }
+            if let Taken::Claimed(pair) =
+                self.take(tx, &key, debounce, &limits, &mut budget).await?
+            {
+                claimed.insert(key);
+                batch.pairs.push(*pair);
+            }
+        }
+
+        // Then each perspective's work, in stream order from its position, wrapping round once.
+        let mut looked = 0usize;
+        let mut stopped = false;
+        for (perspective, position) in &request.positions {
+            let mut last = *position;
+            let mut streams = if stopped {
+                Vec::new()
+            } else {
+                self.with_work(tx, perspective)
+            };
+            let after = position.map_or(0, |p| streams.partition_point(|s| *s <= p));
+            streams.rotate_left(after);
+            for stream in streams {
+                let key = (stream, perspective.clone());
+                if claimed.contains(&key) {
+                    continue;
+                }
+                if full(&batch, &budget) || looked >= limits.scan {
+                    stopped = true;
+                    break;
+                }
+                looked += 1;
+                match self.take(tx, &key, debounce, &limits, &mut budget).await? {
+                    Taken::Claimed(pair) => {
+                        claimed.insert(key);
+                        batch.pairs.push(*pair);
+                    }
+                    Taken::Passed => {}
+                    // Not moved past: the next claim starts with this pair.
+                    Taken::NoRoom => {
+                        stopped = true;
+                        break;
+                    }
+                }
+                last = Some(stream);
+            }
+            batch.positions.push((perspective.clone(), last));
+        }
+        Ok(batch)
+    }
+
+    async fn commit_batch(
+        &self,
+        tx: &FakeTransaction,
+        entries: &[BatchEntry],
+    ) -> Result<Vec<BatchCommitted>> {
+        tx.check_usable()?;
+        for (i, entry) in entries.iter().enumerate() {
+            let bad = |what: String| {
+                Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!("batch entry {i} ({}): {what}", entry.pair),
+                ))
+            };
+            match &entry.commit {
+                Some(commit) => {
+                    if commit.stream_id != entry.pair.stream_id
+                        || commit.perspective != entry.pair.perspective
+                    {
+                        return bad(format!(
+                            "a commit of another pair ({}/{})",
+                            commit.stream_id, commit.perspective
+                        ));
+                    }
+                    check_state(&commit.state)?;
+                }
+                None if entry.failure.is_none() => {
+                    return bad("neither a commit nor a failure".to_owned());
+                }
+                None => {}
+            }
+        }
+        // One statement on Postgres: an error part-way writes none of the entries.
+        let before = self.lock_state().staged.get(&tx.id()).cloned();
+        let result = self.commit_entries(tx, entries).await;
+        if result.is_err() {
+            let mut state = self.lock_state();
+            if let Some(staged) = state.staged.get_mut(&tx.id()) {
+                *staged = before.unwrap_or_default();
+            }
+        }
+        result
+    }
+
     async fn claim(
         &self,
         tx: &FakeTransaction,
@@ -430,20 +883,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 self.pending(&state, tx, &key),
             )
         };
-        // A purged pair that has work again is rebuilt from the start of the stream, never
-        // folded from the events after the purge alone.
-        if pair.purged && !pending.is_empty() {
-            pair.purged = false;
-            Self::flag(&mut pair, Uuid::nil(), self.now());
-            self.write(tx, key.clone(), pair.clone());
-        }
-        let late = pair
-            .last_event_id
-            .and_then(|last| pending.iter().map(|e| e.event_id).find(|id| *id < last));
-        if let Some(trigger) = late.filter(|t| pair.rewind.is_none_or(|r| *t < r.trigger)) {
-            Self::flag(&mut pair, trigger, self.now());
-            self.write(tx, key.clone(), pair.clone());
-        }
+        self.flag_if_needed(tx, &key, &mut pair, &pending);
         if let Some(rewind) = &pair.rewind {
             if self.debounced(rewind, debounce) {
                 return Ok(Claim::Idle);
@@ -466,55 +906,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn commit_state(&self, tx: &FakeTransaction, commit: &StateCommit) -> Result<i64> {
         tx.check_usable()?;
         check_state(&commit.state)?;
-        let key = (commit.stream_id, commit.perspective.clone());
-        self.lock_row(tx, &key).await?;
-        self.fence(tx, commit.fence.as_ref()).await?;
-        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
-            return Err(Error::new(
-                ErrorKind::Conflict,
-                format!("stream {} perspective {}: the cursor is gone", key.0, key.1),
-            ));
-        };
-        if pair.revision != commit.expected_revision {
-            return Err(Error::new(
-                ErrorKind::Conflict,
-                format!(
-                    "stream {} perspective {}: expected revision {}, found {}",
-                    key.0, key.1, commit.expected_revision, pair.revision
-                ),
-            ));
-        }
-        pair.revision += 1;
-        pair.state = Some(commit.state.clone());
-        pair.last_event_id = commit.last_event_id;
-        pair.applied_count = commit.applied_count;
-        pair.error = None;
-        pair.failures = 0;
-        if let Some(trigger) = commit.rewound_from {
-            pair.snapshots.retain(|id, _| *id < trigger);
-            if pair.rewind.is_some_and(|r| r.trigger == trigger) {
-                pair.rewind = None;
-            }
-        }
-        if commit.snapshot
-            && let Some(at) = commit.last_event_id
-        {
-            pair.snapshots.insert(
-                at,
-                Snapshot {
-                    event_id: at,
-                    state: commit.state.clone(),
-                    applied_count: commit.applied_count,
-                },
-            );
-            while pair.snapshots.len() > DEFAULT_KEEP_SNAPSHOTS {
-                pair.snapshots.pop_first();
-            }
-        }
-        let revision = pair.revision;
-        self.complete(tx, key.clone(), commit.applied_events.iter().copied());
-        self.write(tx, key, pair);
-        Ok(revision)
+        self.commit_checked(tx, commit).await
     }
 
     async fn cursor(
@@ -647,6 +1039,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             return Ok(false);
         };
         Self::flag(&mut pair, from.unwrap_or(Uuid::nil()), self.now());
+        // An operator's rewind is also a retry: a parked or backing-off pair is served.
+        pair.unpark();
         self.write(tx, key, pair);
         Ok(true)
     }
@@ -656,17 +1050,106 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         tx: &FakeTransaction,
         stream_id: StreamId,
         perspective: &PerspectiveName,
-        error: &str,
-    ) -> Result<()> {
+        failure: &PairFailure,
+    ) -> Result<bool> {
+        tx.check_usable()?;
+        self.fail(tx, &(stream_id, perspective.clone()), failure)
+            .await
+    }
+
+    async fn parked_pairs(
+        &self,
+        tx: &FakeTransaction,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<Cursor>> {
+        tx.check_usable()?;
+        let mut parked: Vec<(OffsetDateTime, Key, Pair)> = {
+            let state = self.lock_state();
+            Self::keys(&state, tx)
+                .into_iter()
+                .filter(|key| perspectives.is_empty() || perspectives.contains(&key.1))
+                .filter_map(|key| {
+                    let pair = Self::read(&state, tx, &key)?;
+                    Some((pair.parked_at?, key, pair))
+                })
+                .collect()
+        };
+        parked.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        let mut cursors = Vec::new();
+        for (_, key, pair) in parked.into_iter().take(limit) {
+            let (lease, _) = self.lease(&key).await?;
+            cursors.push(Self::cursor_of(&key, &pair, lease));
+        }
+        Ok(cursors)
+    }
+
+    async fn unpark(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<bool> {
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
+        if Self::read(&self.lock_state(), tx, &key).is_none() {
+            return Ok(false);
+        }
         self.lock_row(tx, &key).await?;
+        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Ok(false);
+        };
+        pair.unpark();
+        self.write(tx, key, pair);
+        Ok(true)
+    }
+
+    async fn skip_event(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+        event_id: Uuid,
+        reason: &str,
+    ) -> Result<bool> {
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        let is_pending = |store: &Self| {
+            let state = store.lock_state();
+            store
+                .pending(&state, tx, &key)
+                .iter()
+                .any(|e| e.event_id == event_id)
+        };
+        if !is_pending(self) {
+            return Ok(false);
+        }
+        self.lock_row(tx, &key).await?;
+        // Applied (or skipped) by another transaction while this one waited for the row.
+        if !is_pending(self) {
+            return Ok(false);
+        }
         self.create(tx, &key);
         let mut pair = Self::read(&self.lock_state(), tx, &key).unwrap_or_default();
-        pair.error = Some(error.replace('\0', "\u{FFFD}"));
-        pair.failures = pair.failures.saturating_add(1);
+        pair.skipped.insert(
+            event_id,
+            SkippedEvent::new(event_id, reason.replace('\0', "\u{FFFD}"), self.now()),
+        );
+        pair.unpark();
+        self.complete(tx, key.clone(), [event_id]);
         self.write(tx, key, pair);
-        Ok(())
+        Ok(true)
+    }
+
+    async fn skipped_events(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Vec<SkippedEvent>> {
+        tx.check_usable()?;
+        let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
+        Ok(pair.map_or_else(Vec::new, |p| p.skipped.into_values().collect()))
     }
 
     async fn purge(
@@ -684,6 +1167,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         let purged = Pair {
             revision: pair.revision + 1,
             purged: true,
+            skipped: pair.skipped,
             ..Pair::default()
         };
         let all = self

@@ -87,3 +87,119 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
     assert_eq!(claim, Claim::Idle);
     tx.rollback().await.expect("rollback");
 }
+
+/// A backoff past the calendar's end is stored as its last instant, without panicking, and
+/// holds the pair back from batches.
+#[tokio::test(start_paused = true)]
+async fn an_unbounded_backoff_is_clamped_without_panicking() {
+    use lockstep_core::{
+        BatchClaim, EventStore, ExpectedVersion, NewEvent, OffsetDateTime, PairFailure,
+        PerspectiveName, PerspectiveStore, StreamId,
+    };
+    use std::time::Duration;
+
+    let fixture = in_memory();
+    let name = PerspectiveName::new("P").expect("valid");
+    let stream = StreamId::new_v7();
+    let tx = fixture.source.begin_now();
+    fixture
+        .store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let failure = PairFailure::new("boom").retry_after(Duration::MAX);
+    let parked = fixture
+        .store
+        .record_failure(&tx, stream, &name, &failure)
+        .await
+        .expect("record_failure");
+    assert!(!parked);
+    tx.commit().await.expect("commit");
+    let tx = fixture.source.begin_now();
+    let cursor = fixture
+        .store
+        .cursor(&tx, stream, &name)
+        .await
+        .expect("cursor")
+        .expect("created");
+    let retry_at = cursor.retry_at.expect("backing off");
+    assert_eq!(retry_at.year(), 9999);
+    assert!(retry_at > OffsetDateTime::now_utc());
+    tx.rollback().await.expect("rollback");
+
+    let tx = fixture.source.begin_now();
+    let event = NewEvent::new("Added", serde_json::json!(1)).expect("event");
+    fixture
+        .events
+        .append(&tx, stream, ExpectedVersion::Any, &[event])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    let tx = fixture.source.begin_now();
+    let batch = fixture
+        .store
+        .claim_batch(&tx, &BatchClaim::new(std::slice::from_ref(&name)))
+        .await
+        .expect("claim_batch");
+    assert!(batch.pairs.is_empty(), "still backing off: {batch:?}");
+    tx.rollback().await.expect("rollback");
+}
+
+/// An entry that fails with an error other than a refusal (here: a fence the locker cannot
+/// check) leaves none of the batch's entries written, the ones before it included.
+#[tokio::test(start_paused = true)]
+async fn a_batch_commit_that_fails_part_way_writes_no_entry() {
+    use lockstep_core::{
+        BatchEntry, ErrorKind, InstanceId, LockReason, Pair, PairFailure, PerspectiveName,
+        PerspectiveStore, StateCommit, StreamId, StreamLocker,
+    };
+
+    let db = FakeDatabase::new();
+    let events = InMemoryEventStore::new();
+    let options = StreamLockOptions::new(SHORT_LOCK_TIMEOUT, SHORT_KEEPALIVE).expect("valid");
+    // Without the database: a fenced commit cannot be checked (`Unsupported`).
+    let locker = InMemoryStreamLocker::new(options);
+    let store = InMemoryPerspectiveStore::new(&db, &events, &locker);
+    let name = PerspectiveName::new("P").expect("valid");
+    let (failed, fenced) = (StreamId::new_v7(), StreamId::new_v7());
+    let tx = db.begin_now();
+    store
+        .ensure_cursor(&tx, fenced, &name)
+        .await
+        .expect("cursor");
+    tx.commit().await.expect("commit");
+    let lease = locker
+        .try_acquire(fenced, &name, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire")
+        .lease()
+        .cloned()
+        .expect("acquired");
+
+    let tx = db.begin_now();
+    let mut change = StateCommit::new(fenced, name.clone(), 0, serde_json::json!({}));
+    change.fence = Some(lease.id.clone());
+    let entries = [
+        BatchEntry::new(
+            Pair::new(failed, name.clone()),
+            None,
+            Some(PairFailure::new("boom")),
+        ),
+        BatchEntry::new(Pair::new(fenced, name.clone()), Some(change), None),
+    ];
+    let err = store
+        .commit_batch(&tx, &entries)
+        .await
+        .expect_err("the fence cannot be checked");
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    tx.commit().await.expect("still usable");
+    let tx = db.begin_now();
+    let cursor = store.cursor(&tx, failed, &name).await.expect("cursor");
+    assert!(
+        cursor
+            .as_ref()
+            .is_none_or(|c| c.failures == 0 && c.error.is_none()),
+        "the first entry's failure is not stored: {cursor:?}"
+    );
+    tx.rollback().await.expect("rollback");
+}

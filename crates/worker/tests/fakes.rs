@@ -695,6 +695,20 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Vec<lockstep_core::PendingPair>> {
         self.inner.pending_pairs(tx, i, names, d, l).await
     }
+    async fn claim_batch(
+        &self,
+        tx: &FakeTransaction,
+        r: &lockstep_core::BatchClaim,
+    ) -> Result<lockstep_core::ClaimedBatch> {
+        self.inner.claim_batch(tx, r).await
+    }
+    async fn commit_batch(
+        &self,
+        tx: &FakeTransaction,
+        e: &[lockstep_core::BatchEntry],
+    ) -> Result<Vec<lockstep_core::BatchCommitted>> {
+        self.inner.commit_batch(tx, e).await
+    }
     async fn claim(
         &self,
         tx: &FakeTransaction,
@@ -775,9 +789,38 @@ impl PerspectiveStore<FakeTransaction> for Slow {
         tx: &FakeTransaction,
         s: StreamId,
         p: &PerspectiveName,
-        e: &str,
-    ) -> Result<()> {
-        self.inner.record_failure(tx, s, p, e).await
+        f: &lockstep_core::PairFailure,
+    ) -> Result<bool> {
+        self.inner.record_failure(tx, s, p, f).await
+    }
+    async fn parked_pairs(
+        &self,
+        tx: &FakeTransaction,
+        names: &[PerspectiveName],
+        l: usize,
+    ) -> Result<Vec<Cursor>> {
+        self.inner.parked_pairs(tx, names, l).await
+    }
+    async fn unpark(&self, tx: &FakeTransaction, s: StreamId, p: &PerspectiveName) -> Result<bool> {
+        self.inner.unpark(tx, s, p).await
+    }
+    async fn skip_event(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+        e: Uuid,
+        r: &str,
+    ) -> Result<bool> {
+        self.inner.skip_event(tx, s, p, e, r).await
+    }
+    async fn skipped_events(
+        &self,
+        tx: &FakeTransaction,
+        s: StreamId,
+        p: &PerspectiveName,
+    ) -> Result<Vec<lockstep_core::SkippedEvent>> {
+        self.inner.skipped_events(tx, s, p).await
     }
     async fn purge(
         &self,

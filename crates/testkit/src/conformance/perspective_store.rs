@@ -1,12 +1,19 @@
 //! The perspective-store conformance suite: the work queue (fan-out on append, catch-up on
 //! registration), claiming (order, limit, exclusivity, leases), the commit (state, cursor,
 //! work, compare-and-set, fence), late arrivals and rewind requests (earliest trigger,
-//! debounce), snapshots, failures, purge and cursor rows — each case a behaviour a user of the
-//! perspective worker would notice.
+//! debounce), snapshots, failures, purge and cursor rows; batches: the claim (requested
+//! perspectives only, the `pairs` / `events_per_pair` / `events` / `bytes` bounds, disjoint
+//! batches without waiting, leased, backing-off and parked pairs left out, rotating positions,
+//! the `scan` bound, late arrivals and rewind requests as rewinds), the batch commit (per-entry
+//! refusals, a commit with a failure, all-or-nothing on bad input), parking (`parked_pairs`,
+//! `unpark`, a rewind request as a retry), a successful commit clearing the failure, and
+//! skipped events — each case a behaviour a user of the perspective worker would notice.
 //!
 //! Every case uses fresh stream ids and perspective names, so the suite can run against a
 //! shared database (perspectives registered by earlier cases only add work the cases never look
-//! at). Transactions that end in an error are **committed** afterwards where the case checks
+//! at). A fresh perspective still gets work on every stream already there (catch-up): the batch
+//! cases first park those pairs of their perspectives, so that a batch hands out only the
+//! case's own pairs, and give their batches a `scan` no database reaches. Transactions that end in an error are **committed** afterwards where the case checks
 //! that "nothing was written": a refused call leaves its transaction usable. Expiry is waited
 //! out with `tokio::time::sleep` past the locker's lock timeout (instant on the fakes with
 //! paused time; give a database fixture a lock timeout of a second or two). The debounce
@@ -21,10 +28,11 @@ use std::time::Duration;
 use lockstep_core::json::MAX_DEPTH;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
-    AcquireOutcome, Claim, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId,
-    LockReason, NewEvent, PerspectiveName, PerspectiveStore, RecordedEvent, RewindDebounce,
-    StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
-    ValidationError,
+    AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch,
+    ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId, LockReason,
+    NewEvent, Pair, PairFailure, PerspectiveName, PerspectiveStore, RecordedEvent, RewindDebounce,
+    SkippedEvent, StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker,
+    TransactionSource, ValidationError,
 };
 use uuid::Uuid;
 
@@ -1519,7 +1527,7 @@ pub async fn a_recorded_failure_keeps_the_request_and_the_work_until_a_commit_su
         let tx = begin(fixture.source()).await;
         fixture
             .store()
-            .record_failure(&tx, stream, &p, message)
+            .record_failure(&tx, stream, &p, &PairFailure::new(message))
             .await
             .expect("record_failure");
         commit(tx).await.expect("commit");
@@ -1805,6 +1813,1047 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     );
 }
 
+// ---- Batches (issue 18) ----------------------------------------------------------------------
+
+/// Limits with these bounds, the default bytes, and a scan no case's database reaches (parked
+/// pairs of [`isolate`] count towards it).
+fn limits(pairs: usize, events_per_pair: usize, events: usize) -> BatchLimits {
+    let mut limits = BatchLimits::default();
+    limits.pairs = pairs;
+    limits.events_per_pair = events_per_pair;
+    limits.events = events;
+    limits.scan = ALL_PAIRS;
+    limits
+}
+
+/// Every perspective of `names`, from its first stream.
+fn from_start(names: &[PerspectiveName]) -> Vec<(PerspectiveName, Option<StreamId>)> {
+    names.iter().map(|p| (p.clone(), None)).collect()
+}
+
+async fn claim_batch<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    tx: &F::Tx,
+    positions: Vec<(PerspectiveName, Option<StreamId>)>,
+    limits: BatchLimits,
+) -> ClaimedBatch {
+    let mut request = BatchClaim::new(&[]);
+    request.positions = positions;
+    request.limits = limits;
+    fixture
+        .store()
+        .claim_batch(tx, &request)
+        .await
+        .expect("claim_batch")
+}
+
+/// A batch as `(stream, perspective, events)`, in claim order; `None` for a rewind.
+fn work_of(batch: &ClaimedBatch) -> Vec<(StreamId, PerspectiveName, Option<Vec<Uuid>>)> {
+    batch
+        .pairs
+        .iter()
+        .map(|p| {
+            let events = match &p.work {
+                ClaimedWork::Apply { events, .. } => Some(event_ids(events)),
+                ClaimedWork::Rewind => None,
+                other => panic!("unexpected work {other:?}"),
+            };
+            (p.cursor.stream_id, p.cursor.perspective.clone(), events)
+        })
+        .collect()
+}
+
+/// The streams a batch claimed, in claim order.
+fn streams_of(batch: &ClaimedBatch) -> Vec<StreamId> {
+    batch.pairs.iter().map(|p| p.cursor.stream_id).collect()
+}
+
+/// A claim of the batch in a transaction of its own, rolled back.
+async fn peek_batch<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    positions: Vec<(PerspectiveName, Option<StreamId>)>,
+    limits: BatchLimits,
+) -> ClaimedBatch {
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(fixture, &tx, positions, limits).await;
+    rollback(tx).await;
+    batch
+}
+
+/// Parks every pair of `perspectives` that has work now — on a shared database, the catch-up
+/// of earlier cases' streams — so that their batches hand out only the case's own pairs.
+async fn isolate<F: PerspectiveStoreFixture>(fixture: &F, perspectives: &[PerspectiveName]) {
+    let tx = begin(fixture.source()).await;
+    let foreign = fixture
+        .store()
+        .pending_pairs(
+            &tx,
+            InstanceId::random(),
+            perspectives,
+            RewindDebounce::NONE,
+            ALL_PAIRS,
+        )
+        .await
+        .expect("pending_pairs");
+    let park = PairFailure::new("another case's stream").park(true);
+    for pair in foreign {
+        fixture
+            .store()
+            .record_failure(&tx, pair.stream_id, &pair.perspective, &park)
+            .await
+            .expect("record_failure");
+    }
+    commit(tx).await.expect("commit");
+}
+
+/// `n` fresh streams of `events` events each, in stream order, with their event ids.
+async fn streams_with<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    n: usize,
+    events: usize,
+) -> Vec<(StreamId, Vec<Uuid>)> {
+    let mut streams = Vec::new();
+    for _ in 0..n {
+        let ids = ids(events);
+        streams.push((stream_with(fixture, &ids).await, ids));
+    }
+    streams.sort();
+    streams
+}
+
+/// Records `failure` on the pair in a transaction of its own; whether it is parked.
+async fn fail<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    p: &PerspectiveName,
+    failure: PairFailure,
+) -> bool {
+    let tx = begin(fixture.source()).await;
+    let parked = fixture
+        .store()
+        .record_failure(&tx, stream, p, &failure)
+        .await
+        .expect("record_failure");
+    commit(tx).await.expect("commit");
+    parked
+}
+
+/// The fold of `events` on the claimed state, as a commit from the claimed cursor.
+fn commit_of(
+    cursor: &Cursor,
+    state: Option<&serde_json::Value>,
+    events: &[RecordedEvent],
+) -> StateCommit {
+    let mut change = StateCommit::new(
+        cursor.stream_id,
+        cursor.perspective.clone(),
+        cursor.revision,
+        folded(state, events),
+    );
+    change.last_event_id = events.last().map(|e| e.event_id);
+    change.applied_count = cursor.applied_count + events.len() as u64;
+    change.applied_events = event_ids(events);
+    change
+}
+
+/// A batch claims pairs of the requested perspectives only, and stops at its bounds: `pairs`,
+/// `events_per_pair`, `events`; with `bytes = 1` it holds exactly one event. Bad limits are
+/// `InvalidInput`.
+pub async fn a_batch_claims_only_the_requested_perspectives_within_its_limits<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let (a, b, c) = (name("BatchA"), name("BatchB"), name("NotAsked"));
+    register(&*fixture, &[a.clone(), b.clone(), c.clone()]).await;
+    isolate(&*fixture, &[a.clone(), b.clone(), c.clone()]).await;
+    let streams = streams_with(&*fixture, 3, 3).await;
+    let asked = from_start(&[a.clone(), b.clone()]);
+
+    let batch = peek_batch(&*fixture, asked.clone(), limits(4, 2, 7)).await;
+    let expected = vec![
+        (streams[0].0, a.clone(), Some(streams[0].1[..2].to_vec())),
+        (streams[1].0, a.clone(), Some(streams[1].1[..2].to_vec())),
+        (streams[2].0, a.clone(), Some(streams[2].1[..2].to_vec())),
+        // Seven events in all: one left for the fourth pair.
+        (streams[0].0, b.clone(), Some(streams[0].1[..1].to_vec())),
+    ];
+    assert_eq!(
+        work_of(&batch),
+        expected,
+        "a's pairs in stream order, then b's"
+    );
+    assert!(batch.pairs.iter().all(|p| p.cursor.perspective != c));
+    let first = &batch.pairs[0];
+    assert_eq!(first.cursor.revision, 0);
+    assert!(
+        matches!(&first.work, ClaimedWork::Apply { state: None, events } if events[0].payload["n"] == 1)
+    );
+
+    let batch = peek_batch(&*fixture, asked.clone(), limits(2, ALL_EVENTS, ALL_EVENTS)).await;
+    assert_eq!(
+        work_of(&batch),
+        vec![
+            (streams[0].0, a.clone(), Some(streams[0].1.clone())),
+            (streams[1].0, a.clone(), Some(streams[1].1.clone())),
+        ],
+        "two pairs, every event of each"
+    );
+
+    let mut tiny = limits(ALL_PAIRS, ALL_EVENTS, ALL_EVENTS);
+    tiny.bytes = 1;
+    let batch = peek_batch(&*fixture, asked.clone(), tiny).await;
+    assert_eq!(
+        work_of(&batch),
+        vec![(streams[0].0, a.clone(), Some(streams[0].1[..1].to_vec()))],
+        "one event, larger than the bound, alone"
+    );
+
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&c)),
+        limits(1, 1, 1),
+    )
+    .await;
+    assert_eq!(batch.pairs.len(), 1, "c's own batch does claim c");
+    assert_eq!(batch.pairs[0].cursor.perspective, c);
+
+    let tx = begin(fixture.source()).await;
+    for bad in [limits(0, 1, 1), limits(1, 0, 1), limits(1, 1, 0)] {
+        let mut request = BatchClaim::new(std::slice::from_ref(&a));
+        request.limits = bad;
+        let err = fixture
+            .store()
+            .claim_batch(&tx, &request)
+            .await
+            .expect_err("bad limits");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    }
+    rollback(tx).await;
+}
+
+/// Two open transactions' batches claim disjoint pairs: the second skips the rows the first
+/// holds, without waiting for it.
+pub async fn concurrent_batches_claim_disjoint_pairs_without_waiting<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("Disjoint");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 4, 2).await;
+    let all: Vec<StreamId> = streams.iter().map(|(s, _)| *s).collect();
+    let first = begin(fixture.source()).await;
+    let one = claim_batch(
+        &*fixture,
+        &first,
+        from_start(std::slice::from_ref(&p)),
+        limits(2, 10, 100),
+    )
+    .await;
+    assert_eq!(streams_of(&one), all[..2]);
+    let second = begin(fixture.source()).await;
+    let two = tokio::time::timeout(
+        Duration::from_secs(10),
+        claim_batch(
+            &*fixture,
+            &second,
+            from_start(std::slice::from_ref(&p)),
+            limits(10, 10, 100),
+        ),
+    )
+    .await
+    .expect("a batch never waits for another transaction's rows");
+    assert_eq!(
+        streams_of(&two),
+        all[2..],
+        "only the pairs the first does not hold"
+    );
+    rollback(second).await;
+    rollback(first).await;
+    let again = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(streams_of(&again), all, "every pair once both ended");
+}
+
+/// A pair under a live lease is left out of every batch, and claimed again after the release.
+pub async fn a_batch_skips_a_pair_under_a_live_lease<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
+    let p = name("BatchLeased");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 2, 1).await;
+    let (leased, free) = (streams[0].0, streams[1].0);
+    let lease = lease(&*fixture, leased, &p, &LockReason::Rewind).await;
+    renew(&*fixture, &lease).await;
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(streams_of(&batch), [free], "the leased pair is not claimed");
+    let released = fixture.locker().release(&lease.id).await.expect("release");
+    assert!(released.is_released());
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(streams_of(&batch), [leased, free]);
+}
+
+/// A pair whose failure backs it off (an hour) is left out of batches — an explicit claim still
+/// gets it; a failure retried at once does not hold its pair back.
+pub async fn a_batch_skips_a_pair_that_backs_off<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
+    let p = name("BackingOff");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 2, 1).await;
+    let (waiting, retried) = (streams[0].0, streams[1].0);
+    let hour = Duration::from_secs(3600);
+    assert!(
+        !fail(
+            &*fixture,
+            waiting,
+            &p,
+            PairFailure::new("boom").retry_after(hour)
+        )
+        .await
+    );
+    assert!(
+        !fail(
+            &*fixture,
+            retried,
+            &p,
+            PairFailure::new("boom").retry_after(Duration::ZERO)
+        )
+        .await
+    );
+    let backing_off = cursor(&*fixture, waiting, &p).await.expect("cursor");
+    let at_once = cursor(&*fixture, retried, &p).await.expect("cursor");
+    let (later, now) = (
+        backing_off.retry_at.expect("backing off"),
+        at_once.retry_at.expect("retry_at"),
+    );
+    assert!(
+        later >= now + time::Duration::minutes(59),
+        "{later} vs {now}"
+    );
+
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        streams_of(&batch),
+        [retried],
+        "only the pair retried at once"
+    );
+    let tx = begin(fixture.source()).await;
+    assert!(
+        matches!(
+            claim(&*fixture, &tx, waiting, &p, 10, RewindDebounce::NONE).await,
+            Claim::Apply { .. }
+        ),
+        "an explicit claim does not wait for the backoff"
+    );
+    rollback(tx).await;
+}
+
+/// A parked pair is left out of batches while its work keeps queueing; `parked_pairs` lists it
+/// with its error, failure count and failed event; after `unpark` (which keeps the error text)
+/// a batch claims it with all its work.
+pub async fn a_parked_pair_is_listed_and_only_claimed_again_after_unpark<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Parked");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids[..1]).await;
+    assert!(
+        !fail(
+            &*fixture,
+            stream,
+            &p,
+            PairFailure::new("first").at_event(Some(ids[0]))
+        )
+        .await
+    );
+    let failure = PairFailure::new("apply failed")
+        .at_event(Some(ids[0]))
+        .retry_after(Duration::ZERO)
+        .park(true);
+    assert!(fail(&*fixture, stream, &p, failure).await, "parked");
+
+    let asked = from_start(std::slice::from_ref(&p));
+    assert!(
+        peek_batch(&*fixture, asked.clone(), limits(10, 10, 100))
+            .await
+            .pairs
+            .is_empty()
+    );
+    append(&*fixture, stream, &[event(ids[1], 2)]).await;
+    assert_eq!(
+        pending(&*fixture, stream, &p).await,
+        ids,
+        "work keeps queueing"
+    );
+
+    let tx = begin(fixture.source()).await;
+    let parked = fixture
+        .store()
+        .parked_pairs(&tx, std::slice::from_ref(&p), ALL_PAIRS)
+        .await
+        .expect("parked_pairs");
+    let all = fixture
+        .store()
+        .parked_pairs(&tx, &[], ALL_PAIRS)
+        .await
+        .expect("parked_pairs");
+    let other = fixture
+        .store()
+        .parked_pairs(&tx, &[name("NoneParked")], ALL_PAIRS)
+        .await
+        .expect("parked_pairs");
+    rollback(tx).await;
+    let listed = parked
+        .iter()
+        .find(|c| c.stream_id == stream)
+        .expect("listed");
+    assert_eq!(listed.perspective, p);
+    assert_eq!(listed.error.as_deref(), Some("apply failed"));
+    assert_eq!(listed.failures, 2);
+    assert_eq!(listed.failed_event_id, Some(ids[0]));
+    assert!(listed.parked_at.is_some() && listed.retry_at.is_some());
+    assert!(
+        all.iter()
+            .any(|c| c.stream_id == stream && c.perspective == p),
+        "all perspectives"
+    );
+    assert!(other.is_empty());
+    assert!(
+        parked
+            .iter()
+            .all(|c| c.perspective == p && c.parked_at.is_some())
+    );
+    assert!(
+        parked.windows(2).all(|w| w[0].parked_at <= w[1].parked_at),
+        "longest parked first"
+    );
+
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .unpark(&tx, stream, &p)
+            .await
+            .expect("unpark")
+    );
+    assert!(
+        !fixture
+            .store()
+            .unpark(&tx, StreamId::new_v7(), &p)
+            .await
+            .expect("unpark"),
+        "no cursor"
+    );
+    commit(tx).await.expect("commit");
+    let retried = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (retried.parked_at, retried.retry_at, retried.failures),
+        (None, None, 0)
+    );
+    assert_eq!(
+        retried.error.as_deref(),
+        Some("apply failed"),
+        "the text stays"
+    );
+    let batch = peek_batch(&*fixture, asked, limits(10, 10, 100)).await;
+    assert_eq!(work_of(&batch), [(stream, p.clone(), Some(ids.clone()))]);
+}
+
+/// An operator's rewind request retries a parked pair: the next batch hands it out as a rewind.
+pub async fn a_rewind_request_retries_a_parked_pair<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
+    let p = name("ParkedRewound");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(1);
+    let stream = stream_with(&*fixture, &ids).await;
+    let hour = Duration::from_secs(3600);
+    assert!(
+        fail(
+            &*fixture,
+            stream,
+            &p,
+            PairFailure::new("boom").retry_after(hour).park(true)
+        )
+        .await
+    );
+    let asked = from_start(std::slice::from_ref(&p));
+    assert!(
+        peek_batch(&*fixture, asked.clone(), limits(10, 10, 100))
+            .await
+            .pairs
+            .is_empty()
+    );
+    request(&*fixture, stream, &p, None).await;
+    let after = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (after.parked_at, after.retry_at, after.failures),
+        (None, None, 0)
+    );
+    let batch = peek_batch(&*fixture, asked, limits(10, 10, 100)).await;
+    assert_eq!(work_of(&batch), [(stream, p.clone(), None)]);
+}
+
+/// With `pairs = 1` and the returned positions passed back, successive batches hand out the
+/// pairs in stream order and wrap round to the first.
+pub async fn batch_positions_go_round_the_pairs_in_stream_order<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("Rotating");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams: Vec<StreamId> = streams_with(&*fixture, 3, 1)
+        .await
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    let mut positions = from_start(std::slice::from_ref(&p));
+    for expected in [streams[0], streams[1], streams[2], streams[0], streams[1]] {
+        let batch = peek_batch(&*fixture, positions, limits(1, 10, 100)).await;
+        assert_eq!(streams_of(&batch), [expected]);
+        assert_eq!(
+            batch.positions,
+            [(p.clone(), Some(expected))],
+            "stopped at the claimed pair"
+        );
+        positions = batch.positions;
+    }
+}
+
+/// A batch looks at no more than `scan` pairs: when the first pairs in stream order are all
+/// parked, it comes back empty with its position moved past the ones it looked at, and the next
+/// claim from there reaches the healthy pair.
+pub async fn the_scan_bound_moves_the_position_past_pairs_it_cannot_serve<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Scanned");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    // Streams of one random 64-bit prefix: no other stream sorts between them.
+    let prefix = Uuid::new_v4().as_u64_pair().0;
+    let stream = |i: u64| StreamId::from_uuid(Uuid::from_u64_pair(prefix, i));
+    for i in 1..=4 {
+        append(&*fixture, stream(i), &[event(Uuid::now_v7(), 1)]).await;
+    }
+    for i in 1..=3 {
+        assert!(
+            fail(
+                &*fixture,
+                stream(i),
+                &p,
+                PairFailure::new("boom").park(true)
+            )
+            .await
+        );
+    }
+    let mut bounded = limits(1, 10, 100);
+    bounded.scan = 2;
+    let batch = peek_batch(&*fixture, vec![(p.clone(), Some(stream(0)))], bounded).await;
+    assert!(
+        batch.pairs.is_empty(),
+        "two parked pairs looked at: {batch:?}"
+    );
+    assert_eq!(
+        batch.positions,
+        [(p.clone(), Some(stream(2)))],
+        "moved past them"
+    );
+    let batch = peek_batch(&*fixture, batch.positions, bounded).await;
+    assert_eq!(streams_of(&batch), [stream(4)], "the healthy pair");
+    assert_eq!(batch.positions, [(p.clone(), Some(stream(4)))]);
+}
+
+/// `commit_batch` commits every entry in one call and reports each: a commit; a commit with a
+/// stale expected revision, refused alone (`Conflict`, nothing of it written); one under a lost
+/// lease (`LeaseLost`); the events before a failing one committed with the failure stored;
+/// a failure alone, parking its pair.
+pub async fn commit_batch_commits_each_entry_and_refuses_a_stale_one_alone<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("BatchCommit");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 5, 3).await;
+    let (ok, stale, fenced, partial, failed) = (
+        &streams[0],
+        &streams[1],
+        &streams[2],
+        &streams[3],
+        &streams[4],
+    );
+    let lost = lease(&*fixture, fenced.0, &p, &LockReason::Rewind).await;
+    let released = fixture.locker().release(&lost.id).await.expect("release");
+    assert!(released.is_released());
+
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        &*fixture,
+        &tx,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        streams_of(&batch),
+        streams.iter().map(|(s, _)| *s).collect::<Vec<_>>()
+    );
+    let mut entries = Vec::new();
+    for claimed in &batch.pairs {
+        let ClaimedWork::Apply { state, events } = &claimed.work else {
+            panic!("expected events to apply");
+        };
+        let cursor = &claimed.cursor;
+        let pair = cursor.pair();
+        let stream = cursor.stream_id;
+        let entry = if stream == ok.0 {
+            BatchEntry::new(pair, Some(commit_of(cursor, state.as_ref(), events)), None)
+        } else if stream == stale.0 {
+            let mut change = commit_of(cursor, state.as_ref(), events);
+            change.expected_revision = cursor.revision + 1;
+            BatchEntry::new(pair, Some(change), None)
+        } else if stream == fenced.0 {
+            let mut change = commit_of(cursor, state.as_ref(), events);
+            change.fence = Some(lost.id.clone());
+            BatchEntry::new(pair, Some(change), None)
+        } else if stream == partial.0 {
+            let failure = PairFailure::new("apply failed at the second event")
+                .at_event(Some(events[1].event_id))
+                .retry_after(Duration::from_secs(3600));
+            BatchEntry::new(
+                pair,
+                Some(commit_of(cursor, state.as_ref(), &events[..1])),
+                Some(failure),
+            )
+        } else {
+            let failure = PairFailure::new("apply failed at once")
+                .at_event(Some(events[0].event_id))
+                .park(true);
+            BatchEntry::new(pair, None, Some(failure))
+        };
+        entries.push(entry);
+    }
+    let done = fixture
+        .store()
+        .commit_batch(&tx, &entries)
+        .await
+        .expect("commit_batch");
+    let revision = batch.pairs[0].cursor.revision + 1;
+    assert_eq!(
+        done,
+        [
+            BatchCommitted::Committed {
+                revision,
+                parked: false
+            },
+            BatchCommitted::Refused(ErrorKind::Conflict),
+            BatchCommitted::Refused(ErrorKind::LeaseLost),
+            BatchCommitted::Committed {
+                revision: batch.pairs[3].cursor.revision + 1,
+                parked: false
+            },
+            BatchCommitted::FailureRecorded { parked: true },
+        ]
+    );
+    commit(tx).await.expect("commit");
+
+    let (after, stored) = state(&*fixture, ok.0, &p).await.expect("cursor");
+    assert_eq!(
+        (after.revision, after.last_event_id),
+        (revision, Some(ok.1[2]))
+    );
+    assert_eq!(stored, Some(serde_json::json!({ "sum": 6 })));
+    assert!(pending(&*fixture, ok.0, &p).await.is_empty());
+    for untouched in [stale, fenced] {
+        let (after, stored) = state(&*fixture, untouched.0, &p).await.expect("cursor");
+        assert_eq!(
+            (after.last_event_id, after.applied_count, stored),
+            (None, 0, None)
+        );
+        assert_eq!((after.error, after.failures), (None, 0));
+        assert_eq!(
+            pending(&*fixture, untouched.0, &p).await,
+            untouched.1,
+            "nothing written"
+        );
+    }
+    let (after, stored) = state(&*fixture, partial.0, &p).await.expect("cursor");
+    assert_eq!(
+        (after.last_event_id, after.applied_count),
+        (Some(partial.1[0]), 1)
+    );
+    assert_eq!(stored, Some(serde_json::json!({ "sum": 1 })));
+    assert_eq!(
+        after.error.as_deref(),
+        Some("apply failed at the second event")
+    );
+    assert_eq!(
+        (after.failures, after.failed_event_id),
+        (1, Some(partial.1[1]))
+    );
+    assert!(after.retry_at.is_some() && after.parked_at.is_none());
+    assert_eq!(pending(&*fixture, partial.0, &p).await, partial.1[1..]);
+    let after = cursor(&*fixture, failed.0, &p).await.expect("cursor");
+    assert_eq!(
+        (after.failures, after.failed_event_id),
+        (1, Some(failed.1[0]))
+    );
+    assert!(after.parked_at.is_some());
+    assert_eq!(pending(&*fixture, failed.0, &p).await, failed.1);
+
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        streams_of(&batch),
+        [stale.0, fenced.0],
+        "not the backing-off and the parked pair, nor the one without work"
+    );
+}
+
+/// A batch commit with one bad entry — a commit of another pair, a state that cannot be
+/// stored, neither commit nor failure — is `InvalidInput` and writes none of its entries.
+pub async fn an_invalid_batch_entry_writes_nothing_of_any_entry<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("BatchInvalid");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 2, 1).await;
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        &*fixture,
+        &tx,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    let commits: Vec<(Pair, StateCommit)> = batch
+        .pairs
+        .iter()
+        .map(|c| {
+            let ClaimedWork::Apply { state, events } = &c.work else {
+                panic!("expected events to apply");
+            };
+            (
+                c.cursor.pair(),
+                commit_of(&c.cursor, state.as_ref(), events),
+            )
+        })
+        .collect();
+    assert_eq!(commits.len(), 2);
+    let good = BatchEntry::new(commits[0].0.clone(), Some(commits[0].1.clone()), None);
+    let mut unstorable = commits[1].1.clone();
+    unstorable.state = serde_json::json!({ "note": "a\u{0}b" });
+    let bad = [
+        BatchEntry::new(commits[1].0.clone(), Some(commits[0].1.clone()), None),
+        BatchEntry::new(commits[1].0.clone(), Some(unstorable), None),
+        BatchEntry::new(commits[1].0.clone(), None, None),
+    ];
+    for bad in bad {
+        let err = fixture
+            .store()
+            .commit_batch(&tx, &[good.clone(), bad.clone()])
+            .await
+            .expect_err("a bad entry");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{bad:?}: {err}");
+    }
+    commit(tx).await.expect("still usable");
+    for (stream, ids) in &streams {
+        let (after, stored) = state(&*fixture, *stream, &p).await.expect("cursor");
+        assert_eq!(
+            (after.revision, after.last_event_id, stored),
+            (0, None, None)
+        );
+        assert_eq!(
+            &pending(&*fixture, *stream, &p).await,
+            ids,
+            "nothing written"
+        );
+    }
+}
+
+/// A successful commit — by `commit_state` or in a batch — clears the pair's error, failure
+/// count, failed event, backoff and parking.
+pub async fn a_successful_commit_clears_the_error_the_backoff_and_the_parking<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Healed");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 2, 1).await;
+    let hour = Duration::from_secs(3600);
+    for (i, (stream, ids)) in streams.iter().enumerate() {
+        let failure = PairFailure::new("boom")
+            .at_event(Some(ids[0]))
+            .retry_after(hour)
+            .park(true);
+        assert!(fail(&*fixture, *stream, &p, failure).await);
+        let failed = cursor(&*fixture, *stream, &p).await.expect("cursor");
+        assert!(failed.parked_at.is_some() && failed.retry_at.is_some());
+        assert_eq!((failed.failures, failed.failed_event_id), (1, Some(ids[0])));
+
+        // An explicit claim does not wait for the parking.
+        let tx = begin(fixture.source()).await;
+        let Claim::Apply {
+            cursor: claimed,
+            state,
+            events,
+        } = claim(&*fixture, &tx, *stream, &p, 10, RewindDebounce::NONE).await
+        else {
+            panic!("expected events to apply");
+        };
+        let change = commit_of(&claimed, state.as_ref(), &events);
+        if i == 0 {
+            fixture
+                .store()
+                .commit_state(&tx, &change)
+                .await
+                .expect("commit_state");
+        } else {
+            let done = fixture
+                .store()
+                .commit_batch(&tx, &[BatchEntry::new(claimed.pair(), Some(change), None)])
+                .await
+                .expect("commit_batch");
+            assert_eq!(
+                done,
+                [BatchCommitted::Committed {
+                    revision: claimed.revision + 1,
+                    parked: false
+                }]
+            );
+        }
+        commit(tx).await.expect("commit");
+        let healed = cursor(&*fixture, *stream, &p).await.expect("cursor");
+        assert_eq!(
+            (healed.error, healed.failures, healed.failed_event_id),
+            (None, 0, None)
+        );
+        assert_eq!((healed.retry_at, healed.parked_at), (None, None));
+    }
+}
+
+/// In a batch, a late arrival is handed out as a rewind (the request is kept by committing),
+/// held back inside the debounce window (request kept too), and a rewind request on a pair
+/// with no pending work is handed out as a rewind.
+pub async fn a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("BatchRewind");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let (late_ids, idle_ids) = (ids(2), ids(1));
+    let late = stream_with(&*fixture, &late_ids[1..]).await;
+    let idle = stream_with(&*fixture, &idle_ids).await;
+    apply(&*fixture, late, &p, ALL_EVENTS, false).await;
+    apply(&*fixture, idle, &p, ALL_EVENTS, false).await;
+    append(&*fixture, late, &[event(late_ids[0], 5)]).await;
+    let asked = from_start(std::slice::from_ref(&p));
+
+    let mut debounced = BatchClaim::new(std::slice::from_ref(&p));
+    debounced.debounce = HOUR;
+    debounced.limits = limits(10, 10, 100);
+    let tx = begin(fixture.source()).await;
+    let batch = fixture
+        .store()
+        .claim_batch(&tx, &debounced)
+        .await
+        .expect("claim_batch");
+    assert!(
+        batch.pairs.is_empty(),
+        "held back inside the window: {batch:?}"
+    );
+    commit(tx).await.expect("commit");
+    assert_eq!(
+        trigger(&*fixture, late, &p).await,
+        Some(late_ids[0]),
+        "flagged"
+    );
+
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(&*fixture, &tx, asked.clone(), limits(10, 10, 100)).await;
+    assert_eq!(work_of(&batch), [(late, p.clone(), None)]);
+    let flagged = batch.pairs[0].cursor.rewind.expect("a rewind request");
+    assert_eq!(flagged.trigger, late_ids[0]);
+    commit(tx).await.expect("commit");
+    assert_eq!(
+        pending(&*fixture, late, &p).await,
+        late_ids[..1],
+        "work kept"
+    );
+
+    request(&*fixture, idle, &p, None).await;
+    assert!(pending(&*fixture, idle, &p).await.is_empty());
+    let mut streams = vec![late, idle];
+    streams.sort();
+    let batch = peek_batch(&*fixture, asked, limits(10, 10, 100)).await;
+    let mut rewinds: Vec<StreamId> = work_of(&batch)
+        .into_iter()
+        .map(|(s, _, events)| {
+            assert_eq!(events, None, "a rewind");
+            s
+        })
+        .collect();
+    rewinds.sort();
+    assert_eq!(rewinds, streams, "both requests, the one without work too");
+}
+
+/// `skip_event` skips a pending event for good: recorded with its reason, its work item gone,
+/// the pair retried (unparked, no backoff); it changes nothing for an event that is not
+/// pending. A purge keeps the skipped events, deleting the cursor deletes them.
+pub async fn skip_event_skips_a_pending_event_for_good_and_retries_the_pair<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Skipping");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids).await;
+    let failure = PairFailure::new("poison")
+        .at_event(Some(ids[0]))
+        .retry_after(Duration::from_secs(3600))
+        .park(true);
+    assert!(fail(&*fixture, stream, &p, failure).await);
+
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .skip_event(&tx, stream, &p, ids[0], "poison payload")
+            .await
+            .expect("skip_event")
+    );
+    commit(tx).await.expect("commit");
+    assert_eq!(
+        pending(&*fixture, stream, &p).await,
+        ids[1..],
+        "its work item is gone"
+    );
+    let retried = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (retried.parked_at, retried.retry_at, retried.failures),
+        (None, None, 0)
+    );
+    let recorded = skipped(&*fixture, stream, &p).await;
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(
+        (recorded[0].event_id, recorded[0].reason.as_str()),
+        (ids[0], "poison payload")
+    );
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        work_of(&batch),
+        [(stream, p.clone(), Some(ids[1..].to_vec()))]
+    );
+
+    assert!(fail(&*fixture, stream, &p, PairFailure::new("again").park(true)).await);
+    let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let tx = begin(fixture.source()).await;
+    for not_pending in [ids[0], Uuid::now_v7()] {
+        assert!(
+            !fixture
+                .store()
+                .skip_event(&tx, stream, &p, not_pending, "nothing")
+                .await
+                .expect("skip_event"),
+            "not pending"
+        );
+    }
+    commit(tx).await.expect("commit");
+    assert_eq!(
+        cursor(&*fixture, stream, &p).await,
+        Some(before),
+        "nothing changed"
+    );
+    assert_eq!(skipped(&*fixture, stream, &p).await.len(), 1);
+    assert_eq!(pending(&*fixture, stream, &p).await, ids[1..]);
+
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .purge(&tx, stream, &p, None)
+        .await
+        .expect("purge");
+    commit(tx).await.expect("commit");
+    let purged = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (purged.error, purged.failures, purged.failed_event_id),
+        (None, 0, None)
+    );
+    assert_eq!((purged.retry_at, purged.parked_at), (None, None));
+    assert_eq!(
+        skipped(&*fixture, stream, &p).await.len(),
+        1,
+        "a purge keeps them"
+    );
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .delete_cursor(&tx, stream, &p)
+            .await
+            .expect("delete")
+    );
+    commit(tx).await.expect("commit");
+    assert!(
+        skipped(&*fixture, stream, &p).await.is_empty(),
+        "deleted with the cursor"
+    );
+}
+
+/// The committed skipped events of a pair.
+async fn skipped<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    stream: StreamId,
+    p: &PerspectiveName,
+) -> Vec<SkippedEvent> {
+    let tx = begin(fixture.source()).await;
+    let skipped = fixture
+        .store()
+        .skipped_events(&tx, stream, p)
+        .await
+        .expect("skipped_events");
+    rollback(tx).await;
+    skipped
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`perspective_store_conformance!`](crate::perspective_store_conformance): a test per case.
 pub async fn run_all<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
@@ -1845,6 +2894,19 @@ macro_rules! __lockstep_perspective_store_cases {
             ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair,
             a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing,
             a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_writes_nothing,
+            a_batch_claims_only_the_requested_perspectives_within_its_limits,
+            concurrent_batches_claim_disjoint_pairs_without_waiting,
+            a_batch_skips_a_pair_under_a_live_lease,
+            a_batch_skips_a_pair_that_backs_off,
+            a_parked_pair_is_listed_and_only_claimed_again_after_unpark,
+            a_rewind_request_retries_a_parked_pair,
+            batch_positions_go_round_the_pairs_in_stream_order,
+            the_scan_bound_moves_the_position_past_pairs_it_cannot_serve,
+            commit_batch_commits_each_entry_and_refuses_a_stale_one_alone,
+            an_invalid_batch_entry_writes_nothing_of_any_entry,
+            a_successful_commit_clears_the_error_the_backoff_and_the_parking,
+            a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
+            skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
         ] }
     };
 }
