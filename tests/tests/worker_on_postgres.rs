@@ -483,7 +483,7 @@ async fn a_backoff_stored_by_one_instance_holds_every_instance_back() {
     assert_eq!(report.failed, 1, "{report:?}");
     let cursor = s.cursor(stream).await;
     assert!(
-        cursor.retry_at.is_some_and(|at| at > time::OffsetDateTime::now_utc() + Duration::from_secs(3000)),
+        cursor.retry_at.is_some_and(|at| at > lockstep_core::OffsetDateTime::now_utc() + Duration::from_secs(3000)),
         "{cursor:?}"
     );
     let mut registry = PerspectiveRegistry::new();

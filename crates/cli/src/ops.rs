@@ -511,17 +511,10 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
         } => {
             let name = perspective(&name)?;
             let tx = source.begin().await.map_err(explain)?;
-            // A parked pair is never claimed: the operator's rewind retries it too.
-            let requested = async {
-                let requested = store
-                    .request_rewind(&tx, StreamId::from_uuid(stream), &name, from)
-                    .await?;
-                if requested {
-                    store.unpark(&tx, StreamId::from_uuid(stream), &name).await?;
-                }
-                Ok::<_, lockstep_core::Error>(requested)
-            }
-            .await;
+            // Also a retry: a parked pair's parking is cleared (the store's rule).
+            let requested = store
+                .request_rewind(&tx, StreamId::from_uuid(stream), &name, from)
+                .await;
             let requested = match requested {
                 Ok(r) => {
                     tx.commit().await.map_err(explain)?;

@@ -270,6 +270,10 @@ async fn gauges(shared: &Shared) -> Result<()> {
             .set(get("lag_s"));
         metrics::gauge!("lockstep_perspective_rewinds_pending", "perspective" => name.clone())
             .set(get("rewinds_pending"));
+        metrics::gauge!("lockstep_perspective_pairs_parked", "perspective" => name.clone())
+            .set(get("parked"));
+        metrics::gauge!("lockstep_perspective_pairs_backing_off", "perspective" => name.clone())
+            .set(get("backing_off"));
         metrics::gauge!("lockstep_perspective_pairs_in_error", "perspective" => name)
             .set(p["pairs_in_error"].as_array().map_or(0, Vec::len) as f64);
     }

@@ -724,7 +724,10 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
     /// Requests a rewind of the pair from `from` (from the start when `None`); a request with a
-    /// later trigger is moved earlier, never later. `Ok(false)` when the pair has no cursor.
+    /// later trigger is moved earlier, never later. It is also a retry: a parked or backing-off
+    /// pair's parking, backoff and failure count are cleared (as by
+    /// [`PerspectiveStore::unpark`]), so the next batch serves it. `Ok(false)` when the pair has
+    /// no cursor.
     fn request_rewind<'a>(
         &'a self,
         tx: &'a Tx,

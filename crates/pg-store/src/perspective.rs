@@ -228,7 +228,8 @@ SELECT count(*) FROM w";
         "SELECT lockstep_perspective_save_snapshot($1, $2, $3, $4, $5, $6)";
 
     /// Sets the rewind request to `$3`, or moves it earlier; the window restarts when it
-    /// moves. No row: no cursor.
+    /// moves. An operator's rewind is also a retry: parking, backoff and failure count are
+    /// cleared. No row: no cursor.
     pub const REQUEST_REWIND: &str = "\
 WITH n AS (SELECT clock_timestamp() AS now)
 UPDATE wh_perspective_cursors k
@@ -238,7 +239,8 @@ UPDATE wh_perspective_cursors k
                                 THEN n.now ELSE k.rewind_flagged_at END,
        rewind_first_flagged_at = CASE WHEN k.rewind_trigger_event_id IS NULL
                                       THEN n.now ELSE k.rewind_first_flagged_at END,
-       status = k.status | 1
+       status = k.status | 1,
+       parked_at = NULL, retry_at = NULL, failures = 0
   FROM n
  WHERE k.stream_id = $1 AND k.perspective_name = $2
 RETURNING k.revision";

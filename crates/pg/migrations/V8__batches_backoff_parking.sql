@@ -286,9 +286,11 @@ $$;
 --   kind 'event'    its events in event-id order (event columns set);
 --   kind 'position' where the walk of perspective_name stopped (stream_id; NULL: none looked at
 --                   and no position given).
--- First the pairs with a rewind request and no work needed (oldest request first), then each
--- perspective's pairs with work in stream order from its position, wrapping round once. At
--- most p_scan pairs are looked at, p_max_pairs claimed, p_max_events events and p_max_bytes
+-- First the pairs with a rewind request and no work needed (oldest request first; not counted
+-- as looked at), then each perspective's pairs with work in stream order from its position,
+-- wrapping round once (a pair that does not fit the bytes left ends the batch and keeps the
+-- position: the next claim starts with it). At most p_scan pairs are looked at, p_max_pairs
+-- claimed, p_max_events events and p_max_bytes
 -- bytes (pg_column_size of payloads and states) handed out; the batch's first event is always
 -- handed out, whatever its size.
 CREATE OR REPLACE FUNCTION lockstep_perspective_claim_batch(
@@ -343,6 +345,7 @@ DECLARE
     name_       text;
     start_      uuid;
     pos         uuid;
+    prev_pos    uuid;
     wrapped     boolean;
     cand        uuid;
     rq          record;
@@ -364,10 +367,9 @@ BEGIN
            AND (k.rewind_flagged_at + p_debounce_us * interval '1 microsecond' <= clock_timestamp()
                 OR coalesce(k.rewind_first_flagged_at, k.rewind_flagged_at)
                    + p_debounce_max_us * interval '1 microsecond' <= clock_timestamp())
-         ORDER BY k.rewind_flagged_at
-         LIMIT least(p_max_pairs, p_scan)
+         ORDER BY k.rewind_flagged_at, k.stream_id, k.perspective_name COLLATE "C"
+         LIMIT p_max_pairs
     LOOP
-        scanned := scanned + 1;
         SELECT * INTO res FROM lockstep_perspective_try_claim(rq.s, rq.p, p_debounce_us,
                                                               p_debounce_max_us) t;
         CONTINUE WHEN res.verdict <> 'rewind';
@@ -415,9 +417,11 @@ BEGIN
                 CONTINUE;
             END IF;
             pos := cand;
+            -- A pair this batch already holds (its rewind) is passed over, not counted.
+            CONTINUE WHEN (cand::text || '/' || name_) = ANY (taken);
+            prev_pos := positions[i];
             positions[i] := cand;
             scanned := scanned + 1;
-            CONTINUE WHEN (cand::text || '/' || name_) = ANY (taken);
             SELECT * INTO res FROM lockstep_perspective_try_claim(cand, name_, p_debounce_us,
                                                                   p_debounce_max_us) t;
             CONTINUE WHEN res.verdict IN ('skip', 'idle');
@@ -464,6 +468,8 @@ BEGIN
                     -- The batch's first event always goes; a later pair only if its state and
                     -- first event fit.
                     IF events_left < p_max_events AND st_bytes + ev.size > bytes_left THEN
+                        -- The next claim starts with this pair.
+                        positions[i] := prev_pos;
                         full_ := true;
                         EXIT;
                     END IF;

@@ -405,18 +405,17 @@ async fn a_failing_rewind_keeps_the_request_and_the_work_releases_the_lease_and_
         "keepalive stopped"
     );
     assert_eq!(world.pending(bad).await, vec![late], "the work stays");
+    assert!(cursor.retry_at.is_some(), "the backoff is stored on the cursor");
+    let report = worker.run_once().await;
     assert_eq!(
-        worker.process_pair(bad, &fold()).await.expect("process"),
-        PairOutcome::Skipped(SkipReason::BackingOff)
+        (report.failed, report.rewinds),
+        (0, 0),
+        "backing off: not claimed ({report:?})"
     );
+    assert_eq!(world.cursor(bad).await.failures, 1);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        matches!(
-            worker.process_pair(bad, &fold()).await.expect("process"),
-            PairOutcome::Failed { .. }
-        ),
-        "retried after the backoff"
-    );
+    let report = worker.run_once().await;
+    assert_eq!(report.failed, 1, "retried after the backoff: {report:?}");
     assert_eq!(world.cursor(bad).await.failures, 2);
 }
 
