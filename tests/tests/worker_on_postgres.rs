@@ -411,7 +411,10 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
         assert_eq!(cursor.failures, 2);
         assert!(cursor.failed_event_id.is_some());
         assert!(
-            cursor.error.as_deref().is_some_and(|e| e.contains("not a number") || e.contains("apply failed")),
+            cursor
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("not a number") || e.contains("apply failed")),
             "{:?}",
             cursor.error
         );
@@ -421,7 +424,11 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
     s.numbers(healthy[0], [100]).await;
     s.drain().await;
     assert_eq!(s.state(healthy[0]).await, Some(vec![0, 100]));
-    assert_eq!(s.state(failing[0]).await, Some(vec![1]), "parked: not claimed");
+    assert_eq!(
+        s.state(failing[0]).await,
+        Some(vec![1]),
+        "parked: not claimed"
+    );
     assert_eq!(s.parked().await, 70);
 
     // Skipping the failing event (recorded, never silent) retries the pair: the rest is applied.
@@ -439,14 +446,20 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
     s.drain().await;
     assert_eq!(s.state(failing[0]).await, Some(vec![1, 3, 4]));
     let cursor = s.cursor(failing[0]).await;
-    assert!(cursor.parked_at.is_none() && cursor.error.is_none(), "{cursor:?}");
+    assert!(
+        cursor.parked_at.is_none() && cursor.error.is_none(),
+        "{cursor:?}"
+    );
     let tx = PgTransaction::begin(&s.pool).await.expect("begin");
     let skipped = store
         .skipped_events(&tx, failing[0], &numbers_name())
         .await
         .expect("skipped");
     assert_eq!(skipped.len(), 1);
-    assert_eq!((skipped[0].event_id, skipped[0].reason.as_str()), (bad, "garbled import"));
+    assert_eq!(
+        (skipped[0].event_id, skipped[0].reason.as_str()),
+        (bad, "garbled import")
+    );
     // A rewind from the start leaves the skipped event out too.
     assert!(
         store
@@ -461,10 +474,18 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
 
     // Retrying a parked pair without fixing it: it fails again, counted from zero.
     let tx = PgTransaction::begin(&s.pool).await.expect("begin");
-    assert!(store.unpark(&tx, failing[1], &numbers_name()).await.expect("unpark"));
+    assert!(
+        store
+            .unpark(&tx, failing[1], &numbers_name())
+            .await
+            .expect("unpark")
+    );
     tx.commit().await.expect("commit");
     let cursor = s.cursor(failing[1]).await;
-    assert!(cursor.parked_at.is_none() && cursor.failures == 0, "{cursor:?}");
+    assert!(
+        cursor.parked_at.is_none() && cursor.failures == 0,
+        "{cursor:?}"
+    );
     s.cycle_until(50, async |s| s.cursor(failing[1]).await.parked_at.is_some())
         .await;
 }
@@ -483,7 +504,9 @@ async fn a_backoff_stored_by_one_instance_holds_every_instance_back() {
     assert_eq!(report.failed, 1, "{report:?}");
     let cursor = s.cursor(stream).await;
     assert!(
-        cursor.retry_at.is_some_and(|at| at > lockstep_core::OffsetDateTime::now_utc() + Duration::from_secs(3000)),
+        cursor.retry_at.is_some_and(
+            |at| at > lockstep_core::OffsetDateTime::now_utc() + Duration::from_secs(3000)
+        ),
         "{cursor:?}"
     );
     let mut registry = PerspectiveRegistry::new();
@@ -539,7 +562,12 @@ async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
     let stream = StreamId::new_v7();
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     PgEventStore::new(&PgDatabase::from_pool(pool.clone()))
-        .append(&tx, stream, ExpectedVersion::Any, &(0..600).map(number_event).collect::<Vec<_>>())
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::Any,
+            &(0..600).map(number_event).collect::<Vec<_>>(),
+        )
         .await
         .expect("append");
     tx.commit().await.expect("commit");
@@ -557,7 +585,10 @@ async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
             .expect("cursor")
             .get(0);
         if applied == 600 {
-            assert!(batch_failures >= 1, "the first batch (600 events × 3 ms) outlived the 1 s timeout");
+            assert!(
+                batch_failures >= 1,
+                "the first batch (600 events × 3 ms) outlived the 1 s timeout"
+            );
             let failures: i32 = client
                 .query_one(
                     "SELECT failures FROM wh_perspective_cursors WHERE stream_id = $1",

@@ -613,8 +613,16 @@ async fn parking(
             limit,
             json,
         } => {
-            let names: Vec<PerspectiveName> = name.as_deref().map(perspective).transpose()?.into_iter().collect();
-            let parked = store.parked_pairs(&tx, &names, limit).await.map_err(explain)?;
+            let names: Vec<PerspectiveName> = name
+                .as_deref()
+                .map(perspective)
+                .transpose()?
+                .into_iter()
+                .collect();
+            let parked = store
+                .parked_pairs(&tx, &names, limit)
+                .await
+                .map_err(explain)?;
             let rows: Vec<serde_json::Value> = parked
                 .iter()
                 .map(|c| {
@@ -692,7 +700,9 @@ async fn parking(
                 .await
                 .map_err(explain)?
             {
-                say!("skipped event {event} of {stream}/{name} (recorded: {reason}); the pair is retried");
+                say!(
+                    "skipped event {event} of {stream}/{name} (recorded: {reason}); the pair is retried"
+                );
                 ExitCode::SUCCESS
             } else {
                 eprintln!("event {event} is not pending work of {stream}/{name}: nothing skipped");

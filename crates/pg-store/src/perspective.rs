@@ -415,11 +415,23 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             Some("busy") => Ok(Claim::Busy),
             Some("idle") => Ok(Claim::Idle),
             Some("rewind") => Ok(Claim::Rewind {
-                cursor: decode_cursor(header, CLAIM_CURSOR_AT, CLAIM_EXTRA_AT, stream_id, perspective)?,
+                cursor: decode_cursor(
+                    header,
+                    CLAIM_CURSOR_AT,
+                    CLAIM_EXTRA_AT,
+                    stream_id,
+                    perspective,
+                )?,
             }),
             Some("apply") if event_rows.is_empty() => Ok(Claim::Idle),
             Some("apply") => Ok(Claim::Apply {
-                cursor: decode_cursor(header, CLAIM_CURSOR_AT, CLAIM_EXTRA_AT, stream_id, perspective)?,
+                cursor: decode_cursor(
+                    header,
+                    CLAIM_CURSOR_AT,
+                    CLAIM_EXTRA_AT,
+                    stream_id,
+                    perspective,
+                )?,
                 state: header.try_get(CLAIM_STATE_AT).map_err(decode_error)?,
                 events: event_rows
                     .iter()

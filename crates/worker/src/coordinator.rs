@@ -43,13 +43,7 @@ impl ApplyCoordinator {
     /// Waits for the pair's apply lock. Cancel-safe: dropping the future gives up the wait.
     pub async fn lock(&self, stream_id: StreamId, perspective: &PerspectiveName) -> PairGuard {
         let key = (stream_id, perspective.clone());
-        let mutex = {
-            let mut locks = self
-                .locks
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            Arc::clone(locks.entry(key.clone()).or_default())
-        };
+        let mutex = self.mutex(&key);
         let acquire = Arc::clone(&mutex).lock_owned();
         tokio::pin!(acquire);
         let guard = tokio::select! {
@@ -74,16 +68,13 @@ impl ApplyCoordinator {
     /// The pair's apply lock if nobody holds it now (a batch leaves a pair that another task
     /// of the instance is working on to that task instead of waiting for it while holding
     /// the rest of its batch).
-    pub fn try_lock(&self, stream_id: StreamId, perspective: &PerspectiveName) -> Option<PairGuard> {
+    pub fn try_lock(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Option<PairGuard> {
         let key = (stream_id, perspective.clone());
-        let mutex = {
-            let mut locks = self
-                .locks
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            Arc::clone(locks.entry(key.clone()).or_default())
-        };
-        let guard = mutex.try_lock_owned().ok();
+        let guard = self.mutex(&key).try_lock_owned().ok();
         let guard = guard.map(|guard| PairGuard {
             _guard: guard,
             key: key.clone(),
@@ -101,6 +92,15 @@ impl ApplyCoordinator {
             }
         }
         guard
+    }
+
+    /// The pair's mutex, entered in the map if it has none.
+    fn mutex(&self, key: &Key) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self
+            .locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Arc::clone(locks.entry(key.clone()).or_default())
     }
 
     /// Pairs with a lock entry (held or recently used); for tests.
@@ -150,5 +150,23 @@ mod tests {
         assert!(again.is_ok(), "free again after the holder dropped");
         drop(again);
         assert_eq!(c.tracked(), 0, "no entry outlives its last user");
+    }
+
+    #[tokio::test]
+    async fn try_lock_takes_a_free_pair_refuses_a_held_one_and_leaves_no_entry_behind() {
+        let coordinator = ApplyCoordinator::new(Duration::from_secs(5));
+        let (stream, name) = (
+            StreamId::new_v7(),
+            PerspectiveName::new("P").expect("valid"),
+        );
+        let held = coordinator.lock(stream, &name).await;
+        assert!(coordinator.try_lock(stream, &name).is_none(), "held");
+        assert_eq!(coordinator.tracked(), 1);
+        drop(held);
+        assert_eq!(coordinator.tracked(), 0, "the failed try left no entry");
+        let guard = coordinator.try_lock(stream, &name).expect("free");
+        assert!(coordinator.try_lock(stream, &name).is_none());
+        drop(guard);
+        assert_eq!(coordinator.tracked(), 0);
     }
 }

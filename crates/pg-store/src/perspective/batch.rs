@@ -15,8 +15,8 @@ use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 use super::{
-    BATCH_CURSOR_AT, BATCH_EVENT_AT, BATCH_STATE_AT, V7_CURSOR_COLUMNS, backoff_micros,
-    check_json, count_param, decode_cursor, decode_error, fence_params, micros, sql,
+    BATCH_CURSOR_AT, BATCH_EVENT_AT, BATCH_STATE_AT, V7_CURSOR_COLUMNS, backoff_micros, check_json,
+    count_param, decode_cursor, decode_error, fence_params, micros, sql,
 };
 
 /// A pair being decoded: its cursor row and the events that follow it.
@@ -116,7 +116,9 @@ pub(super) async fn claim<T: PgTransactionRef>(
                     StreamId::from_uuid(stream.ok_or_else(|| unexpected("a pair without stream"))?);
                 let cursor = pair_cursor(row, stream, &name)?;
                 if kind == "rewind" {
-                    batch.pairs.push(ClaimedPair::new(cursor, ClaimedWork::Rewind));
+                    batch
+                        .pairs
+                        .push(ClaimedPair::new(cursor, ClaimedWork::Rewind));
                 } else {
                     open = Some(Open {
                         cursor,
@@ -137,7 +139,11 @@ pub(super) async fn claim<T: PgTransactionRef>(
     Ok(batch)
 }
 
-fn pair_cursor(row: &Row, stream: StreamId, name: &PerspectiveName) -> Result<lockstep_core::Cursor> {
+fn pair_cursor(
+    row: &Row,
+    stream: StreamId,
+    name: &PerspectiveName,
+) -> Result<lockstep_core::Cursor> {
     decode_cursor(
         row,
         BATCH_CURSOR_AT,
@@ -206,7 +212,10 @@ pub(super) async fn commit<T: PgTransactionRef>(
                 let (holder, epoch) =
                     fence_params(commit.fence.as_ref(), pair.stream_id, &pair.perspective)?;
                 let len = i32::try_from(commit.applied_events.len()).map_err(|_| {
-                    Error::new(ErrorKind::InvalidInput, "too many applied events in one entry")
+                    Error::new(
+                        ErrorKind::InvalidInput,
+                        "too many applied events in one entry",
+                    )
                 })?;
                 has_commit.push(true);
                 expected.push(Some(commit.expected_revision));

@@ -24,8 +24,8 @@ use std::sync::atomic::Ordering;
 
 use lockstep_core::{
     ApplyError, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, ClaimedPair, ClaimedWork,
-    Cursor, DynPerspective, ErrorKind, Pair, PairFailure, PerspectiveStore, RecordedEvent,
-    Result, StateCommit, Transaction, TransactionSource,
+    Cursor, DynPerspective, ErrorKind, Pair, PairFailure, PerspectiveStore, RecordedEvent, Result,
+    StateCommit, Transaction, TransactionSource,
 };
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
@@ -100,7 +100,13 @@ where
         request
     }
 
-    fn remember_positions(&self, reached: Vec<(lockstep_core::PerspectiveName, Option<lockstep_core::StreamId>)>) {
+    fn remember_positions(
+        &self,
+        reached: Vec<(
+            lockstep_core::PerspectiveName,
+            Option<lockstep_core::StreamId>,
+        )>,
+    ) {
         let mut positions = self
             .positions
             .lock()
@@ -128,7 +134,11 @@ where
             return Ok(());
         }
         if let Some((first, _)) = request.positions.first() {
-            observe(telemetry::BATCH_PAIRS, first.as_str(), batch.pairs.len() as f64);
+            observe(
+                telemetry::BATCH_PAIRS,
+                first.as_str(),
+                batch.pairs.len() as f64,
+            );
         }
         let (work, rewinds) = self.sort_claimed(batch.pairs, report);
         let claimed: Vec<Pair> = work.iter().map(|w| w.cursor.pair()).collect();
@@ -176,8 +186,7 @@ where
             let cursor = claimed.cursor;
             match claimed.work {
                 ClaimedWork::Apply { state, events } => {
-                    let Some(perspective) = self.registry.get(&cursor.perspective).cloned()
-                    else {
+                    let Some(perspective) = self.registry.get(&cursor.perspective).cloned() else {
                         // Only this worker's perspectives are asked for.
                         report.skipped += 1;
                         continue;
@@ -232,24 +241,24 @@ where
             // A state the store would refuse fails the pair here, so that it cannot fail the
             // whole batch's commit.
             let (commit_of, failure) = match commit_of {
-                Some((state, n)) => match lockstep_core::json::check_storable(
-                    &state,
-                    "perspective state",
-                ) {
-                    Ok(()) => (Some((state, n)), failure),
-                    Err(err) => (
-                        None,
-                        Some((
-                            format!("the new state cannot be stored: {err}"),
-                            work.events.get(n.saturating_sub(1)).map(|e| e.event_id),
-                            false,
-                        )),
-                    ),
-                },
+                Some((state, n)) => {
+                    match lockstep_core::json::check_storable(&state, "perspective state") {
+                        Ok(()) => (Some((state, n)), failure),
+                        Err(err) => (
+                            None,
+                            Some((
+                                format!("the new state cannot be stored: {err}"),
+                                work.events.get(n.saturating_sub(1)).map(|e| e.event_id),
+                                false,
+                            )),
+                        ),
+                    }
+                }
                 None => (None, failure),
             };
             let n = commit_of.as_ref().map_or(0, |(_, n)| *n);
-            let commit = commit_of.map(|(state, n)| self.state_commit(cursor, state, &work.events[..n]));
+            let commit =
+                commit_of.map(|(state, n)| self.state_commit(cursor, state, &work.events[..n]));
             let from_apply = failure.as_ref().is_some_and(|f| f.2);
             let failure = failure.map(|(error, event_id, _)| {
                 // A commit clears the failure count: the pair made progress, and this is its
@@ -269,7 +278,9 @@ where
                 events: n,
                 oldest: work.events[..n].iter().map(|e| e.recorded_at).min(),
                 bootstrap: cursor.latest_snapshot.is_none()
-                    && commit.as_ref().is_some_and(|c| !c.snapshot && c.applied_count > 0),
+                    && commit
+                        .as_ref()
+                        .is_some_and(|c| !c.snapshot && c.applied_count > 0),
                 revision: cursor.revision.saturating_add(1),
             });
             entries.push(BatchEntry::new(cursor.pair(), commit, failure));
@@ -314,7 +325,9 @@ where
                 report.applied += applied.events;
                 count(telemetry::EVENTS_APPLIED, name, applied.events as u64);
                 if let Some(oldest) = applied.oldest {
-                    let lag = (OffsetDateTime::now_utc() - oldest).as_seconds_f64().max(0.0);
+                    let lag = (OffsetDateTime::now_utc() - oldest)
+                        .as_seconds_f64()
+                        .max(0.0);
                     observe(telemetry::LAG_SECONDS, name, lag);
                 }
                 parked
@@ -383,7 +396,12 @@ where
                 .saturating_add(1);
             count(telemetry::PAIR_FAILURES, pair.perspective.as_str(), 1);
             match self
-                .fail(pair.stream_id, &pair.perspective, failures - 1, &err.to_string())
+                .fail(
+                    pair.stream_id,
+                    &pair.perspective,
+                    failures - 1,
+                    &err.to_string(),
+                )
                 .await
             {
                 Ok(outcome) => report.add(pair, Ok(outcome)),
