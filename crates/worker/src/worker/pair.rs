@@ -1,0 +1,188 @@
+//! One pair now ([`PerspectiveWorker::process_pair`]): the one-pair claim of the normal path,
+//! handing over to the rewind path when the pair needs one. The cycles use the batch path
+//! ([`super::batch`]); this is the explicit "process this pair now" of an operator or a test,
+//! which does not wait for the pair's backoff nor for its parking.
+use std::sync::Arc;
+
+use lockstep_core::{
+    Claim, DynPerspective, ErrorKind, PerspectiveName, PerspectiveStore, RecordedEvent, Result,
+    StateCommit, StreamId, Transaction, TransactionSource,
+};
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime};
+use crate::telemetry::{self, count, observe};
+
+impl<S, P> PerspectiveWorker<S, P>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
+    /// Processes one pair now: the normal path, or the rewind path when the pair needs one.
+    /// Errors of the store are returned; errors of the pair are stored on it
+    /// ([`PairOutcome::Failed`]). An explicit call does not wait for the pair's backoff nor
+    /// for its parking (it is the operator's "process this pair now"); the cycles do.
+    pub async fn process_pair(
+        &self,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<PairOutcome> {
+        let span = tracing::info_span!(
+            "process_pair",
+            stream_id = %stream_id,
+            perspective = %perspective,
+        );
+        async move {
+            let Some(p) = self.registry.get(perspective).cloned() else {
+                return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
+            };
+            let _pair = self.coordinator.lock(stream_id, perspective).await;
+            match self.apply_pending(stream_id, perspective, &p).await? {
+                Normal::Done(outcome) => Ok(outcome),
+                Normal::NeedsRewind => self.rewind_locked(stream_id, perspective, &p).await,
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The normal path, under the pair's coordinator lock.
+    async fn apply_pending(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynPerspective>,
+    ) -> Result<Normal> {
+        // Every `?` below drops the open guard, which rolls the transaction back.
+        let tx = self.source.begin().await?;
+        let claim = self
+            .store
+            .claim(
+                &tx,
+                stream_id,
+                name,
+                self.options.max_events_per_claim,
+                self.options.debounce(),
+            )
+            .await?;
+        let (cursor, state, events) = match claim {
+            Claim::Apply {
+                cursor,
+                state,
+                events,
+            } => (cursor, state, events),
+            Claim::Rewind { .. } => {
+                // Keep a rewind request the claim may have just written.
+                tx.commit().await?;
+                return Ok(Normal::NeedsRewind);
+            }
+            Claim::Busy => {
+                tx.rollback().await?;
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
+            }
+            _ => {
+                // Committed, not rolled back: a late arrival inside the debounce window is
+                // written by this claim, and the window only runs once it is stored (rolled
+                // back, every cycle found it anew and the pair never moved: issue 19).
+                tx.commit().await?;
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
+            }
+        };
+        // From here on whatever fails is the pair's (issue 18): a state that does not serialize,
+        // a commit the server refuses, a lost commit — stored on its cursor and backed off like a
+        // failing `apply`, not a cycle error retried at full size every cycle. Only when even
+        // storing the failure fails is it the cycle's (the database itself is unavailable).
+        let failures = cursor.failures;
+        match self
+            .apply_claimed(tx, stream_id, name, p, cursor, state, events)
+            .await
+        {
+            Ok(normal) => Ok(normal),
+            Err(err) => {
+                count(telemetry::PAIR_FAILURES, name.as_str(), 1);
+                tracing::warn!(error = %err, "processing the pair failed; stored on its cursor");
+                match self.fail(stream_id, name, failures, &err.to_string()).await {
+                    Ok(outcome) => Ok(Normal::Done(outcome)),
+                    Err(_) => Err(err),
+                }
+            }
+        }
+    }
+
+    /// The normal path after a claim returned events: fold them and commit. An `Err` is a
+    /// failure of the pair (the caller stores it); the transaction is ended on every path.
+    #[allow(clippy::too_many_arguments)]
+    async fn apply_claimed(
+        &self,
+        tx: S::Tx,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynPerspective>,
+        cursor: lockstep_core::Cursor,
+        state: Option<serde_json::Value>,
+        events: Vec<RecordedEvent>,
+    ) -> Result<Normal> {
+        let state = match state {
+            Some(state) => state,
+            None => p.initial_state()?,
+        };
+        // Off the runtime's threads; a dropped pair (shutdown past its grace) stops it.
+        let applied = apply_off_runtime(p, state, events, &CancellationToken::new()).await?;
+        let (state, events) = (applied.state, applied.events);
+        if let Err(err) = applied.outcome {
+            // Ended before the failure is stored on the same cursor row (by `fail`, in a
+            // transaction of its own), so that one does not wait for this one's row lock.
+            let _ = tx.rollback().await;
+            count(telemetry::APPLY_FAILURES, name.as_str(), 1);
+            return self
+                .fail(stream_id, name, cursor.failures, &err.to_string())
+                .await
+                .map(Normal::Done);
+        }
+        let applied_count = cursor.applied_count + events.len() as u64;
+        let every = self.options.snapshot_every;
+        let snapshot = applied_count / every > cursor.applied_count / every;
+        let oldest = events.iter().map(|e| e.recorded_at).min();
+        let mut commit = StateCommit::new(stream_id, name.clone(), cursor.revision, state);
+        commit.last_event_id = events.last().map(|e| e.event_id).or(cursor.last_event_id);
+        commit.applied_count = applied_count;
+        commit.applied_events = events.iter().map(|e| e.event_id).collect();
+        commit.snapshot = snapshot;
+        if let Err(err) = self.store.commit_state(&tx, &commit).await {
+            drop(tx); // rolls back
+            return match err.kind() {
+                // Another applier moved the cursor first: nothing lost, look again later.
+                ErrorKind::Conflict => Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy))),
+                _ => Err(err),
+            };
+        }
+        let revision = cursor.revision + 1;
+        tx.commit().await?;
+        count(
+            telemetry::EVENTS_APPLIED,
+            name.as_str(),
+            events.len() as u64,
+        );
+        if let Some(oldest) = oldest {
+            let lag = (OffsetDateTime::now_utc() - oldest)
+                .as_seconds_f64()
+                .max(0.0);
+            observe(telemetry::LAG_SECONDS, name.as_str(), lag);
+        }
+        let needs_bootstrap = cursor.latest_snapshot.is_none() && !snapshot && applied_count > 0;
+        if needs_bootstrap && let Err(err) = self.bootstrap(stream_id, name, revision).await {
+            tracing::warn!(error = %err, "bootstrap failed; retried after the next apply");
+        }
+        Ok(Normal::Done(PairOutcome::Applied {
+            events: events.len(),
+        }))
+    }
+}
+
+/// What the normal path found.
+enum Normal {
+    Done(PairOutcome),
+    NeedsRewind,
+}

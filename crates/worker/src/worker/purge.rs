@@ -1,0 +1,61 @@
+//! Purge under a `purge` lease (the seed's reserved reason): the pair's state, snapshots and
+//! pending work are deleted and its cursor reset.
+use lockstep_core::{
+    LeaseId, LockReason, PerspectiveName, PerspectiveStore, Result, StreamId, Transaction,
+    TransactionSource,
+};
+use tracing::Instrument;
+
+use super::{PerspectiveWorker, PurgeOutcome, release};
+use crate::lease::Leased;
+
+impl<S, P> PerspectiveWorker<S, P>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
+    /// Purges a pair under a `purge` lease (the seed's reserved reason): its state, snapshots
+    /// and pending work are deleted and its cursor reset (see
+    /// [`PerspectiveStore::purge`]). Without a locker it runs unlocked.
+    pub async fn purge(&self, stream_id: StreamId, name: &PerspectiveName) -> Result<PurgeOutcome> {
+        let span = tracing::info_span!("purge", stream_id = %stream_id, perspective = %name, reason = "purge");
+        async move {
+            let _pair = self.coordinator.lock(stream_id, name).await;
+            let lease = match &self.keeper {
+                Some(keeper) => match keeper
+                    .try_acquire(stream_id, name, &LockReason::Purge)
+                    .await?
+                {
+                    Leased::Acquired(lease) => Some(lease),
+                    Leased::Denied(holder) => return Ok(PurgeOutcome::Denied(holder)),
+                    Leased::Busy => return Ok(PurgeOutcome::Busy),
+                    Leased::NoCursor => return Ok(PurgeOutcome::NoCursor),
+                },
+                None => None,
+            };
+            let fence: Option<LeaseId> = lease.as_ref().map(|l| l.id().clone());
+            let purged: Result<bool> = async {
+                let tx = self.source.begin().await?;
+                let exists = self.store.cursor(&tx, stream_id, name).await?.is_some();
+                if exists {
+                    self.store
+                        .purge(&tx, stream_id, name, fence.as_ref())
+                        .await?;
+                }
+                tx.commit().await?;
+                Ok(exists)
+            }
+            .await;
+            if let Some(lease) = lease {
+                release(lease).await;
+            }
+            Ok(if purged? {
+                PurgeOutcome::Purged
+            } else {
+                PurgeOutcome::NoCursor
+            })
+        }
+        .instrument(span)
+        .await
+    }
+}
