@@ -703,6 +703,162 @@ async fn perspectives_rewind_purge_and_status() {
     assert!(text(&refused).contains("holds the lease"));
 }
 
+/// Runs `lockstep` with `args` on `url` off the runtime's threads.
+async fn lockstep_on(url: &str, args: &[&str]) -> Output {
+    let (url, args): (String, Vec<String>) = (
+        url.to_owned(),
+        args.iter().map(|a| (*a).to_owned()).collect(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        lockstep(&args, Some(&url))
+    })
+    .await
+    .expect("task")
+}
+
+/// Issue 18: a parked pair shows in `status` and `parked` (with its failing event), `skip`
+/// records the skip and retries the pair, `retry` clears the parking, and an event that is not
+/// pending is refused with exit 1, changing nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn perspectives_parked_retry_and_skip() {
+    use lockstep_core::PairFailure;
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let (stream, other) = (StreamId::new_v7(), StreamId::new_v7());
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
+    let poison = event.event_id();
+    let events = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+    events
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 2 })).expect("event");
+    events
+        .append(&tx, other, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    for pair in [stream, other] {
+        let failure = PairFailure::new("boom at the poison event")
+            .at_event(Some(poison))
+            .retry_after(std::time::Duration::from_secs(3600))
+            .park(true);
+        assert!(
+            store
+                .record_failure(&tx, pair, &name, &failure)
+                .await
+                .expect("record")
+        );
+    }
+    tx.commit().await.expect("commit");
+
+    let status = lockstep_on(&url, &["perspectives", "status", "--json"]).await;
+    let rows: serde_json::Value = serde_json::from_slice(&status.stdout).expect("JSON");
+    assert_eq!(rows[0]["parked"], 2, "{rows}");
+    let parked = lockstep_on(&url, &["perspectives", "parked", "--json"]).await;
+    assert!(parked.status.success(), "{}", text(&parked));
+    let rows: serde_json::Value = serde_json::from_slice(&parked.stdout).expect("JSON");
+    assert_eq!(rows.as_array().map(Vec::len), Some(2), "{rows}");
+    let row = rows
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["stream_id"] == stream.to_string())
+        .expect("listed");
+    assert_eq!(row["failed_event_id"], poison.to_string());
+    assert_eq!(row["error"], "boom at the poison event");
+    let human = lockstep_on(&url, &["perspectives", "parked"]).await;
+    assert!(
+        text(&human).contains("parked after 1 failures"),
+        "{}",
+        text(&human)
+    );
+
+    // Not pending work of the pair: refused, nothing changed.
+    let (s, o) = (stream.to_string(), other.to_string());
+    let stray = uuid::Uuid::now_v7().to_string();
+    let refused = lockstep_on(
+        &url,
+        &["perspectives", "skip", &s, "Ledger", "--event", &stray],
+    )
+    .await;
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    // The failing event by default, with the reason recorded.
+    let skipped = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "skip",
+            &s,
+            "Ledger",
+            "--reason",
+            "garbled import",
+        ],
+    )
+    .await;
+    assert!(skipped.status.success(), "{}", text(&skipped));
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let recorded = store
+        .skipped_events(&tx, stream, &name)
+        .await
+        .expect("skipped");
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(
+        (recorded[0].event_id, recorded[0].reason.as_str()),
+        (poison, "garbled import")
+    );
+    assert!(
+        store
+            .pending_events(&tx, stream, &name)
+            .await
+            .expect("pending")
+            .is_empty()
+    );
+    let cursor = store
+        .cursor(&tx, stream, &name)
+        .await
+        .expect("cursor")
+        .expect("exists");
+    assert!(
+        cursor.parked_at.is_none() && cursor.retry_at.is_none(),
+        "{cursor:?}"
+    );
+    tx.rollback().await.expect("rollback");
+
+    let retried = lockstep_on(&url, &["perspectives", "retry", &o, "Ledger"]).await;
+    assert!(retried.status.success(), "{}", text(&retried));
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let cursor = store
+        .cursor(&tx, other, &name)
+        .await
+        .expect("cursor")
+        .expect("exists");
+    assert!(
+        cursor.parked_at.is_none() && cursor.failures == 0,
+        "{cursor:?}"
+    );
+    assert_eq!(
+        store
+            .pending_events(&tx, other, &name)
+            .await
+            .expect("pending")
+            .len(),
+        1,
+        "retry keeps the work"
+    );
+    tx.rollback().await.expect("rollback");
+    let none = lockstep_on(&url, &["perspectives", "parked"]).await;
+    assert!(text(&none).contains("no parked pairs"), "{}", text(&none));
+    let bad = lockstep_on(&url, &["perspectives", "retry", &o, " "]).await;
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad));
+}
+
 /// Finds Chromium (installed by `scripts/test`, the README's test command, when missing).
 fn chromium() -> std::path::PathBuf {
     ["/usr/bin/chromium", "/usr/bin/chromium-browser"]

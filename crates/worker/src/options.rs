@@ -281,6 +281,18 @@ mod tests {
                 ..WorkerOptions::default()
             },
             WorkerOptions {
+                max_events_per_batch: 0,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                max_bytes_per_batch: 0,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                park_after_failures: Some(0),
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
                 poll_interval: Duration::ZERO,
                 ..WorkerOptions::default()
             },
