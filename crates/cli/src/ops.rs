@@ -410,61 +410,49 @@ pub(crate) async fn advisory_rows(
     Ok(out)
 }
 
-/// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error.
+/// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error, backing off and
+/// parked — through the store's contract (`perspective_status`, `failing_pairs`).
 pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<serde_json::Value>> {
-    let client = pool.get().await.context("checking out a connection")?;
-    let rows = client
-        .query(
-            "SELECT p.perspective_name, \
-                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name) AS pairs, \
-                (SELECT count(*) FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS pending, \
-                (SELECT extract(epoch FROM clock_timestamp() - min(e.enqueued_at))::float8 \
-                   FROM wh_perspective_events e WHERE e.perspective_name = p.perspective_name) AS lag_s, \
-                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
-                   AND c.rewind_trigger_event_id IS NOT NULL) AS rewinds, \
-                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
-                   AND c.parked_at IS NOT NULL) AS parked, \
-                (SELECT count(*) FROM wh_perspective_cursors c WHERE c.perspective_name = p.perspective_name \
-                   AND c.parked_at IS NULL AND c.retry_at > clock_timestamp()) AS backing_off \
-             FROM wh_perspectives p ORDER BY p.perspective_name",
-            &[],
-        )
-        .await
-        .map_err(|e| explain(lockstep_pg::map_error(e, "reading perspective status")))?;
-    let errors = client
-        .query(
-            "SELECT perspective_name, stream_id, error, failures FROM wh_perspective_cursors \
-             WHERE error IS NOT NULL ORDER BY perspective_name, stream_id LIMIT 100",
-            &[],
-        )
-        .await
-        .map_err(|e| explain(lockstep_pg::map_error(e, "reading pair errors")))?;
-    let mut out = Vec::new();
-    for row in rows {
-        let name: String = row.try_get("perspective_name").context("reading status")?;
-        let in_error: Vec<_> = errors
-            .iter()
-            .filter(|e| e.try_get::<_, String>("perspective_name").ok().as_deref() == Some(&name))
-            .map(|e| {
-                json!({
-                    "stream_id": e.try_get::<_, Uuid>("stream_id").map(|u| u.to_string()).unwrap_or_default(),
-                    "error": e.try_get::<_, String>("error").unwrap_or_default(),
-                    "failures": e.try_get::<_, i32>("failures").unwrap_or_default(),
-                })
-            })
-            .collect();
-        out.push(json!({
-            "perspective": name,
-            "pairs": row.try_get::<_, i64>("pairs").context("reading status")?,
-            "pending_events": row.try_get::<_, i64>("pending").context("reading status")?,
-            "lag_s": row.try_get::<_, Option<f64>>("lag_s").context("reading status")?.unwrap_or(0.0),
-            "rewinds_pending": row.try_get::<_, i64>("rewinds").context("reading status")?,
-            "parked": row.try_get::<_, i64>("parked").context("reading status")?,
-            "backing_off": row.try_get::<_, i64>("backing_off").context("reading status")?,
-            "pairs_in_error": in_error,
-        }));
+    let db = lockstep_pg::PgDatabase::from_pool(pool.clone());
+    let store = PgPerspectiveStore::new();
+    let tx = db.begin().await.map_err(explain)?;
+    let read = async {
+        let status = store.perspective_status(&tx).await?;
+        let failing = store.failing_pairs(&tx, &[], 100).await?;
+        Ok::<_, lockstep_core::Error>((status, failing))
     }
-    Ok(out)
+    .await;
+    // Read only: the rollback cannot lose anything.
+    let _ = tx.rollback().await;
+    let (status, failing) = read.map_err(explain)?;
+    Ok(status
+        .iter()
+        .map(|p| {
+            let in_error: Vec<_> = failing
+                .iter()
+                .filter(|c| c.perspective == p.perspective)
+                .map(|c| {
+                    json!({
+                        "stream_id": c.stream_id.to_string(),
+                        "error": c.error.clone().unwrap_or_default(),
+                        "failures": c.failures,
+                        "parked": c.parked_at.is_some(),
+                    })
+                })
+                .collect();
+            json!({
+                "perspective": p.perspective.as_str(),
+                "pairs": p.pairs,
+                "pending_events": p.pending_events,
+                "lag_s": p.oldest_pending_age.map_or(0.0, |d| d.as_secs_f64()),
+                "rewinds_pending": p.rewinds_pending,
+                "parked": p.parked,
+                "backing_off": p.backing_off,
+                "in_error": p.in_error,
+                "pairs_in_error": in_error,
+            })
+        })
+        .collect())
 }
 
 fn status(status: LeaseStatus) -> &'static str {
@@ -741,7 +729,7 @@ async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Resul
                 p["pending_events"].as_i64().unwrap_or(0),
                 p["lag_s"].as_f64().unwrap_or(0.0),
                 p["rewinds_pending"].as_i64().unwrap_or(0),
-                p["pairs_in_error"].as_array().map_or(0, Vec::len),
+                p["in_error"].as_i64().unwrap_or(0),
                 p["backing_off"].as_i64().unwrap_or(0),
                 p["parked"].as_i64().unwrap_or(0)
             );

@@ -275,7 +275,7 @@ async fn gauges(shared: &Shared) -> Result<()> {
         metrics::gauge!("lockstep_perspective_pairs_backing_off", "perspective" => name.clone())
             .set(get("backing_off"));
         metrics::gauge!("lockstep_perspective_pairs_in_error", "perspective" => name)
-            .set(p["pairs_in_error"].as_array().map_or(0, Vec::len) as f64);
+            .set(get("in_error"));
     }
     Ok(())
 }

@@ -114,8 +114,8 @@ pub use options::StreamLockOptions;
 pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
-    ClaimedWork, Cursor, Pair, PairFailure, PendingPair, PerspectiveStore, RewindDebounce,
-    RewindRequest, SkippedEvent, Snapshot, StateCommit,
+    ClaimedWork, Cursor, Pair, PairFailure, PendingPair, PerspectiveStatus, PerspectiveStore,
+    RewindDebounce, RewindRequest, SkippedEvent, Snapshot, StateCommit,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

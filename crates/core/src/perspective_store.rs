@@ -476,6 +476,45 @@ impl SkippedEvent {
     }
 }
 
+/// One registered perspective's work, as [`PerspectiveStore::perspective_status`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PerspectiveStatus {
+    /// The perspective.
+    pub perspective: PerspectiveName,
+    /// Pairs with a cursor.
+    pub pairs: u64,
+    /// Work items (events) not applied yet.
+    pub pending_events: u64,
+    /// How long the oldest of them has waited (store clock; `None`: nothing pending). For a
+    /// perspective that no running worker serves it only grows.
+    pub oldest_pending_age: Option<Duration>,
+    /// Pairs with a rewind requested.
+    pub rewinds_pending: u64,
+    /// Pairs whose last attempt failed (parked or not).
+    pub in_error: u64,
+    /// Pairs waiting out their backoff (not parked).
+    pub backing_off: u64,
+    /// Parked pairs.
+    pub parked: u64,
+}
+
+impl PerspectiveStatus {
+    /// The status of a perspective with nothing: no pairs, no work.
+    pub fn new(perspective: PerspectiveName) -> PerspectiveStatus {
+        PerspectiveStatus {
+            perspective,
+            pairs: 0,
+            pending_events: 0,
+            oldest_pending_age: None,
+            rewinds_pending: 0,
+            in_error: 0,
+            backing_off: 0,
+            parked: 0,
+        }
+    }
+}
+
 /// A pair with something to do, as listed by [`PerspectiveStore::pending_pairs`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingPair {
@@ -747,6 +786,22 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         perspective: &'a PerspectiveName,
         failure: &'a PairFailure,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+    /// Every registered perspective's work, by name (for operators: it counts the whole work
+    /// table, unlike a claim).
+    fn perspective_status<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<PerspectiveStatus>>> + Send + 'a;
+
+    /// The cursors of the pairs of `perspectives` (all perspectives when empty) whose last
+    /// attempt failed, parked or not, by perspective and stream, at most `limit`.
+    fn failing_pairs<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Cursor>>> + Send + 'a;
 
     /// The parked pairs' cursors of `perspectives` (all perspectives when empty), longest
     /// parked first, at most `limit`.

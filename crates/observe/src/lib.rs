@@ -55,10 +55,10 @@ use std::time::{Duration, Instant};
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor,
     DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LeaseInfo,
-    LockReason, NewEvent, PairFailure, PendingPair, PerspectiveName, PerspectiveStore,
-    RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, RewindDebounce, SkippedEvent,
-    Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
-    TransactionSource, async_trait,
+    LockReason, NewEvent, PairFailure, PendingPair, PerspectiveName, PerspectiveStatus,
+    PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
+    RewindDebounce, SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
+    StreamLockOptions, StreamLocker, TransactionSource, async_trait,
 };
 use tracing::Instrument;
 use uuid::Uuid;
@@ -630,6 +630,26 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
             .inner
             .record_failure(tx, stream_id, perspective, failure);
         observe("perspective_store", "record_failure", span, ok, call)
+    }
+
+    fn perspective_status<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<PerspectiveStatus>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "perspective_status");
+        let call = self.inner.perspective_status(tx);
+        observe("perspective_store", "perspective_status", span, ok, call)
+    }
+
+    fn failing_pairs<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Cursor>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "failing_pairs", limit);
+        let call = self.inner.failing_pairs(tx, perspectives, limit);
+        observe("perspective_store", "failing_pairs", span, ok, call)
     }
 
     fn parked_pairs<'a>(

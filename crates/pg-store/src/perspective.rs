@@ -65,8 +65,8 @@ use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
     ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, PairFailure, PendingPair,
-    PerspectiveName, PerspectiveStore, RecordedEvent, Result, RewindDebounce, RewindRequest,
-    SkippedEvent, Snapshot, StateCommit, StreamId, ValidationError,
+    PerspectiveName, PerspectiveStatus, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
+    RewindRequest, SkippedEvent, Snapshot, StateCommit, StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -157,6 +157,35 @@ SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
         " FROM wh_perspective_cursors k WHERE k.parked_at IS NOT NULL \
            AND (cardinality($1::text[]) = 0 OR k.perspective_name = ANY ($1)) \
          ORDER BY k.parked_at, k.stream_id, k.perspective_name COLLATE \"C\" LIMIT $2"
+    );
+
+    /// Every registered perspective's pairs, work, oldest work's age (µs), rewinds, failing,
+    /// backing-off and parked pairs.
+    pub const PERSPECTIVE_STATUS: &str = "\
+SELECT p.perspective_name,
+       (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name),
+       (SELECT count(*) FROM wh_perspective_events w WHERE w.perspective_name = p.perspective_name),
+       (SELECT (extract(epoch FROM clock_timestamp() - min(w.enqueued_at)) * 1000000)::bigint
+          FROM wh_perspective_events w WHERE w.perspective_name = p.perspective_name),
+       (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
+           AND k.rewind_trigger_event_id IS NOT NULL),
+       (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
+           AND k.error IS NOT NULL),
+       (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
+           AND k.parked_at IS NULL AND k.retry_at > clock_timestamp()),
+       (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
+           AND k.parked_at IS NOT NULL)
+  FROM wh_perspectives p
+ ORDER BY p.perspective_name COLLATE \"C\"";
+
+    /// The failing pairs of the perspectives `$1` (all when empty), by perspective and stream,
+    /// at most `$2`.
+    pub const FAILING_PAIRS: &str = concat!(
+        "SELECT k.stream_id, k.perspective_name, ",
+        cursor_columns!(),
+        " FROM wh_perspective_cursors k WHERE k.error IS NOT NULL \
+           AND (cardinality($1::text[]) = 0 OR k.perspective_name = ANY ($1)) \
+         ORDER BY k.perspective_name COLLATE \"C\", k.stream_id LIMIT $2"
     );
 
     /// Retries a pair: parking, backoff and failure count cleared. No row: no cursor.
@@ -325,6 +354,35 @@ impl PgPerspectiveStore {
     pub fn keep_snapshots(&self) -> usize {
         // Positive by construction.
         self.keep_snapshots.unsigned_abs() as usize
+    }
+
+    /// The cursors a listing statement (`$1` perspectives, `$2` limit; stream, perspective, then
+    /// the cursor columns) returns.
+    async fn listed_cursors<T: PgTransactionRef>(
+        &self,
+        tx: &T,
+        statement: &str,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+        what: &str,
+    ) -> Result<Vec<Cursor>> {
+        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = tx
+            .executor()
+            .query_typed(
+                statement,
+                &[(&names, Type::TEXT_ARRAY), (&limit, Type::INT8)],
+            )
+            .await
+            .map_err(|e| statement_error(e, what))?;
+        rows.iter()
+            .map(|row| {
+                let stream_id = StreamId::from_uuid(row.try_get(0).map_err(decode_error)?);
+                let name = stored_name(row.try_get(1).map_err(decode_error)?)?;
+                decode_cursor(row, 2, 2 + V7_CURSOR_COLUMNS, stream_id, &name)
+            })
+            .collect()
     }
 }
 
@@ -714,29 +772,64 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         batch::commit(tx, entries, self.keep_snapshots).await
     }
 
+    async fn perspective_status(&self, tx: &T) -> Result<Vec<PerspectiveStatus>> {
+        let rows = tx
+            .executor()
+            .query_typed(sql::PERSPECTIVE_STATUS, &[])
+            .await
+            .map_err(|e| statement_error(e, "reading the perspectives' status"))?;
+        rows.iter()
+            .map(|row| {
+                let count = |i: usize| -> Result<u64> {
+                    stored_count(row.try_get(i).map_err(decode_error)?)
+                };
+                let mut status =
+                    PerspectiveStatus::new(stored_name(row.try_get(0).map_err(decode_error)?)?);
+                status.pairs = count(1)?;
+                status.pending_events = count(2)?;
+                let age: Option<i64> = row.try_get(3).map_err(decode_error)?;
+                // A clock that went back makes an age below zero: none waited.
+                status.oldest_pending_age =
+                    age.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)));
+                status.rewinds_pending = count(4)?;
+                status.in_error = count(5)?;
+                status.backing_off = count(6)?;
+                status.parked = count(7)?;
+                Ok(status)
+            })
+            .collect()
+    }
+
+    async fn failing_pairs(
+        &self,
+        tx: &T,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<Cursor>> {
+        self.listed_cursors(
+            tx,
+            sql::FAILING_PAIRS,
+            perspectives,
+            limit,
+            "listing failing perspective pairs",
+        )
+        .await
+    }
+
     async fn parked_pairs(
         &self,
         tx: &T,
         perspectives: &[PerspectiveName],
         limit: usize,
     ) -> Result<Vec<Cursor>> {
-        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = tx
-            .executor()
-            .query_typed(
-                sql::PARKED_PAIRS,
-                &[(&names, Type::TEXT_ARRAY), (&limit, Type::INT8)],
-            )
-            .await
-            .map_err(|e| statement_error(e, "listing parked perspective pairs"))?;
-        rows.iter()
-            .map(|row| {
-                let stream_id = StreamId::from_uuid(row.try_get(0).map_err(decode_error)?);
-                let name = stored_name(row.try_get(1).map_err(decode_error)?)?;
-                decode_cursor(row, 2, 2 + V7_CURSOR_COLUMNS, stream_id, &name)
-            })
-            .collect()
+        self.listed_cursors(
+            tx,
+            sql::PARKED_PAIRS,
+            perspectives,
+            limit,
+            "listing parked perspective pairs",
+        )
+        .await
     }
 
     async fn unpark(

@@ -40,10 +40,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
     ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
-    LeaseFence, LeaseStatus, PairFailure, PendingPair, PerspectiveName, PerspectiveStore,
-    RecordedEvent, ResourceKey, Result, RewindDebounce, RewindRequest, SkippedEvent, Snapshot,
-    StateCommit, StreamId, StreamLockAdmin, perspective_store::DEFAULT_KEEP_SNAPSHOTS,
+    LeaseFence, LeaseStatus, PairFailure, PendingPair, PerspectiveName, PerspectiveStatus,
+    PerspectiveStore, RecordedEvent, ResourceKey, Result, RewindDebounce, RewindRequest,
+    SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
+    perspective_store::DEFAULT_KEEP_SNAPSHOTS,
 };
+use std::time::Duration;
+
 use time::{OffsetDateTime, PrimitiveDateTime};
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -1055,6 +1058,76 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         tx.check_usable()?;
         self.fail(tx, &(stream_id, perspective.clone()), failure)
             .await
+    }
+
+    async fn perspective_status(&self, tx: &FakeTransaction) -> Result<Vec<PerspectiveStatus>> {
+        tx.check_usable()?;
+        let now = self.now();
+        let wall = OffsetDateTime::now_utc();
+        let state = self.lock_state();
+        let mut names: BTreeSet<PerspectiveName> = state.registered.clone();
+        if let Some(staged) = state.staged.get(&tx.id()) {
+            names.extend(staged.registered.iter().cloned());
+        }
+        let streams = self.events.streams();
+        let keys = Self::keys(&state, tx);
+        let mut out = Vec::with_capacity(names.len());
+        for name in names {
+            // Postgres gives every stream a cursor per registered perspective (the append, the
+            // registration's catch-up); ensure_cursor adds the others.
+            let mut pairs: BTreeSet<Key> = streams.iter().map(|s| (*s, name.clone())).collect();
+            pairs.extend(keys.iter().filter(|k| k.1 == name).cloned());
+            let mut status = PerspectiveStatus::new(name);
+            status.pairs = pairs.len() as u64;
+            let mut oldest: Option<OffsetDateTime> = None;
+            for key in &pairs {
+                let pending = self.pending(&state, tx, key);
+                status.pending_events += pending.len() as u64;
+                if let Some(first) = pending.iter().map(|e| e.recorded_at).min() {
+                    oldest = Some(oldest.map_or(first, |o| o.min(first)));
+                }
+                let Some(pair) = Self::read(&state, tx, key) else {
+                    continue;
+                };
+                status.rewinds_pending += u64::from(pair.rewind.is_some());
+                status.in_error += u64::from(pair.error.is_some());
+                status.parked += u64::from(pair.parked_at.is_some());
+                status.backing_off +=
+                    u64::from(pair.parked_at.is_none() && pair.retry_at.is_some_and(|at| at > now));
+            }
+            // Events carry the wall clock; a clock that went back is no wait.
+            status.oldest_pending_age =
+                oldest.map(|at| Duration::try_from(wall - at).unwrap_or(Duration::ZERO));
+            out.push(status);
+        }
+        Ok(out)
+    }
+
+    async fn failing_pairs(
+        &self,
+        tx: &FakeTransaction,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<Cursor>> {
+        tx.check_usable()?;
+        let mut failing: Vec<(Key, Pair)> = {
+            let state = self.lock_state();
+            Self::keys(&state, tx)
+                .into_iter()
+                .filter(|key| perspectives.is_empty() || perspectives.contains(&key.1))
+                .filter_map(|key| {
+                    let pair = Self::read(&state, tx, &key)?;
+                    pair.error.is_some().then_some((key, pair))
+                })
+                .collect()
+        };
+        failing.sort_by(|a, b| (&a.0.1, a.0.0).cmp(&(&b.0.1, b.0.0)));
+        let mut cursors = Vec::new();
+        for (key, pair) in failing.into_iter().take(limit) {
+            let (lease, _) = self.lease(&key).await?;
+            cursors.push(Self::cursor_of(&key, &pair, lease));
+        }
+        Ok(cursors)
     }
 
     async fn parked_pairs(

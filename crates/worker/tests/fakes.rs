@@ -795,6 +795,20 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<bool> {
         self.inner.record_failure(tx, s, p, f).await
     }
+    async fn perspective_status(
+        &self,
+        tx: &FakeTransaction,
+    ) -> Result<Vec<lockstep_core::PerspectiveStatus>> {
+        self.inner.perspective_status(tx).await
+    }
+    async fn failing_pairs(
+        &self,
+        tx: &FakeTransaction,
+        names: &[PerspectiveName],
+        l: usize,
+    ) -> Result<Vec<Cursor>> {
+        self.inner.failing_pairs(tx, names, l).await
+    }
     async fn parked_pairs(
         &self,
         tx: &FakeTransaction,

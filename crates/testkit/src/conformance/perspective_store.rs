@@ -2854,6 +2854,112 @@ async fn skipped<F: PerspectiveStoreFixture>(
     skipped
 }
 
+/// `perspective_status` counts a perspective's pairs, pending work (with the oldest's age),
+/// rewind requests, failing, backing-off and parked pairs; `failing_pairs` lists the failing
+/// ones of the perspectives asked for. Counted as changes from before this case's streams
+/// existed, so that other streams on a shared database do not matter.
+pub async fn perspective_status_counts_work_failures_backoff_and_parking<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let (p, other) = (name("Status"), name("StatusOther"));
+    register(&*fixture, &[p.clone(), other.clone()]).await;
+    let status_of = |name: PerspectiveName| {
+        let fixture = Arc::clone(&fixture);
+        async move {
+            let tx = begin(fixture.source()).await;
+            let all = fixture
+                .store()
+                .perspective_status(&tx)
+                .await
+                .expect("perspective_status");
+            rollback(tx).await;
+            all.into_iter()
+                .find(|s| s.perspective == name)
+                .expect("every registered perspective is listed")
+        }
+    };
+    let before = status_of(p.clone()).await;
+    let streams = [
+        stream_with(&*fixture, &ids(2)).await,
+        stream_with(&*fixture, &ids(1)).await,
+        stream_with(&*fixture, &ids(2)).await,
+    ];
+    let tx = begin(fixture.source()).await;
+    let store = fixture.store();
+    let parked = PairFailure::new("parked here").park(true);
+    assert!(
+        store
+            .record_failure(&tx, streams[0], &p, &parked)
+            .await
+            .expect("record")
+    );
+    let waiting = PairFailure::new("backing off").retry_after(Duration::from_secs(3600));
+    assert!(
+        !store
+            .record_failure(&tx, streams[1], &p, &waiting)
+            .await
+            .expect("record")
+    );
+    store
+        .ensure_cursor(&tx, streams[2], &p)
+        .await
+        .expect("cursor");
+    assert!(
+        store
+            .request_rewind(&tx, streams[2], &p, None)
+            .await
+            .expect("rewind")
+    );
+    commit(tx).await.expect("commit");
+
+    let after = status_of(p.clone()).await;
+    assert_eq!(after.pairs - before.pairs, 3, "{after:?}");
+    assert_eq!(after.pending_events - before.pending_events, 5, "{after:?}");
+    assert!(after.oldest_pending_age.is_some(), "{after:?}");
+    assert_eq!(
+        after.rewinds_pending - before.rewinds_pending,
+        1,
+        "{after:?}"
+    );
+    assert_eq!(after.in_error - before.in_error, 2, "{after:?}");
+    assert_eq!(after.backing_off - before.backing_off, 1, "{after:?}");
+    assert_eq!(after.parked - before.parked, 1, "{after:?}");
+    let untouched = status_of(other.clone()).await;
+    assert_eq!(
+        (
+            untouched.in_error,
+            untouched.parked,
+            untouched.rewinds_pending
+        ),
+        (0, 0, 0),
+        "another perspective's pairs are its own"
+    );
+
+    let tx = begin(fixture.source()).await;
+    let failing = store
+        .failing_pairs(&tx, std::slice::from_ref(&p), 100)
+        .await
+        .expect("failing_pairs");
+    let none = store
+        .failing_pairs(&tx, std::slice::from_ref(&other), 100)
+        .await
+        .expect("failing_pairs");
+    rollback(tx).await;
+    let mut listed: Vec<StreamId> = failing.iter().map(|c| c.stream_id).collect();
+    listed.sort();
+    let mut expected = vec![streams[0], streams[1]];
+    expected.sort();
+    assert_eq!(listed, expected);
+    assert!(
+        failing
+            .iter()
+            .all(|c| c.perspective == p && c.error.is_some())
+    );
+    assert!(none.is_empty());
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`perspective_store_conformance!`](crate::perspective_store_conformance): a test per case.
 pub async fn run_all<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
@@ -2907,6 +3013,7 @@ macro_rules! __lockstep_perspective_store_cases {
             a_successful_commit_clears_the_error_the_backoff_and_the_parking,
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
+            perspective_status_counts_work_failures_backoff_and_parking,
         ] }
     };
 }
