@@ -346,6 +346,7 @@ DECLARE
     start_      uuid;
     pos         uuid;
     prev_pos    uuid;
+    upper_      uuid;
     wrapped     boolean;
     cand        uuid;
     rq          record;
@@ -404,12 +405,22 @@ BEGIN
         LOOP
             EXIT WHEN full_ OR scanned >= p_scan OR claimed >= p_max_pairs OR events_left <= 0;
             -- The next pair of this perspective with work: one descent of the work table's key.
-            SELECT w.stream_id INTO cand FROM wh_perspective_events w
-             WHERE w.perspective_name = name_
-               AND (pos IS NULL OR w.stream_id > pos)
-               AND (NOT wrapped OR w.stream_id <= start_)
-             ORDER BY w.stream_id
-             LIMIT 1;
+            -- Two statements, not `pos IS NULL OR stream_id > pos`: PL/pgSQL caches a generic
+            -- plan, and an OR on a parameter turns its range into a filter over the whole
+            -- perspective (measured: seconds per claim on 1 000 000 work rows).
+            upper_ := CASE WHEN wrapped THEN start_
+                           ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid END;
+            IF pos IS NULL THEN
+                SELECT w.stream_id INTO cand FROM wh_perspective_events w
+                 WHERE w.perspective_name = name_ AND w.stream_id <= upper_
+                 ORDER BY w.perspective_name, w.stream_id
+                 LIMIT 1;
+            ELSE
+                SELECT w.stream_id INTO cand FROM wh_perspective_events w
+                 WHERE w.perspective_name = name_ AND w.stream_id > pos AND w.stream_id <= upper_
+                 ORDER BY w.perspective_name, w.stream_id
+                 LIMIT 1;
+            END IF;
             IF NOT FOUND THEN
                 EXIT WHEN wrapped OR start_ IS NULL;
                 wrapped := true;
