@@ -162,6 +162,12 @@ pub(crate) struct Args {
           default_values_t = vec![Section::CatchUp, Section::IoBound, Section::Claims,
                                   Section::Starved, Section::Rewind, Section::Keepalive])]
     only: Vec<Section>,
+    /// `plan_cache_mode` of the benchmark databases: `auto` (default: the server's setting
+    /// is left alone), or `force_custom_plan` / `force_generic_plan` to see how the store's
+    /// PL/pgSQL statements behave under either plan.
+    #[arg(long, default_value = "auto",
+          value_parser = ["auto", "force_custom_plan", "force_generic_plan"])]
+    plan_cache_mode: String,
     /// Server to create the benchmark databases on (default: `DATABASE_URL`, else
     /// postgres://postgres@127.0.0.1:5432/postgres).
     #[arg(long)]
@@ -340,6 +346,12 @@ pub(crate) async fn run(args: Args) -> Result<()> {
             .position(|o| k.split('=').next() == Some(*o))
             .unwrap_or(ORDER.len())
     });
+    if args.plan_cache_mode != "auto" {
+        lines.push(format!(
+            "(every benchmark database had plan_cache_mode = {})",
+            args.plan_cache_mode
+        ));
+    }
     lines.extend(keys);
     println!("{}", lines.join("\n"));
     Ok(())
@@ -368,6 +380,20 @@ async fn create(url: &str, args: &Args) -> Result<BenchDatabase> {
         ))
         .await
         .context("setting track_functions")?;
+    if args.plan_cache_mode != "auto" {
+        let mode = if args.plan_cache_mode == "force_custom_plan" {
+            "force_custom_plan"
+        } else {
+            "force_generic_plan"
+        };
+        admin
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{}\" SET plan_cache_mode = {mode}",
+                db.name()
+            ))
+            .await
+            .context("setting plan_cache_mode")?;
+    }
     let pool = db.pool(2)?;
     lockstep_pg::migrate(&pool).await?;
     pool.close();
