@@ -50,7 +50,9 @@ enum Command {
     /// Aggregate write lock: pessimistic (advisory lock pipelined with the load) vs optimistic + retry.
     Aggregate(aggregate::Args),
     /// Perspective worker: catch-up by 1 and 2 instances vs one set-based SQL statement,
-    /// rewind from a snapshot vs full replay, keepalive statements per interval.
+    /// I/O-bound catch-up on 1, 2 and 4 instances, claim latency vs queue length, healthy pairs
+    /// next to failing and unserved ones, rewind from a snapshot vs full replay, keepalive
+    /// statements per interval.
     Worker(worker::Args),
     /// The long run of the reliability suite: every scenario, a table, and the last line
     /// `reliability violations=… lost=… duplicated=… panics=… cases=…`.

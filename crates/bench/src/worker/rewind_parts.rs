@@ -1,0 +1,315 @@
+//! The rewind from a snapshot, step by step: the calls `PerspectiveWorker::rewind` makes
+//! (`rewind_locked` → `rewind_under` → `load_for_rewind` in `crates/worker/src/worker.rs`),
+//! made here one after another on the same store, locker and pool shape, each timed:
+//!
+//! 1. acquire the `rewind` lease (`StreamLocker::try_acquire`, one statement);
+//! 2. the read transaction: `BEGIN`, the cursor, the snapshot before the trigger, the stream's
+//!    events after it, the pair's skipped events, `ROLLBACK` (six round trips);
+//! 3. the replay on tokio's blocking pool (`apply_while`);
+//! 4. the commit transaction: `BEGIN`, the fenced commit with a new snapshot
+//!    (`lockstep_perspective_commit`), `COMMIT` (three round trips);
+//! 5. release the lease (one statement).
+//!
+//! Eleven round trips in all. Each round also times the worker's own rewind of the same pair,
+//! back to back with the step-by-step one (the order swapped every round), so that the two are
+//! compared under the same conditions (the headline's snapshot rewinds each follow a full
+//! one). A bare round trip (`SELECT 1` on a pooled connection) is timed too, to say how much of
+//! the rewind is the round trips themselves and what fewer of them would bring. The request is
+//! written before each rewind, outside the clock; every rewound state is checked against its
+//! stream's fold.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use lockstep_core::{
+    AcquireOutcome, DynPerspective, InstanceId, LockReason, PerspectiveName, PerspectiveStore,
+    StateCommit, StreamId, StreamLockOptions, StreamLocker, Transaction as _,
+};
+use lockstep_pg::PgTransaction;
+use lockstep_pg_store::PgPerspectiveStore;
+use lockstep_pg_stream::PgStreamLocker;
+use lockstep_worker::PairOutcome;
+use tokio_postgres::types::Type;
+use uuid::Uuid;
+
+use super::{PgWorker, fmt_all, median, verify_rewound};
+use crate::bench_db::BenchDatabase;
+
+/// The steps, in order: label and round trips.
+const STEPS: [(&str, usize); 12] = [
+    ("acquire the rewind lease", 1),
+    ("BEGIN (read)", 1),
+    ("cursor", 1),
+    ("snapshot before the trigger", 1),
+    ("stream events after the snapshot", 1),
+    ("skipped events", 1),
+    ("ROLLBACK (read)", 1),
+    ("replay (blocking pool)", 0),
+    ("BEGIN (commit)", 1),
+    ("fenced commit + snapshot", 1),
+    ("COMMIT", 1),
+    ("release the lease", 1),
+];
+
+/// Records the time since `at` in `t` and restarts `at`.
+fn mark(t: &mut Vec<f64>, at: &mut Instant) {
+    let now = Instant::now();
+    t.push((now - *at).as_secs_f64() * 1000.0);
+    *at = now;
+}
+
+/// Index of the skipped-events read in [`STEPS`].
+const SKIPPED: usize = 5;
+
+/// Runs `rounds` step-by-step rewinds of `stream` from `trigger` and returns the lines: a table
+/// of the steps (median ms each) and the analysis against `(snapshot, full)`, the medians of the
+/// timed `PerspectiveWorker::rewind`s in ms.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn run(
+    db: &BenchDatabase,
+    w: &PgWorker,
+    perspective: &Arc<dyn DynPerspective>,
+    stream: StreamId,
+    trigger: Uuid,
+    lock: StreamLockOptions,
+    rounds: usize,
+    (snapshot_ms, full_ms): (f64, f64),
+) -> Result<Vec<String>> {
+    // The worker's pool shape: concurrency 1 + 2, shared by the transactions and the locker.
+    let pool = db.pool(3)?;
+    let locker = PgStreamLocker::from_pool(pool.clone(), lock);
+    let store = PgPerspectiveStore::new();
+    let name = PerspectiveName::new(perspective.name())?;
+    let instance = InstanceId::random();
+    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); STEPS.len()];
+    let mut totals = Vec::with_capacity(rounds);
+    let mut by_worker = Vec::with_capacity(rounds);
+    let mut replayed = 0;
+    for round in 0..rounds {
+        // The worker's rewind and the step-by-step one back to back, the order swapped every
+        // round.
+        for replica in if round.is_multiple_of(2) {
+            [false, true]
+        } else {
+            [true, false]
+        } {
+            {
+                let tx = PgTransaction::begin(&pool).await?;
+                if !store
+                    .request_rewind(&tx, stream, &name, Some(trigger))
+                    .await?
+                {
+                    bail!("no cursor to rewind");
+                }
+                tx.commit().await?;
+            }
+            if !replica {
+                let started = Instant::now();
+                let outcome = w.rewind(stream, &name).await?;
+                by_worker.push(started.elapsed().as_secs_f64() * 1000.0);
+                if !matches!(
+                    outcome,
+                    PairOutcome::Rewound {
+                        from_snapshot: true,
+                        ..
+                    }
+                ) {
+                    bail!("rewind: unexpected outcome {outcome:?}");
+                }
+                continue;
+            }
+            let mut t = Vec::with_capacity(STEPS.len());
+            let started = Instant::now();
+            let mut at = started;
+            // 1.
+            let lease = match locker
+                .try_acquire(stream, &name, instance, &LockReason::Rewind)
+                .await?
+            {
+                AcquireOutcome::Acquired(lease) => lease,
+                other => bail!("the rewind lease was not acquired: {other:?}"),
+            };
+            mark(&mut t, &mut at);
+            // 2.
+            let tx = PgTransaction::begin(&pool).await?;
+            mark(&mut t, &mut at);
+            let cursor = store
+                .cursor(&tx, stream, &name)
+                .await?
+                .context("no cursor")?;
+            mark(&mut t, &mut at);
+            let request = cursor.rewind.context("no rewind request")?;
+            let snapshot = store
+                .snapshot_before(&tx, stream, &name, request.trigger)
+                .await?
+                .context("no snapshot before the trigger")?;
+            mark(&mut t, &mut at);
+            let mut events = store
+                .stream_events(&tx, stream, Some(snapshot.event_id))
+                .await?;
+            mark(&mut t, &mut at);
+            let skipped = store.skipped_events(&tx, stream, &name).await?;
+            if !skipped.is_empty() {
+                events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
+            }
+            mark(&mut t, &mut at);
+            tx.rollback().await?;
+            mark(&mut t, &mut at);
+            // 3.
+            let p = Arc::clone(perspective);
+            let (state, events, applied) = tokio::task::spawn_blocking(move || {
+                let mut state = snapshot.state;
+                let applied = p.apply_while(&mut state, &events, &|| true);
+                (state, events, applied)
+            })
+            .await?;
+            match applied {
+                Ok(n) if n == events.len() => {}
+                other => bail!("the replay did not apply every event: {other:?}"),
+            }
+            mark(&mut t, &mut at);
+            // 4.
+            let mut commit = StateCommit::new(stream, name.clone(), cursor.revision, state);
+            commit.last_event_id = events
+                .last()
+                .map(|e| e.event_id)
+                .or(Some(snapshot.event_id));
+            commit.applied_count = snapshot.applied_count + events.len() as u64;
+            commit.applied_events = events.iter().map(|e| e.event_id).collect();
+            commit.rewound_from = Some(request.trigger);
+            commit.snapshot = true;
+            commit.fence = Some(lease.id.clone());
+            let tx = PgTransaction::begin(&pool).await?;
+            mark(&mut t, &mut at);
+            store.commit_state(&tx, &commit).await?;
+            mark(&mut t, &mut at);
+            tx.commit().await?;
+            mark(&mut t, &mut at);
+            // 5.
+            if locker.release(&lease.id).await? != lockstep_core::ReleaseOutcome::Released {
+                bail!("the rewind lease was not held at its release");
+            }
+            mark(&mut t, &mut at);
+            totals.push(started.elapsed().as_secs_f64() * 1000.0);
+            replayed = events.len();
+            for (i, v) in t.into_iter().enumerate() {
+                ms[i].push(v);
+            }
+        }
+    }
+    verify_rewound(db, &name, &[stream]).await?;
+    // A bare round trip on a pooled connection; and the cursor read sent as the store sends
+    // it (query_typed: parsed and planned on every call) against the same statement prepared
+    // once, alternating — what planning costs a statement here.
+    let (mut rtt, mut typed, mut prepared) = (Vec::new(), Vec::new(), Vec::new());
+    {
+        let client = pool.get().await?;
+        let cursor_sql = lockstep_pg_store::perspective::sql::CURSOR;
+        let statement = client
+            .prepare_typed(cursor_sql, &[Type::UUID, Type::TEXT])
+            .await?;
+        let (id, text) = (stream.as_uuid(), name.as_str());
+        for _ in 0..(4 * rounds).max(20) {
+            let started = Instant::now();
+            client.query_typed("SELECT 1", &[]).await?;
+            rtt.push(started.elapsed().as_secs_f64() * 1000.0);
+            let started = Instant::now();
+            client
+                .query_typed(cursor_sql, &[(&id, Type::UUID), (&text, Type::TEXT)])
+                .await?;
+            typed.push(started.elapsed().as_secs_f64() * 1000.0);
+            let started = Instant::now();
+            client.query(&statement, &[&id, &text]).await?;
+            prepared.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    pool.close();
+    let rtt = median(&rtt);
+    let medians: Vec<f64> = ms.iter().map(|v| median(v)).collect();
+    let sum: f64 = medians.iter().sum();
+    let total = median(&totals);
+    let worker_ms = median(&by_worker);
+    let round_trips: usize = STEPS.iter().map(|s| s.1).sum();
+    let mut lines = vec![
+        format!(
+            "#### rewind from the snapshot, step by step ({name}, {replayed} events replayed, \
+             {rounds} rounds)"
+        ),
+        String::new(),
+        "| step | round trips | median ms | share | rounds (ms) |".to_owned(),
+        "|---|---:|---:|---:|---|".to_owned(),
+    ];
+    for (i, (label, trips)) in STEPS.iter().enumerate() {
+        lines.push(format!(
+            "| {label} | {trips} | {:.3} | {:.0} % | {} |",
+            medians[i],
+            100.0 * medians[i] / sum,
+            fmt_all(&ms[i])
+        ));
+    }
+    lines.push(format!(
+        "| *all steps (sum of medians)* | {round_trips} | {sum:.3} | 100 % |  |"
+    ));
+    lines.push(format!(
+        "| *all steps (median of the totals)* | {round_trips} | {total:.3} |  | {} |",
+        fmt_all(&totals)
+    ));
+    lines.push(format!(
+        "| *PerspectiveWorker::rewind, back to back with these* | {round_trips} | \
+         {worker_ms:.3} |  | {} |",
+        fmt_all(&by_worker)
+    ));
+    lines.push(String::new());
+    let budget = 0.05 * full_ms;
+    let ratio = |ms: f64| ms / full_ms;
+    let in_trips = round_trips as f64 * rtt;
+    let (typed, prepared) = (median(&typed), median(&prepared));
+    // What fewer round trips would save, from the steps' medians: the four reads as one
+    // statement outside a transaction (no BEGIN, no ROLLBACK, three trips fewer — their server
+    // work stays); the fenced commit as one statement, its own transaction (no BEGIN, no
+    // COMMIT); the release done by that commit's cursor update (no release statement).
+    let save_read = medians[1] + medians[6] + 3.0 * rtt;
+    let save_commit = medians[8] + medians[10];
+    let save_release = medians[11];
+    let one_read = snapshot_ms - save_read;
+    let one_commit = one_read - save_commit;
+    let released = one_commit - save_release;
+    // The store statements left (one read, one commit) prepared once instead of planned per
+    // call: the cursor read's difference, twice.
+    let save_plan = 2.0 * (typed - prepared).max(0.0);
+    let planned = released - save_plan;
+    lines.push(format!(
+        "The same calls as PerspectiveWorker::rewind (rewind_locked → rewind_under → \
+         load_for_rewind), each timed, on a pool of the worker's size; the worker's own rewind \
+         of the same pair alternates with them (order swapped every round), both back to back, \
+         while the headline table's snapshot rewinds each follow a full one. Bare round trip \
+         (SELECT 1, pooled connection): {rtt:.3} ms median, so {round_trips} round trips are \
+         {in_trips:.2} ms; the rest is each statement's own work, server and client (the store sends every \
+         statement with query_typed, parsed and planned per call: the cursor read {typed:.3} ms \
+         so, {prepared:.3} ms prepared once). The replay of {replayed} events: {:.3} ms.",
+        medians[7]
+    ));
+    lines.push(format!(
+        "snapshot / full = {snapshot_ms:.2} / {full_ms:.2} ms = {:.4} (the headline); under \
+         0.05 needs <= {budget:.2} ms. Back to back: the worker's rewind {worker_ms:.2} ms = \
+         {:.4}, its calls alone {total:.2} ms = {:.4}. Without the skipped-events read \
+         ({:.3} ms): {:.4}. Estimated from the steps (headline conditions): the cursor, \
+         snapshot, events and skipped events read by one statement outside a transaction \
+         (-{save_read:.2} ms) {one_read:.2} ms = {:.4}; plus the fenced commit as one statement, \
+         its own transaction (-{save_commit:.2} ms) {one_commit:.2} ms = {:.4}; plus the lease \
+         released by that commit (-{save_release:.2} ms) {released:.2} ms = {:.4}; plus those \
+         two statements prepared once (-{save_plan:.2} ms, the cursor read's difference each) \
+         {planned:.2} ms = {:.4}.",
+        ratio(snapshot_ms),
+        ratio(worker_ms),
+        ratio(total),
+        medians[SKIPPED],
+        ratio(snapshot_ms - medians[SKIPPED]),
+        ratio(one_read),
+        ratio(one_commit),
+        ratio(released),
+        ratio(planned)
+    ));
+    Ok(lines)
+}
