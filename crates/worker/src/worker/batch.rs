@@ -2,8 +2,9 @@
 //! this worker's perspectives with their states and events ([`PerspectiveStore::claim_batch`]);
 //! `apply` folds them on tokio's blocking pool; one statement commits every pair that
 //! progressed and stores every failure ([`PerspectiveStore::commit_batch`]); then the pairs the
-//! claim marked for a rewind go down the rewind path, and pairs that need a first snapshot get
-//! their bootstrap.
+//! claim marked for a rewind go down the rewind path. A pair's first snapshot is written by the
+//! batch commit itself (the bootstrap of the seed, fenced by the row lock the claim holds rather
+//! than by a lease of its own: no extra round trips per new pair; ADR 0012).
 //!
 //! - **A failure is the pair's**: `apply` failing or panicking at an event, a state that does
 //!   not serialize or cannot be stored — the events before the failing one are committed, the
@@ -118,7 +119,7 @@ where
         }
     }
 
-    /// Claims, applies and commits one batch, then runs its rewinds and bootstraps; adds what
+    /// Claims, applies and commits one batch, then runs its rewinds; adds what
     /// it did to `report`. `Err`: the claim itself failed (nothing was claimed).
     pub(super) async fn run_batch(&self, report: &mut CycleReport) -> Result<()> {
         let request = self.next_request();
@@ -277,11 +278,7 @@ where
                 from_apply,
                 events: n,
                 oldest: work.events[..n].iter().map(|e| e.recorded_at).min(),
-                bootstrap: cursor.latest_snapshot.is_none()
-                    && commit
-                        .as_ref()
-                        .is_some_and(|c| !c.snapshot && c.applied_count > 0),
-                revision: cursor.revision.saturating_add(1),
+                first_snapshot: cursor.latest_snapshot.is_none() && commit.is_some(),
             });
             entries.push(BatchEntry::new(cursor.pair(), commit, failure));
         }
@@ -305,11 +302,14 @@ where
         commit.last_event_id = events.last().map(|e| e.event_id).or(cursor.last_event_id);
         commit.applied_count = applied_count;
         commit.applied_events = events.iter().map(|e| e.event_id).collect();
-        commit.snapshot = applied_count / every > cursor.applied_count / every;
+        // Each time the count crosses a multiple of `snapshot_every`, and the pair's first
+        // (the bootstrap: under the claim's row lock, which fences it like the lease would).
+        commit.snapshot = applied_count / every > cursor.applied_count / every
+            || cursor.latest_snapshot.is_none();
         commit
     }
 
-    /// Reports one committed entry, counts it, and bootstraps the pair when it has no snapshot.
+    /// Reports one committed entry and counts it.
     async fn report_entry(
         &self,
         entry: &BatchEntry,
@@ -324,6 +324,9 @@ where
             BatchCommitted::Committed { parked, .. } => {
                 report.applied += applied.events;
                 count(telemetry::EVENTS_APPLIED, name, applied.events as u64);
+                if applied.first_snapshot {
+                    count(telemetry::BOOTSTRAPS, name, 1);
+                }
                 if let Some(oldest) = applied.oldest {
                     let lag = (OffsetDateTime::now_utc() - oldest)
                         .as_seconds_f64()
@@ -352,14 +355,6 @@ where
             if parked {
                 count(telemetry::PAIRS_PARKED, name, 1);
             }
-        }
-        if applied.bootstrap
-            && entry.failure.is_none()
-            && let Err(err) = self
-                .bootstrap(pair.stream_id, &pair.perspective, applied.revision)
-                .await
-        {
-            tracing::warn!(error = %err, "bootstrap failed; retried after the next apply");
         }
     }
 
@@ -427,9 +422,8 @@ struct Applied {
     from_apply: bool,
     events: usize,
     oldest: Option<OffsetDateTime>,
-    bootstrap: bool,
-    /// The pair's revision once committed (what a bootstrap snapshot is fenced on).
-    revision: i64,
+    /// The commit writes the pair's first snapshot (counted as a bootstrap).
+    first_snapshot: bool,
 }
 
 /// Folds every pair of a batch on one blocking task of tokio's pool, so that the user's
