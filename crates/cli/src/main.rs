@@ -64,7 +64,7 @@ enum Command {
     /// Stream leases and advisory locks.
     #[command(subcommand)]
     Locks(ops::LocksCommand),
-    /// Perspectives: status, rewind, purge.
+    /// Perspectives: status, rewind, purge, parked, retry, skip.
     #[command(subcommand)]
     Perspectives(ops::PerspectivesCommand),
     /// Serves a status page (leases, advisory locks, perspectives; refreshes itself) and
@@ -79,7 +79,7 @@ enum Command {
     },
     /// Runs a benchmark: `locker`, `aggregate` or `worker` (build with --release; see
     /// docs/benchmarks.md). Each needs a PostgreSQL server (DATABASE_URL) and pgbench.
-    Bench(lockstep_bench::BenchArgs),
+    Bench(Box<lockstep_bench::BenchArgs>),
     /// Runs a perspective worker for the sample 'Ledger' perspective until Ctrl-C or SIGTERM,
     /// then releases its leases.
     Worker(ops::WorkerArgs),
@@ -166,7 +166,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd).await,
         Command::Worker(args) => ops::worker(&require(url)?, args).await,
         Command::Bench(args) => {
-            lockstep_bench::run(args).await?;
+            lockstep_bench::run(*args).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Serve { addr, names } => serve::serve(&require(url)?, &addr, names).await,
