@@ -603,3 +603,30 @@ async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
     }
     panic!("600 events were not all committed in 60 cycles");
 }
+
+/// The batch cycle the way an application runs it: the concrete worker moved into a spawned
+/// task (its futures must be `Send`), applying a batch there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_cycle_runs_inside_a_spawned_task() {
+    let s = setup(WorkerOptions::default()).await;
+    let stream = StreamId::new_v7();
+    s.numbers(stream, [1, 2, 3]).await;
+    let Setup {
+        db, pool, worker, ..
+    } = s;
+    let report = tokio::spawn(async move { worker.run_once().await })
+        .await
+        .expect("the spawned cycle");
+    assert_eq!(report.applied, 3, "{report:?}");
+    let client = db.connect().await;
+    let state: serde_json::Value = client
+        .query_one(
+            "SELECT state FROM wh_perspective_states WHERE stream_id = $1",
+            &[&stream.as_uuid()],
+        )
+        .await
+        .expect("state")
+        .get(0);
+    assert_eq!(state, serde_json::json!([1, 2, 3]));
+    drop(pool);
+}

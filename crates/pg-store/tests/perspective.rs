@@ -243,3 +243,93 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     }
     tx.rollback().await.expect("rollback");
 }
+
+/// Issue 18's store methods the way an application calls them: from inside `tokio::spawn`
+/// (a web handler, a background task), with the concrete `PgDatabase` / `PgTransaction` /
+/// `PgPerspectiveStore` — generic test code would hide a future that is not `Send`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_and_admin_methods_run_inside_spawned_tasks() {
+    use lockstep_core::{
+        BatchClaim, BatchCommitted, BatchEntry, ClaimedWork, PairFailure, StateCommit,
+        TransactionSource as _,
+    };
+    let f = fixture().await;
+    let (db, store) = (f.source.clone(), f.store.clone());
+    let p = name("Spawned");
+    let stream = StreamId::new_v7();
+    let tx = db.begin().await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    f.events
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[event(1), event(2)],
+        )
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+
+    let handler = tokio::spawn(async move {
+        let tx: PgTransaction = db.begin().await.expect("begin");
+        let batch = store
+            .claim_batch(&tx, &BatchClaim::new(std::slice::from_ref(&p)))
+            .await
+            .expect("claim_batch");
+        let claimed = batch.pairs.into_iter().next().expect("the pair");
+        let ClaimedWork::Apply { events, .. } = claimed.work else {
+            panic!("expected events");
+        };
+        let cursor = claimed.cursor;
+        let mut commit =
+            StateCommit::new(stream, p.clone(), cursor.revision, serde_json::json!([1]));
+        commit.last_event_id = Some(events[0].event_id);
+        commit.applied_count = 1;
+        commit.applied_events = vec![events[0].event_id];
+        let failure = PairFailure::new("the second event failed")
+            .at_event(Some(events[1].event_id))
+            .park(true);
+        let outcomes = store
+            .commit_batch(
+                &tx,
+                &[BatchEntry::new(cursor.pair(), Some(commit), Some(failure))],
+            )
+            .await
+            .expect("commit_batch");
+        assert!(matches!(
+            outcomes[0],
+            BatchCommitted::Committed { parked: true, .. }
+        ));
+        tx.commit().await.expect("commit");
+
+        let tx = db.begin().await.expect("begin");
+        let parked = store.parked_pairs(&tx, &[], 10).await.expect("parked");
+        assert_eq!(parked.len(), 1);
+        let failing = store.failing_pairs(&tx, &[], 10).await.expect("failing");
+        assert_eq!(failing.len(), 1);
+        let status = store.perspective_status(&tx).await.expect("status");
+        assert!(status.iter().any(|s| s.perspective == p && s.parked == 1));
+        assert!(store.unpark(&tx, stream, &p).await.expect("unpark"));
+        let failure = PairFailure::new("again").at_event(Some(events[1].event_id));
+        store
+            .record_failure(&tx, stream, &p, &failure)
+            .await
+            .expect("record");
+        assert!(
+            store
+                .skip_event(&tx, stream, &p, events[1].event_id, "spawned")
+                .await
+                .expect("skip")
+        );
+        let skipped = store
+            .skipped_events(&tx, stream, &p)
+            .await
+            .expect("skipped");
+        tx.commit().await.expect("commit");
+        skipped.len()
+    });
+    assert_eq!(handler.await.expect("the spawned task"), 1);
+}

@@ -60,7 +60,8 @@ struct Work {
     events: Vec<RecordedEvent>,
     perspective: Arc<dyn DynPerspective>,
     state: Option<serde_json::Value>,
-    _guard: PairGuard,
+    /// The pair's in-process apply lock, held until the batch's transaction has ended.
+    guard: Option<PairGuard>,
 }
 
 impl<S, P> PerspectiveWorker<S, P>
@@ -143,7 +144,13 @@ where
         }
         let (work, rewinds) = self.sort_claimed(batch.pairs, report);
         let claimed: Vec<Pair> = work.iter().map(|w| w.cursor.pair()).collect();
-        let folded = fold_off_runtime(work).await;
+        let mut folded = fold_off_runtime(work).await;
+        // Kept until the commit has ended, so that no other path of this instance starts on a
+        // pair of the batch before its state is stored.
+        let guards: Vec<PairGuard> = folded
+            .iter_mut()
+            .filter_map(|(w, _)| w.guard.take())
+            .collect();
         let (entries, applied) = self.entries(folded, report);
         let committed = async {
             let outcomes = self.store.commit_batch(&tx, &entries).await?;
@@ -151,6 +158,7 @@ where
             Ok::<_, lockstep_core::Error>(outcomes)
         }
         .await;
+        drop(guards);
         let outcomes = match committed {
             Ok(outcomes) => outcomes,
             Err(err) => {
@@ -189,6 +197,7 @@ where
                 ClaimedWork::Apply { state, events } => {
                     let Some(perspective) = self.registry.get(&cursor.perspective).cloned() else {
                         // Only this worker's perspectives are asked for.
+                        report.pairs += 1;
                         report.skipped += 1;
                         continue;
                     };
@@ -205,7 +214,7 @@ where
                         events,
                         perspective,
                         state,
-                        _guard: guard,
+                        guard: Some(guard),
                     });
                 }
                 ClaimedWork::Rewind => rewinds.push(cursor),
