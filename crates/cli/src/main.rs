@@ -83,6 +83,11 @@ enum Command {
         /// Name an advisory key you know; repeatable.
         #[arg(long = "name")]
         names: Vec<String>,
+        /// Enables the page's actions (force-release, rewind, retry, skip) for whoever gives
+        /// this token (at least 16 characters). Prefer the environment variable: a command
+        /// line is visible to every user of the machine.
+        #[arg(long, env = "LOCKSTEP_SERVE_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
 }
 
@@ -180,7 +185,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Migrate { status: true } => ops::migration_status(&require(url)?, json).await,
         Command::Locks(cmd) => ops::locks(&require(url)?, cmd, json).await,
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd, json).await,
-        Command::Serve { addr, names } => serve::serve(&require(url)?, &addr, names, json).await,
+        Command::Serve { addr, names, token } => {
+            let options = serve::ServeOptions { addr, names, token };
+            serve::serve(&require(url)?, options, json).await
+        }
     }
 }
 

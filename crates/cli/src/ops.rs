@@ -849,6 +849,19 @@ pub(crate) async fn perspectives(
     }
 }
 
+/// A parked pair as JSON (`perspectives parked --json`, the status page).
+pub(crate) fn parked_json(c: &lockstep_core::Cursor) -> serde_json::Value {
+    json!({
+        "stream_id": c.stream_id.to_string(),
+        "perspective": c.perspective.as_str(),
+        "failures": c.failures,
+        "error": c.error,
+        "failed_event_id": c.failed_event_id.map(|e| e.to_string()),
+        "parked_at": c.parked_at.map(|t| t.to_string()),
+        "last_event_id": c.last_event_id.map(|e| e.to_string()),
+    })
+}
+
 /// `lockstep perspectives parked | retry | skip`: the parked pairs and what an operator does
 /// about them, through the store's contract.
 async fn parking(
@@ -873,20 +886,7 @@ async fn parking(
                 .parked_pairs(&tx, &names, limit)
                 .await
                 .map_err(explain)?;
-            let rows: Vec<serde_json::Value> = parked
-                .iter()
-                .map(|c| {
-                    json!({
-                        "stream_id": c.stream_id.to_string(),
-                        "perspective": c.perspective.as_str(),
-                        "failures": c.failures,
-                        "error": c.error,
-                        "failed_event_id": c.failed_event_id.map(|e| e.to_string()),
-                        "parked_at": c.parked_at.map(|t| t.to_string()),
-                        "last_event_id": c.last_event_id.map(|e| e.to_string()),
-                    })
-                })
-                .collect();
+            let rows: Vec<serde_json::Value> = parked.iter().map(parked_json).collect();
             if json {
                 say!("{}", serde_json::Value::Array(rows));
             } else if parked.is_empty() {

@@ -47,22 +47,24 @@ impl DbUrl {
     /// 10 s, checked by connecting once, so a wrong target fails here, with advice, rather than
     /// deep inside the first operation.
     pub(crate) async fn handle(&self, size: usize) -> Result<PgDatabase> {
-        let db = self.handle_lazy(size)?;
+        let db = self.handle_lazy(size, "lockstep")?;
         drop(db.checkout().await.map_err(|e| {
             // The pool's message already names the target ("connecting to <target>: why"):
             // say it once.
             let message = e.message();
             let prefix = format!("connecting to {self}: ");
-            self.unreachable(&message.strip_prefix(&prefix).unwrap_or(&message))
+            self.unreachable(&message.strip_prefix(&prefix).unwrap_or(message))
         })?);
         Ok(db)
     }
 
     /// A handle like [`DbUrl::handle`] that connects only when first used (on the runtime
-    /// that first uses it).
-    pub(crate) fn handle_lazy(&self, size: usize) -> Result<PgDatabase> {
+    /// that first uses it); its connections report `application_name` (unless the URL sets
+    /// one).
+    pub(crate) fn handle_lazy(&self, size: usize, application_name: &str) -> Result<PgDatabase> {
         PgDatabase::builder()
             .config(self.config.clone())
+            .application_name(application_name)
             .max_connections(size)
             .checkout_wait(Duration::from_secs(10))
             .build()

@@ -1,81 +1,149 @@
-//! `lockstep serve`: a status page (server-rendered HTML that refreshes itself) with the stream
-//! leases, the advisory locks and the perspectives' status, and `/metrics` in the Prometheus
-//! text format (gauges computed from the database at each scrape).
+//! `lockstep serve`: the on-call engineer's page and `/metrics`, on axum.
 //!
-//! A deliberately small HTTP/1.1 responder over tokio: `GET` only, one request per connection,
-//! a bounded request head and a read timeout. It serves operators on a trusted network; put it
-//! behind your usual proxy for anything else. Its accept loop, [`accept_loop`], outlives failed
-//! accepts.
+//! - `GET /` — the page: a summary line with health colours, stream leases, advisory locks
+//!   grouped per key (holder, waiters, longest wait, each connection's `application_name`),
+//!   perspectives (lag highlighted, failures, backoff, parking) and the parked pairs. It is
+//!   rendered on the server (so it reads without JavaScript) and then updates itself in place
+//!   from `GET /fragment` every 2 s — no reload, the scroll position stays — saying when it last
+//!   refreshed and how long the database took. While the database is unreachable or not
+//!   migrated it says so and goes on trying, so it recovers by itself.
+//! - `GET /api/status` — the same snapshot as JSON; `GET /metrics` — gauges read from the
+//!   database at each scrape, in the Prometheus text format with `# HELP` on every family;
+//!   `GET /healthz` — database reachability and schema state (200 only when both are fine).
+//! - `POST /actions` — force-release a lease, request a rewind, retry or skip a parked pair —
+//!   only when the operator configured a token (`LOCKSTEP_SERVE_TOKEN`); see [`actions`].
+//!
+//! Other methods on these paths get 405, other paths 404. It listens on loopback by default;
+//! put it behind your usual proxy (TLS, single sign-on) for anything else. axum's accept loop
+//! pauses after a failed accept (EMFILE), so running out of descriptors does not make it spin.
 
-use std::fmt::Write as _;
-use std::future::Future;
+mod actions;
+mod render;
+
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use anyhow::{Context, Result};
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use lockstep_core::{PerspectiveStore, Transaction as _, TransactionSource};
+use lockstep_pg::PgDatabase;
+use lockstep_pg_store::PgPerspectiveStore;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
 
-use crate::ops::{advisory_rows, lease_rows, status_rows};
+use crate::ops::{advisory_rows, lease_rows, parked_json, status_rows};
 use crate::pg::DbUrl;
 use crate::{bad_argument, say};
 
-/// The longest request head accepted.
-const MAX_HEAD: usize = 8 * 1024;
+/// The shortest token accepted for the page's actions.
+const MIN_TOKEN_CHARS: usize = 16;
 
-struct Shared {
-    pool: deadpool_postgres::Pool,
+/// What every request shares.
+pub(crate) struct Shared {
+    db: PgDatabase,
     metrics: PrometheusHandle,
     names: Vec<String>,
     database: String,
+    /// The operator's token; `None`: actions are disabled.
+    token: Option<String>,
+    /// Actions asked for and not yet confirmed: nonce → (action, when asked).
+    pending: Mutex<HashMap<String, (actions::Action, Instant)>>,
 }
 
-pub(crate) async fn serve(
-    url: &DbUrl,
-    addr: &str,
-    names: Vec<String>,
-    json: bool,
-) -> Result<ExitCode> {
-    let listener = listen("--addr", addr).await?;
+/// `lockstep serve`'s options.
+pub(crate) struct ServeOptions {
+    /// Where to listen.
+    pub(crate) addr: String,
+    /// Advisory keys the operator names.
+    pub(crate) names: Vec<String>,
+    /// The actions' token.
+    pub(crate) token: Option<String>,
+}
+
+/// Serves until Ctrl-C. Starts also while the database is unreachable (the page says so and
+/// recovers when it comes back).
+pub(crate) async fn serve(url: &DbUrl, options: ServeOptions, json: bool) -> Result<ExitCode> {
+    if let Some(token) = &options.token
+        && token.trim().chars().count() < MIN_TOKEN_CHARS
+    {
+        return Err(bad_argument(format!(
+            "the actions' token (LOCKSTEP_SERVE_TOKEN / --token) must have at least \
+             {MIN_TOKEN_CHARS} characters"
+        )));
+    }
+    let listener = listen("--addr", &options.addr).await?;
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .context("installing the metrics recorder")?;
-    let db = url.handle(4).await?;
-    let pool = db.pool().clone();
+    describe_gauges();
+    let db = url.handle_lazy(4, "lockstep serve")?;
     let shared = Arc::new(Shared {
-        pool,
+        db,
         metrics,
-        names,
+        names: options.names,
         database: url.database().to_owned(),
+        token: options.token.map(|t| t.trim().to_owned()),
+        pending: Mutex::new(HashMap::new()),
     });
     let bound = listener.local_addr()?;
+    let actions_on = shared.token.is_some();
     if json {
         say!(
             "{}",
-            serde_json::json!({
+            json!({
                 "page": format!("http://{bound}/"),
                 "metrics": format!("http://{bound}/metrics"),
                 "database": url.database(),
+                "actions": actions_on,
             })
         );
     } else {
-        say!("serving the status page on http://{bound}/ (metrics on /metrics; Ctrl-C stops it)");
+        say!(
+            "serving the status page on http://{bound}/ (metrics on /metrics; actions {}; \
+             Ctrl-C stops it)",
+            if actions_on {
+                "enabled with the configured token"
+            } else {
+                "disabled: no token configured"
+            }
+        );
     }
-    let stop = async {
+    let app = router(shared);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
         let _ = tokio::signal::ctrl_c().await;
-    };
-    accept_loop(&listener, stop, |stream| {
-        let shared = Arc::clone(&shared);
-        tokio::spawn(async move {
-            let _ = respond(stream, &shared).await;
-        });
     })
-    .await;
+    .await
+    .context("serving")?;
     Ok(ExitCode::SUCCESS)
+}
+
+fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/", get(page))
+        .route("/fragment", get(fragment))
+        .route("/api/status", get(api_status))
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(healthz))
+        .route("/actions", post(actions::handle))
+        .fallback(|| async {
+            (
+                StatusCode::NOT_FOUND,
+                "not found (GET /, /fragment, /api/status, /metrics, /healthz; POST /actions)\n",
+            )
+        })
+        .with_state(shared)
 }
 
 /// A listener on `addr`, the value of the option `flag`. An address that does not parse or
@@ -104,152 +172,223 @@ pub(crate) async fn listen(flag: &str, addr: &str) -> Result<TcpListener> {
     }
 }
 
-/// The pause after a failed accept; it doubles while accepts go on failing, up to
-/// [`ACCEPT_PAUSE_MAX`], and starts again from here after a success.
-const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(50);
-/// The longest pause after failed accepts: how late a server notices that it can accept again.
-const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
-
-/// Where a server's connections come from: a `tokio::net::TcpListener`, or a fake in tests.
-pub(crate) trait Acceptor {
-    /// An accepted connection.
-    type Connection;
-    /// The next connection.
-    fn accept(&self) -> impl Future<Output = std::io::Result<Self::Connection>> + Send;
+/// Everything the page shows, read in one go.
+pub(crate) struct Snapshot {
+    leases: Vec<Value>,
+    advisory: Vec<Value>,
+    perspectives: Vec<Value>,
+    parked: Vec<Value>,
+    /// How long reading it took.
+    took_ms: f64,
 }
 
-impl Acceptor for TcpListener {
-    type Connection = TcpStream;
-
-    async fn accept(&self) -> std::io::Result<TcpStream> {
-        TcpListener::accept(self).await.map(|(stream, _)| stream)
+impl Snapshot {
+    fn json(&self) -> Value {
+        json!({
+            "leases": self.leases,
+            "advisory_locks": render::group_advisory(&self.advisory),
+            "perspectives": self.perspectives,
+            "parked": self.parked,
+            "summary": render::summary(self),
+            "took_ms": self.took_ms,
+        })
     }
 }
 
-/// The accept loop of the server: accepts connections
-/// until `stop` completes and hands each to `handle`. A failed accept — most often EMFILE, out
-/// of file descriptors, which fails again at once as long as it lasts — is logged and followed
-/// by a pause ([`ACCEPT_PAUSE_MIN`], doubling up to [`ACCEPT_PAUSE_MAX`] while failures go on):
-/// the server neither spins on it nor stops serving, and recovers once descriptors are free.
-pub(crate) async fn accept_loop<A: Acceptor>(
-    acceptor: &A,
-    stop: impl Future<Output = ()>,
-    mut handle: impl FnMut(A::Connection),
-) {
-    tokio::pin!(stop);
-    let mut pause = ACCEPT_PAUSE_MIN;
-    let mut failures: u64 = 0;
-    loop {
-        let accepted = tokio::select! {
-            () = &mut stop => return,
-            accepted = acceptor.accept() => accepted,
-        };
-        match accepted {
-            Ok(connection) => {
-                if failures > 0 {
-                    eprintln!("accepting connections again after {failures} failed accept(s)");
-                    failures = 0;
-                    pause = ACCEPT_PAUSE_MIN;
-                }
-                handle(connection);
-            }
-            Err(err) => {
-                failures += 1;
-                eprintln!(
-                    "accepting a connection failed: {err}; trying again in {} ms",
-                    pause.as_millis()
-                );
-                tokio::select! {
-                    () = &mut stop => return,
-                    () = tokio::time::sleep(pause) => {}
-                }
-                pause = pause.saturating_mul(2).min(ACCEPT_PAUSE_MAX);
-            }
+/// Why the page cannot show the database.
+enum Unavailable {
+    /// The server does not answer.
+    Unreachable(String),
+    /// lockstep's schema is missing or incomplete.
+    NotMigrated(String),
+}
+
+impl Unavailable {
+    fn message(&self) -> &str {
+        match self {
+            Unavailable::Unreachable(m) | Unavailable::NotMigrated(m) => m,
         }
     }
 }
 
-/// Reads a request head (bounded in size and time) and returns the path of a `GET`.
-async fn read_path(stream: &mut TcpStream) -> Result<String> {
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
+async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable> {
+    let started = Instant::now();
+    // Schema first: a database that is not migrated answers every read with an error that
+    // says less than this.
+    match shared.db.migration_status().await {
+        Err(e) => return Err(Unavailable::Unreachable(format!("{e}"))),
+        Ok(status) if !status.is_up_to_date() => {
+            return Err(Unavailable::NotMigrated(format!(
+                "the lockstep schema in {} is not up to date: run `lockstep migrate` (this page \
+                 recovers by itself once it is)",
+                shared.database
+            )));
+        }
+        Ok(_) => {}
+    }
     let read = async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
-            let n = stream.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            head.extend_from_slice(&buf[..n]);
-        }
-        Ok::<_, std::io::Error>(())
+        let pool = shared.db.pool();
+        let leases = lease_rows(pool).await?;
+        let advisory = advisory_rows(pool, &shared.names).await?;
+        let perspectives = status_rows(pool).await?;
+        let parked = parked_rows(&shared.db).await?;
+        Ok::<_, anyhow::Error>((leases, advisory, perspectives, parked))
     };
-    tokio::time::timeout(Duration::from_secs(5), read)
-        .await
-        .context("reading the request timed out")??;
-    let line = String::from_utf8_lossy(&head);
-    let mut parts = line.split_whitespace();
-    match (parts.next(), parts.next()) {
-        (Some("GET"), Some(path)) => Ok(path.split('?').next().unwrap_or("").to_owned()),
-        _ => Ok(String::new()),
+    match read.await {
+        Ok((leases, advisory, perspectives, parked)) => Ok(Snapshot {
+            leases,
+            advisory,
+            perspectives,
+            parked,
+            took_ms: started.elapsed().as_secs_f64() * 1000.0,
+        }),
+        Err(e) => Err(Unavailable::Unreachable(format!("{e:#}"))),
     }
 }
 
-async fn write_response(
-    stream: &mut TcpStream,
-    status: &str,
-    kind: &str,
-    body: &str,
-) -> Result<()> {
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await?;
-    Ok(())
+/// The parked pairs, at most 100.
+async fn parked_rows(db: &PgDatabase) -> Result<Vec<Value>> {
+    let tx = db.begin().await?;
+    let parked = PgPerspectiveStore::new().parked_pairs(&tx, &[], 100).await;
+    // Read only: the rollback cannot lose anything.
+    let _ = tx.rollback().await;
+    Ok(parked?.iter().map(parked_json).collect())
 }
 
-async fn respond(mut stream: TcpStream, shared: &Shared) -> Result<()> {
-    let path = read_path(&mut stream).await?;
-    let (status, kind, body) = match path.as_str() {
-        "/" => match page(shared).await {
-            Ok(html) => ("200 OK", "text/html; charset=utf-8", html),
-            Err(err) => (
-                "503 Service Unavailable",
-                "text/plain; charset=utf-8",
-                format!("{err:#}\n"),
-            ),
-        },
-        "/metrics" => match gauges(shared).await {
-            Ok(()) => (
-                "200 OK",
-                "text/plain; version=0.0.4",
-                shared.metrics.render(),
-            ),
-            Err(err) => (
-                "503 Service Unavailable",
-                "text/plain; charset=utf-8",
-                format!("{err:#}\n"),
-            ),
-        },
-        "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
-        _ => (
-            "404 Not Found",
-            "text/plain",
-            "not found (GET /, /metrics, /healthz)\n".to_owned(),
-        ),
+async fn page(State(shared): State<Arc<Shared>>) -> Html<String> {
+    let body = match snapshot(&shared).await {
+        Ok(snap) => render::fragment(&snap, shared.token.is_some()),
+        Err(why) => render::unavailable(why.message()),
     };
-    write_response(&mut stream, status, kind, &body).await
+    Html(render::page(
+        &shared.database,
+        &body,
+        shared.token.is_some(),
+    ))
+}
+
+async fn fragment(State(shared): State<Arc<Shared>>) -> Response {
+    match snapshot(&shared).await {
+        Ok(snap) => Html(render::fragment(&snap, shared.token.is_some())).into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Html(render::unavailable(why.message())),
+        )
+            .into_response(),
+    }
+}
+
+async fn api_status(State(shared): State<Arc<Shared>>) -> Response {
+    match snapshot(&shared).await {
+        Ok(snap) => axum::Json(snap.json()).into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({ "error": why.message() })),
+        )
+            .into_response(),
+    }
+}
+
+async fn healthz(State(shared): State<Arc<Shared>>) -> Response {
+    let (code, body) = match shared.db.migration_status().await {
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            json!({ "database": "unreachable", "schema": "unknown", "error": format!("{e}") }),
+        ),
+        Ok(status) => {
+            let pending = status
+                .migrations
+                .iter()
+                .filter(|m| matches!(m.state, lockstep_pg::migrate::MigrationState::Pending))
+                .count();
+            let (code, schema) = if status.is_up_to_date() {
+                (StatusCode::OK, "up_to_date")
+            } else if pending == status.migrations.len() {
+                (StatusCode::SERVICE_UNAVAILABLE, "missing")
+            } else {
+                (StatusCode::SERVICE_UNAVAILABLE, "not_up_to_date")
+            };
+            (
+                code,
+                json!({ "database": "reachable", "schema": schema, "pending_migrations": pending }),
+            )
+        }
+    };
+    (
+        code,
+        [(header::CACHE_CONTROL, "no-store")],
+        axum::Json(body),
+    )
+        .into_response()
+}
+
+/// `# HELP` for every gauge `/metrics` exports (Prometheus conventions: a family without help
+/// is a question for whoever reads the dashboard).
+fn describe_gauges() {
+    use metrics::describe_gauge;
+    describe_gauge!(
+        "lockstep_stream_leases_held",
+        "Stream leases held now (not expired)."
+    );
+    describe_gauge!(
+        "lockstep_stream_leases_expired",
+        "Stream leases whose holder stopped renewing; any instance may take them over."
+    );
+    describe_gauge!(
+        "lockstep_stream_leases_unreadable",
+        "Lease rows lockstep cannot read (written by hand)."
+    );
+    describe_gauge!(
+        "lockstep_perspective_pending_events",
+        "Events queued for a perspective and not applied yet."
+    );
+    describe_gauge!(
+        "lockstep_perspective_lag_seconds",
+        "Age of a perspective's oldest pending work, in seconds."
+    );
+    describe_gauge!(
+        "lockstep_perspective_rewinds_pending",
+        "Pairs of a perspective with a rewind requested."
+    );
+    describe_gauge!(
+        "lockstep_perspective_pairs_parked",
+        "Pairs of a perspective parked after failing too often in a row."
+    );
+    describe_gauge!(
+        "lockstep_perspective_pairs_backing_off",
+        "Pairs of a perspective waiting out their failure backoff."
+    );
+    describe_gauge!(
+        "lockstep_perspective_pairs_in_error",
+        "Pairs of a perspective whose last attempt failed."
+    );
+}
+
+async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
+    match snapshot(&shared).await {
+        Ok(snap) => {
+            set_gauges(&snap);
+            (
+                [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                shared.metrics.render(),
+            )
+                .into_response()
+        }
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{}\n", why.message()),
+        )
+            .into_response(),
+    }
 }
 
 /// Sets the gauges a scrape reads from the database.
-async fn gauges(shared: &Shared) -> Result<()> {
-    let leases = lease_rows(&shared.pool).await?;
-    let count = |status: &str| leases.iter().filter(|l| l["status"] == status).count() as f64;
+fn set_gauges(snap: &Snapshot) {
+    let count = |status: &str| snap.leases.iter().filter(|l| l["status"] == status).count() as f64;
     metrics::gauge!("lockstep_stream_leases_held").set(count("held"));
     metrics::gauge!("lockstep_stream_leases_expired").set(count("expired"));
     metrics::gauge!("lockstep_stream_leases_unreadable").set(count("unreadable"));
-    for p in status_rows(&shared.pool).await? {
+    for p in &snap.perspectives {
         let name = p["perspective"].as_str().unwrap_or("").to_owned();
         let get = |k: &str| p[k].as_f64().unwrap_or(0.0);
         metrics::gauge!("lockstep_perspective_pending_events", "perspective" => name.clone())
@@ -264,230 +403,5 @@ async fn gauges(shared: &Shared) -> Result<()> {
             .set(get("backing_off"));
         metrics::gauge!("lockstep_perspective_pairs_in_error", "perspective" => name)
             .set(get("in_error"));
-    }
-    Ok(())
-}
-
-/// The status page.
-async fn page(shared: &Shared) -> Result<String> {
-    let leases = lease_rows(&shared.pool).await?;
-    let advisory = advisory_rows(&shared.pool, &shared.names).await?;
-    let status = status_rows(&shared.pool).await?;
-    let mut html = String::new();
-    let _ = write!(
-        html,
-        "<!doctype html><html><head><meta charset=\"utf-8\"><meta http-equiv=\"refresh\" content=\"2\">\
-         <title>lockstep — {db}</title><style>body{{font-family:sans-serif;margin:2em}}\
-         table{{border-collapse:collapse;margin-bottom:2em}}td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:left}}\
-         .expired{{color:#a00}}</style></head><body><h1>lockstep — {db}</h1>\
-         <p>Refreshes every 2 s. Times on the database clock.</p>",
-        db = escape(&shared.database)
-    );
-    table(
-        &mut html,
-        "Stream leases",
-        &[
-            "stream",
-            "perspective",
-            "holder",
-            "reason",
-            "epoch",
-            "time left",
-            "status",
-        ],
-        leases.iter().map(|l| {
-            vec![
-                text(&l["stream_id"]),
-                text(&l["perspective"]),
-                text(&l["holder"]),
-                text(&l["reason"]),
-                text(&l["epoch"]),
-                l["time_left_ms"]
-                    .as_f64()
-                    .map_or_else(String::new, |ms| format!("{:.1} s", ms / 1000.0)),
-                match l["error"].as_str() {
-                    Some(error) => format!("unreadable: {error}"),
-                    None => text(&l["status"]),
-                },
-            ]
-        }),
-    );
-    table(
-        &mut html,
-        "Advisory locks",
-        &["key", "name", "pid", "state", "age"],
-        advisory.iter().map(|a| {
-            vec![
-                text(&a["key"]),
-                a["name"].as_str().unwrap_or("(unknown)").to_owned(),
-                text(&a["pid"]),
-                if a["granted"] == true {
-                    "holds"
-                } else {
-                    "waits"
-                }
-                .to_owned(),
-                format!("{:.1} s", a["transaction_age_s"].as_f64().unwrap_or(0.0)),
-            ]
-        }),
-    );
-    table(
-        &mut html,
-        "Perspectives",
-        &[
-            "perspective",
-            "pairs",
-            "pending",
-            "lag",
-            "rewinds pending",
-            "pairs in error",
-        ],
-        status.iter().map(|p| {
-            let errors: Vec<String> = p["pairs_in_error"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|e| format!("{}: {}", text(&e["stream_id"]), text(&e["error"])))
-                .collect();
-            vec![
-                text(&p["perspective"]),
-                text(&p["pairs"]),
-                text(&p["pending_events"]),
-                format!("{:.1} s", p["lag_s"].as_f64().unwrap_or(0.0)),
-                text(&p["rewinds_pending"]),
-                if errors.is_empty() {
-                    "0".to_owned()
-                } else {
-                    errors.join("; ")
-                },
-            ]
-        }),
-    );
-    html.push_str("<p><a href=\"/metrics\">/metrics</a></p></body></html>\n");
-    Ok(html)
-}
-
-fn text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => String::new(),
-        other => other.to_string(),
-    }
-}
-
-fn table(
-    html: &mut String,
-    title: &str,
-    headers: &[&str],
-    rows: impl Iterator<Item = Vec<String>>,
-) {
-    let _ = write!(html, "<h2>{}</h2><table><tr>", escape(title));
-    for h in headers {
-        let _ = write!(html, "<th>{}</th>", escape(h));
-    }
-    html.push_str("</tr>");
-    let mut any = false;
-    for row in rows {
-        any = true;
-        html.push_str("<tr>");
-        for cell in row {
-            let _ = write!(html, "<td>{}</td>", escape(&cell));
-        }
-        html.push_str("</tr>");
-    }
-    if !any {
-        let _ = write!(html, "<tr><td colspan=\"{}\">none</td></tr>", headers.len());
-    }
-    html.push_str("</table>");
-}
-
-/// HTML-escapes text from the database (perspective names and errors are user data).
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
-
-#[cfg(test)]
-mod tests {
-    use std::future::Future;
-    use std::sync::Mutex;
-    use std::time::Duration;
-
-    use tokio::time::Instant;
-
-    use super::{Acceptor, accept_loop};
-
-    /// Answers accepts from a script (`true`: a connection, `false`: EMFILE), then never again;
-    /// records when each accept was called.
-    struct Scripted {
-        script: Mutex<std::vec::IntoIter<bool>>,
-        calls: Mutex<Vec<Instant>>,
-    }
-
-    impl Acceptor for Scripted {
-        type Connection = usize;
-
-        fn accept(&self) -> impl Future<Output = std::io::Result<usize>> + Send {
-            let next = {
-                let mut calls = self.calls.lock().expect("calls");
-                calls.push(Instant::now());
-                let n = calls.len();
-                self.script.lock().expect("script").next().map(|ok| (ok, n))
-            };
-            async move {
-                match next {
-                    Some((true, n)) => Ok(n),
-                    Some((false, _)) => Err(std::io::Error::from_raw_os_error(24)),
-                    None => std::future::pending().await,
-                }
-            }
-        }
-    }
-
-    /// Issue 19, defect 8: failed accepts pause 50 ms, doubling to at most 1 s, and the pause
-    /// starts over after a success; the loop goes on accepting after failures and stops when
-    /// told to.
-    #[tokio::test(start_paused = true)]
-    async fn failed_accepts_pause_with_a_bounded_backoff_and_serving_goes_on() {
-        let mut script = vec![false; 8];
-        script.extend([true, false, true]);
-        let acceptor = Scripted {
-            script: Mutex::new(script.into_iter()),
-            calls: Mutex::new(Vec::new()),
-        };
-        let started = Instant::now();
-        let mut handled = Vec::new();
-        accept_loop(
-            &acceptor,
-            tokio::time::sleep(Duration::from_secs(60)),
-            |n| handled.push(n),
-        )
-        .await;
-        assert_eq!(
-            handled,
-            [9, 11],
-            "the connections after the failures are handled"
-        );
-        assert_eq!(
-            started.elapsed(),
-            Duration::from_secs(60),
-            "the loop ran until stopped"
-        );
-        let calls = acceptor.calls.lock().expect("calls");
-        let gaps: Vec<u64> = calls
-            .windows(2)
-            .map(|w| (w[1] - w[0]).as_millis() as u64)
-            .collect();
-        assert_eq!(gaps, [50, 100, 200, 400, 800, 1000, 1000, 1000, 0, 50, 0]);
-    }
-
-    #[test]
-    fn database_text_is_escaped() {
-        assert_eq!(
-            super::escape("<b>\"x\" & y</b>"),
-            "&lt;b&gt;&quot;x&quot; &amp; y&lt;/b&gt;"
-        );
     }
 }

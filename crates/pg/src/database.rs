@@ -204,6 +204,7 @@ pub struct PgDatabaseBuilder {
     checkout_wait: Duration,
     queue: LockQueue,
     make_manager: Option<MakeManager>,
+    application_name: Option<String>,
 }
 
 impl Default for PgDatabaseBuilder {
@@ -214,6 +215,7 @@ impl Default for PgDatabaseBuilder {
             max_connections: PgDatabase::DEFAULT_MAX_CONNECTIONS,
             checkout_wait: crate::DEFAULT_CHECKOUT_WAIT,
             queue: LockQueue::new(),
+            application_name: None,
             make_manager: None,
         }
     }
@@ -300,6 +302,14 @@ impl PgDatabaseBuilder {
         self
     }
 
+    /// The `application_name` the pool's connections report to the server (in
+    /// `pg_stat_activity`, and so in `lockstep locks advisory` and the status page), unless the
+    /// URL or config sets one. Default: `lockstep`. Ignored for a pool of the application's.
+    pub fn application_name(mut self, name: impl Into<String>) -> Self {
+        self.application_name = Some(name.into());
+        self
+    }
+
     /// The handle. Fails with [`ErrorKind::InvalidInput`] for a URL that does not parse, for
     /// no target at all, for both a target and a pool, or for `max_connections(0)`. Sends
     /// nothing to the server. Needs a tokio runtime (the pool's timeouts run on it).
@@ -317,7 +327,12 @@ impl PgDatabaseBuilder {
                 "a PgDatabase needs somewhere to connect: a URL, a config or a pool",
             )),
             (Some(config), false) => {
-                let config = config?;
+                let mut config = config?;
+                // Who holds or waits for a lock is read from pg_stat_activity: name lockstep's
+                // connections there, unless the application named them itself.
+                if config.get_application_name().is_none() {
+                    config.application_name(self.application_name.as_deref().unwrap_or("lockstep"));
+                }
                 if self.max_connections == 0 {
                     return Err(Error::new(
                         ErrorKind::InvalidInput,

@@ -574,3 +574,38 @@ async fn a_commit_dropped_in_flight_never_pools_its_connection() {
     // decides once the held-back write ends). Either way the transaction is whole: the row
     // inserted before the commit is there exactly when the commit went through.
 }
+
+/// Issue 21: lockstep's connections say who they are in `pg_stat_activity` (so lock listings
+/// can name the application holding or waiting): `lockstep` by default, the builder's name
+/// when given, and the application's own when its URL or config sets one.
+#[tokio::test]
+async fn connections_report_an_application_name() {
+    let db = test_database().await;
+    let name_of = |db: lockstep_pg::PgDatabase| async move {
+        let client = db.checkout().await.expect("checkout");
+        client
+            .query_one("SELECT current_setting('application_name')", &[])
+            .await
+            .expect("query")
+            .get::<_, String>(0)
+    };
+    let plain = lockstep_pg::PgDatabase::builder()
+        .config(db.config().clone())
+        .build()
+        .expect("handle");
+    assert_eq!(name_of(plain).await, "lockstep");
+    let named = lockstep_pg::PgDatabase::builder()
+        .config(db.config().clone())
+        .application_name("lockstep serve")
+        .build()
+        .expect("handle");
+    assert_eq!(name_of(named).await, "lockstep serve");
+    let mut own = db.config().clone();
+    own.application_name("billing");
+    let theirs = lockstep_pg::PgDatabase::builder()
+        .config(own)
+        .application_name("ignored")
+        .build()
+        .expect("handle");
+    assert_eq!(name_of(theirs).await, "billing");
+}

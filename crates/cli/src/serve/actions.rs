@@ -1,0 +1,323 @@
+//! The status page's actions: force-release a lease, request a rewind, retry or skip a parked
+//! pair.
+//!
+//! - **No token, no actions**: without `LOCKSTEP_SERVE_TOKEN` every `POST /actions` answers 403.
+//! - **The token travels in a header** (`X-Lockstep-Token`), compared in constant time. A
+//!   cross-site page cannot send a custom header without a CORS preflight, which this server
+//!   never grants, and a request whose `Origin` is not this server's is refused outright: no
+//!   cross-site request forgery.
+//! - **Two steps**: the first request (no `confirm`) validates the action and answers a prompt
+//!   and a nonce; only a second request carrying that nonce, for the same action, within
+//!   [`CONFIRM_WITHIN`], does it. The page shows the prompt in a confirmation dialog.
+//! - **An audit line** on standard error for every action done or refused after the token
+//!   check: when, from which address, what, and the outcome.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use lockstep_core::{
+    PerspectiveName, PerspectiveStore, ReleaseOutcome, StreamId, StreamLockAdmin,
+    StreamLockOptions, Transaction as _, TransactionSource,
+};
+use lockstep_pg_store::PgPerspectiveStore;
+use lockstep_pg_stream::PgStreamLocker;
+use serde::Deserialize;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::Shared;
+
+/// How long a confirmation nonce stays valid.
+pub(super) const CONFIRM_WITHIN: Duration = Duration::from_secs(60);
+
+/// At most this many actions wait for their confirmation at once.
+const MAX_PENDING: usize = 256;
+
+/// What an action request says.
+#[derive(Debug, Deserialize)]
+pub(super) struct Request {
+    action: String,
+    stream_id: String,
+    perspective: String,
+    #[serde(default)]
+    event_id: Option<String>,
+    #[serde(default)]
+    confirm: Option<String>,
+}
+
+/// A validated action.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Action {
+    /// Force-release a pair's lease.
+    Release(StreamId, PerspectiveName),
+    /// Request a rewind of a pair from the start.
+    Rewind(StreamId, PerspectiveName),
+    /// Retry a parked or backing-off pair.
+    Retry(StreamId, PerspectiveName),
+    /// Skip one pending event of a pair.
+    Skip(StreamId, PerspectiveName, Uuid),
+}
+
+impl Action {
+    fn parse(request: &Request) -> Result<Action, String> {
+        let stream = Uuid::parse_str(&request.stream_id)
+            .map(StreamId::from_uuid)
+            .map_err(|_| format!("stream_id {:?} is not a UUID", request.stream_id))?;
+        let name = PerspectiveName::new(request.perspective.as_str())
+            .map_err(|e| format!("invalid perspective name: {e}"))?;
+        match request.action.as_str() {
+            "release" => Ok(Action::Release(stream, name)),
+            "rewind" => Ok(Action::Rewind(stream, name)),
+            "retry" => Ok(Action::Retry(stream, name)),
+            "skip" => {
+                let event = request.event_id.as_deref().ok_or("skip needs event_id")?;
+                let event = Uuid::parse_str(event)
+                    .map_err(|_| format!("event_id {event:?} is not a UUID"))?;
+                Ok(Action::Skip(stream, name, event))
+            }
+            other => Err(format!(
+                "unknown action {other:?} (release, rewind, retry, skip)"
+            )),
+        }
+    }
+
+    fn prompt(&self) -> String {
+        match self {
+            Action::Release(s, p) => format!(
+                "Force-release the lease of {s}/{p}? Its holder's work is fenced out (its commit \
+                 fails with 'lease lost')."
+            ),
+            Action::Rewind(s, p) => format!(
+                "Rewind {s}/{p} from the start? A worker replays the stream under a rewind lease; \
+                 a parked pair is retried too."
+            ),
+            Action::Retry(s, p) => {
+                format!("Retry {s}/{p} now? Its parking, backoff and failure count are cleared.")
+            }
+            Action::Skip(s, p, e) => format!(
+                "Skip event {e} of {s}/{p} for good? The skip is recorded on the pair and the \
+                 pair is retried."
+            ),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Action::Release(s, p) => format!("release {s}/{p}"),
+            Action::Rewind(s, p) => format!("rewind {s}/{p}"),
+            Action::Retry(s, p) => format!("retry {s}/{p}"),
+            Action::Skip(s, p, e) => format!("skip {e} of {s}/{p}"),
+        }
+    }
+}
+
+fn answer(code: StatusCode, body: serde_json::Value) -> Response {
+    (code, [(header::CACHE_CONTROL, "no-store")], Json(body)).into_response()
+}
+
+fn refused(code: StatusCode, why: impl Into<String>) -> Response {
+    answer(code, json!({ "error": why.into() }))
+}
+
+/// Equal in time independent of where they differ (the token is a secret).
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// Whether the request's `Origin`, when it has one, is this server (same host and port).
+fn same_origin(headers: &HeaderMap) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN) else {
+        // Not sent by a browser for same-origin GETs and by scripts; the token and the custom
+        // header still stand.
+        return true;
+    };
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    let origin = origin.to_str().ok().and_then(|o| o.split_once("://"));
+    matches!((origin, host), (Some((_, o)), Some(h)) if o == h)
+}
+
+fn audit(peer: SocketAddr, action: &str, outcome: &str) {
+    eprintln!(
+        "audit: {} from {peer}: {action}: {outcome}",
+        time::OffsetDateTime::now_utc()
+    );
+}
+
+/// `POST /actions`.
+pub(super) async fn handle(
+    State(shared): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Result<Json<Request>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Some(token) = &shared.token else {
+        return refused(
+            StatusCode::FORBIDDEN,
+            "actions are disabled: start lockstep serve with LOCKSTEP_SERVE_TOKEN set",
+        );
+    };
+    if !same_origin(&headers) {
+        audit(peer, "(cross-origin request)", "refused");
+        return refused(StatusCode::FORBIDDEN, "cross-origin requests are refused");
+    }
+    let given = headers
+        .get("x-lockstep-token")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !same(given.trim(), token) {
+        audit(peer, "(bad or missing token)", "refused");
+        return refused(
+            StatusCode::UNAUTHORIZED,
+            "a valid X-Lockstep-Token header is required (enter the token on the page)",
+        );
+    }
+    let Ok(Json(request)) = body else {
+        return refused(
+            StatusCode::BAD_REQUEST,
+            "expected a JSON body {action, stream_id, perspective, event_id?, confirm?}",
+        );
+    };
+    let action = match Action::parse(&request) {
+        Ok(action) => action,
+        Err(why) => return refused(StatusCode::UNPROCESSABLE_ENTITY, why),
+    };
+    let now = Instant::now();
+    let Some(nonce) = request.confirm else {
+        // Step one: remember the action, answer its prompt.
+        let nonce = Uuid::new_v4().simple().to_string();
+        let mut pending = shared
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pending.retain(|_, (_, at)| now.duration_since(*at) < CONFIRM_WITHIN);
+        if pending.len() >= MAX_PENDING {
+            return refused(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many actions wait for their confirmation; try again in a minute",
+            );
+        }
+        pending.insert(nonce.clone(), (action.clone(), now));
+        return answer(
+            StatusCode::OK,
+            json!({ "confirm": nonce, "prompt": action.prompt(), "within_s": CONFIRM_WITHIN.as_secs() }),
+        );
+    };
+    let confirmed = {
+        let mut pending = shared
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pending
+            .remove(&nonce)
+            .filter(|(asked, at)| *asked == action && now.duration_since(*at) < CONFIRM_WITHIN)
+            .is_some()
+    };
+    if !confirmed {
+        audit(
+            peer,
+            &action.describe(),
+            "refused: no matching confirmation",
+        );
+        return refused(
+            StatusCode::CONFLICT,
+            "this confirmation is unknown, expired or for another action: ask again",
+        );
+    }
+    match run(&shared, &action).await {
+        Ok((done, message)) => {
+            audit(
+                peer,
+                &action.describe(),
+                if done { "done" } else { "nothing to do" },
+            );
+            answer(
+                if done {
+                    StatusCode::OK
+                } else {
+                    StatusCode::CONFLICT
+                },
+                json!({ "done": done, "message": message }),
+            )
+        }
+        Err(e) => {
+            let why = format!("{e}");
+            audit(peer, &action.describe(), &format!("failed: {why}"));
+            refused(StatusCode::SERVICE_UNAVAILABLE, why)
+        }
+    }
+}
+
+/// Does `action`: `(done, what happened)`.
+async fn run(shared: &Shared, action: &Action) -> lockstep_core::Result<(bool, String)> {
+    let store = PgPerspectiveStore::new();
+    let tx = shared.db.begin().await?;
+    let outcome = match action {
+        Action::Rewind(s, p) => store.request_rewind(&tx, *s, p, None).await.map(|found| {
+            if found {
+                (true, format!("rewind of {s}/{p} requested from the start"))
+            } else {
+                (false, format!("{s}/{p} has no cursor: nothing to rewind"))
+            }
+        }),
+        Action::Retry(s, p) => store.unpark(&tx, *s, p).await.map(|found| {
+            if found {
+                (
+                    true,
+                    format!("{s}/{p} is retried: the next batch claims it"),
+                )
+            } else {
+                (false, format!("{s}/{p} has no cursor: nothing to retry"))
+            }
+        }),
+        Action::Skip(s, p, e) => store
+            .skip_event(&tx, *s, p, *e, "skipped from the status page")
+            .await
+            .map(|skipped| {
+                if skipped {
+                    (
+                        true,
+                        format!("skipped event {e} of {s}/{p}; the pair is retried"),
+                    )
+                } else {
+                    (
+                        false,
+                        format!("event {e} is not pending work of {s}/{p}: nothing skipped"),
+                    )
+                }
+            }),
+        // Its own statement on its own connection; the transaction stays empty.
+        Action::Release(s, p) => {
+            let locker =
+                PgStreamLocker::from_pool(shared.db.pool().clone(), StreamLockOptions::default());
+            locker
+                .force_release(*s, p)
+                .await
+                .map(|released| match released {
+                    ReleaseOutcome::Released => (
+                        true,
+                        format!("released the lease of {s}/{p}; its epoch increased"),
+                    ),
+                    _ => (false, format!("{s}/{p} had no lease to release")),
+                })
+        }
+    };
+    match outcome {
+        Ok(done) => {
+            tx.commit().await?;
+            Ok(done)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
