@@ -39,4 +39,4 @@ reliability:
 
 # The demo (in memory by default, Postgres when DATABASE_URL is set).
 demo:
-    cargo run -p lockstep-cli -- demo
+    cargo run -p lockstep-demo

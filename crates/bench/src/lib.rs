@@ -35,7 +35,7 @@ use clap::Subcommand;
 pub use reliability::ProblemsFound;
 
 /// The benchmarks' command line: `locker`, `aggregate`, `worker` or `reliability` with their
-/// flags. Used by this crate's binary and by `lockstep bench`.
+/// flags. Used by this crate's binary.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     #[command(subcommand)]

@@ -1,6 +1,6 @@
-//! The `lockstep-bench` program: see the library's docs (`lockstep_bench`). The same
-//! benchmarks run as `lockstep bench …`; `lockstep-bench reliability` is the long run of the
-//! reliability suite.
+//! The `lockstep-bench` program: see the library's docs (`lockstep_bench`);
+//! `lockstep-bench reliability` is the long run of the reliability suite. The operator's
+//! `lockstep` command does not carry the benchmarks (it depends on the library crates only).
 
 use clap::Parser;
 use lockstep_bench::BenchArgs;

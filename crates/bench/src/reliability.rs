@@ -124,8 +124,7 @@ fn scenarios() -> Vec<Scenario> {
 
 /// How the `workers` scenario starts its worker processes: this very program, with the
 /// arguments that led to `reliability` followed by the hidden `test-worker` subcommand (so
-/// `lockstep-bench reliability` starts `lockstep-bench test-worker …`, and `lockstep bench
-/// reliability` starts `lockstep bench test-worker …`). A `cargo run` of the bench does not
+/// `lockstep-bench reliability` starts `lockstep-bench test-worker …`). A `cargo run` of the bench does not
 /// build the `lockstep-test-worker` binary that `cargo test` uses.
 fn this_program_as_worker() -> Result<WorkerCommand> {
     let program = std::env::current_exe().context("locating this program")?;

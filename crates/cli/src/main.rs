@@ -1,15 +1,17 @@
 //! # lockstep (the command)
 //!
-//! `lockstep demo` shows what lockstep is for, in memory by default or on PostgreSQL; the other
-//! commands operate a PostgreSQL database that lockstep runs on: apply the schema, see and
-//! force-release stream leases, see advisory locks, see how far each perspective lags, request
-//! a rewind, purge a pair, run a worker. `lockstep --help` lists them with their exit codes.
+//! The operator's command for a PostgreSQL database that lockstep runs on: apply the schema
+//! (and see which migrations are applied), see and force-release stream leases, see advisory
+//! locks, see how far each perspective lags and check it, request a rewind, purge a pair, deal
+//! with parked pairs, serve a status page and metrics. `lockstep --help` lists the commands with
+//! their exit codes.
+//!
+//! It depends on the library crates only: the demo and the sample worker are in
+//! `examples/demo`, the benchmarks in `crates/bench`.
 
 // A command-line program: printing is its job.
 #![allow(clippy::print_stdout)]
 
-mod demo;
-mod ledger;
 mod ops;
 mod pg;
 mod serve;
@@ -31,20 +33,25 @@ macro_rules! say {
     }};
 }
 
-const EXIT_CODES: &str = "Exit codes: 0 success; 1 a check failed or an operation was refused \
-(e.g. a lease held by another instance, a cursor row another transaction holds); 2 bad arguments \
-(checked before anything connects: nothing changes); 3 the database is unreachable or not \
-migrated, or another error.";
+/// The exit codes, the same for every command (shown in every command's `--help`).
+pub(crate) const EXIT_CODES: &str = "Exit codes (every command): 0 success, healthy; 1 refused or unhealthy \
+(e.g. a lease held by another instance, a cursor row another transaction holds, a perspective \
+that is not registered, a failed --check); 2 bad arguments (checked before anything connects: \
+nothing changes); 3 the database is unreachable or not migrated, or another error. With --json, \
+standard output carries one JSON document whatever the exit code (an error is \
+{\"error\": …, \"exit_code\": …}); docs/operations.md gives each command's schema.";
 
-/// Safe multi-instance event sourcing on PostgreSQL: a demo, and operations on a lockstep
-/// database.
+/// Operations on a lockstep database (safe multi-instance event sourcing on PostgreSQL).
 #[derive(Debug, Parser)]
 #[command(name = "lockstep", version, after_help = EXIT_CODES)]
 struct Cli {
-    /// PostgreSQL URL (postgres://user@host:port/database). Default: DATABASE_URL. The demo
-    /// runs in memory without one.
+    /// PostgreSQL URL (postgres://user@host:port/database). Default: DATABASE_URL.
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
+
+    /// Print one JSON document on standard output (also for a refusal or an error).
+    #[arg(long, global = true)]
+    json: bool,
 
     #[command(subcommand)]
     command: Command,
@@ -52,23 +59,23 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Shows both locks at work: a flash sale (optimistic vs pessimistic) and perspectives on
-    /// three worker instances (late event, rewind lease, crash and takeover).
-    Demo,
-    /// Applies the schema (idempotent; safe from several processes at once).
+    /// Applies the schema (idempotent; safe from several processes at once); with --status,
+    /// only says which migrations are applied or pending (exit 3 while any is pending).
+    #[command(after_help = EXIT_CODES)]
     Migrate {
-        /// Print what was applied as JSON.
+        /// Change nothing: list every migration as applied, pending, changed or unknown.
         #[arg(long)]
-        json: bool,
+        status: bool,
     },
     /// Stream leases and advisory locks.
-    #[command(subcommand)]
+    #[command(subcommand, after_help = EXIT_CODES)]
     Locks(ops::LocksCommand),
-    /// Perspectives: status, rewind, purge, parked, retry, skip.
-    #[command(subcommand)]
+    /// Perspectives: status (and --check), rewind, purge, parked, retry, skip.
+    #[command(subcommand, after_help = EXIT_CODES)]
     Perspectives(ops::PerspectivesCommand),
     /// Serves a status page (leases, advisory locks, perspectives; refreshes itself) and
     /// /metrics until Ctrl-C.
+    #[command(after_help = EXIT_CODES)]
     Serve {
         /// Address to listen on (port 0 picks a free one; the URL is printed).
         #[arg(long, default_value = "127.0.0.1:7878")]
@@ -77,12 +84,6 @@ enum Command {
         #[arg(long = "name")]
         names: Vec<String>,
     },
-    /// Runs a benchmark: `locker`, `aggregate` or `worker` (build with --release; see
-    /// docs/benchmarks.md). Each needs a PostgreSQL server (DATABASE_URL) and pgbench.
-    Bench(Box<lockstep_bench::BenchArgs>),
-    /// Runs a perspective worker for the sample 'Ledger' perspective until Ctrl-C or SIGTERM,
-    /// then releases its leases.
-    Worker(ops::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -94,7 +95,19 @@ fn main() -> ExitCode {
                 clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
                     ExitCode::SUCCESS
                 }
-                _ => ExitCode::from(2),
+                _ => {
+                    // The parse failed, so whether --json was asked is read from the raw words.
+                    if std::env::args_os().any(|a| a == "--json") {
+                        say!(
+                            "{}",
+                            serde_json::json!({
+                                "error": err.kind().to_string(),
+                                "exit_code": 2
+                            })
+                        );
+                    }
+                    ExitCode::from(2)
+                }
             };
         }
     };
@@ -109,17 +122,31 @@ fn main() -> ExitCode {
             return ExitCode::from(3);
         }
     };
+    let json = cli.json;
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
-            if err.chain().any(|e| e.is::<BadArgument>()) {
-                ExitCode::from(2)
+            let code = if err.chain().any(|e| e.is::<BadArgument>()) {
+                2
             } else {
-                ExitCode::from(3)
-            }
+                3
+            };
+            fail(json, code, &format!("{err:#}"))
         }
     }
+}
+
+/// Reports an error (on standard error, and as `{"error", "exit_code"}` on standard output with
+/// `--json`) and gives its exit code.
+fn fail(json: bool, code: u8, message: &str) -> ExitCode {
+    eprintln!("error: {message}");
+    if json {
+        say!(
+            "{}",
+            serde_json::json!({ "error": message, "exit_code": code })
+        );
+    }
+    ExitCode::from(code)
 }
 
 /// An argument the command refuses: it exits 2 with this message. Every argument is checked
@@ -146,30 +173,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         .as_deref()
         .map(pg::DbUrl::parse)
         .transpose();
-    let url = match url {
-        Ok(url) => url,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            return Ok(ExitCode::from(2));
-        }
-    };
+    let url = url.map_err(|e| bad_argument(format!("{e:#}")))?;
+    let json = cli.json;
     match cli.command {
-        Command::Demo => match demo::run(url).await {
-            Ok(()) => Ok(ExitCode::SUCCESS),
-            Err(err) => {
-                eprintln!("demo failed: {err:#}");
-                Ok(ExitCode::from(1))
-            }
-        },
-        Command::Migrate { json } => ops::migrate(&require(url)?, json).await,
-        Command::Locks(cmd) => ops::locks(&require(url)?, cmd).await,
-        Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd).await,
-        Command::Worker(args) => ops::worker(&require(url)?, args).await,
-        Command::Bench(args) => {
-            lockstep_bench::run(*args).await?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Serve { addr, names } => serve::serve(&require(url)?, &addr, names).await,
+        Command::Migrate { status: false } => ops::migrate(&require(url)?, json).await,
+        Command::Migrate { status: true } => ops::migration_status(&require(url)?, json).await,
+        Command::Locks(cmd) => ops::locks(&require(url)?, cmd, json).await,
+        Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd, json).await,
+        Command::Serve { addr, names } => serve::serve(&require(url)?, &addr, names, json).await,
     }
 }
 

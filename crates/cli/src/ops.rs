@@ -1,25 +1,23 @@
-//! The operations on a lockstep database: `migrate`, `locks …`, `perspectives …`, `worker`.
+//! The operations on a lockstep database: `migrate`, `locks …`, `perspectives …`.
 //! Everything a script reads has `--json`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::{Args, Subcommand};
+use clap::Subcommand;
 use lockstep_core::{
-    ErrorKind, InstanceId, LeaseEntry, LeaseStatus, LockReason, PerspectiveName,
-    PerspectiveRegistry, PerspectiveStore, ReleaseOutcome, StreamId, StreamLockAdmin,
-    StreamLockOptions, StreamLocker, TransactionSource, advisory_key,
+    ErrorKind, InstanceId, LeaseEntry, LeaseStatus, LockReason, PerspectiveName, PerspectiveStore,
+    ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
+    advisory_key,
 };
 use lockstep_pg::migrate::MIGRATION_LOCK_KEY;
 use lockstep_pg_store::PgPerspectiveStore;
 use lockstep_pg_stream::PgStreamLocker;
-use lockstep_worker::{CancellationToken, LeaseKeeper, Leased, PerspectiveWorker, WorkerOptions};
+use lockstep_worker::{LeaseKeeper, Leased};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::ledger::{LEDGER, Ledger};
 use crate::pg::{DbUrl, explain};
 use crate::{bad_argument, say};
 use lockstep_core::Transaction as _;
@@ -29,6 +27,7 @@ use lockstep_core::Transaction as _;
 pub(crate) enum LocksCommand {
     /// Lists stream leases: stream, perspective, holder, reason, epoch, time left on the
     /// database clock, held or expired.
+    #[command(after_help = crate::EXIT_CODES)]
     List {
         /// Only leases of this perspective.
         #[arg(long)]
@@ -36,12 +35,10 @@ pub(crate) enum LocksCommand {
         /// Only leases held by this instance id.
         #[arg(long)]
         holder: Option<Uuid>,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
     },
     /// Force-releases a pair's lease whoever holds it (the epoch increases, so the old holder's
     /// renews, releases and fenced commits fail). Refuses without --force.
+    #[command(after_help = crate::EXIT_CODES)]
     Release {
         /// The stream id.
         stream: Uuid,
@@ -52,27 +49,40 @@ pub(crate) enum LocksCommand {
         force: bool,
     },
     /// Who holds and who waits for which advisory lock right now.
+    #[command(after_help = crate::EXIT_CODES)]
     Advisory {
         /// Name a key you know (e.g. `relay:aggregate:StockItem:{id}`); repeatable.
         #[arg(long = "name")]
         names: Vec<String>,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
     },
 }
 
 /// `lockstep perspectives …`
 #[derive(Debug, Subcommand)]
 pub(crate) enum PerspectivesCommand {
-    /// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error.
+    /// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error, backing off
+    /// and parked. With --check, a health check: exit 1 when a threshold is passed.
+    #[command(after_help = crate::EXIT_CODES)]
     Status {
-        /// Print JSON.
+        /// Check the thresholds below and exit 1 (listing what failed) when one is passed.
         #[arg(long)]
-        json: bool,
+        check: bool,
+        /// --check: the most seconds the oldest pending work of a perspective may wait.
+        #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+        max_lag: f64,
+        /// --check: the most pending events a perspective may have (default: no limit).
+        #[arg(long, value_name = "EVENTS")]
+        max_pending: Option<u64>,
+        /// --check: the most pairs of a perspective that may be failing (in error).
+        #[arg(long, default_value_t = 0, value_name = "PAIRS")]
+        max_in_error: u64,
+        /// --check: the most parked pairs a perspective may have.
+        #[arg(long, default_value_t = 0, value_name = "PAIRS")]
+        max_parked: u64,
     },
     /// Requests a rewind of a pair from an event (from the start without --from); a worker
     /// carries it out under a 'rewind' lease.
+    #[command(after_help = crate::EXIT_CODES)]
     Rewind {
         /// The stream id.
         stream: Uuid,
@@ -85,6 +95,7 @@ pub(crate) enum PerspectivesCommand {
     /// Deletes a pair's state, snapshots and pending work and resets its cursor, under a
     /// 'purge' lease (refused while another instance holds the pair's lease or another
     /// transaction holds its cursor row).
+    #[command(after_help = crate::EXIT_CODES)]
     Purge {
         /// The stream id.
         stream: Uuid,
@@ -93,6 +104,7 @@ pub(crate) enum PerspectivesCommand {
     },
     /// Lists the parked pairs (failed too often in a row; their work keeps queueing): the
     /// failing event, the error, how often.
+    #[command(after_help = crate::EXIT_CODES)]
     Parked {
         /// Only this perspective's.
         #[arg(long)]
@@ -100,12 +112,10 @@ pub(crate) enum PerspectivesCommand {
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: usize,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
     },
     /// Retries a parked (or backing-off) pair now: its parking, backoff and failure count are
     /// cleared; the next batch claims it.
+    #[command(after_help = crate::EXIT_CODES)]
     Retry {
         /// The stream id.
         stream: Uuid,
@@ -115,6 +125,7 @@ pub(crate) enum PerspectivesCommand {
     /// Skips one pending event of a pair for good (recorded on the pair, never silent; rewinds
     /// leave it out too) and retries the pair. Without --event: the event its last failure
     /// happened at.
+    #[command(after_help = crate::EXIT_CODES)]
     Skip {
         /// The stream id.
         stream: Uuid,
@@ -127,32 +138,6 @@ pub(crate) enum PerspectivesCommand {
         #[arg(long, default_value = "skipped by an operator")]
         reason: String,
     },
-}
-
-/// `lockstep worker`
-#[derive(Debug, Args)]
-pub(crate) struct WorkerArgs {
-    /// This instance's id (default: a new one).
-    #[arg(long)]
-    instance: Option<Uuid>,
-    /// Lease lock timeout in milliseconds.
-    #[arg(long, default_value_t = 30_000)]
-    lock_timeout_ms: u64,
-    /// Keepalive interval in milliseconds (less than half the lock timeout).
-    #[arg(long, default_value_t = 10_000)]
-    keepalive_ms: u64,
-    /// Microseconds each applied event takes (to watch rewinds in tests and demos).
-    #[arg(long, default_value_t = 0)]
-    slow_apply_us: u64,
-    /// Serve the worker's metrics in the Prometheus text format on this address (`/metrics`).
-    #[arg(long)]
-    metrics_addr: Option<String>,
-    /// Register the sample `Ledger` perspective in this database if it is not registered yet.
-    /// A registered perspective gets work for every event appended from then on, whoever
-    /// appends it, so the worker never registers it unasked: do not pass this on an
-    /// application's database.
-    #[arg(long)]
-    register_sample: bool,
 }
 
 pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
@@ -183,6 +168,144 @@ pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `lockstep migrate --status`: every migration and where it stands, read only; exit 3 while a
+/// migration is pending or changed (the database is not migrated for this build).
+pub(crate) async fn migration_status(url: &DbUrl, json: bool) -> Result<ExitCode> {
+    use lockstep_pg::migrate::MigrationState;
+    let db = url.handle(2).await?;
+    let status = db.migration_status().await.map_err(explain)?;
+    let rows: Vec<serde_json::Value> = status
+        .migrations
+        .iter()
+        .map(|m| {
+            let (state, applied_on) = match &m.state {
+                MigrationState::Applied { applied_on } => ("applied", Some(applied_on)),
+                MigrationState::Pending => ("pending", None),
+                MigrationState::Changed { applied_on } => ("changed", Some(applied_on)),
+                MigrationState::Unknown { applied_on } => ("unknown", Some(applied_on)),
+                _ => ("unknown", None),
+            };
+            json!({ "version": m.version, "name": m.name, "state": state, "applied_on": applied_on })
+        })
+        .collect();
+    let up_to_date = status.is_up_to_date();
+    if json {
+        say!(
+            "{}",
+            json!({ "database": url.database(), "up_to_date": up_to_date, "migrations": rows })
+        );
+    } else {
+        say!(
+            "{:>7}  {:<8}  {:<32}  applied on",
+            "version",
+            "state",
+            "name"
+        );
+        for r in &rows {
+            say!(
+                "{:>7}  {:<8}  {:<32}  {}",
+                format!("V{}", r["version"]),
+                r["state"].as_str().unwrap_or(""),
+                r["name"].as_str().unwrap_or(""),
+                r["applied_on"].as_str().unwrap_or("-")
+            );
+        }
+        let pending = rows.iter().filter(|r| r["state"] == "pending").count();
+        let changed = rows.iter().filter(|r| r["state"] == "changed").count();
+        if up_to_date {
+            say!("{}: the schema is up to date.", url.database());
+        } else {
+            say!(
+                "{}: {pending} pending, {changed} changed since applied: run `lockstep migrate`{}",
+                url.database(),
+                if changed > 0 {
+                    " (a changed migration is refused: restore its file)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    Ok(if up_to_date {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(3)
+    })
+}
+
+/// The end of a command that acts on one pair: its outcome as one JSON document (`--json`) or
+/// a sentence (standard output when it was done, standard error when refused), and the exit
+/// code (0 done, 1 refused).
+fn outcome(json: bool, done: bool, doc: &serde_json::Value, sentence: &str) -> ExitCode {
+    if json {
+        say!("{doc}");
+    } else if done {
+        say!("{sentence}");
+    } else {
+        eprintln!("{sentence}");
+    }
+    if done {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// A pair's outcome as JSON: `stream_id`, `perspective`, `outcome`, then `extra`'s fields.
+fn pair_doc(
+    stream: Uuid,
+    perspective: &str,
+    outcome: &str,
+    extra: serde_json::Value,
+) -> serde_json::Value {
+    let mut doc =
+        json!({ "stream_id": stream.to_string(), "perspective": perspective, "outcome": outcome });
+    if let (Some(doc), serde_json::Value::Object(extra)) = (doc.as_object_mut(), extra) {
+        doc.extend(extra);
+    }
+    doc
+}
+
+/// Whether `name` is a registered perspective in the database behind `pool`.
+async fn registered(pool: &deadpool_postgres::Pool, name: &PerspectiveName) -> Result<bool> {
+    let client = pool.get().await.context("checking out a connection")?;
+    let row = client
+        .query_opt(
+            "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1",
+            &[&name.as_str()],
+        )
+        .await
+        .map_err(|e| {
+            explain(lockstep_pg::map_error(
+                e,
+                "reading the registered perspectives",
+            ))
+        })?;
+    Ok(row.is_some())
+}
+
+/// The stream event `event` belongs to, if it is an event of this database.
+async fn stream_of_event(pool: &deadpool_postgres::Pool, event: Uuid) -> Result<Option<Uuid>> {
+    let client = pool.get().await.context("checking out a connection")?;
+    let row = client
+        .query_opt(
+            "SELECT stream_id FROM wh_events WHERE event_id = $1",
+            &[&event],
+        )
+        .await
+        .map_err(|e| explain(lockstep_pg::map_error(e, "looking up an event")))?;
+    row.map(|r| r.try_get::<_, Uuid>(0))
+        .transpose()
+        .context("reading an event row")
+}
+
+/// How long until `at` (on the database's clock, read against this machine's), as "12.3 s";
+/// "0.0 s" when it has passed.
+fn time_until(at: time::OffsetDateTime) -> String {
+    let left = (at - time::OffsetDateTime::now_utc()).max(time::Duration::ZERO);
+    format!("{:.1} s", left.as_seconds_f64())
+}
+
 fn locker(pool: &deadpool_postgres::Pool) -> PgStreamLocker {
     PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default())
 }
@@ -192,7 +315,7 @@ fn perspective(name: &str) -> Result<PerspectiveName> {
     PerspectiveName::new(name).map_err(|e| bad_argument(format!("invalid perspective name: {e}")))
 }
 
-pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
+pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand, json: bool) -> Result<ExitCode> {
     // The arguments first: a bad one is refused before anything connects.
     if let LocksCommand::List {
         perspective: Some(name),
@@ -210,7 +333,6 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
         LocksCommand::List {
             perspective,
             holder,
-            json,
         } => {
             let entries = locker(&pool).list_lease_entries().await.map_err(explain)?;
             // An unreadable row stays in every holder filter: its holder may be what cannot be
@@ -277,25 +399,41 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand) -> Result<ExitCode> {
         } => {
             let name = perspective(&name)?;
             if !force {
-                eprintln!(
-                    "refusing to take the lease of {stream}/{name} from its holder without --force \
-                     (its work will be fenced out: its commit fails with 'lease lost')"
-                );
-                return Ok(ExitCode::from(1));
+                return Ok(outcome(
+                    json,
+                    false,
+                    &pair_doc(
+                        stream,
+                        name.as_str(),
+                        "refused",
+                        json!({ "why": "--force not given" }),
+                    ),
+                    &format!(
+                        "refusing to take the lease of {stream}/{name} from its holder without \
+                         --force (its work will be fenced out: its commit fails with 'lease lost')"
+                    ),
+                ));
             }
-            let outcome = locker(&pool)
+            let released = locker(&pool)
                 .force_release(StreamId::from_uuid(stream), &name)
                 .await
                 .map_err(explain)?;
-            match outcome {
-                ReleaseOutcome::Released => {
-                    say!("released the lease of {stream}/{name}; its epoch increased")
-                }
-                _ => say!("{stream}/{name} had no lease to release"),
-            }
-            Ok(ExitCode::SUCCESS)
+            Ok(match released {
+                ReleaseOutcome::Released => outcome(
+                    json,
+                    true,
+                    &pair_doc(stream, name.as_str(), "released", json!({})),
+                    &format!("released the lease of {stream}/{name}; its epoch increased"),
+                ),
+                _ => outcome(
+                    json,
+                    true,
+                    &pair_doc(stream, name.as_str(), "no_lease", json!({})),
+                    &format!("{stream}/{name} had no lease to release"),
+                ),
+            })
         }
-        LocksCommand::Advisory { names, json } => {
+        LocksCommand::Advisory { names } => {
             let out = advisory_rows(&pool, &names).await?;
             if json {
                 say!("{}", serde_json::Value::Array(out));
@@ -462,7 +600,11 @@ fn status(status: LeaseStatus) -> &'static str {
     }
 }
 
-pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Result<ExitCode> {
+pub(crate) async fn perspectives(
+    url: &DbUrl,
+    cmd: PerspectivesCommand,
+    json: bool,
+) -> Result<ExitCode> {
     // The arguments first: a bad one is refused before anything connects.
     if let PerspectivesCommand::Rewind {
         perspective: name, ..
@@ -483,21 +625,102 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
     {
         perspective(name)?;
     }
+    if let PerspectivesCommand::Status { max_lag, .. } = &cmd
+        && !(max_lag.is_finite() && *max_lag >= 0.0)
+    {
+        return Err(bad_argument(format!(
+            "--max-lag {max_lag}: expected a number of seconds, 0 or more"
+        )));
+    }
     let db = url.handle(4).await?;
     let pool = db.pool().clone();
     let source = db.clone();
     let store = PgPerspectiveStore::new();
+    // A command on one pair names a perspective: one that is not registered is refused with
+    // that name, rather than reported as a pair without a cursor.
+    if let PerspectivesCommand::Rewind {
+        stream,
+        perspective: name,
+        ..
+    }
+    | PerspectivesCommand::Purge {
+        stream,
+        perspective: name,
+    }
+    | PerspectivesCommand::Retry {
+        stream,
+        perspective: name,
+    }
+    | PerspectivesCommand::Skip {
+        stream,
+        perspective: name,
+        ..
+    } = &cmd
+    {
+        let name = perspective(name)?;
+        if !registered(&pool, &name).await? {
+            return Ok(outcome(
+                json,
+                false,
+                &pair_doc(*stream, name.as_str(), "not_registered", json!({})),
+                &format!(
+                    "perspective `{name}` is not registered in {}: nothing was changed \
+                     (`lockstep perspectives status` lists the registered ones)",
+                    url.database()
+                ),
+            ));
+        }
+    }
     match cmd {
-        PerspectivesCommand::Status { json } => perspective_status(&pool, json).await,
+        PerspectivesCommand::Status {
+            check,
+            max_lag,
+            max_pending,
+            max_in_error,
+            max_parked,
+        } => {
+            let limits = check.then_some(Limits {
+                max_lag,
+                max_pending,
+                max_in_error,
+                max_parked,
+            });
+            perspective_status(&pool, json, limits).await
+        }
         cmd @ (PerspectivesCommand::Parked { .. }
         | PerspectivesCommand::Retry { .. }
-        | PerspectivesCommand::Skip { .. }) => parking(&source, &store, cmd).await,
+        | PerspectivesCommand::Skip { .. }) => parking(&source, &store, cmd, json).await,
         PerspectivesCommand::Rewind {
             stream,
             perspective: name,
             from,
         } => {
             let name = perspective(&name)?;
+            // `--from` must be an event of this stream: a rewind "from" another stream's event
+            // would replay from an unrelated point in time.
+            if let Some(from) = from {
+                let belongs = stream_of_event(&pool, from).await?;
+                if belongs != Some(stream) {
+                    let why = match belongs {
+                        Some(other) => format!("event {from} is an event of stream {other}"),
+                        None => format!("there is no event {from} in {}", url.database()),
+                    };
+                    return Ok(outcome(
+                        json,
+                        false,
+                        &pair_doc(
+                            stream,
+                            name.as_str(),
+                            "refused",
+                            json!({ "from": from.to_string(), "why": why }),
+                        ),
+                        &format!(
+                            "refused: --from must be an event of stream {stream}, and {why}; \
+                             nothing was requested"
+                        ),
+                    ));
+                }
+            }
             let tx = source.begin().await.map_err(explain)?;
             // Also a retry: a parked pair's parking is cleared (the store's rule).
             let requested = store
@@ -513,16 +736,25 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
                     return Err(explain(e));
                 }
             };
-            if requested {
-                say!(
-                    "rewind of {stream}/{name} requested from {}; a worker carries it out",
-                    from.map_or("the start".to_owned(), |f| f.to_string())
-                );
-                Ok(ExitCode::SUCCESS)
+            let from_doc = json!({ "from": from.map(|f| f.to_string()) });
+            Ok(if requested {
+                outcome(
+                    json,
+                    true,
+                    &pair_doc(stream, name.as_str(), "requested", from_doc),
+                    &format!(
+                        "rewind of {stream}/{name} requested from {}; a worker carries it out",
+                        from.map_or("the start".to_owned(), |f| f.to_string())
+                    ),
+                )
             } else {
-                eprintln!("{stream}/{name} has no cursor: nothing to rewind");
-                Ok(ExitCode::from(1))
-            }
+                outcome(
+                    json,
+                    false,
+                    &pair_doc(stream, name.as_str(), "no_cursor", from_doc),
+                    &format!("{stream}/{name} has no cursor: nothing to rewind"),
+                )
+            })
         }
         PerspectivesCommand::Purge {
             stream,
@@ -533,12 +765,16 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
             let locker: Arc<dyn StreamLocker> = Arc::new(locker(&pool));
             let keeper = LeaseKeeper::start(locker, InstanceId::random());
             let busy = || {
-                eprintln!(
-                    "refused: another transaction holds the cursor row of {stream}/{name} right now \
-                     (a worker applying its events, or an open transaction of an operator); \
-                     nothing was purged: try again"
-                );
-                Ok(ExitCode::from(1))
+                Ok(outcome(
+                    json,
+                    false,
+                    &pair_doc(stream.as_uuid(), name.as_str(), "busy", json!({})),
+                    &format!(
+                        "refused: another transaction holds the cursor row of {stream}/{name} \
+                         right now (a worker applying its events, or an open transaction of an \
+                         operator); nothing was purged: try again"
+                    ),
+                ))
             };
             let acquired = keeper.try_acquire(stream, &name, &LockReason::Purge).await;
             let lease = match acquired {
@@ -546,21 +782,38 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
                 Err(e) => return Err(explain(e)),
                 Ok(Leased::Acquired(lease)) => lease,
                 Ok(Leased::Denied(holder)) => {
-                    eprintln!(
-                        "refused: instance {} holds the lease of {stream}/{name} ({}) for {} more",
-                        holder.instance, holder.reason, holder.expires_at
-                    );
-                    return Ok(ExitCode::from(1));
+                    let doc = json!({ "holder": {
+                        "instance": holder.instance.to_string(),
+                        "reason": holder.reason.as_str(),
+                        "epoch": holder.epoch.get(),
+                        "expires_at": holder.expires_at.to_string(),
+                    }});
+                    return Ok(outcome(
+                        json,
+                        false,
+                        &pair_doc(stream.as_uuid(), name.as_str(), "held", doc),
+                        &format!(
+                            "refused: instance {} holds the lease of {stream}/{name} ({}) for \
+                             {} more, unless it renews it; nothing was purged",
+                            holder.instance,
+                            holder.reason,
+                            time_until(holder.expires_at)
+                        ),
+                    ));
                 }
                 Ok(Leased::Busy) => return busy(),
                 Ok(Leased::NoCursor) => {
-                    eprintln!("{stream}/{name} has no cursor: nothing to purge");
-                    return Ok(ExitCode::from(1));
+                    return Ok(outcome(
+                        json,
+                        false,
+                        &pair_doc(stream.as_uuid(), name.as_str(), "no_cursor", json!({})),
+                        &format!("{stream}/{name} has no cursor: nothing to purge"),
+                    ));
                 }
             };
             let tx = source.begin().await.map_err(explain)?;
             let purged = store.purge(&tx, stream, &name, Some(lease.id())).await;
-            let outcome = match purged {
+            let committed = match purged {
                 Ok(()) => tx.commit().await,
                 Err(e) => {
                     let _ = tx.rollback().await;
@@ -568,21 +821,30 @@ pub(crate) async fn perspectives(url: &DbUrl, cmd: PerspectivesCommand) -> Resul
                 }
             };
             let released = lease.release().await;
-            match outcome {
+            match committed {
                 // The purge waited for the row past its lock timeout; it rolled back.
                 Err(e) if e.kind() == ErrorKind::LockTimeout => return busy(),
                 outcome => outcome.map_err(explain)?,
             }
             let released = released.map_err(explain)?;
-            say!(
-                "purged {stream}/{name} under a 'purge' lease ({})",
-                if released.is_released() {
-                    "released"
-                } else {
-                    "it had expired meanwhile"
-                }
-            );
-            Ok(ExitCode::SUCCESS)
+            Ok(outcome(
+                json,
+                true,
+                &pair_doc(
+                    stream.as_uuid(),
+                    name.as_str(),
+                    "purged",
+                    json!({ "lease_released": released.is_released() }),
+                ),
+                &format!(
+                    "purged {stream}/{name} under a 'purge' lease ({})",
+                    if released.is_released() {
+                        "released"
+                    } else {
+                        "it had expired meanwhile"
+                    }
+                ),
+            ))
         }
     }
 }
@@ -593,13 +855,13 @@ async fn parking(
     source: &lockstep_pg::PgDatabase,
     store: &PgPerspectiveStore,
     cmd: PerspectivesCommand,
+    json: bool,
 ) -> Result<ExitCode> {
     let tx = source.begin().await.map_err(explain)?;
     let done = match cmd {
         PerspectivesCommand::Parked {
             perspective: name,
             limit,
-            json,
         } => {
             let names: Vec<PerspectiveName> = name
                 .as_deref()
@@ -654,11 +916,19 @@ async fn parking(
                 .await
                 .map_err(explain)?
             {
-                say!("{stream}/{name} is retried: the next batch claims it");
-                ExitCode::SUCCESS
+                outcome(
+                    json,
+                    true,
+                    &pair_doc(stream, name.as_str(), "retried", json!({})),
+                    &format!("{stream}/{name} is retried: the next batch claims it"),
+                )
             } else {
-                eprintln!("{stream}/{name} has no cursor: nothing to retry");
-                ExitCode::from(1)
+                outcome(
+                    json,
+                    false,
+                    &pair_doc(stream, name.as_str(), "no_cursor", json!({})),
+                    &format!("{stream}/{name} has no cursor: nothing to retry"),
+                )
             }
         }
         PerspectivesCommand::Skip {
@@ -678,23 +948,50 @@ async fn parking(
                     .and_then(|c| c.failed_event_id),
             };
             let Some(event) = event else {
-                eprintln!(
-                    "{stream}/{name} has no failing event on record: name the event with --event"
-                );
-                return Ok(ExitCode::from(1));
+                let _ = tx.rollback().await;
+                return Ok(outcome(
+                    json,
+                    false,
+                    &pair_doc(stream, name.as_str(), "no_failing_event", json!({})),
+                    &format!(
+                        "{stream}/{name} has no failing event on record: name the event with \
+                         --event"
+                    ),
+                ));
             };
             if store
                 .skip_event(&tx, stream_id, &name, event, &reason)
                 .await
                 .map_err(explain)?
             {
-                say!(
-                    "skipped event {event} of {stream}/{name} (recorded: {reason}); the pair is retried"
-                );
-                ExitCode::SUCCESS
+                outcome(
+                    json,
+                    true,
+                    &pair_doc(
+                        stream,
+                        name.as_str(),
+                        "skipped",
+                        json!({ "event_id": event.to_string(), "reason": reason }),
+                    ),
+                    &format!(
+                        "skipped event {event} of {stream}/{name} (recorded: {reason}); the pair \
+                         is retried"
+                    ),
+                )
             } else {
-                eprintln!("event {event} is not pending work of {stream}/{name}: nothing skipped");
-                ExitCode::from(1)
+                outcome(
+                    json,
+                    false,
+                    &pair_doc(
+                        stream,
+                        name.as_str(),
+                        "not_pending",
+                        json!({ "event_id": event.to_string() }),
+                    ),
+                    &format!(
+                        "event {event} is not pending work of {stream}/{name}: nothing skipped"
+                    ),
+                )
             }
         }
         _ => return Err(anyhow::anyhow!("not a parking command")),
@@ -703,11 +1000,59 @@ async fn parking(
     Ok(done)
 }
 
-async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Result<ExitCode> {
+/// The thresholds of `perspectives status --check`.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_lag: f64,
+    max_pending: Option<u64>,
+    max_in_error: u64,
+    max_parked: u64,
+}
+
+/// The checks `rows` (from [`status_rows`]) fail under `limits`: perspective, check, value, limit.
+fn failed_checks(rows: &[serde_json::Value], limits: &Limits) -> Vec<serde_json::Value> {
+    let mut failed = Vec::new();
+    for p in rows {
+        let name = p["perspective"].as_str().unwrap_or("");
+        let lag = p["lag_s"].as_f64().unwrap_or(0.0);
+        if lag > limits.max_lag {
+            failed.push(json!({ "perspective": name, "check": "lag_s", "value": lag, "limit": limits.max_lag }));
+        }
+        let count = |key: &str| p[key].as_u64().unwrap_or(0);
+        if let Some(max) = limits.max_pending
+            && count("pending_events") > max
+        {
+            failed.push(json!({ "perspective": name, "check": "pending_events", "value": count("pending_events"), "limit": max }));
+        }
+        if count("in_error") > limits.max_in_error {
+            failed.push(json!({ "perspective": name, "check": "in_error", "value": count("in_error"), "limit": limits.max_in_error }));
+        }
+        if count("parked") > limits.max_parked {
+            failed.push(json!({ "perspective": name, "check": "parked", "value": count("parked"), "limit": limits.max_parked }));
+        }
+    }
+    failed
+}
+
+/// `lockstep perspectives status [--check …]`.
+async fn perspective_status(
+    pool: &deadpool_postgres::Pool,
+    json: bool,
+    limits: Option<Limits>,
+) -> Result<ExitCode> {
     let out = status_rows(pool).await?;
+    let failed = limits.map(|l| failed_checks(&out, &l));
     if json {
-        say!("{}", serde_json::Value::Array(out));
-    } else if out.is_empty() {
+        match &failed {
+            None => say!("{}", serde_json::Value::Array(out)),
+            Some(failed) => say!(
+                "{}",
+                json!({ "healthy": failed.is_empty(), "failed": failed, "perspectives": out })
+            ),
+        }
+        return Ok(check_code(failed.as_deref()));
+    }
+    if out.is_empty() {
         say!("no perspectives registered");
     } else {
         say!(
@@ -743,106 +1088,28 @@ async fn perspective_status(pool: &deadpool_postgres::Pool, json: bool) -> Resul
             }
         }
     }
-    Ok(ExitCode::SUCCESS)
-}
-
-pub(crate) async fn worker(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
-    // The arguments first: a bad one is refused before anything binds or connects.
-    let options = StreamLockOptions::new(
-        Duration::from_millis(args.lock_timeout_ms),
-        Duration::from_millis(args.keepalive_ms),
-    )
-    .map_err(|e| bad_argument(format!("--lock-timeout-ms / --keepalive-ms: {e}")))?;
-    let instance = match args.instance {
-        Some(id) => {
-            InstanceId::from_uuid(id).map_err(|e| bad_argument(format!("--instance: {e}")))?
-        }
-        None => InstanceId::random(),
-    };
-    let metrics = match &args.metrics_addr {
-        Some(addr) => Some(crate::serve::listen("--metrics-addr", addr).await?),
-        None => None,
-    };
-    if let Some(listener) = metrics {
-        let bound = crate::serve::metrics_endpoint(listener)?;
-        say!("metrics on http://{bound}/metrics");
-    }
-    let db = url.handle(8).await?;
-    if !args.register_sample && !sample_registered(&db).await? {
-        return Err(bad_argument(format!(
-            "the sample perspective `{LEDGER}` is not registered in {}: `lockstep worker` runs \
-             only that sample, and registering it makes every event appended to this database \
-             queue work for it from then on; pass --register-sample to register it (a database \
-             of its own, never an application's)",
-            url.database()
-        )));
-    }
-    let ledger = Ledger::default();
-    ledger
-        .slow
-        .store(args.slow_apply_us, std::sync::atomic::Ordering::SeqCst);
-    let mut registry = PerspectiveRegistry::new();
-    registry.register(ledger)?;
-    let locker: Arc<dyn StreamLocker> = Arc::new(PgStreamLocker::new(&db, options));
-    let worker = PerspectiveWorker::new(
-        db.clone(),
-        PgPerspectiveStore::new(),
-        registry,
-        WorkerOptions::default(),
-        instance,
-        Some(locker),
-    )?;
-    let shutdown = CancellationToken::new();
-    let signal = shutdown.clone();
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        signal.cancel();
-    });
-    say!(
-        "worker {instance} running on {} (Ctrl-C or SIGTERM stops it)",
-        url.database()
-    );
-    worker.run(shutdown).await.map_err(explain)?;
-    say!("worker {instance} stopped; its leases are released");
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Whether the sample `Ledger` perspective is registered in `db`.
-async fn sample_registered(db: &lockstep_pg::PgDatabase) -> Result<bool> {
-    let client = db.checkout().await.map_err(explain)?;
-    let row = client
-        .query_opt(
-            "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1",
-            &[&LEDGER],
-        )
-        .await
-        .map_err(|e| {
-            explain(lockstep_pg::map_error(
-                e,
-                "reading the registered perspectives",
-            ))
-        })?;
-    Ok(row.is_some())
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+    if let Some(failed) = &failed {
+        if failed.is_empty() {
+            say!("healthy: every check passed");
+        } else {
+            for f in failed {
+                say!(
+                    "UNHEALTHY {}: {} is {} (limit {})",
+                    f["perspective"].as_str().unwrap_or(""),
+                    f["check"].as_str().unwrap_or(""),
+                    f["value"],
+                    f["limit"]
+                );
             }
         }
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+    Ok(check_code(failed.as_deref()))
+}
+
+/// 0 without a check or when every check passed, 1 when one failed.
+fn check_code(failed: Option<&[serde_json::Value]>) -> ExitCode {
+    match failed {
+        Some(failed) if !failed.is_empty() => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Result, anyhow};
 use lockstep_pg::PgDatabase;
 use lockstep_pg::target::connection_target;
-use tokio_postgres::{Config, NoTls};
+use tokio_postgres::Config;
 
 /// A database URL, parsed; it displays as its connection target ([`connection_target`]), never as the text
 /// it was parsed from.
@@ -38,13 +38,6 @@ impl DbUrl {
         Ok(DbUrl { config })
     }
 
-    /// The same server, another database.
-    pub(crate) fn with_database(&self, name: &str) -> DbUrl {
-        let mut config = self.config.clone();
-        config.dbname(name);
-        DbUrl { config }
-    }
-
     /// The database name.
     pub(crate) fn database(&self) -> &str {
         self.config.get_dbname().unwrap_or("postgres")
@@ -55,11 +48,13 @@ impl DbUrl {
     /// deep inside the first operation.
     pub(crate) async fn handle(&self, size: usize) -> Result<PgDatabase> {
         let db = self.handle_lazy(size)?;
-        drop(
-            db.checkout()
-                .await
-                .map_err(|e| self.unreachable(&e.message()))?,
-        );
+        drop(db.checkout().await.map_err(|e| {
+            // The pool's message already names the target ("connecting to <target>: why"):
+            // say it once.
+            let message = e.message();
+            let prefix = format!("connecting to {self}: ");
+            self.unreachable(&message.strip_prefix(&prefix).unwrap_or(&message))
+        })?);
         Ok(db)
     }
 
@@ -72,21 +67,6 @@ impl DbUrl {
             .checkout_wait(Duration::from_secs(10))
             .build()
             .map_err(|e| anyhow!("{}", e.message()))
-    }
-
-    /// One connection, outside any pool (for creating and dropping databases).
-    pub(crate) async fn connect(&self) -> Result<tokio_postgres::Client> {
-        let (client, connection) = tokio::time::timeout(
-            Duration::from_secs(10),
-            self.config.connect(NoTls),
-        )
-        .await
-        .map_err(|_| anyhow!("connecting to {self} timed out after 10 s: check that PostgreSQL is running and reachable"))?
-        .map_err(|e| self.unreachable(&lockstep_pg::describe(&e)))?;
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
-        Ok(client)
     }
 
     fn unreachable(&self, cause: &dyn fmt::Display) -> anyhow::Error {

@@ -4,8 +4,8 @@
 //!
 //! A deliberately small HTTP/1.1 responder over tokio: `GET` only, one request per connection,
 //! a bounded request head and a read timeout. It serves operators on a trusted network; put it
-//! behind your usual proxy for anything else. Both servers here (the status page, the worker's
-//! metrics endpoint) share one accept loop, [`accept_loop`], which outlives failed accepts.
+//! behind your usual proxy for anything else. Its accept loop, [`accept_loop`], outlives failed
+//! accepts.
 
 use std::fmt::Write as _;
 use std::future::Future;
@@ -34,7 +34,12 @@ struct Shared {
     database: String,
 }
 
-pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result<ExitCode> {
+pub(crate) async fn serve(
+    url: &DbUrl,
+    addr: &str,
+    names: Vec<String>,
+    json: bool,
+) -> Result<ExitCode> {
     let listener = listen("--addr", addr).await?;
     let metrics = PrometheusBuilder::new()
         .install_recorder()
@@ -47,10 +52,19 @@ pub(crate) async fn serve(url: &DbUrl, addr: &str, names: Vec<String>) -> Result
         names,
         database: url.database().to_owned(),
     });
-    say!(
-        "serving the status page on http://{}/ (metrics on /metrics; Ctrl-C stops it)",
-        listener.local_addr()?
-    );
+    let bound = listener.local_addr()?;
+    if json {
+        say!(
+            "{}",
+            serde_json::json!({
+                "page": format!("http://{bound}/"),
+                "metrics": format!("http://{bound}/metrics"),
+                "database": url.database(),
+            })
+        );
+    } else {
+        say!("serving the status page on http://{bound}/ (metrics on /metrics; Ctrl-C stops it)");
+    }
     let stop = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -90,32 +104,6 @@ pub(crate) async fn listen(flag: &str, addr: &str) -> Result<TcpListener> {
     }
 }
 
-/// Serves only `/metrics` (and `/healthz`) on `listener`, from a Prometheus recorder installed
-/// now, in a background task: `lockstep worker --metrics-addr`. Returns the bound address.
-pub(crate) fn metrics_endpoint(listener: TcpListener) -> Result<SocketAddr> {
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .context("installing the metrics recorder")?;
-    let bound = listener.local_addr()?;
-    tokio::spawn(async move {
-        accept_loop(&listener, std::future::pending(), |mut stream| {
-            let body = metrics.render();
-            tokio::spawn(async move {
-                let path = read_path(&mut stream).await.unwrap_or_default();
-                let (status, body) = match path.as_str() {
-                    "/metrics" => ("200 OK", body),
-                    "/healthz" => ("200 OK", "ok\n".to_owned()),
-                    _ => ("404 Not Found", "not found\n".to_owned()),
-                };
-                let _ =
-                    write_response(&mut stream, status, "text/plain; version=0.0.4", &body).await;
-            });
-        })
-        .await;
-    });
-    Ok(bound)
-}
-
 /// The pause after a failed accept; it doubles while accepts go on failing, up to
 /// [`ACCEPT_PAUSE_MAX`], and starts again from here after a success.
 const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(50);
@@ -138,7 +126,7 @@ impl Acceptor for TcpListener {
     }
 }
 
-/// The accept loop of both servers (`serve`, `worker --metrics-addr`): accepts connections
+/// The accept loop of the server: accepts connections
 /// until `stop` completes and hands each to `handle`. A failed accept — most often EMFILE, out
 /// of file descriptors, which fails again at once as long as it lasts — is logged and followed
 /// by a pause ([`ACCEPT_PAUSE_MIN`], doubling up to [`ACCEPT_PAUSE_MAX`] while failures go on):

@@ -1,5 +1,4 @@
-//! The `lockstep` command end to end: the demo in memory and on PostgreSQL, migrate (twice and
-//! concurrently), lease listing and force-release, advisory-lock listing, rewind requests,
+//! The `lockstep` command end to end: migrate (twice and concurrently), lease listing and force-release, advisory-lock listing, rewind requests,
 //! purge, status, and the actionable errors. Postgres commands run against a database of the
 //! test's own.
 
@@ -52,47 +51,6 @@ async fn migrated() -> (TestDatabase, String, deadpool_postgres::Pool) {
     assert!(out.status.success(), "{}", text(&out));
     let pool = db.pool(4);
     (db, url, pool)
-}
-
-#[test]
-fn the_demo_passes_in_memory() {
-    let out = lockstep(&["demo"], None);
-    let report = text(&out);
-    assert!(out.status.success(), "{report}");
-    assert!(
-        report.contains("All 1") && report.contains("checks passed"),
-        "{report}"
-    );
-    assert!(!report.contains('✗'), "{report}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_demo_passes_on_postgres_and_leaves_nothing_behind() {
-    let db = test_database().await;
-    let url = url_of(&db);
-    let out = tokio::task::spawn_blocking(move || lockstep(&["demo"], Some(&url)))
-        .await
-        .expect("task");
-    let report = text(&out);
-    assert!(out.status.success(), "{report}");
-    assert!(report.contains("nothing left behind"), "{report}");
-    // The report names the database it created; it must be gone (other runs may have theirs).
-    let created = report
-        .split_whitespace()
-        .find(|w| w.starts_with("lockstep_demo_"))
-        .expect("the report names its database")
-        .trim_end_matches([',', '.', ':'])
-        .to_owned();
-    let admin = db.connect().await;
-    let left: i64 = admin
-        .query_one(
-            "SELECT count(*) FROM pg_database WHERE datname = $1",
-            &[&created],
-        )
-        .await
-        .expect("query")
-        .get(0);
-    assert_eq!(left, 0, "the demo database was dropped");
 }
 
 #[test]
@@ -165,7 +123,7 @@ fn a_refused_connection_says_so_once() {
 }
 
 /// Issue 19, defect 3: no form a password can take in a URL shows in the output, whole or in
-/// part — neither in "cannot connect" (nothing listens on port 1) nor in the demo's first line.
+/// part, in "cannot connect" (nothing listens on port 1).
 #[test]
 fn no_form_of_a_password_is_ever_printed() {
     const PARTS: [&str; 2] = ["Zq7Kx", "Wv9Pm"];
@@ -181,7 +139,7 @@ fn no_form_of_a_password_is_ever_printed() {
         "postgres://127.0.0.1:1/nowhere?password=Zq7Kx@Wv9Pm",
     ];
     for url in connectable.iter().chain(&misread) {
-        for args in [&["locks", "list"][..], &["demo"]] {
+        for args in [&["locks", "list"][..], &["perspectives", "status"]] {
             let out = lockstep(args, Some(url));
             let report = text(&out);
             assert_ne!(out.status.code(), Some(0), "{url}: {report}");
@@ -248,7 +206,6 @@ async fn every_bad_argument_exits_2_with_a_clear_message_and_changes_nothing() {
     let before = snapshot().await;
     let stream = StreamId::new_v7().to_string();
     let long = "N".repeat(201);
-    let nil = uuid::Uuid::nil().to_string();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["locks", "release", &stream, " ", "--force"],
@@ -273,22 +230,6 @@ async fn every_bad_argument_exits_2_with_a_clear_message_and_changes_nothing() {
         (
             vec!["perspectives", "purge", &stream, &long],
             "perspective name",
-        ),
-        (
-            vec![
-                "worker",
-                "--lock-timeout-ms",
-                "1000",
-                "--keepalive-ms",
-                "900",
-            ],
-            "keepalive",
-        ),
-        (vec!["worker", "--lock-timeout-ms", "0"], "lock timeout"),
-        (vec!["worker", "--instance", &nil], "--instance"),
-        (
-            vec!["worker", "--metrics-addr", "nonsense"],
-            "--metrics-addr",
         ),
         (vec!["serve", "--addr", "nonsense"], "--addr"),
         (vec!["serve", "--addr", "127.0.0.1:99999"], "--addr"),
@@ -977,126 +918,6 @@ fn http_get(addr: &str, path: &str) -> (String, String) {
     )
 }
 
-/// Issue 18: the sample worker never registers its perspective on a database unasked (once
-/// registered, every event appended there queues work for it).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sample_worker_registers_nothing_unless_asked() {
-    let (_db, url, pool) = migrated().await;
-    let out = lockstep(&["worker"], Some(&url));
-    let report = text(&out);
-    assert_eq!(out.status.code(), Some(2), "{report}");
-    assert!(report.contains("--register-sample"), "{report}");
-    let client = pool.get().await.expect("connection");
-    let registered: i64 = client
-        .query_one("SELECT count(*) FROM wh_perspectives", &[])
-        .await
-        .expect("count")
-        .get(0);
-    assert_eq!(registered, 0, "nothing registered");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
-    use std::io::{BufRead, BufReader};
-
-    let (_db, url, pool) = migrated().await;
-    let mut worker = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args([
-            "worker",
-            "--register-sample",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ])
-        .env("DATABASE_URL", &url)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting lockstep worker");
-    let mut lines = BufReader::new(worker.stdout.take().expect("stdout")).lines();
-    let banner = tokio::task::spawn_blocking(move || {
-        let first = lines.next().and_then(Result::ok).unwrap_or_default();
-        (first, lines)
-    })
-    .await
-    .expect("task");
-    let (first, mut lines) = banner;
-    let addr = first
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .expect("the metrics address is printed first")
-        .to_owned();
-
-    // An event for the sample perspective: the worker applies it and counts it.
-    let stream = StreamId::new_v7();
-    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 7 })).expect("event");
-    let mut applied = false;
-    for _ in 0..100 {
-        // Registration happens when the worker starts; append once it has.
-        let client = pool.get().await.expect("connection");
-        let registered: i64 = client
-            .query_one(
-                "SELECT count(*) FROM wh_perspectives WHERE perspective_name = 'Ledger'",
-                &[],
-            )
-            .await
-            .expect("query")
-            .get(0);
-        drop(client);
-        if registered == 1 {
-            let tx = PgTransaction::begin(&pool).await.expect("begin");
-            PgEventStore::with_queue(lockstep_pg::LockQueue::new())
-                .append(
-                    &tx,
-                    stream,
-                    ExpectedVersion::NoStream,
-                    std::slice::from_ref(&event),
-                )
-                .await
-                .expect("append");
-            tx.commit().await.expect("commit");
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    for _ in 0..100 {
-        let addr = addr.clone();
-        let (status, body) = tokio::task::spawn_blocking(move || http_get(&addr, "/metrics"))
-            .await
-            .expect("task");
-        assert!(status.contains("200"), "{status}");
-        if body.contains("lockstep_worker_events_applied_total") {
-            applied = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    assert!(
-        applied,
-        "the worker applied the event and reported it on /metrics"
-    );
-
-    let pid = worker.id().to_string();
-    let killed = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let status = tokio::task::spawn_blocking(move || worker.wait())
-        .await
-        .expect("task")
-        .expect("wait");
-    assert!(
-        status.success(),
-        "a SIGTERM stop is a clean exit: {status:?}"
-    );
-    let rest: Vec<String> = lines.by_ref().map_while(Result::ok).collect();
-    assert!(
-        rest.iter()
-            .any(|l| l.contains("stopped; its leases are released")),
-        "{rest:?}"
-    );
-}
-
 /// `GET path` on `addr`, giving up after `limit` (connect, write and read each).
 fn try_http_get(
     addr: &str,
@@ -1140,8 +961,8 @@ fn cpu_time(pid: u32) -> std::time::Duration {
     std::time::Duration::from_millis(ticks * 1000 / per_second)
 }
 
-/// Issue 19, defect 8: `serve` and `worker --metrics-addr`, run with 64 file descriptors, go on
-/// serving after connections exhausted them (accept fails with EMFILE), and do not spin on the
+/// Issue 19, defect 8: `serve`, run with 64 file descriptors, goes on
+/// serving after connections exhausted them (accept fails with EMFILE), and does not spin on the
 /// failing accept meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
@@ -1149,15 +970,8 @@ async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
     use std::time::{Duration, Instant};
 
     let (_db, url, _pool) = migrated().await;
-    for args in [
-        &["serve", "--addr", "127.0.0.1:0"][..],
-        &[
-            "worker",
-            "--register-sample",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-    ] {
+    {
+        let args = ["serve", "--addr", "127.0.0.1:0"];
         let mut server = Command::new("sh")
             .arg("-c")
             .arg("ulimit -n 64 && exec \"$0\" \"$@\"")
@@ -1171,16 +985,9 @@ async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
         let pid = server.id();
         let mut stdout = BufReader::new(server.stdout.take().expect("stdout"));
         // Kept open (and so read to the end after the kill): the process writes more lines.
-        let ready = args[0] == "worker";
         let (line, stdout) = tokio::task::spawn_blocking(move || {
             let mut line = String::new();
             stdout.read_line(&mut line)?;
-            if ready {
-                // The worker prints its metrics address, then connects: wait until it runs.
-                let mut running = String::new();
-                stdout.read_line(&mut running)?;
-                assert!(running.contains("running on"), "{running}");
-            }
             Ok::<_, std::io::Error>((line, stdout))
         })
         .await
@@ -1238,35 +1045,356 @@ async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
     }
 }
 
-#[test]
-fn the_benchmarks_are_reachable_from_the_command() {
-    let out = lockstep(&["bench", "--help"], None);
-    let help = text(&out);
-    assert!(out.status.success(), "{help}");
-    for benchmark in ["locker", "aggregate", "worker"] {
-        assert!(help.contains(benchmark), "{help}");
-    }
+/// The JSON document a command printed on standard output.
+fn doc(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("one JSON document on stdout ({e}): {}", text(out)))
 }
 
-/// Output into a pipe whose reader has gone (`lockstep … | head -n 1`) panicked in `println!`:
-/// the command now runs to its end without a panic and with its own exit code.
-#[test]
-fn output_into_a_closed_pipe_does_not_panic() {
-    use std::io::{BufRead, BufReader};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(["demo"])
-        .env_remove("DATABASE_URL")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting lockstep demo");
-    let mut first = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut first)
-        .expect("the first line");
-    // The reader is gone now (dropped with the BufReader).
-    let out = child.wait_with_output().expect("lockstep demo ends");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+/// Issue 21: every command answers `--json` with one document, also when it refuses (exit 1),
+/// when an argument is bad (exit 2) and when the database is unreachable (exit 3); refusals
+/// name what was wrong and change nothing: a perspective that is not registered, `--from`
+/// naming another stream's event or no event at all, a purge of a leased pair (which says how
+/// long the lease has left, not when it ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_answers_json_and_refusals_name_what_was_wrong() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let (stream, other) = (StreamId::new_v7(), StreamId::new_v7());
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let events = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+    let (mine, theirs) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    for (on, id) in [(stream, mine), (other, theirs)] {
+        let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 }))
+            .and_then(|e| e.with_id(id))
+            .expect("event");
+        events
+            .append(&tx, on, ExpectedVersion::NoStream, &[event])
+            .await
+            .expect("append");
+    }
+    tx.commit().await.expect("commit");
+    let (mine, theirs) = (mine.to_string(), theirs.to_string());
+    let s = stream.to_string();
+    let trigger = || async {
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        let cursor = store
+            .cursor(&tx, stream, &name)
+            .await
+            .expect("cursor")
+            .expect("exists");
+        tx.rollback().await.expect("rollback");
+        cursor.rewind.map(|r| r.trigger)
+    };
+
+    // Refused, exit 1, nothing requested.
+    let nobody = uuid::Uuid::now_v7().to_string();
+    for (from, why) in [
+        (theirs.as_str(), format!("is an event of stream {other}")),
+        (nobody.as_str(), "there is no event".to_owned()),
+    ] {
+        let out = lockstep_on(
+            &url,
+            &["perspectives", "rewind", &s, "Ledger", "--from", from],
+        )
+        .await;
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(text(&out).contains(&why), "{}", text(&out));
+        let json = lockstep_on(
+            &url,
+            &[
+                "perspectives",
+                "rewind",
+                &s,
+                "Ledger",
+                "--from",
+                from,
+                "--json",
+            ],
+        )
+        .await;
+        assert_eq!(json.status.code(), Some(1));
+        assert_eq!(doc(&json)["outcome"], "refused");
+        assert_eq!(trigger().await, None, "nothing was requested");
+    }
+    for args in [
+        &["perspectives", "rewind", &s, "Unregistered"][..],
+        &["perspectives", "purge", &s, "Unregistered"],
+        &["perspectives", "retry", &s, "Unregistered"],
+        &["perspectives", "skip", &s, "Unregistered", "--event", &mine],
+    ] {
+        let out = lockstep_on(&url, args).await;
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out));
+        assert!(
+            text(&out).contains("`Unregistered` is not registered"),
+            "{args:?}: {}",
+            text(&out)
+        );
+        let mut with_json = args.to_vec();
+        with_json.push("--json");
+        let out = lockstep_on(&url, &with_json).await;
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(doc(&out)["outcome"], "not_registered", "{args:?}");
+    }
+
+    // Done, exit 0, as JSON.
+    let out = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "rewind",
+            &s,
+            "Ledger",
+            "--from",
+            &mine,
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let answer = doc(&out);
+    assert_eq!(
+        (
+            answer["outcome"].as_str(),
+            answer["from"].as_str(),
+            answer["stream_id"].as_str()
+        ),
+        (Some("requested"), Some(mine.as_str()), Some(s.as_str()))
+    );
+    assert!(trigger().await.is_some());
+    let out = lockstep_on(&url, &["perspectives", "retry", &s, "Ledger", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(doc(&out)["outcome"], "retried");
+    let out = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "skip",
+            &s,
+            "Ledger",
+            "--event",
+            &mine,
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(doc(&out)["outcome"], "skipped");
+
+    // locks release: refused without --force, then no lease to release.
+    let out = lockstep_on(&url, &["locks", "release", &s, "Ledger", "--json"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(doc(&out)["outcome"], "refused");
+    let out = lockstep_on(
+        &url,
+        &["locks", "release", &s, "Ledger", "--force", "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(doc(&out)["outcome"], "no_lease");
+
+    // A purge of a leased pair says how long the lease has left.
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
+    let _held = locker
+        .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("acquire");
+    let out = lockstep_on(&url, &["perspectives", "purge", &s, "Ledger"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let said = text(&out);
+    let left: f64 = said
+        .split(" for ")
+        .nth(1)
+        .and_then(|rest| rest.split(" s more").next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a duration in seconds: {said}"));
+    assert!((0.0..=30.0).contains(&left), "{said}");
+    let out = lockstep_on(&url, &["perspectives", "purge", &s, "Ledger", "--json"]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let answer = doc(&out);
+    assert_eq!(answer["outcome"], "held");
+    assert_eq!(answer["holder"]["reason"], "rewind");
+
+    // Listing commands: one array each.
+    for args in [
+        &["locks", "list", "--json"][..],
+        &["locks", "advisory", "--json"],
+        &["perspectives", "status", "--json"],
+        &["perspectives", "parked", "--json"],
+    ] {
+        let out = lockstep_on(&url, args).await;
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", text(&out));
+        assert!(doc(&out).is_array(), "{args:?}");
+    }
+
+    // A bad argument and an unreachable database, as JSON.
+    let out = lockstep_on(
+        &url,
+        &["perspectives", "rewind", "not-a-uuid", "Ledger", "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(doc(&out)["exit_code"], 2);
+    let out = lockstep_on(
+        "postgres://app@127.0.0.1:1/nowhere",
+        &["perspectives", "status", "--json"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    let answer = doc(&out);
+    assert_eq!(answer["exit_code"], 3);
+    assert!(
+        answer["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("cannot connect")),
+        "{answer}"
+    );
+}
+
+/// Issue 21: `migrate --status` changes nothing and says which migrations are pending (exit 3,
+/// "not migrated") or that the schema is up to date (exit 0), as text and as JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_status_lists_pending_then_applied_migrations() {
+    let db = test_database().await;
+    let url = url_of(&db);
+    let out = lockstep_on(&url, &["migrate", "--status", "--json"]).await;
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    let answer = doc(&out);
+    assert_eq!(answer["up_to_date"], false);
+    let count = lockstep_pg::migrate::embedded_migrations().len();
+    let migrations = answer["migrations"].as_array().expect("migrations");
+    assert_eq!(migrations.len(), count);
+    assert!(
+        migrations.iter().all(|m| m["state"] == "pending"),
+        "{answer}"
+    );
+    let text_out = lockstep_on(&url, &["migrate", "--status"]).await;
+    assert!(
+        text(&text_out).contains(&format!("{count} pending")),
+        "{}",
+        text(&text_out)
+    );
+
+    let out = lockstep_on(&url, &["migrate"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let out = lockstep_on(&url, &["migrate", "--status", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let answer = doc(&out);
+    assert_eq!(answer["up_to_date"], true);
+    assert!(
+        answer["migrations"]
+            .as_array()
+            .expect("migrations")
+            .iter()
+            .all(|m| m["state"] == "applied" && m["applied_on"].is_string()),
+        "{answer}"
+    );
+}
+
+/// Issue 21: `perspectives status --check` is a health check — exit 0 while every threshold
+/// holds, exit 1 naming each failed check (lag of work nobody applies, a pair in error,
+/// pending events over a limit), as text and as JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_check_fails_on_lag_and_pairs_in_error() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let out = lockstep_on(&url, &["perspectives", "status", "--check"]).await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "nothing registered is healthy: {}",
+        text(&out)
+    );
+
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+
+    let out = lockstep_on(&url, &["perspectives", "status", "--check"]).await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "fresh work is within --max-lag 60: {}",
+        text(&out)
+    );
+    let out = lockstep_on(
+        &url,
+        &["perspectives", "status", "--check", "--max-pending", "0"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("UNHEALTHY Ledger: pending_events is 1 (limit 0)"),
+        "{}",
+        text(&out)
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let out = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "status",
+            "--check",
+            "--max-lag",
+            "0.1",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let answer = doc(&out);
+    assert_eq!(answer["healthy"], false);
+    assert_eq!(answer["failed"][0]["check"], "lag_s");
+    assert_eq!(answer["perspectives"][0]["perspective"], "Ledger");
+
+    // A failing pair: in error.
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .record_failure(&tx, stream, &name, &lockstep_core::PairFailure::new("boom"))
+        .await
+        .expect("record failure");
+    tx.commit().await.expect("commit");
+    let out = lockstep_on(
+        &url,
+        &["perspectives", "status", "--check", "--max-lag", "3600"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("in_error is 1 (limit 0)"),
+        "{}",
+        text(&out)
+    );
+    let out = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "status",
+            "--check",
+            "--max-lag",
+            "3600",
+            "--max-in-error",
+            "1",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let out = lockstep_on(&url, &["perspectives", "status", "--check", "--max-lag=-1"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--max-lag"), "{}", text(&out));
 }

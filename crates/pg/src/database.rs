@@ -147,6 +147,12 @@ impl PgDatabase {
     pub async fn migrate(&self) -> Result<MigrationReport> {
         crate::migrate::migrate(&self.inner.pool).await
     }
+
+    /// Where each of lockstep's migrations stands in this database, read only
+    /// ([`crate::migrate::migration_status`]).
+    pub async fn migration_status(&self) -> Result<crate::migrate::MigrationStatus> {
+        crate::migrate::migration_status(&self.inner.pool).await
+    }
 }
 
 /// Units of work on PostgreSQL: owned READ COMMITTED [`PgTransaction`]s on pooled connections.

@@ -6,8 +6,9 @@
 //! two differ, and the crate carries its copy so that it builds from its own folder when
 //! packaged (`docs/adr/0004-schema-ownership.md`).
 //!
-//! Applying is explicit: call [`migrate`] (the `lockstep` command-line tool will expose it as
-//! `lockstep migrate`); no constructor does it behind your back. It is idempotent: applied
+//! Applying is explicit: call [`migrate`] (`lockstep migrate`); no constructor does it behind
+//! your back. [`migration_status`] (`lockstep migrate --status`) says, read only, which
+//! migrations are applied, pending, changed since they were applied, or unknown to this build. It is idempotent: applied
 //! versions are recorded in a history table of lockstep's own, [`MIGRATION_TABLE`]
 //! (`lockstep_schema_history`, in the first schema of the `search_path`), so an application
 //! that runs its own refinery migrations in the same database keeps its
@@ -80,6 +81,131 @@ pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
             .map(|m| (m.version(), m.name().to_owned()))
             .collect(),
     })
+}
+
+/// Where one migration stands in a database ([`migration_status`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MigrationState {
+    /// Applied, with the file this build embeds; `applied_on` as refinery recorded it (RFC 3339).
+    Applied {
+        /// When it was applied.
+        applied_on: String,
+    },
+    /// Embedded in this build, not applied yet: `migrate` applies it.
+    Pending,
+    /// Applied, but from a file whose checksum differs from this build's (an edited migration;
+    /// `migrate` refuses to run on such a database).
+    Changed {
+        /// When it was applied.
+        applied_on: String,
+    },
+    /// Recorded in the database but not embedded in this build: a newer build migrated the
+    /// database (a rolling upgrade in progress, or this binary is older than the schema).
+    Unknown {
+        /// When it was applied.
+        applied_on: String,
+    },
+}
+
+/// One migration and where it stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationEntry {
+    /// Its version (`V{n}`).
+    pub version: i32,
+    /// Its name.
+    pub name: String,
+    /// Where it stands.
+    pub state: MigrationState,
+}
+
+/// Every migration this build embeds and every one the database recorded, by version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationStatus {
+    /// By version.
+    pub migrations: Vec<MigrationEntry>,
+}
+
+impl MigrationStatus {
+    /// Whether every embedded migration is applied from an unchanged file.
+    pub fn is_up_to_date(&self) -> bool {
+        self.migrations.iter().all(|m| {
+            matches!(
+                m.state,
+                MigrationState::Applied { .. } | MigrationState::Unknown { .. }
+            )
+        })
+    }
+}
+
+/// Where each migration stands in the database behind `pool`, read only: the history table is
+/// read if it exists (a database never migrated lists every migration as pending) and nothing
+/// is created or locked.
+pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
+    let conn = crate::pool::checkout(pool, crate::DEFAULT_CHECKOUT_WAIT).await?;
+    // `to_regclass` resolves the name on the search_path as refinery does; NULL when absent.
+    let exists: bool = conn
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&MIGRATION_TABLE])
+        .await
+        .map_err(|e| map_error(e, "looking for the migration history"))?
+        .get(0);
+    let mut recorded: Vec<(i32, String, String, String)> = Vec::new();
+    if exists {
+        let rows = conn
+            .query(
+                &format!(
+                    "SELECT version, coalesce(name, ''), coalesce(applied_on, ''), \
+                     coalesce(checksum, '') FROM {MIGRATION_TABLE} ORDER BY version"
+                ),
+                &[],
+            )
+            .await
+            .map_err(|e| map_error(e, "reading the migration history"))?;
+        for row in rows {
+            let read = |e| map_error(e, "reading a migration history row");
+            recorded.push((
+                row.try_get(0).map_err(read)?,
+                row.try_get(1).map_err(read)?,
+                row.try_get(2).map_err(read)?,
+                row.try_get(3).map_err(read)?,
+            ));
+        }
+    }
+    let mut migrations: Vec<MigrationEntry> = runner()
+        .get_migrations()
+        .iter()
+        .map(|m| {
+            let state = match recorded.iter().find(|r| r.0 == m.version()) {
+                None => MigrationState::Pending,
+                Some((_, _, on, sum)) if *sum == m.checksum().to_string() => {
+                    MigrationState::Applied {
+                        applied_on: on.clone(),
+                    }
+                }
+                Some((_, _, on, _)) => MigrationState::Changed {
+                    applied_on: on.clone(),
+                },
+            };
+            MigrationEntry {
+                version: m.version(),
+                name: m.name().to_owned(),
+                state,
+            }
+        })
+        .collect();
+    for (version, name, on, _) in recorded {
+        if !migrations.iter().any(|m| m.version == version) {
+            migrations.push(MigrationEntry {
+                version,
+                name,
+                state: MigrationState::Unknown { applied_on: on },
+            });
+        }
+    }
+    migrations.sort_by_key(|m| m.version);
+    Ok(MigrationStatus { migrations })
 }
 
 /// Every embedded migration, as (version, name), in order.

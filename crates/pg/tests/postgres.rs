@@ -48,6 +48,70 @@ async fn migrations_apply_once_even_when_two_runs_race() {
     assert_eq!(row.get::<_, i64>(0), 0);
 }
 
+/// Issue 21: the status of the migrations, read only — pending on a new database (and nothing
+/// created), applied after `migrate`, an edited file shows as changed, a version this build
+/// does not know as unknown; called from a spawned task with the concrete handle.
+#[tokio::test]
+async fn migration_status_says_applied_pending_changed_and_unknown_and_changes_nothing() {
+    use lockstep_pg::migrate::MigrationState;
+    let db = test_database().await;
+    let handle = lockstep_pg::PgDatabase::from_pool(db.pool(2));
+    let spawned = handle.clone();
+    let fresh = tokio::spawn(async move { spawned.migration_status().await })
+        .await
+        .expect("task")
+        .expect("status");
+    assert_eq!(fresh.migrations.len(), embedded_migrations().len());
+    assert!(
+        fresh
+            .migrations
+            .iter()
+            .all(|m| m.state == MigrationState::Pending)
+    );
+    assert!(!fresh.is_up_to_date());
+    let admin = db.connect().await;
+    let tables: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'",
+            &[],
+        )
+        .await
+        .expect("tables")
+        .get(0);
+    assert_eq!(tables, 0, "reading the status creates nothing");
+
+    handle.migrate().await.expect("migrate");
+    let migrated = handle.migration_status().await.expect("status");
+    assert!(migrated.is_up_to_date(), "{migrated:?}");
+    assert!(
+        migrated
+            .migrations
+            .iter()
+            .all(|m| matches!(m.state, MigrationState::Applied { .. }))
+    );
+
+    admin
+        .batch_execute(
+            "UPDATE lockstep_schema_history SET checksum = '1' WHERE version = 1;
+             INSERT INTO lockstep_schema_history (version, name, applied_on, checksum)
+             VALUES (9999, 'from_a_newer_build', '2026-12-02T00:00:00Z', '2')",
+        )
+        .await
+        .expect("tamper");
+    let tampered = handle.migration_status().await.expect("status");
+    assert!(!tampered.is_up_to_date());
+    assert!(matches!(
+        tampered.migrations[0].state,
+        MigrationState::Changed { .. }
+    ));
+    let last = tampered.migrations.last().expect("entries");
+    assert_eq!(
+        (last.version, last.name.as_str()),
+        (9999, "from_a_newer_build")
+    );
+    assert!(matches!(last.state, MigrationState::Unknown { .. }));
+}
+
 #[tokio::test]
 async fn migrations_keep_their_history_apart_from_an_applications_refinery_history() {
     let db = test_database().await;

@@ -1,4 +1,4 @@
-//! `lockstep demo`: both halves of lockstep, explained as they run.
+//! The demo (`cargo run -p lockstep-demo`): both halves of lockstep, explained as they run.
 //!
 //! 1. **The flash sale** of the aggregate-lock seed: one `StockItem`, stock 100, 32 concurrent
 //!    buyers of 4 units, first with optimistic concurrency + retry, then with the pessimistic
@@ -31,8 +31,8 @@ use lockstep_testkit::{
 use lockstep_worker::{CancellationToken, PerspectiveWorker, WorkerOptions};
 use uuid::Uuid;
 
+use crate::db_url::DbUrl;
 use crate::ledger::{Entries, Ledger, entry, fold, ledger_name};
-use crate::pg::DbUrl;
 use crate::say;
 use lockstep_core::Transaction as _;
 
@@ -118,7 +118,7 @@ async fn on_postgres(url: &DbUrl) -> Result<()> {
 
 async fn postgres_demo(url: &DbUrl) -> Result<()> {
     let db = url.handle(24).await?;
-    let report = db.migrate().await.map_err(crate::pg::explain)?;
+    let report = db.migrate().await.map_err(anyhow::Error::new)?;
     say!("Migrated: {} migrations applied.", report.applied.len());
     let mut checks = Checks::default();
 
@@ -529,7 +529,7 @@ where
             &ledger,
             instance.id,
         )?;
-        worker.register().await.map_err(crate::pg::explain)?;
+        worker.register().await.map_err(anyhow::Error::new)?;
         instance.task = Some(tokio::spawn(drive(
             worker,
             Arc::clone(&instance.paused),

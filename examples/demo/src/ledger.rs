@@ -1,4 +1,4 @@
-//! The sample perspective of the demo and of `lockstep worker`: a ledger per stream, the list of
+//! The sample perspective of the demo and of `lockstep-demo worker`: a ledger per stream, the list of
 //! amounts in event-id order. Order-sensitive on purpose — a late event applied at the end
 //! instead of in its place would show.
 
