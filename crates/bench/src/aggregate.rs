@@ -12,6 +12,10 @@
 //! - **pessimistic**: `EventStore::load_locked` — the advisory lock and the load in one
 //!   statement — then the same decide and append + commit. Conflicts should not happen; they
 //!   are counted.
+//! - **combined**: the same command submitted to a `lockstep_combiner::Combiner` (ADR 0013):
+//!   one batch task per aggregate takes the lock and loads once, decides the queued commands in
+//!   turn (each one the same fold and hold), and appends all their events with one COMMIT.
+//!   Latency is from `submit` to the answer.
 //!
 //! **The hold is honest**: a blocking-pool thread sleeps it (`std::thread::sleep`, the
 //! kernel's high-resolution timer) instead of tokio's millisecond timer wheel, on which a 1 ms
@@ -40,6 +44,12 @@
 //!   of the same size for the same number of commits — `BEGIN`, `lockstep_lock_and_load`, the
 //!   hold as `\sleep`, then `lockstep_append_events` and `COMMIT` in a `\startpipeline` block.
 //!
+//! Rounds rotate which of the three modes goes first. The combined lines: `hot32_combined_vs_decision_limit`
+//! (median over rounds of combined commits/s ÷ (1 / its mean measured hold) — one aggregate's
+//! physical ceiling), `hot32_combined_vs_optimistic`, `cold16_combined_vs_optimistic` (medians
+//! of per-round ratios), `hot32_combined_p99_vs_pessimistic` (p99 over all rounds) and
+//! `hot32_combined_conflicts`.
+//!
 //! The last lines are the headline figures: `hot32_pessimistic_vs_optimistic`,
 //! `cold16_pessimistic_vs_optimistic` (median commits/s ratios), `hot32_pessimistic_conflicts`
 //! (over all rounds), `hot32_pessimistic_vs_floor`, `hot32_pessimistic_vs_pgbench` (medians of
@@ -53,11 +63,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use deadpool_postgres::Pool;
 use hdrhistogram::Histogram;
+use lockstep_combiner::Combiner;
 use lockstep_core::{
-    AggregateType, ErrorKind, EventStore, ExpectedVersion, NewEvent, RetryPolicy, StreamId,
-    aggregate_key,
+    AggregateType, Decider, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent,
+    RetryPolicy, StreamId, aggregate_key,
 };
-use lockstep_pg::PgTransaction;
+use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::pg_harness::server_address;
@@ -126,6 +137,7 @@ pub(crate) struct Args {
 enum Mode {
     Optimistic = 0,
     Pessimistic = 1,
+    Combined = 2,
 }
 
 impl Mode {
@@ -133,6 +145,7 @@ impl Mode {
         match self {
             Mode::Optimistic => "optimistic+retry",
             Mode::Pessimistic => "pessimistic",
+            Mode::Combined => "combined",
         }
     }
 }
@@ -286,17 +299,16 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
             // The floor and the pgbench peer: hot, 32 writers.
             let peer = heat == Heat::Hot && writers == 32;
             // Rounds alternate which mode goes first, so drift on a shared machine hits both.
-            let mut totals = [Outcome::empty(), Outcome::empty()];
+            let mut totals = [Outcome::empty(), Outcome::empty(), Outcome::empty()];
             let mut ratios = Vec::new();
+            let mut combined_ratios = Vec::new();
+            let mut vs_limit = Vec::new();
             let mut peer_rounds = PeerRounds::default();
             for round in 0..args.rounds.max(1) {
-                let mut this_round = [0.0f64; 2];
+                let mut this_round = [0.0f64; 3];
                 let mut this_hold_ms = 0.0;
-                let order = if round % 2 == 0 {
-                    [Mode::Optimistic, Mode::Pessimistic]
-                } else {
-                    [Mode::Pessimistic, Mode::Optimistic]
-                };
+                let mut order = [Mode::Optimistic, Mode::Pessimistic, Mode::Combined];
+                order.rotate_left(round % 3);
                 if peer && round % 2 == 1 {
                     peer_rounds.pgbench.push(
                         pgbench_peer(args, db, &work_dir, round, writers, commits, hold).await?,
@@ -330,6 +342,11 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                     if mode == Mode::Pessimistic {
                         this_hold_ms = outcome.hold_ms_mean();
                     }
+                    if mode == Mode::Combined && outcome.holds > 0 {
+                        // One aggregate's ceiling: 1 / the time one decision takes.
+                        let limit = 1000.0 / outcome.hold_ms_mean().max(f64::EPSILON);
+                        vs_limit.push(outcome.commits_per_sec() / limit);
+                    }
                     totals[mode as usize].merge(&outcome);
                 }
                 if peer && round % 2 == 0 {
@@ -339,6 +356,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                 }
                 if this_round[0] > 0.0 {
                     ratios.push(this_round[1] / this_round[0]);
+                    combined_ratios.push(this_round[2] / this_round[0]);
                 }
                 if peer {
                     peer_rounds.pessimistic.push(this_round[1]);
@@ -346,7 +364,8 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                 }
             }
             let median_ratio = median(ratios.clone());
-            for mode in [Mode::Optimistic, Mode::Pessimistic] {
+            let combined_ratio = median(combined_ratios.clone());
+            for mode in [Mode::Optimistic, Mode::Pessimistic, Mode::Combined] {
                 let rt_pool = relayed_pool(writers)?;
                 let rt_setup = Setup {
                     store: PgEventStore::with_queue(PgDistributedLock::from_pool(rt_pool.clone())),
@@ -393,6 +412,11 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                 ratios.len(),
                 median_ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}"))
             );
+            println!(
+                "|  |  | *combined / optimistic, median of {} rounds* | **{}** |  |  |  |  |  |  |  |  |",
+                combined_ratios.len(),
+                combined_ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}"))
+            );
             match (heat, writers) {
                 (Heat::Hot, 32) => {
                     headline.hot32 = median_ratio;
@@ -403,6 +427,14 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                         headline.p99_ratio =
                             Some(p99(Mode::Pessimistic) as f64 / optimistic_p99 as f64);
                     }
+                    let pessimistic_p99 = p99(Mode::Pessimistic);
+                    if pessimistic_p99 > 0 {
+                        headline.combined_p99_vs_pessimistic =
+                            Some(p99(Mode::Combined) as f64 / pessimistic_p99 as f64);
+                    }
+                    headline.combined_vs_optimistic = combined_ratio;
+                    headline.combined_vs_limit = median(vs_limit.clone());
+                    headline.combined_conflicts = Some(totals[Mode::Combined as usize].conflicts);
                     let pessimistic = &totals[Mode::Pessimistic as usize];
                     headline.hold_ms = Some(pessimistic.hold_ms_mean());
                     let peer_table = peer_rounds.report(&mut headline);
@@ -414,7 +446,10 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                         server_view(db, args.seed_events + commits / 2, args.floor_samples).await?,
                     );
                 }
-                (Heat::Cold, 16) => headline.cold16 = median_ratio,
+                (Heat::Cold, 16) => {
+                    headline.cold16 = median_ratio;
+                    headline.cold16_combined = combined_ratio;
+                }
                 _ => {}
             }
         }
@@ -440,6 +475,11 @@ struct Headline {
     vs_pgbench: Option<f64>,
     p99_ratio: Option<f64>,
     hold_ms: Option<f64>,
+    combined_vs_limit: Option<f64>,
+    combined_vs_optimistic: Option<f64>,
+    combined_p99_vs_pessimistic: Option<f64>,
+    combined_conflicts: Option<u64>,
+    cold16_combined: Option<f64>,
     /// Tables printed after the main one (hot 32: floor and peer, section timeline).
     tables: Vec<String>,
 }
@@ -468,6 +508,27 @@ impl Headline {
             figure(self.p99_ratio, 2)
         );
         println!("hold_ms_mean={}", figure(self.hold_ms, 3));
+        println!(
+            "hot32_combined_vs_decision_limit={}",
+            figure(self.combined_vs_limit, 2)
+        );
+        println!(
+            "hot32_combined_vs_optimistic={}",
+            figure(self.combined_vs_optimistic, 2)
+        );
+        println!(
+            "hot32_combined_p99_vs_pessimistic={}",
+            figure(self.combined_p99_vs_pessimistic, 2)
+        );
+        println!(
+            "hot32_combined_conflicts={}",
+            self.combined_conflicts
+                .map_or("n/a".to_owned(), |c| c.to_string())
+        );
+        println!(
+            "cold16_combined_vs_optimistic={}",
+            figure(self.cold16_combined, 2)
+        );
     }
 }
 
@@ -666,11 +727,25 @@ async fn scenario(
     let conflicts = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let holds = Arc::new(Holds::default());
+    let combiner = (mode == Mode::Combined).then(|| {
+        let db = PgDatabase::from_pool(pool.clone());
+        let store = PgEventStore::new(&db);
+        Combiner::new(
+            db,
+            store,
+            BenchDecider {
+                ty: AggregateType::new(AGGREGATE).unwrap_or_else(|e| unreachable!("{e}")),
+                hold: setup.hold,
+                holds: Arc::clone(&holds),
+            },
+        )
+    });
     let started = Instant::now();
     let tasks: Vec<_> = (0..writers)
         .map(|w| {
             let sku = streams[w % streams.len()];
             let (pool, store) = (pool.clone(), setup.store.clone());
+            let combiner = combiner.clone();
             let (retry, hold) = (setup.retry, setup.hold);
             let (committed, attempts, conflicts, failed, holds) = (
                 Arc::clone(&committed),
@@ -683,12 +758,29 @@ async fn scenario(
                 let mut latency = new_histogram();
                 while committed.load(Ordering::Relaxed) < commits {
                     let t0 = Instant::now();
-                    let result = retry
-                        .run(tokio::time::sleep, |_| {
+                    let result = match &combiner {
+                        Some(combiner) => {
                             attempts.fetch_add(1, Ordering::Relaxed);
-                            Box::pin(command(&pool, &store, sku, mode, hold, &conflicts, &holds))
-                        })
-                        .await;
+                            match combiner.submit(sku, ()).await {
+                                Ok(_) => Ok(()),
+                                Err(e) => {
+                                    if e.kind() == Some(ErrorKind::Conflict) {
+                                        conflicts.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                    Err(())
+                                }
+                            }
+                        }
+                        None => retry
+                            .run(tokio::time::sleep, |_| {
+                                attempts.fetch_add(1, Ordering::Relaxed);
+                                Box::pin(command(
+                                    &pool, &store, sku, mode, hold, &conflicts, &holds,
+                                ))
+                            })
+                            .await
+                            .map_err(drop),
+                    };
                     match result {
                         Ok(()) => {
                             committed.fetch_add(1, Ordering::Relaxed);
@@ -862,7 +954,7 @@ async fn command(
     let tx = PgTransaction::begin(pool).await?;
     let events = match mode {
         Mode::Optimistic => store.load(&tx, stream).await,
-        Mode::Pessimistic => {
+        Mode::Pessimistic | Mode::Combined => {
             let ty = AggregateType::new(AGGREGATE)?;
             store
                 .load_locked(&tx, stream, &aggregate_key(&ty, sku), None)
@@ -964,4 +1056,53 @@ async fn warm_up(pool: &Pool, size: usize) -> Result<()> {
         held.push(pool.get().await.context("warming the pool up")?);
     }
     Ok(())
+}
+
+/// The benchmark's command as a decider, for the combined mode: the same fold (units reserved
+/// so far) and the same measured hold per decision as the other modes' command.
+struct BenchDecider {
+    ty: AggregateType,
+    hold: Duration,
+    holds: Arc<Holds>,
+}
+
+impl Decider for BenchDecider {
+    type State = u64;
+    type Command = ();
+    type Event = u64;
+    type Error = std::convert::Infallible;
+
+    fn aggregate_type(&self) -> &AggregateType {
+        &self.ty
+    }
+
+    fn initial_state(&self, _id: Uuid) -> u64 {
+        0
+    }
+
+    async fn decide(&self, _reserved: &u64, _: &()) -> Result<Vec<u64>, std::convert::Infallible> {
+        let held = hold_for(self.hold).await;
+        self.holds
+            .total_us
+            .fetch_add(held.as_micros() as u64, Ordering::Relaxed);
+        self.holds.count.fetch_add(1, Ordering::Relaxed);
+        Ok(vec![1])
+    }
+
+    fn evolve(&self, reserved: u64, quantity: &u64) -> u64 {
+        reserved + quantity
+    }
+
+    fn encode(&self, quantity: &u64) -> lockstep_core::Result<NewEvent> {
+        NewEvent::new("Reserved", serde_json::json!({ "quantity": quantity }))
+    }
+
+    fn decode(&self, event: &RecordedEvent) -> lockstep_core::Result<u64> {
+        // The same fold as the other modes' command: units reserved so far.
+        Ok(event
+            .payload
+            .get("quantity")
+            .and_then(|q| q.as_u64())
+            .unwrap_or(0))
+    }
 }

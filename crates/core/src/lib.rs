@@ -60,6 +60,8 @@
 //!   per-aggregate write lock `relay:aggregate:{type}:{id}` ([`aggregate_lock`]), over any
 //!   [`DistributedLock`]; [`SessionLocks`] / [`SessionLockGuard`] for session-scoped locks
 //!   ([`distributed_lock`]).
+//! - [`Decider`] — an aggregate as `decide(state, command)` and `evolve(state, event)`, what
+//!   the command combiner (`lockstep-combiner`) runs ([`decider`]).
 //! - [`EventStore`] — append with an [`ExpectedVersion`] ([`VersionConflict`] on a conflict),
 //!   load in order; [`NewEvent`] in, [`RecordedEvent`] out ([`event_store`]).
 //! - [`StreamLocker`] / [`StreamLockAdmin`] / [`LeaseFence`] — leases per `(stream,
@@ -86,6 +88,7 @@
 //! ```
 
 pub mod aggregate_lock;
+pub mod decider;
 pub mod distributed_lock;
 pub mod error;
 pub mod event_store;
@@ -104,6 +107,7 @@ pub use aggregate_lock::{
     AGGREGATE_KEY_PREFIX, AggregateWriteLock, AsAggregateType, DistributedAggregateWriteLock,
     aggregate_key, canonical_order,
 };
+pub use decider::Decider;
 pub use distributed_lock::{DistributedLock, SessionLockGuard, SessionLocks};
 pub use error::{BoxError, Error, ErrorKind, Result, ValidationError};
 pub use event_store::{

@@ -61,6 +61,16 @@ pub struct StockItem {
 }
 
 impl StockItem {
+    /// A SKU with no events: nothing stocked, version 0.
+    pub fn new(sku: Uuid) -> StockItem {
+        StockItem {
+            sku,
+            version: 0,
+            stocked: 0,
+            reserved: 0,
+        }
+    }
+
     /// Folds a stream (empty: nothing stocked, version 0).
     pub fn from_events(sku: Uuid, events: &[RecordedEvent]) -> Result<StockItem, InventoryError> {
         let mut item = StockItem {

@@ -8,6 +8,9 @@
 //! - [`domain`] and [`handler`] are domain code: they import `lockstep-core` only (a test
 //!   checks), so the handler is generic over the transaction, the [`lockstep_core::EventStore`]
 //!   and the [`lockstep_core::AggregateWriteLock`].
+//! - [`decider`] is the same aggregate as a `lockstep_core::Decider`, for the command combiner
+//!   (`lockstep-combiner`: queued reservations of one SKU decided in turn under one lock and
+//!   one commit).
 //! - [`wiring`] is the composition root: PostgreSQL (`lockstep-pg-advisory`,
 //!   `lockstep-pg-store`) or the testkit fakes.
 //! - [`flash_sale`] runs concurrent customers against one SKU and tallies their answers.
@@ -29,11 +32,13 @@
 //! # Ok(()) }
 //! ```
 
+pub mod decider;
 pub mod domain;
 pub mod flash_sale;
 pub mod handler;
 pub mod wiring;
 
+pub use decider::{Reserve, StockItemDecider};
 pub use domain::{InventoryError, STOCK_ITEM, StockEvent, StockItem};
 pub use handler::{LockMode, ReserveStock, ReserveStockHandler, Reserved};
 

@@ -1,0 +1,181 @@
+//! The combiner on the testkit's fakes: the shared suite, plus the public entry points called
+//! from inside `tokio::spawn` with the concrete fake types, as a web handler would.
+
+mod suite;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use lockstep_combiner::{CombineError, Combiner};
+use lockstep_core::{
+    Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent, ResourceKey, Result,
+    StreamId, Transaction, TransactionSource, Uuid,
+};
+use lockstep_testkit::{FakeDatabase, FakeTransaction, InMemoryEventStore};
+
+use suite::{Backend, Cmd, Shop};
+
+/// The fake database, whose next commit can be told to lose its reply (it commits, then
+/// reports [`ErrorKind::CommitUnknown`], as a connection lost after `COMMIT` was sent).
+#[derive(Clone, Default)]
+struct LossyDatabase {
+    db: FakeDatabase,
+    lose_next: Arc<AtomicBool>,
+}
+
+struct LossyTx {
+    tx: FakeTransaction,
+    lose_next: Arc<AtomicBool>,
+}
+
+impl Transaction for LossyTx {
+    async fn commit(self) -> Result<()> {
+        let lose = self.lose_next.swap(false, Ordering::SeqCst);
+        self.tx.commit().await?;
+        if lose {
+            return Err(Error::new(
+                ErrorKind::CommitUnknown,
+                "the connection was lost after COMMIT was sent",
+            ));
+        }
+        Ok(())
+    }
+
+    async fn rollback(self) -> Result<()> {
+        self.tx.rollback().await
+    }
+}
+
+impl TransactionSource for LossyDatabase {
+    type Tx = LossyTx;
+
+    async fn begin(&self) -> Result<LossyTx> {
+        Ok(LossyTx {
+            tx: self.db.begin().await?,
+            lose_next: Arc::clone(&self.lose_next),
+        })
+    }
+}
+
+/// The in-memory store on [`LossyTx`] (delegating to the fake transaction inside).
+#[derive(Clone, Default)]
+struct LossyStore(InMemoryEventStore);
+
+impl EventStore<LossyTx> for LossyStore {
+    async fn load(&self, tx: &LossyTx, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
+        self.0.load(&tx.tx, stream_id).await
+    }
+
+    async fn load_locked(
+        &self,
+        tx: &LossyTx,
+        stream_id: StreamId,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<RecordedEvent>> {
+        self.0.load_locked(&tx.tx, stream_id, key, timeout).await
+    }
+
+    async fn append(
+        &self,
+        tx: &LossyTx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<u64> {
+        self.0.append(&tx.tx, stream_id, expected, events).await
+    }
+
+    async fn append_at_commit(
+        &self,
+        tx: &LossyTx,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<()> {
+        self.0
+            .append_at_commit(&tx.tx, stream_id, expected, events)
+            .await
+    }
+}
+
+/// One fake database and store; "another process" is a second combiner on the same ones.
+#[derive(Default)]
+struct Fakes {
+    db: LossyDatabase,
+    store: LossyStore,
+}
+
+impl Backend for Fakes {
+    type Src = LossyDatabase;
+    type Store = LossyStore;
+
+    fn process(&self) -> (LossyDatabase, LossyStore) {
+        (self.db.clone(), self.store.clone())
+    }
+
+    fn another_process(&self) -> (LossyDatabase, LossyStore) {
+        self.process()
+    }
+
+    fn lose_next_commit_reply(&self) {
+        self.db.lose_next.store(true, Ordering::SeqCst);
+    }
+}
+
+combiner_suite!(async { Fakes::default() });
+
+/// `Combiner::submit` from inside `tokio::spawn`, with the concrete fake types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_runs_inside_a_spawned_task_with_concrete_fake_types() {
+    let (db, store) = (FakeDatabase::new(), InMemoryEventStore::new());
+    let (shop, _handle) = Shop::new();
+    let combiner: Combiner<FakeDatabase, InMemoryEventStore, Shop> =
+        Combiner::new(db.clone(), store.clone(), shop);
+    let id = Uuid::now_v7();
+    let c = combiner.clone();
+    let stocked = tokio::spawn(async move { c.submit(id, Cmd::Stock(3)).await })
+        .await
+        .expect("task");
+    assert_eq!(stocked.expect("stocked").last_version(), 1);
+    let handlers: Vec<_> = (0..5u32)
+        .map(|tag| {
+            let c = combiner.clone();
+            tokio::spawn(async move {
+                c.submit(
+                    id,
+                    Cmd::Reserve {
+                        qty: 1,
+                        tag,
+                        wait: false,
+                    },
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for h in handlers {
+        match h.await.expect("task") {
+            Ok(_) => ok += 1,
+            Err(CombineError::Rejected(_)) => {}
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(ok, 3);
+    assert_eq!(suite::reserved_tags(&db, &store, id).await.len(), 3);
+}
+
+/// Without a runtime, a submission is answered `Unsupported` at once and nothing is queued.
+#[test]
+fn submit_without_a_runtime_is_unsupported_and_queues_nothing() {
+    let (shop, _handle) = Shop::new();
+    let combiner = Combiner::new(FakeDatabase::new(), InMemoryEventStore::new(), shop);
+    let submission = combiner.submit(Uuid::now_v7(), Cmd::Stock(1));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let err = rt.block_on(submission).expect_err("no runtime at submit");
+    assert_eq!(err.kind(), Some(ErrorKind::Unsupported));
+}
