@@ -2960,6 +2960,135 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
     assert!(none.is_empty());
 }
 
+// ---- Set-based batch commits (issue 18) ------------------------------------------------------
+
+/// A batch of plain entries commits each as `commit_state` would: exactly the applied work is
+/// deleted (a work row inside the applied range that the entry did not apply stays), a fenced
+/// entry under its live lease commits, an entry's snapshot is saved and only the newest
+/// [`DEFAULT_KEEP_SNAPSHOTS`] are kept, and of two entries for one pair the second, computed
+/// from the same revision, is refused alone.
+pub async fn a_batch_of_plain_entries_commits_each_as_commit_state_would<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("BatchPlain");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 4, 3).await;
+    let (gap, fenced, twice, pruned) = (&streams[0], &streams[1], &streams[2], &streams[3]);
+    for (stream, _) in &streams {
+        ensure_cursor(&*fixture, *stream, &p).await;
+    }
+    // `pruned` has the most snapshots kept already, one per event applied.
+    for _ in 0..2 {
+        apply(&*fixture, pruned.0, &p, 1, true).await;
+    }
+    let extra = ids(1)[0];
+    append(&*fixture, pruned.0, &[event(extra, 100)]).await;
+    apply(&*fixture, pruned.0, &p, 1, true).await;
+    let held = lease(&*fixture, fenced.0, &p, &LockReason::Rewind).await;
+
+    let tx = begin(fixture.source()).await;
+    let mut entries = Vec::new();
+    for (stream, _) in [gap, fenced, twice, pruned] {
+        let (cursor, stored) = fixture
+            .store()
+            .state(&tx, *stream, &p)
+            .await
+            .expect("state")
+            .expect("cursor row");
+        let all = fixture
+            .store()
+            .stream_events(&tx, *stream, cursor.last_event_id)
+            .await
+            .expect("stream_events");
+        let mut change = commit_of(&cursor, stored.as_ref(), &all);
+        if *stream == gap.0 {
+            // The middle event is not applied: its work row must stay.
+            let (first, last) = (&all[0], &all[2]);
+            change = commit_of(&cursor, stored.as_ref(), &[first.clone(), last.clone()]);
+        } else if *stream == fenced.0 {
+            change.fence = Some(held.id.clone());
+        } else if *stream == pruned.0 {
+            change.snapshot = true;
+        }
+        entries.push(BatchEntry::new(cursor.pair(), Some(change.clone()), None));
+        if *stream == twice.0 {
+            entries.push(BatchEntry::new(cursor.pair(), Some(change), None));
+        }
+    }
+    renew(&*fixture, &held).await;
+    let done = fixture
+        .store()
+        .commit_batch(&tx, &entries)
+        .await
+        .expect("commit_batch");
+    let revisions: Vec<i64> = entries
+        .iter()
+        .map(|e| e.commit.as_ref().map_or(0, |c| c.expected_revision + 1))
+        .collect();
+    assert_eq!(
+        done,
+        [
+            BatchCommitted::Committed {
+                revision: revisions[0],
+                parked: false
+            },
+            BatchCommitted::Committed {
+                revision: revisions[1],
+                parked: false
+            },
+            BatchCommitted::Committed {
+                revision: revisions[2],
+                parked: false
+            },
+            BatchCommitted::Refused(ErrorKind::Conflict),
+            BatchCommitted::Committed {
+                revision: revisions[4],
+                parked: false
+            },
+        ]
+    );
+    commit(tx).await.expect("commit");
+
+    let (after, stored) = state(&*fixture, gap.0, &p).await.expect("cursor");
+    assert_eq!(
+        (after.revision, after.last_event_id, after.applied_count),
+        (revisions[0], Some(gap.1[2]), 2)
+    );
+    assert_eq!(stored, Some(serde_json::json!({ "sum": 1 + 3 })));
+    assert_eq!(pending(&*fixture, gap.0, &p).await, [gap.1[1]]);
+    for (stream, ids) in [fenced, twice] {
+        let (after, stored) = state(&*fixture, *stream, &p).await.expect("cursor");
+        assert_eq!(
+            (after.last_event_id, after.applied_count, after.error),
+            (Some(ids[2]), 3, None)
+        );
+        assert_eq!(stored, Some(serde_json::json!({ "sum": 6 })));
+        assert!(pending(&*fixture, *stream, &p).await.is_empty());
+    }
+    assert_eq!(
+        cursor(&*fixture, twice.0, &p)
+            .await
+            .expect("cursor")
+            .revision,
+        revisions[2],
+        "the refused duplicate wrote nothing"
+    );
+    let (after, stored) = state(&*fixture, pruned.0, &p).await.expect("cursor");
+    assert_eq!((after.last_event_id, after.applied_count), (Some(extra), 4));
+    assert_eq!(stored, Some(serde_json::json!({ "sum": 106 })));
+    assert_eq!(after.latest_snapshot, Some(extra));
+    let kept = snapshots(&*fixture, pruned.0, &p).await;
+    assert_eq!(kept.len(), DEFAULT_KEEP_SNAPSHOTS.min(4));
+    assert_eq!(
+        (kept[0].event_id, kept[0].applied_count, &kept[0].state),
+        (extra, 4, &serde_json::json!({ "sum": 106 }))
+    );
+    let released = fixture.locker().release(&held.id).await.expect("release");
+    assert!(released.is_released(), "the fenced commit kept the lease");
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`perspective_store_conformance!`](crate::perspective_store_conformance): a test per case.
 pub async fn run_all<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
@@ -3014,6 +3143,7 @@ macro_rules! __lockstep_perspective_store_cases {
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
             perspective_status_counts_work_failures_backoff_and_parking,
+            a_batch_of_plain_entries_commits_each_as_commit_state_would,
         ] }
     };
 }
