@@ -119,7 +119,7 @@ pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegist
 pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
     ClaimedWork, Cursor, Pair, PairFailure, PendingPair, PerspectiveStatus, PerspectiveStore,
-    RewindDebounce, RewindRequest, SkippedEvent, Snapshot, StateCommit,
+    RewindDebounce, RewindLoad, RewindRequest, SkippedEvent, Snapshot, StateCommit,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

@@ -623,6 +623,31 @@ impl StateCommit {
     }
 }
 
+/// What a rewind restores and replays, read at once ([`PerspectiveStore::load_rewind`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct RewindLoad {
+    /// The pair's cursor (its [`Cursor::rewind`] is the request; `None`: nothing to rewind,
+    /// and `snapshot` and `events` are empty).
+    pub cursor: Cursor,
+    /// The latest snapshot strictly before the request's trigger, if any.
+    pub snapshot: Option<Snapshot>,
+    /// The stream's events after the snapshot (all of them without one), in event-id order,
+    /// without the events an operator skipped for the pair.
+    pub events: Vec<RecordedEvent>,
+}
+
+impl RewindLoad {
+    /// A load of `cursor` with its snapshot and events.
+    pub fn new(cursor: Cursor, snapshot: Option<Snapshot>, events: Vec<RecordedEvent>) -> Self {
+        RewindLoad {
+            cursor,
+            snapshot,
+            events,
+        }
+    }
+}
+
 /// Retention of snapshots per pair.
 pub const DEFAULT_KEEP_SNAPSHOTS: usize = 3;
 
@@ -706,6 +731,52 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         tx: &'a Tx,
         commit: &'a StateCommit,
     ) -> impl Future<Output = Result<i64>> + Send + 'a;
+
+    /// Commits a state change fenced on `commit.fence` and, when it commits, releases that
+    /// lease in the same statement (the protected work's last two steps as one). Returns the
+    /// new revision and whether the lease was released with it; the release takes effect when
+    /// `tx` commits. A refused commit releases nothing. The default commits
+    /// ([`PerspectiveStore::commit_state`]) and releases nothing (`false`): the caller then
+    /// releases the lease itself, as it would without this method.
+    fn commit_state_releasing<'a>(
+        &'a self,
+        tx: &'a Tx,
+        commit: &'a StateCommit,
+    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a {
+        async move { Ok((self.commit_state(tx, commit).await?, false)) }
+    }
+
+    /// Everything a rewind of the pair reads, at once ([`RewindLoad`]): the cursor, and when it
+    /// has a rewind request the latest snapshot strictly before the trigger
+    /// ([`PerspectiveStore::snapshot_before`]) and the stream's events after it
+    /// ([`PerspectiveStore::stream_events`]) less the pair's skipped events
+    /// ([`PerspectiveStore::skipped_events`]). `None`: no cursor. The default makes those
+    /// calls one after another; a store can read them in one statement.
+    fn load_rewind<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
+        async move {
+            let Some(cursor) = self.cursor(tx, stream_id, perspective).await? else {
+                return Ok(None);
+            };
+            let Some(rewind) = cursor.rewind else {
+                return Ok(Some(RewindLoad::new(cursor, None, Vec::new())));
+            };
+            let snapshot = self
+                .snapshot_before(tx, stream_id, perspective, rewind.trigger)
+                .await?;
+            let after = snapshot.as_ref().map(|s| s.event_id);
+            let mut events = self.stream_events(tx, stream_id, after).await?;
+            let skipped = self.skipped_events(tx, stream_id, perspective).await?;
+            if !skipped.is_empty() {
+                events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
+            }
+            Ok(Some(RewindLoad::new(cursor, snapshot, events)))
+        }
+    }
 
     /// The pair's cursor, if it has one.
     fn cursor<'a>(

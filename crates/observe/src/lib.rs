@@ -57,7 +57,7 @@ use lockstep_core::{
     DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LeaseInfo,
     LockReason, NewEvent, PairFailure, PendingPair, PerspectiveName, PerspectiveStatus,
     PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
-    RewindDebounce, SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
+    RewindDebounce, RewindLoad, SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
     StreamLockOptions, StreamLocker, TransactionSource, async_trait,
 };
 use tracing::Instrument;
@@ -530,6 +530,37 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
             ok,
             self.inner.commit_state(tx, commit),
         )
+    }
+
+    fn commit_state_releasing<'a>(
+        &'a self,
+        tx: &'a Tx,
+        commit: &'a StateCommit,
+    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a {
+        let span = pair_span(
+            "commit_state_releasing",
+            commit.stream_id,
+            &commit.perspective,
+        );
+        let call = self.inner.commit_state_releasing(tx, commit);
+        observe(
+            "perspective_store",
+            "commit_state_releasing",
+            span,
+            ok,
+            call,
+        )
+    }
+
+    fn load_rewind<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
+        let span = pair_span("load_rewind", stream_id, perspective);
+        let call = self.inner.load_rewind(tx, stream_id, perspective);
+        observe("perspective_store", "load_rewind", span, ok, call)
     }
 
     fn cursor<'a>(

@@ -66,7 +66,7 @@ use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
     ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, PairFailure, PendingPair,
     PerspectiveName, PerspectiveStatus, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
-    RewindRequest, SkippedEvent, Snapshot, StateCommit, StreamId, ValidationError,
+    RewindLoad, RewindRequest, SkippedEvent, Snapshot, StateCommit, StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -220,6 +220,46 @@ SELECT count(*) FROM w";
     pub const COMMIT: &str = "SELECT outcome, revision \
          FROM lockstep_perspective_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
+    /// A fenced commit that also releases the fence's lease (see
+    /// `lockstep_perspective_commit_release`, migration V9): as [`COMMIT`], and `released`.
+    pub const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
+         FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+
+    /// What a rewind reads, in one statement (`$1` stream, `$2` perspective): a header row
+    /// (part 0: the cursor columns, then the latest snapshot strictly before the request's
+    /// trigger) and, when the cursor has a request, the stream's events after that snapshot
+    /// but the pair's skipped ones (part 1), in event-id order. No row: no cursor. The events'
+    /// range starts *at* the snapshot (or the nil id) and leaves the snapshot's own event out,
+    /// so that it stays one index range of `wh_events` whether or not there is a snapshot.
+    pub const LOAD_REWIND: &str = concat!(
+        "WITH c AS (SELECT ",
+        cursor_columns!(),
+        " FROM wh_perspective_cursors k WHERE k.stream_id = $1 AND k.perspective_name = $2), \
+         s AS (SELECT s.event_id, s.state, s.applied_count FROM wh_perspective_snapshots s \
+                WHERE s.stream_id = $1 AND s.perspective_name = $2 \
+                  AND s.event_id < (SELECT c.rewind_trigger_event_id FROM c) \
+                ORDER BY s.event_id DESC LIMIT 1) \
+         SELECT 0 AS part, c.*, s.event_id, s.state, s.applied_count, \
+                NULL::uuid, NULL::bigint, NULL::text, NULL::jsonb, NULL::timestamptz \
+           FROM c LEFT JOIN s ON true \
+         UNION ALL \
+         SELECT 1, NULL::uuid, NULL::bigint, NULL::bigint, NULL::uuid, NULL::timestamptz, \
+                NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text, \
+                NULL::timestamptz, NULL::bigint, NULL::uuid, NULL::timestamptz, \
+                NULL::timestamptz, NULL::uuid, NULL::jsonb, NULL::bigint, \
+                e.event_id, e.version, e.event_type, e.payload, e.recorded_at \
+           FROM wh_events e \
+          WHERE e.stream_id = $1 \
+            AND EXISTS (SELECT 1 FROM c WHERE c.rewind_trigger_event_id IS NOT NULL) \
+            AND e.event_id >= coalesce((SELECT s.event_id FROM s), \
+                                       '00000000-0000-0000-0000-000000000000'::uuid) \
+            AND e.event_id IS DISTINCT FROM (SELECT s.event_id FROM s) \
+            AND NOT EXISTS (SELECT 1 FROM wh_perspective_skipped_events x \
+                             WHERE x.stream_id = $1 AND x.perspective_name = $2 \
+                               AND x.event_id = e.event_id) \
+         ORDER BY 1, 21"
+    );
+
     /// One pair's cursor.
     pub const CURSOR: &str = concat!(
         "SELECT ",
@@ -313,6 +353,12 @@ const CURSOR_COLUMNS: usize = V7_CURSOR_COLUMNS + 3;
 const BATCH_CURSOR_AT: usize = 3;
 const BATCH_STATE_AT: usize = BATCH_CURSOR_AT + CURSOR_COLUMNS;
 const BATCH_EVENT_AT: usize = BATCH_STATE_AT + 1;
+
+/// A rewind load's rows: part, the cursor columns, the snapshot (event, state, count), the
+/// event columns.
+const LOAD_CURSOR_AT: usize = 1;
+const LOAD_SNAPSHOT_AT: usize = LOAD_CURSOR_AT + CURSOR_COLUMNS;
+const LOAD_EVENT_AT: usize = LOAD_SNAPSHOT_AT + 3;
 
 /// The PostgreSQL perspective store. Cheap to clone; holds no connection (every call runs on
 /// the transaction it is given). Apply the schema first with [`lockstep_pg::migrate()`].
@@ -504,58 +550,73 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     }
 
     async fn commit_state(&self, tx: &T, commit: &StateCommit) -> Result<i64> {
-        check_json(&commit.state)?;
-        let (holder, epoch) =
-            fence_params(commit.fence.as_ref(), commit.stream_id, &commit.perspective)?;
-        let applied_count = count_param(commit.applied_count)?;
-        let row = tx
+        let row = self.send_commit(tx, commit, sql::COMMIT).await?;
+        commit_outcome(&row, commit)
+    }
+
+    async fn commit_state_releasing(&self, tx: &T, commit: &StateCommit) -> Result<(i64, bool)> {
+        if commit.fence.is_none() {
+            return Ok((self.commit_state(tx, commit).await?, false));
+        }
+        let row = self.send_commit(tx, commit, sql::COMMIT_RELEASE).await?;
+        let revision = commit_outcome(&row, commit)?;
+        let released: Option<bool> = row.try_get(2).map_err(decode_error)?;
+        Ok((revision, released.unwrap_or(false)))
+    }
+
+    async fn load_rewind(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<RewindLoad>> {
+        let rows = tx
             .executor()
-            .query_typed_one(
-                sql::COMMIT,
+            .query_typed(
+                sql::LOAD_REWIND,
                 &[
-                    (&commit.stream_id.as_uuid(), Type::UUID),
-                    (&commit.perspective.as_str(), Type::TEXT),
-                    (&commit.expected_revision, Type::INT8),
-                    (&commit.state, Type::JSONB),
-                    (&commit.last_event_id, Type::UUID),
-                    (&applied_count, Type::INT8),
-                    (&commit.applied_events, Type::UUID_ARRAY),
-                    (&commit.rewound_from, Type::UUID),
-                    (&commit.snapshot, Type::BOOL),
-                    (&self.keep_snapshots, Type::INT4),
-                    (&holder, Type::UUID),
-                    (&epoch, Type::INT8),
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
                 ],
             )
             .await
-            .map_err(|e| statement_error(e, "committing a perspective state"))?;
-        let outcome: String = row.try_get(0).map_err(decode_error)?;
-        let revision: Option<i64> = row.try_get(1).map_err(decode_error)?;
-        match (outcome.as_str(), revision) {
-            ("committed", Some(revision)) => Ok(revision),
-            ("conflict", found) => Err(Error::new(
-                ErrorKind::Conflict,
-                format!(
-                    "stream {} perspective {}: expected revision {}, the cursor is at {}",
-                    commit.stream_id,
-                    commit.perspective,
-                    commit.expected_revision,
-                    found.map_or_else(|| "?".to_owned(), |r| r.to_string())
-                ),
-            )),
-            ("no_cursor", _) => Err(Error::new(
-                ErrorKind::Conflict,
-                format!(
-                    "stream {} perspective {}: the cursor no longer exists",
-                    commit.stream_id, commit.perspective
-                ),
-            )),
-            ("lease_lost", _) => Err(lease_lost()),
-            (other, _) => Err(Error::new(
+            .map_err(|e| statement_error(e, "reading what a rewind restores and replays"))?;
+        let Some((header, events)) = rows.split_first() else {
+            return Ok(None);
+        };
+        let part: i32 = header.try_get(0).map_err(decode_error)?;
+        if part != 0 {
+            return Err(Error::new(
                 ErrorKind::Backend,
-                format!("a commit returned an unknown outcome {other:?}"),
-            )),
+                "a rewind load returned events without their cursor",
+            ));
         }
+        let cursor = decode_cursor(
+            header,
+            LOAD_CURSOR_AT,
+            LOAD_CURSOR_AT + V7_CURSOR_COLUMNS,
+            stream_id,
+            perspective,
+        )?;
+        let snapshot = match header
+            .try_get::<_, Option<Uuid>>(LOAD_SNAPSHOT_AT)
+            .map_err(decode_error)?
+        {
+            Some(event_id) => {
+                let applied: i64 = header.try_get(LOAD_SNAPSHOT_AT + 2).map_err(decode_error)?;
+                Some(Snapshot {
+                    event_id,
+                    state: header.try_get(LOAD_SNAPSHOT_AT + 1).map_err(decode_error)?,
+                    applied_count: stored_count(applied)?,
+                })
+            }
+            None => None,
+        };
+        let events = events
+            .iter()
+            .map(|row| crate::decode(row, LOAD_EVENT_AT, stream_id))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(RewindLoad::new(cursor, snapshot, events)))
     }
 
     async fn cursor(
@@ -1054,6 +1115,73 @@ fn fence_params(
                 "the fence is a lease on ({}, {}), not on ({stream_id}, {perspective})",
                 lease.stream_id, lease.perspective
             ),
+        )),
+    }
+}
+
+impl PgPerspectiveStore {
+    /// Sends a state change with `statement` (`COMMIT` or `COMMIT_RELEASE`: the same
+    /// parameters), after checking it; the row of outcome and revision (and more).
+    async fn send_commit<T: PgTransactionRef>(
+        &self,
+        tx: &T,
+        commit: &StateCommit,
+        statement: &str,
+    ) -> Result<Row> {
+        check_json(&commit.state)?;
+        let (holder, epoch) =
+            fence_params(commit.fence.as_ref(), commit.stream_id, &commit.perspective)?;
+        let applied_count = count_param(commit.applied_count)?;
+        tx.executor()
+            .query_typed_one(
+                statement,
+                &[
+                    (&commit.stream_id.as_uuid(), Type::UUID),
+                    (&commit.perspective.as_str(), Type::TEXT),
+                    (&commit.expected_revision, Type::INT8),
+                    (&commit.state, Type::JSONB),
+                    (&commit.last_event_id, Type::UUID),
+                    (&applied_count, Type::INT8),
+                    (&commit.applied_events, Type::UUID_ARRAY),
+                    (&commit.rewound_from, Type::UUID),
+                    (&commit.snapshot, Type::BOOL),
+                    (&self.keep_snapshots, Type::INT4),
+                    (&holder, Type::UUID),
+                    (&epoch, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "committing a perspective state"))
+    }
+}
+
+/// The new revision of a commit's row (outcome, revision), or its refusal as an error.
+fn commit_outcome(row: &Row, commit: &StateCommit) -> Result<i64> {
+    let outcome: String = row.try_get(0).map_err(decode_error)?;
+    let revision: Option<i64> = row.try_get(1).map_err(decode_error)?;
+    match (outcome.as_str(), revision) {
+        ("committed", Some(revision)) => Ok(revision),
+        ("conflict", found) => Err(Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "stream {} perspective {}: expected revision {}, the cursor is at {}",
+                commit.stream_id,
+                commit.perspective,
+                commit.expected_revision,
+                found.map_or_else(|| "?".to_owned(), |r| r.to_string())
+            ),
+        )),
+        ("no_cursor", _) => Err(Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "stream {} perspective {}: the cursor no longer exists",
+                commit.stream_id, commit.perspective
+            ),
+        )),
+        ("lease_lost", _) => Err(lease_lost()),
+        (other, _) => Err(Error::new(
+            ErrorKind::Backend,
+            format!("a commit returned an unknown outcome {other:?}"),
         )),
     }
 }

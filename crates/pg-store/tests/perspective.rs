@@ -333,3 +333,81 @@ async fn the_batch_and_admin_methods_run_inside_spawned_tasks() {
     });
     assert_eq!(handler.await.expect("the spawned task"), 1);
 }
+
+/// The rewind's store methods (ADR 0012 §8) from inside `tokio::spawn` with the concrete
+/// types: `load_rewind` reads the request, the snapshot and the events in one statement, and
+/// `commit_state_releasing` commits fenced on the lease and releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rewind_methods_run_inside_spawned_tasks() {
+    use lockstep_core::{StateCommit, TransactionSource as _};
+    let f = fixture().await;
+    let (db, store, locker) = (f.source.clone(), f.store.clone(), f.locker.clone());
+    let p = name("SpawnedRewind");
+    let stream = StreamId::new_v7();
+    let tx = db.begin().await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    f.events
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[event(1), event(2)],
+        )
+        .await
+        .expect("append");
+    assert!(
+        store
+            .request_rewind(&tx, stream, &p, None)
+            .await
+            .expect("request_rewind")
+    );
+    tx.commit().await.expect("commit");
+
+    let handler = tokio::spawn(async move {
+        let lease = match locker
+            .try_acquire(stream, &p, InstanceId::random(), &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+        {
+            AcquireOutcome::Acquired(lease) => lease,
+            other => panic!("expected the lease, got {other:?}"),
+        };
+        let tx: PgTransaction = db.begin().await.expect("begin");
+        let loaded = store
+            .load_rewind(&tx, stream, &p)
+            .await
+            .expect("load_rewind")
+            .expect("a cursor");
+        tx.rollback().await.expect("rollback");
+        let trigger = loaded.cursor.rewind.expect("the request").trigger;
+        assert!(loaded.snapshot.is_none());
+        assert_eq!(loaded.events.len(), 2);
+        let mut commit = StateCommit::new(
+            stream,
+            p.clone(),
+            loaded.cursor.revision,
+            serde_json::json!([1, 2]),
+        );
+        commit.last_event_id = loaded.events.last().map(|e| e.event_id);
+        commit.applied_count = 2;
+        commit.applied_events = loaded.events.iter().map(|e| e.event_id).collect();
+        commit.rewound_from = Some(trigger);
+        commit.snapshot = true;
+        commit.fence = Some(lease.id.clone());
+        let tx: PgTransaction = db.begin().await.expect("begin");
+        let (revision, released) = store
+            .commit_state_releasing(&tx, &commit)
+            .await
+            .expect("commit_state_releasing");
+        tx.commit().await.expect("commit");
+        let renewed = locker.renew(&lease.id).await.expect("renew");
+        (revision, released, renewed.is_renewed())
+    });
+    let (revision, released, renewed) = handler.await.expect("the spawned task");
+    assert!(revision > 0);
+    assert!(released, "Postgres releases the lease with the commit");
+    assert!(!renewed, "the released lease cannot be renewed");
+}

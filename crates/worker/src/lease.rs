@@ -501,6 +501,24 @@ impl HeldLease {
         &self.lost
     }
 
+    /// Stops renewing the lease because the protected work's own commit is about to release it
+    /// ([`lockstep_core::PerspectiveStore::commit_state_releasing`]): from now on it is
+    /// handled like a lease whose [`HeldLease::release`] is in flight. Follow with
+    /// [`HeldLease::released_by_commit`] once that commit has committed and released it, else
+    /// with [`HeldLease::release`] (or a drop).
+    pub fn stop_renewing(&self) {
+        if let Some(entry) = self.shared.entries().get_mut(&self.key) {
+            entry.releasing = true;
+        }
+    }
+
+    /// The protected work's commit released the lease and has committed: forget it, sending
+    /// nothing.
+    pub fn released_by_commit(mut self) {
+        self.released = true;
+        self.shared.entries().remove(&self.key);
+    }
+
     /// Stops the keepalive for this lease and releases it.
     ///
     /// Cancel-safe: if this future is dropped before the release statement has run to its end

@@ -1,20 +1,21 @@
 //! The rewind from a snapshot, step by step: the calls `PerspectiveWorker::rewind` makes
-//! (`rewind_locked` → `rewind_under` → `load_for_rewind` in `crates/worker/src/worker.rs`),
-//! made here one after another on the same store, locker and pool shape, each timed:
+//! (`rewind_locked` → `rewind_under` → `restore_and_replay`, `commit_rewind` in
+//! `crates/worker/src/worker/rewind.rs`), made here one after another on the same store, locker
+//! and pool shape, each timed:
 //!
 //! 1. acquire the `rewind` lease (`StreamLocker::try_acquire`, one statement);
-//! 2. the read transaction: `BEGIN`, the cursor, the snapshot before the trigger, the stream's
-//!    events after it, the pair's skipped events, `ROLLBACK` (six round trips);
+//! 2. the read transaction: `BEGIN`, `load_rewind` (the cursor, the snapshot before the
+//!    trigger, the stream's events after it less the skipped ones: one statement), `ROLLBACK`;
 //! 3. the replay on tokio's blocking pool (`apply_while`);
-//! 4. the commit transaction: `BEGIN`, the fenced commit with a new snapshot
-//!    (`lockstep_perspective_commit`), `COMMIT` (three round trips);
-//! 5. release the lease (one statement).
+//! 4. the commit transaction: `BEGIN`, the fenced commit with a new snapshot that also
+//!    releases the lease (`commit_state_releasing`, `lockstep_perspective_commit_release`),
+//!    `COMMIT`.
 //!
-//! Eleven round trips in all. Each round also times the worker's own rewind of the same pair,
-//! back to back with the step-by-step one (the order swapped every round), so that the two are
-//! compared under the same conditions (the headline's snapshot rewinds each follow a full
-//! one). A bare round trip (`SELECT 1` on a pooled connection) is timed too, to say how much of
-//! the rewind is the round trips themselves and what fewer of them would bring. The request is
+//! Seven round trips in all (eleven before ADR 0012 §8). Each round also times the worker's
+//! own rewind of the same pair, back to back with the step-by-step one (the order swapped every
+//! round), so that the two are compared under the same conditions (the headline's snapshot
+//! rewinds each follow a full one). A bare round trip (`SELECT 1` on a pooled connection) is
+//! timed too, to say how much of the rewind is the round trips themselves. The request is
 //! written before each rewind, outside the clock; every rewound state is checked against its
 //! stream's fold.
 
@@ -37,19 +38,15 @@ use super::{PgWorker, fmt_all, median, verify_rewound};
 use crate::bench_db::BenchDatabase;
 
 /// The steps, in order: label and round trips.
-const STEPS: [(&str, usize); 12] = [
+const STEPS: [(&str, usize); 8] = [
     ("acquire the rewind lease", 1),
     ("BEGIN (read)", 1),
-    ("cursor", 1),
-    ("snapshot before the trigger", 1),
-    ("stream events after the snapshot", 1),
-    ("skipped events", 1),
+    ("load_rewind (cursor, snapshot, events, skipped)", 1),
     ("ROLLBACK (read)", 1),
     ("replay (blocking pool)", 0),
     ("BEGIN (commit)", 1),
-    ("fenced commit + snapshot", 1),
+    ("fenced commit + snapshot + release", 1),
     ("COMMIT", 1),
-    ("release the lease", 1),
 ];
 
 /// Records the time since `at` in `t` and restarts `at`.
@@ -58,9 +55,6 @@ fn mark(t: &mut Vec<f64>, at: &mut Instant) {
     t.push((now - *at).as_secs_f64() * 1000.0);
     *at = now;
 }
-
-/// Index of the skipped-events read in [`STEPS`].
-const SKIPPED: usize = 5;
 
 /// Runs `rounds` step-by-step rewinds of `stream` from `trigger` and returns the lines: a table
 /// of the steps (median ms each) and the analysis against `(snapshot, full)`, the medians of the
@@ -134,30 +128,19 @@ pub(super) async fn run(
             // 2.
             let tx = PgTransaction::begin(&pool).await?;
             mark(&mut t, &mut at);
-            let cursor = store
-                .cursor(&tx, stream, &name)
+            let loaded = store
+                .load_rewind(&tx, stream, &name)
                 .await?
                 .context("no cursor")?;
             mark(&mut t, &mut at);
-            let request = cursor.rewind.context("no rewind request")?;
-            let snapshot = store
-                .snapshot_before(&tx, stream, &name, request.trigger)
-                .await?
-                .context("no snapshot before the trigger")?;
-            mark(&mut t, &mut at);
-            let mut events = store
-                .stream_events(&tx, stream, Some(snapshot.event_id))
-                .await?;
-            mark(&mut t, &mut at);
-            let skipped = store.skipped_events(&tx, stream, &name).await?;
-            if !skipped.is_empty() {
-                events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
-            }
-            mark(&mut t, &mut at);
             tx.rollback().await?;
             mark(&mut t, &mut at);
+            let request = loaded.cursor.rewind.context("no rewind request")?;
+            let snapshot = loaded.snapshot.context("no snapshot before the trigger")?;
+            let (revision, events) = (loaded.cursor.revision, loaded.events);
             // 3.
             let p = Arc::clone(perspective);
+            let (snapshot_id, snapshot_count) = (snapshot.event_id, snapshot.applied_count);
             let (state, events, applied) = tokio::task::spawn_blocking(move || {
                 let mut state = snapshot.state;
                 let applied = p.apply_while(&mut state, &events, &|| true);
@@ -170,27 +153,22 @@ pub(super) async fn run(
             }
             mark(&mut t, &mut at);
             // 4.
-            let mut commit = StateCommit::new(stream, name.clone(), cursor.revision, state);
-            commit.last_event_id = events
-                .last()
-                .map(|e| e.event_id)
-                .or(Some(snapshot.event_id));
-            commit.applied_count = snapshot.applied_count + events.len() as u64;
+            let mut commit = StateCommit::new(stream, name.clone(), revision, state);
+            commit.last_event_id = events.last().map(|e| e.event_id).or(Some(snapshot_id));
+            commit.applied_count = snapshot_count + events.len() as u64;
             commit.applied_events = events.iter().map(|e| e.event_id).collect();
             commit.rewound_from = Some(request.trigger);
             commit.snapshot = true;
             commit.fence = Some(lease.id.clone());
             let tx = PgTransaction::begin(&pool).await?;
             mark(&mut t, &mut at);
-            store.commit_state(&tx, &commit).await?;
+            let (_, released) = store.commit_state_releasing(&tx, &commit).await?;
             mark(&mut t, &mut at);
             tx.commit().await?;
             mark(&mut t, &mut at);
-            // 5.
-            if locker.release(&lease.id).await? != lockstep_core::ReleaseOutcome::Released {
-                bail!("the rewind lease was not held at its release");
+            if !released {
+                bail!("the rewind lease was not released by the commit");
             }
-            mark(&mut t, &mut at);
             totals.push(started.elapsed().as_secs_f64() * 1000.0);
             replayed = events.len();
             for (i, v) in t.into_iter().enumerate() {
@@ -265,50 +243,36 @@ pub(super) async fn run(
     let ratio = |ms: f64| ms / full_ms;
     let in_trips = round_trips as f64 * rtt;
     let (typed, prepared) = (median(&typed), median(&prepared));
-    // What fewer round trips would save, from the steps' medians: the four reads as one
-    // statement outside a transaction (no BEGIN, no ROLLBACK, three trips fewer — their server
-    // work stays); the fenced commit as one statement, its own transaction (no BEGIN, no
-    // COMMIT); the release done by that commit's cursor update (no release statement).
-    let save_read = medians[1] + medians[6] + 3.0 * rtt;
-    let save_commit = medians[8] + medians[10];
-    let save_release = medians[11];
-    let one_read = snapshot_ms - save_read;
-    let one_commit = one_read - save_commit;
-    let released = one_commit - save_release;
-    // The store statements left (one read, one commit) prepared once instead of planned per
-    // call: the cursor read's difference, twice.
+    // What is left to save, from the steps' medians: the read outside a transaction (no BEGIN,
+    // no ROLLBACK); the two store statements prepared once instead of planned per call (the
+    // cursor read's difference, twice).
+    let save_read = medians[1] + medians[3];
     let save_plan = 2.0 * (typed - prepared).max(0.0);
-    let planned = released - save_plan;
+    let no_tx = snapshot_ms - save_read;
+    let planned = no_tx - save_plan;
     lines.push(format!(
         "The same calls as PerspectiveWorker::rewind (rewind_locked → rewind_under → \
-         load_for_rewind), each timed, on a pool of the worker's size; the worker's own rewind \
-         of the same pair alternates with them (order swapped every round), both back to back, \
-         while the headline table's snapshot rewinds each follow a full one. Bare round trip \
-         (SELECT 1, pooled connection): {rtt:.3} ms median, so {round_trips} round trips are \
-         {in_trips:.2} ms; the rest is each statement's own work, server and client (the store sends every \
-         statement with query_typed, parsed and planned per call: the cursor read {typed:.3} ms \
-         so, {prepared:.3} ms prepared once). The replay of {replayed} events: {:.3} ms.",
-        medians[7]
+         restore_and_replay, commit_rewind), each timed, on a pool of the worker's size; the \
+         worker's own rewind of the same pair alternates with them (order swapped every round), \
+         both back to back, while the headline table's snapshot rewinds each follow a full one. \
+         Bare round trip (SELECT 1, pooled connection): {rtt:.3} ms median, so {round_trips} \
+         round trips are {in_trips:.2} ms; the rest is each statement's own work, server and \
+         client (the store sends every statement with query_typed, parsed and planned per call: \
+         the cursor read {typed:.3} ms so, {prepared:.3} ms prepared once). The replay of \
+         {replayed} events: {:.3} ms.",
+        medians[4]
     ));
     lines.push(format!(
         "snapshot / full = {snapshot_ms:.2} / {full_ms:.2} ms = {:.4} (the headline); under \
          0.05 needs <= {budget:.2} ms. Back to back: the worker's rewind {worker_ms:.2} ms = \
-         {:.4}, its calls alone {total:.2} ms = {:.4}. Without the skipped-events read \
-         ({:.3} ms): {:.4}. Estimated from the steps (headline conditions): the cursor, \
-         snapshot, events and skipped events read by one statement outside a transaction \
-         (-{save_read:.2} ms) {one_read:.2} ms = {:.4}; plus the fenced commit as one statement, \
-         its own transaction (-{save_commit:.2} ms) {one_commit:.2} ms = {:.4}; plus the lease \
-         released by that commit (-{save_release:.2} ms) {released:.2} ms = {:.4}; plus those \
-         two statements prepared once (-{save_plan:.2} ms, the cursor read's difference each) \
+         {:.4}, its calls alone {total:.2} ms = {:.4}. Estimated from the steps (headline \
+         conditions): the read outside a transaction (-{save_read:.2} ms) {no_tx:.2} ms = \
+         {:.4}; plus the two store statements prepared once (-{save_plan:.2} ms) \
          {planned:.2} ms = {:.4}.",
         ratio(snapshot_ms),
         ratio(worker_ms),
         ratio(total),
-        medians[SKIPPED],
-        ratio(snapshot_ms - medians[SKIPPED]),
-        ratio(one_read),
-        ratio(one_commit),
-        ratio(released),
+        ratio(no_tx),
         ratio(planned)
     ));
     Ok(lines)

@@ -2960,6 +2960,335 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
     assert!(none.is_empty());
 }
 
+// ---- Set-based batch commits and rewinds in fewer round trips (issue 18) ---------------------
+
+/// A batch of plain entries commits each as `commit_state` would: exactly the applied work is
+/// deleted (a work row inside the applied range that the entry did not apply stays), a fenced
+/// entry under its live lease commits, an entry's snapshot is saved and only the newest
+/// [`DEFAULT_KEEP_SNAPSHOTS`] are kept, and of two entries for one pair the second, computed
+/// from the same revision, is refused alone.
+pub async fn a_batch_of_plain_entries_commits_each_as_commit_state_would<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("BatchPlain");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 4, 3).await;
+    let (gap, fenced, twice, pruned) = (&streams[0], &streams[1], &streams[2], &streams[3]);
+    for (stream, _) in &streams {
+        ensure_cursor(&*fixture, *stream, &p).await;
+    }
+    // `pruned` has the most snapshots kept already, one per event applied.
+    for _ in 0..2 {
+        apply(&*fixture, pruned.0, &p, 1, true).await;
+    }
+    let extra = ids(1)[0];
+    append(&*fixture, pruned.0, &[event(extra, 100)]).await;
+    apply(&*fixture, pruned.0, &p, 1, true).await;
+    let held = lease(&*fixture, fenced.0, &p, &LockReason::Rewind).await;
+
+    let tx = begin(fixture.source()).await;
+    let mut entries = Vec::new();
+    for (stream, _) in [gap, fenced, twice, pruned] {
+        let (cursor, stored) = fixture
+            .store()
+            .state(&tx, *stream, &p)
+            .await
+            .expect("state")
+            .expect("cursor row");
+        let all = fixture
+            .store()
+            .stream_events(&tx, *stream, cursor.last_event_id)
+            .await
+            .expect("stream_events");
+        let mut change = commit_of(&cursor, stored.as_ref(), &all);
+        if *stream == gap.0 {
+            // The middle event is not applied: its work row must stay.
+            let (first, last) = (&all[0], &all[2]);
+            change = commit_of(&cursor, stored.as_ref(), &[first.clone(), last.clone()]);
+        } else if *stream == fenced.0 {
+            change.fence = Some(held.id.clone());
+        } else if *stream == pruned.0 {
+            change.snapshot = true;
+        }
+        entries.push(BatchEntry::new(cursor.pair(), Some(change.clone()), None));
+        if *stream == twice.0 {
+            entries.push(BatchEntry::new(cursor.pair(), Some(change), None));
+        }
+    }
+    renew(&*fixture, &held).await;
+    let done = fixture
+        .store()
+        .commit_batch(&tx, &entries)
+        .await
+        .expect("commit_batch");
+    let revisions: Vec<i64> = entries
+        .iter()
+        .map(|e| e.commit.as_ref().map_or(0, |c| c.expected_revision + 1))
+        .collect();
+    assert_eq!(
+        done,
+        [
+            BatchCommitted::Committed {
+                revision: revisions[0],
+                parked: false
+            },
+            BatchCommitted::Committed {
+                revision: revisions[1],
+                parked: false
+            },
+            BatchCommitted::Committed {
+                revision: revisions[2],
+                parked: false
+            },
+            BatchCommitted::Refused(ErrorKind::Conflict),
+            BatchCommitted::Committed {
+                revision: revisions[4],
+                parked: false
+            },
+        ]
+    );
+    commit(tx).await.expect("commit");
+
+    let (after, stored) = state(&*fixture, gap.0, &p).await.expect("cursor");
+    assert_eq!(
+        (after.revision, after.last_event_id, after.applied_count),
+        (revisions[0], Some(gap.1[2]), 2)
+    );
+    assert_eq!(stored, Some(serde_json::json!({ "sum": 1 + 3 })));
+    assert_eq!(pending(&*fixture, gap.0, &p).await, [gap.1[1]]);
+    for (stream, ids) in [fenced, twice] {
+        let (after, stored) = state(&*fixture, *stream, &p).await.expect("cursor");
+        assert_eq!(
+            (after.last_event_id, after.applied_count, after.error),
+            (Some(ids[2]), 3, None)
+        );
+        assert_eq!(stored, Some(serde_json::json!({ "sum": 6 })));
+        assert!(pending(&*fixture, *stream, &p).await.is_empty());
+    }
+    assert_eq!(
+        cursor(&*fixture, twice.0, &p)
+            .await
+            .expect("cursor")
+            .revision,
+        revisions[2],
+        "the refused duplicate wrote nothing"
+    );
+    let (after, stored) = state(&*fixture, pruned.0, &p).await.expect("cursor");
+    assert_eq!((after.last_event_id, after.applied_count), (Some(extra), 4));
+    assert_eq!(stored, Some(serde_json::json!({ "sum": 106 })));
+    assert_eq!(after.latest_snapshot, Some(extra));
+    let kept = snapshots(&*fixture, pruned.0, &p).await;
+    assert_eq!(kept.len(), DEFAULT_KEEP_SNAPSHOTS.min(4));
+    assert_eq!(
+        (kept[0].event_id, kept[0].applied_count, &kept[0].state),
+        (extra, 4, &serde_json::json!({ "sum": 106 }))
+    );
+    let released = fixture.locker().release(&held.id).await.expect("release");
+    assert!(released.is_released(), "the fenced commit kept the lease");
+}
+
+/// `load_rewind` reads what a rewind restores and replays, as the separate reads would: no
+/// cursor → `None`; no request → the cursor alone; a request → the latest snapshot strictly
+/// before its trigger and the stream's events after it, less the pair's skipped events (all
+/// of them, from the start, without a snapshot).
+pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("LoadRewind");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(5);
+    let stream = stream_with(&*fixture, &ids[..4]).await;
+    apply(&*fixture, stream, &p, 1, true).await; // snapshot at ids[0]
+    apply(&*fixture, stream, &p, 1, true).await; // snapshot at ids[1]
+    apply(&*fixture, stream, &p, 2, false).await;
+    // A fifth event, skipped by an operator.
+    append(&*fixture, stream, &[event(ids[4], 5)]).await;
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .skip_event(&tx, stream, &p, ids[4], "conformance")
+            .await
+            .expect("skip_event")
+    );
+    commit(tx).await.expect("commit");
+
+    let load = |stream: StreamId| {
+        let fixture = Arc::clone(&fixture);
+        let p = p.clone();
+        async move {
+            let tx = begin(fixture.source()).await;
+            let loaded = fixture
+                .store()
+                .load_rewind(&tx, stream, &p)
+                .await
+                .expect("load_rewind");
+            rollback(tx).await;
+            loaded
+        }
+    };
+    assert_eq!(load(StreamId::new_v7()).await, None, "no cursor");
+    let loaded = load(stream).await.expect("a cursor");
+    assert_eq!(
+        loaded.cursor,
+        cursor(&*fixture, stream, &p).await.expect("cursor")
+    );
+    assert_eq!(loaded.cursor.rewind, None);
+    assert_eq!((loaded.snapshot, loaded.events), (None, Vec::new()));
+
+    for (from, snapshot_at, replayed) in [
+        (Some(ids[2]), Some(ids[1]), &ids[2..4]),
+        (Some(ids[1]), Some(ids[0]), &ids[1..4]),
+        (None, None, &ids[..4]),
+    ] {
+        let tx = begin(fixture.source()).await;
+        fixture
+            .store()
+            .request_rewind(&tx, stream, &p, from)
+            .await
+            .expect("request_rewind");
+        commit(tx).await.expect("commit");
+        let loaded = load(stream).await.expect("a cursor");
+        let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+        assert_eq!(loaded.cursor, before);
+        let trigger = before.rewind.expect("a request").trigger;
+        let tx = begin(fixture.source()).await;
+        let snapshot = fixture
+            .store()
+            .snapshot_before(&tx, stream, &p, trigger)
+            .await
+            .expect("snapshot_before");
+        rollback(tx).await;
+        assert_eq!(loaded.snapshot, snapshot);
+        assert_eq!(loaded.snapshot.as_ref().map(|s| s.event_id), snapshot_at);
+        if let Some(s) = &loaded.snapshot {
+            let n = ids
+                .iter()
+                .position(|id| *id == s.event_id)
+                .expect("an event") as u64;
+            assert_eq!(s.applied_count, n + 1);
+        }
+        assert_eq!(
+            event_ids(&loaded.events),
+            replayed,
+            "skipped ids[4] left out"
+        );
+        assert!(loaded.events.iter().all(|e| e.stream_id == stream));
+    }
+}
+
+/// `commit_state_releasing` commits like `commit_state` and, when it reports the lease
+/// released, the lease is gone once the transaction commits (a renew is refused; another
+/// instance acquires it at once); a refused commit, a rolled-back transaction or a store that
+/// reports `false` leaves the lease held. Without a fence nothing is released.
+pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("CommitRelease");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids).await;
+    let held = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+    let commit_for = |cursor: &Cursor, n: usize, fence: Option<LeaseId>| {
+        let mut change = StateCommit::new(
+            stream,
+            p.clone(),
+            cursor.revision,
+            serde_json::json!({ "sum": n }),
+        );
+        change.last_event_id = Some(ids[n - 1]);
+        change.applied_count = n as u64;
+        change.applied_events = ids[cursor.applied_count as usize..n].to_vec();
+        change.fence = fence;
+        change
+    };
+
+    // Refused (a stale revision): nothing written, the lease held.
+    let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let mut stale = commit_for(&before, 1, Some(held.id.clone()));
+    stale.expected_revision += 1;
+    let tx = begin(fixture.source()).await;
+    let refused = fixture.store().commit_state_releasing(&tx, &stale).await;
+    assert_eq!(
+        refused.map_err(|e| e.kind()).err(),
+        Some(ErrorKind::Conflict)
+    );
+    rollback(tx).await;
+    renew(&*fixture, &held).await;
+
+    // Committed but rolled back: nothing written, the lease held.
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .commit_state_releasing(&tx, &commit_for(&before, 1, Some(held.id.clone())))
+        .await
+        .expect("commit_state_releasing");
+    rollback(tx).await;
+    renew(&*fixture, &held).await;
+    let now = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (now.revision, now.last_event_id, now.applied_count),
+        (before.revision, before.last_event_id, before.applied_count)
+    );
+    assert_eq!(pending(&*fixture, stream, &p).await, ids);
+
+    // No fence: committed, nothing released.
+    let tx = begin(fixture.source()).await;
+    let (revision, released) = fixture
+        .store()
+        .commit_state_releasing(&tx, &commit_for(&before, 1, None))
+        .await
+        .expect("commit_state_releasing");
+    commit(tx).await.expect("commit");
+    assert_eq!((revision, released), (before.revision + 1, false));
+    renew(&*fixture, &held).await;
+
+    // Fenced on the live lease: committed, and released if the store says so.
+    let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let tx = begin(fixture.source()).await;
+    let (revision, released) = fixture
+        .store()
+        .commit_state_releasing(&tx, &commit_for(&before, 3, Some(held.id.clone())))
+        .await
+        .expect("commit_state_releasing");
+    commit(tx).await.expect("commit");
+    assert_eq!(revision, before.revision + 1);
+    let (after, stored) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (after.last_event_id, after.applied_count, stored),
+        (Some(ids[2]), 3, Some(serde_json::json!({ "sum": 3 })))
+    );
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    if released {
+        let renewed = fixture.locker().renew(&held.id).await.expect("renew");
+        assert!(
+            !renewed.is_renewed(),
+            "the lease was released by the commit"
+        );
+        match fixture
+            .locker()
+            .try_acquire(stream, &p, InstanceId::random(), &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+        {
+            AcquireOutcome::Acquired(next) => {
+                assert!(next.id.epoch > held.id.epoch, "a later epoch");
+                let _ = fixture.locker().release(&next.id).await.expect("release");
+            }
+            other => panic!("expected the released lease to be free, got {other:?}"),
+        }
+    } else {
+        let done = fixture.locker().release(&held.id).await.expect("release");
+        assert!(done.is_released(), "not released by the commit: still held");
+    }
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`perspective_store_conformance!`](crate::perspective_store_conformance): a test per case.
 pub async fn run_all<F: PerspectiveStoreFixture>(fixture: Arc<F>) {
@@ -3014,6 +3343,9 @@ macro_rules! __lockstep_perspective_store_cases {
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
             perspective_status_counts_work_failures_backoff_and_parking,
+            a_batch_of_plain_entries_commits_each_as_commit_state_would,
+            load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it,
+            a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits,
         ] }
     };
 }

@@ -414,7 +414,7 @@ where
         }
     }
 
-    async fn cursor_failures(&self, pair: &Pair) -> Result<u32> {
+    pub(super) async fn cursor_failures(&self, pair: &Pair) -> Result<u32> {
         let tx = self.source.begin().await?;
         let cursor = self
             .store

@@ -8,13 +8,12 @@
 use std::sync::Arc;
 
 use lockstep_core::{
-    DynPerspective, Error, ErrorKind, LockReason, PerspectiveName, PerspectiveStore, RecordedEvent,
-    Result, StateCommit, StreamId, Transaction, TransactionSource,
+    DynPerspective, Error, ErrorKind, LockReason, PerspectiveName, PerspectiveStore, Result,
+    StateCommit, StreamId, Transaction, TransactionSource,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
-use uuid::Uuid;
 
 use super::{PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime, release};
 use crate::lease::{HeldLease, Leased};
@@ -71,10 +70,15 @@ where
             }
             // 2–3. The keeper keeps it alive while we restore and replay; a lost lease abandons
             // the work at once.
-            let outcome = self.rewind_under(stream_id, name, p, lease.as_ref()).await;
-            // 4–5. Stop the keepalive and release, on every path.
+            let (outcome, released) = self.rewind_under(stream_id, name, p, lease.as_ref()).await;
+            // 4–5. Stop the keepalive and release, on every path (a commit that released the
+            // lease with it has done both).
             if let Some(lease) = lease {
-                release(lease).await;
+                if released {
+                    lease.released_by_commit();
+                } else {
+                    release(lease).await;
+                }
             }
             observe(
                 telemetry::REWIND_SECONDS,
@@ -118,28 +122,56 @@ where
         .await
     }
 
-    /// Restore, replay and commit. `Err`: what went wrong, with the pair's failure count before
-    /// this one, and what went wrong.
+    /// Restore, replay and commit, and whether the commit released the lease with it (then
+    /// committed). `Err`: what went wrong, with the pair's failure count before this one.
     async fn rewind_under(
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
         p: &Arc<dyn DynPerspective>,
         lease: Option<&HeldLease>,
-    ) -> std::result::Result<Rewind, PairError> {
+    ) -> (std::result::Result<Rewind, PairError>, bool) {
+        match self.restore_and_replay(stream_id, name, p, lease).await {
+            Ok(Replayed::Commit(commit, from_snapshot, failures)) => {
+                self.commit_rewind(&commit, from_snapshot, failures, lease)
+                    .await
+            }
+            Ok(Replayed::Done(rewind)) => (Ok(rewind), false),
+            Err(err) => (Err(err), false),
+        }
+    }
+
+    /// Restore and replay: the commit to make, or how the rewind ended before it.
+    async fn restore_and_replay(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynPerspective>,
+        lease: Option<&HeldLease>,
+    ) -> std::result::Result<Replayed, PairError> {
         let never = CancellationToken::new();
         let lost = lease.map_or(&never, HeldLease::lost);
         let fence = lease.map(|l| l.id().clone());
+        // Everything the rewind reads, in one statement (`load_rewind`).
         let read = async {
             let tx = self
                 .source
                 .begin()
                 .await
                 .map_err(|e| PairError::new(0, e))?;
-            let loaded = self.load_for_rewind(&tx, stream_id, name).await;
+            let loaded = self.store.load_rewind(&tx, stream_id, name).await;
             // Read only: a failed rollback still ends it, and changes nothing.
             let _ = tx.rollback().await;
-            loaded
+            match loaded {
+                Ok(loaded) => Ok(loaded),
+                Err(err) => {
+                    // The pair's failures count towards its backoff and parking, as when the
+                    // reads were separate and the cursor came first.
+                    let pair = lockstep_core::Pair::new(stream_id, name.clone());
+                    let failures = self.cursor_failures(&pair).await.unwrap_or(0);
+                    Err(PairError::new(failures, err))
+                }
+            }
         };
         let loaded = tokio::select! {
             biased;
@@ -147,25 +179,32 @@ where
             loaded = read => loaded?,
         };
         let Some(loaded) = loaded else {
-            return Ok(Rewind::NothingToDo);
+            return Ok(Replayed::Done(Rewind::NothingToDo));
         };
-        let mut loaded = loaded;
-        let failures = loaded.cursor_failures;
-        let state = match loaded.state.take() {
+        let failures = loaded.cursor.failures;
+        let Some(rewind) = loaded.cursor.rewind else {
+            return Ok(Replayed::Done(Rewind::NothingToDo)); // someone else finished it
+        };
+        let revision = loaded.cursor.revision;
+        let (base, base_count, state) = match loaded.snapshot {
+            Some(s) => (Some(s.event_id), s.applied_count, Some(s.state)),
+            None => (None, 0, None),
+        };
+        let state = match state {
             Some(state) => state,
             None => p.initial_state().map_err(|e| PairError::new(failures, e))?,
         };
         // On a blocking thread, checking the lost signal before every event; dropped (the lost
         // signal wins the race below, or shutdown abandons the pair) it stops within one event.
-        let replay = apply_off_runtime(p, state, std::mem::take(&mut loaded.events), lost);
+        let replay = apply_off_runtime(p, state, loaded.events, lost);
         let applied = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(PairError::new(failures, lease_lost())),
             applied = replay => applied.map_err(|e| PairError::new(failures, e))?,
         };
-        loaded.events = applied.events;
+        let events = applied.events;
         let state = match applied.outcome {
-            Ok(n) if n == loaded.events.len() => applied.state,
+            Ok(n) if n == events.len() => applied.state,
             // Stopped before the end: only the lost signal stops a replay.
             Ok(_) => return Err(PairError::new(failures, lease_lost())),
             Err(e) => {
@@ -175,86 +214,63 @@ where
                 ));
             }
         };
-        // The commit is fenced on the lease: not raced against the lost signal, so that a commit
-        // the server accepted is never reported as failed.
-        let replayed = loaded.events.len();
-        let mut commit = StateCommit::new(stream_id, name.clone(), loaded.revision, state);
-        commit.last_event_id = loaded.events.last().map(|e| e.event_id).or(loaded.base);
-        commit.applied_count = loaded.base_count + replayed as u64;
-        commit.applied_events = loaded.events.iter().map(|e| e.event_id).collect();
-        commit.rewound_from = Some(loaded.trigger);
+        let replayed = events.len();
+        let mut commit = StateCommit::new(stream_id, name.clone(), revision, state);
+        commit.last_event_id = events.last().map(|e| e.event_id).or(base);
+        commit.applied_count = base_count + replayed as u64;
+        commit.applied_events = events.iter().map(|e| e.event_id).collect();
+        commit.rewound_from = Some(rewind.trigger);
         commit.snapshot = true;
         commit.fence = fence;
+        Ok(Replayed::Commit(Box::new(commit), base.is_some(), failures))
+    }
+
+    /// The commit, fenced on the lease, which it releases in the same statement when the store
+    /// can (`commit_state_releasing`): `true` when it did and the transaction committed.
+    async fn commit_rewind(
+        &self,
+        commit: &StateCommit,
+        from_snapshot: bool,
+        failures: u32,
+        lease: Option<&HeldLease>,
+    ) -> (std::result::Result<Rewind, PairError>, bool) {
+        if let Some(lease) = lease {
+            // The lease is released right after this commit on every path: no renew from now
+            // on, so none races the commit's own release.
+            lease.stop_renewing();
+        }
+        // Not raced against the lost signal, so that a commit the server accepted is never
+        // reported as failed.
         let committed = async {
             let tx = self.source.begin().await?;
-            self.store.commit_state(&tx, &commit).await?;
-            tx.commit().await
+            let (_, released) = self.store.commit_state_releasing(&tx, commit).await?;
+            tx.commit().await?;
+            Ok::<_, lockstep_core::Error>(released)
         }
         .await;
         match committed {
-            Ok(_) => Ok(Rewind::Committed {
-                replayed,
-                from_snapshot: loaded.base.is_some(),
-            }),
+            Ok(released) => (
+                Ok(Rewind::Committed {
+                    replayed: commit.applied_events.len(),
+                    from_snapshot,
+                }),
+                released,
+            ),
             // Another applier moved the cursor first: nothing is lost, the pair is looked at
             // again later — the normal path's rule for the same conflict.
-            Err(err) if err.kind() == ErrorKind::Conflict => Ok(Rewind::LostRace),
-            Err(err) => Err(PairError::new(failures, err)),
+            Err(err) if err.kind() == ErrorKind::Conflict => (Ok(Rewind::LostRace), false),
+            Err(err) => (Err(PairError::new(failures, err)), false),
         }
     }
+}
 
-    async fn load_for_rewind(
-        &self,
-        tx: &S::Tx,
-        stream_id: StreamId,
-        name: &PerspectiveName,
-    ) -> std::result::Result<Option<Loaded>, PairError> {
-        let cursor = self
-            .store
-            .cursor(tx, stream_id, name)
-            .await
-            .map_err(|e| PairError::new(0, e))?;
-        let Some(cursor) = cursor else {
-            return Ok(None);
-        };
-        let Some(rewind) = cursor.rewind else {
-            return Ok(None); // someone else finished it
-        };
-        let failures = cursor.failures;
-        let snapshot = self
-            .store
-            .snapshot_before(tx, stream_id, name, rewind.trigger)
-            .await
-            .map_err(|e| PairError::new(failures, e))?;
-        let base = snapshot.as_ref().map(|s| s.event_id);
-        let mut events = self
-            .store
-            .stream_events(tx, stream_id, base)
-            .await
-            .map_err(|e| PairError::new(failures, e))?;
-        // Events an operator skipped for this pair stay skipped in a replay too.
-        let skipped = self
-            .store
-            .skipped_events(tx, stream_id, name)
-            .await
-            .map_err(|e| PairError::new(failures, e))?;
-        if !skipped.is_empty() {
-            events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
-        }
-        let (state, base_count) = match snapshot {
-            Some(s) => (Some(s.state), s.applied_count),
-            None => (None, 0),
-        };
-        Ok(Some(Loaded {
-            cursor_failures: failures,
-            revision: cursor.revision,
-            trigger: rewind.trigger,
-            base,
-            base_count,
-            state,
-            events,
-        }))
-    }
+/// What [`PerspectiveWorker::restore_and_replay`] ends with.
+enum Replayed {
+    /// The replayed state to commit, whether it was restored from a snapshot, and the pair's
+    /// failure count.
+    Commit(Box<StateCommit>, bool, u32),
+    /// Nothing to commit.
+    Done(Rewind),
 }
 
 /// How a rewind ended (its failures aside).
@@ -268,18 +284,6 @@ enum Rewind {
     NothingToDo,
     /// The commit lost the compare-and-set: another applier moved the cursor first.
     LostRace,
-}
-
-/// What a rewind restores and replays.
-struct Loaded {
-    cursor_failures: u32,
-    revision: i64,
-    trigger: Uuid,
-    /// The snapshot's event id, when restoring one.
-    base: Option<Uuid>,
-    base_count: u64,
-    state: Option<serde_json::Value>,
-    events: Vec<RecordedEvent>,
 }
 
 fn lease_lost() -> String {
