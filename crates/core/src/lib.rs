@@ -118,8 +118,9 @@ pub use options::StreamLockOptions;
 pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
-    ClaimedWork, Cursor, Pair, PairFailure, PendingPair, PerspectiveStatus, PerspectiveStore,
-    RewindDebounce, RewindLoad, RewindRequest, SkippedEvent, Snapshot, StateCommit,
+    ClaimedWork, Cursor, MAX_STATES_PAGE, Pair, PairFailure, PendingPair, PendingThrough,
+    PerspectiveStatus, PerspectiveStore, RewindDebounce, RewindLoad, RewindRequest, SkippedEvent,
+    Snapshot, StateCommit, StoredState, check_states_page,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

@@ -515,6 +515,63 @@ impl PerspectiveStatus {
     }
 }
 
+/// One pair's stored state, as [`PerspectiveStore::states`] pages through them.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct StoredState {
+    /// The pair's cursor (where its state is).
+    pub cursor: Cursor,
+    /// The state.
+    pub state: serde_json::Value,
+}
+
+/// The most states one [`PerspectiveStore::states`] page holds.
+pub const MAX_STATES_PAGE: usize = 10_000;
+
+/// Refuses a page size of 0 or above [`MAX_STATES_PAGE`] with
+/// [`crate::ErrorKind::InvalidInput`] (what every store's `states` checks first).
+pub fn check_states_page(limit: usize) -> Result<()> {
+    if limit == 0 || limit > MAX_STATES_PAGE {
+        return Err(crate::Error::new(
+            crate::ErrorKind::InvalidInput,
+            format!("a page of states holds 1 to {MAX_STATES_PAGE} states, not {limit}"),
+        ));
+    }
+    Ok(())
+}
+
+impl StoredState {
+    /// A stored state of the pair `cursor` belongs to.
+    pub fn new(cursor: Cursor, state: serde_json::Value) -> StoredState {
+        StoredState { cursor, state }
+    }
+}
+
+/// What stands between a read and every event up to a given one, as
+/// [`PerspectiveStore::pending_through`] reports it: the work of a pair (or of a whole
+/// perspective) not applied yet among the events whose id is at most that one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PendingThrough {
+    /// Events with an id at most the given one that are not applied yet.
+    pub events: u64,
+    /// Pairs with a rewind requested from an event at most the given one (their state is
+    /// replayed before it counts as caught up).
+    pub rewinds: u64,
+    /// Of the pairs with such work, how many are parked (they will not catch up by
+    /// themselves: an operator must retry, skip or rewind them).
+    pub parked: u64,
+    /// The last error of one such pair that is failing, if any.
+    pub error: Option<String>,
+}
+
+impl PendingThrough {
+    /// Nothing pending: the pair (or perspective) has applied every event up to the given one.
+    pub fn is_caught_up(&self) -> bool {
+        self.events == 0 && self.rewinds == 0
+    }
+}
+
 /// A pair with something to do, as listed by [`PerspectiveStore::pending_pairs`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingPair {
@@ -864,6 +921,31 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         &'a self,
         tx: &'a Tx,
     ) -> impl Future<Output = Result<Vec<PerspectiveStatus>>> + Send + 'a;
+
+    /// Up to `limit` stored states of `perspective` (pairs that have one), in stream-id order,
+    /// of the streams after `after` (from the first when `None`): pass the last stream of a page to get the next.
+    /// The stable way to read a JSON perspective's states across streams (the tables behind it
+    /// are the store's own). `limit` 0 or above 10 000 is [`crate::ErrorKind::InvalidInput`].
+    fn states<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<StoredState>>> + Send + 'a;
+
+    /// What `perspective` (one stream of it, with `stream_id`) has not applied yet of the events
+    /// whose id is at most `up_to` (event-id order, the order perspectives apply in): pending
+    /// work, rewinds requested from such an event, and whether the pairs holding it are parked
+    /// or failing. [`PendingThrough::is_caught_up`] is the "read your own write" test after an
+    /// append whose last event is `up_to` (its work is queued by the append itself).
+    fn pending_through<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+    ) -> impl Future<Output = Result<PendingThrough>> + Send + 'a;
 
     /// The cursors of the pairs of `perspectives` (all perspectives when empty) whose last
     /// attempt failed, parked or not, by perspective and stream, at most `limit`.

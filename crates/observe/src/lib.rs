@@ -672,6 +672,33 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         observe("perspective_store", "perspective_status", span, ok, call)
     }
 
+    fn states<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<lockstep_core::StoredState>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "states", perspective = %perspective);
+        let call = self.inner.states(tx, perspective, after, limit);
+        observe("perspective_store", "states", span, ok, call)
+    }
+
+    fn pending_through<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+    ) -> impl Future<Output = Result<lockstep_core::PendingThrough>> + Send + 'a {
+        let span =
+            tracing::info_span!("lockstep", op = "pending_through", perspective = %perspective);
+        let call = self
+            .inner
+            .pending_through(tx, perspective, stream_id, up_to);
+        observe("perspective_store", "pending_through", span, ok, call)
+    }
+
     fn failing_pairs<'a>(
         &'a self,
         tx: &'a Tx,

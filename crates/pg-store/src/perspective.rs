@@ -65,8 +65,9 @@ use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
     ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, PairFailure, PendingPair,
-    PerspectiveName, PerspectiveStatus, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
-    RewindLoad, RewindRequest, SkippedEvent, Snapshot, StateCommit, StreamId, ValidationError,
+    PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore, RecordedEvent, Result,
+    RewindDebounce, RewindLoad, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
+    StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -276,6 +277,45 @@ SELECT count(*) FROM w";
                 ON st.stream_id = k.stream_id AND st.perspective_name = k.perspective_name \
          WHERE k.stream_id = $1 AND k.perspective_name = $2"
     );
+
+    /// A page of one perspective's states in stream order (`$1` perspective, `$2` limit):
+    /// pairs with a state only; the stream id is the last column.
+    pub const STATES_FIRST: &str = concat!(
+        "SELECT ",
+        cursor_columns!(),
+        ", st.state, k.stream_id FROM wh_perspective_cursors k \
+         JOIN wh_perspective_states st \
+           ON st.stream_id = k.stream_id AND st.perspective_name = k.perspective_name \
+         WHERE k.perspective_name = $1 ORDER BY k.stream_id LIMIT $2"
+    );
+
+    /// The next page, after stream `$3`. (Two statements rather than `$3 IS NULL OR …`, so
+    /// that each is planned as an index range.)
+    pub const STATES_AFTER: &str = concat!(
+        "SELECT ",
+        cursor_columns!(),
+        ", st.state, k.stream_id FROM wh_perspective_cursors k \
+         JOIN wh_perspective_states st \
+           ON st.stream_id = k.stream_id AND st.perspective_name = k.perspective_name \
+         WHERE k.perspective_name = $1 AND k.stream_id > $3 ORDER BY k.stream_id LIMIT $2"
+    );
+
+    /// What a perspective (`$1`; one stream of it when `$2` is not NULL) has not applied of
+    /// the events up to `$3`: work rows, rewinds requested from such an event, and of the
+    /// pairs holding either how many are parked and one failing pair's error.
+    pub const PENDING_THROUGH: &str = "\
+        WITH w AS (SELECT w.stream_id FROM wh_perspective_events w \
+                    WHERE w.perspective_name = $1 AND ($2::uuid IS NULL OR w.stream_id = $2) \
+                      AND w.event_id <= $3), \
+             r AS (SELECT k.stream_id FROM wh_perspective_cursors k \
+                    WHERE k.perspective_name = $1 AND ($2::uuid IS NULL OR k.stream_id = $2) \
+                      AND k.rewind_trigger_event_id <= $3), \
+             held AS (SELECT k.parked_at, k.error FROM wh_perspective_cursors k \
+                       WHERE k.perspective_name = $1 \
+                         AND k.stream_id IN (SELECT stream_id FROM w UNION SELECT stream_id FROM r)) \
+        SELECT (SELECT count(*) FROM w), (SELECT count(*) FROM r), \
+               (SELECT count(*) FROM held WHERE parked_at IS NOT NULL), \
+               (SELECT error FROM held WHERE error IS NOT NULL LIMIT 1)";
 
     /// The event ids of a pair's work, in event-id order.
     pub const PENDING_EVENTS: &str = "SELECT w.event_id FROM wh_perspective_events w \
@@ -831,6 +871,83 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
 
     async fn commit_batch(&self, tx: &T, entries: &[BatchEntry]) -> Result<Vec<BatchCommitted>> {
         batch::commit(tx, entries, self.keep_snapshots).await
+    }
+
+    async fn states(
+        &self,
+        tx: &T,
+        perspective: &PerspectiveName,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> Result<Vec<StoredState>> {
+        lockstep_core::check_states_page(limit)?;
+        // At most MAX_STATES_PAGE: fits an i64.
+        let limit = limit as i64;
+        let rows = match after {
+            None => {
+                tx.executor()
+                    .query_typed(
+                        sql::STATES_FIRST,
+                        &[(&perspective.as_str(), Type::TEXT), (&limit, Type::INT8)],
+                    )
+                    .await
+            }
+            Some(after) => {
+                tx.executor()
+                    .query_typed(
+                        sql::STATES_AFTER,
+                        &[
+                            (&perspective.as_str(), Type::TEXT),
+                            (&limit, Type::INT8),
+                            (&after.as_uuid(), Type::UUID),
+                        ],
+                    )
+                    .await
+            }
+        }
+        .map_err(|e| statement_error(e, "reading a page of perspective states"))?;
+        rows.iter()
+            .map(|row| {
+                let stream: Uuid = row.try_get(CURSOR_COLUMNS + 1).map_err(decode_error)?;
+                let stream_id = StreamId::from_uuid(stream);
+                Ok(StoredState::new(
+                    decode_cursor(row, 0, V7_CURSOR_COLUMNS, stream_id, perspective)?,
+                    row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn pending_through(
+        &self,
+        tx: &T,
+        perspective: &PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+    ) -> Result<PendingThrough> {
+        let stream = stream_id.map(|s| s.as_uuid());
+        let row = tx
+            .executor()
+            .query_typed_one(
+                sql::PENDING_THROUGH,
+                &[
+                    (&perspective.as_str(), Type::TEXT),
+                    (&stream, Type::UUID),
+                    (&up_to, Type::UUID),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading what a perspective has not applied yet"))?;
+        let count = |i: usize| -> Result<u64> {
+            let n: i64 = row.try_get(i).map_err(decode_error)?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        let mut pending = PendingThrough::default();
+        pending.events = count(0)?;
+        pending.rewinds = count(1)?;
+        pending.parked = count(2)?;
+        pending.error = row.try_get(3).map_err(decode_error)?;
+        Ok(pending)
     }
 
     async fn perspective_status(&self, tx: &T) -> Result<Vec<PerspectiveStatus>> {

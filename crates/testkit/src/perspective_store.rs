@@ -40,9 +40,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
     ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
-    LeaseFence, LeaseStatus, PairFailure, PendingPair, PerspectiveName, PerspectiveStatus,
-    PerspectiveStore, RecordedEvent, ResourceKey, Result, RewindDebounce, RewindRequest,
-    SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
+    LeaseFence, LeaseStatus, PairFailure, PendingPair, PendingThrough, PerspectiveName,
+    PerspectiveStatus, PerspectiveStore, RecordedEvent, ResourceKey, Result, RewindDebounce,
+    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
     perspective_store::DEFAULT_KEEP_SNAPSHOTS,
 };
 use std::time::Duration;
@@ -1099,6 +1099,85 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             status.oldest_pending_age =
                 oldest.map(|at| Duration::try_from(wall - at).unwrap_or(Duration::ZERO));
             out.push(status);
+        }
+        Ok(out)
+    }
+
+    async fn states(
+        &self,
+        tx: &FakeTransaction,
+        perspective: &PerspectiveName,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> Result<Vec<StoredState>> {
+        lockstep_core::check_states_page(limit)?;
+        tx.check_usable()?;
+        let mut page: Vec<(Key, Pair)> = {
+            let state = self.lock_state();
+            Self::keys(&state, tx)
+                .into_iter()
+                .filter(|key| key.1 == *perspective && after.is_none_or(|a| key.0 > a))
+                .filter_map(|key| {
+                    let pair = Self::read(&state, tx, &key)?;
+                    pair.state.is_some().then_some((key, pair))
+                })
+                .collect()
+        };
+        page.sort_by_key(|(key, _)| key.0);
+        page.truncate(limit);
+        let mut out = Vec::with_capacity(page.len());
+        for (key, pair) in page {
+            let (lease, _) = self.lease(&key).await?;
+            let state = pair.state.clone().unwrap_or(serde_json::Value::Null);
+            out.push(StoredState::new(Self::cursor_of(&key, &pair, lease), state));
+        }
+        Ok(out)
+    }
+
+    async fn pending_through(
+        &self,
+        tx: &FakeTransaction,
+        perspective: &PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+    ) -> Result<PendingThrough> {
+        tx.check_usable()?;
+        let state = self.lock_state();
+        let streams: BTreeSet<StreamId> = match stream_id {
+            Some(stream) => BTreeSet::from([stream]),
+            None => {
+                let mut streams: BTreeSet<StreamId> = self.events.streams().into_iter().collect();
+                streams.extend(
+                    Self::keys(&state, tx)
+                        .into_iter()
+                        .filter(|k| k.1 == *perspective)
+                        .map(|k| k.0),
+                );
+                streams
+            }
+        };
+        let mut out = PendingThrough::default();
+        for stream in streams {
+            let key = (stream, perspective.clone());
+            let events = self
+                .pending(&state, tx, &key)
+                .iter()
+                .filter(|e| e.event_id <= up_to)
+                .count() as u64;
+            let pair = Self::read(&state, tx, &key);
+            let rewind = pair
+                .as_ref()
+                .is_some_and(|p| p.rewind.is_some_and(|r| r.trigger <= up_to));
+            out.events += events;
+            out.rewinds += u64::from(rewind);
+            if (events > 0 || rewind)
+                && let Some(pair) = pair
+            {
+                out.parked += u64::from(pair.parked_at.is_some());
+                if out.error.is_none() {
+                    out.error = pair.error.clone();
+                }
+            }
         }
         Ok(out)
     }

@@ -12,6 +12,8 @@
 //!   model of their own use it too.
 //! - [`ApplyCoordinator`] — serializes every apply path of a pair inside one instance
 //!   ([`coordinator`]).
+//! - [`ReadModels`] — typed reads of a perspective's states and waits until it has caught up
+//!   with an append, so a request handler reads its own write ([`reads`]).
 //! - [`WorkerOptions`] — validated options ([`options`]); metric names and span fields in
 //!   [`telemetry`].
 //!
@@ -45,12 +47,14 @@
 pub mod coordinator;
 pub mod lease;
 pub mod options;
+pub mod reads;
 pub mod telemetry;
 pub mod worker;
 
 pub use coordinator::{ApplyCoordinator, PairGuard};
 pub use lease::{HeldLease, LeaseKeeper, Leased};
 pub use options::WorkerOptions;
+pub use reads::{ReadModels, WaitError, WaitOptions};
 pub use worker::{CycleReport, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason};
 
 /// Re-exported: the worker's shutdown signal and the lost signal of a lease.

@@ -801,6 +801,24 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Vec<lockstep_core::PerspectiveStatus>> {
         self.inner.perspective_status(tx).await
     }
+    async fn states(
+        &self,
+        tx: &FakeTransaction,
+        p: &PerspectiveName,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> Result<Vec<lockstep_core::StoredState>> {
+        self.inner.states(tx, p, after, limit).await
+    }
+    async fn pending_through(
+        &self,
+        tx: &FakeTransaction,
+        p: &PerspectiveName,
+        s: Option<StreamId>,
+        up_to: Uuid,
+    ) -> Result<lockstep_core::PendingThrough> {
+        self.inner.pending_through(tx, p, s, up_to).await
+    }
     async fn failing_pairs(
         &self,
         tx: &FakeTransaction,

@@ -1,0 +1,289 @@
+//! Reading read models: typed states, pages of states, and waits until a perspective has
+//! caught up with an append — so that a request handler can read its own write.
+//!
+//! [`ReadModels`] wraps the application's transaction source and perspective store (the same
+//! ones the worker runs on, or clones of them) and reads through the store's contract
+//! ([`PerspectiveStore::state`], [`PerspectiveStore::states`],
+//! [`PerspectiveStore::pending_through`]), so it works on Postgres and on the testkit's fakes
+//! alike.
+//!
+//! - **Typed reads**: [`ReadModels::state`] decodes a JSON perspective's state into its
+//!   `State`; [`ReadModels::states`] pages through every stream's state in stream order.
+//! - **Waits**: [`ReadModels::wait_for_stream`] returns once the pair has applied every event
+//!   whose id is at most the given one (the last event of your append), and
+//!   [`ReadModels::wait_for_perspective`] once every pair of the perspective has. Each wait is
+//!   **bounded** by the timeout it is given ([`WaitError::TimedOut`], with what was still
+//!   pending), ends at once when a pair it waits for is parked ([`WaitError::Parked`]: it will
+//!   not catch up by itself), and is **cancel-safe**: dropping it mid-wait leaves nothing
+//!   behind (each check is a read-only transaction, rolled back).
+//! - The wait polls: one short read-only statement per check, starting 2 ms apart and backing
+//!   off to [`WaitOptions::max_poll_interval`] (50 ms by default). Event-id order is the order
+//!   perspectives apply in; an event of another stream with a smaller id (another process's
+//!   clock, an import with chosen ids) counts as "before" for a perspective-wide wait.
+
+use std::time::Duration;
+
+use lockstep_core::{
+    Error, ErrorKind, PendingThrough, Perspective, PerspectiveName, PerspectiveStore, StreamId,
+    Transaction, TransactionSource,
+};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+/// How waits poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WaitOptions {
+    /// The first pause between two checks (doubled after each, up to the maximum).
+    pub first_poll_interval: Duration,
+    /// The longest pause between two checks.
+    pub max_poll_interval: Duration,
+}
+
+impl Default for WaitOptions {
+    fn default() -> Self {
+        WaitOptions {
+            first_poll_interval: Duration::from_millis(2),
+            max_poll_interval: Duration::from_millis(50),
+        }
+    }
+}
+
+impl WaitOptions {
+    /// Polls starting `first` apart, backing off to at most `max` (a zero `first` is taken as
+    /// 1 ms; a `max` below `first` as `first`).
+    pub fn new(first: Duration, max: Duration) -> WaitOptions {
+        let first = first.max(Duration::from_millis(1));
+        WaitOptions {
+            first_poll_interval: first,
+            max_poll_interval: max.max(first),
+        }
+    }
+}
+
+/// Why a wait ended without the perspective having caught up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WaitError {
+    /// The timeout passed first. `pending` is what was still not applied at the last check.
+    #[error(
+        "{perspective}{} has not applied every event up to {up_to} within {waited:?}: {} events and {} rewinds pending{}",
+        stream_id.map(|s| format!(" (stream {s})")).unwrap_or_default(),
+        pending.events,
+        pending.rewinds,
+        pending.error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default()
+    )]
+    TimedOut {
+        /// The perspective waited for.
+        perspective: PerspectiveName,
+        /// The stream, for a pair's wait.
+        stream_id: Option<StreamId>,
+        /// The event waited for.
+        up_to: Uuid,
+        /// How long it waited.
+        waited: Duration,
+        /// What was pending at the last check.
+        pending: PendingThrough,
+    },
+    /// A pair holding the events waited for is parked: it will not catch up until an operator
+    /// retries it, skips its failing event or requests a rewind.
+    #[error(
+        "{perspective}{} cannot catch up with {up_to}: {} parked pairs hold it{}",
+        stream_id.map(|s| format!(" (stream {s})")).unwrap_or_default(),
+        pending.parked,
+        pending.error.as_ref().map(|e| format!(" (error: {e})")).unwrap_or_default()
+    )]
+    Parked {
+        /// The perspective waited for.
+        perspective: PerspectiveName,
+        /// The stream, for a pair's wait.
+        stream_id: Option<StreamId>,
+        /// The event waited for.
+        up_to: Uuid,
+        /// What was pending.
+        pending: PendingThrough,
+    },
+    /// Reading from the store failed (bad input, the database).
+    #[error(transparent)]
+    Store(#[from] Error),
+}
+
+impl WaitError {
+    /// The store error, when the wait failed on one.
+    pub fn store_error(&self) -> Option<&Error> {
+        match self {
+            WaitError::Store(err) => Some(err),
+            _ => None,
+        }
+    }
+}
+
+/// Typed and waitable reads of read models; see the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct ReadModels<S, P> {
+    source: S,
+    store: P,
+    options: WaitOptions,
+}
+
+impl<S, P> ReadModels<S, P>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
+    /// Reads on transactions of `source` through `store`, waits polling as
+    /// [`WaitOptions::default`].
+    pub fn new(source: S, store: P) -> Self {
+        ReadModels {
+            source,
+            store,
+            options: WaitOptions::default(),
+        }
+    }
+
+    /// The same, polling as `options`.
+    pub fn with_options(mut self, options: WaitOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The state of `stream_id` in `perspective`, decoded as its `State` (`None`: no event of
+    /// the stream applied yet). A stored state that does not decode (the type changed:
+    /// rebuild the perspective) is [`ErrorKind::InvalidInput`], naming the pair.
+    pub async fn state<Pn: Perspective>(
+        &self,
+        perspective: &Pn,
+        stream_id: StreamId,
+    ) -> Result<Option<Pn::State>, Error> {
+        let name = PerspectiveName::new(perspective.name())?;
+        let tx = self.source.begin().await?;
+        let read = self.store.state(&tx, stream_id, &name).await;
+        // Read only: a failed rollback changes nothing.
+        let _ = tx.rollback().await;
+        match read? {
+            Some((_, Some(state))) => decode::<Pn>(&name, stream_id, state).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Up to `limit` (1 to [`lockstep_core::MAX_STATES_PAGE`]) states of `perspective`, in
+    /// stream-id order, of the streams after `after` (from the first when `None`): pass the
+    /// last stream of a page to read the next. Streams with no event applied are not listed.
+    pub async fn states<Pn: Perspective>(
+        &self,
+        perspective: &Pn,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> Result<Vec<(StreamId, Pn::State)>, Error> {
+        let name = PerspectiveName::new(perspective.name())?;
+        let tx = self.source.begin().await?;
+        let read = self.store.states(&tx, &name, after, limit).await;
+        let _ = tx.rollback().await;
+        read?
+            .into_iter()
+            .map(|stored| {
+                let stream = stored.cursor.stream_id;
+                decode::<Pn>(&name, stream, stored.state).map(|state| (stream, state))
+            })
+            .collect()
+    }
+
+    /// What `perspective` (one stream of it) has not applied yet of the events up to `up_to`.
+    pub async fn pending_through(
+        &self,
+        perspective: &PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+    ) -> Result<PendingThrough, Error> {
+        let tx = self.source.begin().await?;
+        let read = self
+            .store
+            .pending_through(&tx, perspective, stream_id, up_to)
+            .await;
+        let _ = tx.rollback().await;
+        read
+    }
+
+    /// Waits until the pair `(stream_id, perspective)` has applied every event whose id is at
+    /// most `up_to` (pass the last event id of your append), for at most `timeout`.
+    pub async fn wait_for_stream(
+        &self,
+        perspective: &PerspectiveName,
+        stream_id: StreamId,
+        up_to: Uuid,
+        timeout: Duration,
+    ) -> Result<(), WaitError> {
+        self.wait(perspective, Some(stream_id), up_to, timeout)
+            .await
+    }
+
+    /// Waits until every pair of `perspective` has applied every event whose id is at most
+    /// `up_to`, for at most `timeout`.
+    pub async fn wait_for_perspective(
+        &self,
+        perspective: &PerspectiveName,
+        up_to: Uuid,
+        timeout: Duration,
+    ) -> Result<(), WaitError> {
+        self.wait(perspective, None, up_to, timeout).await
+    }
+
+    async fn wait(
+        &self,
+        perspective: &PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+        timeout: Duration,
+    ) -> Result<(), WaitError> {
+        let started = Instant::now();
+        let deadline = started.checked_add(timeout);
+        let mut pause = self.options.first_poll_interval;
+        loop {
+            let pending = self.pending_through(perspective, stream_id, up_to).await?;
+            if pending.is_caught_up() {
+                return Ok(());
+            }
+            if pending.parked > 0 {
+                return Err(WaitError::Parked {
+                    perspective: perspective.clone(),
+                    stream_id,
+                    up_to,
+                    pending,
+                });
+            }
+            let now = Instant::now();
+            // A timeout too large for the clock is no deadline.
+            let left = deadline.map(|d| d.saturating_duration_since(now));
+            if left == Some(Duration::ZERO) {
+                return Err(WaitError::TimedOut {
+                    perspective: perspective.clone(),
+                    stream_id,
+                    up_to,
+                    waited: now.saturating_duration_since(started),
+                    pending,
+                });
+            }
+            let sleep = left.map_or(pause, |left| pause.min(left));
+            tokio::time::sleep(sleep).await;
+            pause = (pause * 2).min(self.options.max_poll_interval);
+        }
+    }
+}
+
+fn decode<Pn: Perspective>(
+    name: &PerspectiveName,
+    stream_id: StreamId,
+    state: serde_json::Value,
+) -> Result<Pn::State, Error> {
+    serde_json::from_value(state).map_err(|e| {
+        Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "the stored state of {stream_id}/{name} does not decode as {}: rebuild the \
+                 perspective after changing its state type",
+                std::any::type_name::<Pn::State>()
+            ),
+        )
+        .with_source(e)
+    })
+}
