@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime, release};
+use super::{Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime, release};
 use crate::lease::{HeldLease, Leased};
 use crate::telemetry::{self, count, observe};
 
@@ -26,7 +26,7 @@ where
 {
     /// Rewinds a pair now if it has a rewind request (the rewind path of the module docs).
     pub async fn rewind(&self, stream_id: StreamId, name: &PerspectiveName) -> Result<PairOutcome> {
-        let Some(p) = self.registry.get(name).cloned() else {
+        let Some(p) = self.kind(name) else {
             return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
         };
         let _pair = self.coordinator.lock(stream_id, name).await;
@@ -37,7 +37,7 @@ where
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
-        p: &Arc<dyn DynPerspective>,
+        p: &Kind<S::Tx>,
     ) -> Result<PairOutcome> {
         let span = tracing::info_span!("rewind", reason = "rewind", epoch = tracing::field::Empty);
         async move {
@@ -70,7 +70,13 @@ where
             }
             // 2–3. The keeper keeps it alive while we restore and replay; a lost lease abandons
             // the work at once.
-            let (outcome, released) = self.rewind_under(stream_id, name, p, lease.as_ref()).await;
+            let (outcome, released) = match p {
+                Kind::Json(p) => self.rewind_under(stream_id, name, p, lease.as_ref()).await,
+                Kind::Table(p) => {
+                    self.table_rewind_under(stream_id, name, p, lease.as_ref())
+                        .await
+                }
+            };
             // 4–5. Stop the keepalive and release, on every path (a commit that released the
             // lease with it has done both).
             if let Some(lease) = lease {
@@ -274,7 +280,7 @@ enum Replayed {
 }
 
 /// How a rewind ended (its failures aside).
-enum Rewind {
+pub(super) enum Rewind {
     /// Replayed and committed.
     Committed {
         replayed: usize,
@@ -286,7 +292,7 @@ enum Rewind {
     LostRace,
 }
 
-fn lease_lost() -> String {
+pub(super) fn lease_lost() -> String {
     Error::new(
         ErrorKind::LeaseLost,
         "the rewind lease was lost; the rewind was abandoned and nothing was committed",
@@ -303,7 +309,7 @@ pub(super) struct PairError {
 }
 
 impl PairError {
-    fn new(failures_before: u32, error: impl std::fmt::Display) -> PairError {
+    pub(super) fn new(failures_before: u32, error: impl std::fmt::Display) -> PairError {
         PairError {
             failures_before,
             message: error.to_string(),
