@@ -121,7 +121,7 @@ impl<Tx: Sync, T: TablePerspective<Tx>> DynTablePerspective<Tx> for T {
         Box::pin(async move {
             self.apply(tx, event).await.map_err(|e| ApplyError::Apply {
                 event_id: event.event_id,
-                detail: e.to_string(),
+                detail: with_sources(&e),
             })
         })
     }
@@ -135,8 +135,25 @@ impl<Tx: Sync, T: TablePerspective<Tx>> DynTablePerspective<Tx> for T {
             self.reset(tx, stream_id)
                 .await
                 .map_err(|e| ApplyError::Reset {
-                    detail: e.to_string(),
+                    detail: with_sources(&e),
                 })
         })
     }
+}
+
+/// The error and its sources, `: `-separated: a database error's text (`db error`) says little
+/// without the server's message, which is its source.
+fn with_sources(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        // Some errors repeat their source's text in their own: say it once.
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
