@@ -304,6 +304,15 @@ where
     /// releases every lease the instance holds.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         self.register().await?;
+        telemetry::describe();
+        for name in self.registry.names() {
+            telemetry::zero(name.as_str());
+        }
+        tracing::info!(
+            instance = %self.instance,
+            perspectives = ?self.registry,
+            "perspective worker running"
+        );
         while !shutdown.is_cancelled() {
             let report = self.cycle(Some(&shutdown)).await;
             for error in &report.errors {

@@ -179,6 +179,8 @@ where
                 drop(guards);
                 self.remember_positions(request.positions.clone());
                 let pair = table.cursor.pair();
+                count(telemetry::PAIRS_RETRIED, pair.perspective.as_str(), 1);
+                tracing::warn!(pair = %pair, error = ?outcome.error, "a table perspective failed in a batch; the batch rolled back and the pair is processed alone");
                 let others = claimed.iter().filter(|p| **p != pair).count();
                 report.pairs += others;
                 report.skipped += others;

@@ -67,7 +67,11 @@ where
             };
             if let Some(lease) = &lease {
                 tracing::Span::current().record("epoch", lease.id().epoch.get());
+                if lease.lease().took_over {
+                    tracing::info!(stream_id = %stream_id, perspective = %name, "took over an expired rewind lease (its holder crashed or stalled)");
+                }
             }
+            tracing::info!(stream_id = %stream_id, perspective = %name, "rewind started");
             // 2–3. The keeper keeps it alive while we restore and replay; a lost lease abandons
             // the work at once.
             let (outcome, released) = match p {
@@ -96,6 +100,7 @@ where
                     replayed,
                     from_snapshot,
                 }) => {
+                    tracing::info!(stream_id = %stream_id, perspective = %name, replayed, from_snapshot, "rewind committed");
                     count(telemetry::REWINDS, name.as_str(), 1);
                     count(telemetry::EVENTS_REPLAYED, name.as_str(), replayed as u64);
                     count(
