@@ -21,8 +21,6 @@
 //! The check is one round trip: an unnamed statement with typed parameters (the transaction's
 //! connection is not the pool's, so there is no per-connection statement cache to use).
 
-use std::future::Future;
-
 use lockstep_core::{Error, ErrorKind, LeaseFence, LeaseId, Result};
 use lockstep_pg::PgTransactionRef;
 use tokio_postgres::GenericClient;
@@ -33,12 +31,8 @@ use crate::sql;
 use crate::statement::statement_error;
 
 impl<T: PgTransactionRef> LeaseFence<T> for PgStreamLocker {
-    fn check_lease<'a>(
-        &'a self,
-        tx: &'a T,
-        lease: &'a LeaseId,
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        async move {
+    async fn check_lease(&self, tx: &T, lease: &LeaseId) -> Result<()> {
+        {
             let stream = lease.stream_id.as_uuid();
             let perspective = lease.perspective.as_str();
             let holder = lease.holder.as_uuid();
