@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use lockstep_core::{
     CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo, LeaseStatus,
     PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
+    WorkerInstance,
 };
 use tokio_postgres::Row;
 use tracing::instrument;
@@ -23,6 +24,11 @@ use crate::telemetry::{self, count};
 
 #[async_trait]
 impl StreamLockAdmin for PgStreamLocker {
+    #[instrument(name = "list_instances", skip_all)]
+    async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
+        self.instances().await
+    }
+
     #[instrument(name = "list_leases", skip_all)]
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
         let rows: Vec<Row> = self

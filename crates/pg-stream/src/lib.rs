@@ -33,6 +33,9 @@
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run
 //!   [`lockstep_pg::migrate()`].
+//! - **The fleet** (`wh_worker_instances`, migration V10): announce, depart and list worker
+//!   instances; the keepalive of an announced instance renews its leases and marks it seen in
+//!   one statement ([`sql::KEEPALIVE`]).
 //! - **Observability**: `tracing` spans with fixed fields and `metrics` counters, listed in
 //!   [`telemetry`].
 //!
@@ -84,6 +87,7 @@
 
 pub mod admin;
 pub mod fence;
+mod fleet;
 pub mod interval;
 pub mod locker;
 pub mod sql;
