@@ -297,8 +297,8 @@ impl LeaseKeeper {
     /// partition) announces again.
     ///
     /// An announcement of another instance than the keeper's is
-    /// [`ErrorKind::InvalidInput`](lockstep_core::ErrorKind::InvalidInput); a locker without a
-    /// fleet answers [`ErrorKind::Unsupported`](lockstep_core::ErrorKind::Unsupported) and the
+    /// [`ErrorKind::InvalidInput`]; a locker without a
+    /// fleet answers [`ErrorKind::Unsupported`] and the
     /// keeper goes on unannounced.
     pub async fn announce(&self, announcement: InstanceAnnouncement) -> Result<()> {
         if announcement.instance != self.shared.instance {
