@@ -101,6 +101,27 @@ impl StreamLocker for Announcing {
     async fn renew_many(&self, leases: &[LeaseId]) -> lockstep_core::Result<Vec<RenewOutcome>> {
         self.inner.renew_many(leases).await
     }
+
+    // The fleet (ADR 0015): forwarded, so the process is listed by `lockstep workers` and a
+    // killed one goes stale.
+    async fn announce(
+        &self,
+        announcement: &lockstep_core::InstanceAnnouncement,
+    ) -> lockstep_core::Result<()> {
+        self.inner.announce(announcement).await
+    }
+
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        leases: &[LeaseId],
+    ) -> lockstep_core::Result<lockstep_core::KeepaliveOutcome> {
+        self.inner.keepalive(instance, leases).await
+    }
+
+    async fn depart(&self, instance: InstanceId) -> lockstep_core::Result<bool> {
+        self.inner.depart(instance).await
+    }
 }
 
 /// Runs the worker until SIGTERM or Ctrl-C (then drains and releases its leases), printing the

@@ -184,6 +184,24 @@ async fn a_killed_rewind_is_taken_over_after_the_lock_timeout_and_completed_exac
         b_epoch > a_epoch,
         "a takeover: the epoch increased ({a_epoch} -> {b_epoch})"
     );
+    // The fleet (ADR 0015): both processes announced themselves; the killed one is stale by
+    // the time its lease could be taken over (its last keepalive marked both), the other live.
+    let live = |instance: Uuid| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT last_seen_at + stale_after > clock_timestamp() \
+                     FROM wh_worker_instances WHERE instance_id = $1",
+                    &[&instance],
+                )
+                .await
+                .expect("the instance is listed")
+                .get::<_, bool>(0)
+        }
+    };
+    assert!(!live(a_instance).await, "the killed process is stale");
+    assert!(live(b.instance).await, "the running process is live");
     tokio::time::timeout(Duration::from_secs(60), async {
         while !queue_is_empty(&client).await.expect("queue") {
             tokio::time::sleep(Duration::from_millis(50)).await;

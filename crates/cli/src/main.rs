@@ -2,7 +2,7 @@
 //!
 //! The operator's command for a PostgreSQL database that lockstep runs on: apply the schema
 //! (and see which migrations are applied), see and force-release stream leases, see advisory
-//! locks, see how far each perspective lags and check it, request a rewind, purge a pair, deal
+//! locks, list the worker instances, see how far each perspective lags and check it, request a rewind, purge a pair, deal
 //! with parked pairs, serve a status page and metrics. `lockstep --help` lists the commands with
 //! their exit codes.
 //!
@@ -15,6 +15,7 @@
 mod ops;
 mod pg;
 mod serve;
+mod workers;
 
 use std::process::ExitCode;
 
@@ -73,6 +74,10 @@ enum Command {
     /// Perspectives: status (and --check), rewind, purge, parked, retry, skip.
     #[command(subcommand, after_help = EXIT_CODES)]
     Perspectives(ops::PerspectivesCommand),
+    /// Lists the worker instances (the fleet): id, name, host, pid, version, perspectives,
+    /// started, last seen, leases held, live or stale.
+    #[command(after_help = EXIT_CODES)]
+    Workers,
     /// Serves a status page (leases, advisory locks, perspectives; refreshes itself) and
     /// /metrics until Ctrl-C.
     #[command(after_help = EXIT_CODES)]
@@ -198,6 +203,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Migrate { status: true } => ops::migration_status(&require(url)?, json).await,
         Command::Locks(cmd) => ops::locks(&require(url)?, cmd, json).await,
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd, json).await,
+        Command::Workers => workers::workers(&require(url)?, json).await,
         Command::Serve { addr, names, token } => {
             let options = serve::ServeOptions { addr, names, token };
             serve::serve(&require(url)?, options, json).await

@@ -60,8 +60,9 @@ pub(crate) enum LocksCommand {
 /// `lockstep perspectives …`
 #[derive(Debug, Subcommand)]
 pub(crate) enum PerspectivesCommand {
-    /// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error, backing off
-    /// and parked. With --check, a health check: exit 1 when a threshold is passed.
+    /// Per perspective: pairs, pending work, lag, rewinds pending, pairs in error, backing off,
+    /// parked, and the live workers that run it ("no live worker" when none does and work is
+    /// pending). With --check, a health check: exit 1 when a threshold is passed.
     #[command(after_help = crate::EXIT_CODES)]
     Status {
         /// Check the thresholds below and exit 1 (listing what failed) when one is passed.
@@ -79,6 +80,11 @@ pub(crate) enum PerspectivesCommand {
         /// --check: the most parked pairs a perspective may have.
         #[arg(long, default_value_t = 0, value_name = "PAIRS")]
         max_parked: u64,
+        /// --check: the most pending events a perspective that no live worker runs may have
+        /// (0: any pending work without a live worker is unhealthy). Workers announce
+        /// themselves only when they run with a stream locker.
+        #[arg(long, default_value_t = 0, value_name = "EVENTS")]
+        max_unserved: u64,
     },
     /// Requests a rewind of a pair from an event (from the start without --from); a worker
     /// carries it out under a 'rewind' lease.
@@ -306,7 +312,7 @@ fn time_until(at: time::OffsetDateTime) -> String {
     format!("{:.1} s", left.as_seconds_f64())
 }
 
-fn locker(pool: &deadpool_postgres::Pool) -> PgStreamLocker {
+pub(crate) fn locker(pool: &deadpool_postgres::Pool) -> PgStreamLocker {
     PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default())
 }
 
@@ -349,8 +355,16 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand, json: bool) -> Result<
                     _ => true,
                 })
                 .collect();
+            let instances = crate::workers::instances(&pool).await?;
+            let holder_name = |holder: InstanceId| {
+                instances
+                    .iter()
+                    .find(|i| i.announcement.instance == holder)
+                    .map(|i| i.announcement.name.escape_debug().to_string())
+            };
             if json {
-                let rows: Vec<_> = entries.iter().map(entry_json).collect();
+                let mut rows: Vec<_> = entries.iter().map(entry_json).collect();
+                crate::workers::name_holders(&mut rows, &instances);
                 say!("{}", serde_json::Value::Array(rows));
             } else if entries.is_empty() {
                 say!("no stream leases");
@@ -367,14 +381,16 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand, json: bool) -> Result<
                 for entry in &entries {
                     match entry {
                         LeaseEntry::Lease(l) => say!(
-                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}",
+                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}{}",
                             l.stream_id.to_string(),
                             l.perspective.as_str(),
                             l.holder.to_string(),
                             l.reason.as_str(),
                             l.epoch.get(),
                             l.time_left.as_secs_f64(),
-                            status(l.status)
+                            status(l.status),
+                            holder_name(l.holder)
+                                .map_or_else(String::new, |n| format!("  (held by {n})"))
                         ),
                         LeaseEntry::Unreadable(u) => say!(
                             "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  unreadable: {}",
@@ -501,7 +517,9 @@ fn entry_perspective(entry: &LeaseEntry) -> &str {
 /// Every stream lease, as JSON rows (a row that cannot be read is listed as unreadable).
 pub(crate) async fn lease_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<serde_json::Value>> {
     let entries = locker(pool).list_lease_entries().await.map_err(explain)?;
-    Ok(entries.iter().map(entry_json).collect())
+    let mut rows: Vec<serde_json::Value> = entries.iter().map(entry_json).collect();
+    crate::workers::name_holders(&mut rows, &crate::workers::instances(pool).await?);
+    Ok(rows)
 }
 
 /// Advisory locks held or awaited now, with the names lockstep knows and `names` gives.
@@ -563,7 +581,8 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
     // Read only: the rollback cannot lose anything.
     let _ = tx.rollback().await;
     let (status, failing) = read.map_err(explain)?;
-    Ok(status
+    let instances = crate::workers::instances(pool).await?;
+    let mut rows: Vec<serde_json::Value> = status
         .iter()
         .map(|p| {
             let in_error: Vec<_> = failing
@@ -590,7 +609,9 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
                 "pairs_in_error": in_error,
             })
         })
-        .collect())
+        .collect();
+    crate::workers::mark_served(&mut rows, &instances);
+    Ok(rows)
 }
 
 fn status(status: LeaseStatus) -> &'static str {
@@ -678,12 +699,14 @@ pub(crate) async fn perspectives(
             max_pending,
             max_in_error,
             max_parked,
+            max_unserved,
         } => {
             let limits = check.then_some(Limits {
                 max_lag,
                 max_pending,
                 max_in_error,
                 max_parked,
+                max_unserved,
             });
             perspective_status(&pool, json, limits).await
         }
@@ -1007,6 +1030,7 @@ struct Limits {
     max_pending: Option<u64>,
     max_in_error: u64,
     max_parked: u64,
+    max_unserved: u64,
 }
 
 /// The checks `rows` (from [`status_rows`]) fail under `limits`: perspective, check, value, limit.
@@ -1029,6 +1053,11 @@ fn failed_checks(rows: &[serde_json::Value], limits: &Limits) -> Vec<serde_json:
         }
         if count("parked") > limits.max_parked {
             failed.push(json!({ "perspective": name, "check": "parked", "value": count("parked"), "limit": limits.max_parked }));
+        }
+        if p["live_workers"].as_array().is_some_and(Vec::is_empty)
+            && count("pending_events") > limits.max_unserved
+        {
+            failed.push(json!({ "perspective": name, "check": "unserved_pending_events", "value": count("pending_events"), "limit": limits.max_unserved }));
         }
     }
     failed
@@ -1056,7 +1085,7 @@ async fn perspective_status(
         say!("no perspectives registered");
     } else {
         say!(
-            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7}",
+            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7}  workers",
             "perspective",
             "pairs",
             "pending",
@@ -1067,8 +1096,15 @@ async fn perspective_status(
             "parked"
         );
         for p in &out {
+            let live: Vec<String> = p["live_workers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|w| w.as_str())
+                .map(|w| w.escape_debug().to_string())
+                .collect();
             say!(
-                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7} {:>8} {:>7}",
+                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7} {:>8} {:>7}  {}",
                 p["perspective"].as_str().unwrap_or(""),
                 p["pairs"].as_i64().unwrap_or(0),
                 p["pending_events"].as_i64().unwrap_or(0),
@@ -1076,7 +1112,14 @@ async fn perspective_status(
                 p["rewinds_pending"].as_i64().unwrap_or(0),
                 p["in_error"].as_i64().unwrap_or(0),
                 p["backing_off"].as_i64().unwrap_or(0),
-                p["parked"].as_i64().unwrap_or(0)
+                p["parked"].as_i64().unwrap_or(0),
+                if p["unserved"] == true {
+                    "NO LIVE WORKER".to_owned()
+                } else if live.is_empty() {
+                    "-".to_owned()
+                } else {
+                    live.join(", ")
+                }
             );
             for e in p["pairs_in_error"].as_array().into_iter().flatten() {
                 say!(

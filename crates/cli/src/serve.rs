@@ -1,8 +1,10 @@
 //! `lockstep serve`: the on-call engineer's page and `/metrics`, on axum.
 //!
-//! - `GET /` — the page: a summary line with health colours, stream leases, advisory locks
+//! - `GET /` — the page: a summary line with health colours, the worker instances (live or
+//!   stale), stream leases (holders by name), advisory locks
 //!   grouped per key (holder, waiters, longest wait, each connection's `application_name`),
-//!   perspectives (lag highlighted, failures, backoff, parking) and the parked pairs. It is
+//!   perspectives (lag highlighted, failures, backoff, parking, the live workers that run it or
+//!   "no live worker") and the parked pairs. It is
 //!   rendered on the server (so it reads without JavaScript) and then updates itself in place
 //!   from `GET /fragment` every 2 s — no reload, the scroll position stays — saying when it last
 //!   refreshed and how long the database took. While the database is unreachable or not
@@ -175,6 +177,8 @@ pub(crate) async fn listen(flag: &str, addr: &str) -> Result<TcpListener> {
 /// Everything the page shows, read in one go.
 pub(crate) struct Snapshot {
     leases: Vec<Value>,
+    /// The worker instances (`lockstep workers --json` rows).
+    workers: Vec<Value>,
     advisory: Vec<Value>,
     perspectives: Vec<Value>,
     parked: Vec<Value>,
@@ -186,6 +190,7 @@ impl Snapshot {
     fn json(&self) -> Value {
         json!({
             "leases": self.leases,
+            "workers": self.workers,
             "advisory_locks": render::group_advisory(&self.advisory),
             "perspectives": self.perspectives,
             "parked": self.parked,
@@ -232,11 +237,17 @@ async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable>
         let advisory = advisory_rows(pool, &shared.names).await?;
         let perspectives = status_rows(pool).await?;
         let parked = parked_rows(&shared.db).await?;
-        Ok::<_, anyhow::Error>((leases, advisory, perspectives, parked))
+        let workers: Vec<Value> = crate::workers::instances(pool)
+            .await?
+            .iter()
+            .map(|i| crate::workers::instance_json(i, &leases))
+            .collect();
+        Ok::<_, anyhow::Error>((leases, workers, advisory, perspectives, parked))
     };
     match read.await {
-        Ok((leases, advisory, perspectives, parked)) => Ok(Snapshot {
+        Ok((leases, workers, advisory, perspectives, parked)) => Ok(Snapshot {
             leases,
+            workers,
             advisory,
             perspectives,
             parked,
@@ -341,6 +352,14 @@ fn describe_gauges() {
         "Lease rows lockstep cannot read (written by hand)."
     );
     describe_gauge!(
+        "lockstep_worker_instances",
+        "Announced worker instances, by state (live: seen within its lock timeout; stale)."
+    );
+    describe_gauge!(
+        "lockstep_perspective_live_workers",
+        "Live worker instances that run a perspective."
+    );
+    describe_gauge!(
         "lockstep_perspective_pending_events",
         "Events queued for a perspective and not applied yet."
     );
@@ -390,6 +409,10 @@ fn set_gauges(snap: &Snapshot) {
     metrics::gauge!("lockstep_stream_leases_held").set(count("held"));
     metrics::gauge!("lockstep_stream_leases_expired").set(count("expired"));
     metrics::gauge!("lockstep_stream_leases_unreadable").set(count("unreadable"));
+    for state in ["live", "stale"] {
+        let n = snap.workers.iter().filter(|w| w["state"] == state).count() as f64;
+        metrics::gauge!("lockstep_worker_instances", "state" => state).set(n);
+    }
     for p in &snap.perspectives {
         let name = p["perspective"].as_str().unwrap_or("").to_owned();
         let get = |k: &str| p[k].as_f64().unwrap_or(0.0);
@@ -403,6 +426,9 @@ fn set_gauges(snap: &Snapshot) {
             .set(get("parked"));
         metrics::gauge!("lockstep_perspective_pairs_backing_off", "perspective" => name.clone())
             .set(get("backing_off"));
+        let live = p["live_workers"].as_array().map_or(0, Vec::len) as f64;
+        metrics::gauge!("lockstep_perspective_live_workers", "perspective" => name.clone())
+            .set(live);
         metrics::gauge!("lockstep_perspective_pairs_in_error", "perspective" => name)
             .set(get("in_error"));
     }

@@ -1722,7 +1722,19 @@ async fn status_check_fails_on_lag_and_pairs_in_error() {
         .expect("append");
     tx.commit().await.expect("commit");
 
+    // Issue 20: pending work that no live worker runs is unhealthy by default.
     let out = lockstep_on(&url, &["perspectives", "status", "--check"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("UNHEALTHY Ledger: unserved_pending_events is 1 (limit 0)"),
+        "{}",
+        text(&out)
+    );
+    let out = lockstep_on(
+        &url,
+        &["perspectives", "status", "--check", "--max-unserved", "1"],
+    )
+    .await;
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -1787,6 +1799,8 @@ async fn status_check_fails_on_lag_and_pairs_in_error() {
             "3600",
             "--max-in-error",
             "1",
+            "--max-unserved",
+            "1",
         ],
     )
     .await;
@@ -1794,4 +1808,172 @@ async fn status_check_fails_on_lag_and_pairs_in_error() {
     let out = lockstep_on(&url, &["perspectives", "status", "--check", "--max-lag=-1"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("--max-lag"), "{}", text(&out));
+}
+
+/// Issue 20, item 5: `workers` lists the fleet (its JSON schema), lease holders are shown by
+/// their instance's name, a perspective with pending work and no live worker is flagged by
+/// `perspectives status` and fails `--check` (exit 1) until a live instance runs it, and again
+/// once that instance is stale; the page shows the workers, escaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_lists_the_fleet_and_status_flags_perspectives_no_live_worker_runs() {
+    use lockstep_core::{InstanceAnnouncement, StreamLockAdmin};
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgPerspectiveStore::new()
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+
+    let out = lockstep_on(&url, &["workers", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(doc(&out), serde_json::json!([]));
+    let out = lockstep_on(&url, &["perspectives", "status"]).await;
+    assert!(text(&out).contains("NO LIVE WORKER"), "{}", text(&out));
+    let out = lockstep_on(&url, &["perspectives", "status", "--check", "--json"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let answer = doc(&out);
+    assert_eq!(answer["failed"][0]["check"], "unserved_pending_events");
+    assert_eq!(answer["perspectives"][0]["unserved"], true);
+    assert_eq!(
+        answer["perspectives"][0]["live_workers"],
+        serde_json::json!([])
+    );
+
+    // An instance announces itself (as a worker does, from a spawned task) and takes a lease.
+    let timeout = std::time::Duration::from_millis(1500);
+    let locker = PgStreamLocker::from_pool(
+        pool.clone(),
+        StreamLockOptions::new(timeout, std::time::Duration::from_millis(300)).expect("options"),
+    );
+    let me = InstanceId::random();
+    let announced = InstanceAnnouncement::new(
+        me,
+        "ledger-<1>",
+        "host-a",
+        4242,
+        "app 1.0",
+        vec![name.clone()],
+    )
+    .expect("valid");
+    let held = tokio::spawn({
+        let (locker, name) = (locker.clone(), name.clone());
+        async move {
+            locker.announce(&announced).await.expect("announce");
+            locker
+                .try_acquire(stream, &name, me, &LockReason::Rewind)
+                .await
+                .expect("try_acquire")
+        }
+    })
+    .await
+    .expect("task");
+    assert!(held.is_acquired(), "{held:?}");
+
+    let out = lockstep_on(&url, &["workers", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let rows = doc(&out);
+    let row = &rows[0];
+    let keys: Vec<&str> = row
+        .as_object()
+        .expect("an object per instance")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    for key in [
+        "instance_id",
+        "name",
+        "host",
+        "pid",
+        "version",
+        "perspectives",
+        "started_at",
+        "last_seen_at",
+        "last_seen_s_ago",
+        "stale_after_s",
+        "state",
+        "leases_held",
+    ] {
+        assert!(keys.contains(&key), "{key} missing from {row}");
+    }
+    assert_eq!(row["instance_id"], me.to_string());
+    assert_eq!(row["name"], "ledger-<1>");
+    assert_eq!(row["host"], "host-a");
+    assert_eq!(row["pid"], 4242);
+    assert_eq!(row["version"], "app 1.0");
+    assert_eq!(row["perspectives"], serde_json::json!(["Ledger"]));
+    assert_eq!(row["state"], "live");
+    assert_eq!(row["leases_held"], 1);
+    assert_eq!(row["stale_after_s"], 1.5);
+    let out = lockstep_on(&url, &["workers"]).await;
+    assert!(text(&out).contains("1 live, 0 stale"), "{}", text(&out));
+
+    let out = lockstep_on(&url, &["locks", "list", "--json"]).await;
+    assert_eq!(doc(&out)[0]["holder_name"], "ledger-<1>", "{}", text(&out));
+    let out = lockstep_on(&url, &["locks", "list"]).await;
+    assert!(
+        text(&out).contains("(held by ledger-<1>)"),
+        "{}",
+        text(&out)
+    );
+
+    let out = lockstep_on(&url, &["perspectives", "status", "--check", "--json"]).await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "a live instance runs it: {}",
+        text(&out)
+    );
+    let answer = doc(&out);
+    assert_eq!(answer["perspectives"][0]["unserved"], false);
+    assert_eq!(
+        answer["perspectives"][0]["live_workers"],
+        serde_json::json!(["ledger-<1>"])
+    );
+
+    let (mut server, addr) = serve(&url).await;
+    let (status, page) = tokio::task::spawn_blocking({
+        let addr = addr.clone();
+        move || http_get(&addr, "/fragment")
+    })
+    .await
+    .expect("task");
+    assert!(status.contains("200"), "{status}");
+    assert!(page.contains("id=\"workers\""), "{page}");
+    assert!(page.contains("ledger-&lt;1&gt;"), "{page}");
+    assert!(
+        !page.contains("ledger-<1>"),
+        "announced names are escaped: {page}"
+    );
+    assert!(page.contains("1 workers live, 0 stale"), "{page}");
+
+    // Not seen for its lock timeout (nobody sends its keepalive): stale, and the perspective is
+    // unserved again.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let listed = locker.list_instances().await.expect("list");
+        if listed[0].state == lockstep_core::InstanceState::Stale {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "not stale within 30 s");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let out = lockstep_on(&url, &["workers", "--json"]).await;
+    assert_eq!(doc(&out)[0]["state"], "stale");
+    let out = lockstep_on(&url, &["perspectives", "status", "--check"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let (_, api) = tokio::task::spawn_blocking(move || http_get(&addr, "/api/status"))
+        .await
+        .expect("task");
+    assert!(api.contains("\"workers_stale\":1"), "{api}");
+    assert!(api.contains("\"perspectives_unserved\":1"), "{api}");
+    let _ = server.kill();
+    let _ = server.wait();
 }

@@ -308,6 +308,23 @@ pub enum ValidationError {
         /// Which option.
         field: &'static str,
     },
+    /// A text value (an instance's name, host or version) was empty or only whitespace.
+    #[error("{field} must not be blank")]
+    BlankText {
+        /// Which value.
+        field: &'static str,
+    },
+    /// A text value exceeded its limit (an instance's name, host or version:
+    /// [`crate::InstanceAnnouncement::MAX_TEXT_CHARS`]).
+    #[error("{field} has {chars} characters; at most {max} are allowed")]
+    TextTooLong {
+        /// Which value.
+        field: &'static str,
+        /// Characters given.
+        chars: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 /// Test helper: a constructor's result with the typed [`ValidationError`] as its error (panics

@@ -67,7 +67,8 @@
 //! - [`StreamLocker`] / [`StreamLockAdmin`] / [`LeaseFence`] — leases per `(stream,
 //!   perspective)` for rewind, bootstrap and purge: [`AcquireOutcome`], [`StreamLease`],
 //!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`], [`LeaseEntry`]
-//!   ([`stream_lease`]).
+//!   ([`stream_lease`]); the fleet of worker instances announced through the same locker:
+//!   [`InstanceAnnouncement`], [`KeepaliveOutcome`], [`WorkerInstance`] ([`fleet`]).
 //! - [`Perspective`] / [`PerspectiveStore`] — read models and their storage ([`perspective`],
 //!   [`perspective_store`]); [`TablePerspective`] — read models in the application's own tables,
 //!   written in the worker's transaction ([`table_perspective`]).
@@ -93,6 +94,7 @@ pub mod decider;
 pub mod distributed_lock;
 pub mod error;
 pub mod event_store;
+pub mod fleet;
 pub mod ids;
 pub mod json;
 pub mod options;
@@ -114,6 +116,9 @@ pub use distributed_lock::{DistributedLock, SessionLockGuard, SessionLocks};
 pub use error::{BoxError, Error, ErrorKind, Result, ValidationError};
 pub use event_store::{
     EventStore, ExpectedVersion, NewEvent, RecordedEvent, VersionConflict, version_conflict,
+};
+pub use fleet::{
+    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceState, KeepaliveOutcome, WorkerInstance,
 };
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;

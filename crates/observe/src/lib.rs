@@ -38,8 +38,8 @@
 //!
 //! | `contract` | `op` |
 //! |---|---|
-//! | `stream_locker` | `try_acquire`, `renew`, `release`, `renew_many` |
-//! | `stream_lock_admin` | `list_leases`, `list_lease_entries`, `inspect`, `force_release`, `release_all_held_by` |
+//! | `stream_locker` | `try_acquire`, `renew`, `release`, `renew_many`, `announce`, `keepalive`, `depart` |
+//! | `stream_lock_admin` | `list_leases`, `list_lease_entries`, `inspect`, `force_release`, `release_all_held_by`, `list_instances` |
 //! | `lease_fence` | `check_lease` |
 //! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
 //! | `event_store` | `load`, `load_locked`, `append` |
@@ -290,6 +290,34 @@ impl<T: StreamLocker> StreamLocker for Observed<T> {
         )
         .await
     }
+
+    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
+        let span =
+            tracing::info_span!("lockstep", op = "announce", instance = %announcement.instance);
+        let call = self.inner.announce(announcement);
+        observe("stream_locker", "announce", span, ok, call).await
+    }
+
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        leases: &[LeaseId],
+    ) -> Result<lockstep_core::KeepaliveOutcome> {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "keepalive",
+            instance = %instance,
+            leases = leases.len()
+        );
+        let call = self.inner.keepalive(instance, leases);
+        observe("stream_locker", "keepalive", span, ok, call).await
+    }
+
+    async fn depart(&self, instance: InstanceId) -> Result<bool> {
+        let span = tracing::info_span!("lockstep", op = "depart", instance = %instance);
+        let call = self.inner.depart(instance);
+        observe("stream_locker", "depart", span, ok, call).await
+    }
 }
 
 #[async_trait]
@@ -350,6 +378,11 @@ impl<T: StreamLockAdmin> StreamLockAdmin for Observed<T> {
             tracing::info_span!("lockstep", op = "release_all_held_by", instance = %instance);
         let call = self.inner.release_all_held_by(instance);
         observe("stream_lock_admin", "release_all_held_by", span, ok, call).await
+    }
+    async fn list_instances(&self) -> Result<Vec<lockstep_core::WorkerInstance>> {
+        let span = tracing::info_span!("lockstep", op = "list_instances");
+        let call = self.inner.list_instances();
+        observe("stream_lock_admin", "list_instances", span, ok, call).await
     }
 }
 

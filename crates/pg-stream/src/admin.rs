@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use lockstep_core::{
     CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo, LeaseStatus,
     PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
+    WorkerInstance,
 };
 use tokio_postgres::Row;
 
@@ -21,6 +22,10 @@ use crate::statement::{RowName, column};
 
 #[async_trait]
 impl StreamLockAdmin for PgStreamLocker {
+    async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
+        self.instances().await
+    }
+
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
         let rows: Vec<Row> = self
             .run(sql::LIST_LEASES, &[], "listing stream leases")

@@ -10,9 +10,9 @@ use std::collections::HashMap;
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
 use lockstep_core::{
-    AcquireOutcome, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseHolder, LeaseId, LockReason,
-    PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
-    StreamLockOptions, StreamLocker,
+    AcquireOutcome, Error, ErrorKind, InstanceAnnouncement, InstanceId, KeepaliveOutcome,
+    LeaseEpoch, LeaseHolder, LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
+    Result, StreamId, StreamLease, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{LockQueue, PgDatabase};
 use time::OffsetDateTime;
@@ -276,16 +276,7 @@ impl StreamLocker for PgStreamLocker {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        // Sorted by pair (the statement itself locks rows in key order, whatever the plan).
-        let mut order: Vec<&LeaseId> = leases.iter().collect();
-        order.sort_by(|a, b| {
-            (a.stream_id, a.perspective.as_str()).cmp(&(b.stream_id, b.perspective.as_str()))
-        });
-        let streams: Vec<Uuid> = order.iter().map(|l| l.stream_id.as_uuid()).collect();
-        let perspectives: Vec<&str> = order.iter().map(|l| l.perspective.as_str()).collect();
-        let holders: Vec<Uuid> = order.iter().map(|l| l.holder.as_uuid()).collect();
-        let epochs: Vec<i64> = order.iter().map(|l| l.epoch.get()).collect();
-
+        let (streams, perspectives, holders, epochs) = lease_arrays(leases);
         let rows: Vec<Row> = self
             .run(
                 sql::RENEW_MANY,
@@ -293,41 +284,111 @@ impl StreamLocker for PgStreamLocker {
                 "renewing stream leases",
             )
             .await?;
-
-        // Keyed by the whole lease id, so a lease listed twice is reported twice.
-        let renewed: HashMap<(Uuid, String, Uuid, i64), OffsetDateTime> = rows
-            .iter()
-            .map(|row| {
-                let at = RowName::Listed;
-                let key: (Uuid, String, Uuid, i64) = (
-                    column(row, 0, at)?,
-                    column(row, 1, at)?,
-                    column(row, 2, at)?,
-                    column(row, 3, at)?,
-                );
-                let expires_at = column(row, 4, RowName::Pair(StreamId::from_uuid(key.0), &key.1))?;
-                Ok((key, expires_at))
-            })
-            .collect::<Result<_>>()?;
-        let outcomes: Vec<RenewOutcome> = leases
-            .iter()
-            .map(|l| {
-                let key = (
-                    l.stream_id.as_uuid(),
-                    l.perspective.as_str().to_owned(),
-                    l.holder.as_uuid(),
-                    l.epoch.get(),
-                );
-                match renewed.get(&key) {
-                    Some(&expires_at) => RenewOutcome::Renewed { expires_at },
-                    None => RenewOutcome::Lost,
-                }
-            })
-            .collect();
-        let lost = outcomes.iter().filter(|o| !o.is_renewed()).count();
-        if lost > 0 {
-            tracing::warn!(lost, "batched renew found leases lost");
-        }
-        Ok(outcomes)
+        renew_outcomes(leases, &rows)
     }
+
+    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()> {
+        self.announce_instance(announcement).await
+    }
+
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        leases: &[LeaseId],
+    ) -> Result<KeepaliveOutcome> {
+        let (streams, perspectives, holders, epochs) = lease_arrays(leases);
+        let rows: Vec<Row> = self
+            .run(
+                sql::KEEPALIVE,
+                &[
+                    &streams,
+                    &perspectives,
+                    &holders,
+                    &epochs,
+                    &self.timeout,
+                    &instance.as_uuid(),
+                ],
+                "renewing stream leases and marking the instance seen",
+            )
+            .await?;
+        let mut seen = false;
+        let mut renewed = Vec::with_capacity(rows.len());
+        for row in rows {
+            if column::<bool, _>(&row, "seen", RowName::Listed)? {
+                seen = true;
+            } else {
+                renewed.push(row);
+            }
+        }
+        Ok(KeepaliveOutcome::new(
+            renew_outcomes(leases, &renewed)?,
+            seen,
+        ))
+    }
+
+    async fn depart(&self, instance: InstanceId) -> Result<bool> {
+        let deleted: u64 = self
+            .run(
+                sql::DEPART,
+                &[&instance.as_uuid()],
+                "removing a worker instance's announcement",
+            )
+            .await?;
+        Ok(deleted > 0)
+    }
+}
+
+/// The batched renew's parameters: the leases sorted by pair (the statement itself locks rows
+/// in key order, whatever the plan), as four arrays.
+fn lease_arrays(leases: &[LeaseId]) -> (Vec<Uuid>, Vec<&str>, Vec<Uuid>, Vec<i64>) {
+    let mut order: Vec<&LeaseId> = leases.iter().collect();
+    order.sort_by(|a, b| {
+        (a.stream_id, a.perspective.as_str()).cmp(&(b.stream_id, b.perspective.as_str()))
+    });
+    (
+        order.iter().map(|l| l.stream_id.as_uuid()).collect(),
+        order.iter().map(|l| l.perspective.as_str()).collect(),
+        order.iter().map(|l| l.holder.as_uuid()).collect(),
+        order.iter().map(|l| l.epoch.get()).collect(),
+    )
+}
+
+/// The outcomes of a batched renew of `leases`, in their order, from the rows it renewed
+/// (stream, perspective, holder, epoch, expiry).
+fn renew_outcomes(leases: &[LeaseId], rows: &[Row]) -> Result<Vec<RenewOutcome>> {
+    // Keyed by the whole lease id, so a lease listed twice is reported twice.
+    let renewed: HashMap<(Uuid, String, Uuid, i64), OffsetDateTime> = rows
+        .iter()
+        .map(|row| {
+            let at = RowName::Listed;
+            let key: (Uuid, String, Uuid, i64) = (
+                column(row, 0, at)?,
+                column(row, 1, at)?,
+                column(row, 2, at)?,
+                column(row, 3, at)?,
+            );
+            let expires_at = column(row, 4, RowName::Pair(StreamId::from_uuid(key.0), &key.1))?;
+            Ok((key, expires_at))
+        })
+        .collect::<Result<_>>()?;
+    let outcomes: Vec<RenewOutcome> = leases
+        .iter()
+        .map(|l| {
+            let key = (
+                l.stream_id.as_uuid(),
+                l.perspective.as_str().to_owned(),
+                l.holder.as_uuid(),
+                l.epoch.get(),
+            );
+            match renewed.get(&key) {
+                Some(&expires_at) => RenewOutcome::Renewed { expires_at },
+                None => RenewOutcome::Lost,
+            }
+        })
+        .collect();
+    let lost = outcomes.iter().filter(|o| !o.is_renewed()).count();
+    if lost > 0 {
+        tracing::warn!(lost, "batched renew found leases lost");
+    }
+    Ok(outcomes)
 }

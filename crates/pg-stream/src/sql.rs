@@ -165,3 +165,80 @@ UPDATE wh_perspective_cursors c
   FROM locked k
  WHERE c.stream_id = k.stream_id AND c.perspective_name = k.perspective_name
    AND c.stream_lock_instance_id = $1::uuid";
+
+/// The keepalive of an announced instance (`docs/adr/0015-worker-fleet.md`): the batched renew
+/// ([`RENEW_MANY`], same `$1`–`$5`, the arrays may be empty) and, in the same statement, the
+/// instance `$6` (`uuid`) marked seen. One row per renewed lease (`seen` false), then one row
+/// with `seen` true when the instance's row was found (none when it is not announced).
+///
+/// A data-modifying CTE always runs to its end, read or not, so the instance is marked seen
+/// whether or not any lease is renewed. Only the instance itself updates its row (announce,
+/// keepalive, depart) besides the prune of rows stale for a day, so the extra row lock cannot
+/// make two keepalives wait for each other.
+pub const KEEPALIVE: &str = "\
+WITH seen AS (
+    UPDATE wh_worker_instances
+       SET last_seen_at = clock_timestamp()
+     WHERE instance_id = $6::uuid
+    RETURNING instance_id
+), l AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bigint[])
+                  AS l(stream_id, perspective_name, holder, epoch)
+), locked AS MATERIALIZED (
+    SELECT c.stream_id, c.perspective_name
+      FROM wh_perspective_cursors c
+     WHERE (c.stream_id, c.perspective_name) IN (SELECT stream_id, perspective_name FROM l)
+     ORDER BY c.stream_id, c.perspective_name COLLATE \"C\"
+       FOR NO KEY UPDATE OF c
+), renewed AS (
+    UPDATE wh_perspective_cursors c
+       SET stream_lock_expiry = clock_timestamp() + $5::interval
+      FROM l, locked k
+     WHERE c.stream_id = k.stream_id AND c.perspective_name = k.perspective_name
+       AND l.stream_id = k.stream_id AND l.perspective_name = k.perspective_name
+       AND c.stream_lock_instance_id = l.holder AND c.stream_lock_epoch = l.epoch
+       AND c.stream_lock_expiry > clock_timestamp()
+    RETURNING c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_epoch,
+              c.stream_lock_expiry
+)
+SELECT r.stream_id, r.perspective_name, r.stream_lock_instance_id, r.stream_lock_epoch,
+       r.stream_lock_expiry, false AS seen
+  FROM renewed r
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, true FROM seen";
+
+/// Announce: `$1` instance (`uuid`), `$2` name, `$3` host, `$4` pid (`bigint`), `$5` version,
+/// `$6` perspectives (`text[]`), `$7` stale after (`interval`, the lock timeout), `$8` forget
+/// after (`interval`). Inserts the instance seen now, or replaces what the same id announced
+/// before, keeping its `started_at`; on the way, deletes every other instance not seen for `$8`.
+pub const ANNOUNCE: &str = "\
+WITH forgotten AS (
+    DELETE FROM wh_worker_instances
+     WHERE instance_id <> $1::uuid AND last_seen_at < clock_timestamp() - $8::interval
+)
+INSERT INTO wh_worker_instances AS w
+       (instance_id, name, host, pid, version, perspectives, started_at, last_seen_at,
+        stale_after)
+VALUES ($1::uuid, $2::text, $3::text, $4::bigint, $5::text, $6::text[], clock_timestamp(),
+        clock_timestamp(), $7::interval)
+ON CONFLICT (instance_id) DO UPDATE
+   SET name = EXCLUDED.name, host = EXCLUDED.host, pid = EXCLUDED.pid,
+       version = EXCLUDED.version, perspectives = EXCLUDED.perspectives,
+       last_seen_at = EXCLUDED.last_seen_at, stale_after = EXCLUDED.stale_after";
+
+/// Depart: `$1` instance. Deletes its announcement; one row affected means it was there.
+pub const DEPART: &str = "DELETE FROM wh_worker_instances WHERE instance_id = $1::uuid";
+
+/// The fleet for operators: every announced instance with how long ago it was seen and whether
+/// it is live, on the database clock, ordered by name (byte order), then id. The durations are
+/// NULL for a time written by hand as `'infinity'` (reported as a row lockstep cannot read).
+pub const LIST_INSTANCES: &str = "\
+SELECT w.instance_id, w.name, w.host, w.pid, w.version, w.perspectives, w.started_at,
+       w.last_seen_at,
+       floor(extract(epoch FROM w.stale_after) * 1000000)::bigint AS stale_after_us,
+       CASE WHEN isfinite(w.last_seen_at) THEN
+           GREATEST(0, floor(extract(epoch FROM n.now - w.last_seen_at) * 1000000))::bigint
+       END AS since_seen_us,
+       w.last_seen_at + w.stale_after > n.now AS live
+  FROM wh_worker_instances w, (SELECT clock_timestamp() AS now) n
+ ORDER BY w.name COLLATE \"C\", w.instance_id";

@@ -359,6 +359,28 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
         }
         Ok(outcomes)
     }
+
+    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
+        self.faults.controls.delay().await;
+        self.inner.announce(announcement).await
+    }
+
+    /// One renew each (the per-renew faults apply), then the inner keepalive with no lease to
+    /// mark the instance seen.
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        leases: &[LeaseId],
+    ) -> Result<lockstep_core::KeepaliveOutcome> {
+        let renewed = self.renew_many(leases).await?;
+        let seen = self.inner.keepalive(instance, &[]).await?.seen;
+        Ok(lockstep_core::KeepaliveOutcome::new(renewed, seen))
+    }
+
+    async fn depart(&self, instance: InstanceId) -> Result<bool> {
+        self.faults.controls.delay().await;
+        self.inner.depart(instance).await
+    }
 }
 
 /// Admin calls pass through unless [`StreamLockerFaults::fail_next_admin_calls`] fails them.
@@ -395,6 +417,10 @@ impl<L: StreamLockAdmin> StreamLockAdmin for FaultyStreamLocker<L> {
     async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64> {
         self.admin_fault("release_all_held_by").await?;
         self.inner.release_all_held_by(instance).await
+    }
+    async fn list_instances(&self) -> Result<Vec<lockstep_core::WorkerInstance>> {
+        self.admin_fault("list_instances").await?;
+        self.inner.list_instances().await
     }
 }
 

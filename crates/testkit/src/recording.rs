@@ -101,6 +101,25 @@ pub enum StreamLockCall {
         /// What came back: how many leases were cleared.
         outcome: Outcome<u64>,
     },
+    /// `announce` (the fleet).
+    Announce {
+        /// What was announced.
+        announcement: lockstep_core::InstanceAnnouncement,
+        /// What came back.
+        outcome: Outcome<()>,
+    },
+    /// `depart` (the fleet).
+    Depart {
+        /// The instance departing.
+        instance: InstanceId,
+        /// What came back: whether it was announced.
+        outcome: Outcome<bool>,
+    },
+    /// `list_instances` ([`StreamLockAdmin`]).
+    ListInstances {
+        /// What came back.
+        outcome: Outcome<Vec<lockstep_core::WorkerInstance>>,
+    },
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -256,6 +275,45 @@ impl<L: StreamLocker> StreamLocker for RecordingStreamLocker<L> {
         }
         result
     }
+
+    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
+        let result = self.inner.announce(announcement).await;
+        self.record(StreamLockCall::Announce {
+            announcement: announcement.clone(),
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    /// Forwarded; each lease's renewal is recorded as a [`StreamLockCall::Renew`], as for
+    /// `renew_many`.
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        leases: &[LeaseId],
+    ) -> Result<lockstep_core::KeepaliveOutcome> {
+        let result = self.inner.keepalive(instance, leases).await;
+        for (i, lease) in leases.iter().enumerate() {
+            let outcome = match &result {
+                Ok(done) => done.renewed.get(i).copied().ok_or(ErrorKind::Backend),
+                Err(e) => Err(e.kind()),
+            };
+            self.record(StreamLockCall::Renew {
+                lease: lease.clone(),
+                outcome,
+            });
+        }
+        result
+    }
+
+    async fn depart(&self, instance: InstanceId) -> Result<bool> {
+        let result = self.inner.depart(instance).await;
+        self.record(StreamLockCall::Depart {
+            instance,
+            outcome: outcome(&result),
+        });
+        result
+    }
 }
 
 #[async_trait]
@@ -300,6 +358,13 @@ impl<L: StreamLockAdmin> StreamLockAdmin for RecordingStreamLocker<L> {
         let result = self.inner.release_all_held_by(instance).await;
         self.record(StreamLockCall::ReleaseAllHeldBy {
             instance,
+            outcome: outcome(&result),
+        });
+        result
+    }
+    async fn list_instances(&self) -> Result<Vec<lockstep_core::WorkerInstance>> {
+        let result = self.inner.list_instances().await;
+        self.record(StreamLockCall::ListInstances {
             outcome: outcome(&result),
         });
         result

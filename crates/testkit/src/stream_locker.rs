@@ -31,10 +31,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lockstep_core::{
-    AcquireOutcome, CursorLease, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseFence, LeaseHolder,
-    LeaseId, LeaseInfo, LeaseStatus, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
-    ResourceKey, Result, StreamId, StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker,
-    async_trait,
+    AcquireOutcome, CursorLease, Error, ErrorKind, InstanceAnnouncement, InstanceId, InstanceState,
+    KeepaliveOutcome, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo, LeaseStatus,
+    LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId,
+    StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker, WorkerInstance, async_trait,
 };
 use time::OffsetDateTime;
 use tokio::time::Instant;
@@ -86,10 +86,21 @@ impl Clock {
     }
 }
 
-/// In-memory stream leases. Clones share state, like lockers on one database.
+/// One announced instance of the fleet, as the fake keeps it.
+#[derive(Debug, Clone)]
+struct Announced {
+    announcement: InstanceAnnouncement,
+    started: Instant,
+    seen: Instant,
+    stale_after: std::time::Duration,
+}
+
+/// In-memory stream leases (and the fleet of instances announced through them). Clones share
+/// state, like lockers on one database.
 #[derive(Debug, Clone)]
 pub struct InMemoryStreamLocker {
     rows: Arc<Mutex<BTreeMap<Key, Row>>>,
+    instances: Arc<Mutex<BTreeMap<InstanceId, Announced>>>,
     options: StreamLockOptions,
     clock: Clock,
     // Where cursor-row locks live, when fenced commits are used.
@@ -101,6 +112,7 @@ impl InMemoryStreamLocker {
     pub fn new(options: StreamLockOptions) -> InMemoryStreamLocker {
         InMemoryStreamLocker {
             rows: Arc::default(),
+            instances: Arc::default(),
             options,
             clock: Clock {
                 origin: Instant::now(),
@@ -167,6 +179,13 @@ impl InMemoryStreamLocker {
     fn rows(&self) -> MutexGuard<'_, BTreeMap<Key, Row>> {
         // Every update below completes before the guard drops, so a poisoned map is consistent.
         self.rows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn instances(&self) -> MutexGuard<'_, BTreeMap<InstanceId, Announced>> {
+        // As for the rows: every update completes before the guard drops.
+        self.instances
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -270,6 +289,49 @@ impl StreamLocker for InMemoryStreamLocker {
             _ => Ok(ReleaseOutcome::NotHeld),
         }
     }
+
+    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()> {
+        let now = Instant::now();
+        let mut instances = self.instances();
+        instances.retain(|id, i| {
+            *id == announcement.instance
+                || now.saturating_duration_since(i.seen) <= lockstep_core::FORGET_STALE_AFTER
+        });
+        let started = instances
+            .get(&announcement.instance)
+            .map_or(now, |i| i.started);
+        instances.insert(
+            announcement.instance,
+            Announced {
+                announcement: announcement.clone(),
+                started,
+                seen: now,
+                stale_after: self.options.lock_timeout(),
+            },
+        );
+        Ok(())
+    }
+
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        leases: &[LeaseId],
+    ) -> Result<KeepaliveOutcome> {
+        let renewed = self.renew_many(leases).await?;
+        let now = Instant::now();
+        let seen = match self.instances().get_mut(&instance) {
+            Some(announced) => {
+                announced.seen = now;
+                true
+            }
+            None => false,
+        };
+        Ok(KeepaliveOutcome::new(renewed, seen))
+    }
+
+    async fn depart(&self, instance: InstanceId) -> Result<bool> {
+        Ok(self.instances().remove(&instance).is_some())
+    }
 }
 
 /// `list_lease_entries` is the default (every entry a lease): the fake's rows hold typed values,
@@ -355,6 +417,35 @@ impl StreamLockAdmin for InMemoryStreamLocker {
             }
         }
         Ok(released)
+    }
+
+    async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
+        let now = Instant::now();
+        let mut listed: Vec<WorkerInstance> = self
+            .instances()
+            .values()
+            .map(|i| {
+                let since_seen = now.saturating_duration_since(i.seen);
+                WorkerInstance::new(
+                    i.announcement.clone(),
+                    self.clock.wall(i.started),
+                    self.clock.wall(i.seen),
+                    i.stale_after,
+                    since_seen,
+                    // As on Postgres: live while `last_seen_at + stale_after > now`.
+                    if since_seen < i.stale_after {
+                        InstanceState::Live
+                    } else {
+                        InstanceState::Stale
+                    },
+                )
+            })
+            .collect();
+        listed.sort_by(|a, b| {
+            (a.announcement.name.as_bytes(), a.announcement.instance)
+                .cmp(&(b.announcement.name.as_bytes(), b.announcement.instance))
+        });
+        Ok(listed)
     }
 }
 

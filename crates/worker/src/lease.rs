@@ -57,8 +57,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, InstanceId, LeaseHolder, LeaseId, LockReason, PerspectiveName, ReleaseOutcome,
-    RenewOutcome, Result, StreamId, StreamLease, StreamLocker,
+    AcquireOutcome, Error, ErrorKind, InstanceAnnouncement, InstanceId, LeaseHolder, LeaseId,
+    LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
+    StreamLocker,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -99,6 +100,9 @@ struct Shared {
     releases: TaskTracker,
     /// Leases those background releases released (shutdown reports the ones it waited for).
     released_in_background: std::sync::atomic::AtomicU64,
+    /// What the instance announced ([`LeaseKeeper::announce`]): from then on every keepalive
+    /// also marks it seen, and shutdown departs.
+    announced: Mutex<Option<InstanceAnnouncement>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -111,6 +115,13 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    fn announced(&self) -> Option<InstanceAnnouncement> {
+        self.announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     fn entries(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
         self.entries
             .lock()
@@ -194,6 +205,7 @@ impl LeaseKeeper {
             tracked: Arc::new(Notify::new()),
             releases: TaskTracker::new(),
             released_in_background: std::sync::atomic::AtomicU64::new(0),
+            announced: Mutex::new(None),
         });
         tokio::spawn(keepalive(Arc::downgrade(&shared), stop.clone()));
         LeaseKeeper {
@@ -277,14 +289,53 @@ impl LeaseKeeper {
         self.shared.entries().values().filter(|e| e.kept()).count()
     }
 
-    /// How many `renew_many` calls the keepalive has sent so far.
+    /// Announces the instance to the fleet ([`StreamLocker::announce`]; see
+    /// [`lockstep_core::fleet`]): from now on each keepalive interval sends one
+    /// [`StreamLocker::keepalive`] (which renews the leases held, if any, and marks the instance
+    /// seen) — even while no lease is held — and [`LeaseKeeper::shutdown`] departs. A keepalive
+    /// that finds the announcement gone (removed by an operator, forgotten after a long
+    /// partition) announces again.
+    ///
+    /// An announcement of another instance than the keeper's is
+    /// [`ErrorKind::InvalidInput`]; a locker without a
+    /// fleet answers [`ErrorKind::Unsupported`] and the
+    /// keeper goes on unannounced.
+    pub async fn announce(&self, announcement: InstanceAnnouncement) -> Result<()> {
+        if announcement.instance != self.shared.instance {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "the announcement is of instance {}, the keeper keeps leases of {}",
+                    announcement.instance, self.shared.instance
+                ),
+            ));
+        }
+        self.shared.locker.announce(&announcement).await?;
+        *self
+            .shared
+            .announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(announcement);
+        // The keepalive may be waiting with nothing to renew: it has something to do now.
+        self.shared.tracked.notify_one();
+        Ok(())
+    }
+
+    /// Whether the instance is announced (and not departed).
+    pub fn is_announced(&self) -> bool {
+        self.shared.announced().is_some()
+    }
+
+    /// How many keepalive calls (`renew_many`, or `keepalive` once announced) the keeper has
+    /// sent so far.
     pub fn renew_calls(&self) -> u64 {
         self.shared
             .renew_calls
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Stops the keepalive and releases every lease it held (graceful shutdown), including
+    /// Stops the keepalive and releases every lease it held (graceful shutdown), then departs
+    /// from the fleet if the instance was announced ([`LeaseKeeper::announce`]), including
     /// leases whose [`HeldLease::release`] is in flight or was dropped; their lost signals fire.
     /// Then waits for the background releases of dropped leases, at most the lock timeout
     /// (after that their leases have expired anyway). Returns how many leases were released —
@@ -325,6 +376,21 @@ impl LeaseKeeper {
             .released_in_background
             .load(Relaxed)
             .saturating_sub(background_before);
+        let announced = self
+            .shared
+            .announced
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if announced.is_some() {
+            // A failure leaves the announcement to go stale (the keepalive has stopped).
+            match self.shared.locker.depart(self.shared.instance).await {
+                Ok(_) => tracing::debug!(instance = %self.shared.instance, "instance departed"),
+                Err(err) => {
+                    tracing::warn!(error = %err, instance = %self.shared.instance, "departing from the fleet failed; the instance will show as stale");
+                }
+            }
+        }
         match first_error {
             Some(err) => Err(err),
             None => Ok(released),
@@ -375,7 +441,9 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
             .filter(|(_, e)| e.kept())
             .map(|(k, e)| (*k, e.id.clone()))
             .collect();
-        if held.is_empty() {
+        // An announced instance says it is alive every interval, with or without leases.
+        let announced = shared.announced();
+        if held.is_empty() && announced.is_none() {
             continue;
         }
         let ids: Vec<LeaseId> = held.iter().map(|(_, id)| id.clone()).collect();
@@ -383,12 +451,29 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
         shared
             .renew_calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // One call either way: the renew alone, or (announced) the renew that also marks the
+        // instance seen.
+        let call = async {
+            match &announced {
+                Some(_) => shared
+                    .locker
+                    .keepalive(shared.instance, &ids)
+                    .await
+                    .map(|k| (k.renewed, Some(k.seen))),
+                None => shared.locker.renew_many(&ids).await.map(|r| (r, None)),
+            }
+        };
         // Bounded by the interval so a stuck renew cannot delay the next one; the deadlines
         // are watched meanwhile.
-        let renew = tokio::time::timeout(interval, shared.locker.renew_many(&ids));
+        let renew = tokio::time::timeout(interval, call);
         let weak = Arc::downgrade(&shared);
         let Some(outcome) = watch_deadlines(&weak, &stop, &tracked, renew).await else {
             return;
+        };
+        let (outcome, seen) = match outcome {
+            Ok(Ok((renewed, seen))) => (Ok(Ok(renewed)), seen),
+            Ok(Err(err)) => (Ok(Err(err)), None),
+            Err(elapsed) => (Err(elapsed), None),
         };
         // A renew confirmed at or after a deadline is too late for that lease: fire first, so
         // the outcomes below never extend a lease whose signal is due.
@@ -420,6 +505,21 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
             }
             Err(_) => {
                 tracing::warn!(leases = ids.len(), "keepalive renew timed out");
+            }
+        }
+        // The announcement is gone (an operator removed it, or it was forgotten after a long
+        // partition): announce again, bounded like the renew.
+        if let (Some(false), Some(announcement)) = (seen, announced) {
+            let again = tokio::time::timeout(interval, shared.locker.announce(&announcement));
+            match watch_deadlines(&weak, &stop, &tracked, again).await {
+                None => return,
+                Some(Ok(Ok(()))) => {
+                    tracing::info!(instance = %shared.instance, "the instance's announcement was gone; announced again");
+                }
+                Some(Ok(Err(err))) => {
+                    tracing::warn!(error = %err, "announcing the instance again failed");
+                }
+                Some(Err(_)) => tracing::warn!("announcing the instance again timed out"),
             }
         }
     }

@@ -10,6 +10,9 @@
 //!   per instance (`renew_many`), a lost signal as a cancellation token, the fence for the
 //!   protected commit, release on finish or drop ([`lease`]). Applications that rebuild a read
 //!   model of their own use it too.
+//! - [`InstanceIdentity`] — how an instance names itself in the fleet: a worker with a locker
+//!   announces itself when it runs, is kept alive by the keepalive it already sends, and departs
+//!   when it stops ([`fleet`]).
 //! - [`ApplyCoordinator`] — serializes every apply path of a pair inside one instance
 //!   ([`coordinator`]).
 //! - [`ReadModels`] — typed reads of a perspective's states and waits until it has caught up
@@ -45,6 +48,7 @@
 //! ```
 
 pub mod coordinator;
+pub mod fleet;
 pub mod lease;
 pub mod options;
 pub mod reads;
@@ -52,6 +56,7 @@ pub mod telemetry;
 pub mod worker;
 
 pub use coordinator::{ApplyCoordinator, PairGuard};
+pub use fleet::InstanceIdentity;
 pub use lease::{HeldLease, LeaseKeeper, Leased};
 pub use options::WorkerOptions;
 pub use reads::{ReadModels, WaitError, WaitOptions};

@@ -64,6 +64,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::coordinator::ApplyCoordinator;
+use crate::fleet::InstanceIdentity;
 use crate::lease::{HeldLease, LeaseKeeper};
 use crate::options::WorkerOptions;
 use crate::telemetry::{self, count};
@@ -199,6 +200,8 @@ pub struct PerspectiveWorker<S: TransactionSource, P> {
     positions: Mutex<Vec<(PerspectiveName, Option<StreamId>)>>,
     /// How many times the batch limits are halved (after batches that failed as a whole).
     shrink: AtomicU32,
+    /// How the instance names itself in the fleet.
+    identity: InstanceIdentity,
 }
 
 impl<S: TransactionSource, P> std::fmt::Debug for PerspectiveWorker<S, P> {
@@ -250,6 +253,7 @@ where
             keeper: locker.map(|l| LeaseKeeper::start(l, instance)),
             coordinator: ApplyCoordinator::new(options.coordinator_warn_after),
             shrink: AtomicU32::new(0),
+            identity: InstanceIdentity::detect(),
         })
     }
 
@@ -262,6 +266,37 @@ where
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, p)| Kind::Table(Arc::clone(p)))
+    }
+
+    /// The same worker, naming itself `identity` in the fleet (default:
+    /// [`InstanceIdentity::detect`]). A name, host or version the announcement refuses is
+    /// [`ErrorKind::InvalidInput`], here rather than when the worker runs.
+    pub fn with_identity(mut self, identity: InstanceIdentity) -> Result<Self> {
+        identity.announcement(self.instance, self.registry.names())?;
+        self.identity = identity;
+        Ok(self)
+    }
+
+    /// How the instance names itself in the fleet.
+    pub fn identity(&self) -> &InstanceIdentity {
+        &self.identity
+    }
+
+    /// Announces the instance to the fleet through its locker's keeper (see [`crate::fleet`]):
+    /// what [`PerspectiveWorker::run`] does first. `Ok(false)` without a locker, or when the
+    /// locker keeps no fleet; a failure is the error.
+    pub async fn announce(&self) -> Result<bool> {
+        let Some(keeper) = &self.keeper else {
+            return Ok(false);
+        };
+        let announcement = self
+            .identity
+            .announcement(self.instance, self.registry.names())?;
+        match keeper.announce(announcement).await {
+            Ok(()) => Ok(true),
+            Err(err) if err.kind() == ErrorKind::Unsupported => Ok(false),
+            Err(err) => Err(err),
+        }
     }
 
     /// The instance this worker runs as.
@@ -298,10 +333,13 @@ where
         tx.commit().await
     }
 
-    /// Runs until `shutdown` fires: registers, then cycles, sleeping `poll_interval` after a
-    /// cycle that found nothing. On shutdown it stops claiming, lets the pair in flight finish
-    /// within `shutdown_grace` (abandoning it after that: its transaction rolls back), and
-    /// releases every lease the instance holds.
+    /// Runs until `shutdown` fires: registers, announces the instance to the fleet (with a
+    /// locker; a failure to announce is logged, and the worker runs unannounced), then cycles,
+    /// sleeping `poll_interval` after a cycle that found nothing. On shutdown it stops
+    /// claiming, lets the pair in flight finish within `shutdown_grace` (abandoning it after
+    /// that: its transaction rolls back), releases every lease the instance holds and departs
+    /// from the fleet. Dropped instead (a cancelled task), it leaves its announcement to go
+    /// stale.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         self.register().await?;
         telemetry::describe();
@@ -313,6 +351,15 @@ where
             perspectives = ?self.registry,
             "perspective worker running"
         );
+        match self.announce().await {
+            Ok(true) => {
+                tracing::info!(instance = %self.instance, name = self.identity.name(), "worker instance announced")
+            }
+            Ok(false) => tracing::debug!("worker instance not announced (no locker, or no fleet)"),
+            Err(err) => {
+                tracing::warn!(error = %err, "announcing the worker instance failed; it runs unannounced")
+            }
+        }
         while !shutdown.is_cancelled() {
             let report = self.cycle(Some(&shutdown)).await;
             for error in &report.errors {

@@ -1,6 +1,6 @@
 //! The status page's HTML: the shell (styles and the script that refreshes it in place and runs
-//! the actions) and the fragment it refreshes (summary, leases, advisory locks, perspectives,
-//! parked pairs). Everything from the database is escaped.
+//! the actions) and the fragment it refreshes (summary, workers, leases, advisory locks,
+//! perspectives, parked pairs). Everything from the database is escaped.
 
 use std::fmt::Write as _;
 
@@ -103,6 +103,9 @@ pub(super) fn summary(snap: &Snapshot) -> Value {
         "pairs_in_error": sum("in_error"),
         "pairs_parked": sum("parked"),
         "pairs_backing_off": sum("backing_off"),
+        "workers_live": snap.workers.iter().filter(|w| w["state"] == "live").count(),
+        "workers_stale": snap.workers.iter().filter(|w| w["state"] == "stale").count(),
+        "perspectives_unserved": snap.perspectives.iter().filter(|p| p["unserved"] == true).count(),
     })
 }
 
@@ -226,7 +229,64 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
         "ok",
         &format!("{} instances holding leases", n("instances_holding_leases")),
     );
+    badge(
+        &mut html,
+        level(n("perspectives_unserved") > 0, n("workers_stale") > 0),
+        &format!(
+            "{} workers live, {} stale, {} perspectives with no live worker",
+            n("workers_live"),
+            n("workers_stale"),
+            n("perspectives_unserved")
+        ),
+    );
     html.push_str("</p>");
+
+    let workers: Vec<Vec<String>> = snap
+        .workers
+        .iter()
+        .map(|w| {
+            let perspectives: Vec<String> = w["perspectives"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| escape(&text(p)))
+                .collect();
+            vec![
+                escape(&text(&w["name"])),
+                escape(&text(&w["instance_id"])),
+                escape(&text(&w["host"])),
+                escape(&text(&w["pid"])),
+                escape(&text(&w["version"])),
+                perspectives.join(", "),
+                escape(&text(&w["started_at"])),
+                format!("{:.1} s ago", w["last_seen_s_ago"].as_f64().unwrap_or(0.0)),
+                escape(&text(&w["leases_held"])),
+                if w["state"] == "live" {
+                    "<span class=\"ok\">live</span>".to_owned()
+                } else {
+                    "<span class=\"bad\">stale</span>".to_owned()
+                },
+            ]
+        })
+        .collect();
+    table(
+        &mut html,
+        "workers",
+        "Workers",
+        &[
+            "name",
+            "instance",
+            "host",
+            "pid",
+            "version",
+            "perspectives",
+            "started",
+            "last seen",
+            "leases",
+            "state",
+        ],
+        &workers,
+    );
 
     let leases: Vec<Vec<String>> = snap
         .leases
@@ -242,7 +302,14 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
             vec![
                 escape(&stream),
                 escape(&perspective),
-                escape(&text(&l["holder"])),
+                match l["holder_name"].as_str() {
+                    Some(name) => format!(
+                        "{}<br><small>{}</small>",
+                        escape(name),
+                        escape(&text(&l["holder"]))
+                    ),
+                    None => escape(&text(&l["holder"])),
+                },
                 escape(&text(&l["reason"])),
                 escape(&text(&l["epoch"])),
                 l["time_left_ms"]
@@ -369,6 +436,21 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                 escape(&text(&p["rewinds_pending"])),
                 escape(&text(&p["backing_off"])),
                 escape(&text(&p["parked"])),
+                {
+                    let live: Vec<String> = p["live_workers"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|w| escape(&text(w)))
+                        .collect();
+                    if p["unserved"] == true {
+                        "<span class=\"bad unserved\">no live worker</span>".to_owned()
+                    } else if live.is_empty() {
+                        "<span class=\"none\">none</span>".to_owned()
+                    } else {
+                        live.join(", ")
+                    }
+                },
                 if errors.is_empty() {
                     "0".to_owned()
                 } else {
@@ -393,6 +475,7 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
             "rewinds pending",
             "backing off",
             "parked",
+            "live workers",
             "pairs in error",
         ],
         &perspectives,
@@ -496,7 +579,7 @@ table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #e3e3e3;
 text-align:left;vertical-align:top;font-size:.9em}th{background:#f6f6f6}\
 .badge{display:inline-block;padding:.15em .6em;border-radius:1em;margin:.1em;font-size:.9em}\
 .badge.ok{background:#e3f4e3}.badge.warn{background:#fff1c2}.badge.bad{background:#fcd5d5}\
-span.bad{color:#b00;font-weight:600}span.warn{color:#a60}.none,.meta{color:#777}\
+span.bad{color:#b00;font-weight:600}span.warn{color:#a60}span.ok{color:#070}.none,.meta{color:#777}\
 .down{background:#fcd5d5;padding:1em;border-radius:.4em}#message{margin-left:1em;font-weight:600}\
 button{font-size:.8em;margin-left:.3em}";
 

@@ -12,8 +12,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, InstanceId, LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
-    StreamId, StreamLease, StreamLockAdmin, StreamLocker,
+    AcquireOutcome, InstanceAnnouncement, InstanceId, InstanceState, LeaseId, LockReason,
+    PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLease, StreamLockAdmin,
+    StreamLocker, WorkerInstance,
 };
 
 use crate::InMemoryStreamLocker;
@@ -539,6 +540,199 @@ pub async fn list_shows_held_and_expired_leases<F: StreamLockerFixture>(fixture:
     assert_eq!(expired.time_left, Duration::ZERO);
 }
 
+fn announcement(instance: InstanceId, perspectives: &[&str]) -> InstanceAnnouncement {
+    InstanceAnnouncement::new(
+        instance,
+        format!("conformance-{instance}"),
+        "conformance-host",
+        4242,
+        "1.2.3",
+        perspectives
+            .iter()
+            .map(|p| PerspectiveName::new(*p).expect("valid name"))
+            .collect(),
+    )
+    .expect("valid announcement")
+}
+
+async fn listed<F: StreamLockerFixture>(
+    fixture: &F,
+    instance: InstanceId,
+) -> Option<WorkerInstance> {
+    fixture
+        .admin()
+        .list_instances()
+        .await
+        .expect("list_instances")
+        .into_iter()
+        .find(|i| i.announcement.instance == instance)
+}
+
+/// An announced instance is listed live, with everything it announced, stale after the lock
+/// timeout.
+pub async fn an_announced_instance_is_listed_live_with_what_it_runs<F: StreamLockerFixture>(
+    fixture: &F,
+) {
+    let me = InstanceId::random();
+    let announced = announcement(me, &["B", "A"]);
+    assert_eq!(listed(fixture, me).await, None);
+    fixture
+        .locker()
+        .announce(&announced)
+        .await
+        .expect("announce");
+    let found = listed(fixture, me).await.expect("listed after announcing");
+    assert_eq!(found.announcement, announced);
+    assert_eq!(found.state, InstanceState::Live);
+    let timeout = fixture.locker().options().lock_timeout();
+    assert_eq!(found.stale_after, timeout);
+    assert!(found.since_seen < timeout, "{found:?}");
+    assert!(found.started_at <= found.last_seen_at);
+    let names: Vec<&str> = found
+        .announcement
+        .perspectives
+        .iter()
+        .map(PerspectiveName::as_str)
+        .collect();
+    assert_eq!(names, ["A", "B"]);
+}
+
+/// Announcing again replaces what the instance announced, keeping when it started.
+pub async fn announcing_again_replaces_the_announcement_and_keeps_started_at<
+    F: StreamLockerFixture,
+>(
+    fixture: &F,
+) {
+    let me = InstanceId::random();
+    fixture
+        .locker()
+        .announce(&announcement(me, &["A"]))
+        .await
+        .expect("announce");
+    let first = listed(fixture, me).await.expect("listed");
+    tokio::time::sleep(fixture.locker().options().keepalive_interval()).await;
+    let again = announcement(me, &["C"]);
+    fixture
+        .locker()
+        .announce(&again)
+        .await
+        .expect("announce again");
+    let second = listed(fixture, me).await.expect("still listed");
+    assert_eq!(second.announcement, again);
+    assert_eq!(second.started_at, first.started_at);
+    assert!(second.last_seen_at > first.last_seen_at);
+}
+
+/// The keepalive of an announced instance renews its leases and marks it seen, in one call.
+pub async fn keepalive_renews_the_leases_and_marks_the_instance_seen<F: StreamLockerFixture>(
+    fixture: &F,
+) {
+    let me = InstanceId::random();
+    fixture
+        .locker()
+        .announce(&announcement(me, &["A"]))
+        .await
+        .expect("announce");
+    let (stream, name) = fresh_cursor(fixture).await;
+    let lease = acquire(fixture, stream, &name, me, &LockReason::Rewind).await;
+    let before = listed(fixture, me).await.expect("listed");
+    tokio::time::sleep(fixture.locker().options().keepalive_interval()).await;
+    let done = fixture
+        .locker()
+        .keepalive(me, std::slice::from_ref(&lease.id))
+        .await
+        .expect("keepalive");
+    assert!(done.seen);
+    assert_eq!(done.renewed.len(), 1);
+    match done.renewed[0] {
+        RenewOutcome::Renewed { expires_at } => assert!(expires_at > lease.expires_at),
+        RenewOutcome::Lost => panic!("the lease was not renewed"),
+    }
+    let after = listed(fixture, me).await.expect("listed");
+    assert!(
+        after.last_seen_at > before.last_seen_at,
+        "{before:?} {after:?}"
+    );
+    // With no lease held, the keepalive still marks the instance seen.
+    let idle = fixture
+        .locker()
+        .keepalive(me, &[])
+        .await
+        .expect("keepalive");
+    assert!(idle.seen && idle.renewed.is_empty());
+}
+
+/// The keepalive of an instance that is not announced renews its leases and says so.
+pub async fn keepalive_of_an_unannounced_instance_is_not_seen<F: StreamLockerFixture>(fixture: &F) {
+    let (stream, name, lease) = leased(fixture).await;
+    let _ = (stream, name);
+    let done = fixture
+        .locker()
+        .keepalive(lease.id.holder, std::slice::from_ref(&lease.id))
+        .await
+        .expect("keepalive");
+    assert!(!done.seen);
+    assert!(done.renewed[0].is_renewed());
+    assert_eq!(listed(fixture, lease.id.holder).await, None);
+}
+
+/// An instance not seen for its `stale_after` is listed stale, and live again once seen.
+pub async fn an_instance_not_seen_for_its_stale_after_is_stale<F: StreamLockerFixture>(
+    fixture: &F,
+) {
+    let me = InstanceId::random();
+    fixture
+        .locker()
+        .announce(&announcement(me, &["A"]))
+        .await
+        .expect("announce");
+    wait_past_expiry(fixture).await;
+    let stale = listed(fixture, me)
+        .await
+        .expect("a stale instance stays listed");
+    assert_eq!(stale.state, InstanceState::Stale);
+    assert!(stale.since_seen >= stale.stale_after);
+    assert!(
+        fixture
+            .locker()
+            .keepalive(me, &[])
+            .await
+            .expect("keepalive")
+            .seen
+    );
+    assert_eq!(
+        listed(fixture, me).await.expect("listed").state,
+        InstanceState::Live
+    );
+}
+
+/// Departing removes the announcement; departing again finds nothing.
+pub async fn depart_removes_the_instance<F: StreamLockerFixture>(fixture: &F) {
+    let (me, other) = (InstanceId::random(), InstanceId::random());
+    for id in [me, other] {
+        fixture
+            .locker()
+            .announce(&announcement(id, &["A"]))
+            .await
+            .expect("announce");
+    }
+    assert!(fixture.locker().depart(me).await.expect("depart"));
+    assert_eq!(listed(fixture, me).await, None);
+    assert!(
+        listed(fixture, other).await.is_some(),
+        "only that instance departs"
+    );
+    assert!(!fixture.locker().depart(me).await.expect("depart again"));
+    assert!(
+        !fixture
+            .locker()
+            .keepalive(me, &[])
+            .await
+            .expect("keepalive")
+            .seen
+    );
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`stream_locker_conformance!`](crate::stream_locker_conformance): a test per case.
 pub async fn run_all<F: StreamLockerFixture>(fixture: &F) {
@@ -570,6 +764,12 @@ macro_rules! __lockstep_stream_locker_cases {
             force_release_fences_the_old_holder,
             release_all_clears_only_that_instances_leases,
             list_shows_held_and_expired_leases,
+            an_announced_instance_is_listed_live_with_what_it_runs,
+            announcing_again_replaces_the_announcement_and_keeps_started_at,
+            keepalive_renews_the_leases_and_marks_the_instance_seen,
+            keepalive_of_an_unannounced_instance_is_not_seen,
+            an_instance_not_seen_for_its_stale_after_is_stale,
+            depart_removes_the_instance,
         ] }
     };
 }

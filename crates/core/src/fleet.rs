@@ -1,0 +1,238 @@
+//! The fleet: which worker instances are running, what they run, and when they were last seen
+//! (issue 20, `docs/adr/0015-worker-fleet.md`).
+//!
+//! An instance **announces** itself once when it starts ([`StreamLocker::announce`]: its
+//! [`InstanceId`] — the same id its stream leases are held by — a name, the host, the process
+//! id, a version and the perspectives it runs). From then on the keepalive it already runs for
+//! its leases also says it is alive ([`StreamLocker::keepalive`]: one call per keepalive
+//! interval that renews the leases *and* refreshes the instance's `last_seen_at`), and a clean
+//! stop **departs** ([`StreamLocker::depart`]). An instance that dies without departing is
+//! listed as [`InstanceState::Stale`] once it has not been seen for its `stale_after` (the lock
+//! timeout of its locker: by then its leases have expired too), and forgotten by the next
+//! announce of any instance after [`FORGET_STALE_AFTER`].
+//!
+//! The operator's listing is [`StreamLockAdmin::list_instances`]. Both the in-memory locker of
+//! the testkit and the PostgreSQL locker implement all of it and pass one conformance suite.
+//!
+//! [`StreamLocker::announce`]: crate::StreamLocker::announce
+//! [`StreamLocker::keepalive`]: crate::StreamLocker::keepalive
+//! [`StreamLocker::depart`]: crate::StreamLocker::depart
+//! [`StreamLockAdmin::list_instances`]: crate::StreamLockAdmin::list_instances
+
+use std::time::Duration;
+
+use time::OffsetDateTime;
+
+use crate::error::{Result, ValidationError};
+use crate::ids::{InstanceId, PerspectiveName};
+use crate::stream_lease::RenewOutcome;
+
+/// How long an instance may go unseen before any instance's announce forgets it (one day): long
+/// enough for an operator to see that an instance died, short enough that instances replaced
+/// by a deployment do not pile up.
+pub const FORGET_STALE_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// What an instance says about itself when it starts. Every text is validated here, so a bad
+/// value cannot reach the backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InstanceAnnouncement {
+    /// The instance (the holder of its stream leases).
+    pub instance: InstanceId,
+    /// A name for people (e.g. `host:pid`, a pod name).
+    pub name: String,
+    /// The host it runs on.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+    /// The version of the application (or of lockstep) it runs.
+    pub version: String,
+    /// The perspectives it runs, sorted, without duplicates.
+    pub perspectives: Vec<PerspectiveName>,
+}
+
+impl InstanceAnnouncement {
+    /// The most characters a name, host or version may have.
+    pub const MAX_TEXT_CHARS: usize = 200;
+
+    /// An announcement of `instance`, called `name`, on `host` as process `pid`, running
+    /// `version` and `perspectives` (sorted and deduplicated here). A blank text, one longer
+    /// than [`Self::MAX_TEXT_CHARS`] or one with a NUL character is
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput).
+    pub fn new(
+        instance: InstanceId,
+        name: impl Into<String>,
+        host: impl Into<String>,
+        pid: u32,
+        version: impl Into<String>,
+        mut perspectives: Vec<PerspectiveName>,
+    ) -> Result<InstanceAnnouncement> {
+        let name = checked_text("instance name", name.into())?;
+        let host = checked_text("instance host", host.into())?;
+        let version = checked_text("instance version", version.into())?;
+        perspectives.sort();
+        perspectives.dedup();
+        Ok(InstanceAnnouncement {
+            instance,
+            name,
+            host,
+            pid,
+            version,
+            perspectives,
+        })
+    }
+}
+
+fn checked_text(field: &'static str, value: String) -> Result<String> {
+    if value.trim().is_empty() {
+        return Err(ValidationError::BlankText { field }.into());
+    }
+    if value.contains('\0') {
+        return Err(ValidationError::ContainsNul { field }.into());
+    }
+    let chars = value.chars().count();
+    if chars > InstanceAnnouncement::MAX_TEXT_CHARS {
+        return Err(ValidationError::TextTooLong {
+            field,
+            chars,
+            max: InstanceAnnouncement::MAX_TEXT_CHARS,
+        }
+        .into());
+    }
+    Ok(value)
+}
+
+/// What one [`StreamLocker::keepalive`](crate::StreamLocker::keepalive) call did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeepaliveOutcome {
+    /// The leases' renewals, in the order they were given.
+    pub renewed: Vec<RenewOutcome>,
+    /// Whether the instance's announcement was found and marked seen. `false`: it is not
+    /// announced (never, or it was forgotten or removed meanwhile) — announce it again.
+    pub seen: bool,
+}
+
+impl KeepaliveOutcome {
+    /// The outcome of renewing `renewed`, the instance `seen` or not.
+    pub fn new(renewed: Vec<RenewOutcome>, seen: bool) -> KeepaliveOutcome {
+        KeepaliveOutcome { renewed, seen }
+    }
+}
+
+/// Whether an announced instance is still alive, as far as the backend can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstanceState {
+    /// Seen within its `stale_after`.
+    Live,
+    /// Not seen for longer than its `stale_after`: it died, or cannot reach the backend.
+    Stale,
+}
+
+impl InstanceState {
+    /// `"live"` or `"stale"` (the CLI's and the page's words).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceState::Live => "live",
+            InstanceState::Stale => "stale",
+        }
+    }
+}
+
+/// One announced instance, as listed for operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorkerInstance {
+    /// What it announced.
+    pub announcement: InstanceAnnouncement,
+    /// When it (last) announced itself, on the backend's clock.
+    pub started_at: OffsetDateTime,
+    /// When it was last seen (announce or keepalive), on the backend's clock.
+    pub last_seen_at: OffsetDateTime,
+    /// How long it may go unseen before it is stale (its locker's lock timeout).
+    pub stale_after: Duration,
+    /// How long ago it was last seen, on the backend's clock.
+    pub since_seen: Duration,
+    /// Live or stale.
+    pub state: InstanceState,
+}
+
+impl WorkerInstance {
+    /// The listing of `announcement`, started at `started_at`, last seen at `last_seen_at`
+    /// (`since_seen` ago), stale after `stale_after`, in `state`.
+    pub fn new(
+        announcement: InstanceAnnouncement,
+        started_at: OffsetDateTime,
+        last_seen_at: OffsetDateTime,
+        stale_after: Duration,
+        since_seen: Duration,
+        state: InstanceState,
+    ) -> WorkerInstance {
+        WorkerInstance {
+            announcement,
+            started_at,
+            last_seen_at,
+            stale_after,
+            since_seen,
+            state,
+        }
+    }
+
+    /// Whether it is live.
+    pub fn is_live(&self) -> bool {
+        self.state == InstanceState::Live
+    }
+
+    /// Whether it runs `perspective`.
+    pub fn runs(&self, perspective: &PerspectiveName) -> bool {
+        self.announcement.perspectives.contains(perspective)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::typed;
+
+    fn announce(name: &str, host: &str, version: &str) -> Result<InstanceAnnouncement> {
+        InstanceAnnouncement::new(InstanceId::random(), name, host, 7, version, Vec::new())
+    }
+
+    #[test]
+    fn texts_are_validated_and_perspectives_sorted() {
+        assert_eq!(
+            typed(announce(" ", "h", "1")),
+            Err(ValidationError::BlankText {
+                field: "instance name"
+            })
+        );
+        assert_eq!(
+            typed(announce("n", "h\0", "1")),
+            Err(ValidationError::ContainsNul {
+                field: "instance host"
+            })
+        );
+        assert_eq!(
+            typed(announce("n", "h", &"v".repeat(201))),
+            Err(ValidationError::TextTooLong {
+                field: "instance version",
+                chars: 201,
+                max: 200
+            })
+        );
+        let (a, b) = (
+            PerspectiveName::new("B").expect("valid"),
+            PerspectiveName::new("A").expect("valid"),
+        );
+        let ok = InstanceAnnouncement::new(
+            InstanceId::random(),
+            "n",
+            "h",
+            1,
+            "1",
+            vec![a.clone(), b.clone(), a.clone()],
+        )
+        .expect("valid");
+        assert_eq!(ok.perspectives, vec![b, a]);
+    }
+}

@@ -1,0 +1,211 @@
+//! The fleet on the fakes, with paused time (issue 20, item 5): a worker with a locker announces
+//! itself when it runs (with its perspectives and identity), its keeper's keepalive marks it
+//! seen with **one call per interval** whether or not it holds leases, a clean stop departs, and
+//! a worker dropped without stopping goes stale after the lock timeout. Every entry point is
+//! called from inside `tokio::spawn` with concrete types.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockstep_core::{
+    InstanceId, InstanceState, LockReason, Perspective, PerspectiveName, PerspectiveRegistry,
+    RecordedEvent, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, WorkerInstance,
+};
+use lockstep_testkit::{
+    FakeDatabase, InMemoryEventStore, InMemoryPerspectiveStore, InMemoryStreamLocker,
+};
+use lockstep_worker::{
+    CancellationToken, InstanceIdentity, LeaseKeeper, Leased, PerspectiveWorker, WorkerOptions,
+};
+
+struct Count;
+
+impl Perspective for Count {
+    type State = u64;
+    type Error = std::convert::Infallible;
+
+    fn name(&self) -> &str {
+        "Count"
+    }
+
+    fn apply(&self, state: &mut u64, _: &RecordedEvent) -> Result<(), Self::Error> {
+        *state += 1;
+        Ok(())
+    }
+}
+
+const KEEPALIVE: Duration = Duration::from_secs(1);
+
+fn options() -> StreamLockOptions {
+    StreamLockOptions::new(Duration::from_secs(4), KEEPALIVE).expect("options")
+}
+
+type Worker = PerspectiveWorker<FakeDatabase, InMemoryPerspectiveStore>;
+
+fn worker(locker: &InMemoryStreamLocker, db: &FakeDatabase, instance: InstanceId) -> Worker {
+    let events = InMemoryEventStore::new();
+    let store = InMemoryPerspectiveStore::new(db, &events, locker);
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Count).expect("register");
+    PerspectiveWorker::new(
+        db.clone(),
+        store,
+        registry,
+        WorkerOptions::default(),
+        instance,
+        Some(Arc::new(locker.clone()) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker")
+    .with_identity(
+        InstanceIdentity::detect()
+            .with_name("count-worker-0")
+            .with_version("9.9.9"),
+    )
+    .expect("identity")
+}
+
+async fn listed(locker: &InMemoryStreamLocker, instance: InstanceId) -> Option<WorkerInstance> {
+    let locker = locker.clone();
+    tokio::spawn(async move { locker.list_instances().await })
+        .await
+        .expect("the listing task")
+        .expect("list_instances")
+        .into_iter()
+        .find(|i| i.announcement.instance == instance)
+}
+
+/// Waits (bounded, on the paused clock) until `check` holds for the instance's listing.
+async fn until(
+    locker: &InMemoryStreamLocker,
+    instance: InstanceId,
+    what: &str,
+    check: impl Fn(Option<&WorkerInstance>) -> bool,
+) -> Option<WorkerInstance> {
+    for _ in 0..600 {
+        let found = listed(locker, instance).await;
+        if check(found.as_ref()) {
+            return found;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what}: not within 60 s");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_running_worker_is_announced_seen_by_its_keepalive_and_departs_when_it_stops() {
+    let (locker, db) = (InMemoryStreamLocker::new(options()), FakeDatabase::new());
+    let me = InstanceId::random();
+    let worker = worker(&locker, &db, me);
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    let found = until(&locker, me, "announced", |i| i.is_some())
+        .await
+        .expect("listed");
+    assert_eq!(found.announcement.name, "count-worker-0");
+    assert_eq!(found.announcement.version, "9.9.9");
+    assert_eq!(found.announcement.pid, std::process::id());
+    assert_eq!(
+        found.announcement.perspectives,
+        vec![PerspectiveName::new("Count").expect("valid")]
+    );
+    assert_eq!(found.state, InstanceState::Live);
+    // Seen again by the keepalive, with no lease held, and live well past the lock timeout.
+    let first_seen = found.last_seen_at;
+    let later = until(&locker, me, "seen again", |i| {
+        i.is_some_and(|i| i.last_seen_at > first_seen)
+    })
+    .await
+    .expect("listed");
+    assert_eq!(later.started_at, found.started_at);
+    tokio::time::sleep(options().lock_timeout() * 3).await;
+    assert_eq!(
+        listed(&locker, me).await.expect("listed").state,
+        InstanceState::Live
+    );
+    shutdown.cancel();
+    running.await.expect("the worker task").expect("run");
+    assert_eq!(listed(&locker, me).await, None, "a clean stop departs");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_dropped_without_stopping_goes_stale_after_the_lock_timeout() {
+    let (locker, db) = (InMemoryStreamLocker::new(options()), FakeDatabase::new());
+    let me = InstanceId::random();
+    let worker = worker(&locker, &db, me);
+    let running = tokio::spawn(async move { worker.run(CancellationToken::new()).await });
+    until(&locker, me, "announced", |i| i.is_some()).await;
+    running.abort();
+    let _ = running.await;
+    let stale = until(&locker, me, "stale", |i| {
+        i.is_some_and(|i| i.state == InstanceState::Stale)
+    })
+    .await
+    .expect("a killed instance stays listed");
+    assert!(stale.since_seen >= options().lock_timeout());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_announced_keeper_sends_one_keepalive_per_interval_with_or_without_leases() {
+    let locker = InMemoryStreamLocker::new(options());
+    let me = InstanceId::random();
+    let keeper = LeaseKeeper::start(Arc::new(locker.clone()), me);
+    let announcement = InstanceIdentity::detect()
+        .announcement(me, Vec::new())
+        .expect("valid");
+    let announced = {
+        let keeper = keeper.clone();
+        tokio::spawn(async move { keeper.announce(announcement).await })
+    };
+    announced.await.expect("task").expect("announce");
+    assert!(keeper.is_announced());
+    // Unannounced keepers send nothing while they hold no lease; an announced one sends one
+    // call per interval.
+    tokio::time::sleep(KEEPALIVE * 5 + KEEPALIVE / 2).await;
+    assert_eq!(keeper.renew_calls(), 5);
+    let (stream, name) = (
+        StreamId::new_v7(),
+        PerspectiveName::new("Count").expect("valid"),
+    );
+    locker.create_cursor(stream, &name);
+    let Leased::Acquired(lease) = keeper
+        .try_acquire(stream, &name, &LockReason::Rewind)
+        .await
+        .expect("try_acquire")
+    else {
+        panic!("acquired");
+    };
+    // Holding a lease past its lock timeout: still one call per interval, renewing it too.
+    tokio::time::sleep(KEEPALIVE * 5).await;
+    assert_eq!(keeper.renew_calls(), 10);
+    assert!(!lease.lost().is_cancelled(), "the lease was renewed");
+    assert_eq!(
+        listed(&locker, me).await.expect("listed").state,
+        InstanceState::Live
+    );
+    assert!(lease.release().await.expect("release").is_released());
+    // An operator removed the announcement: the next keepalive announces again.
+    assert!(locker.depart(me).await.expect("depart"));
+    until(&locker, me, "announced again", |i| i.is_some()).await;
+    let stopping = keeper.clone();
+    tokio::spawn(async move { stopping.shutdown().await })
+        .await
+        .expect("task")
+        .expect("shutdown");
+    assert_eq!(listed(&locker, me).await, None, "shutdown departs");
+    assert!(!keeper.is_announced());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_announcement_of_another_instance_is_refused() {
+    let locker = InMemoryStreamLocker::new(options());
+    let keeper = LeaseKeeper::start(Arc::new(locker.clone()), InstanceId::random());
+    let other = InstanceIdentity::detect()
+        .announcement(InstanceId::random(), Vec::new())
+        .expect("valid");
+    let err = keeper.announce(other).await.expect_err("refused");
+    assert_eq!(err.kind(), lockstep_core::ErrorKind::InvalidInput);
+    assert!(locker.list_instances().await.expect("list").is_empty());
+}
