@@ -210,11 +210,14 @@ pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
 
 /// Every embedded migration, as (version, name), in order.
 pub fn embedded_migrations() -> Vec<(i32, String)> {
-    runner()
+    let mut migrations: Vec<(i32, String)> = runner()
         .get_migrations()
         .iter()
         .map(|m| (m.version(), m.name().to_owned()))
-        .collect()
+        .collect();
+    // The embedded list follows the file names, where `V10__…` sorts before `V1__…`.
+    migrations.sort_by_key(|(version, _)| *version);
+    migrations
 }
 
 /// The refinery runner over the embedded files, recording into [`MIGRATION_TABLE`].
