@@ -764,6 +764,10 @@ pub struct ProgressReport {
     pub replayed: u64,
     /// Events the rewind replays in all.
     pub to_replay: u64,
+    /// How long the rewind has been running: a report of a new run sets
+    /// [`RewindProgress::started_at`] to the store's clock less this (so that a first report
+    /// made a second into the rewind still says when it started).
+    pub elapsed: Duration,
 }
 
 impl ProgressReport {
@@ -783,6 +787,7 @@ impl ProgressReport {
             lease: None,
             replayed,
             to_replay,
+            elapsed: Duration::ZERO,
         }
     }
 }
@@ -801,7 +806,8 @@ pub struct RewindProgress {
     pub replayed: u64,
     /// Events the rewind replays in all.
     pub to_replay: u64,
-    /// When the rewind's first report arrived (store clock).
+    /// When the rewind started: its first report's arrival (store clock) less the
+    /// [`ProgressReport::elapsed`] it carried.
     pub started_at: OffsetDateTime,
     /// When its last report arrived (store clock).
     pub updated_at: OffsetDateTime,
@@ -854,6 +860,9 @@ impl ProgressReport {
                 "progress: {} events replayed of {} to replay",
                 self.replayed, self.to_replay
             ));
+        }
+        if self.elapsed > Duration::from_secs(100 * 365 * 24 * 3600) {
+            return bad("progress: a rewind running for more than a century".to_owned());
         }
         if i64::try_from(self.to_replay).is_err() {
             return bad(format!("progress: {} events to replay", self.to_replay));

@@ -1555,11 +1555,15 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         let now = self.now();
         let key = (report.stream_id, report.perspective.clone());
         let mut state = self.lock_state();
+        let start = time::Duration::try_from(report.elapsed)
+            .ok()
+            .and_then(|d| now.checked_sub(d))
+            .unwrap_or(now);
         let started_at = state
             .progress
             .get(&key)
             .filter(|p| p.run == report.run)
-            .map_or(now, |p| p.started_at);
+            .map_or(start, |p| p.started_at);
         state.progress.insert(
             key,
             Progress {

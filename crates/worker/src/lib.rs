@@ -46,6 +46,7 @@
 
 pub mod coordinator;
 pub mod lease;
+pub mod life;
 pub mod options;
 pub mod reads;
 pub mod telemetry;

@@ -26,6 +26,8 @@
 //! | [`BATCH_PAIRS`] | `lockstep_worker_batch_pairs` | histogram | pairs per claimed batch (label: the batch's first perspective) |
 //! | [`LEASES_LOST`] | `lockstep_worker_leases_lost_total` | counter | held leases reported lost by the keeper (renew refused or local deadline passed) |
 //! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
+//! | [`REWINDS_RUNNING`] | `lockstep_worker_rewinds_running` | gauge | replays of this instance running for more than a progress interval (1 s) |
+//! | [`REWIND_EVENTS_REMAINING`] | `lockstep_worker_rewind_events_remaining` | gauge | events those replays still have to replay, at their last progress report |
 //!
 //! # Spans
 //!
@@ -67,6 +69,16 @@ pub const BATCH_PAIRS: &str = "lockstep_worker_batch_pairs";
 pub const LEASES_LOST: &str = "lockstep_worker_leases_lost_total";
 /// Age of the oldest event applied in a batch, at commit, in seconds.
 pub const LAG_SECONDS: &str = "lockstep_worker_lag_seconds";
+
+/// Replays of this instance running for more than a progress interval.
+pub const REWINDS_RUNNING: &str = "lockstep_worker_rewinds_running";
+/// Events the running replays still have to replay.
+pub const REWIND_EVENTS_REMAINING: &str = "lockstep_worker_rewind_events_remaining";
+
+/// Adds `delta` (negative: subtracts) to the gauge `name` for `perspective`.
+pub(crate) fn gauge_add(name: &'static str, perspective: &str, delta: f64) {
+    metrics::gauge!(name, "perspective" => perspective.to_owned()).increment(delta);
+}
 
 /// Adds `n` to the counter `name` for `perspective`.
 pub(crate) fn count(name: &'static str, perspective: &str, n: u64) {

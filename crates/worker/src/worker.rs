@@ -50,6 +50,8 @@ mod pair;
 mod purge;
 mod rewind;
 
+pub use rewind::PROGRESS_EVERY;
+
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
@@ -412,15 +414,33 @@ struct Applied {
 /// future is still wanted: dropped, or once `stop` fires, it stops within one event.
 async fn apply_off_runtime(
     p: &Arc<dyn DynPerspective>,
+    state: serde_json::Value,
+    events: Vec<RecordedEvent>,
+    stop: &CancellationToken,
+) -> Result<Applied> {
+    apply_off_runtime_counting(p, state, events, stop, None).await
+}
+
+/// [`apply_off_runtime`], adding 1 to `started` as each event's application starts (one
+/// relaxed atomic add per event: what the rewind's progress report reads).
+async fn apply_off_runtime_counting(
+    p: &Arc<dyn DynPerspective>,
     mut state: serde_json::Value,
     events: Vec<RecordedEvent>,
     stop: &CancellationToken,
+    started: Option<Arc<std::sync::atomic::AtomicU64>>,
 ) -> Result<Applied> {
     let p = Arc::clone(p);
     let abandon = stop.child_token();
     let _abandon_when_dropped = abandon.clone().drop_guard();
     let task = tokio::task::spawn_blocking(move || {
-        let outcome = apply_guarded(&*p, &mut state, &events, &|| !abandon.is_cancelled());
+        let go_on = || {
+            if let Some(started) = &started {
+                started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            !abandon.is_cancelled()
+        };
+        let outcome = apply_guarded(&*p, &mut state, &events, &go_on);
         Applied {
             state,
             events,

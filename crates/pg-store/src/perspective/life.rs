@@ -32,12 +32,14 @@ pub(super) mod sql {
     pub(super) const REBUILD: &str = "SELECT lockstep_rebuild_perspective($1)";
 
     /// Records a rewind's progress: `$1` stream, `$2` perspective, `$3` run, `$4` holder, `$5`
-    /// epoch, `$6` replayed, `$7` to replay. A new run restarts `started_at`.
+    /// epoch, `$6` replayed, `$7` to replay, `$8` µs the run has been going. A new run restarts
+    /// `started_at` (the clock less `$8`).
     pub(super) const RECORD_PROGRESS: &str = "\
 INSERT INTO wh_perspective_rewind_progress AS p
        (stream_id, perspective_name, run_id, instance_id, epoch, replayed, to_replay,
         started_at, updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, clock_timestamp(), clock_timestamp())
+VALUES ($1, $2, $3, $4, $5, $6, $7, clock_timestamp() - $8 * interval '1 microsecond',
+        clock_timestamp())
 ON CONFLICT (stream_id, perspective_name) DO UPDATE
    SET started_at = CASE WHEN p.run_id = EXCLUDED.run_id THEN p.started_at
                          ELSE EXCLUDED.started_at END,
@@ -128,6 +130,8 @@ pub(super) async fn record_progress<T: PgTransactionRef>(
     let to_replay = count(report.to_replay)?;
     let holder: Option<Uuid> = report.lease.as_ref().map(|l| l.holder.as_uuid());
     let epoch: Option<i64> = report.lease.as_ref().map(|l| l.epoch.get());
+    // At most a century (validated): fits.
+    let elapsed = i64::try_from(report.elapsed.as_micros()).unwrap_or(i64::MAX);
     tx.executor()
         .query_typed(
             sql::RECORD_PROGRESS,
@@ -139,6 +143,7 @@ pub(super) async fn record_progress<T: PgTransactionRef>(
                 (&epoch, Type::INT8),
                 (&replayed, Type::INT8),
                 (&to_replay, Type::INT8),
+                (&elapsed, Type::INT8),
             ],
         )
         .await

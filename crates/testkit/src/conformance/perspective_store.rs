@@ -3830,6 +3830,7 @@ pub async fn rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_co
     let run = Uuid::new_v4();
     let mut report = ProgressReport::new(stream, p.clone(), run, 1, 3);
     report.lease = Some(lease.id.clone());
+    report.elapsed = Duration::from_secs(5);
     let store = fixture.store();
 
     let tx = begin(fixture.source()).await;
@@ -3842,7 +3843,11 @@ pub async fn rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_co
         (stream, 1, 3)
     );
     assert_eq!(rows[0].holder, Some(lease.id.holder));
-    assert!(rows[0].started_at <= rows[0].updated_at);
+    assert!(
+        rows[0].started_at + Duration::from_secs(5) <= rows[0].updated_at,
+        "started when the run began, {:?} before its first report",
+        report.elapsed
+    );
     let started = rows[0].started_at;
 
     report.replayed = 2;
