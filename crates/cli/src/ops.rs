@@ -102,6 +102,29 @@ pub(crate) enum PerspectivesCommand {
         /// The perspective name.
         perspective: String,
     },
+    /// Rebuilds a perspective from the start: requests a rewind from the start on every pair
+    /// at once; the workers of every instance carry them out pair by pair under their rewind
+    /// leases, each pair serving its old state until its rewind commits.
+    #[command(after_help = crate::EXIT_CODES)]
+    Rebuild {
+        /// The perspective name.
+        perspective: String,
+    },
+    /// Retires a perspective: appends enqueue no more work for it and its queued work is
+    /// deleted; its states are kept (registering it again continues from its cursors) or
+    /// dropped. A worker that starts with it registers it again.
+    #[command(after_help = crate::EXIT_CODES)]
+    #[command(group(clap::ArgGroup::new("states").required(true).args(["keep_states", "drop_states"])))]
+    Retire {
+        /// The perspective name.
+        perspective: String,
+        /// Keep its cursors, states and snapshots.
+        #[arg(long)]
+        keep_states: bool,
+        /// Delete its cursors, states, snapshots and skipped events.
+        #[arg(long)]
+        drop_states: bool,
+    },
     /// Lists the parked pairs (failed too often in a row; their work keeps queueing): the
     /// failing event, the error, how often.
     #[command(after_help = crate::EXIT_CODES)]
@@ -557,12 +580,13 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
     let read = async {
         let status = store.perspective_status(&tx).await?;
         let failing = store.failing_pairs(&tx, &[], 100).await?;
-        Ok::<_, lockstep_core::Error>((status, failing))
+        let progress = store.rewind_progress(&tx, &[], 1000).await?;
+        Ok::<_, lockstep_core::Error>((status, failing, progress))
     }
     .await;
     // Read only: the rollback cannot lose anything.
     let _ = tx.rollback().await;
-    let (status, failing) = read.map_err(explain)?;
+    let (status, failing, progress) = read.map_err(explain)?;
     Ok(status
         .iter()
         .map(|p| {
@@ -588,6 +612,7 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
                 "backing_off": p.backing_off,
                 "in_error": p.in_error,
                 "pairs_in_error": in_error,
+                "rewinds_running": crate::life::progress_json(&progress, &p.perspective),
             })
         })
         .collect())
@@ -621,6 +646,10 @@ pub(crate) async fn perspectives(
     | PerspectivesCommand::Parked {
         perspective: Some(name),
         ..
+    }
+    | PerspectivesCommand::Rebuild { perspective: name }
+    | PerspectivesCommand::Retire {
+        perspective: name, ..
     } = &cmd
     {
         perspective(name)?;
@@ -686,6 +715,21 @@ pub(crate) async fn perspectives(
                 max_parked,
             });
             perspective_status(&pool, json, limits).await
+        }
+        PerspectivesCommand::Rebuild { perspective: name } => {
+            crate::life::rebuild(&source, url, &perspective(&name)?, json).await
+        }
+        PerspectivesCommand::Retire {
+            perspective: name,
+            keep_states,
+            ..
+        } => {
+            let states = if keep_states {
+                lockstep_core::RetireStates::Keep
+            } else {
+                lockstep_core::RetireStates::Drop
+            };
+            crate::life::retire(&source, url, &perspective(&name)?, states, json).await
         }
         cmd @ (PerspectivesCommand::Parked { .. }
         | PerspectivesCommand::Retry { .. }
@@ -1078,6 +1122,9 @@ async fn perspective_status(
                 p["backing_off"].as_i64().unwrap_or(0),
                 p["parked"].as_i64().unwrap_or(0)
             );
+            for r in p["rewinds_running"].as_array().into_iter().flatten() {
+                say!("    {}", crate::life::progress_line(r));
+            }
             for e in p["pairs_in_error"].as_array().into_iter().flatten() {
                 say!(
                     "    {} failed {}×: {}",

@@ -362,6 +362,14 @@ fn describe_gauges() {
         "lockstep_perspective_pairs_in_error",
         "Pairs of a perspective whose last attempt failed."
     );
+    describe_gauge!(
+        "lockstep_perspective_rewinds_running",
+        "Rewinds of a perspective running now (their worker reported progress under a live lease)."
+    );
+    describe_gauge!(
+        "lockstep_perspective_rewind_events_remaining",
+        "Events the running rewinds of a perspective still have to replay, at their last progress report."
+    );
 }
 
 async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
@@ -401,6 +409,17 @@ fn set_gauges(snap: &Snapshot) {
             .set(get("parked"));
         metrics::gauge!("lockstep_perspective_pairs_backing_off", "perspective" => name.clone())
             .set(get("backing_off"));
+        let running = p["rewinds_running"]
+            .as_array()
+            .map_or(&[][..], Vec::as_slice);
+        let remaining: f64 = running
+            .iter()
+            .map(|r| r["to_replay"].as_f64().unwrap_or(0.0) - r["replayed"].as_f64().unwrap_or(0.0))
+            .sum();
+        metrics::gauge!("lockstep_perspective_rewinds_running", "perspective" => name.clone())
+            .set(running.len() as f64);
+        metrics::gauge!("lockstep_perspective_rewind_events_remaining", "perspective" => name.clone())
+            .set(remaining);
         metrics::gauge!("lockstep_perspective_pairs_in_error", "perspective" => name)
             .set(get("in_error"));
     }

@@ -366,7 +366,24 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                     "<span class=\"{}\">{lag:.1} s</span>",
                     level(lag > LAG_BAD_S, lag > LAG_WARN_S)
                 ),
-                escape(&text(&p["rewinds_pending"])),
+                {
+                    // The pending count, then each running rewind's progress under it.
+                    let running: Vec<String> = p["rewinds_running"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|r| escape(&crate::life::progress_line(r)))
+                        .collect();
+                    if running.is_empty() {
+                        escape(&text(&p["rewinds_pending"]))
+                    } else {
+                        format!(
+                            "{}<br><small>{}</small>",
+                            escape(&text(&p["rewinds_pending"])),
+                            running.join("<br>")
+                        )
+                    }
+                },
                 escape(&text(&p["backing_off"])),
                 escape(&text(&p["parked"])),
                 if errors.is_empty() {
@@ -390,7 +407,7 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
             "pairs",
             "pending",
             "lag",
-            "rewinds pending",
+            "rewinds pending (running)",
             "backing off",
             "parked",
             "pairs in error",
