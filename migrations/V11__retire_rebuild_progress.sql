@@ -15,6 +15,9 @@
 --   under their rewind leases, and each pair's old state stays readable until its rewind commits.
 -- - Progress: `wh_perspective_rewind_progress`, one row per pair, written by the rewinding
 --   worker at most about once per second (events replayed of events to replay, started at).
+-- - Catch-up rate: `wh_perspective_throughput`, one row per perspective, to which every
+--   worker adds the events it applied at most about once per second; a window of at least
+--   10 s closes into a rate (events per second) when a report finds it that old.
 --
 -- Every statement is re-runnable.
 
@@ -97,6 +100,7 @@ BEGIN
         DELETE FROM wh_perspective_snapshots x WHERE x.perspective_name = p_name;
         DELETE FROM wh_perspective_skipped_events x WHERE x.perspective_name = p_name;
         DELETE FROM wh_perspective_rewind_progress x WHERE x.perspective_name = p_name;
+        DELETE FROM wh_perspective_throughput x WHERE x.perspective_name = p_name;
         DELETE FROM wh_perspective_cursors k WHERE k.perspective_name = p_name;
         GET DIAGNOSTICS n_pairs = ROW_COUNT;
         DELETE FROM wh_retired_perspectives r WHERE r.perspective_name = p_name;
@@ -181,4 +185,36 @@ BEGIN
     GET DIAGNOSTICS n = ROW_COUNT;
     RETURN n;
 END
+$$;
+
+-- Events applied per perspective, by every instance together: the open window (since
+-- `window_started_at`, `window_applied` events) and the rate of the last closed one.
+CREATE TABLE IF NOT EXISTS wh_perspective_throughput (
+    perspective_name  text             PRIMARY KEY,
+    window_started_at timestamptz      NOT NULL,
+    window_applied    bigint           NOT NULL CHECK (window_applied >= 0),
+    rate              double precision CHECK (rate >= 0),
+    rate_at           timestamptz
+);
+
+-- Adds `p_counts[i]` applied events to `p_names[i]`; a window at least `p_window_us` old closes
+-- into the rate (its events over its length) and a new one opens, empty.
+CREATE OR REPLACE FUNCTION lockstep_perspective_record_applied(
+    p_names text[], p_counts bigint[], p_window_us bigint
+) RETURNS void
+LANGUAGE sql VOLATILE AS $$
+    INSERT INTO wh_perspective_throughput AS t (perspective_name, window_started_at, window_applied)
+    SELECT x.name, clock_timestamp(), x.n
+      FROM unnest(p_names, p_counts) AS x(name, n)
+    ON CONFLICT (perspective_name) DO UPDATE SET
+        rate = CASE WHEN clock_timestamp() - t.window_started_at >= p_window_us * interval '1 microsecond'
+                    THEN (t.window_applied + EXCLUDED.window_applied)
+                         / greatest(extract(epoch FROM clock_timestamp() - t.window_started_at), 0.001)
+                    ELSE t.rate END,
+        rate_at = CASE WHEN clock_timestamp() - t.window_started_at >= p_window_us * interval '1 microsecond'
+                       THEN clock_timestamp() ELSE t.rate_at END,
+        window_applied = CASE WHEN clock_timestamp() - t.window_started_at >= p_window_us * interval '1 microsecond'
+                              THEN 0 ELSE t.window_applied + EXCLUDED.window_applied END,
+        window_started_at = CASE WHEN clock_timestamp() - t.window_started_at >= p_window_us * interval '1 microsecond'
+                                 THEN clock_timestamp() ELSE t.window_started_at END;
 $$;

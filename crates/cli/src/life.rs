@@ -165,3 +165,37 @@ pub(crate) fn progress_line(r: &serde_json::Value) -> String {
             .map_or(String::new(), |h| format!(", by {h}"))
     )
 }
+
+/// `perspective`'s catch-up rate (events applied per second, every instance together), rounded
+/// to a tenth; `null` when none was measured.
+pub(crate) fn rate_of(
+    rates: &[lockstep_core::Throughput],
+    perspective: &PerspectiveName,
+) -> serde_json::Value {
+    rates
+        .iter()
+        .find(|t| &t.perspective == perspective)
+        .and_then(|t| t.events_per_second)
+        .map_or(serde_json::Value::Null, |r| {
+            json!((r * 10.0).round() / 10.0)
+        })
+}
+
+/// How many seconds emptying `pending` events takes at `perspective`'s catch-up rate: 0 when
+/// nothing is pending, `null` without a rate above 0 (nothing is being applied).
+pub(crate) fn time_to_empty(
+    rates: &[lockstep_core::Throughput],
+    perspective: &PerspectiveName,
+    pending: u64,
+) -> serde_json::Value {
+    if pending == 0 {
+        return json!(0.0);
+    }
+    rates
+        .iter()
+        .find(|t| &t.perspective == perspective)
+        .and_then(|t| t.time_to_empty(pending))
+        .map_or(serde_json::Value::Null, |d| {
+            json!((d.as_secs_f64() * 10.0).round() / 10.0)
+        })
+}

@@ -581,12 +581,13 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
         let status = store.perspective_status(&tx).await?;
         let failing = store.failing_pairs(&tx, &[], 100).await?;
         let progress = store.rewind_progress(&tx, &[], 1000).await?;
-        Ok::<_, lockstep_core::Error>((status, failing, progress))
+        let rates = store.throughput(&tx).await?;
+        Ok::<_, lockstep_core::Error>((status, failing, progress, rates))
     }
     .await;
     // Read only: the rollback cannot lose anything.
     let _ = tx.rollback().await;
-    let (status, failing, progress) = read.map_err(explain)?;
+    let (status, failing, progress, rates) = read.map_err(explain)?;
     Ok(status
         .iter()
         .map(|p| {
@@ -613,6 +614,8 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
                 "in_error": p.in_error,
                 "pairs_in_error": in_error,
                 "rewinds_running": crate::life::progress_json(&progress, &p.perspective),
+                "applied_per_s": crate::life::rate_of(&rates, &p.perspective),
+                "time_to_empty_s": crate::life::time_to_empty(&rates, &p.perspective, p.pending_events),
             })
         })
         .collect())
@@ -1100,7 +1103,7 @@ async fn perspective_status(
         say!("no perspectives registered");
     } else {
         say!(
-            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7}",
+            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} {:>10} {:>9}",
             "perspective",
             "pairs",
             "pending",
@@ -1108,11 +1111,13 @@ async fn perspective_status(
             "rewinds",
             "errors",
             "backoff",
-            "parked"
+            "parked",
+            "applied/s",
+            "to empty"
         );
         for p in &out {
             say!(
-                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7} {:>8} {:>7}",
+                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7} {:>8} {:>7} {:>10} {:>9}",
                 p["perspective"].as_str().unwrap_or(""),
                 p["pairs"].as_i64().unwrap_or(0),
                 p["pending_events"].as_i64().unwrap_or(0),
@@ -1120,7 +1125,13 @@ async fn perspective_status(
                 p["rewinds_pending"].as_i64().unwrap_or(0),
                 p["in_error"].as_i64().unwrap_or(0),
                 p["backing_off"].as_i64().unwrap_or(0),
-                p["parked"].as_i64().unwrap_or(0)
+                p["parked"].as_i64().unwrap_or(0),
+                p["applied_per_s"]
+                    .as_f64()
+                    .map_or("-".to_owned(), |r| format!("{r:.1}")),
+                p["time_to_empty_s"]
+                    .as_f64()
+                    .map_or("-".to_owned(), |t| format!("{t:.0}s"))
             );
             for r in p["rewinds_running"].as_array().into_iter().flatten() {
                 say!("    {}", crate::life::progress_line(r));

@@ -1780,6 +1780,10 @@ async fn perspectives_rebuild_retire_and_rewind_progress() {
     let rows = doc(&status);
     let running = &rows[0]["rewinds_running"];
     assert_eq!(rows[0]["rewinds_pending"], 2, "{rows}");
+    assert!(
+        rows[0]["applied_per_s"].is_null() && rows[0]["time_to_empty_s"].is_null(),
+        "no worker applies anything: no rate, no time to empty: {rows}"
+    );
     assert_eq!(running[0]["stream_id"], first.to_string(), "{rows}");
     assert_eq!(
         (&running[0]["replayed"], &running[0]["to_replay"]),

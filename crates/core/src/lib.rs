@@ -121,7 +121,8 @@ pub use perspective_store::{
     ClaimedWork, Cursor, MAX_PROGRESS_ROWS, MAX_STATES_PAGE, Pair, PairFailure, PendingPair,
     PendingThrough, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RetireStates,
     Retired, RewindDebounce, RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot,
-    StateCommit, StoredState, check_progress_limit, check_states_page,
+    StateCommit, StoredState, THROUGHPUT_WINDOW, Throughput, check_progress_limit,
+    check_states_page,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

@@ -835,6 +835,53 @@ impl RewindProgress {
     }
 }
 
+/// How a perspective catches up: events applied per second by every instance together
+/// ([`PerspectiveStore::throughput`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Throughput {
+    /// The perspective.
+    pub perspective: PerspectiveName,
+    /// Events applied per second over the last window of at least [`THROUGHPUT_WINDOW`]; when
+    /// the current window is older than that (nobody reported for a while), over the current
+    /// window so far, so that a stalled perspective's rate falls towards 0. `None` before a
+    /// first window of at least a second.
+    pub events_per_second: Option<f64>,
+    /// Events applied in the current window so far.
+    pub window_applied: u64,
+    /// When the current window started (store clock).
+    pub window_started_at: OffsetDateTime,
+}
+
+impl Throughput {
+    /// A perspective's throughput.
+    pub fn new(
+        perspective: PerspectiveName,
+        events_per_second: Option<f64>,
+        window_applied: u64,
+        window_started_at: OffsetDateTime,
+    ) -> Throughput {
+        Throughput {
+            perspective,
+            events_per_second,
+            window_applied,
+            window_started_at,
+        }
+    }
+
+    /// How long emptying `pending` events takes at this rate (`None` without a rate above 0,
+    /// or beyond any representable duration).
+    pub fn time_to_empty(&self, pending: u64) -> Option<Duration> {
+        let rate = self
+            .events_per_second
+            .filter(|r| *r > 0.0 && r.is_finite())?;
+        Duration::try_from_secs_f64(pending as f64 / rate).ok()
+    }
+}
+
+/// The shortest window a catch-up rate is measured over (see [`Throughput`]).
+pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(10);
+
 /// The most [`PerspectiveStore::rewind_progress`] returns at once.
 pub const MAX_PROGRESS_ROWS: usize = 10_000;
 
@@ -1269,5 +1316,26 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<Vec<RewindProgress>>> + Send + 'a {
         let _ = (tx, perspectives, limit);
         async { unsupported("rewind_progress") }
+    }
+
+    /// Adds events applied (by this instance, since its last report) to each perspective's
+    /// catch-up rate ([`Throughput`]). Meant to be called at most about once a second per
+    /// instance; a count above `i64::MAX` is [`crate::ErrorKind::InvalidInput`].
+    fn record_applied<'a>(
+        &'a self,
+        tx: &'a Tx,
+        counts: &'a [(PerspectiveName, u64)],
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let _ = (tx, counts);
+        async { unsupported("record_applied") }
+    }
+
+    /// Every perspective's catch-up rate that was ever reported, by name.
+    fn throughput<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<Throughput>>> + Send + 'a {
+        let _ = tx;
+        async { unsupported("throughput") }
     }
 }

@@ -847,6 +847,30 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         let call = self.inner.rewind_progress(tx, perspectives, limit);
         observe("perspective_store", "rewind_progress", span, ok, call)
     }
+
+    fn record_applied<'a>(
+        &'a self,
+        tx: &'a Tx,
+        counts: &'a [(PerspectiveName, u64)],
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "record_applied");
+        let call = self.inner.record_applied(tx, counts);
+        observe("perspective_store", "record_applied", span, ok, call)
+    }
+
+    fn throughput<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<lockstep_core::Throughput>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "throughput");
+        observe(
+            "perspective_store",
+            "throughput",
+            span,
+            ok,
+            self.inner.throughput(tx),
+        )
+    }
 }
 
 /// `serde_json::Value` through the core re-export (this crate does not depend on serde_json).

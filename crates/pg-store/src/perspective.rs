@@ -1186,6 +1186,14 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     ) -> Result<Vec<RewindProgress>> {
         life::rewind_progress(tx, perspectives, limit).await
     }
+
+    async fn record_applied(&self, tx: &T, counts: &[(PerspectiveName, u64)]) -> Result<()> {
+        life::record_applied(tx, counts).await
+    }
+
+    async fn throughput(&self, tx: &T) -> Result<Vec<lockstep_core::Throughput>> {
+        life::throughput(tx).await
+    }
 }
 
 /// The cursor columns of [`sql`]: V7's starting at `at`, V8's (failed event, backoff, parking)

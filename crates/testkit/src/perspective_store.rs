@@ -126,6 +126,9 @@ struct State {
     retired: BTreeSet<PerspectiveName>,
     /// Rewinds' progress, by pair (written at once, not at commit).
     progress: HashMap<Key, Progress>,
+    /// Catch-up rates, by perspective (written at once, not at commit): the open window's
+    /// start and count, and the last closed window's rate.
+    throughput: BTreeMap<PerspectiveName, (OffsetDateTime, u64, Option<f64>)>,
     /// Writes of open transactions, by transaction id.
     staged: HashMap<u64, Staged>,
 }
@@ -240,6 +243,7 @@ impl InMemoryPerspectiveStore {
                 }
                 state.done.retain(|k, _| &k.1 != name);
                 state.progress.retain(|k, _| &k.1 != name);
+                state.throughput.remove(name);
             }
         }
     }
@@ -1619,5 +1623,52 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             out.push(row);
         }
         Ok(out)
+    }
+
+    async fn record_applied(
+        &self,
+        tx: &FakeTransaction,
+        counts: &[(PerspectiveName, u64)],
+    ) -> Result<()> {
+        tx.check_usable()?;
+        if counts.iter().any(|(_, n)| i64::try_from(*n).is_err()) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "applied count out of range",
+            ));
+        }
+        let now = self.now();
+        let mut state = self.lock_state();
+        for (name, n) in counts {
+            let entry = state
+                .throughput
+                .entry(name.clone())
+                .or_insert((now, 0, None));
+            entry.1 += n;
+            let age = (now - entry.0).as_seconds_f64();
+            if age >= lockstep_core::THROUGHPUT_WINDOW.as_secs_f64() {
+                *entry = (now, 0, Some(entry.1 as f64 / age.max(0.001)));
+            }
+        }
+        Ok(())
+    }
+
+    async fn throughput(&self, tx: &FakeTransaction) -> Result<Vec<lockstep_core::Throughput>> {
+        tx.check_usable()?;
+        let now = self.now();
+        let state = self.lock_state();
+        Ok(state
+            .throughput
+            .iter()
+            .map(|(name, (started, applied, rate))| {
+                let age = (now - *started).as_seconds_f64();
+                let open = (age >= 1.0).then(|| *applied as f64 / age);
+                let rate = match rate {
+                    Some(r) if age < lockstep_core::THROUGHPUT_WINDOW.as_secs_f64() => Some(*r),
+                    _ => open,
+                };
+                lockstep_core::Throughput::new(name.clone(), rate, *applied, *started)
+            })
+            .collect())
     }
 }

@@ -48,6 +48,7 @@ pub mod batch;
 mod bootstrap;
 mod pair;
 mod purge;
+mod rate;
 mod rewind;
 
 pub use rewind::PROGRESS_EVERY;
@@ -145,6 +146,8 @@ pub struct CycleReport {
     pub failures: Vec<String>,
     /// Errors of the cycle itself (the store unreachable, …), as text.
     pub errors: Vec<String>,
+    /// Events applied by the normal path, per perspective (what the catch-up rate adds up).
+    pub applied_by_perspective: std::collections::BTreeMap<PerspectiveName, usize>,
 }
 
 impl CycleReport {
@@ -153,11 +156,22 @@ impl CycleReport {
         self.applied > 0 || self.rewinds > 0
     }
 
+    /// Counts `events` applied by the normal path to a pair of `perspective`.
+    pub(crate) fn add_applied(&mut self, perspective: &PerspectiveName, events: usize) {
+        self.applied += events;
+        if events > 0 {
+            *self
+                .applied_by_perspective
+                .entry(perspective.clone())
+                .or_default() += events;
+        }
+    }
+
     /// Adds one pair's outcome.
     fn add(&mut self, pair: &Pair, outcome: Result<PairOutcome>) {
         self.pairs += 1;
         match outcome {
-            Ok(PairOutcome::Applied { events }) => self.applied += events,
+            Ok(PairOutcome::Applied { events }) => self.add_applied(&pair.perspective, events),
             Ok(PairOutcome::Rewound { replayed, .. }) => {
                 self.rewinds += 1;
                 self.replayed += replayed;
@@ -181,6 +195,9 @@ impl CycleReport {
         self.failed += other.failed;
         self.failures.extend(other.failures);
         self.errors.extend(other.errors);
+        for (name, n) in other.applied_by_perspective {
+            *self.applied_by_perspective.entry(name).or_default() += n;
+        }
     }
 }
 
@@ -198,6 +215,8 @@ pub struct PerspectiveWorker<S, P> {
     positions: Mutex<Vec<(PerspectiveName, Option<StreamId>)>>,
     /// How many times the batch limits are halved (after batches that failed as a whole).
     shrink: AtomicU32,
+    /// Events applied since the last catch-up report, and when that was ([`rate`]).
+    applied: rate::Unreported,
 }
 
 impl<S, P> std::fmt::Debug for PerspectiveWorker<S, P> {
@@ -246,6 +265,7 @@ where
             keeper: locker.map(|l| LeaseKeeper::start(l, instance)),
             coordinator: ApplyCoordinator::new(options.coordinator_warn_after),
             shrink: AtomicU32::new(0),
+            applied: rate::Unreported::default(),
         })
     }
 
@@ -344,6 +364,7 @@ where
         for one in futures_util::future::join_all(batches).await {
             report.merge(one);
         }
+        self.report_applied(&report).await;
         report
     }
 

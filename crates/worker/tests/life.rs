@@ -268,3 +268,37 @@ async fn a_retired_perspective_leaves_a_running_worker_idle_and_comes_back_from_
     );
     tx.rollback().await.expect("rollback");
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_worker_reports_its_catch_up_rate_and_the_time_to_empty_follows() {
+    let w = World::new();
+    w.worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    w.append(stream, &[1, 3, 4, 5, 6]).await;
+    w.drain().await;
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    w.append(stream, &[7, 8, 9]).await;
+    w.drain().await;
+
+    let (db, store) = (w.db.clone(), w.store.clone());
+    let rates = tokio::spawn(async move {
+        let tx = db.begin_now();
+        let rates = store.throughput(&tx).await;
+        tx.rollback().await.expect("rollback");
+        rates
+    })
+    .await
+    .expect("task")
+    .expect("throughput");
+    let rate = rates
+        .iter()
+        .find(|t| t.perspective == scaled())
+        .expect("the perspective's rate");
+    let per_second = rate.events_per_second.expect("a closed window");
+    assert!(
+        (per_second - 8.0 / 11.0).abs() < 0.05,
+        "8 events over the 11 s window: {per_second}"
+    );
+    let eta = rate.time_to_empty(8).expect("a time to empty");
+    assert!((eta.as_secs_f64() - 11.0).abs() < 1.0, "{eta:?}");
+}

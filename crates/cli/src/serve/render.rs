@@ -366,6 +366,15 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                     "<span class=\"{}\">{lag:.1} s</span>",
                     level(lag > LAG_BAD_S, lag > LAG_WARN_S)
                 ),
+                format!(
+                    "{} / {}",
+                    p["applied_per_s"]
+                        .as_f64()
+                        .map_or("-".to_owned(), |r| format!("{r:.1}")),
+                    p["time_to_empty_s"]
+                        .as_f64()
+                        .map_or("-".to_owned(), |t| format!("{t:.0} s"))
+                ),
                 {
                     // The pending count, then each running rewind's progress under it.
                     let running: Vec<String> = p["rewinds_running"]
@@ -407,6 +416,7 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
             "pairs",
             "pending",
             "lag",
+            "applied/s / to empty",
             "rewinds pending (running)",
             "backing off",
             "parked",

@@ -5,7 +5,7 @@
 use lockstep_core::perspective_store::check_progress_limit;
 use lockstep_core::{
     Error, ErrorKind, InstanceId, PerspectiveName, ProgressReport, Rebuild, Result, RetireStates,
-    Retired, RewindProgress, StreamId,
+    Retired, RewindProgress, StreamId, THROUGHPUT_WINDOW, Throughput,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -46,6 +46,26 @@ ON CONFLICT (stream_id, perspective_name) DO UPDATE
        run_id = EXCLUDED.run_id, instance_id = EXCLUDED.instance_id, epoch = EXCLUDED.epoch,
        replayed = EXCLUDED.replayed, to_replay = EXCLUDED.to_replay,
        updated_at = EXCLUDED.updated_at";
+
+    /// Adds applied events (`$1` names, `$2` counts) to the catch-up rates, closing windows of
+    /// at least `$3` µs (see `lockstep_perspective_record_applied`, V11).
+    pub(super) const RECORD_APPLIED: &str =
+        "SELECT lockstep_perspective_record_applied($1, $2, $3)";
+
+    /// Every perspective's catch-up rate (see `Throughput`): the last closed window's, or the
+    /// open window's when it is at least `$1` µs old or none closed yet (from a second on).
+    pub(super) const THROUGHPUT: &str = "\
+SELECT t.perspective_name, t.window_applied, t.window_started_at,
+       CASE WHEN t.rate IS NULL
+                 OR clock_timestamp() - t.window_started_at >= $1 * interval '1 microsecond'
+            THEN CASE WHEN clock_timestamp() - t.window_started_at >= interval '1 second'
+                      THEN (t.window_applied
+                            / extract(epoch FROM clock_timestamp() - t.window_started_at))::float8
+                 END
+            ELSE t.rate
+       END
+  FROM wh_perspective_throughput t
+ ORDER BY t.perspective_name COLLATE \"C\"";
 
     /// The current progress of the rewinds of `$1` (all when empty), at most `$2`: the pair
     /// still has a rewind request, and a report made under a lease names the live lease.
@@ -188,6 +208,61 @@ pub(super) async fn rewind_progress<T: PgTransactionRef>(
                 Error::new(ErrorKind::Backend, "a stored instance id is invalid").with_source(e)
             })?;
             Ok(progress)
+        })
+        .collect()
+}
+
+fn window_micros() -> i64 {
+    i64::try_from(THROUGHPUT_WINDOW.as_micros()).unwrap_or(i64::MAX)
+}
+
+pub(super) async fn record_applied<T: PgTransactionRef>(
+    tx: &T,
+    counts: &[(PerspectiveName, u64)],
+) -> Result<()> {
+    if counts.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = counts.iter().map(|(n, _)| n.as_str()).collect();
+    let numbers = counts
+        .iter()
+        .map(|(_, n)| {
+            i64::try_from(*n)
+                .map_err(|_| Error::new(ErrorKind::InvalidInput, "applied count out of range"))
+        })
+        .collect::<Result<Vec<i64>>>()?;
+    tx.executor()
+        .query_typed(
+            sql::RECORD_APPLIED,
+            &[
+                (&names, Type::TEXT_ARRAY),
+                (&numbers, Type::INT8_ARRAY),
+                (&window_micros(), Type::INT8),
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "recording applied events"))?;
+    Ok(())
+}
+
+pub(super) async fn throughput<T: PgTransactionRef>(tx: &T) -> Result<Vec<Throughput>> {
+    let rows = tx
+        .executor()
+        .query_typed(sql::THROUGHPUT, &[(&window_micros(), Type::INT8)])
+        .await
+        .map_err(|e| statement_error(e, "reading catch-up rates"))?;
+    rows.iter()
+        .map(|row| {
+            let name: String = row.try_get(0).map_err(decode_error)?;
+            let applied: i64 = row.try_get(1).map_err(decode_error)?;
+            let started: OffsetDateTime = row.try_get(2).map_err(decode_error)?;
+            let rate: Option<f64> = row.try_get(3).map_err(decode_error)?;
+            Ok(Throughput::new(
+                stored_name(name)?,
+                rate,
+                stored_count(applied)?,
+                started,
+            ))
         })
         .collect()
 }

@@ -9,7 +9,7 @@
 //! `unpark`, a rewind request as a retry), a successful commit clearing the failure, and
 //! skipped events, paging through states and what is not applied up to an event (`states`,
 //! `pending_through`), a perspective's life (retire keeping or dropping its states, register
-//! again, rebuild) and rewinds' progress — each case a behaviour a user of the perspective worker would notice.
+//! again, rebuild), rewinds' progress and catch-up rates — each case a behaviour a user of the perspective worker would notice.
 //!
 //! Every case uses fresh stream ids and perspective names, so the suite can run against a
 //! shared database (perspectives registered by earlier cases only add work the cases never look
@@ -3531,6 +3531,7 @@ macro_rules! __lockstep_perspective_store_cases {
             an_event_appended_while_retired_before_the_cursor_is_a_late_arrival,
             a_rebuild_requests_a_rewind_from_the_start_on_every_pair_and_keeps_the_old_states,
             rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_commits,
+            applied_events_add_up_in_the_perspectives_catch_up_window,
         ] }
     };
 }
@@ -3885,4 +3886,49 @@ pub async fn rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_co
         progress_of(&*fixture, &p).await.is_empty(),
         "a committed rewind is no longer in progress"
     );
+}
+
+/// Applied events reported with `record_applied` add up in the perspective's open window
+/// (every instance's together); a count a database cannot store is invalid input.
+pub async fn applied_events_add_up_in_the_perspectives_catch_up_window<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let (p, other) = (name("Rate"), name("RateOther"));
+    let store = fixture.store();
+    let tx = begin(fixture.source()).await;
+    store
+        .record_applied(&tx, &[(p.clone(), 5), (other.clone(), 1)])
+        .await
+        .expect("record_applied");
+    store
+        .record_applied(&tx, &[(p.clone(), 3)])
+        .await
+        .expect("record_applied");
+    let err = store
+        .record_applied(&tx, &[(p.clone(), u64::MAX)])
+        .await
+        .expect_err("out of range");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    commit(tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    let rates = store.throughput(&tx).await.expect("throughput");
+    rollback(tx).await;
+    let mine = rates
+        .iter()
+        .find(|t| t.perspective == p)
+        .expect("the perspective's rate");
+    assert_eq!(mine.window_applied, 8, "{mine:?}");
+    assert!(
+        mine.events_per_second
+            .is_none_or(|r| (0.0..=8.0).contains(&r)),
+        "no rate before a second, at most 8 events over it: {mine:?}"
+    );
+    let theirs = rates
+        .iter()
+        .find(|t| t.perspective == other)
+        .expect("other");
+    assert_eq!(theirs.window_applied, 1);
 }
