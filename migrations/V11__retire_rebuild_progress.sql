@@ -197,15 +197,16 @@ CREATE TABLE IF NOT EXISTS wh_perspective_throughput (
     rate_at           timestamptz
 );
 
--- Adds `p_counts[i]` applied events to `p_names[i]`; a window at least `p_window_us` old closes
+-- Adds `p_counts[i]` applied events to `p_names[i]` (a name given twice: the sum); a window at least `p_window_us` old closes
 -- into the rate (its events over its length) and a new one opens, empty.
 CREATE OR REPLACE FUNCTION lockstep_perspective_record_applied(
     p_names text[], p_counts bigint[], p_window_us bigint
 ) RETURNS void
 LANGUAGE sql VOLATILE AS $$
     INSERT INTO wh_perspective_throughput AS t (perspective_name, window_started_at, window_applied)
-    SELECT x.name, clock_timestamp(), x.n
+    SELECT x.name, clock_timestamp(), sum(x.n)
       FROM unnest(p_names, p_counts) AS x(name, n)
+     GROUP BY x.name
     ON CONFLICT (perspective_name) DO UPDATE SET
         rate = CASE WHEN clock_timestamp() - t.window_started_at >= p_window_us * interval '1 microsecond'
                     THEN (t.window_applied + EXCLUDED.window_applied)

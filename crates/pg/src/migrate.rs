@@ -210,11 +210,15 @@ pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
 
 /// Every embedded migration, as (version, name), in order.
 pub fn embedded_migrations() -> Vec<(i32, String)> {
-    runner()
+    let mut embedded: Vec<(i32, String)> = runner()
         .get_migrations()
         .iter()
         .map(|m| (m.version(), m.name().to_owned()))
-        .collect()
+        .collect();
+    // By version: the embedded files come in file-name order, where `V11__…` sorts before
+    // `V1__…`.
+    embedded.sort_by_key(|m| m.0);
+    embedded
 }
 
 /// The refinery runner over the embedded files, recording into [`MIGRATION_TABLE`].

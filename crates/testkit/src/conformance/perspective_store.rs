@@ -3903,9 +3903,9 @@ pub async fn applied_events_add_up_in_the_perspectives_catch_up_window<
         .await
         .expect("record_applied");
     store
-        .record_applied(&tx, &[(p.clone(), 3)])
+        .record_applied(&tx, &[(p.clone(), 1), (p.clone(), 2)])
         .await
-        .expect("record_applied");
+        .expect("a name given twice counts twice");
     let err = store
         .record_applied(&tx, &[(p.clone(), u64::MAX)])
         .await
