@@ -13,7 +13,10 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use lockstep_core::{PerspectiveName, Rebuild, RetireStates, Retired};
+use lockstep_core::Transaction as _;
+use lockstep_core::{
+    PerspectiveName, PerspectiveStore, Rebuild, RetireStates, Retired, TransactionSource,
+};
 use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;
 use serde_json::json;
@@ -198,4 +201,19 @@ pub(crate) fn time_to_empty(
         .map_or(serde_json::Value::Null, |d| {
             json!((d.as_secs_f64() * 10.0).round() / 10.0)
         })
+}
+
+/// The perspectives retired with their states kept, by name (for `perspectives status`).
+pub(crate) async fn retired(pool: &deadpool_postgres::Pool) -> Result<Vec<String>> {
+    let db = PgDatabase::from_pool(pool.clone());
+    let store = PgPerspectiveStore::new();
+    let tx = db.begin().await.map_err(explain)?;
+    let names = store.retired(&tx).await;
+    // Read only: the rollback cannot lose anything.
+    let _ = tx.rollback().await;
+    Ok(names
+        .map_err(explain)?
+        .into_iter()
+        .map(|n| n.as_str().to_owned())
+        .collect())
 }

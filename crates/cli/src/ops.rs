@@ -1099,6 +1099,7 @@ async fn perspective_status(
         }
         return Ok(check_code(failed.as_deref()));
     }
+    let retired = crate::life::retired(pool).await?;
     if out.is_empty() {
         say!("no perspectives registered");
     } else {
@@ -1145,6 +1146,9 @@ async fn perspective_status(
                 );
             }
         }
+    }
+    if !retired.is_empty() {
+        say!("retired with their states kept: {}", retired.join(", "));
     }
     if let Some(failed) = &failed {
         if failed.is_empty() {

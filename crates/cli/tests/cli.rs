@@ -1825,6 +1825,12 @@ async fn perspectives_rebuild_retire_and_rewind_progress() {
     assert_eq!(retired["work_removed"], 6);
     let status = lockstep_on(&url, &["perspectives", "status", "--json"]).await;
     assert_eq!(doc(&status), serde_json::json!([]), "no longer registered");
+    let status = lockstep_on(&url, &["perspectives", "status"]).await;
+    assert!(
+        text(&status).contains("retired with their states kept: Ledger"),
+        "{}",
+        text(&status)
+    );
     let refused = lockstep_on(&url, &["perspectives", "rebuild", "Ledger", "--json"]).await;
     assert_eq!(refused.status.code(), Some(1));
     assert_eq!(doc(&refused)["outcome"], "not_registered");
