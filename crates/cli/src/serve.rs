@@ -33,9 +33,10 @@ use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use lockstep_core::{PerspectiveStore, Transaction as _, TransactionSource};
+use lockstep_observe::Observed;
 use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -80,9 +81,8 @@ pub(crate) async fn serve(url: &DbUrl, options: ServeOptions, json: bool) -> Res
         )));
     }
     let listener = listen("--addr", &options.addr).await?;
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .context("installing the metrics recorder")?;
+    let metrics =
+        lockstep_observe::prometheus::install().context("installing the metrics recorder")?;
     describe_gauges();
     let db = url.handle_lazy(4, "lockstep serve")?;
     let shared = Arc::new(Shared {
@@ -249,7 +249,9 @@ async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable>
 /// The parked pairs, at most 100.
 async fn parked_rows(db: &PgDatabase) -> Result<Vec<Value>> {
     let tx = db.begin().await?;
-    let parked = PgPerspectiveStore::new().parked_pairs(&tx, &[], 100).await;
+    let parked = Observed::new(PgPerspectiveStore::new())
+        .parked_pairs(&tx, &[], 100)
+        .await;
     // Read only: the rollback cannot lose anything.
     let _ = tx.rollback().await;
     Ok(parked?.iter().map(parked_json).collect())

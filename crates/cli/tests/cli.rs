@@ -1233,8 +1233,65 @@ async fn serve_starts_without_a_database_and_recovers_once_it_is_migrated() {
         metrics.contains("# HELP lockstep_stream_leases_held"),
         "{metrics}"
     );
+    // Through a Prometheus parser: `# HELP` on every family and no summary; the page's own
+    // calls are counted by the observe layer, which is wired here at the composition root.
+    let scrape = prometheus_parse::Scrape::parse(metrics.lines().map(|l| Ok(l.to_owned())))
+        .expect("a valid exposition");
+    for sample in &scrape.samples {
+        let family = ["_sum", "_count", "_bucket"]
+            .iter()
+            .find_map(|suffix| sample.metric.strip_suffix(suffix))
+            .filter(|family| scrape.docs.contains_key(*family))
+            .unwrap_or(&sample.metric);
+        assert!(
+            scrape.docs.contains_key(family),
+            "{family} has no # HELP:\n{metrics}"
+        );
+        assert!(
+            !matches!(sample.value, prometheus_parse::Value::Summary(_)),
+            "{family} is a summary:\n{metrics}"
+        );
+    }
+    assert!(
+        scrape
+            .samples
+            .iter()
+            .any(|s| s.metric == "lockstep_calls_total"),
+        "{metrics}"
+    );
     let _ = server.kill();
     let _ = server.wait();
+}
+
+/// `RUST_LOG` chooses what the binary logs, on standard error; by default only warnings.
+#[tokio::test]
+async fn the_binary_honours_rust_log() {
+    let (_db, url, _pool) = migrated().await;
+    let run = |rust_log: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockstep"));
+        cmd.args(["migrate", "--status"])
+            .env("DATABASE_URL", &url)
+            .env_remove("RUST_LOG");
+        if let Some(filter) = rust_log {
+            cmd.env("RUST_LOG", filter);
+        }
+        cmd.output().expect("running lockstep")
+    };
+    let quiet = run(None);
+    assert!(quiet.status.success(), "{}", text(&quiet));
+    let stderr = String::from_utf8_lossy(&quiet.stderr);
+    assert!(
+        !stderr.contains("DEBUG") && !stderr.contains("INFO"),
+        "{stderr}"
+    );
+    let verbose = run(Some("debug"));
+    assert!(verbose.status.success(), "{}", text(&verbose));
+    let stderr = String::from_utf8_lossy(&verbose.stderr);
+    assert!(stderr.contains("DEBUG"), "RUST_LOG=debug logs: {stderr}");
+    assert_eq!(
+        quiet.stdout, verbose.stdout,
+        "logs never mix into the report on standard output"
+    );
 }
 
 /// `GET path` on `addr` with a plain TCP client: (status line, body).

@@ -69,7 +69,8 @@
 //!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`], [`LeaseEntry`]
 //!   ([`stream_lease`]).
 //! - [`Perspective`] / [`PerspectiveStore`] — read models and their storage ([`perspective`],
-//!   [`perspective_store`]).
+//!   [`perspective_store`]); [`TablePerspective`] — read models in the application's own tables,
+//!   written in the worker's transaction ([`table_perspective`]).
 //!
 //! Values, validated at construction: [`InstanceId`], [`StreamId`], [`PerspectiveName`],
 //! [`LockReason`], [`AggregateType`], [`ResourceKey`], [`StreamLockOptions`], and
@@ -101,6 +102,7 @@ pub mod reason;
 pub mod resource_key;
 pub mod retry;
 pub mod stream_lease;
+pub mod table_perspective;
 pub mod unit_of_work;
 
 pub use aggregate_lock::{
@@ -134,6 +136,7 @@ pub use stream_lease::{
     LeaseInfo, LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin,
     StreamLocker, UnreadableLease,
 };
+pub use table_perspective::{DynTablePerspective, TablePerspective};
 pub use unit_of_work::{BoxFuture, Retryable, Transaction, TransactionSource};
 
 /// Re-exported so implementors and users name the same versions.

@@ -37,7 +37,9 @@
 //! }
 //! ```
 
+use std::any::Any;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -45,6 +47,7 @@ use serde::de::DeserializeOwned;
 use crate::error::{Error, ErrorKind, Result};
 use crate::event_store::RecordedEvent;
 use crate::ids::PerspectiveName;
+use crate::table_perspective::{DynTablePerspective, TablePerspective};
 
 /// A read model: folds a stream's events, in event-id order, into a state.
 pub trait Perspective: Send + Sync + 'static {
@@ -174,6 +177,11 @@ pub enum ApplyError {
         /// The serde error, as text.
         detail: String,
     },
+    /// A table perspective's `reset` failed (before a rewind's replay, or in a purge).
+    Reset {
+        /// The perspective's error, as text.
+        detail: String,
+    },
     /// `apply` panicked on this event (caught by the worker).
     Panicked {
         /// The event being applied, when known.
@@ -190,6 +198,7 @@ impl fmt::Display for ApplyError {
                 write!(f, "apply failed on event {event_id}: {detail}")
             }
             ApplyError::State { detail } => write!(f, "state (de)serialization failed: {detail}"),
+            ApplyError::Reset { detail } => write!(f, "reset failed: {detail}"),
             ApplyError::Panicked {
                 event_id: Some(id),
                 detail,
@@ -204,10 +213,27 @@ impl fmt::Display for ApplyError {
 
 impl std::error::Error for ApplyError {}
 
-/// The perspectives a worker runs, by name (names are unique).
+/// A table perspective by its name, as [`PerspectiveRegistry::tables`] lists them.
+pub type NamedTable<Tx> = (PerspectiveName, Arc<dyn DynTablePerspective<Tx>>);
+
+/// The perspectives a worker runs, by name (names are unique across both kinds): JSON
+/// perspectives ([`Perspective`]) and table perspectives ([`crate::TablePerspective`]).
 #[derive(Clone, Default)]
 pub struct PerspectiveRegistry {
-    entries: Vec<(PerspectiveName, std::sync::Arc<dyn DynPerspective>)>,
+    entries: Vec<(PerspectiveName, Entry)>,
+}
+
+/// One registered perspective.
+#[derive(Clone)]
+enum Entry {
+    Json(Arc<dyn DynPerspective>),
+    /// An `Arc<dyn DynTablePerspective<Tx>>` behind `Any` (the registry is not generic over the
+    /// transaction type; the worker takes it back out for its own), and `Tx`'s name for the
+    /// error when the worker's transaction type is another.
+    Table {
+        perspective: Arc<dyn Any + Send + Sync>,
+        tx_type: &'static str,
+    },
 }
 
 impl fmt::Debug for PerspectiveRegistry {
@@ -227,28 +253,90 @@ impl PerspectiveRegistry {
     /// Adds `perspective`. Fails with [`ErrorKind::InvalidInput`] when its name is not a valid
     /// [`PerspectiveName`] or is already registered.
     pub fn register<P: Perspective>(&mut self, perspective: P) -> Result<&mut Self> {
-        self.register_dyn(std::sync::Arc::new(perspective))
+        self.register_dyn(Arc::new(perspective))
     }
 
     /// Adds a perspective already erased to [`DynPerspective`].
-    pub fn register_dyn(
-        &mut self,
-        perspective: std::sync::Arc<dyn DynPerspective>,
-    ) -> Result<&mut Self> {
-        let name = PerspectiveName::new(perspective.name())?;
-        if self.get(&name).is_some() {
+    pub fn register_dyn(&mut self, perspective: Arc<dyn DynPerspective>) -> Result<&mut Self> {
+        let name = self.new_name(perspective.name())?;
+        self.entries.push((name, Entry::Json(perspective)));
+        Ok(self)
+    }
+
+    /// Adds a table perspective that runs in transactions of type `Tx` (the worker's
+    /// `TransactionSource::Tx`: `lockstep_pg::PgTransaction` on Postgres, the testkit's
+    /// `FakeTransaction` on the fakes). Fails with [`ErrorKind::InvalidInput`] as
+    /// [`PerspectiveRegistry::register`] does; a worker on another transaction type refuses
+    /// the registry when it is built.
+    pub fn register_table<Tx, T>(&mut self, perspective: T) -> Result<&mut Self>
+    where
+        Tx: Sync + 'static,
+        T: TablePerspective<Tx>,
+    {
+        let name = self.new_name(TablePerspective::name(&perspective))?;
+        let erased: Arc<dyn DynTablePerspective<Tx>> = Arc::new(perspective);
+        self.entries.push((
+            name,
+            Entry::Table {
+                perspective: Arc::new(erased),
+                tx_type: std::any::type_name::<Tx>(),
+            },
+        ));
+        Ok(self)
+    }
+
+    fn new_name(&self, name: &str) -> Result<PerspectiveName> {
+        let name = PerspectiveName::new(name)?;
+        if self.entries.iter().any(|(n, _)| *n == name) {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 format!("perspective {name} is registered twice"),
             ));
         }
-        self.entries.push((name, perspective));
-        Ok(self)
+        Ok(name)
     }
 
-    /// The perspective called `name`.
-    pub fn get(&self, name: &PerspectiveName) -> Option<&std::sync::Arc<dyn DynPerspective>> {
-        self.entries.iter().find(|(n, _)| n == name).map(|(_, p)| p)
+    /// The JSON perspective called `name` (`None` for a table perspective).
+    pub fn get(&self, name: &PerspectiveName) -> Option<&Arc<dyn DynPerspective>> {
+        self.entries.iter().find_map(|(n, e)| match e {
+            Entry::Json(p) if n == name => Some(p),
+            _ => None,
+        })
+    }
+
+    /// Whether `name` is a table perspective.
+    pub fn is_table(&self, name: &PerspectiveName) -> bool {
+        self.entries
+            .iter()
+            .any(|(n, e)| n == name && matches!(e, Entry::Table { .. }))
+    }
+
+    /// Every table perspective, for transactions of type `Tx`. Fails with
+    /// [`ErrorKind::InvalidInput`], naming the perspective and both types, when one was
+    /// registered for another transaction type.
+    pub fn tables<Tx: 'static>(&self) -> Result<Vec<NamedTable<Tx>>> {
+        let mut out = Vec::new();
+        for (name, entry) in &self.entries {
+            let Entry::Table {
+                perspective,
+                tx_type,
+            } = entry
+            else {
+                continue;
+            };
+            let Some(p) = perspective.downcast_ref::<Arc<dyn DynTablePerspective<Tx>>>() else {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "table perspective {name} was registered for transactions of type {tx_type}, \
+                         but the worker runs on {}",
+                        std::any::type_name::<Tx>()
+                    ),
+                ));
+            };
+            out.push((name.clone(), Arc::clone(p)));
+        }
+        Ok(out)
     }
 
     /// Every registered name, in registration order.

@@ -109,6 +109,11 @@ pub struct StreamLease {
     /// [`InstanceId::process`]) share such a lease: the first release ends it for both. A task
     /// that needs the lease to itself treats `reentered == true` as busy and does not release it.
     pub reentered: bool,
+    /// Whether this lease replaced an **expired** lease that was never released — its holder
+    /// (another instance, or this one before a stall) crashed or stopped renewing: a
+    /// *takeover*, which operators want to see. The backend knows it from the same statement;
+    /// it travels here so that the observe layer can count it and the worker can log it.
+    pub took_over: bool,
 }
 
 impl StreamLease {
@@ -120,6 +125,7 @@ impl StreamLease {
             reason,
             expires_at,
             reentered: false,
+            took_over: false,
         }
     }
 
@@ -128,6 +134,14 @@ impl StreamLease {
     #[must_use]
     pub fn with_reentered(mut self, reentered: bool) -> Self {
         self.reentered = reentered;
+        self
+    }
+
+    /// The same lease, saying whether it took over an expired one
+    /// ([`StreamLease::took_over`]).
+    #[must_use]
+    pub fn with_took_over(mut self, took_over: bool) -> Self {
+        self.took_over = took_over;
         self
     }
 }

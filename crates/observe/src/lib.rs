@@ -24,8 +24,12 @@
 //!
 //! Through the `metrics` facade (install any recorder; without one they cost next to nothing).
 //! Labels have fixed, small cardinality: `contract` and `op` are from the tables below,
-//! `outcome` is `ok`, an outcome name (`acquired`, `denied`, `busy`, `no_cursor`, `renewed`,
-//! `lost`, `released`, `not_held`) or the [`lockstep_core::ErrorKind`] of a failure.
+//! `outcome` is `ok`, an outcome name (`acquired`, `taken_over` — an expired lease replaced,
+//! which the backend reports in [`lockstep_core::StreamLease::took_over`] — `denied`, `busy`,
+//! `no_cursor`, `renewed`, `lost`, `released`, `not_held`) or the [`lockstep_core::ErrorKind`]
+//! of a failure. Backends emit no spans or metrics of their own: this layer is the one place
+//! (ADR 0018). [`describe`] gives every family its `# HELP`; [`SECONDS_BUCKETS`] makes the
+//! durations histograms.
 //!
 //! | constant | name | kind | labels |
 //! |---|---|---|---|
@@ -49,6 +53,9 @@
 //! (recorded with `Display`, never whole values). A failed call records an `error` event with
 //! its kind inside the span.
 
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
+
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -67,6 +74,31 @@ use uuid::Uuid;
 pub const CALLS: &str = "lockstep_calls_total";
 /// Call duration in seconds per contract and operation.
 pub const CALL_SECONDS: &str = "lockstep_call_duration_seconds";
+
+/// Histogram buckets for every lockstep metric in seconds (names ending in `_seconds`: call
+/// durations, the worker's lag and rewind durations), from half a millisecond to an hour.
+/// Give them to the exporter so that these export as histograms, which aggregate across
+/// instances (summaries do not), e.g. with `metrics-exporter-prometheus`:
+/// `PrometheusBuilder::new().set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)`.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 300.0, 900.0, 3600.0,
+];
+
+/// Describes this layer's metric families (`# HELP`, units) to the installed recorder; call it
+/// once after installing one, at the composition root.
+pub fn describe() {
+    metrics::describe_counter!(
+        CALLS,
+        "Calls of a lockstep contract, by contract, operation and outcome (ok, an outcome such \
+         as acquired / taken_over / denied / busy, or the error kind)"
+    );
+    metrics::describe_histogram!(
+        CALL_SECONDS,
+        metrics::Unit::Seconds,
+        "Duration of a call of a lockstep contract, by contract and operation"
+    );
+}
 
 /// Wraps a contract implementation `T`, reporting spans and metrics for every call and
 /// otherwise behaving exactly like `T`.
@@ -145,6 +177,8 @@ fn kind_label(kind: lockstep_core::ErrorKind) -> &'static str {
 
 fn acquire_label(o: &AcquireOutcome) -> &'static str {
     match o {
+        // What only the backend knows travels in the outcome: a takeover of an expired lease.
+        AcquireOutcome::Acquired(lease) if lease.took_over => "taken_over",
         AcquireOutcome::Acquired(_) => "acquired",
         AcquireOutcome::Denied(_) => "denied",
         AcquireOutcome::Busy => "busy",

@@ -258,8 +258,7 @@ SELECT count(*) FROM w";
             AND e.event_id IS DISTINCT FROM (SELECT s.event_id FROM s) \
             AND NOT EXISTS (SELECT 1 FROM wh_perspective_skipped_events x \
                              WHERE x.stream_id = $1 AND x.perspective_name = $2 \
-                               AND x.event_id = e.event_id) \
-         ORDER BY 1, 21"
+                               AND x.event_id = e.event_id)"
     );
 
     /// One pair's cursor.
@@ -622,16 +621,29 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             )
             .await
             .map_err(|e| statement_error(e, "reading what a rewind restores and replays"))?;
-        let Some((header, events)) = rows.split_first() else {
+        if rows.is_empty() {
             return Ok(None);
-        };
-        let part: i32 = header.try_get(0).map_err(decode_error)?;
-        if part != 0 {
+        }
+        // No `ORDER BY` in the statement: sorting every event row with its payload cost a full
+        // replay about half its time (ADR 0012 §8 figures). The header is the row of part 0
+        // (the first, in practice: `UNION ALL` runs its branches in order), and the events come
+        // in the index's (stream, event id) order; both are checked here, not assumed.
+        let mut header = None;
+        let mut event_rows = Vec::with_capacity(rows.len().saturating_sub(1));
+        for row in &rows {
+            let part: i32 = row.try_get(0).map_err(decode_error)?;
+            if part == 0 && header.is_none() {
+                header = Some(row);
+            } else {
+                event_rows.push(row);
+            }
+        }
+        let Some(header) = header else {
             return Err(Error::new(
                 ErrorKind::Backend,
                 "a rewind load returned events without their cursor",
             ));
-        }
+        };
         let cursor = decode_cursor(
             header,
             LOAD_CURSOR_AT,
@@ -653,10 +665,13 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             }
             None => None,
         };
-        let events = events
-            .iter()
+        let mut events = event_rows
+            .into_iter()
             .map(|row| crate::decode(row, LOAD_EVENT_AT, stream_id))
             .collect::<Result<Vec<_>>>()?;
+        if !events.is_sorted_by_key(|e| e.event_id) {
+            events.sort_by_key(|e| e.event_id);
+        }
         Ok(Some(RewindLoad::new(cursor, snapshot, events)))
     }
 

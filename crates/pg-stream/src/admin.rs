@@ -14,16 +14,13 @@ use lockstep_core::{
     PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
 };
 use tokio_postgres::Row;
-use tracing::instrument;
 
 use crate::locker::{PgStreamLocker, stored_holder, stored_name, stored_reason};
 use crate::sql;
 use crate::statement::{RowName, column};
-use crate::telemetry::{self, count};
 
 #[async_trait]
 impl StreamLockAdmin for PgStreamLocker {
-    #[instrument(name = "list_leases", skip_all)]
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
         let rows: Vec<Row> = self
             .run(sql::LIST_LEASES, &[], "listing stream leases")
@@ -39,7 +36,6 @@ impl StreamLockAdmin for PgStreamLocker {
     /// One entry per row: a row whose lease cannot be read (an operator's `'infinity'` expiry,
     /// a nil holder, a name or reason that does not validate) is [`LeaseEntry::Unreadable`]
     /// with its key; only a row without a readable key fails the listing.
-    #[instrument(name = "list_lease_entries", skip_all)]
     async fn list_lease_entries(&self) -> Result<Vec<LeaseEntry>> {
         let rows: Vec<Row> = self
             .run(sql::LIST_LEASES, &[], "listing stream leases")
@@ -67,11 +63,6 @@ impl StreamLockAdmin for PgStreamLocker {
             .collect()
     }
 
-    #[instrument(
-        name = "inspect",
-        skip_all,
-        fields(stream_id = %stream_id, perspective = %perspective)
-    )]
     async fn inspect(
         &self,
         stream_id: StreamId,
@@ -98,11 +89,6 @@ impl StreamLockAdmin for PgStreamLocker {
         }))
     }
 
-    #[instrument(
-        name = "force_release",
-        skip_all,
-        fields(stream_id = %stream_id, perspective = %perspective)
-    )]
     async fn force_release(
         &self,
         stream_id: StreamId,
@@ -116,15 +102,13 @@ impl StreamLockAdmin for PgStreamLocker {
             )
             .await?;
         if cleared > 0 {
-            count(telemetry::FORCE_RELEASED, 1);
-            tracing::warn!("lease force-released; its holder is fenced out");
+            tracing::warn!(stream_id = %stream_id, perspective = %perspective, "lease force-released; its holder is fenced out");
             Ok(ReleaseOutcome::Released)
         } else {
             Ok(ReleaseOutcome::NotHeld)
         }
     }
 
-    #[instrument(name = "release_all_held_by", skip_all, fields(instance = %instance))]
     async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64> {
         let cleared: u64 = self
             .run(
@@ -133,8 +117,7 @@ impl StreamLockAdmin for PgStreamLocker {
                 "releasing an instance's stream leases",
             )
             .await?;
-        count(telemetry::RELEASED, cleared);
-        tracing::info!(cleared, "released every lease of the instance");
+        tracing::info!(instance = %instance, cleared, "released every lease of the instance");
         Ok(cleared)
     }
 }

@@ -21,32 +21,18 @@
 //! The check is one round trip: an unnamed statement with typed parameters (the transaction's
 //! connection is not the pool's, so there is no per-connection statement cache to use).
 
-use std::future::Future;
-
 use lockstep_core::{Error, ErrorKind, LeaseFence, LeaseId, Result};
 use lockstep_pg::PgTransactionRef;
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
-use tracing::Instrument;
 
 use crate::locker::PgStreamLocker;
 use crate::sql;
 use crate::statement::statement_error;
-use crate::telemetry::{self, count};
 
 impl<T: PgTransactionRef> LeaseFence<T> for PgStreamLocker {
-    fn check_lease<'a>(
-        &'a self,
-        tx: &'a T,
-        lease: &'a LeaseId,
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let span = tracing::info_span!(
-            "check_lease",
-            stream_id = %lease.stream_id,
-            perspective = %lease.perspective,
-            epoch = lease.epoch.get(),
-        );
-        async move {
+    async fn check_lease(&self, tx: &T, lease: &LeaseId) -> Result<()> {
+        {
             let stream = lease.stream_id.as_uuid();
             let perspective = lease.perspective.as_str();
             let holder = lease.holder.as_uuid();
@@ -67,8 +53,7 @@ impl<T: PgTransactionRef> LeaseFence<T> for PgStreamLocker {
             match row {
                 Some(_) => Ok(()),
                 None => {
-                    count(telemetry::FENCE_LOST, 1);
-                    tracing::warn!("fenced commit refused: lease lost");
+                    tracing::warn!(stream_id = %lease.stream_id, perspective = %lease.perspective, epoch, "fenced commit refused: lease lost");
                     Err(Error::new(
                         ErrorKind::LeaseLost,
                         "the stream lease is no longer held at this epoch (expired and taken \
@@ -77,6 +62,5 @@ impl<T: PgTransactionRef> LeaseFence<T> for PgStreamLocker {
                 }
             }
         }
-        .instrument(span)
     }
 }

@@ -33,8 +33,12 @@
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run
 //!   [`lockstep_pg::migrate()`].
-//! - **Observability**: `tracing` spans with fixed fields and `metrics` counters, listed in
-//!   [`telemetry`].
+//! - **Observability** comes from one layer, not from the backend: wrap the locker, admin and
+//!   fence in `lockstep_observe::Observed` at the composition root for a span and metrics per
+//!   call (ADR 0018). What only this backend knows travels in the outcome — a takeover of an
+//!   expired lease is [`StreamLease::took_over`](lockstep_core::StreamLease::took_over) — and it
+//!   logs (`tracing` events, no spans of its own) what an operator should see: a force-release,
+//!   a renew that found its lease lost, a fenced commit refused.
 //!
 //! Domain code should depend on `lockstep-core` only and receive the locker as an
 //! `Arc<dyn StreamLocker>`; this crate is for the composition root.
@@ -88,7 +92,6 @@ pub mod interval;
 pub mod locker;
 pub mod sql;
 mod statement;
-pub mod telemetry;
 
 pub use interval::PgInterval;
 pub use locker::PgStreamLocker;

@@ -20,13 +20,11 @@ use tokio_postgres::Row;
 use tokio_postgres::Socket;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tracing::{Span, instrument};
 use uuid::Uuid;
 
 use crate::interval::PgInterval;
 use crate::sql;
 use crate::statement::{RowName, column, statement_error};
-use crate::telemetry::{self, count};
 
 /// Stream leases on `wh_perspective_cursors`, one atomic statement per operation, on the
 /// database clock.
@@ -144,16 +142,6 @@ impl StreamLocker for PgStreamLocker {
         self.options
     }
 
-    #[instrument(
-        name = "try_acquire",
-        skip_all,
-        fields(
-            stream_id = %stream_id,
-            perspective = %perspective,
-            reason = %reason,
-            epoch = tracing::field::Empty,
-        )
-    )]
     async fn try_acquire(
         &self,
         stream_id: StreamId,
@@ -180,14 +168,12 @@ impl StreamLocker for PgStreamLocker {
             // `FOR NO KEY UPDATE NOWAIT` on the cursor row: another transaction holds its lock
             // right now. The statement wrote nothing; an outcome, not an error (ADR 0002).
             Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                count(telemetry::BUSY, 1);
                 tracing::debug!("cursor row busy");
                 return Ok(AcquireOutcome::Busy);
             }
             Err(e) => return Err(statement_error(e, DOING)),
         };
         let Some(row) = row else {
-            count(telemetry::NO_CURSOR, 1);
             tracing::debug!("no cursor row");
             return Ok(AcquireOutcome::NoCursor);
         };
@@ -199,11 +185,8 @@ impl StreamLocker for PgStreamLocker {
                     .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
             let took_over: Option<bool> = column(&row, "took_over", at)?;
             let reentered: Option<bool> = column(&row, "reentered", at)?;
-            Span::current().record("epoch", epoch);
-            count(telemetry::ACQUIRED, 1);
             if took_over == Some(true) {
-                count(telemetry::TAKEOVERS, 1);
-                tracing::info!("took over an expired lease");
+                tracing::info!(stream_id = %stream_id, perspective = %perspective, epoch, "took over an expired lease");
             } else {
                 tracing::debug!("acquired");
             }
@@ -218,7 +201,8 @@ impl StreamLocker for PgStreamLocker {
                     reason.clone(),
                     expires_at,
                 )
-                .with_reentered(reentered == Some(true)),
+                .with_reentered(reentered == Some(true))
+                .with_took_over(took_over == Some(true)),
             ));
         }
         // Denied: `cur` is the row as locked, i.e. its latest committed version.
@@ -231,8 +215,6 @@ impl StreamLocker for PgStreamLocker {
                 "try-acquire was denied but the cursor row holds no lease",
             ));
         };
-        Span::current().record("epoch", epoch);
-        count(telemetry::DENIED, 1);
         tracing::debug!(holder = %holder, "denied");
         Ok(AcquireOutcome::Denied(LeaseHolder {
             instance: stored_holder(holder, at)?,
@@ -242,15 +224,6 @@ impl StreamLocker for PgStreamLocker {
         }))
     }
 
-    #[instrument(
-        name = "renew",
-        skip_all,
-        fields(
-            stream_id = %lease.stream_id,
-            perspective = %lease.perspective,
-            epoch = lease.epoch.get(),
-        )
-    )]
     async fn renew(&self, lease: &LeaseId) -> Result<RenewOutcome> {
         let row: Option<Row> = self
             .run(
@@ -269,26 +242,15 @@ impl StreamLocker for PgStreamLocker {
             Some(row) => {
                 let at = RowName::Pair(lease.stream_id, lease.perspective.as_str());
                 let expires_at = column(&row, "stream_lock_expiry", at)?;
-                count(telemetry::RENEWED, 1);
                 Ok(RenewOutcome::Renewed { expires_at })
             }
             None => {
-                count(telemetry::RENEW_LOST, 1);
-                tracing::warn!("renew found the lease lost");
+                tracing::warn!(stream_id = %lease.stream_id, perspective = %lease.perspective, epoch = lease.epoch.get(), "renew found the lease lost");
                 Ok(RenewOutcome::Lost)
             }
         }
     }
 
-    #[instrument(
-        name = "release",
-        skip_all,
-        fields(
-            stream_id = %lease.stream_id,
-            perspective = %lease.perspective,
-            epoch = lease.epoch.get(),
-        )
-    )]
     async fn release(&self, lease: &LeaseId) -> Result<ReleaseOutcome> {
         let cleared: u64 = self
             .run(
@@ -303,7 +265,6 @@ impl StreamLocker for PgStreamLocker {
             )
             .await?;
         if cleared > 0 {
-            count(telemetry::RELEASED, 1);
             Ok(ReleaseOutcome::Released)
         } else {
             tracing::debug!("release found nothing to clear");
@@ -311,7 +272,6 @@ impl StreamLocker for PgStreamLocker {
         }
     }
 
-    #[instrument(name = "renew_many", skip_all, fields(leases = leases.len()))]
     async fn renew_many(&self, leases: &[LeaseId]) -> Result<Vec<RenewOutcome>> {
         if leases.is_empty() {
             return Ok(Vec::new());
@@ -365,9 +325,7 @@ impl StreamLocker for PgStreamLocker {
             })
             .collect();
         let lost = outcomes.iter().filter(|o| !o.is_renewed()).count();
-        count(telemetry::RENEWED, (outcomes.len() - lost) as u64);
         if lost > 0 {
-            count(telemetry::RENEW_LOST, lost as u64);
             tracing::warn!(lost, "batched renew found leases lost");
         }
         Ok(outcomes)

@@ -29,7 +29,9 @@
 //!   lock and, through `lockstep_core::DistributedAggregateWriteLock`, the aggregate write lock.
 //!   [`InMemoryEventStore`] for the event store, on the same fake transactions. Every wait in
 //!   the fakes goes through one wait graph on the [`FakeDatabase`], so deadlocks are reported
-//!   whichever fakes they span.
+//!   whichever fakes they span. [`FakeTable`] is an application table in memory whose writes
+//!   commit and roll back with a [`FakeTransaction`], for table perspectives
+//!   (`lockstep_core::TablePerspective`) on the fakes.
 //! - Wrappers users can drive: [`RecordingStreamLocker`] / [`RecordingDistributedLock`] /
 //!   [`RecordingEventStore`] (what was called, with which reason, key or events, in order, and
 //!   what came back — a value, or the [`ErrorKind`](lockstep_core::ErrorKind) of the error),
@@ -53,6 +55,7 @@
 pub mod conformance;
 pub mod event_store;
 pub mod fake_lock;
+pub mod fake_table;
 pub mod faults;
 pub mod perspective_store;
 #[cfg(feature = "pg-harness")]
@@ -67,6 +70,7 @@ pub use fake_lock::{
     FakeDatabase, FakeDistributedLock, FakeSessionGuard, FakeSessionLocks, FakeTransaction,
     FakeWriteAtCommit, LockOwner, TxEnd,
 };
+pub use fake_table::FakeTable;
 pub use faults::{
     DistributedLockFaults, EventStoreFaults, FaultyDistributedLock, FaultyEventStore,
     FaultyStreamLocker, StreamLockerFaults,

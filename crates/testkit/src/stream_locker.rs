@@ -198,6 +198,8 @@ impl StreamLocker for InMemoryStreamLocker {
         let Some(row) = rows.get_mut(&(stream_id, perspective.clone())) else {
             return Ok(AcquireOutcome::NoCursor);
         };
+        // An expired lease still on the row (never released): this acquire takes it over.
+        let took_over = row.lease.is_some() && row.live(now).is_none();
         let reentered = match row.live(now) {
             Some(held) if held.holder != instance => {
                 return Ok(AcquireOutcome::Denied(LeaseHolder {
@@ -231,7 +233,8 @@ impl StreamLocker for InMemoryStreamLocker {
                 reason.clone(),
                 self.clock.wall(expires),
             )
-            .with_reentered(reentered),
+            .with_reentered(reentered)
+            .with_took_over(took_over),
         ))
     }
 

@@ -28,6 +28,19 @@
 //! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
 //! | [`REWINDS_RUNNING`] | `lockstep_worker_rewinds_running` | gauge | replays of this instance running for more than a progress interval (1 s) |
 //! | [`REWIND_EVENTS_REMAINING`] | `lockstep_worker_rewind_events_remaining` | gauge | events those replays still have to replay, at their last progress report |
+//! | [`PAIRS_RETRIED`] | `lockstep_worker_pairs_processed_alone_total` | counter | pairs whose batch was rolled back because a table perspective failed in it, then processed alone |
+//!
+//! [`describe`] gives every family its `# HELP` (the worker calls it when it starts running,
+//! and exports every counter from zero for each of its perspectives); histogram buckets are the
+//! exporter's to set: `lockstep_observe::prometheus::install()` sets them for every family here
+//! (`_seconds` ones and [`BATCH_PAIRS`]), so that they export as histograms, not summaries.
+//!
+//! # Logs
+//!
+//! Through `tracing`: a rewind started (`info`, with its trigger) and committed (`info`, events
+//! replayed, from a snapshot or not), a takeover of an expired lease (`info`), a pair failed
+//! (`warn`, with `parked` when it was parked), a lease lost (`warn`), a batch that failed after
+//! its claim (`warn`), a cycle error (`warn`).
 //!
 //! # Spans
 //!
@@ -69,6 +82,100 @@ pub const BATCH_PAIRS: &str = "lockstep_worker_batch_pairs";
 pub const LEASES_LOST: &str = "lockstep_worker_leases_lost_total";
 /// Age of the oldest event applied in a batch, at commit, in seconds.
 pub const LAG_SECONDS: &str = "lockstep_worker_lag_seconds";
+
+/// Every counter, with its `# HELP` text.
+const COUNTERS: [(&str, &str); 15] = [
+    (EVENTS_APPLIED, "Events applied by the normal path"),
+    (REWINDS, "Rewinds committed"),
+    (
+        REWIND_FAILURES,
+        "Rewinds that failed (apply error, panic, store error, lease lost)",
+    ),
+    (EVENTS_REPLAYED, "Events replayed by rewinds"),
+    (
+        REPLAYS_FROM_SNAPSHOT,
+        "Rewinds that started from a snapshot",
+    ),
+    (REPLAYS_FULL, "Rewinds that replayed the whole stream"),
+    (BOOTSTRAPS, "Snapshots created by bootstrap"),
+    (
+        SKIPPED_LEASED,
+        "Pairs skipped because another instance holds their lease",
+    ),
+    (
+        SKIPPED_BUSY,
+        "Rewinds skipped because another transaction was using the pair's cursor row",
+    ),
+    (
+        APPLY_FAILURES,
+        "Applies that failed (error or panic), stored on the pair's cursor",
+    ),
+    (
+        PAIR_FAILURES,
+        "Failures of a pair outside apply (state, decoding, commit), stored on its cursor",
+    ),
+    (
+        PAIRS_PARKED,
+        "Pairs parked after too many failures in a row",
+    ),
+    (
+        BATCH_FAILURES,
+        "Batches whose commit failed after the claim (the next batches are smaller)",
+    ),
+    (
+        LEASES_LOST,
+        "Held leases reported lost by the keeper (renew refused or local deadline passed)",
+    ),
+    (
+        PAIRS_RETRIED,
+        "Pairs whose failing batch was rolled back and that were then processed alone",
+    ),
+];
+
+/// Pairs whose batch was rolled back because a table perspective failed in it, then processed
+/// alone.
+pub const PAIRS_RETRIED: &str = "lockstep_worker_pairs_processed_alone_total";
+
+/// Describes the worker's metric families (`# HELP`, units) to the installed recorder. The
+/// worker calls it when it starts running, and exports every counter from zero for each of its
+/// perspectives then, so an alert on a counter finds its series before the first increment.
+pub fn describe() {
+    for (name, help) in COUNTERS {
+        metrics::describe_counter!(name, help);
+    }
+    metrics::describe_histogram!(
+        REWIND_SECONDS,
+        metrics::Unit::Seconds,
+        "Rewind duration, lease acquired to released"
+    );
+    metrics::describe_histogram!(
+        LAG_SECONDS,
+        metrics::Unit::Seconds,
+        "Age of the oldest event applied in a batch, at its commit"
+    );
+    metrics::describe_histogram!(
+        BATCH_PAIRS,
+        metrics::Unit::Count,
+        "Pairs per claimed batch (label: the batch's first perspective)"
+    );
+    metrics::describe_gauge!(
+        REWINDS_RUNNING,
+        metrics::Unit::Count,
+        "Replays of this instance running for more than a progress interval (1 s)"
+    );
+    metrics::describe_gauge!(
+        REWIND_EVENTS_REMAINING,
+        metrics::Unit::Count,
+        "Events the running replays of this instance still have to replay, at their last progress report"
+    );
+}
+
+/// Exports every counter at zero for `perspective` (an increment by 0 creates the series).
+pub(crate) fn zero(perspective: &str) {
+    for (name, _) in COUNTERS {
+        count(name, perspective, 0);
+    }
+}
 
 /// Replays of this instance running for more than a progress interval.
 pub const REWINDS_RUNNING: &str = "lockstep_worker_rewinds_running";

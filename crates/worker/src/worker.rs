@@ -50,6 +50,7 @@ mod pair;
 mod purge;
 mod rate;
 mod rewind;
+mod table;
 
 pub use rewind::PROGRESS_EVERY;
 
@@ -58,9 +59,9 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
 use lockstep_core::{
-    ApplyError, DynPerspective, Error, ErrorKind, InstanceId, LeaseHolder, Pair, PairFailure,
-    PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, StreamId,
-    StreamLocker, Transaction, TransactionSource,
+    ApplyError, DynPerspective, DynTablePerspective, Error, ErrorKind, InstanceId, LeaseHolder,
+    Pair, PairFailure, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent,
+    Result, StreamId, StreamLocker, Transaction, TransactionSource,
 };
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -202,10 +203,12 @@ impl CycleReport {
 }
 
 /// Builds perspectives from events; see the [module docs](self).
-pub struct PerspectiveWorker<S, P> {
+pub struct PerspectiveWorker<S: TransactionSource, P> {
     source: S,
     store: P,
     registry: PerspectiveRegistry,
+    /// The registry's table perspectives, for this worker's transaction type.
+    tables: Vec<lockstep_core::perspective::NamedTable<S::Tx>>,
     options: WorkerOptions,
     instance: InstanceId,
     keeper: Option<LeaseKeeper>,
@@ -219,7 +222,7 @@ pub struct PerspectiveWorker<S, P> {
     applied: rate::Unreported,
 }
 
-impl<S, P> std::fmt::Debug for PerspectiveWorker<S, P> {
+impl<S: TransactionSource, P> std::fmt::Debug for PerspectiveWorker<S, P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PerspectiveWorker")
             .field("instance", &self.instance)
@@ -238,7 +241,8 @@ where
     /// A worker for `registry`'s perspectives, on transactions from `source` and the store
     /// `store`, as `instance`. With a `locker`, rewind, bootstrap and purge run under stream
     /// leases kept alive by a [`LeaseKeeper`] (started here: call within a tokio runtime).
-    /// Invalid options are [`ErrorKind::InvalidInput`].
+    /// Invalid options are [`ErrorKind::InvalidInput`], and so is a registry with a table
+    /// perspective registered for another transaction type than `S::Tx`.
     pub fn new(
         source: S,
         store: P,
@@ -254,9 +258,11 @@ where
                 "a worker needs at least one perspective",
             ));
         }
+        let tables = registry.tables::<S::Tx>()?;
         let positions = Mutex::new(registry.names().into_iter().map(|n| (n, None)).collect());
         Ok(PerspectiveWorker {
             positions,
+            tables,
             source,
             store,
             registry,
@@ -267,6 +273,17 @@ where
             shrink: AtomicU32::new(0),
             applied: rate::Unreported::default(),
         })
+    }
+
+    /// The perspective called `name`, of either kind (`None`: this worker does not run it).
+    fn kind(&self, name: &PerspectiveName) -> Option<Kind<S::Tx>> {
+        if let Some(p) = self.registry.get(name) {
+            return Some(Kind::Json(Arc::clone(p)));
+        }
+        self.tables
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, p)| Kind::Table(Arc::clone(p)))
     }
 
     /// The instance this worker runs as.
@@ -309,6 +326,15 @@ where
     /// releases every lease the instance holds.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         self.register().await?;
+        telemetry::describe();
+        for name in self.registry.names() {
+            telemetry::zero(name.as_str());
+        }
+        tracing::info!(
+            instance = %self.instance,
+            perspectives = ?self.registry,
+            "perspective worker running"
+        );
         while !shutdown.is_cancelled() {
             let report = self.cycle(Some(&shutdown)).await;
             for error in &report.errors {
@@ -413,6 +439,14 @@ where
     }
 }
 
+/// A perspective of either kind, as the apply paths branch on it.
+enum Kind<Tx> {
+    /// Folds a JSON state (applied off the runtime's threads).
+    Json(Arc<dyn DynPerspective>),
+    /// Writes the application's tables in the worker's transaction ([`table`]).
+    Table(Arc<dyn DynTablePerspective<Tx>>),
+}
+
 /// Releases a lease, logging (not failing) when that does not work: it then expires.
 async fn release(lease: HeldLease) {
     let id = lease.id().clone();
@@ -487,16 +521,18 @@ fn apply_guarded(
 ) -> std::result::Result<usize, ApplyError> {
     match std::panic::catch_unwind(AssertUnwindSafe(|| p.apply_while(state, events, go_on))) {
         Ok(outcome) => outcome,
-        Err(panic) => {
-            let detail = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without a message".to_owned());
-            Err(ApplyError::Panicked {
-                event_id: None,
-                detail,
-            })
-        }
+        Err(panic) => Err(ApplyError::Panicked {
+            event_id: None,
+            detail: panic_message(&*panic),
+        }),
     }
+}
+
+/// A caught panic's message, when it was a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }

@@ -76,6 +76,18 @@ impl std::fmt::Display for BadArgument {
 
 impl std::error::Error for BadArgument {}
 
+/// Logs (`tracing`) on standard error, filtered by `RUST_LOG` (default `warn`), so that standard
+/// output stays the command's report and its JSON; colours only on a terminal.
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -89,6 +101,7 @@ fn main() -> ExitCode {
             };
         }
     };
+    init_logs();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()

@@ -14,9 +14,10 @@ use lockstep_core::{InstanceId, PerspectiveRegistry, StreamLockOptions, StreamLo
 use lockstep_pg_store::PgPerspectiveStore;
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_worker::{CancellationToken, PerspectiveWorker, WorkerOptions};
-use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio::net::TcpListener;
 use uuid::Uuid;
+
+use lockstep_observe::Observed;
 
 use crate::db_url::DbUrl;
 use crate::ledger::{LEDGER, Ledger};
@@ -83,10 +84,12 @@ pub(crate) async fn run(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
         .store(args.slow_apply_us, std::sync::atomic::Ordering::SeqCst);
     let mut registry = PerspectiveRegistry::new();
     registry.register(ledger)?;
-    let locker: Arc<dyn StreamLocker> = Arc::new(PgStreamLocker::new(&db, options));
+    // The one telemetry layer, wired here at the composition root: a span and metrics per call
+    // of the locker and the store (the backends report none of their own).
+    let locker: Arc<dyn StreamLocker> = Arc::new(Observed::new(PgStreamLocker::new(&db, options)));
     let worker = PerspectiveWorker::new(
         db.clone(),
-        PgPerspectiveStore::new(),
+        Observed::new(PgPerspectiveStore::new()),
         registry,
         WorkerOptions::default(),
         instance,
@@ -136,9 +139,8 @@ async fn listen(addr: &str) -> Result<TcpListener> {
 /// task. axum's accept loop pauses a second after a failed accept (EMFILE), so running out of
 /// descriptors does not make it spin.
 fn metrics_endpoint(listener: TcpListener) -> Result<std::net::SocketAddr> {
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .context("installing the metrics recorder")?;
+    let metrics =
+        lockstep_observe::prometheus::install().context("installing the metrics recorder")?;
     let bound = listener.local_addr()?;
     let app = Router::new()
         .route(

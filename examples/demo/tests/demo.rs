@@ -209,6 +209,8 @@ async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("starting lockstep-demo worker");
+    // A failed assertion below must not leave the worker running (after its database is gone).
+    let mut reaper = Reaper(Some(worker.id()));
     let mut lines = BufReader::new(worker.stdout.take().expect("stdout")).lines();
     let banner = tokio::task::spawn_blocking(move || {
         let first = lines.next().and_then(Result::ok).unwrap_or_default();
@@ -262,8 +264,26 @@ async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
             .await
             .expect("task");
         assert!(status.contains("200"), "{status}");
-        if body.contains("lockstep_worker_events_applied_total") {
+        let scrape = exposition(&body);
+        if counter(&scrape, "lockstep_worker_events_applied_total") >= 1.0 {
             applied = true;
+            // Observed at the composition root: the store's and the locker's calls are counted
+            // by the one telemetry layer (the backends count nothing of their own).
+            assert!(
+                scrape
+                    .samples
+                    .iter()
+                    .any(|s| s.metric == "lockstep_calls_total"
+                        && s.labels.get("contract") == Some("perspective_store")),
+                "{body}"
+            );
+            assert!(
+                scrape
+                    .samples
+                    .iter()
+                    .all(|s| !s.metric.starts_with("lockstep_stream_lease_")),
+                "no backend counters of its own: {body}"
+            );
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -273,6 +293,7 @@ async fn a_worker_process_serves_metrics_and_stops_gracefully_on_sigterm() {
         "the worker applied the event and reported it on /metrics"
     );
 
+    reaper.0 = None;
     let pid = worker.id().to_string();
     let killed = Command::new("kill")
         .args(["-TERM", &pid])
@@ -454,4 +475,57 @@ fn output_into_a_closed_pipe_does_not_panic() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
+
+/// Parses a `/metrics` body as Prometheus does, and checks the conventions: every family has
+/// `# HELP` and `# TYPE`, none is a summary (durations and lags are histograms, which
+/// aggregate across instances).
+fn exposition(body: &str) -> prometheus_parse::Scrape {
+    let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned())))
+        .expect("a valid exposition");
+    for sample in &scrape.samples {
+        // A histogram's `_sum` and `_count` are samples of its family.
+        let family = ["_sum", "_count", "_bucket"]
+            .iter()
+            .find_map(|suffix| sample.metric.strip_suffix(suffix))
+            .filter(|family| scrape.docs.contains_key(*family))
+            .unwrap_or(&sample.metric);
+        assert!(
+            scrape.docs.contains_key(family),
+            "{} has no # HELP:\n{body}",
+            sample.metric
+        );
+        assert!(
+            !matches!(sample.value, prometheus_parse::Value::Summary(_)),
+            "{} is a summary:\n{body}",
+            sample.metric
+        );
+    }
+    scrape
+}
+
+/// The sum of a counter's samples (0 when absent).
+fn counter(scrape: &prometheus_parse::Scrape, name: &str) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+            _ => 0.0,
+        })
+        .sum()
+}
+
+/// Kills the process (SIGKILL) when dropped armed: a test that fails leaves no process behind.
+struct Reaper(Option<u32>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }
 }

@@ -158,6 +158,9 @@ pub struct Receipt {
     pub version: u64,
     /// Attempts it took (1 = no retry).
     pub attempts: u32,
+    /// The id of the command's event: wait for a read model to have applied it to read this
+    /// write there (`GET /statements/daily?after={event_id}`).
+    pub event_id: Uuid,
 }
 
 /// The command handlers over a lock and a store (generic: the composition root picks them).
@@ -196,15 +199,18 @@ impl<L, E> Accounts<L, E> {
                     let mut state = Account::from_events(&history)?;
                     let event = state.decide(command)?;
                     let expected = ExpectedVersion::Exact(state.version);
+                    let new_event = event.to_new_event()?;
+                    let event_id = new_event.event_id();
                     let version = self
                         .store
-                        .append(&*tx, stream, expected, &[event.to_new_event()?])
+                        .append(&*tx, stream, expected, &[new_event])
                         .await?;
                     state.apply(event)?;
                     Ok(Receipt {
                         balance: state.balance,
                         version,
                         attempts: attempt,
+                        event_id,
                     })
                 })
             })

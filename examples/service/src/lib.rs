@@ -7,7 +7,11 @@
 //!
 //! - [`account`]: the domain and its command handlers, on `lockstep-core` only.
 //! - [`http`]: the routes and how failures become HTTP answers.
-//! - [`wiring`]: the routes bound to PostgreSQL (one `PgDatabase`) or to the testkit fakes.
+//! - [`statement`]: the daily statement, a read model in the application's own table written by
+//!   a table perspective in the worker's transaction, and its route, which waits until the
+//!   caller's own write is applied.
+//! - [`wiring`]: the routes and the worker bound to PostgreSQL (one `PgDatabase`) or to the
+//!   testkit fakes.
 //! - `main`: serves on `SERVICE_ADDR` (default `127.0.0.1:3000`), on PostgreSQL when
 //!   `DATABASE_URL` is set, else in memory.
 //!
@@ -15,6 +19,7 @@
 
 pub mod account;
 pub mod http;
+pub mod statement;
 pub mod wiring;
 
 /// Serves `router` on `listener` until `shutdown` completes (in-flight requests finish first).

@@ -1,19 +1,33 @@
-//! The composition root: the routes bound to a concrete stack — PostgreSQL ([`postgres_router`],
+//! The composition root: the routes bound to a concrete stack — PostgreSQL ([`postgres_service`],
 //! one [`PgDatabase`] and every backend built from it) or the testkit fakes
-//! ([`in_memory_router`]). Not generic, so axum checks each handler for the concrete types.
+//! ([`in_memory_service`]) — and the perspective worker that keeps the daily statement
+//! ([`crate::statement`]), running beside the routes until the service's shutdown token fires.
+//! Not generic, so axum checks each handler for the concrete types.
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{get, post};
-use lockstep_core::{DistributedAggregateWriteLock, RetryPolicy};
-use lockstep_pg::PgDatabase;
+use lockstep_core::{
+    DistributedAggregateWriteLock, InstanceId, PerspectiveRegistry, RetryPolicy, StreamLockOptions,
+    StreamLocker, Transaction as _, TransactionSource as _,
+};
+use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_advisory::{PgAggregateWriteLock, PgDistributedLock};
-use lockstep_pg_store::PgEventStore;
-use lockstep_testkit::{FakeDatabase, FakeDistributedLock, InMemoryEventStore};
+use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
+use lockstep_pg_stream::PgStreamLocker;
+use lockstep_testkit::{
+    FakeDatabase, FakeDistributedLock, FakeTransaction, InMemoryEventStore,
+    InMemoryPerspectiveStore, InMemoryStreamLocker,
+};
+use lockstep_worker::{CancellationToken, PerspectiveWorker, ReadModels, WorkerOptions};
+use tokio::task::JoinHandle;
 
 use crate::account::Accounts;
 use crate::http::{App, balance, execute};
+use crate::statement::{
+    DailyStatement, InMemoryStatement, PgStatement, SCHEMA, daily_in_memory, daily_on_postgres,
+};
 
 /// The stack on PostgreSQL.
 pub type PgApp = App<PgDatabase, PgAggregateWriteLock, PgEventStore>;
@@ -22,8 +36,48 @@ pub type PgApp = App<PgDatabase, PgAggregateWriteLock, PgEventStore>;
 pub type InMemoryApp =
     App<FakeDatabase, DistributedAggregateWriteLock<FakeDistributedLock>, InMemoryEventStore>;
 
-/// The service on `db` (already migrated).
-pub fn postgres_router(db: &PgDatabase) -> Router {
+/// The routes, and the worker task keeping the read model (it ends when the shutdown token
+/// given to the constructor fires; await it after the server has stopped).
+#[derive(Debug)]
+pub struct Service {
+    /// The routes.
+    pub router: Router,
+    /// The perspective worker's task.
+    pub worker: JoinHandle<lockstep_core::Result<()>>,
+}
+
+/// The service on `db` (already migrated): creates the application's tables if missing, and
+/// starts the worker (call within a tokio runtime).
+pub async fn postgres_service(
+    db: &PgDatabase,
+    shutdown: CancellationToken,
+) -> lockstep_core::Result<Service> {
+    let tx = db.begin().await?;
+    tx.client().batch_execute(SCHEMA).await.map_err(|e| {
+        lockstep_core::Error::new(
+            lockstep_core::ErrorKind::Backend,
+            "creating the application's tables",
+        )
+        .with_source(e)
+    })?;
+    tx.commit().await?;
+
+    let mut registry = PerspectiveRegistry::new();
+    registry.register_table::<PgTransaction, _>(DailyStatement::default())?;
+    let locker: Arc<dyn StreamLocker> =
+        Arc::new(PgStreamLocker::new(db, StreamLockOptions::default()));
+    let worker = PerspectiveWorker::new(
+        db.clone(),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::process(),
+        Some(locker),
+    )?;
+    // Registered before the first request: every command's event then queues its work.
+    worker.register().await?;
+    let worker = tokio::spawn(async move { worker.run(shutdown).await });
+
     let app: Arc<PgApp> = Arc::new(App {
         source: db.clone(),
         accounts: Accounts::new(
@@ -32,7 +86,11 @@ pub fn postgres_router(db: &PgDatabase) -> Router {
             RetryPolicy::default(),
         ),
     });
-    Router::new()
+    let statement = Arc::new(PgStatement {
+        db: db.clone(),
+        reads: ReadModels::new(db.clone(), PgPerspectiveStore::new()),
+    });
+    let router = Router::new()
         .route(
             "/accounts/{id}/commands",
             post(execute::<PgDatabase, PgAggregateWriteLock, PgEventStore>),
@@ -42,20 +100,51 @@ pub fn postgres_router(db: &PgDatabase) -> Router {
             get(balance::<PgDatabase, PgAggregateWriteLock, PgEventStore>),
         )
         .with_state(app)
+        .merge(
+            Router::new()
+                .route("/statements/daily", get(daily_on_postgres))
+                .with_state(statement),
+        );
+    Ok(Service { router, worker })
 }
 
-/// The service on the testkit fakes of `db` (in memory; state lasts as long as the process).
-pub fn in_memory_router(db: &FakeDatabase) -> Router {
+/// The service on the testkit fakes of `db` (in memory; state lasts as long as the process),
+/// with its worker started (call within a tokio runtime).
+pub async fn in_memory_service(
+    db: &FakeDatabase,
+    shutdown: CancellationToken,
+) -> lockstep_core::Result<Service> {
     type Lock = DistributedAggregateWriteLock<FakeDistributedLock>;
+    let events = InMemoryEventStore::new();
+    let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), db);
+    let store = InMemoryPerspectiveStore::new(db, &events, &locker);
+    let statement = DailyStatement::default();
+    let mut registry = PerspectiveRegistry::new();
+    registry.register_table::<FakeTransaction, _>(statement.clone())?;
+    let worker = PerspectiveWorker::new(
+        db.clone(),
+        store.clone(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::process(),
+        Some(Arc::new(locker) as Arc<dyn StreamLocker>),
+    )?;
+    worker.register().await?;
+    let worker = tokio::spawn(async move { worker.run(shutdown).await });
+
     let app: Arc<InMemoryApp> = Arc::new(App {
         source: db.clone(),
         accounts: Accounts::new(
             DistributedAggregateWriteLock::new(FakeDistributedLock::new(db)),
-            InMemoryEventStore::new(),
+            events,
             RetryPolicy::default(),
         ),
     });
-    Router::new()
+    let statement = Arc::new(InMemoryStatement {
+        statement,
+        reads: ReadModels::new(db.clone(), store),
+    });
+    let router = Router::new()
         .route(
             "/accounts/{id}/commands",
             post(execute::<FakeDatabase, Lock, InMemoryEventStore>),
@@ -65,4 +154,10 @@ pub fn in_memory_router(db: &FakeDatabase) -> Router {
             get(balance::<FakeDatabase, Lock, InMemoryEventStore>),
         )
         .with_state(app)
+        .merge(
+            Router::new()
+                .route("/statements/daily", get(daily_in_memory))
+                .with_state(statement),
+        );
+    Ok(Service { router, worker })
 }

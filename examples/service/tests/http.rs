@@ -1,6 +1,8 @@
 //! The service end to end, over HTTP, on PostgreSQL and on the testkit fakes: concurrent requests
 //! on one account, each on axum's spawned tasks, each a unit of work under the account's write
-//! lock. Deposits all count, withdrawals never overdraw, every request gets its answer.
+//! lock. Deposits all count, withdrawals never overdraw, every request gets its answer; the daily
+//! statement (a table perspective kept by the worker beside the routes) shows every command once
+//! when read after the caller's own last write.
 
 use std::net::SocketAddr;
 
@@ -14,6 +16,7 @@ use lockstep_example_service::{serve, wiring};
 use lockstep_pg::PgDatabase;
 use lockstep_testkit::FakeDatabase;
 use lockstep_testkit::pg_harness::test_database;
+use lockstep_worker::CancellationToken;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -146,6 +149,38 @@ async fn concurrent_requests_on_one_account(router: Router) {
         (StatusCode::OK, json!({ "balance": 0, "version": 64 }))
     );
 
+    // The daily statement, read after the caller's own last write: every command of the test
+    // is in it (64 events: 320 cents in, 320 out), as a handler that waits for its own write
+    // sees it. Without `after` it answers at once.
+    let last = withdrawals
+        .iter()
+        .filter(|(status, _)| *status == StatusCode::OK)
+        .filter_map(|(_, body)| body["event_id"].as_str())
+        .max()
+        .expect("an event id in every receipt")
+        .to_owned();
+    let (status, totals) = call(
+        addr,
+        Method::GET,
+        &format!("/statements/daily?after={last}"),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{totals}");
+    let days = totals.as_array().expect("a list of days");
+    let sum = |field: &str| {
+        days.iter()
+            .map(|d| d[field].as_i64().unwrap_or(0))
+            .sum::<i64>()
+    };
+    assert_eq!(
+        (sum("deposited"), sum("withdrawn"), sum("events")),
+        (320, 320, 64),
+        "{totals}"
+    );
+    let (status, _) = call(addr, Method::GET, "/statements/daily?after=nope", None).await;
+    assert!(status.is_client_error(), "a bad id is refused: {status}");
+
     drop(service.stop);
     service
         .server
@@ -162,10 +197,22 @@ async fn concurrent_requests_on_one_account_on_postgres() {
         .build()
         .expect("handle");
     db.migrate().await.expect("migrate");
-    concurrent_requests_on_one_account(wiring::postgres_router(&db)).await;
+    let shutdown = CancellationToken::new();
+    let service = wiring::postgres_service(&db, shutdown.clone())
+        .await
+        .expect("service");
+    concurrent_requests_on_one_account(service.router).await;
+    shutdown.cancel();
+    service.worker.await.expect("worker task").expect("worker");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_on_one_account_in_memory() {
-    concurrent_requests_on_one_account(wiring::in_memory_router(&FakeDatabase::new())).await;
+    let shutdown = CancellationToken::new();
+    let service = wiring::in_memory_service(&FakeDatabase::new(), shutdown.clone())
+        .await
+        .expect("service");
+    concurrent_requests_on_one_account(service.router).await;
+    shutdown.cancel();
+    service.worker.await.expect("worker task").expect("worker");
 }

@@ -24,6 +24,7 @@ use lockstep_core::{
     PerspectiveName, PerspectiveStore, ReleaseOutcome, StreamId, StreamLockAdmin,
     StreamLockOptions, Transaction as _, TransactionSource,
 };
+use lockstep_observe::Observed;
 use lockstep_pg_store::PgPerspectiveStore;
 use lockstep_pg_stream::PgStreamLocker;
 use serde::Deserialize;
@@ -258,7 +259,8 @@ pub(super) async fn handle(
 
 /// Does `action`: `(done, what happened)`.
 async fn run(shared: &Shared, action: &Action) -> lockstep_core::Result<(bool, String)> {
-    let store = PgPerspectiveStore::new();
+    // Observed: the operator's actions are counted and traced like every other call.
+    let store = Observed::new(PgPerspectiveStore::new());
     let tx = shared.db.begin().await?;
     let outcome = match action {
         Action::Rewind(s, p) => store.request_rewind(&tx, *s, p, None).await.map(|found| {
@@ -296,8 +298,10 @@ async fn run(shared: &Shared, action: &Action) -> lockstep_core::Result<(bool, S
             }),
         // Its own statement on its own connection; the transaction stays empty.
         Action::Release(s, p) => {
-            let locker =
-                PgStreamLocker::from_pool(shared.db.pool().clone(), StreamLockOptions::default());
+            let locker = Observed::new(PgStreamLocker::from_pool(
+                shared.db.pool().clone(),
+                StreamLockOptions::default(),
+            ));
             locker
                 .force_release(*s, p)
                 .await

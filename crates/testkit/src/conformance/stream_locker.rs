@@ -242,6 +242,8 @@ pub async fn a_reacquire_by_the_holder_says_it_reentered<F: StreamLockerFixture>
     assert!(released.is_released());
     let again = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
     assert!(!again.reentered, "a released lease is established anew");
+    assert!(!again.took_over, "a released lease is not taken over");
+    assert!(!joined.took_over, "joining a live lease takes nothing over");
 }
 
 /// Once a lease has expired, another instance takes it over with a higher epoch.
@@ -249,10 +251,12 @@ pub async fn expired_lease_is_taken_over_by_another_instance<F: StreamLockerFixt
     let (stream, name) = fresh_cursor(fixture).await;
     let (a, b) = (InstanceId::random(), InstanceId::random());
     let old = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    assert!(!old.took_over, "a first lease takes nothing over");
     wait_past_expiry(fixture).await;
     let new = acquire(fixture, stream, &name, b, &LockReason::Bootstrap).await;
     assert_eq!(new.id.holder, b);
     assert!(new.id.epoch > old.id.epoch);
+    assert!(new.took_over, "an expired, unreleased lease is taken over");
     let listed = fixture.admin().list_leases().await.expect("list");
     let row = listed
         .iter()

@@ -25,14 +25,14 @@ use std::sync::atomic::Ordering;
 
 use lockstep_core::{
     ApplyError, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, ClaimedPair, ClaimedWork,
-    Cursor, DynPerspective, ErrorKind, Pair, PairFailure, PerspectiveStore, RecordedEvent, Result,
-    StateCommit, Transaction, TransactionSource,
+    Cursor, DynPerspective, DynTablePerspective, ErrorKind, Pair, PairFailure, PerspectiveStore,
+    RecordedEvent, Result, StateCommit, Transaction, TransactionSource,
 };
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{CycleReport, PerspectiveWorker, apply_guarded};
+use super::{CycleReport, Kind, PerspectiveWorker, apply_guarded};
 use crate::coordinator::PairGuard;
 use crate::telemetry::{self, count, observe};
 
@@ -52,6 +52,15 @@ enum Folded {
     },
     /// Stopped before the end: the batch was abandoned (shutdown past its grace).
     Stopped,
+}
+
+/// A claimed pair of a table perspective: applied in the batch's transaction ([`super::table`]).
+struct TableWork<Tx> {
+    cursor: Cursor,
+    events: Vec<RecordedEvent>,
+    perspective: Arc<dyn DynTablePerspective<Tx>>,
+    /// The pair's in-process apply lock, held until the batch's transaction has ended.
+    guard: PairGuard,
 }
 
 /// A claimed pair on its way through the batch.
@@ -142,16 +151,55 @@ where
                 batch.pairs.len() as f64,
             );
         }
-        let (work, rewinds) = self.sort_claimed(batch.pairs, report);
-        let claimed: Vec<Pair> = work.iter().map(|w| w.cursor.pair()).collect();
+        let (work, tables, rewinds) = self.sort_claimed(batch.pairs, report);
+        let claimed: Vec<Pair> = work
+            .iter()
+            .map(|w| w.cursor.pair())
+            .chain(tables.iter().map(|t| t.cursor.pair()))
+            .collect();
         let mut folded = fold_off_runtime(work).await;
         // Kept until the commit has ended, so that no other path of this instance starts on a
         // pair of the batch before its state is stored.
-        let guards: Vec<PairGuard> = folded
+        let mut guards: Vec<PairGuard> = folded
             .iter_mut()
             .filter_map(|(w, _)| w.guard.take())
             .collect();
-        let (entries, applied) = self.entries(folded, report);
+        let (mut entries, mut applied) = self.entries(folded, report);
+        // Table pairs write the application's rows in this very transaction.
+        for table in tables {
+            guards.push(table.guard);
+            let outcome =
+                super::table::apply_in(&*table.perspective, &tx, &table.events, &|| true).await;
+            if outcome.error.is_some() {
+                // Its statement may have aborted the transaction: nothing of the batch is
+                // committed (the other pairs' work stays queued and is claimed again from
+                // where this claim started), and the failing pair is processed alone, which
+                // commits the events before the failure and stores it.
+                let _ = tx.rollback().await;
+                drop(guards);
+                self.remember_positions(request.positions.clone());
+                let pair = table.cursor.pair();
+                count(telemetry::PAIRS_RETRIED, pair.perspective.as_str(), 1);
+                tracing::warn!(pair = %pair, error = ?outcome.error, "a table perspective failed in a batch; the batch rolled back and the pair is processed alone");
+                let others = claimed.iter().filter(|p| **p != pair).count();
+                report.pairs += others;
+                report.skipped += others;
+                let outcome = self.process_pair(pair.stream_id, &pair.perspective).await;
+                report.add(&pair, outcome);
+                return Ok(());
+            }
+            applied.push(Applied {
+                from_apply: true,
+                events: table.events.len(),
+                oldest: table.events.iter().map(|e| e.recorded_at).min(),
+                first_snapshot: false,
+            });
+            entries.push(BatchEntry::new(
+                table.cursor.pair(),
+                Some(super::table::table_commit(&table.cursor, &table.events)),
+                None,
+            ));
+        }
         let committed = async {
             let outcomes = self.store.commit_batch(&tx, &entries).await?;
             tx.commit().await?;
@@ -184,22 +232,44 @@ where
     /// Splits a claimed batch into the pairs to fold (with their in-process apply locks) and the
     /// pairs that need a rewind. A pair another task of this instance is working on is left to
     /// it (skipped, untouched).
+    #[allow(clippy::type_complexity)]
     fn sort_claimed(
         &self,
         pairs: Vec<ClaimedPair>,
         report: &mut CycleReport,
-    ) -> (Vec<Work>, Vec<Cursor>) {
+    ) -> (Vec<Work>, Vec<TableWork<S::Tx>>, Vec<Cursor>) {
         let mut work = Vec::with_capacity(pairs.len());
+        let mut tables = Vec::new();
         let mut rewinds = Vec::new();
         for claimed in pairs {
             let cursor = claimed.cursor;
             match claimed.work {
                 ClaimedWork::Apply { state, events } => {
-                    let Some(perspective) = self.registry.get(&cursor.perspective).cloned() else {
+                    let perspective = match self.kind(&cursor.perspective) {
+                        Some(Kind::Json(p)) => p,
+                        Some(Kind::Table(perspective)) => {
+                            let Some(guard) = self
+                                .coordinator
+                                .try_lock(cursor.stream_id, &cursor.perspective)
+                            else {
+                                report.pairs += 1;
+                                report.skipped += 1;
+                                continue;
+                            };
+                            tables.push(TableWork {
+                                cursor,
+                                events,
+                                perspective,
+                                guard,
+                            });
+                            continue;
+                        }
                         // Only this worker's perspectives are asked for.
-                        report.pairs += 1;
-                        report.skipped += 1;
-                        continue;
+                        None => {
+                            report.pairs += 1;
+                            report.skipped += 1;
+                            continue;
+                        }
                     };
                     let Some(guard) = self
                         .coordinator
@@ -221,7 +291,7 @@ where
                 _ => report.skipped += 1,
             }
         }
-        (work, rewinds)
+        (work, tables, rewinds)
     }
 
     /// The commit entries of a folded batch, and per entry the events it commits (for the

@@ -12,7 +12,7 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime};
+use super::{Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime};
 use crate::telemetry::{self, count, observe};
 
 impl<S, P> PerspectiveWorker<S, P>
@@ -35,11 +35,15 @@ where
             perspective = %perspective,
         );
         async move {
-            let Some(p) = self.registry.get(perspective).cloned() else {
+            let Some(p) = self.kind(perspective) else {
                 return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
             };
             let _pair = self.coordinator.lock(stream_id, perspective).await;
-            match self.apply_pending(stream_id, perspective, &p).await? {
+            let normal = match &p {
+                Kind::Json(json) => self.apply_pending(stream_id, perspective, json).await?,
+                Kind::Table(table) => self.table_pending(stream_id, perspective, table).await?,
+            };
+            match normal {
                 Normal::Done(outcome) => Ok(outcome),
                 Normal::NeedsRewind => self.rewind_locked(stream_id, perspective, &p).await,
             }
@@ -182,7 +186,7 @@ where
 }
 
 /// What the normal path found.
-enum Normal {
+pub(super) enum Normal {
     Done(PairOutcome),
     NeedsRewind,
 }

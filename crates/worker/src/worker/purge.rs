@@ -1,12 +1,13 @@
 //! Purge under a `purge` lease (the seed's reserved reason): the pair's state, snapshots and
-//! pending work are deleted and its cursor reset.
+//! pending work are deleted and its cursor reset; a table perspective's rows for the stream are
+//! reset in the same transaction.
 use lockstep_core::{
     LeaseId, LockReason, PerspectiveName, PerspectiveStore, Result, StreamId, Transaction,
     TransactionSource,
 };
 use tracing::Instrument;
 
-use super::{PerspectiveWorker, PurgeOutcome, release};
+use super::{Kind, PerspectiveWorker, PurgeOutcome, release};
 use crate::lease::Leased;
 
 impl<S, P> PerspectiveWorker<S, P>
@@ -41,6 +42,10 @@ where
                     self.store
                         .purge(&tx, stream_id, name, fence.as_ref())
                         .await?;
+                    // A table perspective's rows go with its cursor, in the same transaction.
+                    if let Some(Kind::Table(p)) = self.kind(name) {
+                        self.table_reset_for_purge(&tx, stream_id, &p).await?;
+                    }
                 }
                 tx.commit().await?;
                 Ok(exists)

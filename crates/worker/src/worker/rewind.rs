@@ -25,7 +25,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime_counting, release};
+use super::{
+    Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime_counting, release,
+};
 use crate::lease::{HeldLease, Leased};
 use crate::telemetry::{self, count, observe};
 
@@ -36,7 +38,7 @@ where
 {
     /// Rewinds a pair now if it has a rewind request (the rewind path of the module docs).
     pub async fn rewind(&self, stream_id: StreamId, name: &PerspectiveName) -> Result<PairOutcome> {
-        let Some(p) = self.registry.get(name).cloned() else {
+        let Some(p) = self.kind(name) else {
             return Ok(PairOutcome::Skipped(SkipReason::UnknownPerspective));
         };
         let _pair = self.coordinator.lock(stream_id, name).await;
@@ -47,7 +49,7 @@ where
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
-        p: &Arc<dyn DynPerspective>,
+        p: &Kind<S::Tx>,
     ) -> Result<PairOutcome> {
         let span = tracing::info_span!("rewind", reason = "rewind", epoch = tracing::field::Empty);
         async move {
@@ -77,10 +79,20 @@ where
             };
             if let Some(lease) = &lease {
                 tracing::Span::current().record("epoch", lease.id().epoch.get());
+                if lease.lease().took_over {
+                    tracing::info!(stream_id = %stream_id, perspective = %name, "took over an expired rewind lease (its holder crashed or stalled)");
+                }
             }
+            tracing::info!(stream_id = %stream_id, perspective = %name, "rewind started");
             // 2–3. The keeper keeps it alive while we restore and replay; a lost lease abandons
             // the work at once.
-            let (outcome, released) = self.rewind_under(stream_id, name, p, lease.as_ref()).await;
+            let (outcome, released) = match p {
+                Kind::Json(p) => self.rewind_under(stream_id, name, p, lease.as_ref()).await,
+                Kind::Table(p) => {
+                    self.table_rewind_under(stream_id, name, p, lease.as_ref())
+                        .await
+                }
+            };
             // 4–5. Stop the keepalive and release, on every path (a commit that released the
             // lease with it has done both).
             if let Some(lease) = lease {
@@ -100,6 +112,7 @@ where
                     replayed,
                     from_snapshot,
                 }) => {
+                    tracing::info!(stream_id = %stream_id, perspective = %name, replayed, from_snapshot, "rewind committed");
                     count(telemetry::REWINDS, name.as_str(), 1);
                     count(telemetry::EVENTS_REPLAYED, name.as_str(), replayed as u64);
                     count(
@@ -326,7 +339,7 @@ enum Replayed {
 }
 
 /// How a rewind ended (its failures aside).
-enum Rewind {
+pub(super) enum Rewind {
     /// Replayed and committed.
     Committed {
         replayed: usize,
@@ -338,7 +351,7 @@ enum Rewind {
     LostRace,
 }
 
-fn lease_lost() -> String {
+pub(super) fn lease_lost() -> String {
     Error::new(
         ErrorKind::LeaseLost,
         "the rewind lease was lost; the rewind was abandoned and nothing was committed",
@@ -355,7 +368,7 @@ pub(super) struct PairError {
 }
 
 impl PairError {
-    fn new(failures_before: u32, error: impl std::fmt::Display) -> PairError {
+    pub(super) fn new(failures_before: u32, error: impl std::fmt::Display) -> PairError {
         PairError {
             failures_before,
             message: error.to_string(),

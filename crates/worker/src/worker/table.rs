@@ -1,0 +1,407 @@
+//! The apply paths of **table perspectives** ([`lockstep_core::TablePerspective`]): `apply`
+//! writes the application's rows in the very transaction that commits the pair's cursor, so an
+//! event's rows land exactly once, whatever crashes.
+//!
+//! - **In a batch** ([`super::batch`]): after the JSON pairs are folded, each table pair's
+//!   events are applied, one after another, in the batch's transaction, and the pair's entry
+//!   commits its cursor with the batch (its state row holds JSON `null`; no snapshots: a table
+//!   perspective's rewind starts from the start). If one fails, its statement may have aborted
+//!   the transaction (Postgres), so the whole batch rolls back — the other pairs' work stays
+//!   queued for the next claim — and the failing pair is then processed alone.
+//! - **Alone** ([`PerspectiveWorker::process_pair`], and after a batch as above): claim, apply,
+//!   commit in one transaction. When `apply` fails at an event, that transaction is rolled
+//!   back; a second one applies and commits the events before it (a poison event costs only
+//!   itself), and the failure is stored with its backoff, as for JSON perspectives.
+//! - **Rewind**, under the rewind lease: one transaction runs `reset(stream)`, applies every
+//!   event of the stream but the skipped ones (checking the lost signal before each), and
+//!   commits fenced on the lease, releasing it; a lost lease drops the transaction (nothing
+//!   written).
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use lockstep_core::{
+    ApplyError, Claim, Cursor, DynTablePerspective, ErrorKind, PerspectiveName, PerspectiveStore,
+    RecordedEvent, Result, StateCommit, StreamId, Transaction, TransactionSource,
+};
+use tokio_util::sync::CancellationToken;
+
+use super::pair::Normal;
+use super::rewind::{PairError, Rewind, lease_lost};
+use super::{PairOutcome, PerspectiveWorker, SkipReason};
+use crate::lease::HeldLease;
+use crate::telemetry::{self, count};
+
+/// How applying a table pair's events ended: how many were applied, and the error that stopped
+/// the rest (none: all applied, or `go_on` said stop).
+pub(super) struct TableApplied {
+    pub(super) applied: usize,
+    pub(super) error: Option<ApplyError>,
+}
+
+/// Applies `events` in order in `tx` while `go_on()`, turning a panic in the perspective's code
+/// into an error at that event.
+pub(super) async fn apply_in<Tx: Sync>(
+    p: &dyn DynTablePerspective<Tx>,
+    tx: &Tx,
+    events: &[RecordedEvent],
+    go_on: &(dyn Fn() -> bool + Sync),
+) -> TableApplied {
+    for (applied, event) in events.iter().enumerate() {
+        if !go_on() {
+            return TableApplied {
+                applied,
+                error: None,
+            };
+        }
+        let outcome = AssertUnwindSafe(p.apply_one(tx, event))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                Err(ApplyError::Panicked {
+                    event_id: Some(event.event_id),
+                    detail: super::panic_message(&*panic),
+                })
+            });
+        if let Err(error) = outcome {
+            return TableApplied {
+                applied,
+                error: Some(error),
+            };
+        }
+    }
+    TableApplied {
+        applied: events.len(),
+        error: None,
+    }
+}
+
+/// `reset(stream)`, with a panic turned into an error.
+async fn reset_in<Tx: Sync>(
+    p: &dyn DynTablePerspective<Tx>,
+    tx: &Tx,
+    stream_id: StreamId,
+) -> std::result::Result<(), ApplyError> {
+    AssertUnwindSafe(p.reset_stream(tx, stream_id))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| {
+            Err(ApplyError::Reset {
+                detail: format!("panicked: {}", super::panic_message(&*panic)),
+            })
+        })
+}
+
+/// The cursor commit of a table pair that applied `events` after `cursor`: its state row holds
+/// `null`, and no snapshot is taken (a rewind resets the rows and starts from the start).
+pub(super) fn table_commit(cursor: &Cursor, events: &[RecordedEvent]) -> StateCommit {
+    let mut commit = StateCommit::new(
+        cursor.stream_id,
+        cursor.perspective.clone(),
+        cursor.revision,
+        serde_json::Value::Null,
+    );
+    commit.last_event_id = events.last().map(|e| e.event_id).or(cursor.last_event_id);
+    commit.applied_count = cursor.applied_count + events.len() as u64;
+    commit.applied_events = events.iter().map(|e| e.event_id).collect();
+    commit.snapshot = false;
+    commit
+}
+
+impl<S, P> PerspectiveWorker<S, P>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
+    /// The normal path of one table pair, under its coordinator lock: claim, apply and commit
+    /// in one transaction; on a failure at an event, the events before it in a second one and
+    /// the failure stored.
+    pub(super) async fn table_pending(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynTablePerspective<S::Tx>>,
+    ) -> Result<Normal> {
+        // Every `?` drops the open guard, which rolls the transaction back.
+        let tx = self.source.begin().await?;
+        let claim = self
+            .store
+            .claim(
+                &tx,
+                stream_id,
+                name,
+                self.options.max_events_per_claim,
+                self.options.debounce(),
+            )
+            .await?;
+        let (cursor, events) = match claim {
+            Claim::Apply { cursor, events, .. } => (cursor, events),
+            Claim::Rewind { .. } => {
+                tx.commit().await?;
+                return Ok(Normal::NeedsRewind);
+            }
+            Claim::Busy => {
+                tx.rollback().await?;
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
+            }
+            // Committed: a late arrival inside the debounce window is written by the claim.
+            _ => {
+                tx.commit().await?;
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
+            }
+        };
+        let applied = apply_in(&**p, &tx, &events, &|| true).await;
+        if let Some(error) = applied.error {
+            // The transaction may be aborted by the failed statement: end it, then commit the
+            // events before the failing one on their own.
+            let _ = tx.rollback().await;
+            count(telemetry::APPLY_FAILURES, name.as_str(), 1);
+            tracing::warn!(error = %error, "a table perspective failed; stored on its cursor");
+            let failures_before = match self
+                .table_prefix(stream_id, name, p, &events[..applied.applied])
+                .await
+            {
+                // Progress clears the count: this is the first failure at the new position.
+                Ok(true) => 0,
+                Ok(false) => cursor.failures,
+                Err(err) => {
+                    tracing::warn!(error = %err, "committing the events before a failure failed");
+                    cursor.failures
+                }
+            };
+            return self
+                .fail(stream_id, name, failures_before, &error.to_string())
+                .await
+                .map(Normal::Done);
+        }
+        let commit = table_commit(&cursor, &events);
+        let committed = async {
+            self.store.commit_state(&tx, &commit).await?;
+            tx.commit().await
+        }
+        .await;
+        match committed {
+            Ok(()) => {}
+            // Another applier moved the cursor first: nothing lost, look again later.
+            Err(err) if err.kind() == ErrorKind::Conflict => {
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
+            }
+            Err(err) => {
+                count(telemetry::PAIR_FAILURES, name.as_str(), 1);
+                return match self
+                    .fail(stream_id, name, cursor.failures, &err.to_string())
+                    .await
+                {
+                    Ok(outcome) => Ok(Normal::Done(outcome)),
+                    Err(_) => Err(err),
+                };
+            }
+        }
+        count(
+            telemetry::EVENTS_APPLIED,
+            name.as_str(),
+            events.len() as u64,
+        );
+        Ok(Normal::Done(PairOutcome::Applied {
+            events: events.len(),
+        }))
+    }
+
+    /// Applies and commits `prefix` (the events before a failing one), in a transaction of its
+    /// own: `Ok(true)` when it committed, `Ok(false)` when there was nothing to commit or the
+    /// pair moved on meanwhile (nothing written).
+    async fn table_prefix(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynTablePerspective<S::Tx>>,
+        prefix: &[RecordedEvent],
+    ) -> Result<bool> {
+        if prefix.is_empty() {
+            return Ok(false);
+        }
+        let tx = self.source.begin().await?;
+        let claim = self
+            .store
+            .claim(&tx, stream_id, name, prefix.len(), self.options.debounce())
+            .await?;
+        let Claim::Apply { cursor, events, .. } = claim else {
+            let _ = tx.rollback().await;
+            return Ok(false);
+        };
+        // Only the very events that applied before: anything else (work changed meanwhile) is
+        // left for the next claim.
+        let same = events.len() == prefix.len()
+            && events
+                .iter()
+                .zip(prefix)
+                .all(|(a, b)| a.event_id == b.event_id);
+        if !same {
+            let _ = tx.rollback().await;
+            return Ok(false);
+        }
+        let applied = apply_in(&**p, &tx, &events, &|| true).await;
+        if applied.error.is_some() {
+            // Not deterministic: commit nothing; the failure is stored by the caller.
+            let _ = tx.rollback().await;
+            return Ok(false);
+        }
+        let commit = table_commit(&cursor, &events);
+        self.store.commit_state(&tx, &commit).await?;
+        tx.commit().await?;
+        count(
+            telemetry::EVENTS_APPLIED,
+            name.as_str(),
+            events.len() as u64,
+        );
+        Ok(true)
+    }
+
+    /// The rewind of a table pair under its lease (or unlocked without a locker): reset, replay
+    /// and commit in one transaction; whether the commit released the lease with it.
+    pub(super) async fn table_rewind_under(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynTablePerspective<S::Tx>>,
+        lease: Option<&HeldLease>,
+    ) -> (std::result::Result<Rewind, PairError>, bool) {
+        let never = CancellationToken::new();
+        let lost = lease.map_or(&never, HeldLease::lost);
+        let tx = match self.source.begin().await {
+            Ok(tx) => tx,
+            Err(err) => return (Err(PairError::new(0, err)), false),
+        };
+        // Reset and replay, raced against the lost signal: lost, the transaction is dropped
+        // (rolled back) and nothing is written.
+        let replay = self.table_replay(&tx, stream_id, name, p, lease, lost);
+        let prepared = tokio::select! {
+            biased;
+            () = lost.cancelled() => Err(PairError::new(0, lease_lost())),
+            prepared = replay => prepared,
+        };
+        let (commit, failures) = match prepared {
+            Ok(Some(prepared)) => prepared,
+            Ok(None) => {
+                let _ = tx.rollback().await;
+                return (Ok(Rewind::NothingToDo), false);
+            }
+            Err(err) => {
+                drop(tx);
+                return (Err(err), false);
+            }
+        };
+        if let Some(lease) = lease {
+            // Released right after this commit on every path: no renew from now on.
+            lease.stop_renewing();
+        }
+        // Not raced against the lost signal, so that a commit the server accepted is never
+        // reported as failed.
+        let committed = async {
+            let (_, released) = self.store.commit_state_releasing(&tx, &commit).await?;
+            tx.commit().await?;
+            Ok::<_, lockstep_core::Error>(released)
+        }
+        .await;
+        match committed {
+            Ok(released) => (
+                Ok(Rewind::Committed {
+                    replayed: commit.applied_events.len(),
+                    from_snapshot: false,
+                }),
+                released,
+            ),
+            Err(err) if err.kind() == ErrorKind::Conflict => (Ok(Rewind::LostRace), false),
+            Err(err) => (Err(PairError::new(failures, err)), false),
+        }
+    }
+
+    /// Reads what the rewind needs, resets the stream's rows and applies every event but the
+    /// skipped ones, in `tx`: the commit to make and the pair's failure count, or `None` when
+    /// there is no rewind to do.
+    async fn table_replay(
+        &self,
+        tx: &S::Tx,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        p: &Arc<dyn DynTablePerspective<S::Tx>>,
+        lease: Option<&HeldLease>,
+        lost: &CancellationToken,
+    ) -> std::result::Result<Option<(StateCommit, u32)>, PairError> {
+        let loaded = match self.store.load_rewind(tx, stream_id, name).await {
+            Ok(loaded) => loaded,
+            Err(err) => {
+                let pair = lockstep_core::Pair::new(stream_id, name.clone());
+                let failures = self.cursor_failures(&pair).await.unwrap_or(0);
+                return Err(PairError::new(failures, err));
+            }
+        };
+        let Some(loaded) = loaded else {
+            return Ok(None);
+        };
+        let failures = loaded.cursor.failures;
+        let Some(rewind) = loaded.cursor.rewind else {
+            return Ok(None); // someone else finished it
+        };
+        let events = if loaded.snapshot.is_some() {
+            // A snapshot of the pair from when it was a JSON perspective: a table perspective
+            // replays from the start whatever snapshots exist.
+            let mut events = self
+                .store
+                .stream_events(tx, stream_id, None)
+                .await
+                .map_err(|e| PairError::new(failures, e))?;
+            let skipped = self
+                .store
+                .skipped_events(tx, stream_id, name)
+                .await
+                .map_err(|e| PairError::new(failures, e))?;
+            events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
+            events
+        } else {
+            loaded.events
+        };
+        reset_in(&**p, tx, stream_id)
+            .await
+            .map_err(|e| PairError::new(failures, e))?;
+        let applied = apply_in(&**p, tx, &events, &|| !lost.is_cancelled()).await;
+        if let Some(error) = applied.error {
+            return Err(PairError::new(
+                failures,
+                format!("the perspective failed during replay: {error}"),
+            ));
+        }
+        if applied.applied < events.len() {
+            // Only the lost signal stops a replay.
+            return Err(PairError::new(failures, lease_lost()));
+        }
+        let mut commit = StateCommit::new(
+            stream_id,
+            name.clone(),
+            loaded.cursor.revision,
+            serde_json::Value::Null,
+        );
+        commit.last_event_id = events.last().map(|e| e.event_id);
+        commit.applied_count = events.len() as u64;
+        commit.applied_events = events.iter().map(|e| e.event_id).collect();
+        commit.rewound_from = Some(rewind.trigger);
+        commit.snapshot = false;
+        commit.fence = lease.map(|l| l.id().clone());
+        Ok(Some((commit, failures)))
+    }
+
+    /// A purge's part for a table pair: its rows, reset in the purge's transaction.
+    pub(super) async fn table_reset_for_purge(
+        &self,
+        tx: &S::Tx,
+        stream_id: StreamId,
+        p: &Arc<dyn DynTablePerspective<S::Tx>>,
+    ) -> Result<()> {
+        reset_in(&**p, tx, stream_id).await.map_err(|e| {
+            lockstep_core::Error::new(
+                ErrorKind::Backend,
+                format!("the table perspective's reset failed, nothing was purged: {e}"),
+            )
+        })
+    }
+}
