@@ -12,6 +12,7 @@
 // A command-line program: printing is its job.
 #![allow(clippy::print_stdout)]
 
+mod life;
 mod ops;
 mod pg;
 mod serve;
@@ -71,7 +72,7 @@ enum Command {
     /// Stream leases and advisory locks.
     #[command(subcommand, after_help = EXIT_CODES)]
     Locks(ops::LocksCommand),
-    /// Perspectives: status (and --check), rewind, purge, parked, retry, skip.
+    /// Perspectives: status (and --check), rewind, rebuild, retire, purge, parked, retry, skip.
     #[command(subcommand, after_help = EXIT_CODES)]
     Perspectives(ops::PerspectivesCommand),
     /// Lists the worker instances (the fleet): id, name, host, pid, version, perspectives,

@@ -108,6 +108,29 @@ pub(crate) enum PerspectivesCommand {
         /// The perspective name.
         perspective: String,
     },
+    /// Rebuilds a perspective from the start: requests a rewind from the start on every pair
+    /// at once; the workers of every instance carry them out pair by pair under their rewind
+    /// leases, each pair serving its old state until its rewind commits.
+    #[command(after_help = crate::EXIT_CODES)]
+    Rebuild {
+        /// The perspective name.
+        perspective: String,
+    },
+    /// Retires a perspective: appends enqueue no more work for it and its queued work is
+    /// deleted; its states are kept (registering it again continues from its cursors) or
+    /// dropped. A worker that starts with it registers it again.
+    #[command(after_help = crate::EXIT_CODES)]
+    #[command(group(clap::ArgGroup::new("states").required(true).args(["keep_states", "drop_states"])))]
+    Retire {
+        /// The perspective name.
+        perspective: String,
+        /// Keep its cursors, states and snapshots.
+        #[arg(long)]
+        keep_states: bool,
+        /// Delete its cursors, states, snapshots and skipped events.
+        #[arg(long)]
+        drop_states: bool,
+    },
     /// Lists the parked pairs (failed too often in a row; their work keeps queueing): the
     /// failing event, the error, how often.
     #[command(after_help = crate::EXIT_CODES)]
@@ -575,12 +598,14 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
     let read = async {
         let status = store.perspective_status(&tx).await?;
         let failing = store.failing_pairs(&tx, &[], 100).await?;
-        Ok::<_, lockstep_core::Error>((status, failing))
+        let progress = store.rewind_progress(&tx, &[], 1000).await?;
+        let rates = store.throughput(&tx).await?;
+        Ok::<_, lockstep_core::Error>((status, failing, progress, rates))
     }
     .await;
     // Read only: the rollback cannot lose anything.
     let _ = tx.rollback().await;
-    let (status, failing) = read.map_err(explain)?;
+    let (status, failing, progress, rates) = read.map_err(explain)?;
     let instances = crate::workers::instances(pool).await?;
     let mut rows: Vec<serde_json::Value> = status
         .iter()
@@ -607,6 +632,9 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
                 "backing_off": p.backing_off,
                 "in_error": p.in_error,
                 "pairs_in_error": in_error,
+                "rewinds_running": crate::life::progress_json(&progress, &p.perspective),
+                "applied_per_s": crate::life::rate_of(&rates, &p.perspective),
+                "time_to_empty_s": crate::life::time_to_empty(&rates, &p.perspective, p.pending_events),
             })
         })
         .collect();
@@ -642,6 +670,10 @@ pub(crate) async fn perspectives(
     | PerspectivesCommand::Parked {
         perspective: Some(name),
         ..
+    }
+    | PerspectivesCommand::Rebuild { perspective: name }
+    | PerspectivesCommand::Retire {
+        perspective: name, ..
     } = &cmd
     {
         perspective(name)?;
@@ -709,6 +741,21 @@ pub(crate) async fn perspectives(
                 max_unserved,
             });
             perspective_status(&pool, json, limits).await
+        }
+        PerspectivesCommand::Rebuild { perspective: name } => {
+            crate::life::rebuild(&source, url, &perspective(&name)?, json).await
+        }
+        PerspectivesCommand::Retire {
+            perspective: name,
+            keep_states,
+            ..
+        } => {
+            let states = if keep_states {
+                lockstep_core::RetireStates::Keep
+            } else {
+                lockstep_core::RetireStates::Drop
+            };
+            crate::life::retire(&source, url, &perspective(&name)?, states, json).await
         }
         cmd @ (PerspectivesCommand::Parked { .. }
         | PerspectivesCommand::Retry { .. }
@@ -1081,11 +1128,12 @@ async fn perspective_status(
         }
         return Ok(check_code(failed.as_deref()));
     }
+    let retired = crate::life::retired(pool).await?;
     if out.is_empty() {
         say!("no perspectives registered");
     } else {
         say!(
-            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7}  workers",
+            "{:<24} {:>8} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} {:>10} {:>9}  workers",
             "perspective",
             "pairs",
             "pending",
@@ -1093,7 +1141,9 @@ async fn perspective_status(
             "rewinds",
             "errors",
             "backoff",
-            "parked"
+            "parked",
+            "applied/s",
+            "to empty"
         );
         for p in &out {
             let live: Vec<String> = p["live_workers"]
@@ -1104,7 +1154,7 @@ async fn perspective_status(
                 .map(|w| w.escape_debug().to_string())
                 .collect();
             say!(
-                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7} {:>8} {:>7}  {}",
+                "{:<24} {:>8} {:>10} {:>8.1}s {:>8} {:>7} {:>8} {:>7} {:>10} {:>9}  {}",
                 p["perspective"].as_str().unwrap_or(""),
                 p["pairs"].as_i64().unwrap_or(0),
                 p["pending_events"].as_i64().unwrap_or(0),
@@ -1113,6 +1163,12 @@ async fn perspective_status(
                 p["in_error"].as_i64().unwrap_or(0),
                 p["backing_off"].as_i64().unwrap_or(0),
                 p["parked"].as_i64().unwrap_or(0),
+                p["applied_per_s"]
+                    .as_f64()
+                    .map_or("-".to_owned(), |r| format!("{r:.1}")),
+                p["time_to_empty_s"]
+                    .as_f64()
+                    .map_or("-".to_owned(), |t| format!("{t:.0}s")),
                 if p["unserved"] == true {
                     "NO LIVE WORKER".to_owned()
                 } else if live.is_empty() {
@@ -1121,6 +1177,9 @@ async fn perspective_status(
                     live.join(", ")
                 }
             );
+            for r in p["rewinds_running"].as_array().into_iter().flatten() {
+                say!("    {}", crate::life::progress_line(r));
+            }
             for e in p["pairs_in_error"].as_array().into_iter().flatten() {
                 say!(
                     "    {} failed {}×: {}",
@@ -1130,6 +1189,9 @@ async fn perspective_status(
                 );
             }
         }
+    }
+    if !retired.is_empty() {
+        say!("retired with their states kept: {}", retired.join(", "));
     }
     if let Some(failed) = &failed {
         if failed.is_empty() {

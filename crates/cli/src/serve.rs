@@ -383,6 +383,22 @@ fn describe_gauges() {
         "lockstep_perspective_pairs_in_error",
         "Pairs of a perspective whose last attempt failed."
     );
+    describe_gauge!(
+        "lockstep_perspective_applied_events_per_second",
+        "Events applied per second to a perspective by every worker together, over the last window of at least 10 s."
+    );
+    describe_gauge!(
+        "lockstep_perspective_time_to_empty_seconds",
+        "Seconds until a perspective's pending events are applied at its current rate (absent while nothing is applied)."
+    );
+    describe_gauge!(
+        "lockstep_perspective_rewinds_running",
+        "Rewinds of a perspective running now (their worker reported progress under a live lease)."
+    );
+    describe_gauge!(
+        "lockstep_perspective_rewind_events_remaining",
+        "Events the running rewinds of a perspective still have to replay, at their last progress report."
+    );
 }
 
 async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
@@ -429,6 +445,23 @@ fn set_gauges(snap: &Snapshot) {
         let live = p["live_workers"].as_array().map_or(0, Vec::len) as f64;
         metrics::gauge!("lockstep_perspective_live_workers", "perspective" => name.clone())
             .set(live);
+        let running = p["rewinds_running"]
+            .as_array()
+            .map_or(&[][..], Vec::as_slice);
+        let remaining: f64 = running
+            .iter()
+            .map(|r| r["to_replay"].as_f64().unwrap_or(0.0) - r["replayed"].as_f64().unwrap_or(0.0))
+            .sum();
+        metrics::gauge!("lockstep_perspective_applied_events_per_second", "perspective" => name.clone())
+            .set(get("applied_per_s"));
+        if let Some(t) = p["time_to_empty_s"].as_f64() {
+            metrics::gauge!("lockstep_perspective_time_to_empty_seconds", "perspective" => name.clone())
+                .set(t);
+        }
+        metrics::gauge!("lockstep_perspective_rewinds_running", "perspective" => name.clone())
+            .set(running.len() as f64);
+        metrics::gauge!("lockstep_perspective_rewind_events_remaining", "perspective" => name.clone())
+            .set(remaining);
         metrics::gauge!("lockstep_perspective_pairs_in_error", "perspective" => name)
             .set(get("in_error"));
     }

@@ -1977,3 +1977,121 @@ async fn workers_lists_the_fleet_and_status_flags_perspectives_no_live_worker_ru
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// Issue 20 (items 3 and 4): `perspectives rebuild` requests a rewind from the start on every
+/// pair, `status` shows a running rewind's progress, `retire` needs `--keep-states` or
+/// `--drop-states` (exit 2 otherwise), stops the work, and refuses an unknown perspective.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn perspectives_rebuild_retire_and_rewind_progress() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let events = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+    let (first, second) = (StreamId::new_v7(), StreamId::new_v7());
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    for stream in [first, second] {
+        let batch: Vec<NewEvent> = (1..=3)
+            .map(|n| NewEvent::new("Entered", serde_json::json!({ "amount": n })).expect("event"))
+            .collect();
+        events
+            .append(&tx, stream, ExpectedVersion::NoStream, &batch)
+            .await
+            .expect("append");
+    }
+    tx.commit().await.expect("commit");
+
+    let rebuilt = lockstep_on(&url, &["perspectives", "rebuild", "Ledger", "--json"]).await;
+    assert!(rebuilt.status.success(), "{}", text(&rebuilt));
+    assert_eq!(doc(&rebuilt)["outcome"], "requested");
+    assert_eq!(doc(&rebuilt)["pairs"], 2);
+
+    // A worker's progress report, as the rewind path writes it.
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let report =
+        lockstep_core::ProgressReport::new(first, name.clone(), uuid::Uuid::new_v4(), 1, 3);
+    store.record_progress(&tx, &report).await.expect("progress");
+    tx.commit().await.expect("commit");
+    let status = lockstep_on(&url, &["perspectives", "status", "--json"]).await;
+    let rows = doc(&status);
+    let running = &rows[0]["rewinds_running"];
+    assert_eq!(rows[0]["rewinds_pending"], 2, "{rows}");
+    assert!(
+        rows[0]["applied_per_s"].is_null() && rows[0]["time_to_empty_s"].is_null(),
+        "no worker applies anything: no rate, no time to empty: {rows}"
+    );
+    assert_eq!(running[0]["stream_id"], first.to_string(), "{rows}");
+    assert_eq!(
+        (&running[0]["replayed"], &running[0]["to_replay"]),
+        (&1.into(), &3.into())
+    );
+    let status = lockstep_on(&url, &["perspectives", "status"]).await;
+    assert!(text(&status).contains("1 of 3 events"), "{}", text(&status));
+
+    for args in [
+        &["perspectives", "retire", "Ledger"][..],
+        &[
+            "perspectives",
+            "retire",
+            "Ledger",
+            "--keep-states",
+            "--drop-states",
+        ],
+    ] {
+        let out = lockstep_on(&url, args).await;
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+    }
+    let retired = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "retire",
+            "Ledger",
+            "--keep-states",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(retired.status.success(), "{}", text(&retired));
+    let retired = doc(&retired);
+    assert_eq!(
+        (&retired["outcome"], &retired["states"], &retired["pairs"]),
+        (&"retired".into(), &"kept".into(), &2.into())
+    );
+    assert_eq!(retired["work_removed"], 6);
+    let status = lockstep_on(&url, &["perspectives", "status", "--json"]).await;
+    assert_eq!(doc(&status), serde_json::json!([]), "no longer registered");
+    let status = lockstep_on(&url, &["perspectives", "status"]).await;
+    assert!(
+        text(&status).contains("retired with their states kept: Ledger"),
+        "{}",
+        text(&status)
+    );
+    let refused = lockstep_on(&url, &["perspectives", "rebuild", "Ledger", "--json"]).await;
+    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(doc(&refused)["outcome"], "not_registered");
+
+    let dropped = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "retire",
+            "Ledger",
+            "--drop-states",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(dropped.status.success(), "{}", text(&dropped));
+    assert_eq!(doc(&dropped)["states"], "dropped");
+    let again = lockstep_on(&url, &["perspectives", "retire", "Ledger", "--drop-states"]).await;
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        text(&again).contains("`Ledger` is not registered"),
+        "{}",
+        text(&again)
+    );
+}

@@ -705,6 +705,231 @@ impl RewindLoad {
     }
 }
 
+/// What [`PerspectiveStore::retire`] does with a retired perspective's cursors, states and
+/// snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RetireStates {
+    /// Keep them: the states stay readable, and registering the perspective again continues
+    /// each pair from its cursor (the events appended meanwhile become its work).
+    Keep,
+    /// Delete them (cursors, states, snapshots, skipped events, progress): registering the
+    /// perspective again starts it from the first event, like a new one.
+    Drop,
+}
+
+/// What [`PerspectiveStore::retire`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Retired {
+    /// The perspective is retired: appends enqueue no work for it any more.
+    Retired {
+        /// Queued work items deleted.
+        work_removed: u64,
+        /// Pairs whose cursors were kept ([`RetireStates::Keep`]) or deleted
+        /// ([`RetireStates::Drop`]).
+        pairs: u64,
+    },
+    /// Nothing done: the perspective is neither registered nor retired with its states kept.
+    NotRegistered,
+}
+
+/// What [`PerspectiveStore::rebuild`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rebuild {
+    /// A rewind from the start was requested on every pair of the perspective.
+    Requested {
+        /// The pairs (cursors) with a request now.
+        pairs: u64,
+    },
+    /// Nothing done: the perspective is not registered (a retired one must be registered
+    /// again first).
+    NotRegistered,
+}
+
+/// A rewind's progress as the worker reports it ([`PerspectiveStore::record_progress`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProgressReport {
+    /// The pair's stream.
+    pub stream_id: StreamId,
+    /// The pair's perspective.
+    pub perspective: PerspectiveName,
+    /// Names this rewind (chosen by the reporter, e.g. a random UUID): a report with another
+    /// run restarts [`RewindProgress::started_at`].
+    pub run: Uuid,
+    /// The lease the rewind runs under, if any: the progress is current only while it is live.
+    pub lease: Option<LeaseId>,
+    /// Events replayed so far.
+    pub replayed: u64,
+    /// Events the rewind replays in all.
+    pub to_replay: u64,
+    /// How long the rewind has been running: a report of a new run sets
+    /// [`RewindProgress::started_at`] to the store's clock less this (so that a first report
+    /// made a second into the rewind still says when it started).
+    pub elapsed: Duration,
+}
+
+impl ProgressReport {
+    /// A report of `replayed` of `to_replay` events for the pair, in rewind `run`, without a
+    /// lease.
+    pub fn new(
+        stream_id: StreamId,
+        perspective: PerspectiveName,
+        run: Uuid,
+        replayed: u64,
+        to_replay: u64,
+    ) -> ProgressReport {
+        ProgressReport {
+            stream_id,
+            perspective,
+            run,
+            lease: None,
+            replayed,
+            to_replay,
+            elapsed: Duration::ZERO,
+        }
+    }
+}
+
+/// Where a running rewind stands ([`PerspectiveStore::rewind_progress`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RewindProgress {
+    /// The pair's stream.
+    pub stream_id: StreamId,
+    /// The pair's perspective.
+    pub perspective: PerspectiveName,
+    /// The instance that reported it, when the rewind runs under a lease.
+    pub holder: Option<InstanceId>,
+    /// Events replayed at the last report.
+    pub replayed: u64,
+    /// Events the rewind replays in all.
+    pub to_replay: u64,
+    /// When the rewind started: its first report's arrival (store clock) less the
+    /// [`ProgressReport::elapsed`] it carried.
+    pub started_at: OffsetDateTime,
+    /// When its last report arrived (store clock).
+    pub updated_at: OffsetDateTime,
+}
+
+impl RewindProgress {
+    /// The progress of the pair's rewind, with no holder.
+    pub fn new(
+        stream_id: StreamId,
+        perspective: PerspectiveName,
+        replayed: u64,
+        to_replay: u64,
+        started_at: OffsetDateTime,
+        updated_at: OffsetDateTime,
+    ) -> RewindProgress {
+        RewindProgress {
+            stream_id,
+            perspective,
+            holder: None,
+            replayed,
+            to_replay,
+            started_at,
+            updated_at,
+        }
+    }
+}
+
+/// How a perspective catches up: events applied per second by every instance together
+/// ([`PerspectiveStore::throughput`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Throughput {
+    /// The perspective.
+    pub perspective: PerspectiveName,
+    /// Events applied per second over the last window of at least [`THROUGHPUT_WINDOW`]; when
+    /// the current window is older than that (nobody reported for a while), over the current
+    /// window so far, so that a stalled perspective's rate falls towards 0. `None` before a
+    /// first window of at least a second.
+    pub events_per_second: Option<f64>,
+    /// Events applied in the current window so far.
+    pub window_applied: u64,
+    /// When the current window started (store clock).
+    pub window_started_at: OffsetDateTime,
+}
+
+impl Throughput {
+    /// A perspective's throughput.
+    pub fn new(
+        perspective: PerspectiveName,
+        events_per_second: Option<f64>,
+        window_applied: u64,
+        window_started_at: OffsetDateTime,
+    ) -> Throughput {
+        Throughput {
+            perspective,
+            events_per_second,
+            window_applied,
+            window_started_at,
+        }
+    }
+
+    /// How long emptying `pending` events takes at this rate (`None` without a rate above 0,
+    /// or beyond any representable duration).
+    pub fn time_to_empty(&self, pending: u64) -> Option<Duration> {
+        let rate = self
+            .events_per_second
+            .filter(|r| *r > 0.0 && r.is_finite())?;
+        Duration::try_from_secs_f64(pending as f64 / rate).ok()
+    }
+}
+
+/// The shortest window a catch-up rate is measured over (see [`Throughput`]).
+pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(10);
+
+/// The most [`PerspectiveStore::rewind_progress`] returns at once.
+pub const MAX_PROGRESS_ROWS: usize = 10_000;
+
+/// Checks a [`PerspectiveStore::rewind_progress`] limit: 1 to [`MAX_PROGRESS_ROWS`].
+#[doc(hidden)]
+pub fn check_progress_limit(limit: usize) -> Result<()> {
+    if limit == 0 || limit > MAX_PROGRESS_ROWS {
+        return Err(crate::Error::new(
+            crate::ErrorKind::InvalidInput,
+            format!("a progress listing holds 1 to {MAX_PROGRESS_ROWS} rows, not {limit}"),
+        ));
+    }
+    Ok(())
+}
+
+impl ProgressReport {
+    /// Checks the report: `replayed` at most `to_replay`, both at most `i64::MAX`, and a lease
+    /// (if any) of the same pair. [`crate::ErrorKind::InvalidInput`] otherwise.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(crate::Error::new(crate::ErrorKind::InvalidInput, what));
+        if self.replayed > self.to_replay {
+            return bad(format!(
+                "progress: {} events replayed of {} to replay",
+                self.replayed, self.to_replay
+            ));
+        }
+        if self.elapsed > Duration::from_secs(100 * 365 * 24 * 3600) {
+            return bad("progress: a rewind running for more than a century".to_owned());
+        }
+        if i64::try_from(self.to_replay).is_err() {
+            return bad(format!("progress: {} events to replay", self.to_replay));
+        }
+        if let Some(lease) = &self.lease
+            && (lease.stream_id != self.stream_id || lease.perspective != self.perspective)
+        {
+            return bad("progress: the lease is another pair's".to_owned());
+        }
+        Ok(())
+    }
+}
+
+fn unsupported<T>(what: &str) -> Result<T> {
+    Err(crate::Error::new(
+        crate::ErrorKind::Unsupported,
+        format!("this perspective store does not implement {what}"),
+    ))
+}
+
 /// Retention of snapshots per pair.
 pub const DEFAULT_KEEP_SNAPSHOTS: usize = 3;
 
@@ -1024,4 +1249,93 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         stream_id: StreamId,
         perspective: &'a PerspectiveName,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+    /// Retires `perspective`: appends enqueue no more work for it, its queued work is deleted,
+    /// and its cursors, states and snapshots are kept or deleted as `states` asks. A pair's
+    /// queued late arrival (work before its cursor) becomes a rewind request first when the
+    /// states are kept, so nothing is lost. [`PerspectiveStore::register`] registers it again:
+    /// with kept states each pair continues from its cursor, and the events appended while it
+    /// was retired become its work (one before the cursor is a late arrival). Retiring a
+    /// perspective already retired with kept states is allowed (to drop them now).
+    /// [`Retired::NotRegistered`] otherwise. On Postgres the retirement waits for open
+    /// transactions that appended and holds new appends back until it commits.
+    fn retire<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        states: RetireStates,
+    ) -> impl Future<Output = Result<Retired>> + Send + 'a {
+        let _ = (tx, perspective, states);
+        async { unsupported("retire") }
+    }
+
+    /// The perspectives retired with their states kept, by name.
+    fn retired<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<PerspectiveName>>> + Send + 'a {
+        let _ = tx;
+        async { unsupported("retired") }
+    }
+
+    /// Rebuilds `perspective` from the start: requests a rewind from the start on every pair
+    /// of it at once (as [`PerspectiveStore::request_rewind`] with `None` does for one, also a
+    /// retry of parked pairs). The workers of every instance serve the requests pair by pair
+    /// under their rewind leases; each pair's old state stays readable until its rewind
+    /// commits.
+    fn rebuild<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Rebuild>> + Send + 'a {
+        let _ = (tx, perspective);
+        async { unsupported("rebuild") }
+    }
+
+    /// Records where a rewind stands (one row per pair, overwritten; a new
+    /// [`ProgressReport::run`] restarts its start time). Meant to be called at most about once
+    /// a second per rewinding pair. `replayed > to_replay` is [`crate::ErrorKind::InvalidInput`].
+    fn record_progress<'a>(
+        &'a self,
+        tx: &'a Tx,
+        report: &'a ProgressReport,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let _ = (tx, report);
+        async { unsupported("record_progress") }
+    }
+
+    /// The current progress of the rewinds of `perspectives` (all when empty): reports of
+    /// pairs that still have a rewind request and, for a report made under a lease, whose lease
+    /// is still live with the same holder and epoch. By perspective and stream, at most `limit`
+    /// (0 or above [`MAX_PROGRESS_ROWS`] is [`crate::ErrorKind::InvalidInput`]).
+    fn rewind_progress<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<RewindProgress>>> + Send + 'a {
+        let _ = (tx, perspectives, limit);
+        async { unsupported("rewind_progress") }
+    }
+
+    /// Adds events applied (by this instance, since its last report) to each perspective's
+    /// catch-up rate ([`Throughput`]). Meant to be called at most about once a second per
+    /// instance; a count above `i64::MAX` is [`crate::ErrorKind::InvalidInput`].
+    fn record_applied<'a>(
+        &'a self,
+        tx: &'a Tx,
+        counts: &'a [(PerspectiveName, u64)],
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let _ = (tx, counts);
+        async { unsupported("record_applied") }
+    }
+
+    /// Every perspective's catch-up rate that was ever reported, by name.
+    fn throughput<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<Throughput>>> + Send + 'a {
+        let _ = tx;
+        async { unsupported("throughput") }
+    }
 }

@@ -858,6 +858,86 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         let call = self.inner.delete_cursor(tx, stream_id, perspective);
         observe("perspective_store", "delete_cursor", span, ok, call)
     }
+
+    fn retire<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        states: lockstep_core::RetireStates,
+    ) -> impl Future<Output = Result<lockstep_core::Retired>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "retire", perspective = %perspective);
+        let call = self.inner.retire(tx, perspective, states);
+        observe("perspective_store", "retire", span, ok, call)
+    }
+
+    fn retired<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<PerspectiveName>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "retired");
+        observe(
+            "perspective_store",
+            "retired",
+            span,
+            ok,
+            self.inner.retired(tx),
+        )
+    }
+
+    fn rebuild<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<lockstep_core::Rebuild>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "rebuild", perspective = %perspective);
+        let call = self.inner.rebuild(tx, perspective);
+        observe("perspective_store", "rebuild", span, ok, call)
+    }
+
+    fn record_progress<'a>(
+        &'a self,
+        tx: &'a Tx,
+        report: &'a lockstep_core::ProgressReport,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = pair_span("record_progress", report.stream_id, &report.perspective);
+        let call = self.inner.record_progress(tx, report);
+        observe("perspective_store", "record_progress", span, ok, call)
+    }
+
+    fn rewind_progress<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<lockstep_core::RewindProgress>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "rewind_progress");
+        let call = self.inner.rewind_progress(tx, perspectives, limit);
+        observe("perspective_store", "rewind_progress", span, ok, call)
+    }
+
+    fn record_applied<'a>(
+        &'a self,
+        tx: &'a Tx,
+        counts: &'a [(PerspectiveName, u64)],
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "record_applied");
+        let call = self.inner.record_applied(tx, counts);
+        observe("perspective_store", "record_applied", span, ok, call)
+    }
+
+    fn throughput<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<lockstep_core::Throughput>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "throughput");
+        observe(
+            "perspective_store",
+            "throughput",
+            span,
+            ok,
+            self.inner.throughput(tx),
+        )
+    }
 }
 
 /// `serde_json::Value` through the core re-export (this crate does not depend on serde_json).

@@ -58,6 +58,7 @@
 //! ```
 
 mod batch;
+mod life;
 
 use std::time::Duration;
 
@@ -65,9 +66,9 @@ use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
     ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, PairFailure, PendingPair,
-    PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore, RecordedEvent, Result,
-    RewindDebounce, RewindLoad, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
-    StreamId, ValidationError,
+    PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild,
+    RecordedEvent, Result, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress,
+    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -1169,6 +1170,44 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .await
             .map_err(|e| statement_error(e, "deleting a perspective cursor"))?;
         Ok(row.is_some())
+    }
+
+    async fn retire(
+        &self,
+        tx: &T,
+        perspective: &PerspectiveName,
+        states: RetireStates,
+    ) -> Result<Retired> {
+        life::retire(tx, perspective, states).await
+    }
+
+    async fn retired(&self, tx: &T) -> Result<Vec<PerspectiveName>> {
+        life::retired(tx).await
+    }
+
+    async fn rebuild(&self, tx: &T, perspective: &PerspectiveName) -> Result<Rebuild> {
+        life::rebuild(tx, perspective).await
+    }
+
+    async fn record_progress(&self, tx: &T, report: &ProgressReport) -> Result<()> {
+        life::record_progress(tx, report).await
+    }
+
+    async fn rewind_progress(
+        &self,
+        tx: &T,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<RewindProgress>> {
+        life::rewind_progress(tx, perspectives, limit).await
+    }
+
+    async fn record_applied(&self, tx: &T, counts: &[(PerspectiveName, u64)]) -> Result<()> {
+        life::record_applied(tx, counts).await
+    }
+
+    async fn throughput(&self, tx: &T) -> Result<Vec<lockstep_core::Throughput>> {
+        life::throughput(tx).await
     }
 }
 

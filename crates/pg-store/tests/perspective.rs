@@ -139,6 +139,70 @@ async fn registering_waits_for_an_append_in_flight_and_catches_its_events_up() {
     tx.rollback().await.expect("rollback");
 }
 
+/// Retiring waits for an appender in flight (whose append already enqueued work for the
+/// perspective) and then removes that work too: no work row of a retired perspective survives,
+/// and appends after the retirement enqueue none. Called from a spawned task with concrete
+/// types, as a handler would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_waits_for_an_append_in_flight_and_leaves_none_of_its_work() {
+    let f = fixture().await;
+    let retired = name("RetiredInFlight");
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&retired))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+
+    let stream = StreamId::new_v7();
+    let appender = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.events
+        .append(&appender, stream, ExpectedVersion::NoStream, &[event(1)])
+        .await
+        .expect("append");
+    let retirement = {
+        let (pool, store, retired) = (f.pool.clone(), f.store.clone(), retired.clone());
+        tokio::spawn(async move {
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            let outcome = store
+                .retire(&tx, &retired, lockstep_core::RetireStates::Keep)
+                .await
+                .expect("retire");
+            tx.commit().await.expect("commit");
+            outcome
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !retirement.is_finished(),
+        "a retirement waits for the open appender"
+    );
+    appender.commit().await.expect("commit");
+    let outcome = tokio::time::timeout(Duration::from_secs(10), retirement)
+        .await
+        .expect("the retirement proceeds once the appender committed")
+        .expect("task");
+    assert!(matches!(outcome, lockstep_core::Retired::Retired { .. }));
+
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.events
+        .append(&tx, stream, ExpectedVersion::Any, &[event(2)])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    let pending = f
+        .store
+        .pending_events(&tx, stream, &retired)
+        .await
+        .expect("pending_events");
+    assert!(
+        pending.is_empty(),
+        "no work of a retired perspective: {pending:?}"
+    );
+    tx.rollback().await.expect("rollback");
+}
+
 /// Registering names that are already registered neither waits for appenders nor blocks them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registering_a_known_name_does_not_wait_for_appenders() {

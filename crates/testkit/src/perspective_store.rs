@@ -41,9 +41,10 @@ use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
     ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
     LeaseFence, LeaseStatus, PairFailure, PendingPair, PendingThrough, PerspectiveName,
-    PerspectiveStatus, PerspectiveStore, RecordedEvent, ResourceKey, Result, RewindDebounce,
-    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
-    perspective_store::DEFAULT_KEEP_SNAPSHOTS,
+    PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RecordedEvent, ResourceKey,
+    Result, RetireStates, Retired, RewindDebounce, RewindProgress, RewindRequest, SkippedEvent,
+    Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
+    perspective_store::{DEFAULT_KEEP_SNAPSHOTS, check_progress_limit},
 };
 use std::time::Duration;
 
@@ -99,6 +100,19 @@ struct Staged {
     pairs: HashMap<Key, Pair>,
     registered: BTreeSet<PerspectiveName>,
     done: HashMap<Key, HashSet<Uuid>>,
+    /// Retirements, applied at commit before the registrations.
+    retire: Vec<(PerspectiveName, RetireStates)>,
+}
+
+/// A rewind's last progress report, as stored.
+#[derive(Debug, Clone)]
+struct Progress {
+    run: Uuid,
+    lease: Option<(InstanceId, LeaseEpoch)>,
+    replayed: u64,
+    to_replay: u64,
+    started_at: OffsetDateTime,
+    updated_at: OffsetDateTime,
 }
 
 #[derive(Debug, Default)]
@@ -108,6 +122,13 @@ struct State {
     /// Events whose work item is gone (applied, purged, or deleted with the cursor), per pair;
     /// kept apart from the pair so that deleting a cursor does not bring its work back.
     done: HashMap<Key, HashSet<Uuid>>,
+    /// Perspectives retired with their states kept.
+    retired: BTreeSet<PerspectiveName>,
+    /// Rewinds' progress, by pair (written at once, not at commit).
+    progress: HashMap<Key, Progress>,
+    /// Catch-up rates, by perspective (written at once, not at commit): the open window's
+    /// start and count, and the last closed window's rate.
+    throughput: BTreeMap<PerspectiveName, (OffsetDateTime, u64, Option<f64>)>,
     /// Writes of open transactions, by transaction id.
     staged: HashMap<u64, Staged>,
 }
@@ -196,17 +217,79 @@ impl InMemoryPerspectiveStore {
             .unwrap_or_else(|e| unreachable!("cursor row key is valid: {e}"))
     }
 
+    /// Applies a committed retirement of `name`.
+    fn retired_at_commit(
+        state: &mut State,
+        locker: &InMemoryStreamLocker,
+        name: &PerspectiveName,
+        states: RetireStates,
+    ) {
+        state.registered.remove(name);
+        match states {
+            RetireStates::Keep => {
+                state.retired.insert(name.clone());
+            }
+            RetireStates::Drop => {
+                state.retired.remove(name);
+                let gone: Vec<Key> = state
+                    .pairs
+                    .keys()
+                    .filter(|k| &k.1 == name)
+                    .cloned()
+                    .collect();
+                for key in gone {
+                    state.pairs.remove(&key);
+                    locker.delete_cursor(key.0, &key.1);
+                }
+                state.done.retain(|k, _| &k.1 != name);
+                state.progress.retain(|k, _| &k.1 != name);
+                state.throughput.remove(name);
+            }
+        }
+    }
+
+    /// The pairs of `name` as Postgres has cursors for them: every stream, and every pair `tx`
+    /// sees a cursor of.
+    fn pairs_of(&self, state: &State, tx: &FakeTransaction, name: &PerspectiveName) -> Vec<Key> {
+        let mut pairs: BTreeSet<Key> = self
+            .events
+            .streams()
+            .into_iter()
+            .map(|s| (s, name.clone()))
+            .collect();
+        pairs.extend(Self::keys(state, tx).into_iter().filter(|k| &k.1 == name));
+        pairs.into_iter().collect()
+    }
+
+    fn retired_in(state: &State, tx: &FakeTransaction, name: &PerspectiveName) -> bool {
+        let staged = state.staged.get(&tx.id());
+        if staged.is_some_and(|s| s.registered.contains(name)) {
+            return false;
+        }
+        if let Some(last) = staged.and_then(|s| s.retire.iter().rev().find(|(n, _)| n == name)) {
+            return last.1 == RetireStates::Keep;
+        }
+        state.retired.contains(name)
+    }
+
     /// Installs the commit hook of `tx` once.
     fn stage<'s>(&self, state: &'s mut State, tx: &FakeTransaction) -> &'s mut Staged {
         let id = tx.id();
         if !state.staged.contains_key(&id) {
             let shared = Arc::clone(&self.state);
+            let locker = self.locker.clone();
             tx.on_end(move |end| {
                 let mut state = shared
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
                 let staged = state.staged.remove(&id);
                 if let (Some(staged), TxEnd::Committed) = (staged, end) {
+                    for (name, states) in staged.retire {
+                        Self::retired_at_commit(&mut state, &locker, &name, states);
+                    }
+                    for name in &staged.registered {
+                        state.retired.remove(name);
+                    }
                     state.registered.extend(staged.registered);
                     state.pairs.extend(staged.pairs);
                     for (key, ids) in staged.done {
@@ -1368,5 +1451,224 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         };
         self.locker.delete_cursor(stream_id, perspective);
         Ok(existed)
+    }
+
+    async fn retire(
+        &self,
+        tx: &FakeTransaction,
+        perspective: &PerspectiveName,
+        states: RetireStates,
+    ) -> Result<Retired> {
+        tx.check_usable()?;
+        let (registered, keys) = {
+            let state = self.lock_state();
+            let registered = Self::registered(&state, tx, perspective)
+                && !state
+                    .staged
+                    .get(&tx.id())
+                    .is_some_and(|s| s.retire.iter().any(|(n, _)| n == perspective));
+            if !registered && !Self::retired_in(&state, tx, perspective) {
+                return Ok(Retired::NotRegistered);
+            }
+            (registered, self.pairs_of(&state, tx, perspective))
+        };
+        let now = self.now();
+        let mut work_removed = 0;
+        for key in &keys {
+            self.lock_row(tx, key).await?;
+            let (pending, pair) = {
+                let state = self.lock_state();
+                let pending = if registered {
+                    self.pending(&state, tx, key)
+                } else {
+                    Vec::new()
+                };
+                (pending, Self::read(&state, tx, key))
+            };
+            work_removed += pending.len() as u64;
+            // A queued late arrival becomes a rewind request before its work goes.
+            if states == RetireStates::Keep
+                && let Some(mut pair) = pair
+                && let Some(last) = pair.last_event_id
+                && let Some(late) = pending.iter().map(|e| e.event_id).find(|id| *id < last)
+            {
+                Self::flag(&mut pair, late, now);
+                self.write(tx, key.clone(), pair);
+            }
+        }
+        let mut state = self.lock_state();
+        self.stage(&mut state, tx)
+            .retire
+            .push((perspective.clone(), states));
+        if let Some(staged) = state.staged.get_mut(&tx.id()) {
+            staged.registered.remove(perspective);
+        }
+        Ok(Retired::Retired {
+            work_removed,
+            pairs: keys.len() as u64,
+        })
+    }
+
+    async fn retired(&self, tx: &FakeTransaction) -> Result<Vec<PerspectiveName>> {
+        tx.check_usable()?;
+        let state = self.lock_state();
+        let mut names: BTreeSet<PerspectiveName> = state.retired.clone();
+        if let Some(staged) = state.staged.get(&tx.id()) {
+            names.extend(staged.retire.iter().map(|(n, _)| n.clone()));
+        }
+        Ok(names
+            .into_iter()
+            .filter(|n| Self::retired_in(&state, tx, n))
+            .collect())
+    }
+
+    async fn rebuild(
+        &self,
+        tx: &FakeTransaction,
+        perspective: &PerspectiveName,
+    ) -> Result<Rebuild> {
+        tx.check_usable()?;
+        let keys = {
+            let state = self.lock_state();
+            let retiring = state
+                .staged
+                .get(&tx.id())
+                .is_some_and(|s| s.retire.iter().any(|(n, _)| n == perspective));
+            if !Self::registered(&state, tx, perspective) || retiring {
+                return Ok(Rebuild::NotRegistered);
+            }
+            self.pairs_of(&state, tx, perspective)
+        };
+        let now = self.now();
+        for key in &keys {
+            self.create(tx, key);
+            self.lock_row(tx, key).await?;
+            let mut pair = Self::read(&self.lock_state(), tx, key).unwrap_or_default();
+            Self::flag(&mut pair, Uuid::nil(), now);
+            pair.unpark();
+            self.write(tx, key.clone(), pair);
+        }
+        Ok(Rebuild::Requested {
+            pairs: keys.len() as u64,
+        })
+    }
+
+    async fn record_progress(&self, tx: &FakeTransaction, report: &ProgressReport) -> Result<()> {
+        tx.check_usable()?;
+        report.validate()?;
+        let now = self.now();
+        let key = (report.stream_id, report.perspective.clone());
+        let mut state = self.lock_state();
+        let start = time::Duration::try_from(report.elapsed)
+            .ok()
+            .and_then(|d| now.checked_sub(d))
+            .unwrap_or(now);
+        let started_at = state
+            .progress
+            .get(&key)
+            .filter(|p| p.run == report.run)
+            .map_or(start, |p| p.started_at);
+        state.progress.insert(
+            key,
+            Progress {
+                run: report.run,
+                lease: report.lease.as_ref().map(|l| (l.holder, l.epoch)),
+                replayed: report.replayed,
+                to_replay: report.to_replay,
+                started_at,
+                updated_at: now,
+            },
+        );
+        Ok(())
+    }
+
+    async fn rewind_progress(
+        &self,
+        tx: &FakeTransaction,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<RewindProgress>> {
+        tx.check_usable()?;
+        check_progress_limit(limit)?;
+        let rows: BTreeMap<(PerspectiveName, StreamId), Progress> = {
+            let state = self.lock_state();
+            state
+                .progress
+                .iter()
+                .filter(|(k, _)| perspectives.is_empty() || perspectives.contains(&k.1))
+                .filter(|(k, _)| Self::read(&state, tx, k).is_some_and(|p| p.rewind.is_some()))
+                .map(|(k, p)| ((k.1.clone(), k.0), p.clone()))
+                .collect()
+        };
+        let mut out = Vec::new();
+        for ((perspective, stream_id), p) in rows {
+            if out.len() == limit {
+                break;
+            }
+            if let Some((holder, epoch)) = p.lease {
+                let (lease, live) = self.lease(&(stream_id, perspective.clone())).await?;
+                if !(live && lease.holder == Some(holder) && lease.epoch == epoch) {
+                    continue;
+                }
+            }
+            let mut row = RewindProgress::new(
+                stream_id,
+                perspective,
+                p.replayed,
+                p.to_replay,
+                p.started_at,
+                p.updated_at,
+            );
+            row.holder = p.lease.map(|(h, _)| h);
+            out.push(row);
+        }
+        Ok(out)
+    }
+
+    async fn record_applied(
+        &self,
+        tx: &FakeTransaction,
+        counts: &[(PerspectiveName, u64)],
+    ) -> Result<()> {
+        tx.check_usable()?;
+        if counts.iter().any(|(_, n)| i64::try_from(*n).is_err()) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "applied count out of range",
+            ));
+        }
+        let now = self.now();
+        let mut state = self.lock_state();
+        for (name, n) in counts {
+            let entry = state
+                .throughput
+                .entry(name.clone())
+                .or_insert((now, 0, None));
+            entry.1 += n;
+            let age = (now - entry.0).as_seconds_f64();
+            if age >= lockstep_core::THROUGHPUT_WINDOW.as_secs_f64() {
+                *entry = (now, 0, Some(entry.1 as f64 / age.max(0.001)));
+            }
+        }
+        Ok(())
+    }
+
+    async fn throughput(&self, tx: &FakeTransaction) -> Result<Vec<lockstep_core::Throughput>> {
+        tx.check_usable()?;
+        let now = self.now();
+        let state = self.lock_state();
+        Ok(state
+            .throughput
+            .iter()
+            .map(|(name, (started, applied, rate))| {
+                let age = (now - *started).as_seconds_f64();
+                let open = (age >= 1.0).then(|| *applied as f64 / age);
+                let rate = match rate {
+                    Some(r) if age < lockstep_core::THROUGHPUT_WINDOW.as_secs_f64() => Some(*r),
+                    _ => open,
+                };
+                lockstep_core::Throughput::new(name.clone(), rate, *applied, *started)
+            })
+            .collect())
     }
 }

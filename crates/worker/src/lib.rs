@@ -50,6 +50,7 @@
 pub mod coordinator;
 pub mod fleet;
 pub mod lease;
+pub mod life;
 pub mod options;
 pub mod reads;
 pub mod telemetry;

@@ -26,6 +26,8 @@
 //! | [`BATCH_PAIRS`] | `lockstep_worker_batch_pairs` | histogram | pairs per claimed batch (label: the batch's first perspective) |
 //! | [`LEASES_LOST`] | `lockstep_worker_leases_lost_total` | counter | held leases reported lost by the keeper (renew refused or local deadline passed) |
 //! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
+//! | [`REWINDS_RUNNING`] | `lockstep_worker_rewinds_running` | gauge | replays of this instance running for more than a progress interval (1 s) |
+//! | [`REWIND_EVENTS_REMAINING`] | `lockstep_worker_rewind_events_remaining` | gauge | events those replays still have to replay, at their last progress report |
 //! | [`PAIRS_RETRIED`] | `lockstep_worker_pairs_processed_alone_total` | counter | pairs whose batch was rolled back because a table perspective failed in it, then processed alone |
 //!
 //! [`describe`] gives every family its `# HELP` (the worker calls it when it starts running,
@@ -156,6 +158,16 @@ pub fn describe() {
         metrics::Unit::Count,
         "Pairs per claimed batch (label: the batch's first perspective)"
     );
+    metrics::describe_gauge!(
+        REWINDS_RUNNING,
+        metrics::Unit::Count,
+        "Replays of this instance running for more than a progress interval (1 s)"
+    );
+    metrics::describe_gauge!(
+        REWIND_EVENTS_REMAINING,
+        metrics::Unit::Count,
+        "Events the running replays of this instance still have to replay, at their last progress report"
+    );
 }
 
 /// Exports every counter at zero for `perspective` (an increment by 0 creates the series).
@@ -163,6 +175,16 @@ pub(crate) fn zero(perspective: &str) {
     for (name, _) in COUNTERS {
         count(name, perspective, 0);
     }
+}
+
+/// Replays of this instance running for more than a progress interval.
+pub const REWINDS_RUNNING: &str = "lockstep_worker_rewinds_running";
+/// Events the running replays still have to replay.
+pub const REWIND_EVENTS_REMAINING: &str = "lockstep_worker_rewind_events_remaining";
+
+/// Adds `delta` (negative: subtracts) to the gauge `name` for `perspective`.
+pub(crate) fn gauge_add(name: &'static str, perspective: &str, delta: f64) {
+    metrics::gauge!(name, "perspective" => perspective.to_owned()).increment(delta);
 }
 
 /// Adds `n` to the counter `name` for `perspective`.

@@ -48,8 +48,11 @@ pub mod batch;
 mod bootstrap;
 mod pair;
 mod purge;
+mod rate;
 mod rewind;
 mod table;
+
+pub use rewind::PROGRESS_EVERY;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::AtomicU32;
@@ -145,6 +148,8 @@ pub struct CycleReport {
     pub failures: Vec<String>,
     /// Errors of the cycle itself (the store unreachable, …), as text.
     pub errors: Vec<String>,
+    /// Events applied by the normal path, per perspective (what the catch-up rate adds up).
+    pub applied_by_perspective: std::collections::BTreeMap<PerspectiveName, usize>,
 }
 
 impl CycleReport {
@@ -153,11 +158,22 @@ impl CycleReport {
         self.applied > 0 || self.rewinds > 0
     }
 
+    /// Counts `events` applied by the normal path to a pair of `perspective`.
+    pub(crate) fn add_applied(&mut self, perspective: &PerspectiveName, events: usize) {
+        self.applied += events;
+        if events > 0 {
+            *self
+                .applied_by_perspective
+                .entry(perspective.clone())
+                .or_default() += events;
+        }
+    }
+
     /// Adds one pair's outcome.
     fn add(&mut self, pair: &Pair, outcome: Result<PairOutcome>) {
         self.pairs += 1;
         match outcome {
-            Ok(PairOutcome::Applied { events }) => self.applied += events,
+            Ok(PairOutcome::Applied { events }) => self.add_applied(&pair.perspective, events),
             Ok(PairOutcome::Rewound { replayed, .. }) => {
                 self.rewinds += 1;
                 self.replayed += replayed;
@@ -181,6 +197,9 @@ impl CycleReport {
         self.failed += other.failed;
         self.failures.extend(other.failures);
         self.errors.extend(other.errors);
+        for (name, n) in other.applied_by_perspective {
+            *self.applied_by_perspective.entry(name).or_default() += n;
+        }
     }
 }
 
@@ -202,6 +221,8 @@ pub struct PerspectiveWorker<S: TransactionSource, P> {
     shrink: AtomicU32,
     /// How the instance names itself in the fleet.
     identity: InstanceIdentity,
+    /// Events applied since the last catch-up report, and when that was ([`rate`]).
+    applied: rate::Unreported,
 }
 
 impl<S: TransactionSource, P> std::fmt::Debug for PerspectiveWorker<S, P> {
@@ -254,6 +275,7 @@ where
             coordinator: ApplyCoordinator::new(options.coordinator_warn_after),
             shrink: AtomicU32::new(0),
             identity: InstanceIdentity::detect(),
+            applied: rate::Unreported::default(),
         })
     }
 
@@ -415,6 +437,7 @@ where
         for one in futures_util::future::join_all(batches).await {
             report.merge(one);
         }
+        self.report_applied(&report).await;
         report
     }
 
@@ -493,15 +516,33 @@ struct Applied {
 /// future is still wanted: dropped, or once `stop` fires, it stops within one event.
 async fn apply_off_runtime(
     p: &Arc<dyn DynPerspective>,
+    state: serde_json::Value,
+    events: Vec<RecordedEvent>,
+    stop: &CancellationToken,
+) -> Result<Applied> {
+    apply_off_runtime_counting(p, state, events, stop, None).await
+}
+
+/// [`apply_off_runtime`], adding 1 to `started` as each event's application starts (one
+/// relaxed atomic add per event: what the rewind's progress report reads).
+async fn apply_off_runtime_counting(
+    p: &Arc<dyn DynPerspective>,
     mut state: serde_json::Value,
     events: Vec<RecordedEvent>,
     stop: &CancellationToken,
+    started: Option<Arc<std::sync::atomic::AtomicU64>>,
 ) -> Result<Applied> {
     let p = Arc::clone(p);
     let abandon = stop.child_token();
     let _abandon_when_dropped = abandon.clone().drop_guard();
     let task = tokio::task::spawn_blocking(move || {
-        let outcome = apply_guarded(&*p, &mut state, &events, &|| !abandon.is_cancelled());
+        let go_on = || {
+            if let Some(started) = &started {
+                started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            !abandon.is_cancelled()
+        };
+        let outcome = apply_guarded(&*p, &mut state, &events, &go_on);
         Applied {
             state,
             events,

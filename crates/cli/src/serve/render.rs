@@ -433,7 +433,33 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                     "<span class=\"{}\">{lag:.1} s</span>",
                     level(lag > LAG_BAD_S, lag > LAG_WARN_S)
                 ),
-                escape(&text(&p["rewinds_pending"])),
+                format!(
+                    "{} / {}",
+                    p["applied_per_s"]
+                        .as_f64()
+                        .map_or("-".to_owned(), |r| format!("{r:.1}")),
+                    p["time_to_empty_s"]
+                        .as_f64()
+                        .map_or("-".to_owned(), |t| format!("{t:.0} s"))
+                ),
+                {
+                    // The pending count, then each running rewind's progress under it.
+                    let running: Vec<String> = p["rewinds_running"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|r| escape(&crate::life::progress_line(r)))
+                        .collect();
+                    if running.is_empty() {
+                        escape(&text(&p["rewinds_pending"]))
+                    } else {
+                        format!(
+                            "{}<br><small>{}</small>",
+                            escape(&text(&p["rewinds_pending"])),
+                            running.join("<br>")
+                        )
+                    }
+                },
                 escape(&text(&p["backing_off"])),
                 escape(&text(&p["parked"])),
                 {
@@ -472,7 +498,8 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
             "pairs",
             "pending",
             "lag",
-            "rewinds pending",
+            "applied/s / to empty",
+            "rewinds pending (running)",
             "backing off",
             "parked",
             "live workers",

@@ -8,7 +8,8 @@
 //! refusals, a commit with a failure, all-or-nothing on bad input), parking (`parked_pairs`,
 //! `unpark`, a rewind request as a retry), a successful commit clearing the failure, and
 //! skipped events, paging through states and what is not applied up to an event (`states`,
-//! `pending_through`) — each case a behaviour a user of the perspective worker would notice.
+//! `pending_through`), a perspective's life (retire keeping or dropping its states, register
+//! again, rebuild), rewinds' progress and catch-up rates — each case a behaviour a user of the perspective worker would notice.
 //!
 //! Every case uses fresh stream ids and perspective names, so the suite can run against a
 //! shared database (perspectives registered by earlier cases only add work the cases never look
@@ -31,9 +32,10 @@ use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch,
     ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId, LockReason,
-    NewEvent, Pair, PairFailure, PerspectiveName, PerspectiveStore, RecordedEvent, RewindDebounce,
-    SkippedEvent, StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker,
-    TransactionSource, ValidationError,
+    NewEvent, Pair, PairFailure, PerspectiveName, PerspectiveStore, ProgressReport, Rebuild,
+    RecordedEvent, RetireStates, Retired, RewindDebounce, RewindProgress, SkippedEvent,
+    StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
+    ValidationError,
 };
 use uuid::Uuid;
 
@@ -3524,6 +3526,12 @@ macro_rules! __lockstep_perspective_store_cases {
             a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits,
             states_page_through_one_perspectives_states_in_stream_order,
             pending_through_counts_what_is_not_applied_up_to_an_event,
+            a_retired_perspective_gets_no_work_keeps_its_states_and_continues_when_registered_again,
+            a_perspective_retired_with_dropped_states_starts_again_from_the_first_event,
+            an_event_appended_while_retired_before_the_cursor_is_a_late_arrival,
+            a_rebuild_requests_a_rewind_from_the_start_on_every_pair_and_keeps_the_old_states,
+            rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_commits,
+            applied_events_add_up_in_the_perspectives_catch_up_window,
         ] }
     };
 }
@@ -3553,4 +3561,374 @@ macro_rules! perspective_store_conformance {
     (fixture: $($rest:tt)*) => {
         $crate::perspective_store_conformance! { #[::tokio::test] fixture: $($rest)* }
     };
+}
+
+async fn retire<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    name: &PerspectiveName,
+    states: RetireStates,
+) -> Retired {
+    let tx = begin(fixture.source()).await;
+    let retired = fixture
+        .store()
+        .retire(&tx, name, states)
+        .await
+        .expect("retire");
+    commit(tx).await.expect("commit");
+    retired
+}
+
+async fn retired_names<F: PerspectiveStoreFixture>(fixture: &F) -> Vec<PerspectiveName> {
+    let tx = begin(fixture.source()).await;
+    let names = fixture.store().retired(&tx).await.expect("retired");
+    rollback(tx).await;
+    names
+}
+
+async fn rebuild<F: PerspectiveStoreFixture>(fixture: &F, name: &PerspectiveName) -> Rebuild {
+    let tx = begin(fixture.source()).await;
+    let rebuilt = fixture.store().rebuild(&tx, name).await.expect("rebuild");
+    commit(tx).await.expect("commit");
+    rebuilt
+}
+
+async fn progress_of<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    name: &PerspectiveName,
+) -> Vec<RewindProgress> {
+    let tx = begin(fixture.source()).await;
+    let rows = fixture
+        .store()
+        .rewind_progress(&tx, std::slice::from_ref(name), 100)
+        .await
+        .expect("rewind_progress");
+    rollback(tx).await;
+    rows
+}
+
+async fn listed_in_status<F: PerspectiveStoreFixture>(fixture: &F, name: &PerspectiveName) -> bool {
+    let tx = begin(fixture.source()).await;
+    let status = fixture
+        .store()
+        .perspective_status(&tx)
+        .await
+        .expect("perspective_status");
+    rollback(tx).await;
+    status.iter().any(|s| &s.perspective == name)
+}
+
+/// Retiring a perspective with its states kept: its queued work is gone, appends enqueue none
+/// for it, its states stay readable; registered again, each pair continues from its cursor with
+/// the events appended meanwhile as its work. Retiring an unknown perspective does nothing.
+pub async fn a_retired_perspective_gets_no_work_keeps_its_states_and_continues_when_registered_again<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Retired");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(4);
+    let stream = stream_with(&*fixture, &ids[..3]).await;
+    apply(&*fixture, stream, &p, 2, false).await;
+    assert_eq!(pending(&*fixture, stream, &p).await, vec![ids[2]]);
+
+    let Retired::Retired {
+        work_removed,
+        pairs,
+    } = retire(&*fixture, &p, RetireStates::Keep).await
+    else {
+        panic!("a registered perspective is retired");
+    };
+    assert!(work_removed >= 1, "its queued work is removed");
+    assert!(pairs >= 1, "its pairs are kept");
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    assert!(retired_names(&*fixture).await.contains(&p));
+    assert!(
+        !listed_in_status(&*fixture, &p).await,
+        "no longer registered"
+    );
+    let (cursor, kept) = state(&*fixture, stream, &p).await.expect("cursor kept");
+    assert_eq!(cursor.applied_count, 2);
+    assert_eq!(
+        kept,
+        Some(serde_json::json!({ "sum": 3 })),
+        "the state is kept"
+    );
+
+    // Appends while retired enqueue nothing for it, on its streams and on new ones.
+    append(&*fixture, stream, &[event(ids[3], 4)]).await;
+    let newer = stream_with(&*fixture, &self::ids(1)).await;
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    assert!(pending(&*fixture, newer, &p).await.is_empty());
+    assert_eq!(
+        rebuild(&*fixture, &p).await,
+        Rebuild::NotRegistered,
+        "a retired perspective is not rebuilt"
+    );
+
+    // Registered again: from the cursor, with what was queued and what was appended meanwhile.
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    assert!(!retired_names(&*fixture).await.contains(&p));
+    assert_eq!(pending(&*fixture, stream, &p).await, vec![ids[2], ids[3]]);
+    assert_eq!(pending(&*fixture, newer, &p).await.len(), 1);
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    let (cursor, rebuilt) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(cursor.applied_count, 4);
+    assert_eq!(rebuilt, Some(serde_json::json!({ "sum": 10 })));
+
+    assert_eq!(
+        retire(&*fixture, &name("NeverRegistered"), RetireStates::Keep).await,
+        Retired::NotRegistered
+    );
+    assert_eq!(
+        retire(&*fixture, &name("NeverRegistered"), RetireStates::Drop).await,
+        Retired::NotRegistered
+    );
+}
+
+/// Retiring with the states dropped deletes the perspective's pairs; registered again, it
+/// starts from the first event like a new perspective. A perspective retired with kept states
+/// can be retired again to drop them.
+pub async fn a_perspective_retired_with_dropped_states_starts_again_from_the_first_event<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Dropped");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, true).await;
+
+    assert!(matches!(
+        retire(&*fixture, &p, RetireStates::Keep).await,
+        Retired::Retired { .. }
+    ));
+    let Retired::Retired {
+        work_removed,
+        pairs,
+    } = retire(&*fixture, &p, RetireStates::Drop).await
+    else {
+        panic!("a perspective retired with kept states can be dropped");
+    };
+    assert_eq!(work_removed, 0, "its work was already removed");
+    assert!(pairs >= 1);
+    assert_eq!(
+        cursor(&*fixture, stream, &p).await,
+        None,
+        "the pair is gone"
+    );
+    assert!(snapshots(&*fixture, stream, &p).await.is_empty());
+    assert!(!retired_names(&*fixture).await.contains(&p));
+    assert_eq!(
+        retire(&*fixture, &p, RetireStates::Drop).await,
+        Retired::NotRegistered,
+        "nothing is left to retire"
+    );
+
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    assert_eq!(pending(&*fixture, stream, &p).await, ids);
+    // A new cursor (Postgres creates it at registration, the fake at the first claim).
+    if let Some((cursor, none)) = state(&*fixture, stream, &p).await {
+        assert_eq!(
+            (cursor.last_event_id, cursor.applied_count, none),
+            (None, 0, None)
+        );
+    }
+}
+
+/// An event appended while a perspective was retired that sorts before a kept cursor is a late
+/// arrival once the perspective is registered again: the claim turns it into a rewind.
+pub async fn an_event_appended_while_retired_before_the_cursor_is_a_late_arrival<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("RetiredLate");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &[ids[0], ids[2]]).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    retire(&*fixture, &p, RetireStates::Keep).await;
+    append(&*fixture, stream, &[event(ids[1], 3)]).await;
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    assert_eq!(pending(&*fixture, stream, &p).await, vec![ids[1]]);
+    assert_eq!(trigger_after_claim(&*fixture, stream, &p).await, ids[1]);
+}
+
+/// A rebuild requests a rewind from the start on every pair of the perspective (a parked pair
+/// included, which it also retries); each pair keeps its old state until its own rewind
+/// commits. An unknown perspective is not rebuilt.
+pub async fn a_rebuild_requests_a_rewind_from_the_start_on_every_pair_and_keeps_the_old_states<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Rebuilt");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let first = stream_with(&*fixture, &ids(2)).await;
+    let second = stream_with(&*fixture, &ids(3)).await;
+    apply(&*fixture, first, &p, ALL_EVENTS, false).await;
+    apply(&*fixture, second, &p, ALL_EVENTS, false).await;
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .record_failure(&tx, second, &p, &PairFailure::new("boom").park(true))
+        .await
+        .expect("record_failure");
+    commit(tx).await.expect("commit");
+
+    let Rebuild::Requested { pairs } = rebuild(&*fixture, &p).await else {
+        panic!("a registered perspective is rebuilt");
+    };
+    assert!(pairs >= 2, "every pair, {pairs}");
+    for stream in [first, second] {
+        let c = cursor(&*fixture, stream, &p).await.expect("cursor");
+        assert_eq!(
+            c.rewind.map(|r| r.trigger),
+            Some(Uuid::nil()),
+            "from the start"
+        );
+        assert_eq!((c.parked_at, c.failures), (None, 0), "retried");
+    }
+    let old = state(&*fixture, second, &p).await.expect("cursor").1;
+    assert_eq!(old, Some(serde_json::json!({ "sum": 6 })));
+
+    rewind(&*fixture, first, &p, Uuid::nil(), None)
+        .await
+        .expect("the first pair's rewind commits");
+    assert_eq!(trigger(&*fixture, first, &p).await, None);
+    assert_eq!(
+        trigger(&*fixture, second, &p).await,
+        Some(Uuid::nil()),
+        "the other pair waits for its own rewind"
+    );
+    assert_eq!(
+        state(&*fixture, second, &p).await.expect("cursor").1,
+        old,
+        "and serves its old state meanwhile"
+    );
+    assert_eq!(
+        rebuild(&*fixture, &name("NeverRegistered")).await,
+        Rebuild::NotRegistered
+    );
+}
+
+/// A rewind's progress is listed while its pair has a rewind request and its lease is live;
+/// a report of the same run keeps its start, a bad report or limit is invalid input, and once
+/// the rewind commits it is no longer listed.
+pub async fn rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_commits<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Progress");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let stream = stream_with(&*fixture, &ids(3)).await;
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    request(&*fixture, stream, &p, None).await;
+    let lease = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+    let run = Uuid::new_v4();
+    let mut report = ProgressReport::new(stream, p.clone(), run, 1, 3);
+    report.lease = Some(lease.id.clone());
+    report.elapsed = Duration::from_secs(5);
+    let store = fixture.store();
+
+    let tx = begin(fixture.source()).await;
+    store.record_progress(&tx, &report).await.expect("record");
+    commit(tx).await.expect("commit");
+    let rows = progress_of(&*fixture, &p).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(
+        (rows[0].stream_id, rows[0].replayed, rows[0].to_replay),
+        (stream, 1, 3)
+    );
+    assert_eq!(rows[0].holder, Some(lease.id.holder));
+    assert!(
+        rows[0].started_at + Duration::from_secs(5) <= rows[0].updated_at,
+        "started when the run began, {:?} before its first report",
+        report.elapsed
+    );
+    let started = rows[0].started_at;
+
+    report.replayed = 2;
+    renew(&*fixture, &lease).await;
+    let tx = begin(fixture.source()).await;
+    store.record_progress(&tx, &report).await.expect("record");
+    commit(tx).await.expect("commit");
+    let rows = progress_of(&*fixture, &p).await;
+    assert_eq!(
+        (rows.len(), rows[0].replayed, rows[0].started_at),
+        (1, 2, started)
+    );
+
+    let tx = begin(fixture.source()).await;
+    report.replayed = 4;
+    let err = store
+        .record_progress(&tx, &report)
+        .await
+        .expect_err("4 of 3");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    for limit in [0, lockstep_core::MAX_PROGRESS_ROWS + 1] {
+        let err = store
+            .rewind_progress(&tx, &[], limit)
+            .await
+            .expect_err("a limit out of range");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "limit {limit}");
+    }
+    rollback(tx).await;
+
+    renew(&*fixture, &lease).await;
+    rewind(&*fixture, stream, &p, Uuid::nil(), Some(lease.id.clone()))
+        .await
+        .expect("the rewind commits");
+    assert!(
+        progress_of(&*fixture, &p).await.is_empty(),
+        "a committed rewind is no longer in progress"
+    );
+}
+
+/// Applied events reported with `record_applied` add up in the perspective's open window
+/// (every instance's together); a count a database cannot store is invalid input.
+pub async fn applied_events_add_up_in_the_perspectives_catch_up_window<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let (p, other) = (name("Rate"), name("RateOther"));
+    let store = fixture.store();
+    let tx = begin(fixture.source()).await;
+    store
+        .record_applied(&tx, &[(p.clone(), 5), (other.clone(), 1)])
+        .await
+        .expect("record_applied");
+    store
+        .record_applied(&tx, &[(p.clone(), 1), (p.clone(), 2)])
+        .await
+        .expect("a name given twice counts twice");
+    let err = store
+        .record_applied(&tx, &[(p.clone(), u64::MAX)])
+        .await
+        .expect_err("out of range");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    commit(tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    let rates = store.throughput(&tx).await.expect("throughput");
+    rollback(tx).await;
+    let mine = rates
+        .iter()
+        .find(|t| t.perspective == p)
+        .expect("the perspective's rate");
+    assert_eq!(mine.window_applied, 8, "{mine:?}");
+    assert!(
+        mine.events_per_second
+            .is_none_or(|r| (0.0..=8.0).contains(&r)),
+        "no rate before a second, at most 8 events over it: {mine:?}"
+    );
+    let theirs = rates
+        .iter()
+        .find(|t| t.perspective == other)
+        .expect("other");
+    assert_eq!(theirs.window_applied, 1);
 }

@@ -401,7 +401,7 @@ where
         report.pairs += 1;
         let parked = match outcome {
             BatchCommitted::Committed { parked, .. } => {
-                report.applied += applied.events;
+                report.add_applied(&pair.perspective, applied.events);
                 count(telemetry::EVENTS_APPLIED, name, applied.events as u64);
                 if applied.first_snapshot {
                     count(telemetry::BOOTSTRAPS, name, 1);

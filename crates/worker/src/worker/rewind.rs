@@ -5,17 +5,29 @@
 //! snapshots it invalidates; stop the keepalive and release — on every path, including an
 //! `apply` that errors or panics, a store error, and a lost lease (the replay is abandoned the
 //! moment the keeper signals it; nothing is committed).
+//!
+//! **Progress.** While a replay runs, its progress (events replayed of events to replay, and
+//! since when) is recorded at most once per [`PROGRESS_EVERY`]
+//! ([`PerspectiveStore::record_progress`], a transaction of its own, never on the replay's
+//! path: the replay only bumps an atomic counter per event), and the gauges
+//! [`telemetry::REWINDS_RUNNING`] and [`telemetry::REWIND_EVENTS_REMAINING`] follow it. A
+//! replay shorter than that interval reports nothing. A report that fails is logged and
+//! skipped: progress never fails a rewind.
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use lockstep_core::{
-    DynPerspective, Error, ErrorKind, LockReason, PerspectiveName, PerspectiveStore, Result,
-    StateCommit, StreamId, Transaction, TransactionSource,
+    DynPerspective, Error, ErrorKind, LockReason, PerspectiveName, PerspectiveStore,
+    ProgressReport, Result, StateCommit, StreamId, Transaction, TransactionSource,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime, release};
+use super::{
+    Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime_counting, release,
+};
 use crate::lease::{HeldLease, Leased};
 use crate::telemetry::{self, count, observe};
 
@@ -207,11 +219,16 @@ where
         };
         // On a blocking thread, checking the lost signal before every event; dropped (the lost
         // signal wins the race below, or shutdown abandons the pair) it stops within one event.
-        let replay = apply_off_runtime(p, state, loaded.events, lost);
+        let started = Arc::new(AtomicU64::new(0));
+        let to_replay = loaded.events.len() as u64;
+        let replay =
+            apply_off_runtime_counting(p, state, loaded.events, lost, Some(Arc::clone(&started)));
+        let progress = self.report_progress(stream_id, name, lease, &started, to_replay);
         let applied = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(PairError::new(failures, lease_lost())),
             applied = replay => applied.map_err(|e| PairError::new(failures, e))?,
+            () = progress => unreachable!("the progress report never ends by itself"),
         };
         let events = applied.events;
         let state = match applied.outcome {
@@ -234,6 +251,43 @@ where
         commit.snapshot = true;
         commit.fence = fence;
         Ok(Replayed::Commit(Box::new(commit), base.is_some(), failures))
+    }
+
+    /// Reports the replay's progress every [`PROGRESS_EVERY`] until dropped (never returns):
+    /// the store's row and the gauges, which its guard takes back when dropped.
+    async fn report_progress(
+        &self,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+        lease: Option<&HeldLease>,
+        started: &AtomicU64,
+        to_replay: u64,
+    ) {
+        let began = Instant::now();
+        let mut gauges = ProgressGauges::new(name);
+        let mut report =
+            ProgressReport::new(stream_id, name.clone(), uuid::Uuid::new_v4(), 0, to_replay);
+        report.lease = lease.map(|l| l.id().clone());
+        loop {
+            tokio::time::sleep(PROGRESS_EVERY).await;
+            // The event being applied is counted when it starts: the ones before it are done.
+            let replayed = started
+                .load(Ordering::Relaxed)
+                .saturating_sub(1)
+                .min(to_replay);
+            gauges.set(to_replay - replayed);
+            report.replayed = replayed;
+            report.elapsed = began.elapsed();
+            let recorded = async {
+                let tx = self.source.begin().await?;
+                self.store.record_progress(&tx, &report).await?;
+                tx.commit().await
+            }
+            .await;
+            if let Err(err) = recorded {
+                tracing::debug!(error = %err, "recording a rewind's progress failed; skipped");
+            }
+        }
     }
 
     /// The commit, fenced on the lease, which it releases in the same statement when the store
@@ -318,6 +372,51 @@ impl PairError {
         PairError {
             failures_before,
             message: error.to_string(),
+        }
+    }
+}
+
+/// How often a running replay records its progress (and the first report's delay: a shorter
+/// replay reports nothing).
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// The running-rewind gauges of one replay, taken back when dropped (the replay ended, was
+/// abandoned or its future dropped).
+struct ProgressGauges {
+    perspective: String,
+    running: bool,
+    remaining: u64,
+}
+
+impl ProgressGauges {
+    fn new(name: &PerspectiveName) -> ProgressGauges {
+        ProgressGauges {
+            perspective: name.as_str().to_owned(),
+            running: false,
+            remaining: 0,
+        }
+    }
+
+    fn set(&mut self, remaining: u64) {
+        if !self.running {
+            self.running = true;
+            telemetry::gauge_add(telemetry::REWINDS_RUNNING, &self.perspective, 1.0);
+        }
+        let delta = remaining as f64 - self.remaining as f64;
+        telemetry::gauge_add(telemetry::REWIND_EVENTS_REMAINING, &self.perspective, delta);
+        self.remaining = remaining;
+    }
+}
+
+impl Drop for ProgressGauges {
+    fn drop(&mut self) {
+        if self.running {
+            telemetry::gauge_add(telemetry::REWINDS_RUNNING, &self.perspective, -1.0);
+            telemetry::gauge_add(
+                telemetry::REWIND_EVENTS_REMAINING,
+                &self.perspective,
+                -(self.remaining as f64),
+            );
         }
     }
 }

@@ -1,0 +1,268 @@
+//! A perspective's life on PostgreSQL (migration `V11`, ADR 0016): retire, list the retired,
+//! rebuild, and the progress of rewinds. Each is one statement; the trait methods of
+//! [`PgPerspectiveStore`](super::PgPerspectiveStore) call these.
+
+use lockstep_core::perspective_store::check_progress_limit;
+use lockstep_core::{
+    Error, ErrorKind, InstanceId, PerspectiveName, ProgressReport, Rebuild, Result, RetireStates,
+    Retired, RewindProgress, StreamId, THROUGHPUT_WINDOW, Throughput,
+};
+use lockstep_pg::PgTransactionRef;
+use lockstep_pg::internal::statement_error;
+use time::OffsetDateTime;
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::Type;
+use uuid::Uuid;
+
+use super::{decode_error, stored_count, stored_name};
+
+/// The statements of this module.
+pub(super) mod sql {
+    /// Retires `$1`, keeping its states when `$2` (see `lockstep_retire_perspective`, V11). No
+    /// row: not registered.
+    pub(super) const RETIRE: &str =
+        "SELECT work_removed, pairs FROM lockstep_retire_perspective($1, $2)";
+
+    /// The perspectives retired with their states kept, by name.
+    pub(super) const RETIRED: &str = "SELECT r.perspective_name FROM wh_retired_perspectives r \
+         ORDER BY r.perspective_name COLLATE \"C\"";
+
+    /// Requests a rewind from the start on every pair of `$1` (see
+    /// `lockstep_rebuild_perspective`, V11). NULL: not registered.
+    pub(super) const REBUILD: &str = "SELECT lockstep_rebuild_perspective($1)";
+
+    /// Records a rewind's progress: `$1` stream, `$2` perspective, `$3` run, `$4` holder, `$5`
+    /// epoch, `$6` replayed, `$7` to replay, `$8` µs the run has been going. A new run restarts
+    /// `started_at` (the clock less `$8`).
+    pub(super) const RECORD_PROGRESS: &str = "\
+INSERT INTO wh_perspective_rewind_progress AS p
+       (stream_id, perspective_name, run_id, instance_id, epoch, replayed, to_replay,
+        started_at, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, clock_timestamp() - $8 * interval '1 microsecond',
+        clock_timestamp())
+ON CONFLICT (stream_id, perspective_name) DO UPDATE
+   SET started_at = CASE WHEN p.run_id = EXCLUDED.run_id THEN p.started_at
+                         ELSE EXCLUDED.started_at END,
+       run_id = EXCLUDED.run_id, instance_id = EXCLUDED.instance_id, epoch = EXCLUDED.epoch,
+       replayed = EXCLUDED.replayed, to_replay = EXCLUDED.to_replay,
+       updated_at = EXCLUDED.updated_at";
+
+    /// Adds applied events (`$1` names, `$2` counts) to the catch-up rates, closing windows of
+    /// at least `$3` µs (see `lockstep_perspective_record_applied`, V11).
+    pub(super) const RECORD_APPLIED: &str =
+        "SELECT lockstep_perspective_record_applied($1, $2, $3)";
+
+    /// Every perspective's catch-up rate (see `Throughput`): the last closed window's, or the
+    /// open window's when it is at least `$1` µs old or none closed yet (from a second on).
+    pub(super) const THROUGHPUT: &str = "\
+SELECT t.perspective_name, t.window_applied, t.window_started_at,
+       CASE WHEN t.rate IS NULL
+                 OR clock_timestamp() - t.window_started_at >= $1 * interval '1 microsecond'
+            THEN CASE WHEN clock_timestamp() - t.window_started_at >= interval '1 second'
+                      THEN (t.window_applied
+                            / extract(epoch FROM clock_timestamp() - t.window_started_at))::float8
+                 END
+            ELSE t.rate
+       END
+  FROM wh_perspective_throughput t
+ ORDER BY t.perspective_name COLLATE \"C\"";
+
+    /// The current progress of the rewinds of `$1` (all when empty), at most `$2`: the pair
+    /// still has a rewind request, and a report made under a lease names the live lease.
+    pub(super) const PROGRESS: &str = "\
+SELECT p.stream_id, p.perspective_name, p.instance_id, p.replayed, p.to_replay,
+       p.started_at, p.updated_at
+  FROM wh_perspective_rewind_progress p
+  JOIN wh_perspective_cursors k
+    ON k.stream_id = p.stream_id AND k.perspective_name = p.perspective_name
+ WHERE k.rewind_trigger_event_id IS NOT NULL
+   AND (cardinality($1::text[]) = 0 OR p.perspective_name = ANY ($1))
+   AND (p.instance_id IS NULL
+        OR (k.stream_lock_instance_id = p.instance_id AND k.stream_lock_epoch = p.epoch
+            AND k.stream_lock_expiry > clock_timestamp()))
+ ORDER BY p.perspective_name COLLATE \"C\", p.stream_id
+ LIMIT $2";
+}
+
+pub(super) async fn retire<T: PgTransactionRef>(
+    tx: &T,
+    perspective: &PerspectiveName,
+    states: RetireStates,
+) -> Result<Retired> {
+    let keep = states == RetireStates::Keep;
+    let row = tx
+        .executor()
+        .query_typed_opt(
+            sql::RETIRE,
+            &[(&perspective.as_str(), Type::TEXT), (&keep, Type::BOOL)],
+        )
+        .await
+        .map_err(|e| statement_error(e, "retiring a perspective"))?;
+    let Some(row) = row else {
+        return Ok(Retired::NotRegistered);
+    };
+    let work: i64 = row.try_get(0).map_err(decode_error)?;
+    let pairs: i64 = row.try_get(1).map_err(decode_error)?;
+    Ok(Retired::Retired {
+        work_removed: stored_count(work)?,
+        pairs: stored_count(pairs)?,
+    })
+}
+
+pub(super) async fn retired<T: PgTransactionRef>(tx: &T) -> Result<Vec<PerspectiveName>> {
+    let rows = tx
+        .executor()
+        .query_typed(sql::RETIRED, &[])
+        .await
+        .map_err(|e| statement_error(e, "listing retired perspectives"))?;
+    rows.iter()
+        .map(|row| stored_name(row.try_get(0).map_err(decode_error)?))
+        .collect()
+}
+
+pub(super) async fn rebuild<T: PgTransactionRef>(
+    tx: &T,
+    perspective: &PerspectiveName,
+) -> Result<Rebuild> {
+    let row = tx
+        .executor()
+        .query_typed_one(sql::REBUILD, &[(&perspective.as_str(), Type::TEXT)])
+        .await
+        .map_err(|e| statement_error(e, "requesting a perspective's rebuild"))?;
+    let pairs: Option<i64> = row.try_get(0).map_err(decode_error)?;
+    Ok(match pairs {
+        None => Rebuild::NotRegistered,
+        Some(n) => Rebuild::Requested {
+            pairs: stored_count(n)?,
+        },
+    })
+}
+
+pub(super) async fn record_progress<T: PgTransactionRef>(
+    tx: &T,
+    report: &ProgressReport,
+) -> Result<()> {
+    report.validate()?;
+    let count = |n: u64| {
+        i64::try_from(n).map_err(|_| Error::new(ErrorKind::InvalidInput, "progress out of range"))
+    };
+    let replayed = count(report.replayed)?;
+    let to_replay = count(report.to_replay)?;
+    let holder: Option<Uuid> = report.lease.as_ref().map(|l| l.holder.as_uuid());
+    let epoch: Option<i64> = report.lease.as_ref().map(|l| l.epoch.get());
+    // At most a century (validated): fits.
+    let elapsed = i64::try_from(report.elapsed.as_micros()).unwrap_or(i64::MAX);
+    tx.executor()
+        .query_typed(
+            sql::RECORD_PROGRESS,
+            &[
+                (&report.stream_id.as_uuid(), Type::UUID),
+                (&report.perspective.as_str(), Type::TEXT),
+                (&report.run, Type::UUID),
+                (&holder, Type::UUID),
+                (&epoch, Type::INT8),
+                (&replayed, Type::INT8),
+                (&to_replay, Type::INT8),
+                (&elapsed, Type::INT8),
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "recording a rewind's progress"))?;
+    Ok(())
+}
+
+pub(super) async fn rewind_progress<T: PgTransactionRef>(
+    tx: &T,
+    perspectives: &[PerspectiveName],
+    limit: usize,
+) -> Result<Vec<RewindProgress>> {
+    check_progress_limit(limit)?;
+    let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = tx
+        .executor()
+        .query_typed(
+            sql::PROGRESS,
+            &[(&names, Type::TEXT_ARRAY), (&limit, Type::INT8)],
+        )
+        .await
+        .map_err(|e| statement_error(e, "reading rewinds' progress"))?;
+    rows.iter()
+        .map(|row| {
+            let stream: Uuid = row.try_get(0).map_err(decode_error)?;
+            let name: String = row.try_get(1).map_err(decode_error)?;
+            let holder: Option<Uuid> = row.try_get(2).map_err(decode_error)?;
+            let replayed: i64 = row.try_get(3).map_err(decode_error)?;
+            let to_replay: i64 = row.try_get(4).map_err(decode_error)?;
+            let started_at: OffsetDateTime = row.try_get(5).map_err(decode_error)?;
+            let updated_at: OffsetDateTime = row.try_get(6).map_err(decode_error)?;
+            let mut progress = RewindProgress::new(
+                StreamId::from(stream),
+                stored_name(name)?,
+                stored_count(replayed)?,
+                stored_count(to_replay)?,
+                started_at,
+                updated_at,
+            );
+            progress.holder = holder.map(InstanceId::from_uuid).transpose().map_err(|e| {
+                Error::new(ErrorKind::Backend, "a stored instance id is invalid").with_source(e)
+            })?;
+            Ok(progress)
+        })
+        .collect()
+}
+
+fn window_micros() -> i64 {
+    i64::try_from(THROUGHPUT_WINDOW.as_micros()).unwrap_or(i64::MAX)
+}
+
+pub(super) async fn record_applied<T: PgTransactionRef>(
+    tx: &T,
+    counts: &[(PerspectiveName, u64)],
+) -> Result<()> {
+    if counts.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = counts.iter().map(|(n, _)| n.as_str()).collect();
+    let numbers = counts
+        .iter()
+        .map(|(_, n)| {
+            i64::try_from(*n)
+                .map_err(|_| Error::new(ErrorKind::InvalidInput, "applied count out of range"))
+        })
+        .collect::<Result<Vec<i64>>>()?;
+    tx.executor()
+        .query_typed(
+            sql::RECORD_APPLIED,
+            &[
+                (&names, Type::TEXT_ARRAY),
+                (&numbers, Type::INT8_ARRAY),
+                (&window_micros(), Type::INT8),
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "recording applied events"))?;
+    Ok(())
+}
+
+pub(super) async fn throughput<T: PgTransactionRef>(tx: &T) -> Result<Vec<Throughput>> {
+    let rows = tx
+        .executor()
+        .query_typed(sql::THROUGHPUT, &[(&window_micros(), Type::INT8)])
+        .await
+        .map_err(|e| statement_error(e, "reading catch-up rates"))?;
+    rows.iter()
+        .map(|row| {
+            let name: String = row.try_get(0).map_err(decode_error)?;
+            let applied: i64 = row.try_get(1).map_err(decode_error)?;
+            let started: OffsetDateTime = row.try_get(2).map_err(decode_error)?;
+            let rate: Option<f64> = row.try_get(3).map_err(decode_error)?;
+            Ok(Throughput::new(
+                stored_name(name)?,
+                rate,
+                stored_count(applied)?,
+                started,
+            ))
+        })
+        .collect()
+}
