@@ -10,7 +10,9 @@
 //!
 //! `GET /statements/daily?after={event_id}` answers the totals per day over all accounts, after
 //! waiting (at most [`WAIT`]) until the statement has applied every event up to `event_id` — the
-//! `event_id` of a command's receipt — so a client reads its own write.
+//! `event_id` of a command's receipt — so a client reads its own write. The operator's routes
+//! `POST /admin/statements/rebuild` and `POST /admin/statements/retire?states=keep|drop` rebuild
+//! the statement from every event (after its code changed) and retire it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,11 +21,13 @@ use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use lockstep_core::{PerspectiveName, RecordedEvent, StreamId, TablePerspective};
+use lockstep_core::{
+    PerspectiveName, Rebuild, RecordedEvent, RetireStates, Retired, StreamId, TablePerspective,
+};
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::PgPerspectiveStore;
 use lockstep_testkit::{FakeDatabase, FakeTable, FakeTransaction, InMemoryPerspectiveStore};
-use lockstep_worker::{ReadModels, WaitError};
+use lockstep_worker::{ReadModels, WaitError, life};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -233,8 +237,85 @@ pub struct PgStatement {
 pub struct InMemoryStatement {
     /// The perspective (its in-memory table).
     pub statement: DailyStatement,
+    /// The fake database (for the operator's routes).
+    pub db: FakeDatabase,
+    /// The perspective store (for the operator's routes).
+    pub store: InMemoryPerspectiveStore,
     /// The reads the waits go through.
     pub reads: ReadModels<FakeDatabase, InMemoryPerspectiveStore>,
+}
+
+/// `?states=keep|drop` of `POST /admin/statements/retire`.
+#[derive(Debug, Deserialize)]
+pub struct States {
+    /// `keep` (the default) or `drop`.
+    pub states: Option<String>,
+}
+
+fn retire_states(states: &States) -> Result<RetireStates, StatementApiError> {
+    match states.states.as_deref() {
+        None | Some("keep") => Ok(RetireStates::Keep),
+        Some("drop") => Ok(RetireStates::Drop),
+        Some(other) => Err(StatementApiError::BadInput(format!(
+            "states must be keep or drop, not {other:?}"
+        ))),
+    }
+}
+
+fn rebuilt(outcome: Rebuild) -> Result<Json<serde_json::Value>, StatementApiError> {
+    match outcome {
+        Rebuild::Requested { pairs } => Ok(Json(serde_json::json!({ "requested": pairs }))),
+        _ => Err(StatementApiError::NotRegistered),
+    }
+}
+
+fn retired(outcome: Retired) -> Result<Json<serde_json::Value>, StatementApiError> {
+    match outcome {
+        Retired::Retired {
+            work_removed,
+            pairs,
+        } => Ok(Json(
+            serde_json::json!({ "retired": true, "work_removed": work_removed, "pairs": pairs }),
+        )),
+        _ => Err(StatementApiError::NotRegistered),
+    }
+}
+
+/// `POST /admin/statements/rebuild` on PostgreSQL: every account's statement rows are rebuilt
+/// from its events (after the perspective's code changed), pair by pair by the workers of every
+/// instance; the old rows are served until each account's rebuild commits. An operator's route:
+/// an application puts it behind its own authentication.
+pub async fn rebuild_on_postgres(
+    State(statement): State<Arc<PgStatement>>,
+) -> Result<Json<serde_json::Value>, StatementApiError> {
+    rebuilt(life::rebuild(&statement.db, &PgPerspectiveStore::new(), &name()).await?)
+}
+
+/// `POST /admin/statements/retire?states=keep|drop` on PostgreSQL: appends stop queueing work
+/// for the statement (deploy the service without it first: a worker starting with it registers
+/// it again). Its rows in `account_daily` are the application's: retiring leaves them.
+pub async fn retire_on_postgres(
+    State(statement): State<Arc<PgStatement>>,
+    Query(states): Query<States>,
+) -> Result<Json<serde_json::Value>, StatementApiError> {
+    let states = retire_states(&states)?;
+    retired(life::retire(&statement.db, &PgPerspectiveStore::new(), &name(), states).await?)
+}
+
+/// `POST /admin/statements/rebuild` on the fakes.
+pub async fn rebuild_in_memory(
+    State(statement): State<Arc<InMemoryStatement>>,
+) -> Result<Json<serde_json::Value>, StatementApiError> {
+    rebuilt(life::rebuild(&statement.db, &statement.store, &name()).await?)
+}
+
+/// `POST /admin/statements/retire?states=keep|drop` on the fakes.
+pub async fn retire_in_memory(
+    State(statement): State<Arc<InMemoryStatement>>,
+    Query(states): Query<States>,
+) -> Result<Json<serde_json::Value>, StatementApiError> {
+    let states = retire_states(&states)?;
+    retired(life::retire(&statement.db, &statement.store, &name(), states).await?)
 }
 
 fn name() -> PerspectiveName {
@@ -279,6 +360,10 @@ pub enum StatementApiError {
     Wait(WaitError),
     /// Reading failed.
     Store(lockstep_core::Error),
+    /// A query parameter was wrong.
+    BadInput(String),
+    /// The statement is not registered (retired already).
+    NotRegistered,
 }
 
 impl From<WaitError> for StatementApiError {
@@ -305,6 +390,11 @@ impl IntoResponse for StatementApiError {
                 (StatusCode::SERVICE_UNAVAILABLE, e.to_string())
             }
             StatementApiError::Store(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            StatementApiError::BadInput(e) => (StatusCode::UNPROCESSABLE_ENTITY, e.clone()),
+            StatementApiError::NotRegistered => (
+                StatusCode::CONFLICT,
+                format!("{DAILY_STATEMENT} is not registered (retired)"),
+            ),
         };
         (status, Json(serde_json::json!({ "error": text }))).into_response()
     }

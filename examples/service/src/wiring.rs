@@ -27,6 +27,7 @@ use crate::account::Accounts;
 use crate::http::{App, balance, execute};
 use crate::statement::{
     DailyStatement, InMemoryStatement, PgStatement, SCHEMA, daily_in_memory, daily_on_postgres,
+    rebuild_in_memory, rebuild_on_postgres, retire_in_memory, retire_on_postgres,
 };
 
 /// The stack on PostgreSQL.
@@ -103,6 +104,8 @@ pub async fn postgres_service(
         .merge(
             Router::new()
                 .route("/statements/daily", get(daily_on_postgres))
+                .route("/admin/statements/rebuild", post(rebuild_on_postgres))
+                .route("/admin/statements/retire", post(retire_on_postgres))
                 .with_state(statement),
         );
     Ok(Service { router, worker })
@@ -142,6 +145,8 @@ pub async fn in_memory_service(
     });
     let statement = Arc::new(InMemoryStatement {
         statement,
+        db: db.clone(),
+        store: store.clone(),
         reads: ReadModels::new(db.clone(), store),
     });
     let router = Router::new()
@@ -157,6 +162,8 @@ pub async fn in_memory_service(
         .merge(
             Router::new()
                 .route("/statements/daily", get(daily_in_memory))
+                .route("/admin/statements/rebuild", post(rebuild_in_memory))
+                .route("/admin/statements/retire", post(retire_in_memory))
                 .with_state(statement),
         );
     Ok(Service { router, worker })

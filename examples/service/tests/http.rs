@@ -181,6 +181,69 @@ async fn concurrent_requests_on_one_account(router: Router) {
     let (status, _) = call(addr, Method::GET, "/statements/daily?after=nope", None).await;
     assert!(status.is_client_error(), "a bad id is refused: {status}");
 
+    // The operator rebuilds the statement: every account's rows are reset and replayed; a read
+    // after the rebuild's requests (they are rewinds from the start, pending until each
+    // commits) shows the same totals, every event once.
+    let (status, rebuilt) = call(addr, Method::POST, "/admin/statements/rebuild", None).await;
+    assert_eq!(status, StatusCode::OK, "{rebuilt}");
+    assert_eq!(rebuilt["requested"], 1, "one account, one pair: {rebuilt}");
+    let (status, again) = call(
+        addr,
+        Method::GET,
+        &format!("/statements/daily?after={last}"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, &again),
+        (StatusCode::OK, &totals),
+        "rebuilt to the same rows"
+    );
+
+    // Retired (its rows stay: they are the application's), new commands queue no work for it.
+    let (status, body) = call(
+        addr,
+        Method::POST,
+        "/admin/statements/retire?states=sideways",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let (status, body) = call(
+        addr,
+        Method::POST,
+        "/admin/statements/retire?states=keep",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["retired"], true, "{body}");
+    let (status, _) = command(addr, account, "deposit", 5).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, after) = call(addr, Method::GET, "/statements/daily", None).await;
+    assert_eq!(
+        (status, &after),
+        (StatusCode::OK, &totals),
+        "retired: no longer kept"
+    );
+    // Kept states can be dropped later; then there is nothing left to retire.
+    let (status, body) = call(
+        addr,
+        Method::POST,
+        "/admin/statements/retire?states=drop",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = call(addr, Method::POST, "/admin/statements/retire", None).await;
+    assert_eq!(status, StatusCode::CONFLICT, "retired already: {body}");
+    let (status, after) = call(addr, Method::GET, "/statements/daily", None).await;
+    assert_eq!(
+        (status, &after),
+        (StatusCode::OK, &totals),
+        "the application's rows are its own: retiring leaves them"
+    );
+
     drop(service.stop);
     service
         .server
