@@ -356,8 +356,8 @@ pub async fn daily_in_memory(
 /// A statement read's failure as an HTTP answer.
 #[derive(Debug)]
 pub enum StatementApiError {
-    /// The wait ended without the write applied.
-    Wait(WaitError),
+    /// The wait ended without the write applied (boxed: it carries what was pending).
+    Wait(Box<WaitError>),
     /// Reading failed.
     Store(lockstep_core::Error),
     /// A query parameter was wrong.
@@ -368,7 +368,7 @@ pub enum StatementApiError {
 
 impl From<WaitError> for StatementApiError {
     fn from(err: WaitError) -> Self {
-        StatementApiError::Wait(err)
+        StatementApiError::Wait(Box::new(err))
     }
 }
 
@@ -382,7 +382,7 @@ impl IntoResponse for StatementApiError {
     fn into_response(self) -> Response {
         let (status, text) = match &self {
             // Not caught up yet: the client may ask again.
-            StatementApiError::Wait(e @ WaitError::TimedOut { .. }) => {
+            StatementApiError::Wait(e) if matches!(**e, WaitError::TimedOut { .. }) => {
                 (StatusCode::SERVICE_UNAVAILABLE, e.to_string())
             }
             StatementApiError::Wait(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
