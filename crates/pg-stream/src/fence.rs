@@ -32,34 +32,32 @@ use crate::statement::statement_error;
 
 impl<T: PgTransactionRef> LeaseFence<T> for PgStreamLocker {
     async fn check_lease(&self, tx: &T, lease: &LeaseId) -> Result<()> {
-        {
-            let stream = lease.stream_id.as_uuid();
-            let perspective = lease.perspective.as_str();
-            let holder = lease.holder.as_uuid();
-            let epoch = lease.epoch.get();
-            let row = tx
-                .executor()
-                .query_typed_opt(
-                    sql::FENCE,
-                    &[
-                        (&stream, Type::UUID),
-                        (&perspective, Type::TEXT),
-                        (&holder, Type::UUID),
-                        (&epoch, Type::INT8),
-                    ],
-                )
-                .await
-                .map_err(|e| statement_error(e, "checking the stream lease fence"))?;
-            match row {
-                Some(_) => Ok(()),
-                None => {
-                    tracing::warn!(stream_id = %lease.stream_id, perspective = %lease.perspective, epoch, "fenced commit refused: lease lost");
-                    Err(Error::new(
-                        ErrorKind::LeaseLost,
-                        "the stream lease is no longer held at this epoch (expired and taken \
-                         over, released, or force-released); roll the transaction back",
-                    ))
-                }
+        let stream = lease.stream_id.as_uuid();
+        let perspective = lease.perspective.as_str();
+        let holder = lease.holder.as_uuid();
+        let epoch = lease.epoch.get();
+        let row = tx
+            .executor()
+            .query_typed_opt(
+                sql::FENCE,
+                &[
+                    (&stream, Type::UUID),
+                    (&perspective, Type::TEXT),
+                    (&holder, Type::UUID),
+                    (&epoch, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "checking the stream lease fence"))?;
+        match row {
+            Some(_) => Ok(()),
+            None => {
+                tracing::warn!(stream_id = %lease.stream_id, perspective = %lease.perspective, epoch, "fenced commit refused: lease lost");
+                Err(Error::new(
+                    ErrorKind::LeaseLost,
+                    "the stream lease is no longer held at this epoch (expired and taken \
+                     over, released, or force-released); roll the transaction back",
+                ))
             }
         }
     }

@@ -61,38 +61,9 @@ where
     ) -> Result<Normal> {
         // Every `?` below drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let claim = self
-            .store
-            .claim(
-                &tx,
-                stream_id,
-                name,
-                self.options.max_events_per_claim,
-                self.options.debounce(),
-            )
-            .await?;
-        let (cursor, state, events) = match claim {
-            Claim::Apply {
-                cursor,
-                state,
-                events,
-            } => (cursor, state, events),
-            Claim::Rewind { .. } => {
-                // Keep a rewind request the claim may have just written.
-                tx.commit().await?;
-                return Ok(Normal::NeedsRewind);
-            }
-            Claim::Busy => {
-                tx.rollback().await?;
-                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
-            }
-            _ => {
-                // Committed, not rolled back: a late arrival inside the debounce window is
-                // written by this claim, and the window only runs once it is stored (rolled
-                // back, every cycle found it anew and the pair never moved: issue 19).
-                tx.commit().await?;
-                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
-            }
+        let (tx, cursor, state, events) = match self.claim_one(tx, stream_id, name).await? {
+            Ok(claimed) => claimed,
+            Err(normal) => return Ok(normal),
         };
         // From here on whatever fails is the pair's (issue 18): a state that does not serialize,
         // a commit the server refuses, a lost commit — stored on its cursor and backed off like a
@@ -182,6 +153,70 @@ where
         Ok(Normal::Done(PairOutcome::Applied {
             events: events.len(),
         }))
+    }
+}
+
+/// What a one-pair claim handed out: the still open transaction with the cursor, state and
+/// events to apply, or how the normal path ends without applying (the claim's transaction
+/// then already ended).
+pub(super) type Claimed<Tx> = std::result::Result<
+    (
+        Tx,
+        lockstep_core::Cursor,
+        Option<serde_json::Value>,
+        Vec<RecordedEvent>,
+    ),
+    Normal,
+>;
+
+impl<S, P> PerspectiveWorker<S, P>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
+    /// Claims the pair in `tx` (at most `max_events_per_claim` events). With events, `tx` stays
+    /// open for the caller; otherwise it is ended here as the outcome needs (committed to keep
+    /// a rewind request or a debounced late arrival the claim wrote, rolled back when busy).
+    pub(super) async fn claim_one(
+        &self,
+        tx: S::Tx,
+        stream_id: StreamId,
+        name: &PerspectiveName,
+    ) -> Result<Claimed<S::Tx>> {
+        let claim = self
+            .store
+            .claim(
+                &tx,
+                stream_id,
+                name,
+                self.options.max_events_per_claim,
+                self.options.debounce(),
+            )
+            .await?;
+        let normal = match claim {
+            Claim::Apply {
+                cursor,
+                state,
+                events,
+            } => return Ok(Ok((tx, cursor, state, events))),
+            Claim::Rewind { .. } => {
+                // Keep a rewind request the claim may have just written.
+                tx.commit().await?;
+                Normal::NeedsRewind
+            }
+            Claim::Busy => {
+                tx.rollback().await?;
+                Normal::Done(PairOutcome::Skipped(SkipReason::Busy))
+            }
+            _ => {
+                // Committed, not rolled back: a late arrival inside the debounce window is
+                // written by this claim, and the window only runs once it is stored (rolled
+                // back, every cycle found it anew and the pair never moved: issue 19).
+                tx.commit().await?;
+                Normal::Done(PairOutcome::Skipped(SkipReason::Idle))
+            }
+        };
+        Ok(Err(normal))
     }
 }
 

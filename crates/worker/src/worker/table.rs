@@ -124,31 +124,9 @@ where
     ) -> Result<Normal> {
         // Every `?` drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let claim = self
-            .store
-            .claim(
-                &tx,
-                stream_id,
-                name,
-                self.options.max_events_per_claim,
-                self.options.debounce(),
-            )
-            .await?;
-        let (cursor, events) = match claim {
-            Claim::Apply { cursor, events, .. } => (cursor, events),
-            Claim::Rewind { .. } => {
-                tx.commit().await?;
-                return Ok(Normal::NeedsRewind);
-            }
-            Claim::Busy => {
-                tx.rollback().await?;
-                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
-            }
-            // Committed: a late arrival inside the debounce window is written by the claim.
-            _ => {
-                tx.commit().await?;
-                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Idle)));
-            }
+        let (tx, cursor, _, events) = match self.claim_one(tx, stream_id, name).await? {
+            Ok(claimed) => claimed,
+            Err(normal) => return Ok(normal),
         };
         let applied = apply_in(&**p, &tx, &events, &|| true).await;
         if let Some(error) = applied.error {
