@@ -475,3 +475,106 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
     assert!(released, "Postgres releases the lease with the commit");
     assert!(!renewed, "the released lease cannot be renewed");
 }
+
+/// The byte bound as Postgres counts it (`pg_column_size` of payloads and states), inside a
+/// batch: the pair whose event does not fit hands out the events before it and ends the batch;
+/// a later pair whose first event does not fit is not claimed and the scan's position stays
+/// before it; the batch's first event goes whatever its size, alone. The sizes come from the
+/// server, so each bound sits one byte short of the next event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_stops_at_its_byte_bound_where_postgres_counts_it() {
+    use lockstep_core::{BatchClaim, ClaimedBatch, ClaimedWork};
+    let f = fixture().await;
+    let p = name("Bytes");
+    let mut streams: Vec<StreamId> = (0..3).map(|_| StreamId::new_v7()).collect();
+    streams.sort_by_key(|s| s.as_uuid());
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    for (s, stream) in streams.iter().enumerate() {
+        // About a kilobyte each, below the size at which Postgres compresses a value.
+        let events: Vec<NewEvent> = (0..4)
+            .map(|n| {
+                let body = format!("{s}{n}{}", "x".repeat(900 + 10 * n));
+                NewEvent::new("Padded", serde_json::json!({ "body": body })).expect("event")
+            })
+            .collect();
+        f.events
+            .append(&tx, *stream, ExpectedVersion::NoStream, &events)
+            .await
+            .expect("append");
+    }
+    tx.commit().await.expect("commit");
+
+    let client = f.pool.get().await.expect("client");
+    let size_of = |rows: &[tokio_postgres::Row], stream: StreamId| -> Vec<(uuid::Uuid, u64)> {
+        rows.iter()
+            .filter(|r| r.get::<_, uuid::Uuid>(0) == stream.as_uuid())
+            .map(|r| (r.get(1), u64::try_from(r.get::<_, i32>(2)).expect("size")))
+            .collect()
+    };
+    let rows = client
+        .query(
+            "SELECT stream_id, event_id, pg_column_size(payload) FROM wh_events \
+             ORDER BY event_id",
+            &[],
+        )
+        .await
+        .expect("sizes");
+    let (s0, s1) = (size_of(&rows, streams[0]), size_of(&rows, streams[1]));
+    assert_eq!((s0.len(), s1.len()), (4, 4));
+    let all_of_s0: u64 = s0.iter().map(|(_, n)| n).sum();
+
+    let claim = |bytes: u64| {
+        let (pool, store, p) = (f.pool.clone(), f.store.clone(), p.clone());
+        async move {
+            let mut request = BatchClaim::new(std::slice::from_ref(&p));
+            request.limits.bytes = bytes;
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            let batch: ClaimedBatch = store.claim_batch(&tx, &request).await.expect("claim");
+            tx.rollback().await.expect("rollback");
+            let pairs: Vec<(StreamId, Vec<uuid::Uuid>)> = batch
+                .pairs
+                .iter()
+                .map(|pair| match &pair.work {
+                    ClaimedWork::Apply { events, .. } => (
+                        pair.cursor.stream_id,
+                        events.iter().map(|e| e.event_id).collect(),
+                    ),
+                    other => panic!("expected events, got {other:?}"),
+                })
+                .collect();
+            (pairs, batch.positions[0].1)
+        }
+    };
+    let ids = |sizes: &[(uuid::Uuid, u64)], n: usize| -> Vec<uuid::Uuid> {
+        sizes[..n].iter().map(|(id, _)| *id).collect()
+    };
+
+    // Inside the second pair: its first two events fit, its third is one byte too large.
+    let bytes = all_of_s0 + s1[0].1 + s1[1].1 + s1[2].1 - 1;
+    let (pairs, position) = claim(bytes).await;
+    assert_eq!(
+        pairs,
+        vec![(streams[0], ids(&s0, 4)), (streams[1], ids(&s1, 2))],
+        "all of the first pair, the second up to the event that does not fit"
+    );
+    assert_eq!(position, Some(streams[1]));
+
+    // Exactly to the byte: the third event of the second pair fits too.
+    let (pairs, _) = claim(bytes + 1).await;
+    assert_eq!(pairs[1], (streams[1], ids(&s1, 3)));
+
+    // Before the second pair: its first event does not fit, so it is not claimed and the next
+    // claim starts with it (the position stays on the first pair).
+    let (pairs, position) = claim(all_of_s0 + s1[0].1 - 1).await;
+    assert_eq!(pairs, vec![(streams[0], ids(&s0, 4))]);
+    assert_eq!(position, Some(streams[0]));
+
+    // Smaller than the first event: that event goes, alone.
+    let (pairs, position) = claim(s0[0].1 - 1).await;
+    assert_eq!(pairs, vec![(streams[0], ids(&s0, 1))]);
+    assert_eq!(position, Some(streams[0]));
+}
