@@ -4,6 +4,7 @@
 //! runs in a task of its own. Also: a wait with no worker running ends at its timeout saying
 //! what is pending, a wait on a parked pair ends at once, and pages of states.
 
+use lockstep_core::Pair;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -164,8 +165,7 @@ async fn a_wait_ends_at_its_timeout_without_a_worker_and_at_once_on_a_parked_pai
     store
         .record_failure(
             &tx,
-            stream,
-            &numbers(),
+            &Pair::new(stream, numbers()),
             &PairFailure::new("poison").park(true),
         )
         .await

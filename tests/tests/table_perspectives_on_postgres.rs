@@ -7,6 +7,7 @@
 //! is right again after it. Everything runs from spawned tasks with the concrete Postgres
 //! types, as a service runs its worker and its handlers.
 
+use lockstep_core::Pair;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -298,7 +299,7 @@ async fn a_failing_statement_fails_its_pair_alone_and_keeps_its_earlier_rows() {
     let source = PgDatabase::from_pool(pool.clone());
     let tx = source.begin().await.expect("begin");
     let cursor = PgPerspectiveStore::new()
-        .cursor(&tx, poisoned, &daily())
+        .cursor(&tx, &Pair::new(poisoned, daily()))
         .await
         .expect("read")
         .expect("cursor");

@@ -6,6 +6,7 @@
 //! a purge is followed by a rebuild from the start, and a release dropped while it waits for the
 //! cursor row still releases the lease.
 
+use lockstep_core::Pair;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -340,7 +341,7 @@ impl Setup {
         use lockstep_core::PerspectiveStore as _;
         let tx = PgTransaction::begin(&self.pool).await.expect("begin");
         let cursor = PgPerspectiveStore::new()
-            .cursor(&tx, stream, &numbers_name())
+            .cursor(&tx, &Pair::new(stream, numbers_name()))
             .await
             .expect("cursor")
             .expect("a cursor");
@@ -438,7 +439,12 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
     let store = PgPerspectiveStore::new();
     assert!(
         store
-            .skip_event(&tx, failing[0], &numbers_name(), bad, "garbled import")
+            .skip_event(
+                &tx,
+                &Pair::new(failing[0], numbers_name()),
+                bad,
+                "garbled import"
+            )
             .await
             .expect("skip")
     );
@@ -452,7 +458,7 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
     );
     let tx = PgTransaction::begin(&s.pool).await.expect("begin");
     let skipped = store
-        .skipped_events(&tx, failing[0], &numbers_name())
+        .skipped_events(&tx, &Pair::new(failing[0], numbers_name()))
         .await
         .expect("skipped");
     assert_eq!(skipped.len(), 1);
@@ -463,7 +469,7 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
     // A rewind from the start leaves the skipped event out too.
     assert!(
         store
-            .request_rewind(&tx, failing[0], &numbers_name(), None)
+            .request_rewind(&tx, &Pair::new(failing[0], numbers_name()), None)
             .await
             .expect("rewind")
     );
@@ -476,7 +482,7 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
     let tx = PgTransaction::begin(&s.pool).await.expect("begin");
     assert!(
         store
-            .unpark(&tx, failing[1], &numbers_name())
+            .unpark(&tx, &Pair::new(failing[1], numbers_name()))
             .await
             .expect("unpark")
     );

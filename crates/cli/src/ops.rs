@@ -1,6 +1,7 @@
 //! The operations on a lockstep database: `migrate`, `locks …`, `perspectives …`.
 //! Everything a script reads has `--json`.
 
+use lockstep_core::Pair;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -794,7 +795,11 @@ pub(crate) async fn perspectives(
             let tx = source.begin().await.map_err(explain)?;
             // Also a retry: a parked pair's parking is cleared (the store's rule).
             let requested = store
-                .request_rewind(&tx, StreamId::from_uuid(stream), &name, from)
+                .request_rewind(
+                    &tx,
+                    &Pair::new(StreamId::from_uuid(stream), name.clone()),
+                    from,
+                )
                 .await;
             let requested = match requested {
                 Ok(r) => {
@@ -882,7 +887,9 @@ pub(crate) async fn perspectives(
                 }
             };
             let tx = source.begin().await.map_err(explain)?;
-            let purged = store.purge(&tx, stream, &name, Some(lease.id())).await;
+            let purged = store
+                .purge(&tx, &Pair::new(stream, name.clone()), Some(lease.id()))
+                .await;
             let committed = match purged {
                 Ok(()) => tx.commit().await,
                 Err(e) => {
@@ -982,7 +989,7 @@ async fn parking(
         } => {
             let name = perspective(&name)?;
             if store
-                .unpark(&tx, StreamId::from_uuid(stream), &name)
+                .unpark(&tx, &Pair::new(StreamId::from_uuid(stream), name.clone()))
                 .await
                 .map_err(explain)?
             {
@@ -1012,7 +1019,7 @@ async fn parking(
             let event = match event {
                 Some(event) => Some(event),
                 None => store
-                    .cursor(&tx, stream_id, &name)
+                    .cursor(&tx, &Pair::new(stream_id, name.clone()))
                     .await
                     .map_err(explain)?
                     .and_then(|c| c.failed_event_id),
@@ -1030,7 +1037,7 @@ async fn parking(
                 ));
             };
             if store
-                .skip_event(&tx, stream_id, &name, event, &reason)
+                .skip_event(&tx, &Pair::new(stream_id, name.clone()), event, &reason)
                 .await
                 .map_err(explain)?
             {

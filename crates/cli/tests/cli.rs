@@ -5,6 +5,7 @@
 use std::process::{Command, Output};
 
 use lockstep_core::EventStore as _;
+use lockstep_core::Pair;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
@@ -615,7 +616,7 @@ async fn perspectives_rewind_purge_and_status() {
     assert!(rewind.status.success(), "{}", text(&rewind));
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     let cursor = store
-        .cursor(&tx, stream, &name)
+        .cursor(&tx, &Pair::new(stream, name.clone()))
         .await
         .expect("cursor")
         .expect("exists");
@@ -637,7 +638,7 @@ async fn perspectives_rewind_purge_and_status() {
     assert!(purge.status.success(), "{}", text(&purge));
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     let pending = store
-        .pending_events(&tx, stream, &name)
+        .pending_events(&tx, &Pair::new(stream, name.clone()))
         .await
         .expect("pending");
     tx.rollback().await.expect("rollback");
@@ -706,7 +707,7 @@ async fn perspectives_parked_retry_and_skip() {
             .park(true);
         assert!(
             store
-                .record_failure(&tx, pair, &name, &failure)
+                .record_failure(&tx, &Pair::new(pair, name.clone()), &failure)
                 .await
                 .expect("record")
         );
@@ -760,7 +761,7 @@ async fn perspectives_parked_retry_and_skip() {
     assert!(skipped.status.success(), "{}", text(&skipped));
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     let recorded = store
-        .skipped_events(&tx, stream, &name)
+        .skipped_events(&tx, &Pair::new(stream, name.clone()))
         .await
         .expect("skipped");
     assert_eq!(recorded.len(), 1);
@@ -770,13 +771,13 @@ async fn perspectives_parked_retry_and_skip() {
     );
     assert!(
         store
-            .pending_events(&tx, stream, &name)
+            .pending_events(&tx, &Pair::new(stream, name.clone()))
             .await
             .expect("pending")
             .is_empty()
     );
     let cursor = store
-        .cursor(&tx, stream, &name)
+        .cursor(&tx, &Pair::new(stream, name.clone()))
         .await
         .expect("cursor")
         .expect("exists");
@@ -790,7 +791,7 @@ async fn perspectives_parked_retry_and_skip() {
     assert!(retried.status.success(), "{}", text(&retried));
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     let cursor = store
-        .cursor(&tx, other, &name)
+        .cursor(&tx, &Pair::new(other, name.clone()))
         .await
         .expect("cursor")
         .expect("exists");
@@ -800,7 +801,7 @@ async fn perspectives_parked_retry_and_skip() {
     );
     assert_eq!(
         store
-            .pending_events(&tx, other, &name)
+            .pending_events(&tx, &Pair::new(other, name.clone()))
             .await
             .expect("pending")
             .len(),
@@ -882,8 +883,7 @@ async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
     store
         .record_failure(
             &tx,
-            parked,
-            &name,
+            &Pair::new(parked, name.clone()),
             &lockstep_core::PairFailure::new("the <b>poison</b> event").park(true),
         )
         .await
@@ -1481,7 +1481,7 @@ async fn every_command_answers_json_and_refusals_name_what_was_wrong() {
     let trigger = || async {
         let tx = PgTransaction::begin(&pool).await.expect("begin");
         let cursor = store
-            .cursor(&tx, stream, &name)
+            .cursor(&tx, &Pair::new(stream, name.clone()))
             .await
             .expect("cursor")
             .expect("exists");
@@ -1774,7 +1774,11 @@ async fn status_check_fails_on_lag_and_pairs_in_error() {
     // A failing pair: in error.
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     store
-        .record_failure(&tx, stream, &name, &lockstep_core::PairFailure::new("boom"))
+        .record_failure(
+            &tx,
+            &Pair::new(stream, name.clone()),
+            &lockstep_core::PairFailure::new("boom"),
+        )
         .await
         .expect("record failure");
     tx.commit().await.expect("commit");

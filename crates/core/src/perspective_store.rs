@@ -1001,8 +1001,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn claim<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         max_events: usize,
         debounce: RewindDebounce,
     ) -> impl Future<Output = Result<Claim>> + Send + 'a;
@@ -1037,22 +1036,19 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn load_rewind<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
         async move {
-            let Some(cursor) = self.cursor(tx, stream_id, perspective).await? else {
+            let Some(cursor) = self.cursor(tx, pair).await? else {
                 return Ok(None);
             };
             let Some(rewind) = cursor.rewind else {
                 return Ok(Some(RewindLoad::new(cursor, None, Vec::new())));
             };
-            let snapshot = self
-                .snapshot_before(tx, stream_id, perspective, rewind.trigger)
-                .await?;
+            let snapshot = self.snapshot_before(tx, pair, rewind.trigger).await?;
             let after = snapshot.as_ref().map(|s| s.event_id);
-            let mut events = self.stream_events(tx, stream_id, after).await?;
-            let skipped = self.skipped_events(tx, stream_id, perspective).await?;
+            let mut events = self.stream_events(tx, pair.stream_id, after).await?;
+            let skipped = self.skipped_events(tx, pair).await?;
             if !skipped.is_empty() {
                 events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
             }
@@ -1064,8 +1060,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn cursor<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Option<Cursor>>> + Send + 'a;
 
     /// The pair's state and the cursor it belongs to (`None`: no cursor). The state is `None`
@@ -1073,16 +1068,14 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn state<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Option<(Cursor, Option<serde_json::Value>)>>> + Send + 'a;
 
     /// The event ids of the pair's pending work, in event-id order.
     fn pending_events<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Vec<Uuid>>> + Send + 'a;
 
     /// Every event of `stream_id` after `after` (all when `None`), in event-id order.
@@ -1097,8 +1090,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn snapshot_before<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         before: Uuid,
     ) -> impl Future<Output = Result<Option<Snapshot>>> + Send + 'a;
 
@@ -1109,8 +1101,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn save_snapshot<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         expected_revision: i64,
         fence: Option<&'a LeaseId>,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
@@ -1123,8 +1114,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn request_rewind<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         from: Option<Uuid>,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
@@ -1135,8 +1125,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn record_failure<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         failure: &'a PairFailure,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
@@ -1195,8 +1184,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn unpark<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
     /// Skips one pending event of the pair for good: records it ([`SkippedEvent`], with
@@ -1206,8 +1194,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn skip_event<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         event_id: Uuid,
         reason: &'a str,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
@@ -1216,8 +1203,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn skipped_events<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a;
 
     /// Purges the pair: deletes its state, snapshots and pending work, and resets its cursor
@@ -1227,8 +1213,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn purge<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         fence: Option<&'a LeaseId>,
     ) -> impl Future<Output = Result<()>> + Send + 'a;
 
@@ -1237,8 +1222,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn ensure_cursor<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
     /// Deletes the pair's cursor row, with its lease, state, snapshots and pending work.
@@ -1246,8 +1230,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     fn delete_cursor<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
     /// Retires `perspective`: appends enqueue no more work for it, its queued work is deleted,

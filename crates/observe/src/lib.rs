@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor,
     DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LeaseInfo,
-    LockReason, NewEvent, PairFailure, PendingPair, PerspectiveName, PerspectiveStatus,
+    LockReason, NewEvent, Pair, PairFailure, PendingPair, PerspectiveName, PerspectiveStatus,
     PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
     RewindDebounce, RewindLoad, SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
     StreamLockOptions, StreamLocker, TransactionSource, async_trait,
@@ -572,15 +572,12 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
     fn claim<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         max_events: usize,
         debounce: RewindDebounce,
     ) -> impl Future<Output = Result<Claim>> + Send + 'a {
-        let span = pair_span("claim", stream_id, perspective);
-        let call = self
-            .inner
-            .claim(tx, stream_id, perspective, max_events, debounce);
+        let span = pair_span("claim", pair.stream_id, &pair.perspective);
+        let call = self.inner.claim(tx, pair, max_events, debounce);
         observe("perspective_store", "claim", span, claim_label, call)
     }
 
@@ -622,45 +619,41 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
     fn load_rewind<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
-        let span = pair_span("load_rewind", stream_id, perspective);
-        let call = self.inner.load_rewind(tx, stream_id, perspective);
+        let span = pair_span("load_rewind", pair.stream_id, &pair.perspective);
+        let call = self.inner.load_rewind(tx, pair);
         observe("perspective_store", "load_rewind", span, ok, call)
     }
 
     fn cursor<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Option<Cursor>>> + Send + 'a {
-        let span = pair_span("cursor", stream_id, perspective);
-        let call = self.inner.cursor(tx, stream_id, perspective);
+        let span = pair_span("cursor", pair.stream_id, &pair.perspective);
+        let call = self.inner.cursor(tx, pair);
         observe("perspective_store", "cursor", span, ok, call)
     }
 
     fn state<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Option<(Cursor, Option<serde_json_value::Value>)>>> + Send + 'a
     {
-        let span = pair_span("state", stream_id, perspective);
-        let call = self.inner.state(tx, stream_id, perspective);
+        let span = pair_span("state", pair.stream_id, &pair.perspective);
+        let call = self.inner.state(tx, pair);
         observe("perspective_store", "state", span, ok, call)
     }
 
     fn pending_events<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Vec<Uuid>>> + Send + 'a {
-        let span = pair_span("pending_events", stream_id, perspective);
-        let call = self.inner.pending_events(tx, stream_id, perspective);
+        let span = pair_span("pending_events", pair.stream_id, &pair.perspective);
+        let call = self.inner.pending_events(tx, pair);
         observe("perspective_store", "pending_events", span, ok, call)
     }
 
@@ -678,55 +671,45 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
     fn snapshot_before<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         before: Uuid,
     ) -> impl Future<Output = Result<Option<Snapshot>>> + Send + 'a {
-        let span = pair_span("snapshot_before", stream_id, perspective);
-        let call = self
-            .inner
-            .snapshot_before(tx, stream_id, perspective, before);
+        let span = pair_span("snapshot_before", pair.stream_id, &pair.perspective);
+        let call = self.inner.snapshot_before(tx, pair, before);
         observe("perspective_store", "snapshot_before", span, ok, call)
     }
 
     fn save_snapshot<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         expected_revision: i64,
         fence: Option<&'a LeaseId>,
     ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("save_snapshot", stream_id, perspective);
-        let call = self
-            .inner
-            .save_snapshot(tx, stream_id, perspective, expected_revision, fence);
+        let span = pair_span("save_snapshot", pair.stream_id, &pair.perspective);
+        let call = self.inner.save_snapshot(tx, pair, expected_revision, fence);
         observe("perspective_store", "save_snapshot", span, ok, call)
     }
 
     fn request_rewind<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         from: Option<Uuid>,
     ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("request_rewind", stream_id, perspective);
-        let call = self.inner.request_rewind(tx, stream_id, perspective, from);
+        let span = pair_span("request_rewind", pair.stream_id, &pair.perspective);
+        let call = self.inner.request_rewind(tx, pair, from);
         observe("perspective_store", "request_rewind", span, ok, call)
     }
 
     fn record_failure<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         failure: &'a PairFailure,
     ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("record_failure", stream_id, perspective);
-        let call = self
-            .inner
-            .record_failure(tx, stream_id, perspective, failure);
+        let span = pair_span("record_failure", pair.stream_id, &pair.perspective);
+        let call = self.inner.record_failure(tx, pair, failure);
         observe("perspective_store", "record_failure", span, ok, call)
     }
 
@@ -791,71 +774,63 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
     fn unpark<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("unpark", stream_id, perspective);
-        let call = self.inner.unpark(tx, stream_id, perspective);
+        let span = pair_span("unpark", pair.stream_id, &pair.perspective);
+        let call = self.inner.unpark(tx, pair);
         observe("perspective_store", "unpark", span, ok, call)
     }
 
     fn skip_event<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         event_id: Uuid,
         reason: &'a str,
     ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("skip_event", stream_id, perspective);
-        let call = self
-            .inner
-            .skip_event(tx, stream_id, perspective, event_id, reason);
+        let span = pair_span("skip_event", pair.stream_id, &pair.perspective);
+        let call = self.inner.skip_event(tx, pair, event_id, reason);
         observe("perspective_store", "skip_event", span, ok, call)
     }
 
     fn skipped_events<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a {
-        let span = pair_span("skipped_events", stream_id, perspective);
-        let call = self.inner.skipped_events(tx, stream_id, perspective);
+        let span = pair_span("skipped_events", pair.stream_id, &pair.perspective);
+        let call = self.inner.skipped_events(tx, pair);
         observe("perspective_store", "skipped_events", span, ok, call)
     }
 
     fn purge<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
         fence: Option<&'a LeaseId>,
     ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let span = pair_span("purge", stream_id, perspective);
-        let call = self.inner.purge(tx, stream_id, perspective, fence);
+        let span = pair_span("purge", pair.stream_id, &pair.perspective);
+        let call = self.inner.purge(tx, pair, fence);
         observe("perspective_store", "purge", span, ok, call)
     }
 
     fn ensure_cursor<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("ensure_cursor", stream_id, perspective);
-        let call = self.inner.ensure_cursor(tx, stream_id, perspective);
+        let span = pair_span("ensure_cursor", pair.stream_id, &pair.perspective);
+        let call = self.inner.ensure_cursor(tx, pair);
         observe("perspective_store", "ensure_cursor", span, ok, call)
     }
 
     fn delete_cursor<'a>(
         &'a self,
         tx: &'a Tx,
-        stream_id: StreamId,
-        perspective: &'a PerspectiveName,
+        pair: &'a Pair,
     ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("delete_cursor", stream_id, perspective);
-        let call = self.inner.delete_cursor(tx, stream_id, perspective);
+        let span = pair_span("delete_cursor", pair.stream_id, &pair.perspective);
+        let call = self.inner.delete_cursor(tx, pair);
         observe("perspective_store", "delete_cursor", span, ok, call)
     }
 

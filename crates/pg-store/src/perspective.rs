@@ -28,7 +28,7 @@
 //! ```no_run
 //! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
 //! use lockstep_core::{
-//!     Claim, PerspectiveName, PerspectiveStore, RewindDebounce, StateCommit, StreamId,
+//!     Claim, Pair, PerspectiveName, PerspectiveStore, RewindDebounce, StateCommit, StreamId,
 //!     Transaction, TransactionSource,
 //! };
 //! use lockstep_pg_store::PgPerspectiveStore;
@@ -42,8 +42,9 @@
 //!
 //! # let stream = StreamId::new_v7();
 //! let tx = db.begin().await?;
+//! let pair = Pair::new(stream, name.clone());
 //! if let Claim::Apply { cursor, state, events } =
-//!     store.claim(&tx, stream, &name, 100, RewindDebounce::NONE).await?
+//!     store.claim(&tx, &pair, 100, RewindDebounce::NONE).await?
 //! {
 //!     let new_state = serde_json::json!({ "seen": cursor.applied_count + events.len() as u64 });
 //! #   let _ = state;
@@ -65,7 +66,7 @@ use std::time::Duration;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
-    ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, PairFailure, PendingPair,
+    ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, Pair, PairFailure, PendingPair,
     PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild,
     RecordedEvent, Result, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress,
     RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, ValidationError,
@@ -524,11 +525,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     async fn claim(
         &self,
         tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &Pair,
         max_events: usize,
         debounce: RewindDebounce,
     ) -> Result<Claim> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         if max_events == 0 {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -604,12 +605,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok((revision, released.unwrap_or(false)))
     }
 
-    async fn load_rewind(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<Option<RewindLoad>> {
+    async fn load_rewind(&self, tx: &T, pair: &Pair) -> Result<Option<RewindLoad>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let rows = tx
             .executor()
             .query_typed(
@@ -675,12 +672,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok(Some(RewindLoad::new(cursor, snapshot, events)))
     }
 
-    async fn cursor(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<Option<Cursor>> {
+    async fn cursor(&self, tx: &T, pair: &Pair) -> Result<Option<Cursor>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let row = tx
             .executor()
             .query_typed_opt(
@@ -699,9 +692,9 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     async fn state(
         &self,
         tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &Pair,
     ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let row = tx
             .executor()
             .query_typed_opt(
@@ -722,12 +715,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         .transpose()
     }
 
-    async fn pending_events(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<Vec<Uuid>> {
+    async fn pending_events(&self, tx: &T, pair: &Pair) -> Result<Vec<Uuid>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let rows = tx
             .executor()
             .query_typed(
@@ -763,13 +752,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .collect()
     }
 
-    async fn snapshot_before(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-        before: Uuid,
-    ) -> Result<Option<Snapshot>> {
+    async fn snapshot_before(&self, tx: &T, pair: &Pair, before: Uuid) -> Result<Option<Snapshot>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let row = tx
             .executor()
             .query_typed_opt(
@@ -796,11 +780,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     async fn save_snapshot(
         &self,
         tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &Pair,
         expected_revision: i64,
         fence: Option<&LeaseId>,
     ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
         let row = tx
             .executor()
@@ -829,13 +813,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         }
     }
 
-    async fn request_rewind(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-        from: Option<Uuid>,
-    ) -> Result<bool> {
+    async fn request_rewind(&self, tx: &T, pair: &Pair, from: Option<Uuid>) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let from = from.unwrap_or(Uuid::nil());
         let row = tx
             .executor()
@@ -852,13 +831,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok(row.is_some())
     }
 
-    async fn record_failure(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-        failure: &PairFailure,
-    ) -> Result<bool> {
+    async fn record_failure(&self, tx: &T, pair: &Pair, failure: &PairFailure) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         // Text cannot hold U+0000; the message is diagnostics, so it is kept readable rather
         // than refused (a failure must always be recordable).
         let error = failure.error.replace('\0', "\u{FFFD}");
@@ -1026,12 +1000,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         .await
     }
 
-    async fn unpark(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<bool> {
+    async fn unpark(&self, tx: &T, pair: &Pair) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let row = tx
             .executor()
             .query_typed_opt(
@@ -1046,14 +1016,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok(row.is_some())
     }
 
-    async fn skip_event(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-        event_id: Uuid,
-        reason: &str,
-    ) -> Result<bool> {
+    async fn skip_event(&self, tx: &T, pair: &Pair, event_id: Uuid, reason: &str) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let reason = reason.replace('\0', "\u{FFFD}");
         let row = tx
             .executor()
@@ -1072,12 +1036,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok(skipped > 0)
     }
 
-    async fn skipped_events(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<Vec<SkippedEvent>> {
+    async fn skipped_events(&self, tx: &T, pair: &Pair) -> Result<Vec<SkippedEvent>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let rows = tx
             .executor()
             .query_typed(
@@ -1100,13 +1060,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .collect()
     }
 
-    async fn purge(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-        fence: Option<&LeaseId>,
-    ) -> Result<()> {
+    async fn purge(&self, tx: &T, pair: &Pair, fence: Option<&LeaseId>) -> Result<()> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
         let row = tx
             .executor()
@@ -1132,12 +1087,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         }
     }
 
-    async fn ensure_cursor(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<bool> {
+    async fn ensure_cursor(&self, tx: &T, pair: &Pair) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let row = tx
             .executor()
             .query_typed_opt(
@@ -1152,12 +1103,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok(row.is_some())
     }
 
-    async fn delete_cursor(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<bool> {
+    async fn delete_cursor(&self, tx: &T, pair: &Pair) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let row = tx
             .executor()
             .query_typed_opt(

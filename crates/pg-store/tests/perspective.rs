@@ -4,6 +4,7 @@
 //! leaves the leased row to the keepalive, the store runs on a borrowed transaction.
 
 use lockstep_core::EventStore as _;
+use lockstep_core::Pair;
 use lockstep_core::Transaction as _;
 use std::time::Duration;
 
@@ -131,7 +132,7 @@ async fn registering_waits_for_an_append_in_flight_and_catches_its_events_up() {
     let tx = PgTransaction::begin(&f.pool).await.expect("begin");
     let pending = f
         .store
-        .pending_events(&tx, stream, &late)
+        .pending_events(&tx, &Pair::new(stream, late.clone()))
         .await
         .expect("pending_events");
     let ids: Vec<_> = appended.iter().map(NewEvent::event_id).collect();
@@ -193,7 +194,7 @@ async fn retiring_waits_for_an_append_in_flight_and_leaves_none_of_its_work() {
     let tx = PgTransaction::begin(&f.pool).await.expect("begin");
     let pending = f
         .store
-        .pending_events(&tx, stream, &retired)
+        .pending_events(&tx, &Pair::new(stream, retired.clone()))
         .await
         .expect("pending_events");
     assert!(
@@ -246,7 +247,7 @@ async fn a_claim_refused_for_a_lease_leaves_the_row_to_the_keepalive() {
     let stream = StreamId::new_v7();
     let tx = PgTransaction::begin(&f.pool).await.expect("begin");
     f.store
-        .ensure_cursor(&tx, stream, &p)
+        .ensure_cursor(&tx, &Pair::new(stream, p.clone()))
         .await
         .expect("ensure_cursor");
     tx.commit().await.expect("commit");
@@ -262,7 +263,12 @@ async fn a_claim_refused_for_a_lease_leaves_the_row_to_the_keepalive() {
     let claiming = PgTransaction::begin(&f.pool).await.expect("begin");
     let claim = f
         .store
-        .claim(&claiming, stream, &p, 10, RewindDebounce::NONE)
+        .claim(
+            &claiming,
+            &Pair::new(stream, p.clone()),
+            10,
+            RewindDebounce::NONE,
+        )
         .await
         .expect("claim");
     assert_eq!(claim, Claim::Busy);
@@ -295,7 +301,7 @@ async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     let tx = client.transaction().await.expect("begin");
     match f
         .store
-        .claim(&tx, stream, &p, 10, RewindDebounce::NONE)
+        .claim(&tx, &Pair::new(stream, p.clone()), 10, RewindDebounce::NONE)
         .await
         .expect("claim")
     {
@@ -376,20 +382,30 @@ async fn the_batch_and_admin_methods_run_inside_spawned_tasks() {
         assert_eq!(failing.len(), 1);
         let status = store.perspective_status(&tx).await.expect("status");
         assert!(status.iter().any(|s| s.perspective == p && s.parked == 1));
-        assert!(store.unpark(&tx, stream, &p).await.expect("unpark"));
+        assert!(
+            store
+                .unpark(&tx, &Pair::new(stream, p.clone()))
+                .await
+                .expect("unpark")
+        );
         let failure = PairFailure::new("again").at_event(Some(events[1].event_id));
         store
-            .record_failure(&tx, stream, &p, &failure)
+            .record_failure(&tx, &Pair::new(stream, p.clone()), &failure)
             .await
             .expect("record");
         assert!(
             store
-                .skip_event(&tx, stream, &p, events[1].event_id, "spawned")
+                .skip_event(
+                    &tx,
+                    &Pair::new(stream, p.clone()),
+                    events[1].event_id,
+                    "spawned"
+                )
                 .await
                 .expect("skip")
         );
         let skipped = store
-            .skipped_events(&tx, stream, &p)
+            .skipped_events(&tx, &Pair::new(stream, p.clone()))
             .await
             .expect("skipped");
         tx.commit().await.expect("commit");
@@ -424,7 +440,7 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
         .expect("append");
     assert!(
         store
-            .request_rewind(&tx, stream, &p, None)
+            .request_rewind(&tx, &Pair::new(stream, p.clone()), None)
             .await
             .expect("request_rewind")
     );
@@ -441,7 +457,7 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
         };
         let tx: PgTransaction = db.begin().await.expect("begin");
         let loaded = store
-            .load_rewind(&tx, stream, &p)
+            .load_rewind(&tx, &Pair::new(stream, p.clone()))
             .await
             .expect("load_rewind")
             .expect("a cursor");

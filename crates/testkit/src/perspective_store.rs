@@ -943,11 +943,11 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn claim(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
         max_events: usize,
         debounce: RewindDebounce,
     ) -> Result<Claim> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         if !self
@@ -998,21 +998,17 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn cursor(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
     ) -> Result<Option<Cursor>> {
-        Ok(self
-            .state(tx, stream_id, perspective)
-            .await?
-            .map(|(cursor, _)| cursor))
+        Ok(self.state(tx, pair).await?.map(|(cursor, _)| cursor))
     }
 
     async fn state(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
     ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         let Some(pair) = Self::read(&self.lock_state(), tx, &key) else {
@@ -1026,9 +1022,9 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn pending_events(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
     ) -> Result<Vec<Uuid>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let state = self.lock_state();
         Ok(self
@@ -1058,10 +1054,10 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn snapshot_before(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
         before: Uuid,
     ) -> Result<Option<Snapshot>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
         Ok(pair.and_then(|p| {
@@ -1075,11 +1071,11 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn save_snapshot(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
         expected_revision: i64,
         fence: Option<&lockstep_core::LeaseId>,
     ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         self.lock_row(tx, &key).await?;
@@ -1111,10 +1107,10 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn request_rewind(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
         from: Option<Uuid>,
     ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         if Self::read(&self.lock_state(), tx, &key).is_none() {
@@ -1134,10 +1130,10 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn record_failure(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
         failure: &PairFailure,
     ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         self.fail(tx, &(stream_id, perspective.clone()), failure)
             .await
@@ -1319,12 +1315,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         Ok(cursors)
     }
 
-    async fn unpark(
-        &self,
-        tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
-    ) -> Result<bool> {
+    async fn unpark(&self, tx: &FakeTransaction, pair: &lockstep_core::Pair) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         if Self::read(&self.lock_state(), tx, &key).is_none() {
@@ -1342,11 +1334,11 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn skip_event(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
         event_id: Uuid,
         reason: &str,
     ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         let is_pending = |store: &Self| {
@@ -1379,9 +1371,9 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn skipped_events(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
     ) -> Result<Vec<SkippedEvent>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
         Ok(pair.map_or_else(Vec::new, |p| p.skipped.into_values().collect()))
@@ -1390,10 +1382,10 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn purge(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
         fence: Option<&lockstep_core::LeaseId>,
     ) -> Result<()> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         self.lock_row(tx, &key).await?;
@@ -1418,9 +1410,9 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn ensure_cursor(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
     ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         Ok(self.create(tx, &(stream_id, perspective.clone())))
     }
@@ -1428,9 +1420,9 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
     async fn delete_cursor(
         &self,
         tx: &FakeTransaction,
-        stream_id: StreamId,
-        perspective: &PerspectiveName,
+        pair: &lockstep_core::Pair,
     ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());
         self.lock_row(tx, &key).await?;

@@ -2,6 +2,7 @@
 //! case on paused tokio time (lease expiry costs nothing): the same cases `PgPerspectiveStore`
 //! passes on PostgreSQL.
 
+use lockstep_core::Pair;
 use lockstep_core::StreamLockOptions;
 use lockstep_core::Transaction as _;
 use lockstep_testkit::conformance::perspective_store::Fixture;
@@ -55,13 +56,13 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
         .expect("register");
     fixture
         .store
-        .ensure_cursor(&tx, stream, &name)
+        .ensure_cursor(&tx, &Pair::new(stream, name.clone()))
         .await
         .expect("cursor");
     assert!(
         fixture
             .store
-            .request_rewind(&tx, stream, &name, None)
+            .request_rewind(&tx, &Pair::new(stream, name.clone()), None)
             .await
             .expect("request")
     );
@@ -81,7 +82,7 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
     assert!(pairs.is_empty(), "held back: {pairs:?}");
     let claim = fixture
         .store
-        .claim(&tx, stream, &name, 10, UNBOUNDED)
+        .claim(&tx, &Pair::new(stream, name.clone()), 10, UNBOUNDED)
         .await
         .expect("claim");
     assert_eq!(claim, Claim::Idle);
@@ -110,7 +111,7 @@ async fn an_unbounded_backoff_is_clamped_without_panicking() {
     let failure = PairFailure::new("boom").retry_after(Duration::MAX);
     let parked = fixture
         .store
-        .record_failure(&tx, stream, &name, &failure)
+        .record_failure(&tx, &Pair::new(stream, name.clone()), &failure)
         .await
         .expect("record_failure");
     assert!(!parked);
@@ -118,7 +119,7 @@ async fn an_unbounded_backoff_is_clamped_without_panicking() {
     let tx = fixture.source.begin_now();
     let cursor = fixture
         .store
-        .cursor(&tx, stream, &name)
+        .cursor(&tx, &Pair::new(stream, name.clone()))
         .await
         .expect("cursor")
         .expect("created");
@@ -164,7 +165,7 @@ async fn a_batch_commit_that_fails_part_way_writes_no_entry() {
     let (failed, fenced) = (StreamId::new_v7(), StreamId::new_v7());
     let tx = db.begin_now();
     store
-        .ensure_cursor(&tx, fenced, &name)
+        .ensure_cursor(&tx, &Pair::new(fenced, name.clone()))
         .await
         .expect("cursor");
     tx.commit().await.expect("commit");
@@ -194,7 +195,10 @@ async fn a_batch_commit_that_fails_part_way_writes_no_entry() {
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
     tx.commit().await.expect("still usable");
     let tx = db.begin_now();
-    let cursor = store.cursor(&tx, failed, &name).await.expect("cursor");
+    let cursor = store
+        .cursor(&tx, &Pair::new(failed, name.clone()))
+        .await
+        .expect("cursor");
     assert!(
         cursor
             .as_ref()

@@ -21,6 +21,7 @@
 //!   perspectives apply in; an event of another stream with a smaller id (another process's
 //!   clock, an import with chosen ids) counts as "before" for a perspective-wide wait.
 
+use lockstep_core::Pair;
 use std::time::Duration;
 
 use lockstep_core::{
@@ -157,7 +158,10 @@ where
     ) -> Result<Option<Pn::State>, Error> {
         let name = PerspectiveName::new(perspective.name())?;
         let tx = self.source.begin().await?;
-        let read = self.store.state(&tx, stream_id, &name).await;
+        let read = self
+            .store
+            .state(&tx, &Pair::new(stream_id, name.clone()))
+            .await;
         // Read only: a failed rollback changes nothing.
         let _ = tx.rollback().await;
         match read? {

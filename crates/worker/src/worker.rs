@@ -457,7 +457,7 @@ where
         let tx = self.source.begin().await?;
         let parked = self
             .store
-            .record_failure(&tx, stream_id, name, &failure)
+            .record_failure(&tx, &Pair::new(stream_id, name.clone()), &failure)
             .await?;
         tx.commit().await?;
         if parked {
@@ -479,7 +479,7 @@ where
         let tx = self.source.begin().await?;
         let requested = self
             .store
-            .request_rewind(&tx, stream_id, name, from)
+            .request_rewind(&tx, &Pair::new(stream_id, name.clone()), from)
             .await?;
         tx.commit().await?;
         Ok(requested)

@@ -2,6 +2,7 @@
 //! intervals cost nothing): normal path, late arrivals, rewind under a lease with keepalive,
 //! bootstrap, failures, purge, the coordinator and shutdown.
 
+use lockstep_core::Pair;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -149,7 +150,7 @@ impl World {
         let tx = self.db.begin_now();
         let cursor = self
             .store
-            .cursor(&tx, stream, &fold())
+            .cursor(&tx, &Pair::new(stream, fold()))
             .await
             .expect("cursor");
         tx.rollback().await.expect("rollback");
@@ -160,7 +161,7 @@ impl World {
         let tx = self.db.begin_now();
         let pending = self
             .store
-            .pending_events(&tx, stream, &fold())
+            .pending_events(&tx, &Pair::new(stream, fold()))
             .await
             .expect("pending");
         tx.rollback().await.expect("rollback");
@@ -248,7 +249,7 @@ async fn a_late_event_flags_the_pair_and_the_rewind_replays_it_in_order_under_a_
     let tx = world.db.begin_now();
     let claim = world
         .store
-        .claim(&tx, stream, &fold(), 100, RewindDebounce::NONE)
+        .claim(&tx, &Pair::new(stream, fold()), 100, RewindDebounce::NONE)
         .await
         .expect("claim");
     match claim {
@@ -333,7 +334,7 @@ async fn a_rewind_denied_by_another_holder_is_skipped_with_its_work_untouched_an
     let tx = world.db.begin_now();
     world
         .store
-        .request_rewind(&tx, stream, &fold(), Some(late))
+        .request_rewind(&tx, &Pair::new(stream, fold()), Some(late))
         .await
         .expect("request");
     tx.commit().await.expect("commit");
@@ -457,7 +458,7 @@ async fn a_registered_perspective_the_worker_does_not_run_never_starves_its_own(
     for stream in &streams {
         let pending = world
             .store
-            .pending_events(&tx, *stream, &absent)
+            .pending_events(&tx, &Pair::new(*stream, absent.clone()))
             .await
             .expect("pending");
         assert_eq!(pending.len(), 1);
@@ -528,13 +529,13 @@ async fn a_failure_outside_apply_is_stored_on_the_pair_and_backed_off() {
     let tx = world.db.begin_now();
     let cursor = world
         .store
-        .cursor(&tx, stream, &broken)
+        .cursor(&tx, &Pair::new(stream, broken.clone()))
         .await
         .expect("cursor")
         .expect("a cursor exists");
     let pending = world
         .store
-        .pending_events(&tx, stream, &broken)
+        .pending_events(&tx, &Pair::new(stream, broken.clone()))
         .await
         .expect("pending");
     tx.rollback().await.expect("rollback");
@@ -615,7 +616,7 @@ async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
     let tx = world.db.begin_now();
     let Claim::Apply { cursor, events, .. } = world
         .store
-        .claim(&tx, stream, &fold(), 10, RewindDebounce::NONE)
+        .claim(&tx, &Pair::new(stream, fold()), 10, RewindDebounce::NONE)
         .await
         .expect("claim")
     else {
@@ -644,7 +645,7 @@ async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
     let tx = world.db.begin_now();
     let saved = world
         .store
-        .save_snapshot(&tx, stream, &fold(), cursor.revision, None)
+        .save_snapshot(&tx, &Pair::new(stream, fold()), cursor.revision, None)
         .await
         .expect("save");
     tx.commit().await.expect("commit");
@@ -661,7 +662,7 @@ async fn a_cursor_that_never_applied_an_event_gets_neither_rewind_nor_bootstrap(
     let tx = world.db.begin_now();
     world
         .store
-        .ensure_cursor(&tx, stream, &fold())
+        .ensure_cursor(&tx, &Pair::new(stream, fold()))
         .await
         .expect("cursor");
     tx.commit().await.expect("commit");
@@ -714,39 +715,27 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     async fn claim(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
         m: usize,
         d: RewindDebounce,
     ) -> Result<Claim> {
-        self.inner.claim(tx, s, p, m, d).await
+        self.inner.claim(tx, pair, m, d).await
     }
     async fn commit_state(&self, tx: &FakeTransaction, c: &StateCommit) -> Result<i64> {
         self.inner.commit_state(tx, c).await
     }
-    async fn cursor(
-        &self,
-        tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
-    ) -> Result<Option<Cursor>> {
-        self.inner.cursor(tx, s, p).await
+    async fn cursor(&self, tx: &FakeTransaction, pair: &Pair) -> Result<Option<Cursor>> {
+        self.inner.cursor(tx, pair).await
     }
     async fn state(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
     ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
-        self.inner.state(tx, s, p).await
+        self.inner.state(tx, pair).await
     }
-    async fn pending_events(
-        &self,
-        tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
-    ) -> Result<Vec<Uuid>> {
-        self.inner.pending_events(tx, s, p).await
+    async fn pending_events(&self, tx: &FakeTransaction, pair: &Pair) -> Result<Vec<Uuid>> {
+        self.inner.pending_events(tx, pair).await
     }
     async fn stream_events(
         &self,
@@ -761,39 +750,35 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     async fn snapshot_before(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
         b: Uuid,
     ) -> Result<Option<Snapshot>> {
-        self.inner.snapshot_before(tx, s, p, b).await
+        self.inner.snapshot_before(tx, pair, b).await
     }
     async fn save_snapshot(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
         r: i64,
         f: Option<&lockstep_core::LeaseId>,
     ) -> Result<bool> {
-        self.inner.save_snapshot(tx, s, p, r, f).await
+        self.inner.save_snapshot(tx, pair, r, f).await
     }
     async fn request_rewind(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
         f: Option<Uuid>,
     ) -> Result<bool> {
-        self.inner.request_rewind(tx, s, p, f).await
+        self.inner.request_rewind(tx, pair, f).await
     }
     async fn record_failure(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
         f: &lockstep_core::PairFailure,
     ) -> Result<bool> {
-        self.inner.record_failure(tx, s, p, f).await
+        self.inner.record_failure(tx, pair, f).await
     }
     async fn perspective_status(
         &self,
@@ -835,51 +820,38 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Vec<Cursor>> {
         self.inner.parked_pairs(tx, names, l).await
     }
-    async fn unpark(&self, tx: &FakeTransaction, s: StreamId, p: &PerspectiveName) -> Result<bool> {
-        self.inner.unpark(tx, s, p).await
+    async fn unpark(&self, tx: &FakeTransaction, pair: &lockstep_core::Pair) -> Result<bool> {
+        self.inner.unpark(tx, pair).await
     }
     async fn skip_event(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
         e: Uuid,
         r: &str,
     ) -> Result<bool> {
-        self.inner.skip_event(tx, s, p, e, r).await
+        self.inner.skip_event(tx, pair, e, r).await
     }
     async fn skipped_events(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
     ) -> Result<Vec<lockstep_core::SkippedEvent>> {
-        self.inner.skipped_events(tx, s, p).await
+        self.inner.skipped_events(tx, pair).await
     }
     async fn purge(
         &self,
         tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
+        pair: &Pair,
         f: Option<&lockstep_core::LeaseId>,
     ) -> Result<()> {
-        self.inner.purge(tx, s, p, f).await
+        self.inner.purge(tx, pair, f).await
     }
-    async fn ensure_cursor(
-        &self,
-        tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
-    ) -> Result<bool> {
-        self.inner.ensure_cursor(tx, s, p).await
+    async fn ensure_cursor(&self, tx: &FakeTransaction, pair: &Pair) -> Result<bool> {
+        self.inner.ensure_cursor(tx, pair).await
     }
-    async fn delete_cursor(
-        &self,
-        tx: &FakeTransaction,
-        s: StreamId,
-        p: &PerspectiveName,
-    ) -> Result<bool> {
-        self.inner.delete_cursor(tx, s, p).await
+    async fn delete_cursor(&self, tx: &FakeTransaction, pair: &Pair) -> Result<bool> {
+        self.inner.delete_cursor(tx, pair).await
     }
 }
 
@@ -911,7 +883,7 @@ async fn slow_world(delay: Duration) -> (World, Worker<Slow>, StreamId, Uuid, Ar
     let tx = world.db.begin_now();
     world
         .store
-        .request_rewind(&tx, stream, &fold(), Some(late))
+        .request_rewind(&tx, &Pair::new(stream, fold()), Some(late))
         .await
         .expect("request");
     tx.commit().await.expect("commit");
@@ -992,7 +964,7 @@ async fn a_rewind_racing_a_live_apply_of_the_same_pair_loses_no_update() {
     let tx = world.db.begin_now();
     world
         .store
-        .request_rewind(&tx, stream, &fold(), Some(early_id(5)))
+        .request_rewind(&tx, &Pair::new(stream, fold()), Some(early_id(5)))
         .await
         .expect("request");
     tx.commit().await.expect("commit");
@@ -1160,7 +1132,7 @@ async fn a_busy_cursor_row_skips_the_rewind_and_the_purge_like_a_denial() {
     let tx = world.db.begin_now();
     world
         .store
-        .request_rewind(&tx, stream, &fold(), Some(late))
+        .request_rewind(&tx, &Pair::new(stream, fold()), Some(late))
         .await
         .expect("request");
     tx.commit().await.expect("commit");
@@ -1467,7 +1439,7 @@ async fn a_rewind_that_loses_the_compare_and_set_is_skipped_not_failed() {
     let tx = world.db.begin_now();
     world
         .store
-        .request_rewind(&tx, stream, &fold(), Some(early_id(7)))
+        .request_rewind(&tx, &Pair::new(stream, fold()), Some(early_id(7)))
         .await
         .expect("request");
     tx.commit().await.expect("commit");
@@ -1542,7 +1514,7 @@ async fn sluggish_rewind(
     let tx = world.db.begin_now();
     world
         .store
-        .request_rewind(&tx, stream, &fold(), None)
+        .request_rewind(&tx, &Pair::new(stream, fold()), None)
         .await
         .expect("request");
     tx.commit().await.expect("commit");
@@ -1751,7 +1723,7 @@ async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
     assert!(
         world
             .store
-            .skip_event(&tx, failing[0], &fold(), bad, "bad import")
+            .skip_event(&tx, &Pair::new(failing[0], fold()), bad, "bad import")
             .await
             .expect("skip")
     );

@@ -5,6 +5,7 @@
 //! built for another transaction type is refused. Each entry point is called from inside
 //! `tokio::spawn`, with the concrete fake types, as an application's test would.
 
+use lockstep_core::Pair;
 use std::sync::Arc;
 
 use lockstep_core::Transaction as _;
@@ -157,7 +158,11 @@ impl World {
 
     async fn cursor(&self, stream: StreamId) -> lockstep_core::Cursor {
         let tx = self.db.begin_now();
-        let cursor = self.store.cursor(&tx, stream, &seen()).await.expect("read");
+        let cursor = self
+            .store
+            .cursor(&tx, &Pair::new(stream, seen()))
+            .await
+            .expect("read");
         tx.rollback().await.expect("rollback");
         cursor.expect("a cursor")
     }
@@ -227,7 +232,12 @@ async fn a_failing_event_fails_its_pair_alone_keeping_the_rows_before_it() {
     assert!(
         world
             .store
-            .skip_event(&tx, poisoned, &seen(), ids[2], "refused by design")
+            .skip_event(
+                &tx,
+                &Pair::new(poisoned, seen()),
+                ids[2],
+                "refused by design"
+            )
             .await
             .expect("skip")
     );
@@ -272,7 +282,7 @@ async fn a_late_event_resets_the_streams_rows_and_replays_them_in_order() {
     let tx = world.db.begin_now();
     world
         .store
-        .request_rewind(&tx, stream, &seen(), None)
+        .request_rewind(&tx, &Pair::new(stream, seen()), None)
         .await
         .expect("request");
     tx.commit().await.expect("commit");

@@ -14,6 +14,7 @@
 //! optimistic writers really race); on PostgreSQL with `--database-url`, in a database of its own
 //! that it creates, migrates and drops.
 
+use lockstep_core::Pair;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -860,7 +861,7 @@ where
     let tx = stack.source.begin().await?;
     let pending = stack
         .store
-        .pending_events(&tx, stream, &ledger_name())
+        .pending_events(&tx, &Pair::new(stream, ledger_name()))
         .await;
     let _ = tx.rollback().await;
     Ok(pending?.len())
@@ -892,8 +893,14 @@ where
                 break;
             }
             let tx = stack.source.begin().await?;
-            let pending = stack.store.pending_events(&tx, *stream, &name).await;
-            let cursor = stack.store.cursor(&tx, *stream, &name).await;
+            let pending = stack
+                .store
+                .pending_events(&tx, &Pair::new(*stream, name.clone()))
+                .await;
+            let cursor = stack
+                .store
+                .cursor(&tx, &Pair::new(*stream, name.clone()))
+                .await;
             let _ = tx.rollback().await;
             busy = !pending?.is_empty() || cursor?.is_some_and(|c| c.rewind.is_some());
         }
@@ -977,7 +984,10 @@ where
     let mut exact = 0;
     for stream in streams {
         let tx = stack.source.begin().await?;
-        let state = stack.store.state(&tx, *stream, &name).await;
+        let state = stack
+            .store
+            .state(&tx, &Pair::new(*stream, name.clone()))
+            .await;
         let events = stack.store.stream_events(&tx, *stream, None).await;
         let _ = tx.rollback().await;
         let state: Entries = match state?.and_then(|(_, s)| s) {

@@ -19,6 +19,7 @@
 //! written before each rewind, outside the clock; every rewound state is checked against its
 //! stream's fold.
 
+use lockstep_core::Pair;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -91,7 +92,7 @@ pub(super) async fn run(
             {
                 let tx = PgTransaction::begin(&pool).await?;
                 if !store
-                    .request_rewind(&tx, stream, &name, Some(trigger))
+                    .request_rewind(&tx, &Pair::new(stream, name.clone()), Some(trigger))
                     .await?
                 {
                     bail!("no cursor to rewind");
@@ -129,7 +130,7 @@ pub(super) async fn run(
             let tx = PgTransaction::begin(&pool).await?;
             mark(&mut t, &mut at);
             let loaded = store
-                .load_rewind(&tx, stream, &name)
+                .load_rewind(&tx, &Pair::new(stream, name.clone()))
                 .await?
                 .context("no cursor")?;
             mark(&mut t, &mut at);

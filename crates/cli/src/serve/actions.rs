@@ -12,6 +12,7 @@
 //! - **An audit line** on standard error for every action done or refused after the token
 //!   check: when, from which address, what, and the outcome.
 
+use lockstep_core::Pair;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -263,25 +264,36 @@ async fn run(shared: &Shared, action: &Action) -> lockstep_core::Result<(bool, S
     let store = Observed::new(PgPerspectiveStore::new());
     let tx = shared.db.begin().await?;
     let outcome = match action {
-        Action::Rewind(s, p) => store.request_rewind(&tx, *s, p, None).await.map(|found| {
-            if found {
-                (true, format!("rewind of {s}/{p} requested from the start"))
-            } else {
-                (false, format!("{s}/{p} has no cursor: nothing to rewind"))
-            }
-        }),
-        Action::Retry(s, p) => store.unpark(&tx, *s, p).await.map(|found| {
-            if found {
-                (
-                    true,
-                    format!("{s}/{p} is retried: the next batch claims it"),
-                )
-            } else {
-                (false, format!("{s}/{p} has no cursor: nothing to retry"))
-            }
-        }),
+        Action::Rewind(s, p) => store
+            .request_rewind(&tx, &Pair::new(*s, p.clone()), None)
+            .await
+            .map(|found| {
+                if found {
+                    (true, format!("rewind of {s}/{p} requested from the start"))
+                } else {
+                    (false, format!("{s}/{p} has no cursor: nothing to rewind"))
+                }
+            }),
+        Action::Retry(s, p) => store
+            .unpark(&tx, &Pair::new(*s, p.clone()))
+            .await
+            .map(|found| {
+                if found {
+                    (
+                        true,
+                        format!("{s}/{p} is retried: the next batch claims it"),
+                    )
+                } else {
+                    (false, format!("{s}/{p} has no cursor: nothing to retry"))
+                }
+            }),
         Action::Skip(s, p, e) => store
-            .skip_event(&tx, *s, p, *e, "skipped from the status page")
+            .skip_event(
+                &tx,
+                &Pair::new(*s, p.clone()),
+                *e,
+                "skipped from the status page",
+            )
             .await
             .map(|skipped| {
                 if skipped {

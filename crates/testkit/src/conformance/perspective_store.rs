@@ -220,7 +220,12 @@ async fn claim<F: PerspectiveStoreFixture>(
 ) -> Claim {
     fixture
         .store()
-        .claim(tx, stream, name, max_events, debounce)
+        .claim(
+            tx,
+            &lockstep_core::Pair::new(stream, name.clone()),
+            max_events,
+            debounce,
+        )
         .await
         .expect("claim")
 }
@@ -290,7 +295,7 @@ async fn rewind<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let cursor = fixture
         .store()
-        .cursor(&tx, stream, name)
+        .cursor(&tx, &lockstep_core::Pair::new(stream, name.clone()))
         .await
         .expect("cursor")
         .expect("cursor row");
@@ -301,7 +306,7 @@ async fn rewind<F: PerspectiveStoreFixture>(
         .expect("stream_events");
     let pending = fixture
         .store()
-        .pending_events(&tx, stream, name)
+        .pending_events(&tx, &lockstep_core::Pair::new(stream, name.clone()))
         .await
         .expect("pending_events");
     let mut change = StateCommit::new(stream, name.clone(), cursor.revision, folded(None, &all));
@@ -324,7 +329,7 @@ async fn cursor<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let cursor = fixture
         .store()
-        .cursor(&tx, stream, name)
+        .cursor(&tx, &lockstep_core::Pair::new(stream, name.clone()))
         .await
         .expect("cursor");
     rollback(tx).await;
@@ -340,7 +345,7 @@ async fn state<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let found = fixture
         .store()
-        .state(&tx, stream, name)
+        .state(&tx, &lockstep_core::Pair::new(stream, name.clone()))
         .await
         .expect("state");
     rollback(tx).await;
@@ -356,7 +361,7 @@ async fn pending<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let ids = fixture
         .store()
-        .pending_events(&tx, stream, name)
+        .pending_events(&tx, &lockstep_core::Pair::new(stream, name.clone()))
         .await
         .expect("pending_events");
     rollback(tx).await;
@@ -414,7 +419,7 @@ async fn snapshots<F: PerspectiveStoreFixture>(
     let mut before = Uuid::max();
     while let Some(s) = fixture
         .store()
-        .snapshot_before(&tx, stream, name, before)
+        .snapshot_before(&tx, &lockstep_core::Pair::new(stream, name.clone()), before)
         .await
         .expect("snapshot_before")
     {
@@ -434,7 +439,7 @@ async fn ensure_cursor<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     fixture
         .store()
-        .ensure_cursor(&tx, stream, name)
+        .ensure_cursor(&tx, &lockstep_core::Pair::new(stream, name.clone()))
         .await
         .expect("ensure_cursor");
     commit(tx).await.expect("commit");
@@ -498,7 +503,7 @@ pub async fn appended_events_become_work_for_every_registered_perspective_on_com
     for name in [&a, &b] {
         let seen = fixture
             .store()
-            .pending_events(&reader, stream, name)
+            .pending_events(&reader, &lockstep_core::Pair::new(stream, name.clone()))
             .await
             .expect("pending_events");
         assert!(seen.is_empty(), "no work before the appender commits");
@@ -507,7 +512,7 @@ pub async fn appended_events_become_work_for_every_registered_perspective_on_com
     for name in [&a, &b] {
         let seen = fixture
             .store()
-            .pending_events(&reader, stream, name)
+            .pending_events(&reader, &lockstep_core::Pair::new(stream, name.clone()))
             .await
             .expect("pending_events");
         assert_eq!(seen, ids, "work for {name} once the appender committed");
@@ -885,13 +890,18 @@ async fn assert_fenced_out<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let err = fixture
         .store()
-        .save_snapshot(&tx, stream, p, before.revision, Some(old))
+        .save_snapshot(
+            &tx,
+            &lockstep_core::Pair::new(stream, p.clone()),
+            before.revision,
+            Some(old),
+        )
         .await
         .expect_err("a fenced snapshot too");
     assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
     let err = fixture
         .store()
-        .purge(&tx, stream, p, Some(old))
+        .purge(&tx, &lockstep_core::Pair::new(stream, p.clone()), Some(old))
         .await
         .expect_err("a fenced purge too");
     assert_eq!(err.kind(), ErrorKind::LeaseLost, "{err}");
@@ -1050,7 +1060,11 @@ pub async fn an_existing_trigger_only_ever_moves_earlier<F: PerspectiveStoreFixt
     let tx = begin(fixture.source()).await;
     let found = fixture
         .store()
-        .request_rewind(&tx, StreamId::new_v7(), &p, None)
+        .request_rewind(
+            &tx,
+            &lockstep_core::Pair::new(StreamId::new_v7(), p.clone()),
+            None,
+        )
         .await
         .expect("request_rewind");
     assert!(!found, "no cursor, no request");
@@ -1067,7 +1081,7 @@ async fn request<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let found = fixture
         .store()
-        .request_rewind(&tx, stream, p, from)
+        .request_rewind(&tx, &lockstep_core::Pair::new(stream, p.clone()), from)
         .await
         .expect("request_rewind");
     commit(tx).await.expect("commit");
@@ -1270,7 +1284,11 @@ pub async fn a_rewind_commit_clears_the_request_only_if_its_trigger_is_unchanged
     assert!(
         fixture
             .store()
-            .request_rewind(&tx, stream, &p, Some(ids[0]))
+            .request_rewind(
+                &tx,
+                &lockstep_core::Pair::new(stream, p.clone()),
+                Some(ids[0])
+            )
             .await
             .expect("request_rewind")
     );
@@ -1342,7 +1360,7 @@ pub async fn a_rewind_commit_deletes_the_snapshots_at_or_after_its_trigger<
     assert!(
         fixture
             .store()
-            .request_rewind(&tx, stream, &p, Some(e1))
+            .request_rewind(&tx, &lockstep_core::Pair::new(stream, p.clone()), Some(e1))
             .await
             .expect("request_rewind")
     );
@@ -1399,7 +1417,8 @@ pub async fn a_commit_can_save_a_snapshot_and_snapshot_before_finds_the_latest_s
     apply(&*fixture, stream, &p, 1, false).await;
 
     let tx = begin(fixture.source()).await;
-    let before = |id: Uuid| fixture.store().snapshot_before(&tx, stream, &p, id);
+    let key = lockstep_core::Pair::new(stream, p.clone());
+    let before = |id: Uuid| fixture.store().snapshot_before(&tx, &key, id);
     let s = before(ids[2]).await.expect("snapshot_before").expect("one");
     assert_eq!(s.event_id, ids[1]);
     assert_eq!(s.applied_count, 2);
@@ -1487,7 +1506,12 @@ async fn save<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let saved = fixture
         .store()
-        .save_snapshot(&tx, stream, p, revision, None)
+        .save_snapshot(
+            &tx,
+            &lockstep_core::Pair::new(stream, p.clone()),
+            revision,
+            None,
+        )
         .await
         .expect("save_snapshot");
     commit(tx).await.expect("commit");
@@ -1547,7 +1571,11 @@ pub async fn a_recorded_failure_keeps_the_request_and_the_work_until_a_commit_su
         let tx = begin(fixture.source()).await;
         fixture
             .store()
-            .record_failure(&tx, stream, &p, &PairFailure::new(message))
+            .record_failure(
+                &tx,
+                &lockstep_core::Pair::new(stream, p.clone()),
+                &PairFailure::new(message),
+            )
             .await
             .expect("record_failure");
         commit(tx).await.expect("commit");
@@ -1588,7 +1616,7 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
     assert!(
         fixture
             .store()
-            .request_rewind(&tx, stream, &p, None)
+            .request_rewind(&tx, &lockstep_core::Pair::new(stream, p.clone()), None)
             .await
             .expect("request_rewind")
     );
@@ -1598,7 +1626,11 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
     let tx = begin(fixture.source()).await;
     fixture
         .store()
-        .purge(&tx, stream, &p, Some(&lease.id))
+        .purge(
+            &tx,
+            &lockstep_core::Pair::new(stream, p.clone()),
+            Some(&lease.id),
+        )
         .await
         .expect("purge");
     commit(tx).await.expect("commit");
@@ -1651,14 +1683,14 @@ pub async fn ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair<
     assert!(
         fixture
             .store()
-            .ensure_cursor(&tx, stream, &p)
+            .ensure_cursor(&tx, &lockstep_core::Pair::new(stream, p.clone()))
             .await
             .expect("ensure")
     );
     assert!(
         !fixture
             .store()
-            .ensure_cursor(&tx, stream, &p)
+            .ensure_cursor(&tx, &lockstep_core::Pair::new(stream, p.clone()))
             .await
             .expect("ensure"),
         "already there"
@@ -1676,14 +1708,14 @@ pub async fn ensure_cursor_is_idempotent_and_delete_cursor_removes_the_pair<
     assert!(
         fixture
             .store()
-            .delete_cursor(&tx, stream, &p)
+            .delete_cursor(&tx, &lockstep_core::Pair::new(stream, p.clone()))
             .await
             .expect("delete")
     );
     assert!(
         !fixture
             .store()
-            .delete_cursor(&tx, stream, &p)
+            .delete_cursor(&tx, &lockstep_core::Pair::new(stream, p.clone()))
             .await
             .expect("delete"),
         "already gone"
@@ -1919,7 +1951,11 @@ async fn isolate<F: PerspectiveStoreFixture>(fixture: &F, perspectives: &[Perspe
     for pair in foreign {
         fixture
             .store()
-            .record_failure(&tx, pair.stream_id, &pair.perspective, &park)
+            .record_failure(
+                &tx,
+                &lockstep_core::Pair::new(pair.stream_id, pair.perspective.clone()),
+                &park,
+            )
             .await
             .expect("record_failure");
     }
@@ -1951,7 +1987,7 @@ async fn fail<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let parked = fixture
         .store()
-        .record_failure(&tx, stream, p, &failure)
+        .record_failure(&tx, &lockstep_core::Pair::new(stream, p.clone()), &failure)
         .await
         .expect("record_failure");
     commit(tx).await.expect("commit");
@@ -2274,14 +2310,17 @@ pub async fn a_parked_pair_is_listed_and_only_claimed_again_after_unpark<
     assert!(
         fixture
             .store()
-            .unpark(&tx, stream, &p)
+            .unpark(&tx, &lockstep_core::Pair::new(stream, p.clone()))
             .await
             .expect("unpark")
     );
     assert!(
         !fixture
             .store()
-            .unpark(&tx, StreamId::new_v7(), &p)
+            .unpark(
+                &tx,
+                &lockstep_core::Pair::new(StreamId::new_v7(), p.clone())
+            )
             .await
             .expect("unpark"),
         "no cursor"
@@ -2771,7 +2810,12 @@ pub async fn skip_event_skips_a_pending_event_for_good_and_retries_the_pair<
     assert!(
         fixture
             .store()
-            .skip_event(&tx, stream, &p, ids[0], "poison payload")
+            .skip_event(
+                &tx,
+                &lockstep_core::Pair::new(stream, p.clone()),
+                ids[0],
+                "poison payload"
+            )
             .await
             .expect("skip_event")
     );
@@ -2810,7 +2854,12 @@ pub async fn skip_event_skips_a_pending_event_for_good_and_retries_the_pair<
         assert!(
             !fixture
                 .store()
-                .skip_event(&tx, stream, &p, not_pending, "nothing")
+                .skip_event(
+                    &tx,
+                    &lockstep_core::Pair::new(stream, p.clone()),
+                    not_pending,
+                    "nothing"
+                )
                 .await
                 .expect("skip_event"),
             "not pending"
@@ -2828,7 +2877,7 @@ pub async fn skip_event_skips_a_pending_event_for_good_and_retries_the_pair<
     let tx = begin(fixture.source()).await;
     fixture
         .store()
-        .purge(&tx, stream, &p, None)
+        .purge(&tx, &lockstep_core::Pair::new(stream, p.clone()), None)
         .await
         .expect("purge");
     commit(tx).await.expect("commit");
@@ -2847,7 +2896,7 @@ pub async fn skip_event_skips_a_pending_event_for_good_and_retries_the_pair<
     assert!(
         fixture
             .store()
-            .delete_cursor(&tx, stream, &p)
+            .delete_cursor(&tx, &lockstep_core::Pair::new(stream, p.clone()))
             .await
             .expect("delete")
     );
@@ -2867,7 +2916,7 @@ async fn skipped<F: PerspectiveStoreFixture>(
     let tx = begin(fixture.source()).await;
     let skipped = fixture
         .store()
-        .skipped_events(&tx, stream, p)
+        .skipped_events(&tx, &lockstep_core::Pair::new(stream, p.clone()))
         .await
         .expect("skipped_events");
     rollback(tx).await;
@@ -2911,24 +2960,32 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
     let parked = PairFailure::new("parked here").park(true);
     assert!(
         store
-            .record_failure(&tx, streams[0], &p, &parked)
+            .record_failure(
+                &tx,
+                &lockstep_core::Pair::new(streams[0], p.clone()),
+                &parked
+            )
             .await
             .expect("record")
     );
     let waiting = PairFailure::new("backing off").retry_after(Duration::from_secs(3600));
     assert!(
         !store
-            .record_failure(&tx, streams[1], &p, &waiting)
+            .record_failure(
+                &tx,
+                &lockstep_core::Pair::new(streams[1], p.clone()),
+                &waiting
+            )
             .await
             .expect("record")
     );
     store
-        .ensure_cursor(&tx, streams[2], &p)
+        .ensure_cursor(&tx, &lockstep_core::Pair::new(streams[2], p.clone()))
         .await
         .expect("cursor");
     assert!(
         store
-            .request_rewind(&tx, streams[2], &p, None)
+            .request_rewind(&tx, &lockstep_core::Pair::new(streams[2], p.clone()), None)
             .await
             .expect("rewind")
     );
@@ -3013,7 +3070,7 @@ pub async fn a_batch_of_plain_entries_commits_each_as_commit_state_would<
     for (stream, _) in [gap, fenced, twice, pruned] {
         let (cursor, stored) = fixture
             .store()
-            .state(&tx, *stream, &p)
+            .state(&tx, &lockstep_core::Pair::new(*stream, p.clone()))
             .await
             .expect("state")
             .expect("cursor row");
@@ -3131,7 +3188,12 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
     assert!(
         fixture
             .store()
-            .skip_event(&tx, stream, &p, ids[4], "conformance")
+            .skip_event(
+                &tx,
+                &lockstep_core::Pair::new(stream, p.clone()),
+                ids[4],
+                "conformance"
+            )
             .await
             .expect("skip_event")
     );
@@ -3144,7 +3206,7 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
             let tx = begin(fixture.source()).await;
             let loaded = fixture
                 .store()
-                .load_rewind(&tx, stream, &p)
+                .load_rewind(&tx, &lockstep_core::Pair::new(stream, p.clone()))
                 .await
                 .expect("load_rewind");
             rollback(tx).await;
@@ -3168,7 +3230,7 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
         let tx = begin(fixture.source()).await;
         fixture
             .store()
-            .request_rewind(&tx, stream, &p, from)
+            .request_rewind(&tx, &lockstep_core::Pair::new(stream, p.clone()), from)
             .await
             .expect("request_rewind");
         commit(tx).await.expect("commit");
@@ -3179,7 +3241,7 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
         let tx = begin(fixture.source()).await;
         let snapshot = fixture
             .store()
-            .snapshot_before(&tx, stream, &p, trigger)
+            .snapshot_before(&tx, &lockstep_core::Pair::new(stream, p.clone()), trigger)
             .await
             .expect("snapshot_before");
         rollback(tx).await;
@@ -3433,7 +3495,11 @@ pub async fn pending_through_counts_what_is_not_applied_up_to_an_event<
     let tx = begin(fixture.source()).await;
     fixture
         .store()
-        .record_failure(&tx, stream, &p, &PairFailure::new("boom").park(true))
+        .record_failure(
+            &tx,
+            &lockstep_core::Pair::new(stream, p.clone()),
+            &PairFailure::new("boom").park(true),
+        )
         .await
         .expect("record_failure");
     commit(tx).await.expect("commit");
@@ -3452,7 +3518,11 @@ pub async fn pending_through_counts_what_is_not_applied_up_to_an_event<
     assert!(
         fixture
             .store()
-            .request_rewind(&tx, stream, &p, Some(ids[1]))
+            .request_rewind(
+                &tx,
+                &lockstep_core::Pair::new(stream, p.clone()),
+                Some(ids[1])
+            )
             .await
             .expect("request_rewind")
     );
@@ -3773,7 +3843,11 @@ pub async fn a_rebuild_requests_a_rewind_from_the_start_on_every_pair_and_keeps_
     let tx = begin(fixture.source()).await;
     fixture
         .store()
-        .record_failure(&tx, second, &p, &PairFailure::new("boom").park(true))
+        .record_failure(
+            &tx,
+            &lockstep_core::Pair::new(second, p.clone()),
+            &PairFailure::new("boom").park(true),
+        )
         .await
         .expect("record_failure");
     commit(tx).await.expect("commit");

@@ -486,10 +486,7 @@ where
 
     pub(super) async fn cursor_failures(&self, pair: &Pair) -> Result<u32> {
         let tx = self.source.begin().await?;
-        let cursor = self
-            .store
-            .cursor(&tx, pair.stream_id, &pair.perspective)
-            .await?;
+        let cursor = self.store.cursor(&tx, pair).await?;
         let _ = tx.rollback().await;
         Ok(cursor.map_or(0, |c| c.failures))
     }

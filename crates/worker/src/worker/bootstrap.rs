@@ -1,6 +1,7 @@
 //! Bootstrap: a pair that has applied events but no snapshot gets one, under a `bootstrap`
 //! lease when it can be had and without one when not (the seed's graceful degradation: the save
 //! is idempotent and fenced by the cursor's revision); only a lease it acquired is released.
+use lockstep_core::Pair;
 use lockstep_core::{
     Error, LockReason, PerspectiveName, PerspectiveStore, Result, StreamId, Transaction,
     TransactionSource,
@@ -44,7 +45,12 @@ where
             let tx = self.source.begin().await?;
             let saved = self
                 .store
-                .save_snapshot(&tx, stream_id, name, revision, fence.as_ref())
+                .save_snapshot(
+                    &tx,
+                    &Pair::new(stream_id, name.clone()),
+                    revision,
+                    fence.as_ref(),
+                )
                 .await?;
             tx.commit().await?;
             Ok::<_, Error>(saved)

@@ -2,6 +2,7 @@
 //! handing over to the rewind path when the pair needs one. The cycles use the batch path
 //! ([`super::batch`]); this is the explicit "process this pair now" of an operator or a test,
 //! which does not wait for the pair's backoff nor for its parking.
+use lockstep_core::Pair;
 use std::sync::Arc;
 
 use lockstep_core::{
@@ -187,8 +188,7 @@ where
             .store
             .claim(
                 &tx,
-                stream_id,
-                name,
+                &Pair::new(stream_id, name.clone()),
                 self.options.max_events_per_claim,
                 self.options.debounce(),
             )

@@ -1,6 +1,7 @@
 //! Purge under a `purge` lease (the seed's reserved reason): the pair's state, snapshots and
 //! pending work are deleted and its cursor reset; a table perspective's rows for the stream are
 //! reset in the same transaction.
+use lockstep_core::Pair;
 use lockstep_core::{
     LeaseId, LockReason, PerspectiveName, PerspectiveStore, Result, StreamId, Transaction,
     TransactionSource,
@@ -37,10 +38,14 @@ where
             let fence: Option<LeaseId> = lease.as_ref().map(|l| l.id().clone());
             let purged: Result<bool> = async {
                 let tx = self.source.begin().await?;
-                let exists = self.store.cursor(&tx, stream_id, name).await?.is_some();
+                let exists = self
+                    .store
+                    .cursor(&tx, &Pair::new(stream_id, name.clone()))
+                    .await?
+                    .is_some();
                 if exists {
                     self.store
-                        .purge(&tx, stream_id, name, fence.as_ref())
+                        .purge(&tx, &Pair::new(stream_id, name.clone()), fence.as_ref())
                         .await?;
                     // A table perspective's rows go with its cursor, in the same transaction.
                     if let Some(Kind::Table(p)) = self.kind(name) {

@@ -13,6 +13,7 @@
 //! [`telemetry::REWINDS_RUNNING`] and [`telemetry::REWIND_EVENTS_REMAINING`] follow it. A
 //! replay shorter than that interval reports nothing. A report that fails is logged and
 //! skipped: progress never fails a rewind.
+use lockstep_core::Pair;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -182,7 +183,10 @@ where
                 .begin()
                 .await
                 .map_err(|e| PairError::new(0, e))?;
-            let loaded = self.store.load_rewind(&tx, stream_id, name).await;
+            let loaded = self
+                .store
+                .load_rewind(&tx, &Pair::new(stream_id, name.clone()))
+                .await;
             // Read only: a failed rollback still ends it, and changes nothing.
             let _ = tx.rollback().await;
             match loaded {
@@ -190,7 +194,7 @@ where
                 Err(err) => {
                     // The pair's failures count towards its backoff and parking, as when the
                     // reads were separate and the cursor came first.
-                    let pair = lockstep_core::Pair::new(stream_id, name.clone());
+                    let pair = Pair::new(stream_id, name.clone());
                     let failures = self.cursor_failures(&pair).await.unwrap_or(0);
                     Err(PairError::new(failures, err))
                 }

@@ -16,6 +16,7 @@
 //!   event of the stream but the skipped ones (checking the lost signal before each), and
 //!   commits fenced on the lease, releasing it; a lost lease drops the transaction (nothing
 //!   written).
+use lockstep_core::Pair;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -201,7 +202,12 @@ where
         let tx = self.source.begin().await?;
         let claim = self
             .store
-            .claim(&tx, stream_id, name, prefix.len(), self.options.debounce())
+            .claim(
+                &tx,
+                &Pair::new(stream_id, name.clone()),
+                prefix.len(),
+                self.options.debounce(),
+            )
             .await?;
         let Claim::Apply { cursor, events, .. } = claim else {
             let _ = tx.rollback().await;
@@ -306,10 +312,14 @@ where
         lease: Option<&HeldLease>,
         lost: &CancellationToken,
     ) -> std::result::Result<Option<(StateCommit, u32)>, PairError> {
-        let loaded = match self.store.load_rewind(tx, stream_id, name).await {
+        let loaded = match self
+            .store
+            .load_rewind(tx, &Pair::new(stream_id, name.clone()))
+            .await
+        {
             Ok(loaded) => loaded,
             Err(err) => {
-                let pair = lockstep_core::Pair::new(stream_id, name.clone());
+                let pair = Pair::new(stream_id, name.clone());
                 let failures = self.cursor_failures(&pair).await.unwrap_or(0);
                 return Err(PairError::new(failures, err));
             }
@@ -331,7 +341,7 @@ where
                 .map_err(|e| PairError::new(failures, e))?;
             let skipped = self
                 .store
-                .skipped_events(tx, stream_id, name)
+                .skipped_events(tx, &Pair::new(stream_id, name.clone()))
                 .await
                 .map_err(|e| PairError::new(failures, e))?;
             events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
