@@ -509,6 +509,30 @@ impl StreamLocker for Frozen {
         self.thawed().await;
         self.inner.renew_many(leases).await
     }
+
+    // The fleet calls freeze too (a frozen process neither renews nor says it is alive), and
+    // they must reach the inner locker: the defaults would run C unannounced.
+    async fn announce(
+        &self,
+        announcement: &lockstep_core::InstanceAnnouncement,
+    ) -> lockstep_core::Result<()> {
+        self.thawed().await;
+        self.inner.announce(announcement).await
+    }
+
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        leases: &[lockstep_core::LeaseId],
+    ) -> lockstep_core::Result<lockstep_core::KeepaliveOutcome> {
+        self.thawed().await;
+        self.inner.keepalive(instance, leases).await
+    }
+
+    async fn depart(&self, instance: InstanceId) -> lockstep_core::Result<bool> {
+        self.thawed().await;
+        self.inner.depart(instance).await
+    }
 }
 
 /// Pausing an instance: `requested` by the demo, `parked` once its loop has seen the request
