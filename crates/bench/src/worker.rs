@@ -486,13 +486,28 @@ fn options(args: &Args, concurrency: usize) -> WorkerOptions {
 }
 
 /// A worker instance for `perspectives` with a pool and a locker of its own.
-fn worker(
+/// A worker instance of its own (pool, locker, `InstanceId`), its connections open: a running
+/// instance has them open, and the floor's connection is opened before the clock too, so the
+/// timed part (and the server CPU counted from before it) is the work, not the connection
+/// handshakes and the new backends' start.
+async fn worker(
     db: &BenchDatabase,
     options: WorkerOptions,
     perspectives: &[Arc<dyn lockstep_core::DynPerspective>],
     lock: StreamLockOptions,
 ) -> Result<PgWorker> {
-    let pool = db.pool(options.concurrency + 2)?;
+    let size = options.concurrency + 2;
+    let pool = db.pool(size)?;
+    let mut open = Vec::with_capacity(size);
+    for _ in 0..size {
+        let client = pool.get().await.context("opening a worker connection")?;
+        client
+            .simple_query("SELECT 1")
+            .await
+            .context("a worker connection")?;
+        open.push(client);
+    }
+    drop(open);
     let mut registry = PerspectiveRegistry::new();
     for p in perspectives {
         registry.register_dyn(Arc::clone(p))?;
@@ -721,7 +736,8 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
                             options(args, concurrency),
                             std::slice::from_ref(&numbers),
                             lock,
-                        )?;
+                        )
+                        .await?;
                         let left = WorkLeft::new(db, std::slice::from_ref(&perspective)).await?;
                         workers.push((w, left));
                     }
@@ -1133,7 +1149,8 @@ async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
             .with_snapshot_every(100),
         &[Arc::clone(&totals), Arc::clone(&numbers)],
         lock,
-    )?;
+    )
+    .await?;
     eprintln!("rewind: applying");
     drain(&w, &WorkLeft::new(db, &names).await?, POLL).await?;
     let mut parts = Vec::new();

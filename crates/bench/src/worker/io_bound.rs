@@ -6,7 +6,8 @@
 //! `--io-streams` streams × `--io-events-per-stream` events (1 024 × 20) are appended to a
 //! database of their own; each side registers a fresh perspective (its registration enqueues
 //! the work: set-up, not timed) and 1, 2 or 4 instances — each with a pool, a locker and an
-//! `InstanceId` of its own, default options but a 10 ms poll — drain it. The perspective (the
+//! `InstanceId` of its own, its connections opened before the clock (as a running instance has
+//! them), default options but a 10 ms poll — drain it. The perspective (the
 //! list of numbers of the catch-up) implements `DynPerspective` directly and waits
 //! `--io-wait-ms` (5 ms, `std::thread::sleep`) once per `apply_while` call: the worker calls it
 //! once per pair per batch, so that is 5 ms per pair-batch outside the database (a batch of 64
@@ -153,7 +154,7 @@ async fn measure(db: &BenchDatabase, args: &Args) -> Result<IoBound> {
             let io: Arc<dyn DynPerspective> = Arc::new(IoNumbers { name, wait });
             let mut workers = Vec::with_capacity(instances);
             for _ in 0..instances {
-                let w = worker(db, options(args, 1), std::slice::from_ref(&io), lock)?;
+                let w = worker(db, options(args, 1), std::slice::from_ref(&io), lock).await?;
                 let left = WorkLeft::new(db, std::slice::from_ref(&perspective)).await?;
                 workers.push((w, left));
             }

@@ -130,7 +130,8 @@ async fn measure(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> 
                     .with_failure_backoff(Duration::from_millis(1)),
                 std::slice::from_ref(&strict),
                 lock,
-            )?;
+            )
+            .await?;
             let (elapsed, failed) = catch_up(db, &w, &setup).await?;
             park_the_rest(db, &w, &setup).await?;
             check(db, &setup, args).await?;
