@@ -2095,3 +2095,253 @@ async fn perspectives_rebuild_retire_and_rewind_progress() {
         text(&again)
     );
 }
+
+/// A registered `Ledger` perspective with three events on each of two streams (two pairs).
+async fn two_ledger_pairs(pool: &deadpool_postgres::Pool) -> (PerspectiveName, StreamId, StreamId) {
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let events = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+    let (first, second) = (StreamId::new_v7(), StreamId::new_v7());
+    let tx = PgTransaction::begin(pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    for stream in [first, second] {
+        let batch: Vec<NewEvent> = (1..=3)
+            .map(|n| NewEvent::new("Entered", serde_json::json!({ "amount": n })).expect("event"))
+            .collect();
+        events
+            .append(&tx, stream, ExpectedVersion::NoStream, &batch)
+            .await
+            .expect("append");
+    }
+    tx.commit().await.expect("commit");
+    (name, first, second)
+}
+
+/// The pairs of `name` with a rewind requested, read through the store's status.
+async fn rewinds_pending(pool: &deadpool_postgres::Pool, name: &PerspectiveName) -> u64 {
+    let tx = PgTransaction::begin(pool).await.expect("begin");
+    let status = PgPerspectiveStore::new()
+        .perspective_status(&tx)
+        .await
+        .expect("status");
+    tx.rollback().await.expect("rollback");
+    status
+        .iter()
+        .find(|p| &p.perspective == name)
+        .map_or(0, |p| p.rewinds_pending)
+}
+
+/// Issue 21: the page's rebuild action, like the others: no token configured 403, no or a
+/// wrong token 401, cross-origin 403, bad input 422 (nothing changed), a prompt and a nonce
+/// first, then a rewind from the start requested on every pair of the perspective; an unknown
+/// perspective is nothing to do (409); audit lines for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pages_rebuild_action_needs_the_token_a_confirmation_and_requests_every_pairs_rewind() {
+    let (_db, url, pool) = migrated().await;
+    let (name, _, _) = two_ledger_pairs(&pool).await;
+    let rebuild = r#"{"action":"rebuild","perspective":"Ledger"}"#;
+    let json = [("Content-Type", "application/json")];
+
+    let (mut plain, addr) = serve(&url).await;
+    let (code, body) = http_on(&addr, "POST", "/actions", &json, rebuild).await;
+    assert_eq!(code, 403, "{body}");
+    let _ = plain.kill();
+    let _ = plain.wait();
+
+    let token = "a-token-of-the-operator";
+    let (mut server, addr) = serve_with(&url, &[("LOCKSTEP_SERVE_TOKEN", token)], &[]).await;
+    let with_token = [
+        ("Content-Type", "application/json"),
+        ("X-Lockstep-Token", token),
+    ];
+    let (code, body) = http_on(&addr, "POST", "/actions", &json, rebuild).await;
+    assert_eq!(code, 401, "no token: {body}");
+    let wrong = [
+        ("Content-Type", "application/json"),
+        ("X-Lockstep-Token", "a-token-of-the-operatoR"),
+    ];
+    let (code, _) = http_on(&addr, "POST", "/actions", &wrong, rebuild).await;
+    assert_eq!(code, 401, "a wrong token");
+    let cross = [
+        ("Content-Type", "application/json"),
+        ("X-Lockstep-Token", token),
+        ("Origin", "http://evil.example"),
+    ];
+    let (code, _) = http_on(&addr, "POST", "/actions", &cross, rebuild).await;
+    assert_eq!(code, 403, "cross-origin");
+    for (bad, says) in [
+        (
+            format!(
+                r#"{{"action":"rebuild","perspective":"Ledger","stream_id":"{}"}}"#,
+                StreamId::new_v7()
+            ),
+            "takes no stream_id",
+        ),
+        (
+            r#"{"action":"rebuild","perspective":"  "}"#.to_owned(),
+            "invalid perspective name",
+        ),
+        (
+            r#"{"action":"rewind","perspective":"Ledger"}"#.to_owned(),
+            "rewind needs stream_id",
+        ),
+    ] {
+        let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &bad).await;
+        assert_eq!(code, 422, "{bad}: {body}");
+        assert!(body.contains(says), "{bad}: {body}");
+    }
+    assert_eq!(
+        rewinds_pending(&pool, &name).await,
+        0,
+        "nothing changed yet"
+    );
+
+    // Step one: a prompt and a nonce; nothing requested yet.
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, rebuild).await;
+    assert_eq!(code, 200, "{body}");
+    let asked: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert!(
+        asked["prompt"]
+            .as_str()
+            .is_some_and(|p| p.contains("Rebuild Ledger")),
+        "{asked}"
+    );
+    let nonce = asked["confirm"].as_str().expect("nonce").to_owned();
+    assert_eq!(
+        rewinds_pending(&pool, &name).await,
+        0,
+        "not before the confirmation"
+    );
+    let confirmed = format!(r#"{{"action":"rebuild","perspective":"Ledger","confirm":"{nonce}"}}"#);
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &confirmed).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("each of its 2 pairs"), "{body}");
+    assert_eq!(
+        rewinds_pending(&pool, &name).await,
+        2,
+        "every pair to rewind"
+    );
+    let (code, _) = http_on(&addr, "POST", "/actions", &with_token, &confirmed).await;
+    assert_eq!(code, 409, "a nonce is used once");
+
+    // A perspective that is not registered: confirmed, nothing to do.
+    let unknown = r#"{"action":"rebuild","perspective":"Nowhere"}"#;
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, unknown).await;
+    assert_eq!(code, 200, "{body}");
+    let nonce: String = serde_json::from_str::<serde_json::Value>(&body).expect("JSON")["confirm"]
+        .as_str()
+        .expect("nonce")
+        .to_owned();
+    let confirmed =
+        format!(r#"{{"action":"rebuild","perspective":"Nowhere","confirm":"{nonce}"}}"#);
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &confirmed).await;
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("Nowhere is not registered"), "{body}");
+
+    // The page offers the button.
+    let (code, page) = http_on(&addr, "GET", "/", &[], "").await;
+    assert_eq!(code, 200);
+    assert!(
+        page.contains("data-action=\"rebuild\" data-perspective=\"Ledger\""),
+        "{page}"
+    );
+
+    let _ = server.kill();
+    let _ = server.wait();
+    let mut log = String::new();
+    if let Some(mut stderr) = server.stderr.take() {
+        use std::io::Read;
+        let _ = stderr.read_to_string(&mut log);
+    }
+    assert!(log.contains("rebuild Ledger: done"), "{log}");
+    assert!(log.contains("rebuild Nowhere: nothing to do"), "{log}");
+    assert!(log.contains("(bad or missing token): refused"), "{log}");
+    assert!(log.contains("(cross-origin request): refused"), "{log}");
+}
+
+/// Issue 21: the lease table gives a running rewind's start and progress (reported by its
+/// worker under that very lease) and says "not recorded" for a lease whose start nothing
+/// records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_table_shows_a_running_rewinds_start_and_progress() {
+    let (_db, url, pool) = migrated().await;
+    let (name, first, second) = two_ledger_pairs(&pool).await;
+    let store = PgPerspectiveStore::new();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    assert!(matches!(
+        store.rebuild(&tx, &name).await.expect("rebuild"),
+        lockstep_core::Rebuild::Requested { pairs: 2 }
+    ));
+    tx.commit().await.expect("commit");
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
+    let (rewinder, other) = (InstanceId::random(), InstanceId::random());
+    let lease = match locker
+        .try_acquire(first, &name, rewinder, &LockReason::Rewind)
+        .await
+        .expect("acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        denied => panic!("{denied:?}"),
+    };
+    assert!(
+        locker
+            .try_acquire(second, &name, other, &LockReason::Purge)
+            .await
+            .expect("acquire")
+            .is_acquired()
+    );
+    // The rewinding worker's report: 2 of 3 events, 5 s into the run.
+    let mut report =
+        lockstep_core::ProgressReport::new(first, name.clone(), uuid::Uuid::new_v4(), 2, 3);
+    report.lease = Some(lease.id.clone());
+    report.elapsed = std::time::Duration::from_secs(5);
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store.record_progress(&tx, &report).await.expect("progress");
+    tx.commit().await.expect("commit");
+
+    let (mut server, addr) = serve(&url).await;
+    let (code, body) = http_on(&addr, "GET", "/api/status", &[], "").await;
+    let (page_code, page) = http_on(&addr, "GET", "/", &[], "").await;
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!((code, page_code), (200, 200), "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let leases = status["leases"].as_array().expect("leases");
+    let row = |stream: StreamId| {
+        leases
+            .iter()
+            .find(|l| l["stream_id"] == stream.to_string())
+            .unwrap_or_else(|| panic!("{stream} listed: {status}"))
+    };
+    let rewinding = row(first);
+    assert_eq!(
+        rewinding["started_at_source"], "rewind_progress",
+        "{rewinding}"
+    );
+    let started = rewinding["started_at"].as_str().expect("a start time");
+    assert!(started.contains('T'), "RFC 3339: {started}");
+    let running = rewinding["progress"]["running_s"]
+        .as_f64()
+        .expect("running_s");
+    assert!(
+        running >= 4.0,
+        "the run began 5 s before its report: {running} s"
+    );
+    assert_eq!(
+        (
+            &rewinding["progress"]["replayed"],
+            &rewinding["progress"]["to_replay"]
+        ),
+        (&2.into(), &3.into()),
+        "{rewinding}"
+    );
+    let plain = row(second);
+    assert!(plain["started_at"].is_null(), "{plain}");
+    assert_eq!(plain["started_at_source"], "not_recorded");
+    assert!(plain["progress"].is_null(), "{plain}");
+    assert!(page.contains("2 of 3 events (66.7%)"), "{page}");
+    assert!(page.contains("not recorded"), "{page}");
+}
