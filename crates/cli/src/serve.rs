@@ -1,7 +1,8 @@
 //! `lockstep serve`: the on-call engineer's page and `/metrics`, on axum.
 //!
 //! - `GET /` — the page: a summary line with health colours, the worker instances (live or
-//!   stale), stream leases (holders by name), advisory locks
+//!   stale), stream leases (holders by name, a running rewind's start and progress), advisory
+//!   locks
 //!   grouped per key (holder, waiters, longest wait, each connection's `application_name`),
 //!   perspectives (lag highlighted, failures, backoff, parking, the live workers that run it or
 //!   "no live worker") and the parked pairs. It is
@@ -12,7 +13,8 @@
 //! - `GET /api/status` — the same snapshot as JSON; `GET /metrics` — gauges read from the
 //!   database at each scrape, in the Prometheus text format with `# HELP` on every family;
 //!   `GET /healthz` — database reachability and schema state (200 only when both are fine).
-//! - `POST /actions` — force-release a lease, request a rewind, retry or skip a parked pair —
+//! - `POST /actions` — force-release a lease, request a rewind of a pair or a rebuild of a
+//!   perspective, retry or skip a parked pair —
 //!   only when the operator configured a token (`LOCKSTEP_SERVE_TOKEN`); see [`actions`].
 //!
 //! Other methods on these paths get 405, other paths 404. It listens on loopback by default;
@@ -245,8 +247,11 @@ async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable>
         Ok::<_, anyhow::Error>((leases, workers, advisory, perspectives, parked))
     };
     match read.await {
-        Ok((leases, workers, advisory, perspectives, parked)) => Ok(Snapshot {
-            leases,
+        Ok((mut leases, workers, advisory, perspectives, parked)) => Ok(Snapshot {
+            leases: {
+                started_and_progress(&mut leases, &perspectives);
+                leases
+            },
             workers,
             advisory,
             perspectives,
@@ -254,6 +259,45 @@ async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable>
             took_ms: started.elapsed().as_secs_f64() * 1000.0,
         }),
         Err(e) => Err(Unavailable::Unreachable(format!("{e:#}"))),
+    }
+}
+
+/// Gives each lease row its `started_at` and `progress` where a worker reported them.
+///
+/// The lease columns of a cursor row record no acquisition time (ADR 0002 keeps them to
+/// holder, reason, expiry and epoch; the expiry moves at every renewal). What does record a
+/// start is a running rewind's progress report (ADR 0016 §4): it is listed only while the lease
+/// it was made under is live with the same holder and epoch, so its `started_at` is when this
+/// holder's rewind began under this very lease (a moment after the lease was taken). Other
+/// leases get `"started_at": null` with `"started_at_source": "not_recorded"`, which the page
+/// says in words, rather than a time it would have to guess.
+fn started_and_progress(leases: &mut [Value], perspectives: &[Value]) {
+    for lease in leases.iter_mut() {
+        let running = perspectives
+            .iter()
+            .filter(|p| p["perspective"] == lease["perspective"])
+            .filter_map(|p| p["rewinds_running"].as_array())
+            .flatten()
+            .find(|r| r["stream_id"] == lease["stream_id"] && r["holder"] == lease["holder"]);
+        let (started_at, source, progress) = match running {
+            Some(r) => (
+                r["started_at"].clone(),
+                "rewind_progress",
+                json!({
+                    "replayed": r["replayed"], "to_replay": r["to_replay"],
+                    "percent": r["percent"], "running_s": r["running_s"],
+                    "reported_s_ago": r["reported_s_ago"],
+                }),
+            ),
+            None => (Value::Null, "not_recorded", Value::Null),
+        };
+        if let Some(row) = lease.as_object_mut()
+            && !row.contains_key("error")
+        {
+            row.insert("started_at".to_owned(), started_at);
+            row.insert("started_at_source".to_owned(), json!(source));
+            row.insert("progress".to_owned(), progress);
+        }
     }
 }
 

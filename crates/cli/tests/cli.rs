@@ -2099,3 +2099,589 @@ async fn perspectives_rebuild_retire_and_rewind_progress() {
         text(&again)
     );
 }
+
+/// A registered `Ledger` perspective with three events on each of two streams (two pairs).
+async fn two_ledger_pairs(pool: &deadpool_postgres::Pool) -> (PerspectiveName, StreamId, StreamId) {
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let events = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+    let (first, second) = (StreamId::new_v7(), StreamId::new_v7());
+    let tx = PgTransaction::begin(pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    for stream in [first, second] {
+        let batch: Vec<NewEvent> = (1..=3)
+            .map(|n| NewEvent::new("Entered", serde_json::json!({ "amount": n })).expect("event"))
+            .collect();
+        events
+            .append(&tx, stream, ExpectedVersion::NoStream, &batch)
+            .await
+            .expect("append");
+    }
+    tx.commit().await.expect("commit");
+    (name, first, second)
+}
+
+/// The pairs of `name` with a rewind requested, read through the store's status.
+async fn rewinds_pending(pool: &deadpool_postgres::Pool, name: &PerspectiveName) -> u64 {
+    let tx = PgTransaction::begin(pool).await.expect("begin");
+    let status = PgPerspectiveStore::new()
+        .perspective_status(&tx)
+        .await
+        .expect("status");
+    tx.rollback().await.expect("rollback");
+    status
+        .iter()
+        .find(|p| &p.perspective == name)
+        .map_or(0, |p| p.rewinds_pending)
+}
+
+/// Issue 21: the page's rebuild action, like the others: no token configured 403, no or a
+/// wrong token 401, cross-origin 403, bad input 422 (nothing changed), a prompt and a nonce
+/// first, then a rewind from the start requested on every pair of the perspective; an unknown
+/// perspective is nothing to do (409); audit lines for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pages_rebuild_action_needs_the_token_a_confirmation_and_requests_every_pairs_rewind() {
+    let (_db, url, pool) = migrated().await;
+    let (name, _, _) = two_ledger_pairs(&pool).await;
+    let rebuild = r#"{"action":"rebuild","perspective":"Ledger"}"#;
+    let json = [("Content-Type", "application/json")];
+
+    let (mut plain, addr) = serve(&url).await;
+    let (code, body) = http_on(&addr, "POST", "/actions", &json, rebuild).await;
+    assert_eq!(code, 403, "{body}");
+    let _ = plain.kill();
+    let _ = plain.wait();
+
+    let token = "a-token-of-the-operator";
+    let (mut server, addr) = serve_with(&url, &[("LOCKSTEP_SERVE_TOKEN", token)], &[]).await;
+    let with_token = [
+        ("Content-Type", "application/json"),
+        ("X-Lockstep-Token", token),
+    ];
+    let (code, body) = http_on(&addr, "POST", "/actions", &json, rebuild).await;
+    assert_eq!(code, 401, "no token: {body}");
+    let wrong = [
+        ("Content-Type", "application/json"),
+        ("X-Lockstep-Token", "a-token-of-the-operatoR"),
+    ];
+    let (code, _) = http_on(&addr, "POST", "/actions", &wrong, rebuild).await;
+    assert_eq!(code, 401, "a wrong token");
+    let cross = [
+        ("Content-Type", "application/json"),
+        ("X-Lockstep-Token", token),
+        ("Origin", "http://evil.example"),
+    ];
+    let (code, _) = http_on(&addr, "POST", "/actions", &cross, rebuild).await;
+    assert_eq!(code, 403, "cross-origin");
+    for (bad, says) in [
+        (
+            format!(
+                r#"{{"action":"rebuild","perspective":"Ledger","stream_id":"{}"}}"#,
+                StreamId::new_v7()
+            ),
+            "takes no stream_id",
+        ),
+        (
+            r#"{"action":"rebuild","perspective":"  "}"#.to_owned(),
+            "invalid perspective name",
+        ),
+        (
+            r#"{"action":"rewind","perspective":"Ledger"}"#.to_owned(),
+            "rewind needs stream_id",
+        ),
+    ] {
+        let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &bad).await;
+        assert_eq!(code, 422, "{bad}: {body}");
+        assert!(body.contains(says), "{bad}: {body}");
+    }
+    assert_eq!(
+        rewinds_pending(&pool, &name).await,
+        0,
+        "nothing changed yet"
+    );
+
+    // Step one: a prompt and a nonce; nothing requested yet.
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, rebuild).await;
+    assert_eq!(code, 200, "{body}");
+    let asked: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert!(
+        asked["prompt"]
+            .as_str()
+            .is_some_and(|p| p.contains("Rebuild Ledger")),
+        "{asked}"
+    );
+    let nonce = asked["confirm"].as_str().expect("nonce").to_owned();
+    assert_eq!(
+        rewinds_pending(&pool, &name).await,
+        0,
+        "not before the confirmation"
+    );
+    let confirmed = format!(r#"{{"action":"rebuild","perspective":"Ledger","confirm":"{nonce}"}}"#);
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &confirmed).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("each of its 2 pairs"), "{body}");
+    assert_eq!(
+        rewinds_pending(&pool, &name).await,
+        2,
+        "every pair to rewind"
+    );
+    let (code, _) = http_on(&addr, "POST", "/actions", &with_token, &confirmed).await;
+    assert_eq!(code, 409, "a nonce is used once");
+
+    // A perspective that is not registered: confirmed, nothing to do.
+    let unknown = r#"{"action":"rebuild","perspective":"Nowhere"}"#;
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, unknown).await;
+    assert_eq!(code, 200, "{body}");
+    let nonce: String = serde_json::from_str::<serde_json::Value>(&body).expect("JSON")["confirm"]
+        .as_str()
+        .expect("nonce")
+        .to_owned();
+    let confirmed =
+        format!(r#"{{"action":"rebuild","perspective":"Nowhere","confirm":"{nonce}"}}"#);
+    let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &confirmed).await;
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("Nowhere is not registered"), "{body}");
+
+    // The page offers the button.
+    let (code, page) = http_on(&addr, "GET", "/", &[], "").await;
+    assert_eq!(code, 200);
+    assert!(
+        page.contains("data-action=\"rebuild\" data-perspective=\"Ledger\""),
+        "{page}"
+    );
+
+    let _ = server.kill();
+    let _ = server.wait();
+    let mut log = String::new();
+    if let Some(mut stderr) = server.stderr.take() {
+        use std::io::Read;
+        let _ = stderr.read_to_string(&mut log);
+    }
+    assert!(log.contains("rebuild Ledger: done"), "{log}");
+    assert!(log.contains("rebuild Nowhere: nothing to do"), "{log}");
+    assert!(log.contains("(bad or missing token): refused"), "{log}");
+    assert!(log.contains("(cross-origin request): refused"), "{log}");
+}
+
+/// Issue 21: the lease table gives a running rewind's start and progress (reported by its
+/// worker under that very lease) and says "not recorded" for a lease whose start nothing
+/// records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_table_shows_a_running_rewinds_start_and_progress() {
+    let (_db, url, pool) = migrated().await;
+    let (name, first, second) = two_ledger_pairs(&pool).await;
+    let store = PgPerspectiveStore::new();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    assert!(matches!(
+        store.rebuild(&tx, &name).await.expect("rebuild"),
+        lockstep_core::Rebuild::Requested { pairs: 2 }
+    ));
+    tx.commit().await.expect("commit");
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
+    let (rewinder, other) = (InstanceId::random(), InstanceId::random());
+    let lease = match locker
+        .try_acquire(first, &name, rewinder, &LockReason::Rewind)
+        .await
+        .expect("acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        denied => panic!("{denied:?}"),
+    };
+    assert!(
+        locker
+            .try_acquire(second, &name, other, &LockReason::Purge)
+            .await
+            .expect("acquire")
+            .is_acquired()
+    );
+    // The rewinding worker's report: 2 of 3 events, 5 s into the run.
+    let mut report =
+        lockstep_core::ProgressReport::new(first, name.clone(), uuid::Uuid::new_v4(), 2, 3);
+    report.lease = Some(lease.id.clone());
+    report.elapsed = std::time::Duration::from_secs(5);
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store.record_progress(&tx, &report).await.expect("progress");
+    tx.commit().await.expect("commit");
+
+    let (mut server, addr) = serve(&url).await;
+    let (code, body) = http_on(&addr, "GET", "/api/status", &[], "").await;
+    let (page_code, page) = http_on(&addr, "GET", "/", &[], "").await;
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!((code, page_code), (200, 200), "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let leases = status["leases"].as_array().expect("leases");
+    let row = |stream: StreamId| {
+        leases
+            .iter()
+            .find(|l| l["stream_id"] == stream.to_string())
+            .unwrap_or_else(|| panic!("{stream} listed: {status}"))
+    };
+    let rewinding = row(first);
+    assert_eq!(
+        rewinding["started_at_source"], "rewind_progress",
+        "{rewinding}"
+    );
+    let started = rewinding["started_at"].as_str().expect("a start time");
+    assert!(started.contains('T'), "RFC 3339: {started}");
+    let running = rewinding["progress"]["running_s"]
+        .as_f64()
+        .expect("running_s");
+    assert!(
+        running >= 4.0,
+        "the run began 5 s before its report: {running} s"
+    );
+    assert_eq!(
+        (
+            &rewinding["progress"]["replayed"],
+            &rewinding["progress"]["to_replay"]
+        ),
+        (&2.into(), &3.into()),
+        "{rewinding}"
+    );
+    let plain = row(second);
+    assert!(plain["started_at"].is_null(), "{plain}");
+    assert_eq!(plain["started_at_source"], "not_recorded");
+    assert!(plain["progress"].is_null(), "{plain}");
+    assert!(page.contains("2 of 3 events (66.7%)"), "{page}");
+    assert!(page.contains("not recorded"), "{page}");
+}
+
+/// Headless Chromium driven over the DevTools protocol on `--remote-debugging-pipe`: JSON
+/// messages ending in a NUL byte, commands on the browser's descriptor 3, answers and events
+/// on its descriptor 4 (what Puppeteer's `pipe: true` does). A shell maps the child's standard
+/// input and output onto 3 and 4, so no WebSocket client and no `unsafe` are needed. Every wait
+/// is bounded; dropping it kills the browser and removes its profile, also when a test fails.
+struct Browser {
+    child: std::process::Child,
+    commands: std::process::ChildStdin,
+    messages: std::sync::mpsc::Receiver<serde_json::Value>,
+    /// Events received while waiting for an answer.
+    events: Vec<serde_json::Value>,
+    next_id: u64,
+    session: Option<String>,
+    profile: std::path::PathBuf,
+}
+
+/// How long one protocol command or one condition on the page may take.
+const BROWSER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl Browser {
+    fn launch() -> Browser {
+        let profile =
+            std::env::temp_dir().join(format!("lockstep-chromium-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&profile).expect("profile folder");
+        let log = std::fs::File::create(profile.join("chromium.log")).expect("log file");
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(r#"exec "$0" "$@" 3<&0 4>&1 </dev/null >&2"#)
+            .arg(chromium())
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--remote-debugging-pipe",
+            ])
+            .arg(format!("--user-data-dir={}", profile.display()))
+            .arg("about:blank")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("starting chromium");
+        let commands = child.stdin.take().expect("stdin");
+        let mut answers = child.stdout.take().expect("stdout");
+        let (tx, messages) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::Read;
+            let mut pending = Vec::new();
+            let mut buf = [0u8; 65536];
+            while let Ok(n) = answers.read(&mut buf) {
+                if n == 0 {
+                    return;
+                }
+                pending.extend_from_slice(&buf[..n]);
+                while let Some(end) = pending.iter().position(|b| *b == 0) {
+                    let message: Vec<u8> = pending.drain(..=end).collect();
+                    if let Ok(value) = serde_json::from_slice(&message[..end])
+                        && tx.send(value).is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        });
+        Browser {
+            child,
+            commands,
+            messages,
+            events: Vec::new(),
+            next_id: 0,
+            session: None,
+            profile,
+        }
+    }
+
+    /// What the browser wrote on standard error, for a failure's message.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.profile.join("chromium.log")).unwrap_or_default()
+    }
+
+    /// Sends `method` (to the attached page, once there is one) and waits for its result.
+    fn call(&mut self, method: &str, params: &serde_json::Value) -> serde_json::Value {
+        use std::io::Write;
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut message = serde_json::json!({ "id": id, "method": method, "params": params });
+        if let Some(session) = &self.session {
+            message["sessionId"] = session.clone().into();
+        }
+        let mut bytes = serde_json::to_vec(&message).expect("JSON");
+        bytes.push(0);
+        self.commands
+            .write_all(&bytes)
+            .and_then(|()| self.commands.flush())
+            .unwrap_or_else(|e| panic!("sending {method} to chromium: {e}\n{}", self.log()));
+        let deadline = std::time::Instant::now() + BROWSER_WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let answer = self.messages.recv_timeout(left).unwrap_or_else(|e| {
+                panic!("chromium did not answer {method} ({e})\n{}", self.log())
+            });
+            if answer["id"] == id {
+                assert!(
+                    answer["error"].is_null(),
+                    "{method} failed: {answer}\n{}",
+                    self.log()
+                );
+                return answer["result"].clone();
+            }
+            self.events.push(answer);
+        }
+    }
+
+    /// Opens a page on `url` and attaches to it (its commands go there from then on).
+    fn open(&mut self, url: &str) {
+        let target = self.call(
+            "Target.createTarget",
+            &serde_json::json!({ "url": "about:blank" }),
+        );
+        let attached = self.call(
+            "Target.attachToTarget",
+            &serde_json::json!({ "targetId": target["targetId"], "flatten": true }),
+        );
+        self.session = attached["sessionId"].as_str().map(str::to_owned);
+        assert!(self.session.is_some(), "attached: {attached}");
+        // Page events: the confirmation dialog is one.
+        self.call("Page.enable", &serde_json::json!({}));
+        self.call("Page.navigate", &serde_json::json!({ "url": url }));
+    }
+
+    /// The value of `expression` evaluated in the page (promises awaited).
+    fn eval(&mut self, expression: &str) -> serde_json::Value {
+        let result = self.call(
+            "Runtime.evaluate",
+            &serde_json::json!({
+                "expression": expression, "returnByValue": true, "awaitPromise": true,
+            }),
+        );
+        assert!(
+            result["exceptionDetails"].is_null(),
+            "{expression}: {result}"
+        );
+        result["result"]["value"].clone()
+    }
+
+    /// Waits until `expression` is true in the page; panics with `what` and the page's text
+    /// when it is not within [`BROWSER_WAIT`].
+    fn wait_until(&mut self, expression: &str, what: &str) {
+        let deadline = std::time::Instant::now() + BROWSER_WAIT;
+        while std::time::Instant::now() < deadline {
+            if self.eval(expression) == true {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let text = self.eval("document.body ? document.body.innerText : ''");
+        panic!("{what}: not within {BROWSER_WAIT:?}; the page says:\n{text}");
+    }
+
+    /// Waits for the page's next JavaScript dialog and answers it; gives its message.
+    fn answer_dialog(&mut self, accept: bool) -> String {
+        let deadline = std::time::Instant::now() + BROWSER_WAIT;
+        loop {
+            if let Some(at) = self
+                .events
+                .iter()
+                .position(|e| e["method"] == "Page.javascriptDialogOpening")
+            {
+                let event = self.events.remove(at);
+                self.call(
+                    "Page.handleJavaScriptDialog",
+                    &serde_json::json!({ "accept": accept }),
+                );
+                return event["params"]["message"].as_str().unwrap_or("").to_owned();
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let event = self
+                .messages
+                .recv_timeout(left)
+                .unwrap_or_else(|e| panic!("no confirmation dialog opened ({e})\n{}", self.log()));
+            self.events.push(event);
+        }
+    }
+
+    /// Whether a dialog opened (events received so far).
+    fn saw_dialog(&mut self) -> bool {
+        while let Ok(event) = self.messages.try_recv() {
+            self.events.push(event);
+        }
+        self.events
+            .iter()
+            .any(|e| e["method"] == "Page.javascriptDialogOpening")
+    }
+}
+
+impl Drop for Browser {
+    /// Asks the browser to close (it then ends its renderer and helper processes itself), waits
+    /// at most 5 s for it, kills it otherwise, and removes its profile.
+    fn drop(&mut self) {
+        use std::io::Write;
+        let close = b"{\"id\":0,\"method\":\"Browser.close\"}\0";
+        let _ = self
+            .commands
+            .write_all(close)
+            .and_then(|()| self.commands.flush());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.profile);
+    }
+}
+
+/// Issue 21's "done when": in real headless Chromium, the page shows a lease a test holds; its
+/// force-release button without the token is refused (the page says so, no confirmation is
+/// asked, the lease is untouched in the database); with the token typed into the page's token
+/// field and the confirmation dialog accepted, the lease is released in the database and the
+/// page no longer lists it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_real_browser_an_action_needs_the_token_and_with_it_releases_the_lease() {
+    let (_db, url, pool) = migrated().await;
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
+    let (stream, name) = (
+        StreamId::new_v7(),
+        PerspectiveName::new("Orders").expect("valid"),
+    );
+    let client = pool.get().await.expect("connection");
+    client
+        .execute(
+            "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) VALUES ($1, $2)",
+            &[&stream.as_uuid(), &name.as_str()],
+        )
+        .await
+        .expect("cursor");
+    drop(client);
+    let holder = InstanceId::random();
+    let lease = match locker
+        .try_acquire(stream, &name, holder, &LockReason::Rewind)
+        .await
+        .expect("acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        denied => panic!("{denied:?}"),
+    };
+    let token = "a-token-of-the-operator";
+    let (mut server, addr) = serve_with(&url, &[("LOCKSTEP_SERVE_TOKEN", token)], &[]).await;
+    let page_url = format!("http://{addr}/");
+    let button = format!(
+        "document.querySelector('button[data-action=\"release\"][data-stream=\"{stream}\"]')"
+    );
+    let runtime = tokio::runtime::Handle::current();
+    let lease_now = {
+        let locker = locker.clone();
+        move || {
+            runtime.block_on(async {
+                lockstep_core::StreamLockAdmin::list_leases(&locker)
+                    .await
+                    .expect("list")
+                    .into_iter()
+                    .find(|l| l.stream_id == stream)
+            })
+        }
+    };
+    let driven = tokio::task::spawn_blocking(move || {
+        let mut browser = Browser::launch();
+        browser.open(&page_url);
+        browser.wait_until(
+            &format!("{button} !== null && document.getElementById('leases').innerText.includes('{holder}')"),
+            "the held lease and its force-release button on the page",
+        );
+
+        // Without the token: refused, said on the page, no confirmation asked, nothing changed.
+        browser.eval(&format!("{button}.click()"));
+        browser.wait_until(
+            "document.getElementById('message').textContent.includes('X-Lockstep-Token')",
+            "the refusal on the page",
+        );
+        assert!(!browser.saw_dialog(), "no confirmation without the token");
+        let still = lease_now().expect("the lease is still there");
+        assert_eq!(
+            (still.holder, still.epoch, still.status),
+            (holder, lease.id.epoch, lockstep_core::LeaseStatus::Held),
+            "the refused action changed nothing"
+        );
+
+        // The token typed into the page's field, the button clicked, the dialog accepted.
+        browser.eval("document.getElementById('token').focus()");
+        browser.call("Input.insertText", &serde_json::json!({ "text": token }));
+        assert_eq!(
+            browser.eval("document.getElementById('token').value"),
+            token,
+            "the token is in the field"
+        );
+        browser.eval(&format!("{button}.click()"));
+        let prompt = browser.answer_dialog(true);
+        assert!(prompt.contains("Force-release"), "{prompt}");
+        assert!(prompt.contains(&stream.to_string()), "{prompt}");
+        browser.wait_until(
+            "document.getElementById('message').textContent.includes('released the lease')",
+            "the page says the lease was released",
+        );
+        assert!(lease_now().is_none(), "the lease is released in the database");
+        browser.wait_until(
+            &format!("!document.getElementById('leases').innerText.includes('{stream}')"),
+            "the page no longer lists the lease",
+        );
+    })
+    .await;
+    let _ = server.kill();
+    let _ = server.wait();
+    let mut log = String::new();
+    if let Some(mut stderr) = server.stderr.take() {
+        use std::io::Read;
+        let _ = stderr.read_to_string(&mut log);
+    }
+    if let Err(e) = driven {
+        std::panic::resume_unwind(e.into_panic());
+    }
+    assert!(log.contains("(bad or missing token): refused"), "{log}");
+    assert!(
+        log.contains(&format!("release {stream}/Orders: done")),
+        "{log}"
+    );
+}

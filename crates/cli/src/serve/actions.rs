@@ -1,5 +1,5 @@
-//! The status page's actions: force-release a lease, request a rewind, retry or skip a parked
-//! pair.
+//! The status page's actions: force-release a lease, request a rewind of a pair or a rebuild
+//! of a whole perspective, retry or skip a parked pair.
 //!
 //! - **No token, no actions**: without `LOCKSTEP_SERVE_TOKEN` every `POST /actions` answers 403.
 //! - **The token travels in a header** (`X-Lockstep-Token`), compared in constant time. A
@@ -22,7 +22,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use lockstep_core::{
-    PerspectiveName, PerspectiveStore, ReleaseOutcome, StreamId, StreamLockAdmin,
+    PerspectiveName, PerspectiveStore, Rebuild, ReleaseOutcome, StreamId, StreamLockAdmin,
     StreamLockOptions, Transaction as _, TransactionSource,
 };
 use lockstep_observe::Observed;
@@ -44,7 +44,9 @@ const MAX_PENDING: usize = 256;
 #[derive(Debug, Deserialize)]
 pub(super) struct Request {
     action: String,
-    stream_id: String,
+    /// Every action but `rebuild` names a pair; `rebuild` names a perspective only.
+    #[serde(default)]
+    stream_id: Option<String>,
     perspective: String,
     #[serde(default)]
     event_id: Option<String>,
@@ -59,6 +61,8 @@ pub(super) enum Action {
     Release(StreamId, PerspectiveName),
     /// Request a rewind of a pair from the start.
     Rewind(StreamId, PerspectiveName),
+    /// Request a rewind from the start of every pair of a perspective (ADR 0016 §3).
+    Rebuild(PerspectiveName),
     /// Retry a parked or backing-off pair.
     Retry(StreamId, PerspectiveName),
     /// Skip one pending event of a pair.
@@ -67,11 +71,24 @@ pub(super) enum Action {
 
 impl Action {
     fn parse(request: &Request) -> Result<Action, String> {
-        let stream = Uuid::parse_str(&request.stream_id)
-            .map(StreamId::from_uuid)
-            .map_err(|_| format!("stream_id {:?} is not a UUID", request.stream_id))?;
         let name = PerspectiveName::new(request.perspective.as_str())
             .map_err(|e| format!("invalid perspective name: {e}"))?;
+        if request.action == "rebuild" {
+            return match &request.stream_id {
+                None => Ok(Action::Rebuild(name)),
+                Some(_) => Err(
+                    "rebuild applies to a whole perspective and takes no stream_id \
+                                (rewind rewinds one pair)"
+                        .to_owned(),
+                ),
+            };
+        }
+        let stream = match request.stream_id.as_deref() {
+            None => return Err(format!("{} needs stream_id", request.action)),
+            Some(id) => Uuid::parse_str(id)
+                .map(StreamId::from_uuid)
+                .map_err(|_| format!("stream_id {id:?} is not a UUID"))?,
+        };
         match request.action.as_str() {
             "release" => Ok(Action::Release(stream, name)),
             "rewind" => Ok(Action::Rewind(stream, name)),
@@ -83,7 +100,7 @@ impl Action {
                 Ok(Action::Skip(stream, name, event))
             }
             other => Err(format!(
-                "unknown action {other:?} (release, rewind, retry, skip)"
+                "unknown action {other:?} (release, rewind, rebuild, retry, skip)"
             )),
         }
     }
@@ -97,6 +114,11 @@ impl Action {
             Action::Rewind(s, p) => format!(
                 "Rewind {s}/{p} from the start? A worker replays the stream under a rewind lease; \
                  a parked pair is retried too."
+            ),
+            Action::Rebuild(p) => format!(
+                "Rebuild {p}? A rewind from the start is requested on every one of its pairs; \
+                 the workers replay them one by one, each pair serving its old state until its \
+                 rewind commits."
             ),
             Action::Retry(s, p) => {
                 format!("Retry {s}/{p} now? Its parking, backoff and failure count are cleared.")
@@ -112,6 +134,7 @@ impl Action {
         match self {
             Action::Release(s, p) => format!("release {s}/{p}"),
             Action::Rewind(s, p) => format!("rewind {s}/{p}"),
+            Action::Rebuild(p) => format!("rebuild {p}"),
             Action::Retry(s, p) => format!("retry {s}/{p}"),
             Action::Skip(s, p, e) => format!("skip {e} of {s}/{p}"),
         }
@@ -185,7 +208,8 @@ pub(super) async fn handle(
     let Ok(Json(request)) = body else {
         return refused(
             StatusCode::BAD_REQUEST,
-            "expected a JSON body {action, stream_id, perspective, event_id?, confirm?}",
+            "expected a JSON body {action, stream_id (not for rebuild), perspective, event_id?, \
+             confirm?}",
         );
     };
     let action = match Action::parse(&request) {
@@ -274,6 +298,16 @@ async fn run(shared: &Shared, action: &Action) -> lockstep_core::Result<(bool, S
                     (false, format!("{s}/{p} has no cursor: nothing to rewind"))
                 }
             }),
+        Action::Rebuild(p) => store.rebuild(&tx, p).await.map(|outcome| match outcome {
+            Rebuild::Requested { pairs } => (
+                true,
+                format!(
+                    "rebuild of {p} requested: a rewind from the start on each of its {pairs} \
+                     pairs"
+                ),
+            ),
+            _ => (false, format!("{p} is not registered: nothing to rebuild")),
+        }),
         Action::Retry(s, p) => store
             .unpark(&tx, &Pair::new(*s, p.clone()))
             .await

@@ -128,18 +128,19 @@ fn level(bad: bool, warn: bool) -> &'static str {
     }
 }
 
-/// A button that asks for an action (the script confirms and sends it).
+/// A button that asks for an action (the script confirms and sends it); `stream` is `None` for
+/// an action on a whole perspective (rebuild).
 fn action_button(
     action: &str,
-    stream: &str,
+    stream: Option<&str>,
     perspective: &str,
     event: Option<&str>,
     label: &str,
 ) -> String {
     format!(
-        "<button data-action=\"{}\" data-stream=\"{}\" data-perspective=\"{}\"{}>{}</button>",
+        "<button data-action=\"{}\"{} data-perspective=\"{}\"{}>{}</button>",
         escape(action),
-        escape(stream),
+        stream.map_or_else(String::new, |s| format!(" data-stream=\"{}\"", escape(s))),
         escape(perspective),
         event.map_or_else(String::new, |e| format!(" data-event=\"{}\"", escape(e))),
         escape(label)
@@ -312,12 +313,41 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                 },
                 escape(&text(&l["reason"])),
                 escape(&text(&l["epoch"])),
+                match l["started_at"].as_str() {
+                    Some(at) => format!(
+                        "{}<br><small>running {:.1} s</small>",
+                        escape(at),
+                        l["progress"]["running_s"].as_f64().unwrap_or(0.0)
+                    ),
+                    None if l["error"].is_null() => "<span class=\"none\" title=\"the lease \
+                        row records no start time; a rewind reports its own\">not \
+                        recorded</span>"
+                        .to_owned(),
+                    None => String::new(),
+                },
+                if l["progress"].is_object() {
+                    format!(
+                        "{} of {} events ({}%)<br><small>reported {:.1} s ago</small>",
+                        escape(&text(&l["progress"]["replayed"])),
+                        escape(&text(&l["progress"]["to_replay"])),
+                        escape(&text(&l["progress"]["percent"])),
+                        l["progress"]["reported_s_ago"].as_f64().unwrap_or(0.0)
+                    )
+                } else {
+                    String::new()
+                },
                 l["time_left_ms"]
                     .as_f64()
                     .map_or_else(String::new, |ms| format!("{:.1} s", ms / 1000.0)),
                 status,
                 if actions && l["error"].is_null() {
-                    action_button("release", &stream, &perspective, None, "force-release")
+                    action_button(
+                        "release",
+                        Some(&stream),
+                        &perspective,
+                        None,
+                        "force-release",
+                    )
                 } else {
                     String::new()
                 },
@@ -334,6 +364,8 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
             "holder",
             "reason",
             "epoch",
+            "started",
+            "progress",
             "time left",
             "status",
             "",
@@ -418,7 +450,7 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                         if e["parked"] == true { " (parked)" } else { "" },
                         escape(&text(&e["error"])),
                         if actions {
-                            action_button("rewind", &stream, &name, None, "rewind")
+                            action_button("rewind", Some(&stream), &name, None, "rewind")
                         } else {
                             String::new()
                         }
@@ -426,7 +458,15 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                 })
                 .collect();
             vec![
-                escape(&name),
+                if actions {
+                    format!(
+                        "{}{}",
+                        escape(&name),
+                        action_button("rebuild", None, &name, None, "rebuild")
+                    )
+                } else {
+                    escape(&name)
+                },
                 escape(&text(&p["pairs"])),
                 escape(&text(&p["pending_events"])),
                 format!(
@@ -519,7 +559,7 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
             if actions {
                 buttons.push_str(&action_button(
                     "retry",
-                    &stream,
+                    Some(&stream),
                     &perspective,
                     None,
                     "retry",
@@ -527,7 +567,7 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                 if event.is_some() {
                     buttons.push_str(&action_button(
                         "skip",
-                        &stream,
+                        Some(&stream),
                         &perspective,
                         event,
                         "skip event",
