@@ -33,6 +33,12 @@ features:
 bench which:
     cargo run --release -p lockstep-bench -- {{which}}
 
+# lockstep vs the cqrs-es peer on the aggregate workload, alternating ABBA; ends with the
+# `vs_cqrs_es_<workload>_<commits|p99>=` lines (docs/benchmarks.md). Flags pass through, e.g.
+# `just bench-vs-cqrs-es --passes 4` or `--peer DIR`.
+bench-vs-cqrs-es *args:
+    scripts/bench-vs-cqrs-es {{args}}
+
 # The long run of the reliability suite (docs/reliability.md); ends with the tally line.
 reliability:
     cargo run --release -p lockstep-bench -- reliability

@@ -50,6 +50,14 @@
 //! of per-round ratios), `hot32_combined_p99_vs_pessimistic` (p99 over all rounds) and
 //! `hot32_combined_conflicts`.
 //!
+//! **Append vs plain insert** (module `append_cost`, after the scenarios): the server time of
+//! `lockstep_append_events` per event, no perspective registered, against a bare `INSERT` into
+//! an equally indexed table, both via pgbench, alternating ABBA; lines `append_server_us`,
+//! `plain_insert_server_us` and `append_server_us_vs_plain_insert` (median of per-pass ratios).
+//!
+//! Every scenario also prints `<hot|cold><writers>_<optimistic|pessimistic|combined>_commits_per_s`
+//! (over all rounds) and `…_p99_ms` (what `scripts/bench-vs-cqrs-es` compares with the peer).
+//!
 //! The last lines are the headline figures: `hot32_pessimistic_vs_optimistic`,
 //! `cold16_pessimistic_vs_optimistic` (median commits/s ratios), `hot32_pessimistic_conflicts`
 //! (over all rounds), `hot32_pessimistic_vs_floor`, `hot32_pessimistic_vs_pgbench` (medians of
@@ -75,6 +83,7 @@ use lockstep_testkit::pg_harness::server_address;
 use lockstep_testkit::relay::Relay;
 use uuid::Uuid;
 
+use crate::append_cost;
 use crate::bench_db::{BenchDatabase, admin_url};
 use crate::pgbench::{self, PgbenchRun};
 use crate::report::new_histogram;
@@ -131,6 +140,12 @@ pub(crate) struct Args {
     /// `SELECT 1` round trips timed per round for the floor.
     #[arg(long, default_value_t = 300)]
     floor_samples: usize,
+    /// Append vs plain insert (`append_cost`): events per side and pass.
+    #[arg(long, default_value_t = 3000)]
+    append_events: usize,
+    /// Append vs plain insert: passes, alternating which side goes first (ABBA); 0 skips it.
+    #[arg(long, default_value_t = 4)]
+    append_passes: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +156,15 @@ enum Mode {
 }
 
 impl Mode {
+    /// The mode's name in `key=value` lines.
+    fn key(self) -> &'static str {
+        match self {
+            Mode::Optimistic => "optimistic",
+            Mode::Pessimistic => "pessimistic",
+            Mode::Combined => "combined",
+        }
+    }
+
     fn label(self) -> &'static str {
         match self {
             Mode::Optimistic => "optimistic+retry",
@@ -406,6 +430,14 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                     round_trips as f64 / rt.commits.max(1) as f64,
                     round_trips as f64 / rt.attempts.max(1) as f64,
                 );
+                let key = format!("{}{writers}_{}", heat.label(), mode.key());
+                headline.scenario_lines.push(format!(
+                    "{key}_commits_per_s={:.1}",
+                    outcome.commits_per_sec()
+                ));
+                headline
+                    .scenario_lines
+                    .push(format!("{key}_p99_ms={:.2}", ms(0.99)));
             }
             println!(
                 "|  |  | *pessimistic / optimistic, median of {} rounds* | **{}** |  |  |  |  |  |  |  |  |",
@@ -455,6 +487,19 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
         }
     }
     drop(relay);
+    if args.append_passes > 0 {
+        let cost = append_cost::measure(
+            &args.pgbench,
+            db,
+            &work_dir,
+            args.append_events,
+            args.append_passes,
+        )
+        .await?;
+        headline.tables.push(cost.table(args.append_events));
+        (headline.append_server_us, headline.plain_insert_server_us) = cost.medians();
+        headline.append_vs_plain_insert = cost.ratio();
+    }
     std::fs::remove_dir_all(&work_dir).ok();
     for table in &headline.tables {
         println!();
@@ -480,6 +525,14 @@ struct Headline {
     combined_p99_vs_pessimistic: Option<f64>,
     combined_conflicts: Option<u64>,
     cold16_combined: Option<f64>,
+    /// Server time per appended event, µs (median over passes), and per plain insert.
+    append_server_us: Option<f64>,
+    plain_insert_server_us: Option<f64>,
+    /// Median over passes of append ÷ plain insert server time.
+    append_vs_plain_insert: Option<f64>,
+    /// Per scenario and mode: `<hot|cold><writers>_<mode>_commits_per_s` (over all rounds)
+    /// and `…_p99_ms`, printed before the headline figures.
+    scenario_lines: Vec<String>,
     /// Tables printed after the main one (hot 32: floor and peer, section timeline).
     tables: Vec<String>,
 }
@@ -488,6 +541,9 @@ impl Headline {
     fn print(&self) {
         let figure =
             |r: Option<f64>, digits: usize| r.map_or("n/a".to_owned(), |r| format!("{r:.digits$}"));
+        for line in &self.scenario_lines {
+            println!("{line}");
+        }
         println!("hot32_pessimistic_vs_optimistic={}", figure(self.hot32, 2));
         println!(
             "cold16_pessimistic_vs_optimistic={}",
@@ -528,6 +584,15 @@ impl Headline {
         println!(
             "cold16_combined_vs_optimistic={}",
             figure(self.cold16_combined, 2)
+        );
+        println!("append_server_us={}", figure(self.append_server_us, 1));
+        println!(
+            "plain_insert_server_us={}",
+            figure(self.plain_insert_server_us, 1)
+        );
+        println!(
+            "append_server_us_vs_plain_insert={}",
+            figure(self.append_vs_plain_insert, 2)
         );
     }
 }

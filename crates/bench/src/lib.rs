@@ -22,6 +22,7 @@
 #![allow(clippy::print_stdout)]
 
 mod aggregate;
+mod append_cost;
 mod bench_db;
 mod locker;
 mod pgbench;

@@ -1,3 +1,6 @@
+//! What the *server* did while one side of a comparison ran: the statements it executed
+//! ([`StatementCounter`]) and the time it spent executing them ([`ServerTime`]).
+//!
 //! Counting the statements the *server* executed while one side of a comparison ran, so the
 //! "one statement per operation" claim is measured, not assumed.
 //!
@@ -140,5 +143,65 @@ impl StatementCounter {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         bail!("pg_stat_database did not settle")
+    }
+}
+
+/// Reads the time the server spent executing statements in one benchmark database:
+/// `pg_stat_database.active_time` (PostgreSQL 14 and later), the sum over its backends of the
+/// time each spent in the `active` state — from a statement's Bind (or Query) to the
+/// `ReadyForQuery` after it, so parse, plan, execution and, outside an explicit transaction,
+/// the commit; never the client's time or the network's. Backends publish it when they exit,
+/// so every reading first waits until no client is connected to the benchmark database and
+/// the counter has settled.
+pub(crate) struct ServerTime {
+    admin: Client,
+    database: String,
+}
+
+impl ServerTime {
+    /// A reader of `db`'s active time, over a connection to the admin database (whose own
+    /// statements do not count in the benchmark database).
+    pub(crate) async fn new(db: &BenchDatabase) -> Result<ServerTime> {
+        Ok(ServerTime {
+            admin: db.admin_client().await?,
+            database: db.name().to_owned(),
+        })
+    }
+
+    /// The active time so far, in microseconds, once every client has gone.
+    pub(crate) async fn read_us(&self) -> Result<f64> {
+        for _ in 0..200 {
+            let clients: i64 = self
+                .admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                      WHERE datname = $1 AND backend_type = 'client backend'",
+                    &[&self.database],
+                )
+                .await?
+                .get(0);
+            if clients == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let mut last: Option<f64> = None;
+        for _ in 0..40 {
+            let row = self
+                .admin
+                .query_one(
+                    "SELECT active_time FROM pg_stat_database WHERE datname = $1",
+                    &[&self.database],
+                )
+                .await
+                .context("reading pg_stat_database.active_time (PostgreSQL 14 or later)")?;
+            let now_ms: f64 = row.try_get(0).context("active_time")?;
+            if last == Some(now_ms) {
+                return Ok(now_ms * 1000.0);
+            }
+            last = Some(now_ms);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("pg_stat_database.active_time did not settle")
     }
 }

@@ -27,7 +27,10 @@
 //!   conflict leaves the transaction aborted. Of two transactions appending the same version,
 //!   the second waits for the first and fails only if the first commits. A `23505` is a
 //!   version conflict only when its constraint is `wh_events_stream_version`.
-//! - Appends are **idempotent by event id** (migration `V6`), so a unit of work retried after a
+//! - Appends are **idempotent by event id** (migration `V6`; since `V13` the primary key
+//!   detects a stored id as part of the insert, so an append that is neither a replay nor a
+//!   refusal pays no probe of its own, and the fan-out runs only when a perspective is
+//!   registered — ADR 0019), so a unit of work retried after a
 //!   lost `COMMIT` reply ([`ErrorKind::CommitUnknown`](lockstep_core::ErrorKind)) cannot write
 //!   its events twice: when every event id of an append is already stored in that stream, at
 //!   consecutive versions in the order given (and the expected version, if any, is the one
@@ -35,9 +38,10 @@
 //!   original append returned (the version of its last event). Stored ids that are anything
 //!   else — some stored and some not, in another stream, at other positions, at another
 //!   expected version — are refused with [`ErrorKind::InvalidInput`] (not retryable; the
-//!   transaction is aborted). An id another transaction is storing right now is waited for and,
-//!   if it commits, is a retryable [`ErrorKind::Conflict`]: the retry then replays or is
-//!   refused. An append listing one id twice is refused before any SQL.
+//!   transaction is aborted). An id another transaction is storing right now in the same
+//!   stream is waited for and, if it commits, is a retryable [`ErrorKind::Conflict`]: the
+//!   retry then replays or is refused (stored meanwhile in another stream, it is refused at
+//!   once: the retry's answer). An append listing one id twice is refused before any SQL.
 //! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
 //!   of the unique index).
 //! - [`load_locked`](lockstep_core::EventStore::load_locked) locks and loads in **one
