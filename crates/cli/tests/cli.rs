@@ -2,6 +2,7 @@
 //! purge, status, and the actionable errors. Postgres commands run against a database of the
 //! test's own.
 
+use std::os::unix::process::CommandExt as _;
 use std::process::{Command, Output};
 
 use lockstep_core::EventStore as _;
@@ -2392,6 +2393,9 @@ impl Browser {
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(log)
+            // A process group of its own (the browser, its zygotes and renderers), so that the
+            // drop can end all of them by its id.
+            .process_group(0)
             .spawn()
             .expect("starting chromium");
         let commands = child.stdin.take().expect("stdin");
@@ -2549,7 +2553,7 @@ impl Browser {
 
 impl Drop for Browser {
     /// Asks the browser to close (it then ends its renderer and helper processes itself), waits
-    /// at most 5 s for it, kills it otherwise, and removes its profile.
+    /// at most 5 s for it, kills its process group, and removes its profile.
     fn drop(&mut self) {
         use std::io::Write;
         let close = b"{\"id\":0,\"method\":\"Browser.close\"}\0";
@@ -2558,14 +2562,23 @@ impl Drop for Browser {
             .write_all(close)
             .and_then(|()| self.commands.flush());
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
+        let mut closed = false;
+        while !closed && std::time::Instant::now() < deadline {
+            closed = matches!(self.child.try_wait(), Ok(Some(_)));
+            if !closed {
+                std::thread::sleep(std::time::Duration::from_millis(50));
             }
-            std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !closed {
+            // The whole group, by its id, while its leader is not reaped yet (so the id cannot
+            // have been reused): the browser and every helper it started.
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.child.id())])
+                .stderr(std::process::Stdio::null())
+                .status();
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
         let _ = std::fs::remove_dir_all(&self.profile);
     }
 }
