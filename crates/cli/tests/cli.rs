@@ -959,6 +959,12 @@ async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
     assert!(dom.contains("1 parked"), "{dom}");
     assert!(dom.contains("data-action=\"retry\""), "{dom}");
     assert!(dom.contains("data-action=\"release\""), "{dom}");
+    assert!(
+        dom.contains("data-action=\"rebuild\" data-perspective=\"Orders\""),
+        "{dom}"
+    );
+    // Nothing records when the purge lease was taken: the page says so rather than guess.
+    assert!(dom.contains("not recorded"), "{dom}");
     // The script refreshed the page in place (the server-rendered marker was replaced).
     assert!(dom.contains("updated "), "the in-place refresh ran: {dom}");
     drop(holder_conn);
