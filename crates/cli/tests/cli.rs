@@ -2195,6 +2195,10 @@ async fn the_pages_rebuild_action_needs_the_token_a_confirmation_and_requests_ev
             r#"{"action":"rewind","perspective":"Ledger"}"#.to_owned(),
             "rewind needs stream_id",
         ),
+        (
+            r#"{"action":"rebuild-all","perspective":"Ledger"}"#.to_owned(),
+            "unknown action \\\"rebuild-all\\\"",
+        ),
     ] {
         let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &bad).await;
         assert_eq!(code, 422, "{bad}: {body}");
