@@ -2704,3 +2704,81 @@ async fn in_a_real_browser_an_action_needs_the_token_and_with_it_releases_the_le
         "{log}"
     );
 }
+
+/// Issue 21: `/metrics` is read from the database at each scrape, so a perspective that is
+/// retired has no series any more (a gauge kept at its last value would keep an alert on its
+/// pending events or its workers firing for ever); every family still has `# HELP`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retired_perspective_leaves_the_metrics() {
+    let (_db, url, pool) = migrated().await;
+    let (ledger, _, _) = two_ledger_pairs(&pool).await;
+    let statements = PerspectiveName::new("Statements").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&statements))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    let (mut server, addr) = serve(&url).await;
+    let pending = |metrics: &str| -> Vec<(String, f64)> {
+        let scrape = prometheus_parse::Scrape::parse(metrics.lines().map(|l| Ok(l.to_owned())))
+            .expect("a valid exposition");
+        assert!(
+            scrape
+                .docs
+                .contains_key("lockstep_perspective_pending_events"),
+            "{metrics}"
+        );
+        let mut rows: Vec<(String, f64)> = scrape
+            .samples
+            .iter()
+            .filter(|s| s.metric == "lockstep_perspective_pending_events")
+            .filter_map(|s| match s.value {
+                prometheus_parse::Value::Gauge(v) => {
+                    Some((s.labels.get("perspective")?.to_owned(), v))
+                }
+                _ => None,
+            })
+            .collect();
+        rows.sort_by(|a, b| a.0.cmp(&b.0));
+        rows
+    };
+    let (code, before) = http_on(&addr, "GET", "/metrics", &[], "").await;
+    assert_eq!(code, 200, "{before}");
+    assert_eq!(
+        pending(&before),
+        vec![("Ledger".to_owned(), 6.0), ("Statements".to_owned(), 6.0)],
+        "{before}"
+    );
+    let source = lockstep_pg::PgDatabase::from_pool(pool.clone());
+    let retired = tokio::spawn(async move {
+        lockstep_worker::life::retire(
+            &source,
+            &PgPerspectiveStore::new(),
+            &statements,
+            lockstep_core::RetireStates::Keep,
+        )
+        .await
+    })
+    .await
+    .expect("task")
+    .expect("retire");
+    assert!(
+        matches!(retired, lockstep_core::Retired::Retired { .. }),
+        "{retired:?}"
+    );
+    let (code, after) = http_on(&addr, "GET", "/metrics", &[], "").await;
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(code, 200, "{after}");
+    assert_eq!(
+        pending(&after),
+        vec![(ledger.as_str().to_owned(), 6.0)],
+        "the retired perspective has no series: {after}"
+    );
+    assert!(
+        !after.contains("perspective=\"Statements\""),
+        "no family keeps it: {after}"
+    );
+}
