@@ -89,9 +89,9 @@ enum Command {
         /// Name an advisory key you know; repeatable.
         #[arg(long = "name")]
         names: Vec<String>,
-        /// Enables the page's actions (force-release, rewind, retry, skip) for whoever gives
-        /// this token (at least 16 characters). Prefer the environment variable: a command
-        /// line is visible to every user of the machine.
+        /// Enables the page's actions (force-release, rewind, rebuild, retry, skip) for whoever
+        /// gives this token (at least 16 characters). Prefer the environment variable: a
+        /// command line is visible to every user of the machine.
         #[arg(long, env = "LOCKSTEP_SERVE_TOKEN", hide_env_values = true)]
         token: Option<String>,
     },

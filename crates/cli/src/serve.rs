@@ -25,6 +25,7 @@ mod actions;
 mod render;
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -87,7 +88,6 @@ pub(crate) async fn serve(url: &DbUrl, options: ServeOptions, json: bool) -> Res
     let listener = listen("--addr", &options.addr).await?;
     let metrics =
         lockstep_observe::prometheus::install().context("installing the metrics recorder")?;
-    describe_gauges();
     let db = url.handle_lazy(4, "lockstep serve")?;
     let shared = Arc::new(Shared {
         db,
@@ -379,134 +379,195 @@ async fn healthz(State(shared): State<Arc<Shared>>) -> Response {
         .into_response()
 }
 
-/// `# HELP` for every gauge `/metrics` exports (Prometheus conventions: a family without help
-/// is a question for whoever reads the dashboard).
-fn describe_gauges() {
-    use metrics::describe_gauge;
-    describe_gauge!(
-        "lockstep_stream_leases_held",
-        "Stream leases held now (not expired)."
-    );
-    describe_gauge!(
-        "lockstep_stream_leases_expired",
-        "Stream leases whose holder stopped renewing; any instance may take them over."
-    );
-    describe_gauge!(
-        "lockstep_stream_leases_unreadable",
-        "Lease rows lockstep cannot read (written by hand)."
-    );
-    describe_gauge!(
+/// `# HELP` and the samples of one gauge family: `(label, value)` pairs, `None` for an
+/// unlabelled sample.
+fn gauge_family<'a>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    label: &str,
+    samples: impl IntoIterator<Item = (Option<&'a str>, f64)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} gauge");
+    for (value_of_label, value) in samples {
+        let value = if value.is_finite() {
+            format!("{value}")
+        } else if value.is_nan() {
+            "NaN".to_owned()
+        } else if value > 0.0 {
+            "+Inf".to_owned()
+        } else {
+            "-Inf".to_owned()
+        };
+        match value_of_label {
+            Some(v) => {
+                let v = v
+                    .replace('\\', "\\\\")
+                    .replace('"', "\\\"")
+                    .replace('\n', "\\n");
+                let _ = writeln!(out, "{name}{{{label}=\"{v}\"}} {value}");
+            }
+            None => {
+                let _ = writeln!(out, "{name} {value}");
+            }
+        }
+    }
+}
+
+/// The gauges a scrape reads from the database, in the Prometheus text format.
+///
+/// Rendered from this scrape's snapshot alone rather than set on the global recorder: a
+/// recorder keeps a gauge at its last value until the process ends, so a perspective retired
+/// (or a `time_to_empty` that became unknown) would go on being exported as it last was, and
+/// alerts on it would never clear. Each family has `# HELP` and `# TYPE`; a perspective that is
+/// gone has no series.
+fn database_gauges(snap: &Snapshot) -> String {
+    let mut out = String::new();
+    let count = |status: &str| snap.leases.iter().filter(|l| l["status"] == status).count() as f64;
+    for (name, help, status) in [
+        (
+            "lockstep_stream_leases_held",
+            "Stream leases held now (not expired).",
+            "held",
+        ),
+        (
+            "lockstep_stream_leases_expired",
+            "Stream leases whose holder stopped renewing; any instance may take them over.",
+            "expired",
+        ),
+        (
+            "lockstep_stream_leases_unreadable",
+            "Lease rows lockstep cannot read (written by hand).",
+            "unreadable",
+        ),
+    ] {
+        gauge_family(&mut out, name, help, "", [(None, count(status))]);
+    }
+    let workers = |state: &str| snap.workers.iter().filter(|w| w["state"] == state).count() as f64;
+    gauge_family(
+        &mut out,
         "lockstep_worker_instances",
-        "Announced worker instances, by state (live: seen within its lock timeout; stale)."
+        "Announced worker instances, by state (live: seen within its lock timeout; stale).",
+        "state",
+        [
+            (Some("live"), workers("live")),
+            (Some("stale"), workers("stale")),
+        ],
     );
-    describe_gauge!(
-        "lockstep_perspective_live_workers",
-        "Live worker instances that run a perspective."
-    );
-    describe_gauge!(
+    let name = |p: &Value| p["perspective"].as_str().unwrap_or("").to_owned();
+    let names: Vec<String> = snap.perspectives.iter().map(name).collect();
+    let per_perspective =
+        |out: &mut String, family: &str, help: &str, value: &dyn Fn(&Value) -> Option<f64>| {
+            gauge_family(
+                out,
+                family,
+                help,
+                "perspective",
+                snap.perspectives
+                    .iter()
+                    .zip(&names)
+                    .filter_map(|(p, n)| value(p).map(|v| (Some(n.as_str()), v))),
+            );
+        };
+    let get = |key: &'static str| move |p: &Value| Some(p[key].as_f64().unwrap_or(0.0));
+    let running =
+        |p: &Value| -> Vec<Value> { p["rewinds_running"].as_array().cloned().unwrap_or_default() };
+    per_perspective(
+        &mut out,
         "lockstep_perspective_pending_events",
-        "Events queued for a perspective and not applied yet."
+        "Events queued for a perspective and not applied yet.",
+        &get("pending_events"),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_lag_seconds",
-        "Age of a perspective's oldest pending work, in seconds."
+        "Age of a perspective's oldest pending work, in seconds.",
+        &get("lag_s"),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_rewinds_pending",
-        "Pairs of a perspective with a rewind requested."
+        "Pairs of a perspective with a rewind requested.",
+        &get("rewinds_pending"),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_pairs_parked",
-        "Pairs of a perspective parked after failing too often in a row."
+        "Pairs of a perspective parked after failing too often in a row.",
+        &get("parked"),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_pairs_backing_off",
-        "Pairs of a perspective waiting out their failure backoff."
+        "Pairs of a perspective waiting out their failure backoff.",
+        &get("backing_off"),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_pairs_in_error",
-        "Pairs of a perspective whose last attempt failed."
+        "Pairs of a perspective whose last attempt failed.",
+        &get("in_error"),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
+        "lockstep_perspective_live_workers",
+        "Live worker instances that run a perspective.",
+        &|p| Some(p["live_workers"].as_array().map_or(0, Vec::len) as f64),
+    );
+    per_perspective(
+        &mut out,
         "lockstep_perspective_applied_events_per_second",
-        "Events applied per second to a perspective by every worker together, over the last window of at least 10 s."
+        "Events applied per second to a perspective by every worker together, over the last window of at least 10 s.",
+        &get("applied_per_s"),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_time_to_empty_seconds",
-        "Seconds until a perspective's pending events are applied at its current rate (absent while nothing is applied)."
+        "Seconds until a perspective's pending events are applied at its current rate (absent while nothing is applied).",
+        &|p| p["time_to_empty_s"].as_f64(),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_rewinds_running",
-        "Rewinds of a perspective running now (their worker reported progress under a live lease)."
+        "Rewinds of a perspective running now (their worker reported progress under a live lease).",
+        &|p| Some(running(p).len() as f64),
     );
-    describe_gauge!(
+    per_perspective(
+        &mut out,
         "lockstep_perspective_rewind_events_remaining",
-        "Events the running rewinds of a perspective still have to replay, at their last progress report."
+        "Events the running rewinds of a perspective still have to replay, at their last progress report.",
+        &|p| {
+            Some(
+                running(p)
+                    .iter()
+                    .map(|r| {
+                        r["to_replay"].as_f64().unwrap_or(0.0)
+                            - r["replayed"].as_f64().unwrap_or(0.0)
+                    })
+                    .sum(),
+            )
+        },
     );
+    out
 }
 
 async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     match snapshot(&shared).await {
         Ok(snap) => {
-            set_gauges(&snap);
-            (
-                [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                shared.metrics.render(),
-            )
-                .into_response()
+            // The page's own calls (the observe layer's counters and histograms), then the
+            // database's gauges.
+            let mut body = shared.metrics.render();
+            if !body.is_empty() && !body.ends_with('\n') {
+                body.push('\n');
+            }
+            body.push_str(&database_gauges(&snap));
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
         }
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("{}\n", why.message()),
         )
             .into_response(),
-    }
-}
-
-/// Sets the gauges a scrape reads from the database.
-fn set_gauges(snap: &Snapshot) {
-    let count = |status: &str| snap.leases.iter().filter(|l| l["status"] == status).count() as f64;
-    metrics::gauge!("lockstep_stream_leases_held").set(count("held"));
-    metrics::gauge!("lockstep_stream_leases_expired").set(count("expired"));
-    metrics::gauge!("lockstep_stream_leases_unreadable").set(count("unreadable"));
-    for state in ["live", "stale"] {
-        let n = snap.workers.iter().filter(|w| w["state"] == state).count() as f64;
-        metrics::gauge!("lockstep_worker_instances", "state" => state).set(n);
-    }
-    for p in &snap.perspectives {
-        let name = p["perspective"].as_str().unwrap_or("").to_owned();
-        let get = |k: &str| p[k].as_f64().unwrap_or(0.0);
-        metrics::gauge!("lockstep_perspective_pending_events", "perspective" => name.clone())
-            .set(get("pending_events"));
-        metrics::gauge!("lockstep_perspective_lag_seconds", "perspective" => name.clone())
-            .set(get("lag_s"));
-        metrics::gauge!("lockstep_perspective_rewinds_pending", "perspective" => name.clone())
-            .set(get("rewinds_pending"));
-        metrics::gauge!("lockstep_perspective_pairs_parked", "perspective" => name.clone())
-            .set(get("parked"));
-        metrics::gauge!("lockstep_perspective_pairs_backing_off", "perspective" => name.clone())
-            .set(get("backing_off"));
-        let live = p["live_workers"].as_array().map_or(0, Vec::len) as f64;
-        metrics::gauge!("lockstep_perspective_live_workers", "perspective" => name.clone())
-            .set(live);
-        let running = p["rewinds_running"]
-            .as_array()
-            .map_or(&[][..], Vec::as_slice);
-        let remaining: f64 = running
-            .iter()
-            .map(|r| r["to_replay"].as_f64().unwrap_or(0.0) - r["replayed"].as_f64().unwrap_or(0.0))
-            .sum();
-        metrics::gauge!("lockstep_perspective_applied_events_per_second", "perspective" => name.clone())
-            .set(get("applied_per_s"));
-        if let Some(t) = p["time_to_empty_s"].as_f64() {
-            metrics::gauge!("lockstep_perspective_time_to_empty_seconds", "perspective" => name.clone())
-                .set(t);
-        }
-        metrics::gauge!("lockstep_perspective_rewinds_running", "perspective" => name.clone())
-            .set(running.len() as f64);
-        metrics::gauge!("lockstep_perspective_rewind_events_remaining", "perspective" => name.clone())
-            .set(remaining);
-        metrics::gauge!("lockstep_perspective_pairs_in_error", "perspective" => name)
-            .set(get("in_error"));
     }
 }

@@ -2,6 +2,7 @@
 //! purge, status, and the actionable errors. Postgres commands run against a database of the
 //! test's own.
 
+use std::os::unix::process::CommandExt as _;
 use std::process::{Command, Output};
 
 use lockstep_core::EventStore as _;
@@ -958,6 +959,12 @@ async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
     assert!(dom.contains("1 parked"), "{dom}");
     assert!(dom.contains("data-action=\"retry\""), "{dom}");
     assert!(dom.contains("data-action=\"release\""), "{dom}");
+    assert!(
+        dom.contains("data-action=\"rebuild\" data-perspective=\"Orders\""),
+        "{dom}"
+    );
+    // Nothing records when the purge lease was taken: the page says so rather than guess.
+    assert!(dom.contains("not recorded"), "{dom}");
     // The script refreshed the page in place (the server-rendered marker was replaced).
     assert!(dom.contains("updated "), "the in-place refresh ran: {dom}");
     drop(holder_conn);
@@ -2192,6 +2199,10 @@ async fn the_pages_rebuild_action_needs_the_token_a_confirmation_and_requests_ev
             r#"{"action":"rewind","perspective":"Ledger"}"#.to_owned(),
             "rewind needs stream_id",
         ),
+        (
+            r#"{"action":"rebuild-all","perspective":"Ledger"}"#.to_owned(),
+            "unknown action \\\"rebuild-all\\\"",
+        ),
     ] {
         let (code, body) = http_on(&addr, "POST", "/actions", &with_token, &bad).await;
         assert_eq!(code, 422, "{bad}: {body}");
@@ -2396,6 +2407,9 @@ impl Browser {
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(log)
+            // A process group of its own (the browser, its zygotes and renderers), so that the
+            // drop can end all of them by its id.
+            .process_group(0)
             .spawn()
             .expect("starting chromium");
         let commands = child.stdin.take().expect("stdin");
@@ -2553,7 +2567,7 @@ impl Browser {
 
 impl Drop for Browser {
     /// Asks the browser to close (it then ends its renderer and helper processes itself), waits
-    /// at most 5 s for it, kills it otherwise, and removes its profile.
+    /// at most 5 s for it, kills its process group, and removes its profile.
     fn drop(&mut self) {
         use std::io::Write;
         let close = b"{\"id\":0,\"method\":\"Browser.close\"}\0";
@@ -2562,14 +2576,23 @@ impl Drop for Browser {
             .write_all(close)
             .and_then(|()| self.commands.flush());
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
+        let mut closed = false;
+        while !closed && std::time::Instant::now() < deadline {
+            closed = matches!(self.child.try_wait(), Ok(Some(_)));
+            if !closed {
+                std::thread::sleep(std::time::Duration::from_millis(50));
             }
-            std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !closed {
+            // The whole group, by its id, while its leader is not reaped yet (so the id cannot
+            // have been reused): the browser and every helper it started.
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.child.id())])
+                .stderr(std::process::Stdio::null())
+                .status();
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
         let _ = std::fs::remove_dir_all(&self.profile);
     }
 }
@@ -2683,5 +2706,83 @@ async fn in_a_real_browser_an_action_needs_the_token_and_with_it_releases_the_le
     assert!(
         log.contains(&format!("release {stream}/Orders: done")),
         "{log}"
+    );
+}
+
+/// Issue 21: `/metrics` is read from the database at each scrape, so a perspective that is
+/// retired has no series any more (a gauge kept at its last value would keep an alert on its
+/// pending events or its workers firing for ever); every family still has `# HELP`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retired_perspective_leaves_the_metrics() {
+    let (_db, url, pool) = migrated().await;
+    let (ledger, _, _) = two_ledger_pairs(&pool).await;
+    let statements = PerspectiveName::new("Statements").expect("valid");
+    let store = PgPerspectiveStore::new();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&statements))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    let (mut server, addr) = serve(&url).await;
+    let pending = |metrics: &str| -> Vec<(String, f64)> {
+        let scrape = prometheus_parse::Scrape::parse(metrics.lines().map(|l| Ok(l.to_owned())))
+            .expect("a valid exposition");
+        assert!(
+            scrape
+                .docs
+                .contains_key("lockstep_perspective_pending_events"),
+            "{metrics}"
+        );
+        let mut rows: Vec<(String, f64)> = scrape
+            .samples
+            .iter()
+            .filter(|s| s.metric == "lockstep_perspective_pending_events")
+            .filter_map(|s| match s.value {
+                prometheus_parse::Value::Gauge(v) => {
+                    Some((s.labels.get("perspective")?.to_owned(), v))
+                }
+                _ => None,
+            })
+            .collect();
+        rows.sort_by(|a, b| a.0.cmp(&b.0));
+        rows
+    };
+    let (code, before) = http_on(&addr, "GET", "/metrics", &[], "").await;
+    assert_eq!(code, 200, "{before}");
+    assert_eq!(
+        pending(&before),
+        vec![("Ledger".to_owned(), 6.0), ("Statements".to_owned(), 6.0)],
+        "{before}"
+    );
+    let source = lockstep_pg::PgDatabase::from_pool(pool.clone());
+    let retired = tokio::spawn(async move {
+        lockstep_worker::life::retire(
+            &source,
+            &PgPerspectiveStore::new(),
+            &statements,
+            lockstep_core::RetireStates::Keep,
+        )
+        .await
+    })
+    .await
+    .expect("task")
+    .expect("retire");
+    assert!(
+        matches!(retired, lockstep_core::Retired::Retired { .. }),
+        "{retired:?}"
+    );
+    let (code, after) = http_on(&addr, "GET", "/metrics", &[], "").await;
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(code, 200, "{after}");
+    assert_eq!(
+        pending(&after),
+        vec![(ledger.as_str().to_owned(), 6.0)],
+        "the retired perspective has no series: {after}"
+    );
+    assert!(
+        !after.contains("perspective=\"Statements\""),
+        "no family keeps it: {after}"
     );
 }

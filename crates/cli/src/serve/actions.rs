@@ -73,18 +73,24 @@ impl Action {
     fn parse(request: &Request) -> Result<Action, String> {
         let name = PerspectiveName::new(request.perspective.as_str())
             .map_err(|e| format!("invalid perspective name: {e}"))?;
-        if request.action == "rebuild" {
+        let action = request.action.as_str();
+        if !["release", "rewind", "rebuild", "retry", "skip"].contains(&action) {
+            return Err(format!(
+                "unknown action {action:?} (release, rewind, rebuild, retry, skip)"
+            ));
+        }
+        if action == "rebuild" {
             return match &request.stream_id {
                 None => Ok(Action::Rebuild(name)),
                 Some(_) => Err(
                     "rebuild applies to a whole perspective and takes no stream_id \
-                                (rewind rewinds one pair)"
+                     (rewind rewinds one pair)"
                         .to_owned(),
                 ),
             };
         }
         let stream = match request.stream_id.as_deref() {
-            None => return Err(format!("{} needs stream_id", request.action)),
+            None => return Err(format!("{action} needs stream_id")),
             Some(id) => Uuid::parse_str(id)
                 .map(StreamId::from_uuid)
                 .map_err(|_| format!("stream_id {id:?} is not a UUID"))?,
