@@ -387,8 +387,8 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                     peer_rounds.hold_ms.push(this_hold_ms);
                 }
             }
-            let median_ratio = median(ratios.clone());
-            let combined_ratio = median(combined_ratios.clone());
+            let median_ratio = median(&ratios);
+            let combined_ratio = median(&combined_ratios);
             for mode in [Mode::Optimistic, Mode::Pessimistic, Mode::Combined] {
                 let rt_pool = relayed_pool(writers)?;
                 let rt_setup = Setup {
@@ -465,7 +465,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                             Some(p99(Mode::Combined) as f64 / pessimistic_p99 as f64);
                     }
                     headline.combined_vs_optimistic = combined_ratio;
-                    headline.combined_vs_limit = median(vs_limit.clone());
+                    headline.combined_vs_limit = median(&vs_limit);
                     headline.combined_conflicts = Some(totals[Mode::Combined as usize].conflicts);
                     let pessimistic = &totals[Mode::Pessimistic as usize];
                     headline.hold_ms = Some(pessimistic.hold_ms_mean());
@@ -631,8 +631,8 @@ impl PeerRounds {
                 pessimistic / pgbench.max(f64::EPSILON)
             ));
         }
-        headline.vs_floor = median(vs_floor);
-        headline.vs_pgbench = median(vs_pgbench);
+        headline.vs_floor = median(&vs_floor);
+        headline.vs_pgbench = median(&vs_pgbench);
         out
     }
 }
@@ -699,10 +699,10 @@ async fn server_view(db: &BenchDatabase, events: usize, samples: usize) -> Resul
     Ok(out)
 }
 
-/// The median of `values` (the upper one of an even count), `None` when empty.
-fn median(mut values: Vec<f64>) -> Option<f64> {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied()
+/// The median of `values` (the mean of the two middle ones of an even count), `None` when
+/// empty.
+fn median(values: &[f64]) -> Option<f64> {
+    Some(crate::report::median(values)).filter(|m| !m.is_nan())
 }
 
 /// The mean round trip of `SELECT 1` on one of `pool`'s connections, in milliseconds.

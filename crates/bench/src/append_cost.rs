@@ -85,10 +85,7 @@ impl AppendCost {
 
     /// The medians of each side's server time per event, µs.
     pub(crate) fn medians(&self) -> (Option<f64>, Option<f64>) {
-        let median = |mut v: Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied()
-        };
+        let median = |v: Vec<f64>| Some(crate::report::median(&v)).filter(|m: &f64| !m.is_nan());
         (
             median(self.passes.iter().map(|p| p.0).collect()),
             median(self.passes.iter().map(|p| p.1).collect()),

@@ -41,7 +41,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::bench_db::{BenchDatabase, admin_url};
 use crate::pgbench::{self, PgbenchRun, to_pgbench};
-use crate::report::{self, Measurement, Row, new_histogram};
+use crate::report::{self, Measurement, Row, median, new_histogram};
 use crate::server_stats::StatementCounter;
 
 /// Options of the `locker` benchmark.
@@ -326,16 +326,6 @@ impl Slice {
     /// A random row index of this client's, 0-based.
     fn draw(&self, rng: &mut StdRng) -> usize {
         self.client + self.clients * rng.random_range(0..self.slots)
-    }
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    match sorted.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
     }
 }
 

@@ -13,6 +13,18 @@ pub(crate) fn new_histogram() -> Histogram<u64> {
     }
 }
 
+/// The median of `values` (the mean of the two middle ones for an even count), NaN for none.
+/// The one median of every benchmark's per-round ratios and times.
+pub(crate) fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
 /// What one side of a comparison did.
 #[derive(Debug, Clone)]
 pub(crate) struct Measurement {

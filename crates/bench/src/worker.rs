@@ -64,6 +64,7 @@ use lockstep_worker::{LeaseKeeper, Leased, PairOutcome, PerspectiveWorker, Worke
 use uuid::Uuid;
 
 use crate::bench_db::{BenchDatabase, admin_url};
+use crate::report::median;
 use crate::server_stats::StatementCounter;
 use lockstep_core::EventStore as _;
 use lockstep_core::Transaction as _;
@@ -1322,16 +1323,6 @@ async fn keepalive(db: &BenchDatabase, args: &Args) -> Result<Keepalive> {
         server_statements: statements,
         interval,
     })
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    match sorted.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-    }
 }
 
 fn fmt_all(values: &[f64]) -> String {

@@ -26,8 +26,8 @@ use lockstep_core::Transaction as _;
 /// `lockstep locks …`
 #[derive(Debug, Subcommand)]
 pub(crate) enum LocksCommand {
-    /// Lists stream leases: stream, perspective, holder, reason, epoch, time left on the
-    /// database clock, held or expired.
+    /// Lists stream leases: stream, perspective, holder, reason, epoch, how long held and time
+    /// left on the database clock, held or expired.
     #[command(after_help = crate::EXIT_CODES)]
     List {
         /// Only leases of this perspective.
@@ -394,33 +394,39 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand, json: bool) -> Result<
                 say!("no stream leases");
             } else {
                 say!(
-                    "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  status",
+                    "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  {:>10}  status",
                     "stream",
                     "perspective",
                     "holder",
                     "reason",
                     "epoch",
+                    "held for",
                     "time left"
                 );
                 for entry in &entries {
                     match entry {
                         LeaseEntry::Lease(l) => say!(
-                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>9.1}s  {}{}",
+                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  {:>9.1}s  {}{}",
                             l.stream_id.to_string(),
                             l.perspective.as_str(),
                             l.holder.to_string(),
                             l.reason.as_str(),
                             l.epoch.get(),
+                            held_for(l).map_or_else(
+                                || "?".to_owned(),
+                                |d| format!("{:.1}s", d.as_secs_f64())
+                            ),
                             l.time_left.as_secs_f64(),
                             status(l.status),
                             holder_name(l.holder)
                                 .map_or_else(String::new, |n| format!("  (held by {n})"))
                         ),
                         LeaseEntry::Unreadable(u) => say!(
-                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  unreadable: {}",
+                            "{:<36}  {:<20}  {:<36}  {:<10}  {:>6}  {:>10}  {:>10}  unreadable: {}",
                             u.stream_id.to_string(),
                             // As stored, unvalidated: escaped, never raw control characters.
                             u.perspective.escape_debug().to_string(),
+                            "?",
                             "?",
                             "?",
                             "?",
@@ -513,7 +519,23 @@ pub(crate) fn lease_json(l: &lockstep_core::LeaseInfo) -> serde_json::Value {
         "epoch": l.epoch.get(),
         "time_left_ms": l.time_left.as_millis() as u64,
         "status": status(l.status),
+        "acquired_at": l.acquired_at.and_then(|at| at.format(&time::format_description::well_known::Rfc3339).ok()),
+        "held_for_ms": held_for(l).map(|d| d.as_millis() as u64),
     })
+}
+
+/// How long `l` has been held, on the database clock where the listing gives it: a live
+/// lease's expiry minus its time left is the listing's "now" there. An expired lease has no
+/// time left to subtract, so its age is taken on this machine's clock. `None` when the start
+/// is not recorded (a lease acquired before migration V14).
+pub(crate) fn held_for(l: &lockstep_core::LeaseInfo) -> Option<std::time::Duration> {
+    let started = l.acquired_at?;
+    let now = match l.status {
+        LeaseStatus::Held => l.expires_at - l.time_left,
+        LeaseStatus::Expired => time::OffsetDateTime::now_utc(),
+    };
+    // A start after "now" (clocks apart) is shown as just started, not as an error.
+    Some((now - started).try_into().unwrap_or_default())
 }
 
 /// One listed row as JSON: a lease, or a row that cannot be read — its key, `"status":

@@ -262,15 +262,14 @@ async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable>
     }
 }
 
-/// Gives each lease row its `started_at` and `progress` where a worker reported them.
+/// Gives each lease row its `started_at` and, for a running rewind, its `progress`.
 ///
-/// The lease columns of a cursor row record no acquisition time (ADR 0002 keeps them to
-/// holder, reason, expiry and epoch; the expiry moves at every renewal). What does record a
-/// start is a running rewind's progress report (ADR 0016 §4): it is listed only while the lease
-/// it was made under is live with the same holder and epoch, so its `started_at` is when this
-/// holder's rewind began under this very lease (a moment after the lease was taken). Other
-/// leases get `"started_at": null` with `"started_at_source": "not_recorded"`, which the page
-/// says in words, rather than a time it would have to guess.
+/// The start is the lease's own `acquired_at` (migration V14 records it in the try-acquire
+/// that begins an epoch; ADR 0021): `"started_at_source": "lease"`. A lease acquired before that
+/// migration has none; a running rewind's progress report (ADR 0016 §4) then dates it, since a
+/// report is listed only while the lease it was made under is live with the same holder and
+/// epoch: `"rewind_progress"`, a moment after the lease was taken. Otherwise `"started_at":
+/// null` with `"not_recorded"`, which the page says in words rather than guessing a time.
 fn started_and_progress(leases: &mut [Value], perspectives: &[Value]) {
     for lease in leases.iter_mut() {
         let running = perspectives
@@ -279,23 +278,31 @@ fn started_and_progress(leases: &mut [Value], perspectives: &[Value]) {
             .filter_map(|p| p["rewinds_running"].as_array())
             .flatten()
             .find(|r| r["stream_id"] == lease["stream_id"] && r["holder"] == lease["holder"]);
-        let (started_at, source, progress) = match running {
-            Some(r) => (
-                r["started_at"].clone(),
-                "rewind_progress",
-                json!({
-                    "replayed": r["replayed"], "to_replay": r["to_replay"],
-                    "percent": r["percent"], "running_s": r["running_s"],
-                    "reported_s_ago": r["reported_s_ago"],
-                }),
-            ),
-            None => (Value::Null, "not_recorded", Value::Null),
+        let progress = running.map_or(Value::Null, |r| {
+            json!({
+                "replayed": r["replayed"], "to_replay": r["to_replay"],
+                "percent": r["percent"], "running_s": r["running_s"],
+                "reported_s_ago": r["reported_s_ago"],
+            })
+        });
+        let (started_at, source) = match (&lease["acquired_at"], running) {
+            (Value::String(at), _) => (json!(at), "lease"),
+            (_, Some(r)) if r["started_at"].is_string() => {
+                (r["started_at"].clone(), "rewind_progress")
+            }
+            _ => (Value::Null, "not_recorded"),
+        };
+        let held_s = match (source, &lease["held_for_ms"], running) {
+            ("lease", Value::Number(ms), _) => json!(ms.as_f64().unwrap_or(0.0) / 1000.0),
+            ("rewind_progress", _, Some(r)) => r["running_s"].clone(),
+            _ => Value::Null,
         };
         if let Some(row) = lease.as_object_mut()
             && !row.contains_key("error")
         {
             row.insert("started_at".to_owned(), started_at);
             row.insert("started_at_source".to_owned(), json!(source));
+            row.insert("held_s".to_owned(), held_s);
             row.insert("progress".to_owned(), progress);
         }
     }

@@ -963,8 +963,9 @@ async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
         dom.contains("data-action=\"rebuild\" data-perspective=\"Orders\""),
         "{dom}"
     );
-    // Nothing records when the purge lease was taken: the page says so rather than guess.
-    assert!(dom.contains("not recorded"), "{dom}");
+    // The purge lease's start, as the try-acquire recorded it (V14), and how long it is held.
+    assert!(!dom.contains("not recorded"), "{dom}");
+    assert!(dom.contains(" s</small>") && dom.contains("held "), "{dom}");
     // The script refreshed the page in place (the server-rendered marker was replaced).
     assert!(dom.contains("updated "), "the in-place refresh ran: {dom}");
     drop(holder_conn);
@@ -2277,11 +2278,11 @@ async fn the_pages_rebuild_action_needs_the_token_a_confirmation_and_requests_ev
     assert!(log.contains("(cross-origin request): refused"), "{log}");
 }
 
-/// Issue 21: the lease table gives a running rewind's start and progress (reported by its
-/// worker under that very lease) and says "not recorded" for a lease whose start nothing
-/// records.
+/// Issue 21: the lease table gives every lease's start (recorded by the try-acquire, V14) and
+/// how long it is held, and a running rewind's progress. A lease acquired before V14 has no
+/// recorded start: a rewind's own report dates it, and otherwise the page says "not recorded".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_lease_table_shows_a_running_rewinds_start_and_progress() {
+async fn the_lease_table_shows_every_leases_start_and_a_rewinds_progress() {
     let (_db, url, pool) = migrated().await;
     let (name, first, second) = two_ledger_pairs(&pool).await;
     let store = PgPerspectiveStore::new();
@@ -2293,6 +2294,7 @@ async fn the_lease_table_shows_a_running_rewinds_start_and_progress() {
     tx.commit().await.expect("commit");
     let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
     let (rewinder, other) = (InstanceId::random(), InstanceId::random());
+    let before = time::OffsetDateTime::now_utc();
     let lease = match locker
         .try_acquire(first, &name, rewinder, &LockReason::Rewind)
         .await
@@ -2318,33 +2320,39 @@ async fn the_lease_table_shows_a_running_rewinds_start_and_progress() {
     tx.commit().await.expect("commit");
 
     let (mut server, addr) = serve(&url).await;
-    let (code, body) = http_on(&addr, "GET", "/api/status", &[], "").await;
-    let (page_code, page) = http_on(&addr, "GET", "/", &[], "").await;
-    let _ = server.kill();
-    let _ = server.wait();
-    assert_eq!((code, page_code), (200, 200), "{body}");
-    let status: serde_json::Value = serde_json::from_str(&body).expect("JSON");
-    let leases = status["leases"].as_array().expect("leases");
-    let row = |stream: StreamId| {
-        leases
+    let status_now = || async {
+        let (code, body) = http_on(&addr, "GET", "/api/status", &[], "").await;
+        let (page_code, page) = http_on(&addr, "GET", "/", &[], "").await;
+        assert_eq!((code, page_code), (200, 200), "{body}");
+        let status: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        (status, page)
+    };
+    let row = |status: &serde_json::Value, stream: StreamId| {
+        status["leases"]
+            .as_array()
+            .expect("leases")
             .iter()
             .find(|l| l["stream_id"] == stream.to_string())
             .unwrap_or_else(|| panic!("{stream} listed: {status}"))
+            .clone()
     };
-    let rewinding = row(first);
-    assert_eq!(
-        rewinding["started_at_source"], "rewind_progress",
-        "{rewinding}"
-    );
-    let started = rewinding["started_at"].as_str().expect("a start time");
-    assert!(started.contains('T'), "RFC 3339: {started}");
-    let running = rewinding["progress"]["running_s"]
-        .as_f64()
-        .expect("running_s");
-    assert!(
-        running >= 4.0,
-        "the run began 5 s before its report: {running} s"
-    );
+    let (status, page) = status_now().await;
+    for stream in [first, second] {
+        let lease = row(&status, stream);
+        assert_eq!(lease["started_at_source"], "lease", "{lease}");
+        let started = lease["started_at"].as_str().expect("a start time");
+        let started =
+            time::OffsetDateTime::parse(started, &time::format_description::well_known::Rfc3339)
+                .expect("RFC 3339");
+        // One machine: the database clock and the test's agree to well under a second.
+        assert!(
+            started >= before - time::Duration::seconds(1),
+            "{started} vs {before}"
+        );
+        let held = lease["held_s"].as_f64().expect("held_s");
+        assert!((0.0..60.0).contains(&held), "held for {held} s: {lease}");
+    }
+    let rewinding = row(&status, first);
     assert_eq!(
         (
             &rewinding["progress"]["replayed"],
@@ -2353,11 +2361,38 @@ async fn the_lease_table_shows_a_running_rewinds_start_and_progress() {
         (&2.into(), &3.into()),
         "{rewinding}"
     );
-    let plain = row(second);
+    assert!(row(&status, second)["progress"].is_null());
+    assert!(page.contains("2 of 3 events (66.7%)"), "{page}");
+    assert!(!page.contains("not recorded"), "{page}");
+
+    // Leases taken before migration V14 recorded no start.
+    pool.get()
+        .await
+        .expect("connection")
+        .execute(
+            "UPDATE wh_perspective_cursors SET stream_lock_acquired_at = NULL \
+              WHERE perspective_name = $1",
+            &[&name.as_str()],
+        )
+        .await
+        .expect("forget the starts");
+    let (status, page) = status_now().await;
+    let _ = server.kill();
+    let _ = server.wait();
+    let rewinding = row(&status, first);
+    assert_eq!(
+        rewinding["started_at_source"], "rewind_progress",
+        "{rewinding}"
+    );
+    let running = rewinding["held_s"].as_f64().expect("held_s");
+    assert!(
+        running >= 4.0,
+        "the run began 5 s before its report: {running} s"
+    );
+    let plain = row(&status, second);
     assert!(plain["started_at"].is_null(), "{plain}");
     assert_eq!(plain["started_at_source"], "not_recorded");
-    assert!(plain["progress"].is_null(), "{plain}");
-    assert!(page.contains("2 of 3 events (66.7%)"), "{page}");
+    assert!(plain["held_s"].is_null(), "{plain}");
     assert!(page.contains("not recorded"), "{page}");
 }
 

@@ -386,6 +386,11 @@ pub struct LeaseInfo {
     pub time_left: Duration,
     /// Held or expired.
     pub status: LeaseStatus,
+    /// When this lease was acquired (backend clock): the try-acquire that began its epoch.
+    /// Renewals and a holder's re-entry keep it. `None` when the backend did not record it —
+    /// on Postgres, a lease acquired before migration `V14` (what an operator's page shows as
+    /// "not recorded" rather than a guess).
+    pub acquired_at: Option<OffsetDateTime>,
 }
 
 impl LeaseInfo {
@@ -413,7 +418,14 @@ impl LeaseInfo {
             expires_at,
             time_left,
             status,
+            acquired_at: None,
         }
+    }
+
+    /// The same listing, acquired at `at` (backend clock; `None`: not recorded).
+    pub fn with_acquired_at(mut self, at: Option<OffsetDateTime>) -> LeaseInfo {
+        self.acquired_at = at;
+        self
     }
 }
 

@@ -150,13 +150,25 @@ fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<L
     } else {
         LeaseStatus::Expired
     };
+    // Informational only (V14): a start that cannot be read (an operator's `'infinity'`) lists
+    // as not recorded rather than making the whole lease unreadable.
+    let acquired_at = match row
+        .try_get::<_, Option<time::OffsetDateTime>>("stream_lock_acquired_at")
+    {
+        Ok(at) => at,
+        Err(err) => {
+            tracing::warn!(%stream_id, %perspective, error = %err, "a lease's start cannot be read");
+            None
+        }
+    };
     Ok(LeaseInfo::new(
         LeaseId::new(stream_id, stored_name(perspective)?, holder, epoch),
         reason,
         expires_at,
         time_left,
         status,
-    ))
+    )
+    .with_acquired_at(acquired_at))
 }
 
 /// An error and its causes, on one line.

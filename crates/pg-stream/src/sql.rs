@@ -25,14 +25,16 @@
 ///   statement. The epoch is kept only when `$3` re-acquires its own live lease; otherwise
 ///   (new holder, unlocked row, expired lease — even `$3`'s own) it increases by one.
 ///   `took_over` says whether an expired, uncleared lease was replaced; `reentered` whether `$3`
-///   already held the lease, live (the same test that keeps the epoch).
+///   already held the lease, live (the same test that keeps the epoch). The same test keeps
+///   `stream_lock_acquired_at` (migration V14); a new epoch sets it to the statement's clock.
 /// - No row: the pair has no cursor. A row without `acquired_epoch`: denied, and the `holder`,
 ///   `reason`, `expiry`, `epoch` columns say by whom.
 pub const TRY_ACQUIRE: &str = "\
 WITH cur AS MATERIALIZED (
     SELECT stream_id, perspective_name,
            stream_lock_instance_id AS holder, stream_lock_reason AS reason,
-           stream_lock_expiry AS expiry, stream_lock_epoch AS epoch
+           stream_lock_expiry AS expiry, stream_lock_epoch AS epoch,
+           stream_lock_acquired_at AS acquired_at
       FROM wh_perspective_cursors
      WHERE stream_id = $1::uuid AND perspective_name = $2::text
        FOR NO KEY UPDATE NOWAIT
@@ -42,7 +44,9 @@ WITH cur AS MATERIALIZED (
            stream_lock_reason = $4::text,
            stream_lock_expiry = n.now + $5::interval,
            stream_lock_epoch = CASE WHEN cur.holder = $3::uuid AND cur.expiry > n.now
-                                    THEN cur.epoch ELSE cur.epoch + 1 END
+                                    THEN cur.epoch ELSE cur.epoch + 1 END,
+           stream_lock_acquired_at = CASE WHEN cur.holder = $3::uuid AND cur.expiry > n.now
+                                          THEN cur.acquired_at ELSE n.now END
       FROM cur, (SELECT clock_timestamp() AS now) n
      WHERE c.stream_id = cur.stream_id AND c.perspective_name = cur.perspective_name
        AND (cur.holder IS NULL OR cur.expiry <= n.now OR cur.holder = $3::uuid)
@@ -70,7 +74,8 @@ RETURNING stream_lock_expiry";
 /// means released, none means not held.
 pub const RELEASE: &str = "\
 UPDATE wh_perspective_cursors
-   SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL
+   SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
+       stream_lock_acquired_at = NULL
  WHERE stream_id = $1::uuid AND perspective_name = $2::text
    AND stream_lock_instance_id = $3::uuid AND stream_lock_epoch = $4::bigint";
 
@@ -123,7 +128,7 @@ SELECT stream_lock_epoch
 /// that hides which row it is).
 pub const LIST_LEASES: &str = "\
 SELECT c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_reason,
-       c.stream_lock_epoch, c.stream_lock_expiry,
+       c.stream_lock_epoch, c.stream_lock_expiry, c.stream_lock_acquired_at,
        CASE WHEN isfinite(c.stream_lock_expiry) THEN
            GREATEST(0, floor(extract(epoch FROM c.stream_lock_expiry - n.now) * 1000000))::bigint
        END AS time_left_us,
@@ -143,6 +148,7 @@ SELECT stream_lock_instance_id, stream_lock_reason, stream_lock_expiry, stream_l
 pub const FORCE_RELEASE: &str = "\
 UPDATE wh_perspective_cursors
    SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
+       stream_lock_acquired_at = NULL,
        stream_lock_epoch = stream_lock_epoch + 1
  WHERE stream_id = $1::uuid AND perspective_name = $2::text
    AND stream_lock_instance_id IS NOT NULL";
@@ -161,7 +167,8 @@ WITH locked AS MATERIALIZED (
        FOR NO KEY UPDATE
 )
 UPDATE wh_perspective_cursors c
-   SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL
+   SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
+       stream_lock_acquired_at = NULL
   FROM locked k
  WHERE c.stream_id = k.stream_id AND c.perspective_name = k.perspective_name
    AND c.stream_lock_instance_id = $1::uuid";

@@ -53,6 +53,8 @@ struct Held {
     holder: InstanceId,
     reason: LockReason,
     expires: Instant,
+    /// When the try-acquire that began this epoch ran (kept by renewals and re-entry).
+    acquired: Instant,
 }
 
 impl Row {
@@ -236,10 +238,15 @@ impl StreamLocker for InMemoryStreamLocker {
                 false
             }
         };
+        let acquired = match (&row.lease, reentered) {
+            (Some(held), true) => held.acquired,
+            _ => now,
+        };
         row.lease = Some(Held {
             holder: instance,
             reason: reason.clone(),
             expires,
+            acquired,
         });
         Ok(AcquireOutcome::Acquired(
             StreamLease::new(
@@ -345,22 +352,25 @@ impl StreamLockAdmin for InMemoryStreamLocker {
             .iter()
             .filter_map(|((stream_id, perspective), row)| {
                 let held = row.lease.as_ref()?;
-                Some(LeaseInfo::new(
-                    LeaseId::new(
-                        *stream_id,
-                        perspective.clone(),
-                        held.holder,
-                        LeaseEpoch::new(row.epoch),
-                    ),
-                    held.reason.clone(),
-                    self.clock.wall(held.expires),
-                    held.expires.saturating_duration_since(now),
-                    if held.expires > now {
-                        LeaseStatus::Held
-                    } else {
-                        LeaseStatus::Expired
-                    },
-                ))
+                Some(
+                    LeaseInfo::new(
+                        LeaseId::new(
+                            *stream_id,
+                            perspective.clone(),
+                            held.holder,
+                            LeaseEpoch::new(row.epoch),
+                        ),
+                        held.reason.clone(),
+                        self.clock.wall(held.expires),
+                        held.expires.saturating_duration_since(now),
+                        if held.expires > now {
+                            LeaseStatus::Held
+                        } else {
+                            LeaseStatus::Expired
+                        },
+                    )
+                    .with_acquired_at(Some(self.clock.wall(held.acquired))),
+                )
             })
             .collect())
     }

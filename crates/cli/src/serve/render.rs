@@ -315,12 +315,12 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                 escape(&text(&l["epoch"])),
                 match l["started_at"].as_str() {
                     Some(at) => format!(
-                        "{}<br><small>running {:.1} s</small>",
+                        "{}<br><small>held {:.1} s</small>",
                         escape(at),
-                        l["progress"]["running_s"].as_f64().unwrap_or(0.0)
+                        l["held_s"].as_f64().unwrap_or(0.0)
                     ),
-                    None if l["error"].is_null() => "<span class=\"none\" title=\"the lease \
-                        row records no start time; a rewind reports its own\">not \
+                    None if l["error"].is_null() => "<span class=\"none\" title=\"acquired \
+                        before the lease start was recorded (migration V14)\">not \
                         recorded</span>"
                         .to_owned(),
                     None => String::new(),

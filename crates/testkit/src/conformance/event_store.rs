@@ -344,8 +344,17 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
     commit(tx).await.expect("commit");
     assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
 
-    // Refusals.
-    let refused: [(StreamId, ExpectedVersion, Vec<NewEvent>); 5] = [
+    // Refusals. The last: an id stored in another stream, appended to a stream with events at
+    // a wrong expected version, is refused as such (the ids decide first), not a conflict.
+    let third = StreamId::new_v7();
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .append(&tx, third, ExpectedVersion::NoStream, &[event("G", 7)])
+        .await
+        .expect("append");
+    commit(tx).await.expect("commit");
+    let refused: [(StreamId, ExpectedVersion, Vec<NewEvent>); 6] = [
         (stream, ExpectedVersion::Any, vec![a.clone(), event("D", 4)]),
         (stream, ExpectedVersion::Any, vec![b.clone(), a.clone()]),
         (
@@ -359,6 +368,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
             ExpectedVersion::NoStream,
             vec![event("E", 5), b.clone()],
         ),
+        (third, ExpectedVersion::Exact(9), vec![a.clone()]),
     ];
     for (target, expected, events) in &refused {
         let tx = begin(fixture.source()).await;
@@ -378,6 +388,7 @@ pub async fn appending_stored_event_ids_again_is_a_replay_or_a_refusal<F: EventS
     }
     assert_eq!(committed_versions(&*fixture, stream).await, [1, 2, 3]);
     assert!(committed_versions(&*fixture, other).await.is_empty());
+    assert_eq!(committed_versions(&*fixture, third).await, [1]);
 
     let tx = begin(fixture.source()).await;
     let twice = event("F", 6);

@@ -540,6 +540,71 @@ pub async fn list_shows_held_and_expired_leases<F: StreamLockerFixture>(fixture:
     assert_eq!(expired.time_left, Duration::ZERO);
 }
 
+/// A listed lease says when it was acquired: the try-acquire that began its epoch (its expiry
+/// was that moment plus the lock timeout). Renewals and the holder's re-entry keep it; a new
+/// epoch (after a release, or an expired lease taken over) has a later one.
+pub async fn a_listed_lease_says_when_it_was_acquired<F: StreamLockerFixture>(fixture: &F) {
+    let (stream, name) = fresh_cursor(fixture).await;
+    let (a, b) = (InstanceId::random(), InstanceId::random());
+    let timeout = fixture.locker().options().lock_timeout();
+    let listed = || async {
+        fixture
+            .admin()
+            .list_leases()
+            .await
+            .expect("list")
+            .into_iter()
+            .find(|l| l.stream_id == stream && l.perspective == name)
+            .expect("lease listed")
+    };
+    let lease = acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    let first = listed().await;
+    let started = first.acquired_at.expect("the start of a lease is recorded");
+    let held_for = lease.expires_at - started;
+    assert!(
+        (held_for - timeout).abs() < time::Duration::milliseconds(1),
+        "acquired {started}, expiring {} (lock timeout {timeout:?})",
+        lease.expires_at
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    match fixture.locker().renew(&lease.id).await.expect("renew") {
+        RenewOutcome::Renewed { expires_at } => assert!(expires_at > lease.expires_at),
+        RenewOutcome::Lost => panic!("the holder's renew must succeed"),
+    }
+    assert_eq!(
+        listed().await.acquired_at,
+        Some(started),
+        "a renewal keeps it"
+    );
+    let again = acquire(fixture, stream, &name, a, &LockReason::Purge).await;
+    assert_eq!(again.id.epoch, lease.id.epoch);
+    assert_eq!(
+        listed().await.acquired_at,
+        Some(started),
+        "a re-entry keeps it"
+    );
+    assert_eq!(
+        fixture.locker().release(&again.id).await.expect("release"),
+        ReleaseOutcome::Released
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let next = acquire(fixture, stream, &name, b, &LockReason::Rewind).await;
+    let second = listed().await;
+    assert_eq!((second.holder, second.epoch), (b, next.id.epoch));
+    let restarted = second.acquired_at.expect("recorded");
+    assert!(
+        restarted > started,
+        "a new epoch, a new start: {restarted} after {started}"
+    );
+    wait_past_expiry(fixture).await;
+    acquire(fixture, stream, &name, a, &LockReason::Rewind).await;
+    let taken = listed().await.acquired_at.expect("recorded");
+    assert!(
+        taken > restarted,
+        "a takeover is a new start: {taken} after {restarted}"
+    );
+}
+
 fn announcement(instance: InstanceId, perspectives: &[&str]) -> InstanceAnnouncement {
     InstanceAnnouncement::new(
         instance,
@@ -764,6 +829,7 @@ macro_rules! __lockstep_stream_locker_cases {
             force_release_fences_the_old_holder,
             release_all_clears_only_that_instances_leases,
             list_shows_held_and_expired_leases,
+            a_listed_lease_says_when_it_was_acquired,
             an_announced_instance_is_listed_live_with_what_it_runs,
             announcing_again_replaces_the_announcement_and_keeps_started_at,
             keepalive_renews_the_leases_and_marks_the_instance_seen,
