@@ -50,6 +50,12 @@
 //! of per-round ratios), `hot32_combined_p99_vs_pessimistic` (p99 over all rounds) and
 //! `hot32_combined_conflicts`.
 //!
+//! **First commands** (a table after the main one): per scenario and mode, each writer's first
+//! committed command (p50 and max) against the p99 of its other commands. Each mode of each
+//! round gets a fresh pool, so a first command is its connection's first use of the statements
+//! and its backend's first call of the functions they run; the table shows how much of the p99
+//! that is. It changes no figure: the headline p99 counts every command.
+//!
 //! **Append vs plain insert** (module `append_cost`, after the scenarios): the server time of
 //! `lockstep_append_events` per event, no perspective registered, against a bare `INSERT` into
 //! an equally indexed table, both via pgbench, alternating ABBA; lines `append_server_us`,
@@ -197,6 +203,11 @@ struct Outcome {
     failed: u64,
     elapsed: Duration,
     latency_us: Histogram<u64>,
+    /// The same latencies split: each writer's first committed command of the scenario (its
+    /// connection's first use of the statements — and, on a fresh backend, of the functions
+    /// they call) and all the others. Diagnostic only: the headline uses `latency_us`.
+    first_latency_us: Histogram<u64>,
+    later_latency_us: Histogram<u64>,
     /// Sum of the measured holds, µs, and how many there were.
     hold_us: u64,
     holds: u64,
@@ -213,6 +224,8 @@ impl Outcome {
             failed: 0,
             elapsed: Duration::ZERO,
             latency_us: new_histogram(),
+            first_latency_us: new_histogram(),
+            later_latency_us: new_histogram(),
             hold_us: 0,
             holds: 0,
             section: Section::default(),
@@ -230,6 +243,8 @@ impl Outcome {
         self.section.merge(&other.section);
         // Same bounds on both sides; values beyond them were saturated on record.
         let _ = self.latency_us.add(&other.latency_us);
+        let _ = self.first_latency_us.add(&other.first_latency_us);
+        let _ = self.later_latency_us.add(&other.later_latency_us);
     }
 
     fn commits_per_sec(&self) -> f64 {
@@ -314,6 +329,8 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
     std::fs::create_dir_all(&work_dir).context("creating a work directory")?;
 
     let mut headline = Headline::default();
+    // One row per scenario and mode: the first command of each writer against the others.
+    let mut first_rows = String::new();
     for &writers in &args.writers {
         for heat in [Heat::Hot, Heat::Cold] {
             let commits = match heat {
@@ -449,6 +466,20 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                 combined_ratios.len(),
                 combined_ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}"))
             );
+            // Where the tail comes from: each writer's first command against the rest.
+            for mode in [Mode::Optimistic, Mode::Pessimistic, Mode::Combined] {
+                let o = &totals[mode as usize];
+                let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+                first_rows.push_str(&format!(
+                    "| {writers} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+                    heat.label(),
+                    mode.label(),
+                    ms(&o.first_latency_us, 0.5),
+                    ms(&o.first_latency_us, 1.0),
+                    ms(&o.later_latency_us, 0.99),
+                    ms(&o.latency_us, 0.99),
+                ));
+            }
             match (heat, writers) {
                 (Heat::Hot, 32) => {
                     headline.hot32 = median_ratio;
@@ -487,6 +518,10 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
         }
     }
     drop(relay);
+    headline.tables.push(format!(
+        "| writers | streams | mode | each writer's first command: p50 ms | its max ms | p99 ms \
+         of the other commands | p99 ms of all |\n|---:|---|---|---:|---:|---:|---:|\n{first_rows}"
+    ));
     if args.append_passes > 0 {
         let cost = append_cost::measure(
             &args.pgbench,
@@ -820,7 +855,8 @@ async fn scenario(
                 Arc::clone(&holds),
             );
             tokio::spawn(async move {
-                let mut latency = new_histogram();
+                let (mut latency, mut first, mut later) =
+                    (new_histogram(), new_histogram(), new_histogram());
                 while committed.load(Ordering::Relaxed) < commits {
                     let t0 = Instant::now();
                     let result = match &combiner {
@@ -851,20 +887,28 @@ async fn scenario(
                             committed.fetch_add(1, Ordering::Relaxed);
                             let us = t0.elapsed().as_micros().max(1) as u64;
                             latency.saturating_record(us);
+                            if first.is_empty() {
+                                first.saturating_record(us);
+                            } else {
+                                later.saturating_record(us);
+                            }
                         }
                         Err(_) => {
                             failed.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }
-                latency
+                (latency, first, later)
             })
         })
         .collect();
-    let mut latency_us = new_histogram();
+    let (mut latency_us, mut first_latency_us, mut later_latency_us) =
+        (new_histogram(), new_histogram(), new_histogram());
     for task in tasks {
-        let h = task.await.context("writer task")?;
-        let _ = latency_us.add(&h);
+        let (all, first, later) = task.await.context("writer task")?;
+        let _ = latency_us.add(&all);
+        let _ = first_latency_us.add(&first);
+        let _ = later_latency_us.add(&later);
     }
     let elapsed = started.elapsed();
     Ok(Outcome {
@@ -874,6 +918,8 @@ async fn scenario(
         failed: failed.load(Ordering::Relaxed),
         elapsed,
         latency_us,
+        first_latency_us,
+        later_latency_us,
         hold_us: holds.total_us.load(Ordering::Relaxed),
         holds: holds.count.load(Ordering::Relaxed),
         section: Section::of(
