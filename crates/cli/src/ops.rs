@@ -524,15 +524,14 @@ pub(crate) fn lease_json(l: &lockstep_core::LeaseInfo) -> serde_json::Value {
     })
 }
 
-/// How long `l` has been held, on the database clock where the listing gives it: a live
-/// lease's expiry minus its time left is the listing's "now" there. An expired lease has no
-/// time left to subtract, so its age is taken on this machine's clock. `None` when the start
-/// is not recorded (a lease acquired before migration V14).
+/// How long `l` has been held, on the database clock: a live lease's expiry minus its time left
+/// is the listing's "now" there; an expired lease was held until its expiry (its holder stopped
+/// renewing). `None` when the start is not recorded (a lease acquired before migration V14).
 pub(crate) fn held_for(l: &lockstep_core::LeaseInfo) -> Option<std::time::Duration> {
     let started = l.acquired_at?;
     let now = match l.status {
         LeaseStatus::Held => l.expires_at - l.time_left,
-        LeaseStatus::Expired => time::OffsetDateTime::now_utc(),
+        LeaseStatus::Expired => l.expires_at,
     };
     // A start after "now" (clocks apart) is shown as just started, not as an error.
     Some((now - started).try_into().unwrap_or_default())

@@ -26,7 +26,8 @@
 ///   (new holder, unlocked row, expired lease — even `$3`'s own) it increases by one.
 ///   `took_over` says whether an expired, uncleared lease was replaced; `reentered` whether `$3`
 ///   already held the lease, live (the same test that keeps the epoch). The same test keeps
-///   `stream_lock_acquired_at` (migration V14); a new epoch sets it to the statement's clock.
+///   `stream_lock_acquired_at` and `stream_lock_acquired_epoch` (migration V14); a new epoch
+///   sets them to the statement's clock and to that epoch.
 /// - No row: the pair has no cursor. A row without `acquired_epoch`: denied, and the `holder`,
 ///   `reason`, `expiry`, `epoch` columns say by whom.
 pub const TRY_ACQUIRE: &str = "\
@@ -34,7 +35,7 @@ WITH cur AS MATERIALIZED (
     SELECT stream_id, perspective_name,
            stream_lock_instance_id AS holder, stream_lock_reason AS reason,
            stream_lock_expiry AS expiry, stream_lock_epoch AS epoch,
-           stream_lock_acquired_at AS acquired_at
+           stream_lock_acquired_at AS started_at, stream_lock_acquired_epoch AS started_epoch
       FROM wh_perspective_cursors
      WHERE stream_id = $1::uuid AND perspective_name = $2::text
        FOR NO KEY UPDATE NOWAIT
@@ -46,7 +47,9 @@ WITH cur AS MATERIALIZED (
            stream_lock_epoch = CASE WHEN cur.holder = $3::uuid AND cur.expiry > n.now
                                     THEN cur.epoch ELSE cur.epoch + 1 END,
            stream_lock_acquired_at = CASE WHEN cur.holder = $3::uuid AND cur.expiry > n.now
-                                          THEN cur.acquired_at ELSE n.now END
+                                          THEN cur.started_at ELSE n.now END,
+           stream_lock_acquired_epoch = CASE WHEN cur.holder = $3::uuid AND cur.expiry > n.now
+                                             THEN cur.started_epoch ELSE cur.epoch + 1 END
       FROM cur, (SELECT clock_timestamp() AS now) n
      WHERE c.stream_id = cur.stream_id AND c.perspective_name = cur.perspective_name
        AND (cur.holder IS NULL OR cur.expiry <= n.now OR cur.holder = $3::uuid)
@@ -75,7 +78,7 @@ RETURNING stream_lock_expiry";
 pub const RELEASE: &str = "\
 UPDATE wh_perspective_cursors
    SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
-       stream_lock_acquired_at = NULL
+       stream_lock_acquired_at = NULL, stream_lock_acquired_epoch = NULL
  WHERE stream_id = $1::uuid AND perspective_name = $2::text
    AND stream_lock_instance_id = $3::uuid AND stream_lock_epoch = $4::bigint";
 
@@ -122,13 +125,16 @@ SELECT stream_lock_epoch
    FOR NO KEY UPDATE";
 
 /// Admin listing: every set lease (held or expired but uncleared), with the time left and the
-/// status computed on the database clock, ordered by stream then perspective (byte order, so it
+/// status computed on the database clock, when it was acquired (only when the start recorded is
+/// this epoch's: a lease whose epoch a binary before V14 began has none), ordered by stream then perspective (byte order, so it
 /// matches Rust's `str` ordering whatever the database collation). `time_left_us` is NULL for
 /// an infinite expiry (which the locker reports as a row it cannot read, not as an SQL error
 /// that hides which row it is).
 pub const LIST_LEASES: &str = "\
 SELECT c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_reason,
-       c.stream_lock_epoch, c.stream_lock_expiry, c.stream_lock_acquired_at,
+       c.stream_lock_epoch, c.stream_lock_expiry,
+       CASE WHEN c.stream_lock_acquired_epoch = c.stream_lock_epoch
+            THEN c.stream_lock_acquired_at END AS stream_lock_acquired_at,
        CASE WHEN isfinite(c.stream_lock_expiry) THEN
            GREATEST(0, floor(extract(epoch FROM c.stream_lock_expiry - n.now) * 1000000))::bigint
        END AS time_left_us,
@@ -148,7 +154,7 @@ SELECT stream_lock_instance_id, stream_lock_reason, stream_lock_expiry, stream_l
 pub const FORCE_RELEASE: &str = "\
 UPDATE wh_perspective_cursors
    SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
-       stream_lock_acquired_at = NULL,
+       stream_lock_acquired_at = NULL, stream_lock_acquired_epoch = NULL,
        stream_lock_epoch = stream_lock_epoch + 1
  WHERE stream_id = $1::uuid AND perspective_name = $2::text
    AND stream_lock_instance_id IS NOT NULL";
@@ -168,7 +174,7 @@ WITH locked AS MATERIALIZED (
 )
 UPDATE wh_perspective_cursors c
    SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
-       stream_lock_acquired_at = NULL
+       stream_lock_acquired_at = NULL, stream_lock_acquired_epoch = NULL
   FROM locked k
  WHERE c.stream_id = k.stream_id AND c.perspective_name = k.perspective_name
    AND c.stream_lock_instance_id = $1::uuid";

@@ -290,3 +290,73 @@ async fn release_all_held_by_clears_only_that_instances_leases_and_keeps_their_e
         None
     );
 }
+
+/// ADR 0021: a lease whose epoch was begun by a binary that does not record starts (one of an
+/// earlier release during a rolling upgrade, which moves the epoch and leaves the start columns
+/// as they were) lists with no start, not with the start of an earlier lease; the next
+/// acquisition by this binary records one again.
+#[tokio::test]
+async fn a_lease_begun_without_recording_its_start_lists_none_not_an_older_one() {
+    let db = Db::new(2).await;
+    let locker = db.locker(long_options());
+    let (stream, perspective) = db.order_cursor().await;
+    let listed = || async {
+        locker
+            .list_leases()
+            .await
+            .expect("list")
+            .into_iter()
+            .find(|l| l.stream_id == stream)
+            .expect("listed")
+    };
+    let first = acquire_by_anyone(&locker, stream, &perspective).await;
+    let started = listed().await.acquired_at.expect("recorded");
+    // The release of the rewind's fenced commit (V9) clears the holder and keeps the start
+    // columns; then an earlier release's try-acquire (no start columns) begins epoch 2.
+    let old_binary = InstanceId::random();
+    db.client()
+        .await
+        .execute(
+            "UPDATE wh_perspective_cursors SET stream_lock_instance_id = NULL, \
+                    stream_lock_reason = NULL, stream_lock_expiry = NULL \
+              WHERE stream_id = $1 AND perspective_name = $2",
+            &[&stream.as_uuid(), &perspective.as_str()],
+        )
+        .await
+        .expect("fenced release");
+    db.client()
+        .await
+        .execute(
+            "UPDATE wh_perspective_cursors SET stream_lock_instance_id = $3, \
+                    stream_lock_reason = 'rewind', \
+                    stream_lock_expiry = clock_timestamp() + interval '30 s', \
+                    stream_lock_epoch = stream_lock_epoch + 1 \
+              WHERE stream_id = $1 AND perspective_name = $2",
+            &[
+                &stream.as_uuid(),
+                &perspective.as_str(),
+                &old_binary.as_uuid(),
+            ],
+        )
+        .await
+        .expect("an earlier release's acquire");
+    let theirs = listed().await;
+    assert_eq!(theirs.holder, old_binary);
+    assert_eq!(theirs.epoch.get(), first.id.epoch.get() + 1);
+    assert_eq!(
+        theirs.acquired_at, None,
+        "not {started}, the previous lease's start"
+    );
+
+    // Once it expires or is released, this binary's next acquisition records its own start.
+    assert_eq!(
+        locker
+            .force_release(stream, &perspective)
+            .await
+            .expect("force"),
+        ReleaseOutcome::Released
+    );
+    acquire_by_anyone(&locker, stream, &perspective).await;
+    let ours = listed().await.acquired_at.expect("recorded again");
+    assert!(ours > started, "{ours} after {started}");
+}
