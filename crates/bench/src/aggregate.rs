@@ -92,7 +92,7 @@ use uuid::Uuid;
 use crate::append_cost;
 use crate::bench_db::{BenchDatabase, admin_url};
 use crate::pgbench::{self, PgbenchRun};
-use crate::report::new_histogram;
+use crate::report::{median_if_any, new_histogram};
 use lockstep_core::Transaction as _;
 
 /// Options of the `aggregate` benchmark.
@@ -404,8 +404,8 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                     peer_rounds.hold_ms.push(this_hold_ms);
                 }
             }
-            let median_ratio = median(&ratios);
-            let combined_ratio = median(&combined_ratios);
+            let median_ratio = median_if_any(&ratios);
+            let combined_ratio = median_if_any(&combined_ratios);
             for mode in [Mode::Optimistic, Mode::Pessimistic, Mode::Combined] {
                 let rt_pool = relayed_pool(writers)?;
                 let rt_setup = Setup {
@@ -496,7 +496,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                             Some(p99(Mode::Combined) as f64 / pessimistic_p99 as f64);
                     }
                     headline.combined_vs_optimistic = combined_ratio;
-                    headline.combined_vs_limit = median(&vs_limit);
+                    headline.combined_vs_limit = median_if_any(&vs_limit);
                     headline.combined_conflicts = Some(totals[Mode::Combined as usize].conflicts);
                     let pessimistic = &totals[Mode::Pessimistic as usize];
                     headline.hold_ms = Some(pessimistic.hold_ms_mean());
@@ -666,8 +666,8 @@ impl PeerRounds {
                 pessimistic / pgbench.max(f64::EPSILON)
             ));
         }
-        headline.vs_floor = median(&vs_floor);
-        headline.vs_pgbench = median(&vs_pgbench);
+        headline.vs_floor = median_if_any(&vs_floor);
+        headline.vs_pgbench = median_if_any(&vs_pgbench);
         out
     }
 }
@@ -732,12 +732,6 @@ async fn server_view(db: &BenchDatabase, events: usize, samples: usize) -> Resul
         out.push_str(&format!("| {step} | {value:.0} | {:.0} |\n", value - rt));
     }
     Ok(out)
-}
-
-/// The median of `values` (the mean of the two middle ones of an even count), `None` when
-/// empty.
-fn median(values: &[f64]) -> Option<f64> {
-    Some(crate::report::median(values)).filter(|m| !m.is_nan())
 }
 
 /// The mean round trip of `SELECT 1` on one of `pool`'s connections, in milliseconds.

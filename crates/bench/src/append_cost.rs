@@ -85,11 +85,10 @@ impl AppendCost {
 
     /// The medians of each side's server time per event, µs.
     pub(crate) fn medians(&self) -> (Option<f64>, Option<f64>) {
-        let median = |v: Vec<f64>| Some(crate::report::median(&v)).filter(|m: &f64| !m.is_nan());
-        (
-            median(self.passes.iter().map(|p| p.0).collect()),
-            median(self.passes.iter().map(|p| p.1).collect()),
-        )
+        let side = |pick: fn(&(f64, f64)) -> f64| {
+            crate::report::median_if_any(&self.passes.iter().map(pick).collect::<Vec<_>>())
+        };
+        (side(|p| p.0), side(|p| p.1))
     }
 
     /// The per-pass table.

@@ -25,6 +25,11 @@ pub(crate) fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// [`median`], `None` for no values (for figures printed as "n/a").
+pub(crate) fn median_if_any(values: &[f64]) -> Option<f64> {
+    (!values.is_empty()).then(|| median(values))
+}
+
 /// What one side of a comparison did.
 #[derive(Debug, Clone)]
 pub(crate) struct Measurement {
