@@ -198,10 +198,18 @@ SELECT p.perspective_name,
 
     /// Skips the pending event `$3` of a pair for good, with the reason `$4`: records it,
     /// deletes its work item and retries the pair. The count is 0 when it was not pending.
+    /// The pair's cursor row is locked first (the `InitPlan` of `k` runs before the delete):
+    /// a batch that has the pair claimed is waited for, so no work row of a claimed pair
+    /// disappears before its batch commits (V15's range delete counts on it).
     pub const SKIP_EVENT: &str = "\
-WITH w AS (
+WITH k AS (
+    SELECT 1 FROM wh_perspective_cursors c
+     WHERE c.stream_id = $1 AND c.perspective_name = $2
+       FOR NO KEY UPDATE
+), w AS (
     DELETE FROM wh_perspective_events x
      WHERE x.perspective_name = $2 AND x.stream_id = $1 AND x.event_id = $3
+       AND (SELECT count(*) FROM k) >= 0
     RETURNING x.event_id
 ), recorded AS (
     INSERT INTO wh_perspective_skipped_events (stream_id, perspective_name, event_id, reason)

@@ -153,6 +153,18 @@ fn pair_cursor(
     )
 }
 
+/// `ids` in ascending order without repeats (borrowed when they are already).
+fn ascending(ids: &[Uuid]) -> std::borrow::Cow<'_, [Uuid]> {
+    if ids.windows(2).all(|w| w[0] < w[1]) {
+        std::borrow::Cow::Borrowed(ids)
+    } else {
+        let mut sorted = ids.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        std::borrow::Cow::Owned(sorted)
+    }
+}
+
 fn unexpected(what: &str) -> Error {
     Error::new(
         ErrorKind::Backend,
@@ -211,7 +223,11 @@ pub(super) async fn commit<T: PgTransactionRef>(
                 check_json(&commit.state)?;
                 let (holder, epoch) =
                     fence_params(commit.fence.as_ref(), pair.stream_id, &pair.perspective)?;
-                let len = i32::try_from(commit.applied_events.len()).map_err(|_| {
+                // In ascending order without repeats: the commit deletes a pair's applied
+                // work rows as the range from its first to its last id (V15), and a claim
+                // hands them out in that order already.
+                let ids = ascending(&commit.applied_events);
+                let len = i32::try_from(ids.len()).map_err(|_| {
                     Error::new(
                         ErrorKind::InvalidInput,
                         "too many applied events in one entry",
@@ -223,7 +239,7 @@ pub(super) async fn commit<T: PgTransactionRef>(
                 last_event_ids.push(commit.last_event_id);
                 applied_counts.push(Some(count_param(commit.applied_count)?));
                 applied_lens.push(len);
-                applied.extend_from_slice(&commit.applied_events);
+                applied.extend_from_slice(&ids);
                 rewound_from.push(commit.rewound_from);
                 snapshots.push(commit.snapshot);
                 fence_holders.push(holder);

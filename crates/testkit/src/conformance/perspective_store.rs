@@ -3039,6 +3039,84 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
 
 // ---- Set-based batch commits and rewinds in fewer round trips (issue 18) ---------------------
 
+/// A late arrival enqueued (and committed) inside a claimed pair's range of events while its
+/// batch is in flight is not deleted by the batch's commit — whatever way the store deletes
+/// the applied work, e.g. by range of event ids — and the next claim rewinds the pair from it.
+/// The other pair of the batch commits as usual.
+pub async fn a_late_arrival_inside_a_claimed_range_survives_the_batch_commit<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("RangeLate");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let (late_ids, plain_ids) = (ids(3), ids(2));
+    let late = stream_with(&*fixture, &[late_ids[0], late_ids[2]]).await;
+    let plain = stream_with(&*fixture, &plain_ids).await;
+
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        &*fixture,
+        &tx,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    let mut claimed = work_of(&batch);
+    claimed.sort();
+    let mut expected = vec![
+        (late, p.clone(), Some(vec![late_ids[0], late_ids[2]])),
+        (plain, p.clone(), Some(plain_ids.clone())),
+    ];
+    expected.sort();
+    assert_eq!(claimed, expected);
+    // Between the first and the last claimed event of `late`, committed by another writer.
+    append(&*fixture, late, &[event(late_ids[1], 7)]).await;
+    let entries: Vec<BatchEntry> = batch
+        .pairs
+        .iter()
+        .map(|pair| {
+            let ClaimedWork::Apply { state, events } = &pair.work else {
+                panic!("expected events: {pair:?}");
+            };
+            let change = commit_of(&pair.cursor, state.as_ref(), events);
+            BatchEntry::new(pair.cursor.pair(), Some(change), None)
+        })
+        .collect();
+    let done = fixture
+        .store()
+        .commit_batch(&tx, &entries)
+        .await
+        .expect("commit_batch");
+    assert!(
+        done.iter()
+            .all(|d| matches!(d, BatchCommitted::Committed { .. })),
+        "{done:?}"
+    );
+    commit(tx).await.expect("commit");
+
+    assert_eq!(
+        pending(&*fixture, late, &p).await,
+        late_ids[1..2],
+        "the late arrival's work stays"
+    );
+    assert!(pending(&*fixture, plain, &p).await.is_empty());
+    let (cursor, _) = state(&*fixture, late, &p).await.expect("cursor");
+    assert_eq!(cursor.last_event_id, Some(late_ids[2]));
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(work_of(&batch), [(late, p.clone(), None)], "a rewind");
+    assert_eq!(
+        batch.pairs[0].cursor.rewind.map(|r| r.trigger),
+        Some(late_ids[1])
+    );
+}
+
 /// A batch of plain entries commits each as `commit_state` would: exactly the applied work is
 /// deleted (a work row inside the applied range that the entry did not apply stays), a fenced
 /// entry under its live lease commits, an entry's snapshot is saved and only the newest
@@ -3592,6 +3670,7 @@ macro_rules! __lockstep_perspective_store_cases {
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
             perspective_status_counts_work_failures_backoff_and_parking,
             a_batch_of_plain_entries_commits_each_as_commit_state_would,
+            a_late_arrival_inside_a_claimed_range_survives_the_batch_commit,
             load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it,
             a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits,
             states_page_through_one_perspectives_states_in_stream_order,
