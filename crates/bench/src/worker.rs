@@ -938,10 +938,12 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
         lines.push(format!(
             "server time in PL/pgSQL functions during the first side ({}, {breakdown_seconds:.3} s \
              wall, pg_stat_user_functions; total includes the functions called, self does not: \
-             claim_batch calls try_claim per pair looked at, commit_batch calls commit per pair):",
+             claim_pairs calls try_claim per pair looked at, commit_batch calls commit per pair; \
+             the claim's second statement, which reads the events, is plain SQL and not listed):",
             sides[0].label()
         ));
         let order = [
+            "lockstep_perspective_claim_pairs",
             "lockstep_perspective_claim_batch",
             "lockstep_perspective_try_claim",
             "lockstep_perspective_commit_batch",

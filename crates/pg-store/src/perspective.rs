@@ -141,11 +141,37 @@ SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
   FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
   LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
 
-    /// Claims a batch (see `lockstep_perspective_claim_batch`, migration V8): `$1` perspective
-    /// names, `$2` their positions, `$3` pairs, `$4` events per pair, `$5` events, `$6` bytes,
-    /// `$7` scan, `$8` debounce window µs, `$9` debounce cap µs.
-    pub const CLAIM_BATCH: &str =
-        "SELECT * FROM lockstep_perspective_claim_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+    /// Claims a batch's pairs (see `lockstep_perspective_claim_pairs`, migration V16): `$1`
+    /// perspective names, `$2` their positions, `$3` pairs, `$4` events per pair, `$5` events,
+    /// `$6` scan, `$7` debounce window µs, `$8` debounce cap µs. Rows: `rewind` and `apply`
+    /// pairs in claim order (an `apply` row with its state, its work rows' ids, the state's
+    /// size and the walk's position before it), then one `position` per perspective.
+    pub const CLAIM_PAIRS: &str =
+        "SELECT * FROM lockstep_perspective_claim_pairs($1, $2, $3, $4, $5, $6, $7, $8)";
+
+    /// The events of a batch's claimed pairs (`$1` streams, `$2` and `$3` the first and last
+    /// work id of each, `$4` the sizes of the pairs' states summed up to each pair, `$5` the
+    /// byte bound): each pair's events as one range of `wh_events (stream_id, event_id)`, in
+    /// pair then event-id order, `o` the pair's ordinal (from 1). An event is returned while
+    /// the states and events before it and itself fit the byte bound (`pg_column_size`), the
+    /// batch's first always. The range may hold events that are not the pair's work (skipped,
+    /// or enqueued since the claim): the caller keeps only the work ids; their sizes count.
+    pub const CLAIM_EVENTS: &str = "\
+SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at
+  FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+               pg_column_size(e.payload) AS size,
+               sum(pg_column_size(e.payload))
+                   OVER (ORDER BY p.o, e.event_id ROWS UNBOUNDED PRECEDING) AS cum,
+               p.stb
+          FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::int8[])
+               WITH ORDINALITY AS p(sid, lo, hi, stb, o)
+         CROSS JOIN LATERAL (
+               SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+                 FROM wh_events e
+                WHERE e.stream_id = p.sid AND e.event_id >= p.lo AND e.event_id <= p.hi
+                ORDER BY e.event_id) e) x
+ WHERE x.cum = x.size OR x.stb + x.cum <= $5
+ ORDER BY x.o, x.event_id";
 
     /// Commits a batch (see `lockstep_perspective_commit_batch`, migration V8).
     pub const COMMIT_BATCH: &str = "SELECT ord, outcome, revision, parked \
@@ -398,10 +424,11 @@ const CLAIM_EXTRA_AT: usize = CLAIM_EVENT_AT + 5;
 const V7_CURSOR_COLUMNS: usize = 13;
 /// How many columns `cursor_columns!` has: V7's and V8's failed event, backoff and parking.
 const CURSOR_COLUMNS: usize = V7_CURSOR_COLUMNS + 3;
-/// A batch claim's rows: kind, stream, perspective, the cursor columns, the state, the events.
+/// A batch claim's pair rows: kind, stream, perspective, the cursor columns, the state, the
+/// work ids, the state's size, the walk's position before the pair.
 const BATCH_CURSOR_AT: usize = 3;
 const BATCH_STATE_AT: usize = BATCH_CURSOR_AT + CURSOR_COLUMNS;
-const BATCH_EVENT_AT: usize = BATCH_STATE_AT + 1;
+const BATCH_WORK_AT: usize = BATCH_STATE_AT + 1;
 
 /// A rewind load's rows: part, the cursor columns, the snapshot (event, state, count), the
 /// event columns.
@@ -1410,10 +1437,10 @@ mod tests {
         assert_eq!(CLAIM_STATE_AT, 14);
         assert_eq!(CLAIM_EVENT_AT, 15);
         assert_eq!(CLAIM_EXTRA_AT, 20);
-        // lockstep_perspective_claim_batch: kind, stream, perspective, 16 cursor columns,
-        // state, 5 event columns.
+        // lockstep_perspective_claim_pairs: kind, stream, perspective, 16 cursor columns,
+        // state, work ids, state size, walk position.
         assert_eq!(BATCH_STATE_AT, 19);
-        assert_eq!(BATCH_EVENT_AT, 20);
+        assert_eq!(BATCH_WORK_AT, 20);
     }
 
     #[allow(dead_code)]

@@ -1,7 +1,8 @@
-//! The batch operations of [`PgPerspectiveStore`](super::PgPerspectiveStore): one statement
-//! claims a batch (`lockstep_perspective_claim_batch`, migration V8), one commits it
-//! (`lockstep_perspective_commit_batch`). The rows of a claim come back in the order the
-//! function emits them — a pair's header, then its events — so decoding is one pass.
+//! The batch operations of [`PgPerspectiveStore`](super::PgPerspectiveStore): two statements
+//! claim a batch (`lockstep_perspective_claim_pairs`, migration V16, for the pairs and their
+//! work ids; `CLAIM_EVENTS` for their events, each pair's as one range of `wh_events`: ADR
+//! 0022 §2), one commits it (`lockstep_perspective_commit_batch`, its work rows deleted by
+//! range since V15: ADR 0022).
 
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, ClaimedBatch, ClaimedPair, ClaimedWork, Error,
@@ -15,29 +16,33 @@ use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 use super::{
-    BATCH_CURSOR_AT, BATCH_EVENT_AT, BATCH_STATE_AT, V7_CURSOR_COLUMNS, backoff_micros, check_json,
+    BATCH_CURSOR_AT, BATCH_STATE_AT, BATCH_WORK_AT, V7_CURSOR_COLUMNS, backoff_micros, check_json,
     count_param, decode_cursor, decode_error, fence_params, micros, sql,
 };
 
-/// A pair being decoded: its cursor row and the events that follow it.
-struct Open {
+/// A pair to apply, claimed by the first statement, waiting for its events.
+struct Apply {
     cursor: lockstep_core::Cursor,
     state: Option<serde_json::Value>,
+    /// The ids of its pending work rows it is handed, ascending (at least one).
+    work: Vec<Uuid>,
+    /// The size of its state as Postgres counts it (`pg_column_size`).
+    state_bytes: i64,
+    /// Where its perspective's walk stood before it (the position to go back to when the
+    /// byte bound leaves it out).
+    walk_from: Option<StreamId>,
     events: Vec<RecordedEvent>,
 }
 
-impl Open {
-    fn close(self) -> ClaimedPair {
-        ClaimedPair::new(
-            self.cursor,
-            ClaimedWork::Apply {
-                state: self.state,
-                events: self.events,
-            },
-        )
-    }
+/// A claimed pair in claim order: a rewind, or the index of a pair to apply.
+enum Claimed {
+    Rewind(ClaimedPair),
+    Apply(usize),
 }
 
+/// Claims a batch in two statements (ADR 0022 §2): `lockstep_perspective_claim_pairs` walks,
+/// locks and judges the pairs and gives each pair to apply its work rows' ids; `CLAIM_EVENTS`
+/// reads their events, each pair's as one range of `wh_events`, within the byte bound.
 pub(super) async fn claim<T: PgTransactionRef>(
     tx: &T,
     request: &BatchClaim,
@@ -60,14 +65,13 @@ pub(super) async fn claim<T: PgTransactionRef>(
     let rows = tx
         .executor()
         .query_typed(
-            sql::CLAIM_BATCH,
+            sql::CLAIM_PAIRS,
             &[
                 (&names, Type::TEXT_ARRAY),
                 (&after, Type::UUID_ARRAY),
                 (&int(limits.pairs), Type::INT4),
                 (&int(limits.events_per_pair), Type::INT4),
                 (&int(limits.events), Type::INT4),
-                (&bytes, Type::INT8),
                 (&int(limits.scan), Type::INT4),
                 (&window, Type::INT8),
                 (&max_delay, Type::INT8),
@@ -89,54 +93,151 @@ pub(super) async fn claim<T: PgTransactionRef>(
                 )
             })
     };
-    let mut batch = ClaimedBatch::default();
-    let mut open: Option<Open> = None;
+    let mut positions = Vec::with_capacity(request.positions.len());
+    let mut claimed = Vec::new();
+    let mut applies: Vec<Apply> = Vec::new();
     for row in &rows {
         let kind: String = row.try_get(0).map_err(decode_error)?;
-        if kind == "event" {
-            let Some(pair) = open.as_mut() else {
-                return Err(unexpected("an event row before any pair"));
-            };
-            let event = crate::decode(row, BATCH_EVENT_AT, pair.cursor.stream_id)?;
-            pair.events.push(event);
-            continue;
-        }
-        if let Some(pair) = open.take() {
-            batch.pairs.push(pair.close());
-        }
         let stream: Option<Uuid> = row.try_get(1).map_err(decode_error)?;
         let name: String = row.try_get(2).map_err(decode_error)?;
         let name = requested(&name)?;
         match kind.as_str() {
-            "position" => batch
-                .positions
-                .push((name, stream.map(StreamId::from_uuid))),
+            "position" => positions.push((name, stream.map(StreamId::from_uuid))),
             "apply" | "rewind" => {
                 let stream =
                     StreamId::from_uuid(stream.ok_or_else(|| unexpected("a pair without stream"))?);
                 let cursor = pair_cursor(row, stream, &name)?;
                 if kind == "rewind" {
-                    batch
-                        .pairs
-                        .push(ClaimedPair::new(cursor, ClaimedWork::Rewind));
-                } else {
-                    open = Some(Open {
+                    claimed.push(Claimed::Rewind(ClaimedPair::new(
                         cursor,
-                        state: row.try_get(BATCH_STATE_AT).map_err(decode_error)?,
-                        events: Vec::new(),
-                    });
+                        ClaimedWork::Rewind,
+                    )));
+                    continue;
                 }
+                let work: Vec<Uuid> = row
+                    .try_get::<_, Option<Vec<Uuid>>>(BATCH_WORK_AT)
+                    .map_err(decode_error)?
+                    .unwrap_or_default();
+                if work.is_empty() || !work.windows(2).all(|w| w[0] < w[1]) {
+                    return Err(unexpected("a pair to apply without ascending work ids"));
+                }
+                let walk_from: Option<Uuid> =
+                    row.try_get(BATCH_WORK_AT + 2).map_err(decode_error)?;
+                claimed.push(Claimed::Apply(applies.len()));
+                applies.push(Apply {
+                    cursor,
+                    state: row.try_get(BATCH_STATE_AT).map_err(decode_error)?,
+                    work,
+                    state_bytes: row.try_get(BATCH_WORK_AT + 1).map_err(decode_error)?,
+                    walk_from: walk_from.map(StreamId::from_uuid),
+                    events: Vec::new(),
+                });
             }
             other => return Err(unexpected(&format!("a row of unknown kind {other:?}"))),
         }
     }
-    if let Some(pair) = open.take() {
-        batch.pairs.push(pair.close());
-    }
-    if batch.positions.len() != request.positions.len() {
+    if positions.len() != request.positions.len() {
         return Err(unexpected("positions missing"));
     }
+    if !applies.is_empty() {
+        read_events(tx, &mut applies, bytes).await?;
+    }
+    // A pair the byte bound left out entirely is not in this batch: its perspective's walk
+    // goes back to just before the first such pair, so that the next claim starts with it.
+    let mut applies: Vec<Option<Apply>> = applies.into_iter().map(Some).collect();
+    let mut went_back: Vec<bool> = vec![false; positions.len()];
+    let mut batch = ClaimedBatch::default();
+    for slot in claimed {
+        let apply = match slot {
+            Claimed::Rewind(pair) => {
+                batch.pairs.push(pair);
+                continue;
+            }
+            Claimed::Apply(i) => applies
+                .get_mut(i)
+                .and_then(Option::take)
+                .ok_or_else(|| unexpected("a pair twice"))?,
+        };
+        if apply.events.is_empty() {
+            if let Some(at) = positions
+                .iter()
+                .position(|(p, _)| *p == apply.cursor.perspective)
+                && !went_back[at]
+            {
+                went_back[at] = true;
+                positions[at].1 = apply.walk_from;
+            }
+            continue;
+        }
+        batch.pairs.push(ClaimedPair::new(
+            apply.cursor,
+            ClaimedWork::Apply {
+                state: apply.state,
+                events: apply.events,
+            },
+        ));
+    }
+    batch.positions = positions;
     Ok(batch)
+}
+/// Reads the events of the pairs to apply (`CLAIM_EVENTS`) and keeps, per pair, the events
+/// that are its work, in order, up to the first that did not come (the byte bound stopped
+/// the batch there; a pair with none is left out by the caller).
+async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: i64) -> Result<()> {
+    let mut streams = Vec::with_capacity(applies.len());
+    let mut first = Vec::with_capacity(applies.len());
+    let mut last = Vec::with_capacity(applies.len());
+    let mut state_bytes = Vec::with_capacity(applies.len());
+    let mut total: i64 = 0;
+    for apply in applies.iter() {
+        streams.push(apply.cursor.stream_id.as_uuid());
+        // Not empty: checked when the pair was decoded.
+        first.push(apply.work.first().copied().unwrap_or_default());
+        last.push(apply.work.last().copied().unwrap_or_default());
+        total = total.saturating_add(apply.state_bytes.max(0));
+        state_bytes.push(total);
+    }
+    let rows = tx
+        .executor()
+        .query_typed(
+            sql::CLAIM_EVENTS,
+            &[
+                (&streams, Type::UUID_ARRAY),
+                (&first, Type::UUID_ARRAY),
+                (&last, Type::UUID_ARRAY),
+                (&state_bytes, Type::INT8_ARRAY),
+                (&bytes, Type::INT8),
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "reading a claimed batch's events"))?;
+    // How far each pair's work ids have been matched; a pair stops at its first gap.
+    let mut matched = vec![0_usize; applies.len()];
+    let mut stopped = vec![false; applies.len()];
+    for row in &rows {
+        let ordinal: i64 = row.try_get(0).map_err(decode_error)?;
+        let i = usize::try_from(ordinal)
+            .ok()
+            .and_then(|o| o.checked_sub(1))
+            .filter(|i| *i < applies.len())
+            .ok_or_else(|| unexpected("an event of a pair that was not claimed"))?;
+        let apply = &mut applies[i];
+        let event = crate::decode(row, 1, apply.cursor.stream_id)?;
+        if stopped[i] {
+            continue;
+        }
+        match apply.work.get(matched[i]) {
+            Some(id) if *id == event.event_id => {
+                matched[i] += 1;
+                apply.events.push(event);
+            }
+            // Inside the range but not work (skipped, or enqueued after the claim).
+            Some(id) if *id > event.event_id => {}
+            // A work id without its event: hand out the events before it only.
+            _ => stopped[i] = true,
+        }
+    }
+    Ok(())
 }
 
 fn pair_cursor(

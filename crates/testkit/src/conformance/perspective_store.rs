@@ -3039,6 +3039,75 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
 
 // ---- Set-based batch commits and rewinds in fewer round trips (issue 18) ---------------------
 
+/// An event skipped between two pending ones is not handed out, however a store reads a
+/// pair's events (e.g. as one range of the stream from the first pending event to the last):
+/// the batch holds the events before and after it, and committing them leaves no work.
+pub async fn an_event_skipped_between_pending_ones_is_not_handed_out<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("SkipMiddle");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(4);
+    let stream = stream_with(&*fixture, &ids).await;
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .skip_event(
+                &tx,
+                &lockstep_core::Pair::new(stream, p.clone()),
+                ids[1],
+                "poison in the middle"
+            )
+            .await
+            .expect("skip_event")
+    );
+    commit(tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        &*fixture,
+        &tx,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    let kept = vec![ids[0], ids[2], ids[3]];
+    assert_eq!(work_of(&batch), [(stream, p.clone(), Some(kept.clone()))]);
+    let ClaimedWork::Apply {
+        state: claimed,
+        events,
+    } = &batch.pairs[0].work
+    else {
+        panic!("expected events");
+    };
+    let change = commit_of(&batch.pairs[0].cursor, claimed.as_ref(), events);
+    let done = fixture
+        .store()
+        .commit_batch(
+            &tx,
+            &[BatchEntry::new(
+                batch.pairs[0].cursor.pair(),
+                Some(change),
+                None,
+            )],
+        )
+        .await
+        .expect("commit_batch");
+    assert!(
+        matches!(done[..], [BatchCommitted::Committed { .. }]),
+        "{done:?}"
+    );
+    commit(tx).await.expect("commit");
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    let (cursor, _) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (cursor.last_event_id, cursor.applied_count),
+        (Some(ids[3]), 3)
+    );
+}
+
 /// A late arrival enqueued (and committed) inside a claimed pair's range of events while its
 /// batch is in flight is not deleted by the batch's commit — whatever way the store deletes
 /// the applied work, e.g. by range of event ids — and the next claim rewinds the pair from it.
@@ -3671,6 +3740,7 @@ macro_rules! __lockstep_perspective_store_cases {
             perspective_status_counts_work_failures_backoff_and_parking,
             a_batch_of_plain_entries_commits_each_as_commit_state_would,
             a_late_arrival_inside_a_claimed_range_survives_the_batch_commit,
+            an_event_skipped_between_pending_ones_is_not_handed_out,
             load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it,
             a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits,
             states_page_through_one_perspectives_states_in_stream_order,
