@@ -34,9 +34,10 @@ struct Apply {
     events: Vec<RecordedEvent>,
 }
 
-/// A claimed pair in claim order: a rewind, or the index of a pair to apply.
+/// A claimed pair in claim order: a rewind (boxed: rare, and much larger than an index), or
+/// the index of a pair to apply.
 enum Claimed {
-    Rewind(ClaimedPair),
+    Rewind(Box<ClaimedPair>),
     Apply(usize),
 }
 
@@ -108,10 +109,10 @@ pub(super) async fn claim<T: PgTransactionRef>(
                     StreamId::from_uuid(stream.ok_or_else(|| unexpected("a pair without stream"))?);
                 let cursor = pair_cursor(row, stream, &name)?;
                 if kind == "rewind" {
-                    claimed.push(Claimed::Rewind(ClaimedPair::new(
+                    claimed.push(Claimed::Rewind(Box::new(ClaimedPair::new(
                         cursor,
                         ClaimedWork::Rewind,
-                    )));
+                    ))));
                     continue;
                 }
                 let work: Vec<Uuid> = row
@@ -150,7 +151,7 @@ pub(super) async fn claim<T: PgTransactionRef>(
     for slot in claimed {
         let apply = match slot {
             Claimed::Rewind(pair) => {
-                batch.pairs.push(pair);
+                batch.pairs.push(*pair);
                 continue;
             }
             Claimed::Apply(i) => applies
