@@ -213,6 +213,8 @@ struct Outcome {
     holds: u64,
     /// Where the serialized section's time went (pessimistic commands).
     section: Section,
+    /// Each committed attempt's phases (optimistic and pessimistic commands).
+    phases: Vec<Phases>,
 }
 
 impl Outcome {
@@ -229,6 +231,7 @@ impl Outcome {
             hold_us: 0,
             holds: 0,
             section: Section::default(),
+            phases: Vec::new(),
         }
     }
 
@@ -241,6 +244,7 @@ impl Outcome {
         self.hold_us += other.hold_us;
         self.holds += other.holds;
         self.section.merge(&other.section);
+        self.phases.extend_from_slice(&other.phases);
         // Same bounds on both sides; values beyond them were saturated on record.
         let _ = self.latency_us.add(&other.latency_us);
         let _ = self.first_latency_us.add(&other.first_latency_us);
@@ -331,6 +335,8 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
     let mut headline = Headline::default();
     // One row per scenario and mode: the first command of each writer against the others.
     let mut first_rows = String::new();
+    // The slowest 1 % of each scenario's attempts, phase by phase, against all of them.
+    let mut slow_rows = String::new();
     for &writers in &args.writers {
         for heat in [Heat::Hot, Heat::Cold] {
             let commits = match heat {
@@ -466,9 +472,16 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                 combined_ratios.len(),
                 combined_ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}"))
             );
-            // Where the tail comes from: each writer's first command against the rest.
+            // Where the tail comes from: each writer's first command against the rest, and
+            // the phases of the slowest attempts.
             for mode in [Mode::Optimistic, Mode::Pessimistic, Mode::Combined] {
                 let o = &totals[mode as usize];
+                if let Some(row) = Phases::slow_row(
+                    &format!("{writers} {} {}", heat.label(), mode.label()),
+                    &o.phases,
+                ) {
+                    slow_rows.push_str(&row);
+                }
                 let ms = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
                 first_rows.push_str(&format!(
                     "| {writers} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
@@ -521,6 +534,12 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
     headline.tables.push(format!(
         "| writers | streams | mode | each writer's first command: p50 ms | its max ms | p99 ms \
          of the other commands | p99 ms of all |\n|---:|---|---|---:|---:|---:|---:|\n{first_rows}"
+    ));
+    headline.tables.push(format!(
+        "| writers, streams, mode | attempts | which | BEGIN ms | load ms | decide + hold ms | \
+         append + COMMIT ms | total ms |\n|---|---:|---|---:|---:|---:|---:|---:|\n{slow_rows}\
+         (means per attempt, client clock; committed attempts of the optimistic and pessimistic \
+         modes; the slowest 1 % by total against all)"
     ));
     if args.append_passes > 0 {
         let cost = append_cost::measure(
@@ -922,6 +941,12 @@ async fn scenario(
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         ),
+        phases: std::mem::take(
+            &mut *holds
+                .phases
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        ),
     })
 }
 
@@ -932,6 +957,59 @@ struct Holds {
     total_us: AtomicU64,
     count: AtomicU64,
     timeline: std::sync::Mutex<Vec<Steps>>,
+    phases: std::sync::Mutex<Vec<Phases>>,
+}
+
+/// Where one committed attempt's time went, µs on the client's clock: `BEGIN`; the load (or
+/// lock-and-load); the decision (fold, the hand-off to a blocking thread, the hold and back);
+/// the append with the `COMMIT`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Phases {
+    begin: u32,
+    load: u32,
+    decide: u32,
+    commit: u32,
+}
+
+impl Phases {
+    fn total(&self) -> u64 {
+        u64::from(self.begin)
+            + u64::from(self.load)
+            + u64::from(self.decide)
+            + u64::from(self.commit)
+    }
+
+    /// One table row: the mean phases (ms) of the slowest 1 % of the attempts against the
+    /// mean of all of them — where a tail comes from.
+    fn slow_row(label: &str, phases: &[Phases]) -> Option<String> {
+        if phases.is_empty() {
+            return None;
+        }
+        let mut sorted = phases.to_vec();
+        sorted.sort_by_key(Phases::total);
+        let slow = &sorted[sorted.len() - sorted.len().div_ceil(100)..];
+        let mean = |set: &[Phases], f: fn(&Phases) -> u64| {
+            set.iter().map(f).sum::<u64>() as f64 / set.len() as f64 / 1000.0
+        };
+        let cells = |set: &[Phases]| {
+            format!(
+                "{:.2} | {:.2} | {:.2} | {:.2} | {:.2}",
+                mean(set, |p| u64::from(p.begin)),
+                mean(set, |p| u64::from(p.load)),
+                mean(set, |p| u64::from(p.decide)),
+                mean(set, |p| u64::from(p.commit)),
+                mean(set, Phases::total),
+            )
+        };
+        Some(format!(
+            "| {label} | {} | slowest {} | {} |\n| {label} | {} | all | {} |\n",
+            phases.len(),
+            slow.len(),
+            cells(slow),
+            phases.len(),
+            cells(&sorted),
+        ))
+    }
 }
 
 /// Where a serialized section's time goes, summed over commands (µs, client clock): from the
@@ -1056,7 +1134,9 @@ async fn command(
     holds: &Holds,
 ) -> lockstep_core::Result<()> {
     let stream = StreamId::from_uuid(sku);
+    let started = Instant::now();
     let tx = PgTransaction::begin(pool).await?;
+    let begun = Instant::now();
     let events = match mode {
         Mode::Optimistic => store.load(&tx, stream).await,
         Mode::Pessimistic | Mode::Combined => {
@@ -1104,6 +1184,22 @@ async fn command(
         return Err(e);
     }
     let committed = tx.commit().await;
+    let finished = Instant::now();
+    if committed.is_ok() {
+        let us = |a: Instant, b: Instant| {
+            u32::try_from(b.duration_since(a).as_micros()).unwrap_or(u32::MAX)
+        };
+        holds
+            .phases
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(Phases {
+                begin: us(started, begun),
+                load: us(begun, loaded),
+                decide: us(loaded, held_until),
+                commit: us(held_until, finished),
+            });
+    }
     match &committed {
         Err(e) if e.kind() == ErrorKind::Conflict => {
             conflicts.fetch_add(1, Ordering::Relaxed);

@@ -52,7 +52,7 @@ mod rate;
 mod rewind;
 mod table;
 
-pub use rewind::PROGRESS_EVERY;
+pub use rewind::{PROGRESS_EVERY, SHORT_REPLAY_EVENTS, SHORT_REPLAY_TIME};
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::AtomicU32;

@@ -4,14 +4,14 @@
 //! and pool shape, each timed:
 //!
 //! 1. acquire the `rewind` lease (`StreamLocker::try_acquire`, one statement);
-//! 2. the read transaction: `BEGIN`, `load_rewind` (the cursor, the snapshot before the
-//!    trigger, the stream's events after it less the skipped ones: one statement), `ROLLBACK`;
+//! 2. `BEGIN`, `load_rewind` (the cursor, the snapshot before the trigger, the stream's events
+//!    after it less the skipped ones: one statement);
 //! 3. the replay on tokio's blocking pool (`apply_while`);
-//! 4. the commit transaction: `BEGIN`, the fenced commit with a new snapshot that also
-//!    releases the lease (`commit_state_releasing`, `lockstep_perspective_commit_release`),
-//!    `COMMIT`.
+//! 4. on the same transaction (a short replay keeps it: ADR 0023), the fenced commit with a
+//!    new snapshot that also releases the lease (`commit_state_releasing`,
+//!    `lockstep_perspective_commit_release`), `COMMIT`.
 //!
-//! Seven round trips in all (eleven before ADR 0012 §8). Each round also times the worker's
+//! Five round trips in all (seven before ADR 0023, eleven before ADR 0012 §8). Each round also times the worker's
 //! own rewind of the same pair, back to back with the step-by-step one (the order swapped every
 //! round), so that the two are compared under the same conditions (the headline's snapshot
 //! rewinds each follow a full one). A bare round trip (`SELECT 1` on a pooled connection) is
@@ -39,13 +39,11 @@ use super::{PgWorker, fmt_all, median, verify_rewound};
 use crate::bench_db::BenchDatabase;
 
 /// The steps, in order: label and round trips.
-const STEPS: [(&str, usize); 8] = [
+const STEPS: [(&str, usize); 6] = [
     ("acquire the rewind lease", 1),
-    ("BEGIN (read)", 1),
+    ("BEGIN", 1),
     ("load_rewind (cursor, snapshot, events, skipped)", 1),
-    ("ROLLBACK (read)", 1),
     ("replay (blocking pool)", 0),
-    ("BEGIN (commit)", 1),
     ("fenced commit + snapshot + release", 1),
     ("COMMIT", 1),
 ];
@@ -134,8 +132,6 @@ pub(super) async fn run(
                 .await?
                 .context("no cursor")?;
             mark(&mut t, &mut at);
-            tx.rollback().await?;
-            mark(&mut t, &mut at);
             let request = loaded.cursor.rewind.context("no rewind request")?;
             let snapshot = loaded.snapshot.context("no snapshot before the trigger")?;
             let (revision, events) = (loaded.cursor.revision, loaded.events);
@@ -161,8 +157,6 @@ pub(super) async fn run(
             commit.rewound_from = Some(request.trigger);
             commit.snapshot = true;
             commit.fence = Some(lease.id.clone());
-            let tx = PgTransaction::begin(&pool).await?;
-            mark(&mut t, &mut at);
             let (_, released) = store.commit_state_releasing(&tx, &commit).await?;
             mark(&mut t, &mut at);
             tx.commit().await?;
@@ -244,10 +238,10 @@ pub(super) async fn run(
     let ratio = |ms: f64| ms / full_ms;
     let in_trips = round_trips as f64 * rtt;
     let (typed, prepared) = (median(&typed), median(&prepared));
-    // What is left to save, from the steps' medians: the read outside a transaction (no BEGIN,
-    // no ROLLBACK); the two store statements prepared once instead of planned per call (the
-    // cursor read's difference, twice).
-    let save_read = medians[1] + medians[3];
+    // What is left to save, from the steps' medians: the read and the commit outside an
+    // explicit transaction (no BEGIN); the two store statements prepared once instead of
+    // planned per call (the cursor read's difference, twice).
+    let save_read = medians[1];
     let save_plan = 2.0 * (typed - prepared).max(0.0);
     let no_tx = snapshot_ms - save_read;
     let planned = no_tx - save_plan;
@@ -261,13 +255,13 @@ pub(super) async fn run(
          client (the store sends every statement with query_typed, parsed and planned per call: \
          the cursor read {typed:.3} ms so, {prepared:.3} ms prepared once). The replay of \
          {replayed} events: {:.3} ms.",
-        medians[4]
+        medians[3]
     ));
     lines.push(format!(
         "snapshot / full = {snapshot_ms:.2} / {full_ms:.2} ms = {:.4} (the headline); under \
          0.05 needs <= {budget:.2} ms. Back to back: the worker's rewind {worker_ms:.2} ms = \
          {:.4}, its calls alone {total:.2} ms = {:.4}. Estimated from the steps (headline \
-         conditions): the read outside a transaction (-{save_read:.2} ms) {no_tx:.2} ms = \
+         conditions): no BEGIN (-{save_read:.2} ms) {no_tx:.2} ms = \
          {:.4}; plus the two store statements prepared once (-{save_plan:.2} ms) \
          {planned:.2} ms = {:.4}.",
         ratio(snapshot_ms),

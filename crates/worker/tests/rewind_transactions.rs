@@ -1,0 +1,235 @@
+//! How many transactions a rewind uses (on the testkit fakes, real time): a short replay reads
+//! and commits in one, a long or slow one ends its read transaction before it replays or
+//! commits (`lockstep_worker::worker::SHORT_REPLAY_EVENTS`, `SHORT_REPLAY_TIME`). Either way
+//! the rewound state is the fold of the stream in event-id order and the lease is released.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lockstep_core::{
+    EventStore, ExpectedVersion, InstanceId, NewEvent, Pair, Perspective, PerspectiveName,
+    PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, StreamId, StreamLocker,
+    Transaction as _, TransactionSource,
+};
+use lockstep_testkit::{
+    FakeDatabase, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
+    InMemoryStreamLocker,
+};
+use lockstep_worker::worker::{SHORT_REPLAY_EVENTS, SHORT_REPLAY_TIME};
+use lockstep_worker::{PairOutcome, PerspectiveWorker, WorkerOptions};
+use uuid::Uuid;
+
+/// The fake database, counting the transactions begun through it.
+#[derive(Clone)]
+struct Counting {
+    db: FakeDatabase,
+    begun: Arc<AtomicUsize>,
+}
+
+impl TransactionSource for Counting {
+    type Tx = FakeTransaction;
+
+    async fn begin(&self) -> Result<FakeTransaction> {
+        self.begun.fetch_add(1, Ordering::SeqCst);
+        self.db.begin().await
+    }
+}
+
+/// Folds the events' numbers into a list; sleeps `delay` per event (a slow read model).
+struct Fold {
+    delay: Duration,
+}
+
+impl Perspective for Fold {
+    type State = Vec<i64>;
+    type Error = std::convert::Infallible;
+
+    fn name(&self) -> &str {
+        "Fold"
+    }
+
+    fn apply(
+        &self,
+        state: &mut Vec<i64>,
+        event: &RecordedEvent,
+    ) -> std::result::Result<(), Self::Error> {
+        std::thread::sleep(self.delay);
+        state.push(event.payload.as_i64().unwrap_or(-1));
+        Ok(())
+    }
+}
+
+struct World {
+    source: Counting,
+    events: InMemoryEventStore,
+    store: InMemoryPerspectiveStore,
+    worker: PerspectiveWorker<Counting, InMemoryPerspectiveStore>,
+    stream: StreamId,
+}
+
+fn fold() -> PerspectiveName {
+    PerspectiveName::new("Fold").expect("valid")
+}
+
+/// A worker whose pair has applied `events` numbered events (100 per batch, a snapshot every
+/// 100), then a
+/// late event: at the start of the stream (`late_first`: no snapshot before it, the whole
+/// stream replays) or just before the last event (one snapshot before it, a short replay).
+async fn world(events: i64, late_first: bool, delay: Duration) -> World {
+    let db = FakeDatabase::new();
+    let source = Counting {
+        db: db.clone(),
+        begun: Arc::new(AtomicUsize::new(0)),
+    };
+    let events_store = InMemoryEventStore::new();
+    let locker = InMemoryStreamLocker::with_database(Default::default(), &db);
+    let store = InMemoryPerspectiveStore::new(&db, &events_store, &locker);
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Fold { delay }).expect("register");
+    let worker = PerspectiveWorker::new(
+        source.clone(),
+        store.clone(),
+        registry,
+        WorkerOptions::default()
+            .with_snapshot_every(100)
+            .with_max_events_per_claim(100),
+        InstanceId::random(),
+        Some(Arc::new(locker) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let ids = append(
+        &db,
+        &events_store,
+        stream,
+        (1..=events).map(|n| (Uuid::now_v7(), n)),
+    )
+    .await;
+    for _ in 0..1_000 {
+        if !worker.run_once().await.did_work() {
+            break;
+        }
+    }
+    let late = if late_first {
+        Uuid::from_u128(0x0100_0000_0000_7000_8000_0000_0000_0001)
+    } else {
+        Uuid::from_u128(ids[ids.len() - 2].as_u128() + 1)
+    };
+    append(&db, &events_store, stream, [(late, -7)]).await;
+    let tx = db.begin_now();
+    store
+        .request_rewind(&tx, &Pair::new(stream, fold()), Some(late))
+        .await
+        .expect("request");
+    tx.commit().await.expect("commit");
+    World {
+        source,
+        events: events_store,
+        store,
+        worker,
+        stream,
+    }
+}
+
+async fn append(
+    db: &FakeDatabase,
+    store: &InMemoryEventStore,
+    stream: StreamId,
+    events: impl IntoIterator<Item = (Uuid, i64)>,
+) -> Vec<Uuid> {
+    let (ids, new): (Vec<Uuid>, Vec<NewEvent>) = events
+        .into_iter()
+        .map(|(id, n)| {
+            let event = NewEvent::new("Numbered", serde_json::json!(n))
+                .and_then(|e| e.with_id(id))
+                .expect("event");
+            (id, event)
+        })
+        .unzip();
+    let tx = db.begin_now();
+    store
+        .append(&tx, stream, ExpectedVersion::Any, &new)
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    ids
+}
+
+impl World {
+    /// Rewinds the pair (from a spawned task, as a service would) and returns the outcome and
+    /// the transactions it began.
+    async fn rewind(self: &Arc<Self>) -> (PairOutcome, usize) {
+        let before = self.source.begun.load(Ordering::SeqCst);
+        let world = Arc::clone(self);
+        let outcome = tokio::spawn(async move { world.worker.rewind(world.stream, &fold()).await })
+            .await
+            .expect("no panic")
+            .expect("rewind");
+        (outcome, self.source.begun.load(Ordering::SeqCst) - before)
+    }
+
+    /// The committed state against the fold of the stream in event-id order, and the lease.
+    async fn check(&self) {
+        let mut events = self.events.committed(self.stream);
+        events.sort_by_key(|e| e.event_id);
+        let expected: Vec<i64> = events.iter().filter_map(|e| e.payload.as_i64()).collect();
+        let state: Vec<i64> = self
+            .store
+            .committed_state(self.stream, &fold())
+            .map(|s| serde_json::from_value(s).expect("a list"))
+            .expect("a state");
+        assert_eq!(state, expected);
+        let tx = self.source.db.begin_now();
+        let cursor = self
+            .store
+            .cursor(&tx, &Pair::new(self.stream, fold()))
+            .await
+            .expect("cursor")
+            .expect("a cursor");
+        assert!(cursor.rewind.is_none(), "the request is cleared");
+        assert!(cursor.lease.is_unlocked(), "the lease is released");
+    }
+}
+
+#[tokio::test]
+async fn a_rewind_from_a_recent_snapshot_reads_and_commits_in_one_transaction() {
+    let world = Arc::new(world(250, false, Duration::ZERO).await);
+    let (outcome, begun) = world.rewind().await;
+    assert!(
+        matches!(outcome, PairOutcome::Rewound { from_snapshot: true, replayed } if replayed < 100),
+        "{outcome:?}"
+    );
+    assert_eq!(begun, 1, "the read's transaction serves the commit");
+    world.check().await;
+}
+
+#[tokio::test]
+async fn a_rewind_that_replays_more_than_the_short_bound_commits_in_a_transaction_of_its_own() {
+    let events = SHORT_REPLAY_EVENTS as i64 + 50;
+    let world = Arc::new(world(events, true, Duration::ZERO).await);
+    let (outcome, begun) = world.rewind().await;
+    assert!(
+        matches!(outcome, PairOutcome::Rewound { from_snapshot: false, replayed } if replayed > SHORT_REPLAY_EVENTS),
+        "{outcome:?}"
+    );
+    assert_eq!(begun, 2, "the read ends before the replay");
+    world.check().await;
+}
+
+#[tokio::test]
+async fn a_short_rewind_whose_replay_outlasts_the_short_time_commits_in_a_transaction_of_its_own() {
+    // A few events replayed, each slower than the whole bound.
+    let world = Arc::new(world(5, false, SHORT_REPLAY_TIME + Duration::from_millis(10)).await);
+    let (outcome, begun) = world.rewind().await;
+    assert!(
+        matches!(outcome, PairOutcome::Rewound { replayed, .. } if replayed <= SHORT_REPLAY_EVENTS),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        begun, 2,
+        "the read's transaction ended after the slow replay"
+    );
+    world.check().await;
+}
