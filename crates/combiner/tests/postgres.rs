@@ -56,7 +56,8 @@ impl Backend for Postgres {
     }
 
     fn lose_next_commit_reply(&self) {
-        self.relay.cut_after_client_sends(b"COMMIT");
+        // `COMMIT` and its NUL, not the `READ COMMITTED` of a `BEGIN` still on its way.
+        self.relay.cut_after_client_sends(b"COMMIT\0");
     }
 }
 

@@ -23,6 +23,15 @@
 //! `EventStore::append_at_commit` on it: for a unit of work under a per-aggregate lock, the lock
 //! is held for one round trip less.
 //!
+//! **The `BEGIN` travels with the first statement.** [`PgTransaction::begin_on`] hands `BEGIN`
+//! to the connection and returns without waiting for its reply; the transaction's first
+//! statement follows it on the wire (tokio-postgres sends requests in order), so a unit of work
+//! pays no round trip of its own for `BEGIN` (ADR 0024). Its reply is read, already there by
+//! then, when the transaction ends: [`Transaction::commit`] and [`Transaction::rollback`] report
+//! a `BEGIN` the server refused — which leaves a statement sent after it outside any transaction
+//! — as [`ErrorKind::CommitUnknown`] (on a healthy idle session `BEGIN` cannot fail; a lost
+//! connection fails every statement after it as well).
+//!
 //! [`PgTransactionRef`] is the view that statements which never wait for a lock take (event
 //! store load and append, the lease fence), so they also run on a transaction the application
 //! manages itself: a borrowed `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`.
@@ -33,10 +42,13 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::future::Future;
 use std::time::Duration;
 
+use std::pin::Pin;
+
 use deadpool_postgres::{Object, Pool};
+use futures_util::StreamExt as _;
 use lockstep_core::{Error, ErrorKind, Result, Transaction};
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, GenericClient};
+use tokio_postgres::{Client, GenericClient, SimpleQueryStream};
 
 use crate::error::map_error;
 
@@ -142,6 +154,8 @@ pub struct PgTransaction {
     discard: AtomicBool,
     // Writes held back until commit, in the order given.
     at_commit: Mutex<Vec<WriteAtCommit>>,
+    // The reply to `BEGIN`, not read yet (module docs); `None` once read.
+    begin: Mutex<Option<Pin<Box<SimpleQueryStream>>>>,
     // Advisory keys this transaction took through lockstep (the in-process queue must not make
     // a transaction wait behind a waiter that waits for it). Only ever grows: a lock released by
     // rolling back to a savepoint is still listed, which costs the queue, never correctness.
@@ -171,27 +185,44 @@ impl PgTransaction {
         PgTransaction::begin_on(conn).await
     }
 
-    /// Begins a READ COMMITTED transaction on a connection already checked out.
+    /// Begins a READ COMMITTED transaction on a connection already checked out: hands `BEGIN`
+    /// to the connection without waiting for the server's reply, which the transaction reads
+    /// when it ends (module docs). Fails only when the connection is already closed.
     ///
-    /// Cancel-safe: dropped before the server answered, the connection (which may be inside the
-    /// new transaction by then) is closed, never pooled.
+    /// Cancel-safe: it does not wait for the server; dropped before it returns, the
+    /// connection (which may be inside the new transaction by then) is closed, never pooled.
     pub async fn begin_on(conn: Object) -> Result<PgTransaction> {
         let mut conn = DetachOnDrop(Some(conn));
-        if let Err(e) = conn
+        // Hands the request to the connection and returns: no reply is awaited here.
+        let begin = match conn
             .client()
-            .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .simple_query_raw("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
         {
-            // Whatever went wrong, the connection's state is unknown: never pool it (a lost
-            // connection would fail the next borrower). The guard closes it.
-            return Err(map_error(e, "beginning a transaction"));
-        }
+            Ok(reply) => reply,
+            // The connection is gone: never pool it. The guard closes it.
+            Err(e) => return Err(map_error(e, "beginning a transaction")),
+        };
         Ok(PgTransaction {
             conn: Some(conn.disarm()),
             discard: AtomicBool::new(false),
             at_commit: Mutex::new(Vec::new()),
+            begin: Mutex::new(Some(Box::pin(begin))),
             held_keys: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Reads the reply to `BEGIN` (there already once any later statement has answered): the
+    /// server's refusal, if it refused. A lost connection is not reported here: every
+    /// statement after `BEGIN` failed with it too, and the end of the transaction says so.
+    async fn begin_refused(&self) -> Option<tokio_postgres::Error> {
+        let mut reply = lock(&self.begin).take()?;
+        while let Some(message) = reply.next().await {
+            if let Err(e) = message {
+                return (crate::error::kind_of(&e) != ErrorKind::ConnectionLost).then_some(e);
+            }
+        }
+        None
     }
 
     /// The connection the transaction runs on.
@@ -265,7 +296,15 @@ impl PgTransaction {
         // COMMIT of a failed transaction "succeeds" (the server answers ROLLBACK), so probe
         // first in the same round trip: in a failed transaction `SELECT 1` errors with 25P02
         // and the rest of the batch, COMMIT included, is skipped.
-        match conn.client().batch_execute("SELECT 1; COMMIT").await {
+        let (refused, committed) = futures_util::future::join(
+            self.begin_refused(),
+            conn.client().batch_execute("SELECT 1; COMMIT"),
+        )
+        .await;
+        if let Some(e) = refused {
+            return self.ran_outside_a_transaction(conn, e).await;
+        }
+        match committed {
             Ok(()) => {
                 self.release(conn.disarm());
                 Ok(())
@@ -314,11 +353,18 @@ impl PgTransaction {
             .zip(&params)
             .map(|(write, params)| client.query_typed(&write.sql, params))
             .collect();
-        let (outcomes, commit) = futures_util::future::join(
-            futures_util::future::join_all(sent),
-            client.batch_execute("COMMIT"),
+        let (refused, (outcomes, commit)) = futures_util::future::join(
+            self.begin_refused(),
+            futures_util::future::join(
+                futures_util::future::join_all(sent),
+                client.batch_execute("COMMIT"),
+            ),
         )
         .await;
+        if let Some(e) = refused {
+            drop(outcomes);
+            return self.ran_outside_a_transaction(conn, e).await;
+        }
         // The first failed write's error, in its caller's terms (a lost connection stays one).
         let failed = outcomes
             .into_iter()
@@ -365,6 +411,24 @@ impl PgTransaction {
         }
     }
 
+    /// The end of a transaction whose `BEGIN` the server refused: whatever was sent after it
+    /// ran outside any transaction, each statement on its own, so nobody can say what of it
+    /// took effect ([`ErrorKind::CommitUnknown`]). The connection is pooled only after a
+    /// `ROLLBACK` succeeded.
+    async fn ran_outside_a_transaction(
+        &self,
+        conn: DetachOnDrop,
+        refused: tokio_postgres::Error,
+    ) -> Result<()> {
+        self.roll_back_and_release(conn).await;
+        Err(Error::new(
+            ErrorKind::CommitUnknown,
+            "the server refused BEGIN: the statements of this unit of work ran outside a \
+             transaction, so some may have taken effect; check what was written",
+        )
+        .with_source(refused))
+    }
+
     /// Sends `ROLLBACK` (harmless when no transaction is open) and pools the connection, or
     /// closes it if that fails.
     async fn roll_back_and_release(&self, mut conn: DetachOnDrop) {
@@ -394,12 +458,22 @@ impl PgTransaction {
             let _ = Object::take(conn);
             return Ok(());
         }
-        if let Err(e) = conn.batch_execute("ROLLBACK").await {
+        let (refused, rolled_back) =
+            futures_util::future::join(self.begin_refused(), conn.batch_execute("ROLLBACK")).await;
+        if let Err(e) = rolled_back {
             let _ = Object::take(conn);
             return Err(map_error(e, "rolling back"));
         }
         self.release(conn);
-        Ok(())
+        match refused {
+            None => Ok(()),
+            Some(e) => Err(Error::new(
+                ErrorKind::CommitUnknown,
+                "the server refused BEGIN: the statements of this unit of work ran outside a \
+                 transaction, so some may have taken effect; check what was written",
+            )
+            .with_source(e)),
+        }
     }
 
     /// Returns the connection to the pool, or closes it if a late cancel request may hit it

@@ -192,6 +192,109 @@ async fn committing_a_failed_transaction_reports_it_and_keeps_nothing() {
     assert_eq!(xs, vec![2]);
 }
 
+/// ADR 0024: `BEGIN` is not waited for, yet the statements after it run inside the
+/// transaction — a second session sees nothing until the commit, and a rollback keeps nothing —
+/// from a spawned task with the concrete types.
+#[tokio::test]
+async fn statements_after_an_unawaited_begin_run_inside_the_transaction() {
+    let db = test_database().await;
+    let pool = db.pool(2);
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int)")
+        .await
+        .expect("create");
+    let spawned = pool.clone();
+    let (pid, xid) = tokio::spawn(async move {
+        let tx = PgTransaction::begin(&spawned).await.expect("begin");
+        tx.client()
+            .execute("INSERT INTO t VALUES (1)", &[])
+            .await
+            .expect("insert");
+        // The insert's transaction id is still this transaction's (outside one, the insert
+        // would have committed on its own and the next statement would have none).
+        let xid: Option<i64> = tx
+            .client()
+            .query_one("SELECT txid_current_if_assigned()", &[])
+            .await
+            .expect("probe")
+            .get(0);
+        let pid = backend_pid(tx.client()).await;
+        tx.rollback().await.expect("rollback");
+        (pid, xid)
+    })
+    .await
+    .expect("no panic");
+    assert!(xid.is_some(), "the insert ran inside the transaction");
+    let rows: i64 = setup
+        .query_one("SELECT count(*) FROM t", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(
+        rows, 0,
+        "the rollback kept nothing: the insert was in the transaction"
+    );
+    assert_eq!(backend_state(&setup, pid).await, "idle");
+
+    let spawned = pool.clone();
+    tokio::spawn(async move {
+        let tx = PgTransaction::begin(&spawned).await.expect("begin");
+        tx.client()
+            .execute("INSERT INTO t VALUES (2)", &[])
+            .await
+            .expect("insert");
+        tx.commit().await.expect("commit");
+        // Nothing but BEGIN and COMMIT: both replies read in one trip.
+        let empty = PgTransaction::begin(&spawned).await.expect("begin");
+        empty.commit().await.expect("an empty transaction commits");
+    })
+    .await
+    .expect("no panic");
+    let rows: i64 = setup
+        .query_one("SELECT count(*) FROM t", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 1);
+}
+
+/// ADR 0024: a `BEGIN` the server refuses is never a silent success. A connection handed to
+/// `begin_on` inside a failed transaction makes the server refuse it (25P02); the commit then
+/// reports `CommitUnknown` (statements after a refused `BEGIN` run outside any transaction),
+/// the rollback too, and the connection is usable again afterwards.
+#[tokio::test]
+async fn a_begin_the_server_refuses_is_reported_when_the_transaction_ends() {
+    let db = test_database().await;
+    let pool = db.pool(1);
+    for end in ["commit", "rollback"] {
+        let conn = pool.get().await.expect("checkout");
+        // A session inside a failed transaction: BEGIN and every statement after it error.
+        conn.batch_execute("BEGIN").await.expect("begin by hand");
+        assert!(conn.batch_execute("SELECT 1/0").await.is_err());
+        let tx = PgTransaction::begin_on(conn)
+            .await
+            .expect("begin_on does not wait for the server");
+        assert!(tx.client().execute("SELECT 1", &[]).await.is_err());
+        let err = match end {
+            "commit" => tx.commit().await.expect_err("a refused BEGIN"),
+            _ => tx.rollback().await.expect_err("a refused BEGIN"),
+        };
+        assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{end}: {err}");
+        assert!(!err.kind().is_retryable());
+    }
+    // The pool's one connection was rolled back and pooled, or closed and replaced.
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let one: i32 = tx
+        .client()
+        .query_one("SELECT 1", &[])
+        .await
+        .expect("select")
+        .get(0);
+    assert_eq!(one, 1);
+    tx.commit().await.expect("commit");
+}
+
 #[tokio::test]
 async fn dropping_an_open_transaction_rolls_back_and_never_pools_the_connection_inside_it() {
     let db = test_database().await;
@@ -278,7 +381,8 @@ async fn a_lost_commit_reply_is_commit_unknown_not_a_retryable_connection_loss()
         .execute("INSERT INTO t VALUES (1)", &[])
         .await
         .expect("insert");
-    relay.cut_after_client_sends(b"COMMIT");
+    // `COMMIT` and its NUL, not the `READ COMMITTED` of a `BEGIN` still on its way (ADR 0024).
+    relay.cut_after_client_sends(b"COMMIT\0");
     let err = tx.commit().await.expect_err("the reply was lost");
     assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
     assert!(
@@ -532,7 +636,8 @@ async fn a_lost_reply_to_a_pipelined_commit_is_commit_unknown() {
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     tx.write_at_commit(insert_at_commit(1));
-    relay.cut_after_client_sends(b"COMMIT");
+    // `COMMIT` and its NUL, not the `READ COMMITTED` of a `BEGIN` still on its way (ADR 0024).
+    relay.cut_after_client_sends(b"COMMIT\0");
     let err = tx.commit().await.expect_err("the reply was lost");
     assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
     assert!(!err.is_retryable());

@@ -1563,6 +1563,12 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
 
         // The first attempt: the server commits, the reply never arrives.
         let tx = PgTransaction::begin(&relayed).await?;
+        // A unit of work reads before it writes: the load also makes sure the unawaited
+        // `BEGIN` (ADR 0024) and its reply are through before the cut is armed. Without it,
+        // `BEGIN`, the held-back append and `COMMIT` leave in one burst, the server's replies
+        // hit the closed socket, and the server may abort instead of committing — a lost
+        // reply all the same (`CommitUnknown`), but not the case this part checks.
+        store.load(&tx, stream).await?;
         if at_commit {
             store
                 .append_at_commit(&tx, stream, expected, &events)
@@ -1570,8 +1576,9 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         } else {
             store.append(&tx, stream, expected, &events).await?;
         }
-        // Armed after `BEGIN … READ COMMITTED`, which contains the pattern too.
-        relay.cut_after_client_sends(b"COMMIT");
+        // `COMMIT` and its terminating NUL: `BEGIN … READ COMMITTED`, which may still be on its
+        // way (it is not waited for, ADR 0024), contains `COMMIT` too but not that.
+        relay.cut_after_client_sends(b"COMMIT\0");
         let first = bounded(STEP_LIMIT, tokio::spawn(tx.commit())).await;
         check(
             tally,
