@@ -224,9 +224,15 @@ where
         }
         Err(err) => {
             // The work's error is the one to report; a failed rollback still ends the
-            // transaction (the backend discards the connection).
-            let _ = tx.rollback().await;
-            Err(err)
+            // transaction (the backend discards the connection) — unless the rollback says
+            // the work may have taken effect all the same (`CommitUnknown`: on Postgres, a
+            // refused `BEGIN`), which the caller must hear of, and must not retry.
+            match tx.rollback().await {
+                Err(unknown) if unknown.kind() == crate::ErrorKind::CommitUnknown => {
+                    Err(E::from(unknown))
+                }
+                _ => Err(err),
+            }
         }
     }
 }

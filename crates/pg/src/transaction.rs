@@ -29,8 +29,11 @@
 //! pays no round trip of its own for `BEGIN` (ADR 0024). Its reply is read, already there by
 //! then, when the transaction ends: [`Transaction::commit`] and [`Transaction::rollback`] report
 //! a `BEGIN` the server refused — which leaves a statement sent after it outside any transaction
-//! — as [`ErrorKind::CommitUnknown`] (on a healthy idle session `BEGIN` cannot fail; a lost
-//! connection fails every statement after it as well).
+//! — as [`ErrorKind::CommitUnknown`]. On an idle pooled session that takes running out of
+//! memory, or a cancel request that arrives while `BEGIN` itself runs (an abandoned lock wait's,
+//! sent the moment its statement is dropped); a lost connection fails every statement after it
+//! as well. The reply is at most two messages, which tokio-postgres buffers per request, so an
+//! unread reply never holds up the replies after it.
 //!
 //! [`PgTransactionRef`] is the view that statements which never wait for a lock take (event
 //! store load and append, the lease fence), so they also run on a transaction the application
@@ -225,6 +228,12 @@ impl PgTransaction {
         None
     }
 
+    /// [`PgTransaction::begin_refused`] without waiting, where the transaction ends without a
+    /// reply to wait for (a closed or discarded connection): what has arrived of the reply.
+    fn begin_refused_now(&self) -> Option<tokio_postgres::Error> {
+        futures_util::FutureExt::now_or_never(self.begin_refused()).flatten()
+    }
+
     /// The connection the transaction runs on.
     pub fn client(&self) -> &Client {
         // Invariant: `conn` is `Some` for as long as `self` is reachable (commit and rollback
@@ -276,8 +285,12 @@ impl PgTransaction {
         };
         let writes = std::mem::take(&mut *lock(&self.at_commit));
         if conn.is_closed() {
-            // Nothing was sent: the server ended the transaction with the connection.
+            // Nothing was sent: the server ended the transaction with the connection — unless
+            // it had refused BEGIN, and what ran after it is applied.
             let _ = Object::take(conn);
+            if let Some(refused) = self.begin_refused_now() {
+                return Err(refused_begin(refused));
+            }
             return Err(Error::new(
                 ErrorKind::ConnectionLost,
                 "committing: the connection was lost before COMMIT was sent; the transaction \
@@ -421,12 +434,7 @@ impl PgTransaction {
         refused: tokio_postgres::Error,
     ) -> Result<()> {
         self.roll_back_and_release(conn).await;
-        Err(Error::new(
-            ErrorKind::CommitUnknown,
-            "the server refused BEGIN: the statements of this unit of work ran outside a \
-             transaction, so some may have taken effect; check what was written",
-        )
-        .with_source(refused))
+        Err(refused_begin(refused))
     }
 
     /// Sends `ROLLBACK` (harmless when no transaction is open) and pools the connection, or
@@ -444,8 +452,12 @@ impl PgTransaction {
             return Ok(());
         };
         if conn.is_closed() {
-            // The server rolled back when the connection went: nothing left to do.
+            // The server rolled back when the connection went: nothing left to do (unless it
+            // had refused BEGIN).
             let _ = Object::take(conn);
+            if let Some(refused) = self.begin_refused_now() {
+                return Err(refused_begin(refused));
+            }
             return Err(Error::new(
                 ErrorKind::ConnectionLost,
                 "rolling back: the connection was lost (the server rolled the transaction back)",
@@ -454,26 +466,31 @@ impl PgTransaction {
         if self.discard.load(Ordering::Acquire) {
             // An abandoned lock wait's cancel requests may still arrive (they are re-sent for a
             // while) and would cancel the ROLLBACK: close the connection instead — the server
-            // rolls the transaction back when it goes.
+            // rolls the transaction back when it goes. One of them may have hit BEGIN itself:
+            // what has arrived of its reply says so.
+            let refused = self.begin_refused_now();
             let _ = Object::take(conn);
-            return Ok(());
+            return refused.map_or(Ok(()), |e| Err(refused_begin(e)));
         }
-        let (refused, rolled_back) =
-            futures_util::future::join(self.begin_refused(), conn.batch_execute("ROLLBACK")).await;
+        // A connection whose ROLLBACK fails or is dropped mid-flight is closed, never pooled.
+        let mut conn = DetachOnDrop(Some(conn));
+        let (refused, rolled_back) = futures_util::future::join(
+            self.begin_refused(),
+            conn.client().batch_execute("ROLLBACK"),
+        )
+        .await;
+        if let Some(e) = refused {
+            // Reported before a failed ROLLBACK: it says more (what ran may be applied).
+            if rolled_back.is_ok() {
+                self.release(conn.disarm());
+            }
+            return Err(refused_begin(e));
+        }
         if let Err(e) = rolled_back {
-            let _ = Object::take(conn);
             return Err(map_error(e, "rolling back"));
         }
-        self.release(conn);
-        match refused {
-            None => Ok(()),
-            Some(e) => Err(Error::new(
-                ErrorKind::CommitUnknown,
-                "the server refused BEGIN: the statements of this unit of work ran outside a \
-                 transaction, so some may have taken effect; check what was written",
-            )
-            .with_source(e)),
-        }
+        self.release(conn.disarm());
+        Ok(())
     }
 
     /// Returns the connection to the pool, or closes it if a late cancel request may hit it
@@ -587,6 +604,27 @@ impl PgTransactionRef for PgTransaction {
 /// Locks `mutex`; a panic elsewhere while it was held leaves plain data behind, still usable.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The error for a `BEGIN` the server refused (module docs): the statements after it ran on
+/// their own, so what of them took effect is unknown — except when the session was inside a
+/// failed transaction (25P02, a connection handed to [`PgTransaction::begin_on`] in that
+/// state): then every statement after `BEGIN` failed as well and nothing ran.
+fn refused_begin(refused: tokio_postgres::Error) -> Error {
+    if crate::error::kind_of(&refused) == ErrorKind::TransactionAborted {
+        return Error::new(
+            ErrorKind::TransactionAborted,
+            "the connection was inside a failed transaction, so BEGIN and every statement \
+             after it were refused: nothing ran",
+        )
+        .with_source(refused);
+    }
+    Error::new(
+        ErrorKind::CommitUnknown,
+        "the server refused BEGIN: the statements of this unit of work ran outside a \
+         transaction, so some may have taken effect; check what was written",
+    )
+    .with_source(refused)
 }
 
 /// The error of a `COMMIT` whose reply never came: it may or may not have committed.

@@ -11,7 +11,8 @@
 //!    new snapshot that also releases the lease (`commit_state_releasing`,
 //!    `lockstep_perspective_commit_release`), `COMMIT`.
 //!
-//! Five round trips in all (seven before ADR 0023, eleven before ADR 0012 §8). Each round also times the worker's
+//! Four round trips in all: `BEGIN` travels with the load (ADR 0024), so its step is the pool
+//! checkout only (seven before ADR 0023 and 0024, eleven before ADR 0012 §8). Each round also times the worker's
 //! own rewind of the same pair, back to back with the step-by-step one (the order swapped every
 //! round), so that the two are compared under the same conditions (the headline's snapshot
 //! rewinds each follow a full one). A bare round trip (`SELECT 1` on a pooled connection) is
@@ -41,7 +42,7 @@ use crate::bench_db::BenchDatabase;
 /// The steps, in order: label and round trips.
 const STEPS: [(&str, usize); 6] = [
     ("acquire the rewind lease", 1),
-    ("BEGIN", 1),
+    ("BEGIN (checkout; sent with the load)", 0),
     ("load_rewind (cursor, snapshot, events, skipped)", 1),
     ("replay (blocking pool)", 0),
     ("fenced commit + snapshot + release", 1),

@@ -8,8 +8,9 @@
 //!
 //! **One transaction when the replay is short.** The reads and the fenced commit run in one
 //! READ COMMITTED transaction when the replay is at most [`SHORT_REPLAY_EVENTS`] events and
-//! ends within [`SHORT_REPLAY_TIME`] of the read (a rewind from a recent snapshot): 5 round
-//! trips instead of 7 (no `ROLLBACK` of the read, no second `BEGIN`). The commit's statement
+//! ends within [`SHORT_REPLAY_TIME`] of the read (a rewind from a recent snapshot): no
+//! `ROLLBACK` of the read, no second `BEGIN` — 4 round trips instead of 5 (the `BEGIN` travels
+//! with the read, `lockstep_pg`'s ADR 0024; 7 before both). The commit's statement
 //! takes its own snapshot either way (READ COMMITTED), so what it checks and writes is the
 //! same. A longer replay ends the read transaction first, so that no connection sits idle in a
 //! transaction while user code runs (an `idle_in_transaction_session_timeout` would fail it on
