@@ -120,6 +120,11 @@ pub(crate) struct Args {
     /// Simulated work inside each transaction, in milliseconds.
     #[arg(long, default_value_t = 1)]
     hold_ms: u64,
+    /// Give the optimistic and pessimistic commands' events random (v4) ids instead of
+    /// lockstep's time-ordered v7 ones: an experiment on the cold tail (the v7 primary key's
+    /// inserts all land on its right-most leaf). The combined mode keeps v7 ids.
+    #[arg(long)]
+    random_event_ids: bool,
     /// Optimistic retries: attempt cap (default: `RetryPolicy::default()`, 10).
     #[arg(long, default_value_t = 10)]
     max_attempts: u32,
@@ -270,6 +275,8 @@ struct Setup {
     store: PgEventStore,
     retry: RetryPolicy,
     hold: Duration,
+    /// `--random-event-ids`.
+    random_ids: bool,
 }
 
 const AGGREGATE: &str = "BenchItem";
@@ -367,6 +374,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                         store: PgEventStore::with_queue(PgDistributedLock::from_pool(pool.clone())),
                         retry,
                         hold,
+                        random_ids: args.random_event_ids,
                     };
                     warm_up(&pool, writers).await?;
                     if peer && mode == Mode::Pessimistic {
@@ -418,6 +426,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                     store: PgEventStore::with_queue(PgDistributedLock::from_pool(rt_pool.clone())),
                     retry,
                     hold,
+                    random_ids: args.random_event_ids,
                 };
                 // Warm the pool up (connection start-up is not a command's round trip).
                 warm_up(&rt_pool, writers).await?;
@@ -859,7 +868,7 @@ async fn scenario(
             let sku = streams[w % streams.len()];
             let (pool, store) = (pool.clone(), setup.store.clone());
             let combiner = combiner.clone();
-            let (retry, hold) = (setup.retry, setup.hold);
+            let (retry, hold, random_ids) = (setup.retry, setup.hold, setup.random_ids);
             let (committed, attempts, conflicts, failed, holds) = (
                 Arc::clone(&committed),
                 Arc::clone(&attempts),
@@ -889,7 +898,7 @@ async fn scenario(
                             .run(tokio::time::sleep, |_| {
                                 attempts.fetch_add(1, Ordering::Relaxed);
                                 Box::pin(command(
-                                    &pool, &store, sku, mode, hold, &conflicts, &holds,
+                                    &pool, &store, sku, mode, hold, random_ids, &conflicts, &holds,
                                 ))
                             })
                             .await
@@ -1130,6 +1139,7 @@ async fn command(
     sku: Uuid,
     mode: Mode,
     hold: Duration,
+    random_ids: bool,
     conflicts: &AtomicU64,
     holds: &Holds,
 ) -> lockstep_core::Result<()> {
@@ -1171,10 +1181,13 @@ async fn command(
         .total_us
         .fetch_add(held.as_micros() as u64, Ordering::Relaxed);
     holds.count.fetch_add(1, Ordering::Relaxed);
-    let event = NewEvent::new(
+    let mut event = NewEvent::new(
         "Reserved",
         serde_json::json!({ "quantity": 1, "reserved_before": reserved }),
     )?;
+    if random_ids {
+        event = event.with_id(Uuid::new_v4())?;
+    }
     let expected = ExpectedVersion::Exact(events.len() as u64);
     if let Err(e) = store
         .append_at_commit(&tx, stream, expected, &[event])
