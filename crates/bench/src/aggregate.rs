@@ -271,6 +271,7 @@ impl Outcome {
 }
 
 /// The shared pieces of one scenario.
+#[derive(Clone)]
 struct Setup {
     store: PgEventStore,
     retry: RetryPolicy,
@@ -866,9 +867,9 @@ async fn scenario(
     let tasks: Vec<_> = (0..writers)
         .map(|w| {
             let sku = streams[w % streams.len()];
-            let (pool, store) = (pool.clone(), setup.store.clone());
+            let (pool, setup) = (pool.clone(), setup.clone());
             let combiner = combiner.clone();
-            let (retry, hold, random_ids) = (setup.retry, setup.hold, setup.random_ids);
+            let retry = setup.retry;
             let (committed, attempts, conflicts, failed, holds) = (
                 Arc::clone(&committed),
                 Arc::clone(&attempts),
@@ -897,9 +898,7 @@ async fn scenario(
                         None => retry
                             .run(tokio::time::sleep, |_| {
                                 attempts.fetch_add(1, Ordering::Relaxed);
-                                Box::pin(command(
-                                    &pool, &store, sku, mode, hold, random_ids, &conflicts, &holds,
-                                ))
+                                Box::pin(command(&pool, &setup, sku, mode, &conflicts, &holds))
                             })
                             .await
                             .map_err(drop),
@@ -1135,14 +1134,13 @@ async fn hold_for(hold: Duration) -> Duration {
 /// trip.
 async fn command(
     pool: &Pool,
-    store: &PgEventStore,
+    setup: &Setup,
     sku: Uuid,
     mode: Mode,
-    hold: Duration,
-    random_ids: bool,
     conflicts: &AtomicU64,
     holds: &Holds,
 ) -> lockstep_core::Result<()> {
+    let (store, hold, random_ids) = (&setup.store, setup.hold, setup.random_ids);
     let stream = StreamId::from_uuid(sku);
     let started = Instant::now();
     let tx = PgTransaction::begin(pool).await?;
