@@ -413,6 +413,17 @@ async fn terminating_the_holder_lets_the_waiter_in_and_fails_the_holders_commit(
         .expect("the waiter gets the lock once the holder's backend is gone")
         .expect("task");
     acquired.expect("acquired");
+    // The waiter's grant proves the holder's backend is gone; the holder's client learns it
+    // when its connection task reads the server's FATAL. Until then a commit would send its
+    // COMMIT and see the connection fail with it in flight (`CommitUnknown`, also right): wait
+    // for that, so that this checks the case of a loss known before the COMMIT.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            holder.client().is_closed()
+        })
+        .await,
+        "the holder's client sees its connection closed"
+    );
     let err = holder
         .commit()
         .await
