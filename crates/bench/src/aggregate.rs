@@ -218,8 +218,8 @@ struct Outcome {
     holds: u64,
     /// Where the serialized section's time went (pessimistic commands).
     section: Section,
-    /// Each committed attempt's phases (optimistic and pessimistic commands).
-    phases: Vec<Phases>,
+    /// Each committed attempt's steps (optimistic and pessimistic commands).
+    steps: Vec<Steps>,
 }
 
 impl Outcome {
@@ -236,7 +236,7 @@ impl Outcome {
             hold_us: 0,
             holds: 0,
             section: Section::default(),
-            phases: Vec::new(),
+            steps: Vec::new(),
         }
     }
 
@@ -249,7 +249,7 @@ impl Outcome {
         self.hold_us += other.hold_us;
         self.holds += other.holds;
         self.section.merge(&other.section);
-        self.phases.extend_from_slice(&other.phases);
+        self.steps.extend_from_slice(&other.steps);
         // Same bounds on both sides; values beyond them were saturated on record.
         let _ = self.latency_us.add(&other.latency_us);
         let _ = self.first_latency_us.add(&other.first_latency_us);
@@ -486,9 +486,9 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
             // the phases of the slowest attempts.
             for mode in [Mode::Optimistic, Mode::Pessimistic, Mode::Combined] {
                 let o = &totals[mode as usize];
-                if let Some(row) = Phases::slow_row(
+                if let Some(row) = Steps::slow_row(
                     &format!("{writers} {} {}", heat.label(), mode.label()),
-                    &o.phases,
+                    &o.steps,
                 ) {
                     slow_rows.push_str(&row);
                 }
@@ -932,6 +932,12 @@ async fn scenario(
         let _ = later_latency_us.add(&later);
     }
     let elapsed = started.elapsed();
+    let steps = std::mem::take(
+        &mut *holds
+            .timeline
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
     Ok(Outcome {
         commits: committed.load(Ordering::Relaxed),
         attempts: attempts.load(Ordering::Relaxed),
@@ -943,78 +949,70 @@ async fn scenario(
         later_latency_us,
         hold_us: holds.total_us.load(Ordering::Relaxed),
         holds: holds.count.load(Ordering::Relaxed),
-        section: Section::of(
-            &holds
-                .timeline
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        ),
-        phases: std::mem::take(
-            &mut *holds
-                .phases
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        ),
+        section: if mode == Mode::Pessimistic {
+            Section::of(&steps)
+        } else {
+            Section::default()
+        },
+        steps,
     })
 }
 
-/// The measured holds of a scenario (their sum in µs and their count), and the timeline of
-/// every committed pessimistic command.
+/// The measured holds of a scenario (their sum in µs and their count), and the steps of every
+/// committed optimistic and pessimistic attempt.
 #[derive(Default)]
 struct Holds {
     total_us: AtomicU64,
     count: AtomicU64,
     timeline: std::sync::Mutex<Vec<Steps>>,
-    phases: std::sync::Mutex<Vec<Phases>>,
 }
 
-/// Where one committed attempt's time went, µs on the client's clock: `BEGIN`; the load (or
-/// lock-and-load); the decision (fold, the hand-off to a blocking thread, the hold and back);
-/// the append with the `COMMIT`.
-#[derive(Debug, Clone, Copy, Default)]
-struct Phases {
-    begin: u32,
-    load: u32,
-    decide: u32,
-    commit: u32,
-}
+impl Steps {
+    /// From `BEGIN` (the pool checkout and `PgTransaction::begin`) to the append + `COMMIT`
+    /// reply, µs: `BEGIN`; the load (or lock-and-load); the decision (fold, the hand-off to a
+    /// blocking thread, the hold and back); the append with the `COMMIT`.
+    fn phases_us(&self) -> [u64; 4] {
+        let us = |a: Instant, b: Instant| b.saturating_duration_since(a).as_micros() as u64;
+        [
+            us(self.started, self.begun),
+            us(self.begun, self.loaded),
+            us(self.loaded, self.held),
+            us(self.held, self.committed),
+        ]
+    }
 
-impl Phases {
-    fn total(&self) -> u64 {
-        u64::from(self.begin)
-            + u64::from(self.load)
-            + u64::from(self.decide)
-            + u64::from(self.commit)
+    fn total_us(&self) -> u64 {
+        self.phases_us().iter().sum()
     }
 
     /// One table row: the mean phases (ms) of the slowest 1 % of the attempts against the
     /// mean of all of them — where a tail comes from.
-    fn slow_row(label: &str, phases: &[Phases]) -> Option<String> {
-        if phases.is_empty() {
+    fn slow_row(label: &str, steps: &[Steps]) -> Option<String> {
+        if steps.is_empty() {
             return None;
         }
-        let mut sorted = phases.to_vec();
-        sorted.sort_by_key(Phases::total);
+        let mut sorted = steps.to_vec();
+        sorted.sort_by_key(Steps::total_us);
         let slow = &sorted[sorted.len() - sorted.len().div_ceil(100)..];
-        let mean = |set: &[Phases], f: fn(&Phases) -> u64| {
-            set.iter().map(f).sum::<u64>() as f64 / set.len() as f64 / 1000.0
-        };
-        let cells = |set: &[Phases]| {
-            format!(
-                "{:.2} | {:.2} | {:.2} | {:.2} | {:.2}",
-                mean(set, |p| u64::from(p.begin)),
-                mean(set, |p| u64::from(p.load)),
-                mean(set, |p| u64::from(p.decide)),
-                mean(set, |p| u64::from(p.commit)),
-                mean(set, Phases::total),
-            )
+        let cells = |set: &[Steps]| {
+            let mut sums = [0u64; 5];
+            for s in set {
+                let phases = s.phases_us();
+                for (sum, us) in sums.iter_mut().zip(phases.iter().chain([&s.total_us()])) {
+                    *sum += us;
+                }
+            }
+            sums.iter()
+                .map(|sum| format!("{:.2}", *sum as f64 / set.len() as f64 / 1000.0))
+                .collect::<Vec<_>>()
+                .join(" | ")
         };
         Some(format!(
             "| {label} | {} | slowest {} | {} |\n| {label} | {} | all | {} |\n",
-            phases.len(),
+            steps.len(),
             slow.len(),
             cells(slow),
-            phases.len(),
+            steps.len(),
             cells(&sorted),
         ))
     }
@@ -1104,10 +1102,14 @@ impl Section {
     }
 }
 
-/// When one command's steps ended, on the client's clock.
+/// When one committed attempt's steps ended, on the client's clock.
 #[derive(Debug, Clone, Copy)]
 struct Steps {
-    /// `load_locked` returned (the lock is held).
+    /// The attempt began (before the pool checkout).
+    started: Instant,
+    /// `PgTransaction::begin` returned.
+    begun: Instant,
+    /// `load` / `load_locked` returned (the lock is held).
     loaded: Instant,
     /// The events were folded (the decision is known).
     decided: Instant,
@@ -1195,28 +1197,14 @@ async fn command(
         return Err(e);
     }
     let committed = tx.commit().await;
-    let finished = Instant::now();
-    if committed.is_ok() {
-        let us = |a: Instant, b: Instant| {
-            u32::try_from(b.duration_since(a).as_micros()).unwrap_or(u32::MAX)
-        };
-        holds
-            .phases
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(Phases {
-                begin: us(started, begun),
-                load: us(begun, loaded),
-                decide: us(loaded, held_until),
-                commit: us(held_until, finished),
-            });
-    }
     match &committed {
         Err(e) if e.kind() == ErrorKind::Conflict => {
             conflicts.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(()) if mode == Mode::Pessimistic => {
+        Ok(()) => {
             let steps = Steps {
+                started,
+                begun,
                 loaded,
                 decided,
                 held: held_until,
@@ -1228,7 +1216,7 @@ async fn command(
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push(steps);
         }
-        _ => {}
+        Err(_) => {}
     }
     committed
 }

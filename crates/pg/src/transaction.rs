@@ -43,9 +43,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use std::future::Future;
-use std::time::Duration;
-
 use std::pin::Pin;
+use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use futures_util::StreamExt as _;
@@ -375,7 +374,6 @@ impl PgTransaction {
         )
         .await;
         if let Some(e) = refused {
-            drop(outcomes);
             return self.ran_outside_a_transaction(conn, e).await;
         }
         // The first failed write's error, in its caller's terms (a lost connection stays one).
