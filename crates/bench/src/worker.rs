@@ -32,7 +32,8 @@
 //!   streams of `--rewind-events` events (20 000), applied by the worker with a snapshot every
 //!   100 events. Each round rewinds one stream from the event 100 before the end (restored from
 //!   the snapshot just before it: 100 events replayed) and the other from the start (every
-//!   event replayed), timing `PerspectiveWorker::rewind` from lease acquire to release. Run
+//!   event replayed), timing `PerspectiveWorker::rewind` from lease acquire to release, after
+//!   `--rewind-warmup` rounds reported apart (new pooled connections warm up). Run
 //!   once with a perspective of constant-size state (count and sum: the headline) and once with
 //!   the list state of the catch-up (the state itself grows with the stream). Then the rewind
 //!   from the snapshot step by step (`rewind_parts`: the worker's store and locker calls, each
@@ -91,6 +92,12 @@ pub(crate) struct Args {
     /// load).
     #[arg(long, default_value_t = 11)]
     rewind_rounds: usize,
+    /// Rewinds per kind run before the timed ones, reported apart and left out of the
+    /// medians: the worker's pooled connections are new, and the first calls on a backend
+    /// compile the PL/pgSQL functions and fill its caches (a rewind from a snapshot took
+    /// 2.4–2.7 ms over its first 10 rounds and 2.0–2.3 ms after, 2026-12-04).
+    #[arg(long, default_value_t = 6)]
+    rewind_warmup: usize,
     /// Per-cycle concurrency of each worker instance (`WorkerOptions::concurrency`), one
     /// catch-up configuration per value, comma-separated; the headline uses the first.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4])]
@@ -1163,8 +1170,9 @@ async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
     ] {
         let name = PerspectiveName::new(perspective.name())?;
         let mut ms: [Vec<f64>; 2] = Default::default();
+        let mut warmup: [Vec<f64>; 2] = Default::default();
         let mut replayed = [0usize; 2];
-        for round in 0..args.rewind_rounds {
+        for round in 0..args.rewind_warmup + args.rewind_rounds {
             for (i, (stream, from)) in [(with_snapshot, Some(trigger)), (full, None)]
                 .into_iter()
                 .enumerate()
@@ -1182,7 +1190,12 @@ async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
                     } if from_snapshot == from.is_some() => replayed[i] = n,
                     other => bail!("rewind {round}: unexpected outcome {other:?}"),
                 }
-                ms[i].push(elapsed.as_secs_f64() * 1000.0);
+                let into = if round < args.rewind_warmup {
+                    &mut warmup[i]
+                } else {
+                    &mut ms[i]
+                };
+                into.push(elapsed.as_secs_f64() * 1000.0);
             }
         }
         for (i, kind) in ["from snapshot", "full"].into_iter().enumerate() {
@@ -1191,6 +1204,15 @@ async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
                 replayed[i],
                 median(&ms[i]),
                 fmt_all(&ms[i])
+            ));
+        }
+        if args.rewind_warmup > 0 {
+            lines.push(format!(
+                "|  | *warm-up, not in the medians* |  | {:.2} / {:.2} | {} / {} |",
+                median(&warmup[0]),
+                median(&warmup[1]),
+                fmt_all(&warmup[0]),
+                fmt_all(&warmup[1])
             ));
         }
         let ratio = median(&ms[0]) / median(&ms[1]);
@@ -1217,7 +1239,10 @@ async fn rewind(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> {
         "Timed: PerspectiveWorker::rewind (acquire the rewind lease, read cursor + snapshot + \
          events + skipped events, replay, fenced commit with a new snapshot, release); the \
          request is written before the clock starts; every rewound state checked against its \
-         stream's fold. Headline: the constant-size state."
+         stream's fold. Headline: the constant-size state. The first `--rewind-warmup` \
+         rounds of each perspective are timed but left out of the medians (their medians, \
+         snapshot / full, on the warm-up row): the worker's connections are new, and a \
+         backend's first calls compile the PL/pgSQL functions and fill its caches."
             .to_owned(),
     );
     lines.push(String::new());

@@ -492,6 +492,122 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
     assert!(!renewed, "the released lease cannot be renewed");
 }
 
+/// A rewind's read on both sides of 1 000 events (the worker's short-replay bound, ADR 0023;
+/// and the bound of the cached-plan read tried and not taken in ADR 0025, whose two fallbacks
+/// these cases covered): with and without a snapshot, with events applied since the snapshot
+/// or not, every event after the snapshot comes once, in event-id order — from a spawned task
+/// with the concrete types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
+    use lockstep_core::{StateCommit, TransactionSource as _};
+    let f = fixture().await;
+    let (db, store) = (f.source.clone(), f.store.clone());
+    let p = name("LongRewind");
+    let tx = db.begin().await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    // (events in the stream, events applied up to the snapshot, events applied in all)
+    let cases = [
+        (1_000, 0, 0),
+        (1_002, 0, 0),
+        (1_002, 2, 2),
+        (1_004, 2, 2),
+        (1_002, 2, 1_002),
+        (1_003, 2, 1_003),
+    ];
+    for (len, snapshot_at, applied) in cases {
+        let stream = StreamId::new_v7();
+        let events: Vec<NewEvent> = (0..len).map(|n| event(n as i64)).collect();
+        let tx = db.begin().await.expect("begin");
+        f.events
+            .append(&tx, stream, ExpectedVersion::NoStream, &events)
+            .await
+            .expect("append");
+        tx.commit().await.expect("commit");
+        let ids: Vec<uuid::Uuid> = f
+            .pool
+            .get()
+            .await
+            .expect("connection")
+            .query(
+                "SELECT event_id FROM wh_events WHERE stream_id = $1 ORDER BY event_id",
+                &[&stream.as_uuid()],
+            )
+            .await
+            .expect("ids")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let pair = Pair::new(stream, p.clone());
+        // Apply the first events with a snapshot, then the rest of `applied` without one.
+        let mut done = 0;
+        for (upto, snapshot) in [(snapshot_at, true), (applied, false)] {
+            if upto <= done {
+                continue;
+            }
+            let tx = db.begin().await.expect("begin");
+            let cursor = match store
+                .claim(&tx, &pair, upto - done, lockstep_core::RewindDebounce::NONE)
+                .await
+                .expect("claim")
+            {
+                lockstep_core::Claim::Apply { cursor, .. } => cursor,
+                other => panic!("expected work, got {other:?}"),
+            };
+            let mut commit =
+                StateCommit::new(stream, p.clone(), cursor.revision, serde_json::json!([]));
+            commit.last_event_id = Some(ids[upto - 1]);
+            commit.applied_count = upto as u64;
+            commit.applied_events = ids[done..upto].to_vec();
+            commit.snapshot = snapshot;
+            store
+                .commit_state(&tx, &commit)
+                .await
+                .expect("commit_state");
+            tx.commit().await.expect("commit");
+            done = upto;
+        }
+        let tx = db.begin().await.expect("begin");
+        let from = (snapshot_at > 0).then(|| ids[snapshot_at]);
+        assert!(
+            store
+                .request_rewind(&tx, &pair, from)
+                .await
+                .expect("request_rewind")
+        );
+        tx.commit().await.expect("commit");
+        let (db2, store2, pair2) = (db.clone(), store.clone(), pair.clone());
+        let loaded = tokio::spawn(async move {
+            let tx: PgTransaction = db2.begin().await.expect("begin");
+            let loaded = store2
+                .load_rewind(&tx, &pair2)
+                .await
+                .expect("load_rewind")
+                .expect("a cursor");
+            tx.rollback().await.expect("rollback");
+            loaded
+        })
+        .await
+        .expect("the spawned task");
+        let want = &ids[snapshot_at..];
+        let got: Vec<uuid::Uuid> = loaded.events.iter().map(|e| e.event_id).collect();
+        assert_eq!(
+            got.len(),
+            want.len(),
+            "{len} events, snapshot after {snapshot_at}"
+        );
+        assert_eq!(got, want, "{len} events, snapshot after {snapshot_at}");
+        assert_eq!(
+            loaded.snapshot.map(|s| s.applied_count),
+            (snapshot_at > 0).then_some(snapshot_at as u64)
+        );
+        assert!(loaded.cursor.rewind.is_some());
+    }
+}
+
 /// The byte bound as Postgres counts it (`pg_column_size` of payloads and states), inside a
 /// batch: the pair whose event does not fit hands out the events before it and ends the batch;
 /// a later pair whose first event does not fit is not claimed and the scan's position stays
