@@ -12,8 +12,9 @@ use lockstep_core::{
     ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
     advisory_key,
 };
+use lockstep_pg::PgDatabase;
 use lockstep_pg::migrate::MIGRATION_LOCK_KEY;
-use lockstep_pg_store::PgPerspectiveStore;
+use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_worker::{LeaseKeeper, Leased};
 use serde_json::json;
@@ -296,37 +297,27 @@ fn pair_doc(
     doc
 }
 
-/// Whether `name` is a registered perspective in the database behind `pool`.
-async fn registered(pool: &deadpool_postgres::Pool, name: &PerspectiveName) -> Result<bool> {
-    let client = pool.get().await.context("checking out a connection")?;
-    let row = client
-        .query_opt(
-            "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1",
-            &[&name.as_str()],
-        )
-        .await
-        .map_err(|e| {
-            explain(lockstep_pg::map_error(
-                e,
-                "reading the registered perspectives",
-            ))
-        })?;
-    Ok(row.is_some())
+/// Whether `name` is a registered perspective in the database behind `source`.
+async fn registered(
+    source: &PgDatabase,
+    store: &PgPerspectiveStore,
+    name: &PerspectiveName,
+) -> Result<bool> {
+    let tx = source.begin().await.map_err(explain)?;
+    let registered = store.is_registered(&tx, name).await.map_err(explain)?;
+    let _ = tx.rollback().await;
+    Ok(registered)
 }
 
-/// The stream event `event` belongs to, if it is an event of this database.
-async fn stream_of_event(pool: &deadpool_postgres::Pool, event: Uuid) -> Result<Option<Uuid>> {
-    let client = pool.get().await.context("checking out a connection")?;
-    let row = client
-        .query_opt(
-            "SELECT stream_id FROM wh_events WHERE event_id = $1",
-            &[&event],
-        )
+/// The stream event `event` belongs to, if it is an event of the database behind `source`.
+async fn stream_of_event(source: &PgDatabase, event: Uuid) -> Result<Option<Uuid>> {
+    let tx = source.begin().await.map_err(explain)?;
+    let stream = PgEventStore::new(source)
+        .stream_of_event(&tx, event)
         .await
-        .map_err(|e| explain(lockstep_pg::map_error(e, "looking up an event")))?;
-    row.map(|r| r.try_get::<_, Uuid>(0))
-        .transpose()
-        .context("reading an event row")
+        .map_err(explain)?;
+    let _ = tx.rollback().await;
+    Ok(stream.map(|s| s.as_uuid()))
 }
 
 /// How long until `at` (on the database's clock, read against this machine's), as "12.3 s";
@@ -733,7 +724,7 @@ pub(crate) async fn perspectives(
     } = &cmd
     {
         let name = perspective(name)?;
-        if !registered(&pool, &name).await? {
+        if !registered(&source, &store, &name).await? {
             return Ok(outcome(
                 json,
                 false,
@@ -791,7 +782,7 @@ pub(crate) async fn perspectives(
             // `--from` must be an event of this stream: a rewind "from" another stream's event
             // would replay from an unrelated point in time.
             if let Some(from) = from {
-                let belongs = stream_of_event(&pool, from).await?;
+                let belongs = stream_of_event(&source, from).await?;
                 if belongs != Some(stream) {
                     let why = match belongs {
                         Some(other) => format!("event {from} is an event of stream {other}"),

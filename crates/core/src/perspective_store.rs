@@ -491,7 +491,9 @@ pub struct PerspectiveStatus {
     pub oldest_pending_age: Option<Duration>,
     /// Pairs with a rewind requested.
     pub rewinds_pending: u64,
-    /// Pairs whose last attempt failed (parked or not).
+    /// Pairs that failed since their last commit or retry (parked or not): a stored error and
+    /// a failure count above 0. A pair an operator retried ([`PerspectiveStore::unpark`]) keeps
+    /// its error text but is not counted until it fails again.
     pub in_error: u64,
     /// Pairs waiting out their backoff (not parked).
     pub backing_off: u64,
@@ -1161,8 +1163,10 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         up_to: Uuid,
     ) -> impl Future<Output = Result<PendingThrough>> + Send + 'a;
 
-    /// The cursors of the pairs of `perspectives` (all perspectives when empty) whose last
-    /// attempt failed, parked or not, by perspective and stream, at most `limit`.
+    /// The cursors of the pairs of `perspectives` (all perspectives when empty) that failed
+    /// since their last commit or retry (a stored error and a failure count above 0: see
+    /// [`PerspectiveStatus::in_error`]), parked or not, by perspective and stream, at most
+    /// `limit`.
     fn failing_pairs<'a>(
         &'a self,
         tx: &'a Tx,
@@ -1180,7 +1184,8 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<Vec<Cursor>>> + Send + 'a;
 
     /// Retries a pair now: clears its parking, backoff and failure count (the last error text
-    /// stays until a commit). `Ok(false)` when the pair has no cursor.
+    /// stays until a commit, but the pair no longer counts as failing: [`Self::failing_pairs`],
+    /// [`PerspectiveStatus::in_error`]). `Ok(false)` when the pair has no cursor.
     fn unpark<'a>(
         &'a self,
         tx: &'a Tx,

@@ -104,6 +104,9 @@ const LOCK_AND_LOAD: &str = "SELECT refused_isolation, event_id, version, event_
 
 const APPEND: &str = "SELECT lockstep_append_events($1, $2, $3, $4, $5)";
 
+/// The stream of one event (`$1`), by the primary key.
+const STREAM_OF_EVENT: &str = "SELECT stream_id FROM wh_events WHERE event_id = $1";
+
 /// The prefix of the `DETAIL` that `lockstep_append_events` puts on a stale expectation.
 const ACTUAL_VERSION_DETAIL: &str = "actual_version=";
 
@@ -158,6 +161,24 @@ impl PgEventStore {
             .await
             .map_err(|e| statement_error(e, "loading stream", stream_id))?;
         rows.iter().map(|row| decode(row, 0, stream_id)).collect()
+    }
+
+    /// The stream that the event `event_id` belongs to, `None` when this database has no such
+    /// event: for an operator's tool that checks an event id it was given (`lockstep
+    /// perspectives rewind --from`) before it acts on it. One primary-key lookup.
+    pub async fn stream_of_event<T: PgTransactionRef + ?Sized>(
+        &self,
+        tx: &T,
+        event_id: Uuid,
+    ) -> Result<Option<StreamId>> {
+        let row = tx
+            .executor()
+            .query_typed_opt(STREAM_OF_EVENT, &[(&event_id, Type::UUID)])
+            .await
+            .map_err(|e| lockstep_pg::internal::statement_error(e, "looking up an event"))?;
+        row.map(|r| r.try_get::<_, Uuid>(0).map(StreamId::from_uuid))
+            .transpose()
+            .map_err(decode_error)
     }
 
     /// Appends `events` at `expected` ([`EventStore::append`]), on any transaction, including

@@ -95,6 +95,9 @@ pub mod sql {
         };
     }
 
+    /// Whether `$1` is registered: a row, or none.
+    pub const IS_REGISTERED: &str = "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1";
+
     /// Registers names (`$1 text[]`); returns how many were new (they catch up).
     pub const REGISTER: &str = "SELECT lockstep_register_perspectives($1)";
 
@@ -199,7 +202,7 @@ SELECT p.perspective_name,
        (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
            AND k.rewind_trigger_event_id IS NOT NULL),
        (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
-           AND k.error IS NOT NULL),
+           AND k.error IS NOT NULL AND k.failures > 0),
        (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
            AND k.parked_at IS NULL AND k.retry_at > clock_timestamp()),
        (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name
@@ -208,11 +211,11 @@ SELECT p.perspective_name,
  ORDER BY p.perspective_name COLLATE \"C\"";
 
     /// The failing pairs of the perspectives `$1` (all when empty), by perspective and stream,
-    /// at most `$2`.
+    /// at most `$2`: an error and a failure count above 0 (a retried pair keeps its text).
     pub const FAILING_PAIRS: &str = concat!(
         "SELECT k.stream_id, k.perspective_name, ",
         cursor_columns!(),
-        " FROM wh_perspective_cursors k WHERE k.error IS NOT NULL \
+        " FROM wh_perspective_cursors k WHERE k.error IS NOT NULL AND k.failures > 0 \
            AND (cardinality($1::text[]) = 0 OR k.perspective_name = ANY ($1)) \
          ORDER BY k.perspective_name COLLATE \"C\", k.stream_id LIMIT $2"
     );
@@ -450,6 +453,22 @@ impl Default for PgPerspectiveStore {
 }
 
 impl PgPerspectiveStore {
+    /// Whether `name` is a registered perspective: for an operator's tool that refuses a
+    /// command on a name nothing serves (`lockstep perspectives purge|rewind|retry|skip`)
+    /// rather than report a pair without a cursor. One primary-key lookup.
+    pub async fn is_registered<T: PgTransactionRef + ?Sized>(
+        &self,
+        tx: &T,
+        name: &PerspectiveName,
+    ) -> Result<bool> {
+        let row = tx
+            .executor()
+            .query_typed_opt(sql::IS_REGISTERED, &[(&name.as_str(), Type::TEXT)])
+            .await
+            .map_err(|e| statement_error(e, "reading the registered perspectives"))?;
+        Ok(row.is_some())
+    }
+
     /// A store keeping the last [`DEFAULT_KEEP_SNAPSHOTS`] snapshots per pair.
     pub fn new() -> PgPerspectiveStore {
         PgPerspectiveStore {

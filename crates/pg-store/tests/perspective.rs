@@ -492,6 +492,80 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
     assert!(!renewed, "the released lease cannot be renewed");
 }
 
+/// The operator's argument checks (`lockstep perspectives …`, ADR 0020's leftover): whether a
+/// name is registered and which stream an event belongs to, from a spawned task with the
+/// concrete types, on the owned transaction and on a borrowed `tokio_postgres` one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_argument_checks_run_inside_spawned_tasks() {
+    use lockstep_core::TransactionSource as _;
+    let f = fixture().await;
+    let (db, store, events) = (f.source.clone(), f.store.clone(), f.events.clone());
+    let p = name("Checked");
+    let unknown = name("NeverRegistered");
+    let stream = StreamId::new_v7();
+    let tx = db.begin().await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    f.events
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event(1)])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    let first = f
+        .pool
+        .get()
+        .await
+        .expect("connection")
+        .query_one(
+            "SELECT event_id FROM wh_events WHERE stream_id = $1",
+            &[&stream.as_uuid()],
+        )
+        .await
+        .expect("the event")
+        .get::<_, uuid::Uuid>(0);
+    let pool = f.pool.clone();
+    let answers = tokio::spawn(async move {
+        let tx: PgTransaction = db.begin().await.expect("begin");
+        let answers = (
+            store.is_registered(&tx, &p).await.expect("is_registered"),
+            store
+                .is_registered(&tx, &unknown)
+                .await
+                .expect("is_registered"),
+            events
+                .stream_of_event(&tx, first)
+                .await
+                .expect("stream_of_event"),
+            events
+                .stream_of_event(&tx, uuid::Uuid::new_v4())
+                .await
+                .expect("stream_of_event"),
+        );
+        tx.rollback().await.expect("rollback");
+        // The same on a transaction the application manages.
+        let mut conn = pool.get().await.expect("connection");
+        let own = conn.transaction().await.expect("begin");
+        let borrowed = (
+            store.is_registered(&own, &p).await.expect("is_registered"),
+            events
+                .stream_of_event(&own, first)
+                .await
+                .expect("stream_of_event"),
+        );
+        own.rollback().await.expect("rollback");
+        (answers, borrowed)
+    });
+    let ((known, not_known, of_first, of_nothing), borrowed) =
+        answers.await.expect("the spawned task");
+    assert!(known);
+    assert!(!not_known);
+    assert_eq!(of_first, Some(stream));
+    assert_eq!(of_nothing, None);
+    assert_eq!(borrowed, (true, Some(stream)));
+}
+
 /// A rewind's read on both sides of 1 000 events (the worker's short-replay bound, ADR 0023;
 /// and the bound of the cached-plan read tried and not taken in ADR 0025, whose two fallbacks
 /// these cases covered): with and without a snapshot, with events applied since the snapshot

@@ -1169,7 +1169,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                     continue;
                 };
                 status.rewinds_pending += u64::from(pair.rewind.is_some());
-                status.in_error += u64::from(pair.error.is_some());
+                status.in_error += u64::from(pair.error.is_some() && pair.failures > 0);
                 status.parked += u64::from(pair.parked_at.is_some());
                 status.backing_off +=
                     u64::from(pair.parked_at.is_none() && pair.retry_at.is_some_and(|at| at > now));
@@ -1275,7 +1275,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 .filter(|key| perspectives.is_empty() || perspectives.contains(&key.1))
                 .filter_map(|key| {
                     let pair = Self::read(&state, tx, &key)?;
-                    pair.error.is_some().then_some((key, pair))
+                    (pair.error.is_some() && pair.failures > 0).then_some((key, pair))
                 })
                 .collect()
         };

@@ -2336,8 +2336,43 @@ pub async fn a_parked_pair_is_listed_and_only_claimed_again_after_unpark<
         Some("apply failed"),
         "the text stays"
     );
+    // ... but a retried pair is not failing (an operator's `--check` must not fail on the
+    // pair it just retried) until it fails again.
+    let failing_and_in_error = || async {
+        let tx = begin(fixture.source()).await;
+        let failing = fixture
+            .store()
+            .failing_pairs(&tx, std::slice::from_ref(&p), ALL_PAIRS)
+            .await
+            .expect("failing_pairs");
+        let status = fixture
+            .store()
+            .perspective_status(&tx)
+            .await
+            .expect("perspective_status");
+        rollback(tx).await;
+        let in_error = status
+            .iter()
+            .find(|s| s.perspective == p)
+            .map(|s| s.in_error);
+        (
+            failing.iter().filter(|c| c.stream_id == stream).count(),
+            in_error,
+        )
+    };
+    assert_eq!(failing_and_in_error().await, (0, Some(0)), "retried");
     let batch = peek_batch(&*fixture, asked, limits(10, 10, 100)).await;
     assert_eq!(work_of(&batch), [(stream, p.clone(), Some(ids.clone()))]);
+    assert!(
+        !fail(
+            &*fixture,
+            stream,
+            &p,
+            PairFailure::new("again").at_event(Some(ids[0]))
+        )
+        .await
+    );
+    assert_eq!(failing_and_in_error().await, (1, Some(1)), "failed again");
 }
 
 /// An operator's rewind request retries a parked pair: the next batch hands it out as a rewind.
