@@ -31,9 +31,9 @@ use lockstep_core::json::MAX_DEPTH;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch,
-    ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId, LockReason,
-    NewEvent, Pair, PairFailure, PerspectiveName, PerspectiveStore, ProgressReport, Rebuild,
-    RecordedEvent, RetireStates, Retired, RewindDebounce, RewindProgress, SkippedEvent,
+    ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseEpoch, LeaseId,
+    LockReason, NewEvent, Pair, PairFailure, PerspectiveName, PerspectiveStore, ProgressReport,
+    Rebuild, RecordedEvent, RetireStates, Retired, RewindDebounce, RewindProgress, SkippedEvent,
     StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
     ValidationError,
 };
@@ -3485,6 +3485,32 @@ pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commit
     );
     rollback(tx).await;
     renew(&*fixture, &held).await;
+
+    // Fenced on a lease that is not the live one (an earlier epoch, another holder): refused
+    // as lost, nothing written, the live lease held.
+    for fence in [
+        LeaseId::new(
+            stream,
+            p.clone(),
+            held.id.holder,
+            LeaseEpoch::new(held.id.epoch.get() - 1),
+        ),
+        LeaseId::new(stream, p.clone(), InstanceId::random(), held.id.epoch),
+    ] {
+        let tx = begin(fixture.source()).await;
+        let refused = fixture
+            .store()
+            .commit_state_releasing(&tx, &commit_for(&before, 1, Some(fence)))
+            .await;
+        assert_eq!(
+            refused.map_err(|e| e.kind()).err(),
+            Some(ErrorKind::LeaseLost)
+        );
+        rollback(tx).await;
+        renew(&*fixture, &held).await;
+    }
+    let now = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(now.revision, before.revision, "nothing written");
 
     // Committed but rolled back: nothing written, the lease held.
     let tx = begin(fixture.source()).await;
