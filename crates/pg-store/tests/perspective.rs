@@ -85,6 +85,23 @@ mod conformance {
     }
 }
 
+/// The ids of a stream's events, in event-id order, as stored.
+async fn stream_event_ids(f: &PgFixture, stream: StreamId) -> Vec<uuid::Uuid> {
+    f.pool
+        .get()
+        .await
+        .expect("connection")
+        .query(
+            "SELECT event_id FROM wh_events WHERE stream_id = $1 ORDER BY event_id",
+            &[&stream.as_uuid()],
+        )
+        .await
+        .expect("the stream's event ids")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 fn name(label: &str) -> PerspectiveName {
     PerspectiveName::new(format!("{label}-{}", uuid::Uuid::new_v4().simple())).expect("name")
 }
@@ -513,18 +530,7 @@ async fn the_operators_argument_checks_run_inside_spawned_tasks() {
         .await
         .expect("append");
     tx.commit().await.expect("commit");
-    let first = f
-        .pool
-        .get()
-        .await
-        .expect("connection")
-        .query_one(
-            "SELECT event_id FROM wh_events WHERE stream_id = $1",
-            &[&stream.as_uuid()],
-        )
-        .await
-        .expect("the event")
-        .get::<_, uuid::Uuid>(0);
+    let first = stream_event_ids(&f, stream).await[0];
     let pool = f.pool.clone();
     let answers = tokio::spawn(async move {
         let tx: PgTransaction = db.begin().await.expect("begin");
@@ -601,20 +607,7 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
             .await
             .expect("append");
         tx.commit().await.expect("commit");
-        let ids: Vec<uuid::Uuid> = f
-            .pool
-            .get()
-            .await
-            .expect("connection")
-            .query(
-                "SELECT event_id FROM wh_events WHERE stream_id = $1 ORDER BY event_id",
-                &[&stream.as_uuid()],
-            )
-            .await
-            .expect("ids")
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let ids = stream_event_ids(&f, stream).await;
         let pair = Pair::new(stream, p.clone());
         // Apply the first events with a snapshot, then the rest of `applied` without one.
         let mut done = 0;
