@@ -57,9 +57,10 @@
 //! # Semantics (see `docs/adr/0003-advisory-lock-design.md`)
 //!
 //! - **Schema**: every lock statement calls the SQL function `lockstep_advisory_lock`
-//!   (migration `V4`), the one place where the protocol below — isolation check,
-//!   `lock_timeout` set for the wait and restored — is written (the event store's
-//!   `lockstep_lock_and_load` calls it too). Apply the schema first with
+//!   (migration `V4`; `V19` tries a free lock first, ADR 0028), the one place where the
+//!   protocol below — isolation check, `lock_timeout` set for the wait and restored — is
+//!   written (the event store's `lockstep_lock_and_load` calls it too). Apply the schema
+//!   first with
 //!   [`lockstep_pg::migrate()`].
 //! - **Timeouts** map to a transaction-local `lock_timeout` for the one statement (restored in
 //!   the same statement) and fail with [`ErrorKind::LockTimeout`](lockstep_core::ErrorKind).
