@@ -21,7 +21,9 @@
 //! at its poison event with the fold of the events before it and its work from the poison on
 //! still queued; the unserved perspective's work is untouched. A failure of any pair but a
 //! poisoned one is an error. The sides alternate per round; the headline is the median of the
-//! per-round ratios.
+//! per-round ratios. A last line says what the ratio is made of: the time the failing pairs
+//! add per failure stored while timed, as a share of a healthy pair's time alone, and the
+//! largest share that keeps the ratio at 1.2 (issue 18's goal).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -177,6 +179,24 @@ async fn measure(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> 
         "with ÷ without = {headline:.3} (median of per-round ratios; rounds: {})",
         fmt_all(&ratios)
     ));
+    // What the ratio is made of: the time the failing pairs add, per failure stored while
+    // timed (the extra batches they cause included), against the time a healthy pair takes
+    // alone — and the most that per-failure share may be for the ratio to stay at 1.2.
+    let (clean, with) = (median(&seconds[0]), median(&seconds[1]));
+    let fails = median(&failures[1].iter().map(|&n| n as f64).collect::<Vec<_>>());
+    if fails > 0.0 && clean > 0.0 && args.starved_streams > 0 {
+        let per_fail = (with - clean) / fails;
+        let per_healthy = clean / args.starved_streams as f64;
+        lines.push(format!(
+            "A failure stored while timed adds {:.0} µs (the extra batches included) against \
+             {:.0} µs per healthy pair alone: {:.2} of a healthy pair's turn; a ratio of 1.2 \
+             with {fails:.0} failures needs at most {:.2}.",
+            per_fail * 1e6,
+            per_healthy * 1e6,
+            per_fail / per_healthy,
+            0.2 * args.starved_streams as f64 / fails
+        ));
+    }
     lines.push(format!(
         "Timed: from the worker's first cycle to the end of the cycle after which no healthy pair \
          has work left (a count after every cycle, both sides). Worker: default options but a 10 \
