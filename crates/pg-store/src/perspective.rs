@@ -63,6 +63,7 @@ mod life;
 
 use std::time::Duration;
 
+use futures_util::TryStreamExt;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
@@ -660,66 +661,60 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     }
 
     async fn load_rewind(&self, tx: &T, pair: &Pair) -> Result<Option<RewindLoad>> {
+        const DOING: &str = "reading what a rewind restores and replays";
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let (stream, name) = (stream_id.as_uuid(), perspective.as_str());
+        // Each row is decoded as it arrives, rather than all rows collected first: a full
+        // replay's rows would otherwise all be held (with their share of the connection's read
+        // buffers) next to the events decoded from them (ADR 0029: a full replay of 20 000
+        // events 24 % faster).
         let rows = tx
             .executor()
-            .query_typed(
+            .query_typed_raw(
                 sql::LOAD_REWIND,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
+                [
+                    (
+                        &stream as &(dyn tokio_postgres::types::ToSql + Sync),
+                        Type::UUID,
+                    ),
+                    (
+                        &name as &(dyn tokio_postgres::types::ToSql + Sync),
+                        Type::TEXT,
+                    ),
                 ],
             )
             .await
-            .map_err(|e| statement_error(e, "reading what a rewind restores and replays"))?;
-        if rows.is_empty() {
-            return Ok(None);
-        }
+            .map_err(|e| statement_error(e, DOING))?;
+        let mut rows = std::pin::pin!(rows);
         // No `ORDER BY` in the statement: sorting every event row with its payload cost a full
         // replay about half its time (ADR 0012 §8 figures). The header is the row of part 0
         // (the first, in practice: `UNION ALL` runs its branches in order), and the events come
         // in the index's (stream, event id) order; both are checked here, not assumed.
-        let mut header = None;
-        let mut event_rows = Vec::with_capacity(rows.len().saturating_sub(1));
-        for row in &rows {
+        let mut header: Option<(Cursor, Option<Snapshot>)> = None;
+        let mut events = Vec::new();
+        let mut any = false;
+        while let Some(row) = rows
+            .try_next()
+            .await
+            .map_err(|e| statement_error(e, DOING))?
+        {
+            any = true;
             let part: i32 = row.try_get(0).map_err(decode_error)?;
             if part == 0 && header.is_none() {
-                header = Some(row);
+                header = Some(decode_rewind_header(&row, stream_id, perspective)?);
             } else {
-                event_rows.push(row);
+                events.push(crate::decode(&row, LOAD_EVENT_AT, stream_id)?);
             }
         }
-        let Some(header) = header else {
+        if !any {
+            return Ok(None);
+        }
+        let Some((cursor, snapshot)) = header else {
             return Err(Error::new(
                 ErrorKind::Backend,
                 "a rewind load returned events without their cursor",
             ));
         };
-        let cursor = decode_cursor(
-            header,
-            LOAD_CURSOR_AT,
-            LOAD_CURSOR_AT + V7_CURSOR_COLUMNS,
-            stream_id,
-            perspective,
-        )?;
-        let snapshot = match header
-            .try_get::<_, Option<Uuid>>(LOAD_SNAPSHOT_AT)
-            .map_err(decode_error)?
-        {
-            Some(event_id) => {
-                let applied: i64 = header.try_get(LOAD_SNAPSHOT_AT + 2).map_err(decode_error)?;
-                Some(Snapshot {
-                    event_id,
-                    state: header.try_get(LOAD_SNAPSHOT_AT + 1).map_err(decode_error)?,
-                    applied_count: stored_count(applied)?,
-                })
-            }
-            None => None,
-        };
-        let mut events = event_rows
-            .into_iter()
-            .map(|row| crate::decode(row, LOAD_EVENT_AT, stream_id))
-            .collect::<Result<Vec<_>>>()?;
         if !events.is_sorted_by_key(|e| e.event_id) {
             events.sort_by_key(|e| e.event_id);
         }
@@ -1398,6 +1393,37 @@ fn stored_name(name: String) -> Result<PerspectiveName> {
     PerspectiveName::new(name).map_err(|e| {
         Error::new(ErrorKind::Backend, "a stored perspective name is invalid").with_source(e)
     })
+}
+
+/// The header row of a rewind's read ([`sql::LOAD_REWIND`]): the cursor, and the latest
+/// snapshot before the request's trigger.
+fn decode_rewind_header(
+    header: &Row,
+    stream_id: StreamId,
+    perspective: &PerspectiveName,
+) -> Result<(Cursor, Option<Snapshot>)> {
+    let cursor = decode_cursor(
+        header,
+        LOAD_CURSOR_AT,
+        LOAD_CURSOR_AT + V7_CURSOR_COLUMNS,
+        stream_id,
+        perspective,
+    )?;
+    let snapshot = match header
+        .try_get::<_, Option<Uuid>>(LOAD_SNAPSHOT_AT)
+        .map_err(decode_error)?
+    {
+        Some(event_id) => {
+            let applied: i64 = header.try_get(LOAD_SNAPSHOT_AT + 2).map_err(decode_error)?;
+            Some(Snapshot {
+                event_id,
+                state: header.try_get(LOAD_SNAPSHOT_AT + 1).map_err(decode_error)?,
+                applied_count: stored_count(applied)?,
+            })
+        }
+        None => None,
+    };
+    Ok((cursor, snapshot))
 }
 
 fn decode_error(err: tokio_postgres::Error) -> Error {
