@@ -60,8 +60,7 @@
 //!   (migration `V4`; `V19` tries a free lock first, ADR 0028), the one place where the
 //!   protocol below — isolation check, `lock_timeout` set for the wait and restored — is
 //!   written (the event store's `lockstep_lock_and_load` calls it too). Apply the schema
-//!   first with
-//!   [`lockstep_pg::migrate()`].
+//!   first with [`lockstep_pg::migrate()`].
 //! - **Timeouts** map to a transaction-local `lock_timeout` for the one statement (restored in
 //!   the same statement) and fail with [`ErrorKind::LockTimeout`](lockstep_core::ErrorKind).
 //!   As in plain PostgreSQL, a failed wait **aborts the caller's transaction**: roll it back

@@ -20,7 +20,8 @@
 //!   clear the rewind request conditionally, snapshot and prune). A refused commit (conflict,
 //!   lease lost) writes nothing and leaves the transaction usable.
 //!
-//! Every statement is sent with `query_typed` (parse, bind and execute in one round trip), with
+//! Every statement is sent with `query_typed` (parse, bind and execute in one round trip; the
+//! rewind's read with `query_typed_raw`, the same messages with its rows streamed), with
 //! every value bound as a parameter. Bad input (a state that `jsonb` cannot store or that is
 //! nested deeper than a claim can read back, [`lockstep_core::json`]; a count out of range; a
 //! fence naming another pair) is refused with [`ErrorKind::InvalidInput`] before any SQL is sent.
@@ -692,13 +693,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         // in the index's (stream, event id) order; both are checked here, not assumed.
         let mut header: Option<(Cursor, Option<Snapshot>)> = None;
         let mut events = Vec::new();
-        let mut any = false;
         while let Some(row) = rows
             .try_next()
             .await
             .map_err(|e| statement_error(e, DOING))?
         {
-            any = true;
             let part: i32 = row.try_get(0).map_err(decode_error)?;
             if part == 0 && header.is_none() {
                 header = Some(decode_rewind_header(&row, stream_id, perspective)?);
@@ -706,10 +705,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 events.push(crate::decode(&row, LOAD_EVENT_AT, stream_id)?);
             }
         }
-        if !any {
-            return Ok(None);
-        }
+        // No row at all: no cursor.
         let Some((cursor, snapshot)) = header else {
+            if events.is_empty() {
+                return Ok(None);
+            }
             return Err(Error::new(
                 ErrorKind::Backend,
                 "a rewind load returned events without their cursor",
