@@ -975,7 +975,10 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// [`PerspectiveStore::claim`]; a request inside its debounce window holds the pair back.
     /// At most `limits.scan` pairs are looked at: the cost of a claim does not grow with the
     /// length of the queue, nor with the number of pairs that cannot be served. A pair without
-    /// a cursor row gets one. Bad limits are [`crate::ErrorKind::InvalidInput`].
+    /// a cursor row gets one. A pair that failed before ([`Cursor::failures`] above 0) at a
+    /// pending event ([`Cursor::failed_event_id`]) is handed out up to that event only, so that
+    /// retrying a poisoned pair costs what its failing event costs; with nothing pending up to
+    /// it, its work is handed out as usual. Bad limits are [`crate::ErrorKind::InvalidInput`].
     fn claim_batch<'a>(
         &'a self,
         tx: &'a Tx,

@@ -560,9 +560,17 @@ impl InMemoryPerspectiveStore {
             return Ok(Taken::NoRoom);
         }
         budget.bytes = budget.bytes.saturating_add(state_size);
+        // A pair that failed at a pending event is handed out up to that event only (its
+        // retry costs what the failing event costs); with nothing pending up to it, as usual.
+        let upto = pair
+            .failed_event_id
+            .filter(|failed| pair.failures > 0 && first.event_id <= *failed);
         let mut events = Vec::new();
         for event in pending {
-            if events.len() >= limits.events_per_pair || budget.events >= limits.events {
+            if events.len() >= limits.events_per_pair
+                || budget.events >= limits.events
+                || upto.is_some_and(|failed| event.event_id > failed)
+            {
                 break;
             }
             let bytes = budget.bytes.saturating_add(size(&event.payload));

@@ -2,7 +2,8 @@
 //! claim a batch (`lockstep_perspective_claim_pairs`, migration V16, for the pairs and their
 //! work ids; `CLAIM_EVENTS` for their events, each pair's as one range of `wh_events`: ADR
 //! 0022 §2), one commits it (`lockstep_perspective_commit_batch`, its work rows deleted by
-//! range since V15: ADR 0022).
+//! range since V15: ADR 0022). Since V20 (ADR 0030) a pair that failed is handed out up to its
+//! failed event only, and a batch's failures are stored by one statement.
 
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, ClaimedBatch, ClaimedPair, ClaimedWork, Error,

@@ -2755,6 +2755,151 @@ pub async fn a_successful_commit_clears_the_error_the_backoff_and_the_parking<
     }
 }
 
+/// A pair that failed at an event after its cursor is handed out by a batch up to that event
+/// only, so that a poisoned pair's retry costs what its failing event costs; once a commit has
+/// cleared the failure, the rest comes at full size. A failed event with no work left up to it
+/// (skipped or purged meanwhile) does not hold the pair back: its work comes as before.
+pub async fn a_failed_pair_is_retried_up_to_its_failed_event<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("RetriedAtItsEvent");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 2, 5).await;
+    let ((poisoned, poisoned_ids), (gone, gone_ids)) = (&streams[0], &streams[1]);
+    let at = |event: Uuid| {
+        PairFailure::new("boom")
+            .at_event(Some(event))
+            .retry_after(Duration::ZERO)
+    };
+    assert!(!fail(&*fixture, *poisoned, &p, at(poisoned_ids[2])).await);
+    // An id below every event of the stream: nothing is pending up to it.
+    assert!(!fail(&*fixture, *gone, &p, at(Uuid::from_u128(1))).await);
+
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        work_of(&batch),
+        [
+            (*poisoned, p.clone(), Some(poisoned_ids[..3].to_vec())),
+            (*gone, p.clone(), Some(gone_ids.clone())),
+        ],
+        "the failed pair up to its failed event; the other with all its work"
+    );
+
+    // The retry succeeds: its commit clears the failure, and the rest comes at full size.
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        &*fixture,
+        &tx,
+        from_start(std::slice::from_ref(&p)),
+        limits(1, 10, 100),
+    )
+    .await;
+    let [claimed] = &batch.pairs[..] else {
+        panic!("one pair claimed, not {:?}", work_of(&batch));
+    };
+    let ClaimedWork::Apply { state, events } = &claimed.work else {
+        panic!("expected events to apply");
+    };
+    assert_eq!(event_ids(events), poisoned_ids[..3]);
+    let change = commit_of(&claimed.cursor, state.as_ref(), events);
+    let done = fixture
+        .store()
+        .commit_batch(
+            &tx,
+            &[BatchEntry::new(claimed.cursor.pair(), Some(change), None)],
+        )
+        .await
+        .expect("commit_batch");
+    assert!(matches!(done[..], [BatchCommitted::Committed { .. }]));
+    commit(tx).await.expect("commit");
+    let healed = cursor(&*fixture, *poisoned, &p).await.expect("cursor");
+    assert_eq!((healed.failures, healed.failed_event_id), (0, None));
+    let batch = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        work_of(&batch)[0],
+        (*poisoned, p.clone(), Some(poisoned_ids[3..].to_vec())),
+    );
+}
+
+/// A batch entry that commits the events before its failing one and parks the pair (a
+/// perspective that parks at its first failure) is answered `Committed { parked: true }`: the
+/// prefix is stored, the failure and the parking too, and the work from the failing event on
+/// stays queued.
+pub async fn a_batch_entry_can_commit_its_prefix_and_park_its_pair<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let p = name("PrefixThenParked");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 1, 3).await;
+    let (stream, ids) = &streams[0];
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        &*fixture,
+        &tx,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    let [claimed] = &batch.pairs[..] else {
+        panic!("one pair claimed, not {:?}", work_of(&batch));
+    };
+    let ClaimedWork::Apply {
+        state: claimed_state,
+        events,
+    } = &claimed.work
+    else {
+        panic!("expected events to apply");
+    };
+    let failure = PairFailure::new("apply failed at the second event")
+        .at_event(Some(ids[1]))
+        .park(true);
+    let done = fixture
+        .store()
+        .commit_batch(
+            &tx,
+            &[BatchEntry::new(
+                claimed.cursor.pair(),
+                Some(commit_of(
+                    &claimed.cursor,
+                    claimed_state.as_ref(),
+                    &events[..1],
+                )),
+                Some(failure),
+            )],
+        )
+        .await
+        .expect("commit_batch");
+    assert_eq!(
+        done,
+        [BatchCommitted::Committed {
+            revision: claimed.cursor.revision + 1,
+            parked: true
+        }]
+    );
+    commit(tx).await.expect("commit");
+    let (after, stored) = state(&*fixture, *stream, &p).await.expect("cursor");
+    assert_eq!(
+        (after.last_event_id, after.applied_count),
+        (Some(ids[0]), 1)
+    );
+    assert_eq!(stored, Some(serde_json::json!({ "sum": 1 })));
+    assert_eq!((after.failures, after.failed_event_id), (1, Some(ids[1])));
+    assert!(after.parked_at.is_some() && after.error.is_some());
+    assert_eq!(pending(&*fixture, *stream, &p).await, ids[1..]);
+}
+
 /// In a batch, a late arrival is handed out as a rewind (the request is kept by committing),
 /// held back inside the debounce window (request kept too), and a rewind request on a pair
 /// with no pending work is handed out as a rewind.
@@ -3796,6 +3941,8 @@ macro_rules! __lockstep_perspective_store_cases {
             commit_batch_commits_each_entry_and_refuses_a_stale_one_alone,
             an_invalid_batch_entry_writes_nothing_of_any_entry,
             a_successful_commit_clears_the_error_the_backoff_and_the_parking,
+            a_failed_pair_is_retried_up_to_its_failed_event,
+            a_batch_entry_can_commit_its_prefix_and_park_its_pair,
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
             perspective_status_counts_work_failures_backoff_and_parking,
