@@ -3,20 +3,26 @@
 -- docs/adr/0030-retry-at-the-failed-event.md).
 --
 -- `lockstep_perspective_claim_pairs`: a pair that failed before (`failures > 0`) at an event
--- after its cursor (`failed_event_id`) is handed out up to that event only. The events before
--- a failing one are committed with the failure (ADR 0012), so that is normally the failing
--- event alone: a poisoned pair with 1 000 events queued was read in full on every retry, and
--- now costs one event of the batch's budget. When the retry succeeds (the failure was
--- transient, or an operator fixed the cause) the commit clears the failure and the next claim
--- hands out the rest at full size. When no work row is left up to that event (skipped or
--- purged meanwhile), the pair is handed out as before. Everything else is V18's.
+-- after its cursor (`failed_event_id`) is handed out up to that event only. When `apply`
+-- failed, the events before the failing one were committed with the failure (ADR 0012), so
+-- that is the failing event alone: a poisoned pair with 1 000 events queued was read in full
+-- on every retry, and now costs one event of the batch's budget. (A state that could not be
+-- stored is recorded at the last event of its fold: its retry gets the same events again.)
+-- When the retry succeeds (the failure was transient, or an operator fixed the cause) the
+-- commit clears the failure and the next claim hands out the rest at full size. When nothing
+-- is pending up to that event (a failure recorded at an event that is not pending work; a
+-- skip or a purge clears the count), the pair is handed out as before. Everything else is
+-- V18's.
 --
 -- `lockstep_perspective_commit_batch`: an entry that commits the events before its failing
 -- one takes the set-based path of V9 like any other (it went entry by entry), and the
 -- failures of a batch — of those entries and of the entries with nothing to commit, their
 -- pair once in the batch — are stored by one upsert in entry order, after the commits,
 -- instead of one `lockstep_perspective_record_failure` call each (a SQL function, planned on
--- every call). Same rows, outcomes and parking; the other entries are V15's.
+-- every call). Same rows, outcomes and parking; the other entries are V15's. The check that
+-- a ranged delete removed exactly the applied rows compares each pair's count instead of
+-- their total (V15's total let a late arrival in one pair's range and an applied id without a
+-- work row in another's cancel out, deleting the late arrival's work row).
 --
 -- Same signatures and results. Re-runnable.
 
@@ -216,8 +222,8 @@ BEGIN
             END IF;
             n := coalesce(cardinality(ids), 0);
             IF n = 0 AND upto <> 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid THEN
-                -- Nothing left up to the failed event (skipped or purged meanwhile): the pair's
-                -- work as V18 hands it out.
+                -- Nothing pending up to the failed event (not a work row of the pair): the
+                -- pair's work as V18 hands it out.
                 IF c.last_event_id IS NULL THEN
                     ids := ARRAY(SELECT w.event_id FROM wh_perspective_events w
                                   WHERE w.perspective_name = name_ AND w.stream_id = cand
@@ -292,12 +298,11 @@ DECLARE
     len_  integer;
     n_up  integer := 0;
     r     record;
-    -- The set-based entries whose work rows go by range, those that go one by one, how
-    -- many rows the ranges must hold, and how many they did.
+    -- The set-based entries whose work rows go by range, those that go one by one, and how
+    -- many of the ranged entries deleted other than as many rows as they applied (V20).
     ranged    integer[];
     exact     integer[];
-    n_applied bigint;
-    n_deleted bigint;
+    n_off     bigint;
     -- The entries whose failure the one upsert stored (V20), and whether it parked them.
     failed_  boolean[];
     parked_  boolean[];
@@ -344,13 +349,14 @@ BEGIN
         -- event are one range of the work table's key: one descent per pair instead of one per
         -- event (V9). The range holds exactly the applied rows unless a late arrival was
         -- enqueued inside it after the claim (it must stay: it triggers the rewind) or an
-        -- applied row is gone; then the counts differ, the range delete is rolled back (the
-        -- block is a subtransaction) and V9's exact delete runs. A pair whose applied ids do
-        -- not start with the smallest and end with the largest (the store sends them in
-        -- ascending order) goes the exact way at once.
-        SELECT coalesce(array_agg(f.i ORDER BY f.i), '{}'),
-               coalesce(sum(p_applied_lens[f.i]), 0)
-          INTO ranged, n_applied
+        -- applied row is gone; then the pair's count differs, the range delete is rolled back
+        -- (the block is a subtransaction) and V9's exact delete runs. The counts are compared
+        -- pair by pair (V20; V15 compared their total, so that a late arrival in one pair's
+        -- range and an applied id without a work row in another's could cancel out). A pair
+        -- whose applied ids do not start with the smallest and end with the largest (the store
+        -- sends them in ascending order) goes the exact way at once.
+        SELECT coalesce(array_agg(f.i ORDER BY f.i), '{}')
+          INTO ranged
           FROM unnest(fast) f(i)
          WHERE p_applied_lens[f.i] > 0
            AND p_applied[offs[f.i] + 1]
@@ -359,14 +365,19 @@ BEGIN
                >= ALL (p_applied[offs[f.i] + 1 : offs[f.i] + p_applied_lens[f.i]]);
         exact := ARRAY(SELECT f.i FROM unnest(fast) f(i) WHERE f.i <> ALL (ranged));
         BEGIN
-            DELETE FROM wh_perspective_events w
-             USING unnest(ranged) f(i)
-             WHERE w.perspective_name = p_perspectives[f.i]
-               AND w.stream_id = p_stream_ids[f.i]
-               AND w.event_id >= p_applied[offs[f.i] + 1]
-               AND w.event_id <= p_applied[offs[f.i] + p_applied_lens[f.i]];
-            GET DIAGNOSTICS n_deleted = ROW_COUNT;
-            IF n_deleted <> n_applied THEN
+            WITH d AS (
+                DELETE FROM wh_perspective_events w
+                 USING unnest(ranged) f(i)
+                 WHERE w.perspective_name = p_perspectives[f.i]
+                   AND w.stream_id = p_stream_ids[f.i]
+                   AND w.event_id >= p_applied[offs[f.i] + 1]
+                   AND w.event_id <= p_applied[offs[f.i] + p_applied_lens[f.i]]
+                RETURNING f.i)
+            SELECT count(*) INTO n_off
+              FROM unnest(ranged) f(i)
+              LEFT JOIN (SELECT d.i, count(*) AS k FROM d GROUP BY d.i) c ON c.i = f.i
+             WHERE coalesce(c.k, 0) <> p_applied_lens[f.i];
+            IF n_off > 0 THEN
                 RAISE EXCEPTION USING ERRCODE = 'LSRNG',
                     MESSAGE = 'an applied range holds other work rows';
             END IF;
