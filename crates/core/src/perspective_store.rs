@@ -645,7 +645,9 @@ pub struct StateCommit {
     pub last_event_id: Option<Uuid>,
     /// How many events it is the fold of.
     pub applied_count: u64,
-    /// The work items it applied: exactly these are deleted.
+    /// The work items it applied: exactly these are deleted. They must be pending work of the
+    /// pair (what a claim handed out). An id that is not may let a batch commit on Postgres
+    /// delete another pending row inside the range of the pair's applied ids (ADR 0030 §3).
     pub applied_events: Vec<Uuid>,
     /// For a rewind: the trigger it rewound from. The snapshots at or after it are deleted, and
     /// the rewind request is cleared if its trigger is still this one (an earlier trigger that

@@ -2900,73 +2900,6 @@ pub async fn a_batch_entry_can_commit_its_prefix_and_park_its_pair<F: Perspectiv
     assert_eq!(pending(&*fixture, *stream, &p).await, ids[1..]);
 }
 
-/// A batch commit deletes exactly each entry's applied work, pair by pair, even when one
-/// entry's range holds a work row it did not apply and another's applied ids name a row that
-/// is not there: the two must not cancel out (the row not applied stays queued).
-pub async fn a_batch_commit_deletes_exactly_each_pairs_applied_work<F: PerspectiveStoreFixture>(
-    fixture: Arc<F>,
-) {
-    let p = name("ExactlyPerPair");
-    register(&*fixture, std::slice::from_ref(&p)).await;
-    isolate(&*fixture, std::slice::from_ref(&p)).await;
-    let streams = streams_with(&*fixture, 2, 3).await;
-    let ((with_gap, gap_ids), (phantom, phantom_ids)) = (&streams[0], &streams[1]);
-    let tx = begin(fixture.source()).await;
-    let batch = claim_batch(
-        &*fixture,
-        &tx,
-        from_start(std::slice::from_ref(&p)),
-        limits(10, 10, 100),
-    )
-    .await;
-    assert_eq!(streams_of(&batch), [*with_gap, *phantom]);
-    let mut entries = Vec::new();
-    for claimed in &batch.pairs {
-        let ClaimedWork::Apply {
-            state: claimed_state,
-            events,
-        } = &claimed.work
-        else {
-            panic!("expected events to apply");
-        };
-        let cursor = &claimed.cursor;
-        let change = if cursor.stream_id == *with_gap {
-            // The first and the last event: the middle one, inside their range, is not applied.
-            let applied = [events[0].clone(), events[2].clone()];
-            commit_of(cursor, claimed_state.as_ref(), &applied)
-        } else {
-            // The first two events, and between them an id that is no work row.
-            let mut change = commit_of(cursor, claimed_state.as_ref(), &events[..2]);
-            let between = Uuid::from_u128(events[0].event_id.as_u128() + 1);
-            assert!(between > events[0].event_id && between < events[1].event_id);
-            change.applied_events = vec![events[0].event_id, between, events[1].event_id];
-            change
-        };
-        entries.push(BatchEntry::new(cursor.pair(), Some(change), None));
-    }
-    let done = fixture
-        .store()
-        .commit_batch(&tx, &entries)
-        .await
-        .expect("commit_batch");
-    assert!(
-        done.iter()
-            .all(|d| matches!(d, BatchCommitted::Committed { .. })),
-        "{done:?}"
-    );
-    commit(tx).await.expect("commit");
-    assert_eq!(
-        pending(&*fixture, *with_gap, &p).await,
-        [gap_ids[1]],
-        "the row inside the range that was not applied stays queued"
-    );
-    assert_eq!(
-        pending(&*fixture, *phantom, &p).await,
-        [phantom_ids[2]],
-        "exactly the applied rows are gone"
-    );
-}
-
 /// In a batch, a late arrival is handed out as a rewind (the request is kept by committing),
 /// held back inside the debounce window (request kept too), and a rewind request on a pair
 /// with no pending work is handed out as a rewind.
@@ -4010,7 +3943,6 @@ macro_rules! __lockstep_perspective_store_cases {
             a_successful_commit_clears_the_error_the_backoff_and_the_parking,
             a_failed_pair_is_retried_up_to_its_failed_event,
             a_batch_entry_can_commit_its_prefix_and_park_its_pair,
-            a_batch_commit_deletes_exactly_each_pairs_applied_work,
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
             perspective_status_counts_work_failures_backoff_and_parking,
