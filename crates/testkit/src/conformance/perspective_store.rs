@@ -2832,6 +2832,90 @@ pub async fn a_failed_pair_is_retried_up_to_its_failed_event<F: PerspectiveStore
     );
 }
 
+/// A pair whose batch committed the events before its failing one is retried at the failing
+/// event alone; a failure recorded at an event its cursor has passed does not bound it.
+pub async fn a_pair_failed_after_its_prefix_is_retried_at_the_failing_event<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("RetriedAfterPrefix");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let streams = streams_with(&*fixture, 1, 4).await;
+    let (stream, ids) = &streams[0];
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        &*fixture,
+        &tx,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    let [claimed] = &batch.pairs[..] else {
+        panic!("one pair claimed, not {:?}", work_of(&batch));
+    };
+    let ClaimedWork::Apply {
+        state: claimed_state,
+        events,
+    } = &claimed.work
+    else {
+        panic!("expected events to apply");
+    };
+    let failure = PairFailure::new("apply failed at the second event")
+        .at_event(Some(ids[1]))
+        .retry_after(Duration::ZERO);
+    let done = fixture
+        .store()
+        .commit_batch(
+            &tx,
+            &[BatchEntry::new(
+                claimed.cursor.pair(),
+                Some(commit_of(
+                    &claimed.cursor,
+                    claimed_state.as_ref(),
+                    &events[..1],
+                )),
+                Some(failure),
+            )],
+        )
+        .await
+        .expect("commit_batch");
+    assert!(matches!(
+        done[..],
+        [BatchCommitted::Committed { parked: false, .. }]
+    ));
+    commit(tx).await.expect("commit");
+
+    let retry = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        work_of(&retry),
+        [(*stream, p.clone(), Some(vec![ids[1]]))],
+        "the failing event alone"
+    );
+
+    // A failure recorded at an event the cursor has passed: no bound.
+    let passed = PairFailure::new("boom")
+        .at_event(Some(ids[0]))
+        .retry_after(Duration::ZERO);
+    assert!(!fail(&*fixture, *stream, &p, passed).await);
+    let retry = peek_batch(
+        &*fixture,
+        from_start(std::slice::from_ref(&p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    assert_eq!(
+        work_of(&retry),
+        [(*stream, p.clone(), Some(ids[1..].to_vec()))]
+    );
+}
+
 /// A batch entry that commits the events before its failing one and parks the pair (a
 /// perspective that parks at its first failure) is answered `Committed { parked: true }`: the
 /// prefix is stored, the failure and the parking too, and the work from the failing event on
@@ -3942,6 +4026,7 @@ macro_rules! __lockstep_perspective_store_cases {
             an_invalid_batch_entry_writes_nothing_of_any_entry,
             a_successful_commit_clears_the_error_the_backoff_and_the_parking,
             a_failed_pair_is_retried_up_to_its_failed_event,
+            a_pair_failed_after_its_prefix_is_retried_at_the_failing_event,
             a_batch_entry_can_commit_its_prefix_and_park_its_pair,
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
