@@ -189,52 +189,41 @@ BEGIN
                                     OR c.failed_event_id > c.last_event_id)
                           THEN c.failed_event_id
                           ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid END;
-            -- The pair's pending work after its cursor, in event-id order, as much as it is
-            -- handed: an index range of the work table's key (no event is read here).
-            -- Its work ids, its state and its latest snapshot: one statement.
-            IF c.last_event_id IS NULL THEN
-                SELECT ARRAY(SELECT w.event_id FROM wh_perspective_events w
-                              WHERE w.perspective_name = name_ AND w.stream_id = cand
-                                AND w.event_id <= upto
-                              ORDER BY w.perspective_name, w.stream_id, w.event_id
-                              LIMIT least(p_events_per_pair, events_left)),
-                       (SELECT s.state FROM wh_perspective_states s
-                         WHERE s.stream_id = cand AND s.perspective_name = name_),
-                       (SELECT s.event_id FROM wh_perspective_snapshots s
-                         WHERE s.stream_id = cand AND s.perspective_name = name_
-                         ORDER BY s.event_id DESC LIMIT 1)
-                  INTO ids, st, latest_snapshot;
-            ELSE
-                SELECT ARRAY(SELECT w.event_id FROM wh_perspective_events w
-                              WHERE w.perspective_name = name_ AND w.stream_id = cand
-                                AND w.event_id > c.last_event_id AND w.event_id <= upto
-                              ORDER BY w.perspective_name, w.stream_id, w.event_id
-                              LIMIT least(p_events_per_pair, events_left)),
-                       (SELECT s.state FROM wh_perspective_states s
-                         WHERE s.stream_id = cand AND s.perspective_name = name_),
-                       (SELECT s.event_id FROM wh_perspective_snapshots s
-                         WHERE s.stream_id = cand AND s.perspective_name = name_
-                         ORDER BY s.event_id DESC LIMIT 1)
-                  INTO ids, st, latest_snapshot;
-            END IF;
-            n := coalesce(cardinality(ids), 0);
-            IF n = 0 AND upto <> 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid THEN
-                -- Nothing pending up to the failed event (not a work row of the pair): the
-                -- pair's work as V18 hands it out.
+            LOOP
+                -- The pair's pending work after its cursor, in event-id order, as much as it is
+                -- handed: an index range of the work table's key (no event is read here).
+                -- Its work ids, its state and its latest snapshot: one statement.
                 IF c.last_event_id IS NULL THEN
-                    ids := ARRAY(SELECT w.event_id FROM wh_perspective_events w
+                    SELECT ARRAY(SELECT w.event_id FROM wh_perspective_events w
                                   WHERE w.perspective_name = name_ AND w.stream_id = cand
+                                    AND w.event_id <= upto
                                   ORDER BY w.perspective_name, w.stream_id, w.event_id
-                                  LIMIT least(p_events_per_pair, events_left));
+                                  LIMIT least(p_events_per_pair, events_left)),
+                           (SELECT s.state FROM wh_perspective_states s
+                             WHERE s.stream_id = cand AND s.perspective_name = name_),
+                           (SELECT s.event_id FROM wh_perspective_snapshots s
+                             WHERE s.stream_id = cand AND s.perspective_name = name_
+                             ORDER BY s.event_id DESC LIMIT 1)
+                      INTO ids, st, latest_snapshot;
                 ELSE
-                    ids := ARRAY(SELECT w.event_id FROM wh_perspective_events w
+                    SELECT ARRAY(SELECT w.event_id FROM wh_perspective_events w
                                   WHERE w.perspective_name = name_ AND w.stream_id = cand
-                                    AND w.event_id > c.last_event_id
+                                    AND w.event_id > c.last_event_id AND w.event_id <= upto
                                   ORDER BY w.perspective_name, w.stream_id, w.event_id
-                                  LIMIT least(p_events_per_pair, events_left));
+                                  LIMIT least(p_events_per_pair, events_left)),
+                           (SELECT s.state FROM wh_perspective_states s
+                             WHERE s.stream_id = cand AND s.perspective_name = name_),
+                           (SELECT s.event_id FROM wh_perspective_snapshots s
+                             WHERE s.stream_id = cand AND s.perspective_name = name_
+                             ORDER BY s.event_id DESC LIMIT 1)
+                      INTO ids, st, latest_snapshot;
                 END IF;
                 n := coalesce(cardinality(ids), 0);
-            END IF;
+                -- Nothing pending up to the failed event (not a work row of the pair): the
+                -- pair's work as V18 hands it out.
+                EXIT WHEN n > 0 OR upto = 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid;
+                upto := 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid;
+            END LOOP;
             CONTINUE WHEN n = 0;
             claimed := claimed + 1;
             taken := taken || (cand::text || '/' || name_);

@@ -2832,6 +2832,45 @@ pub async fn a_failed_pair_is_retried_up_to_its_failed_event<F: PerspectiveStore
     );
 }
 
+/// Claims the one pair of `p` with work in a batch, commits its first event with `failure` in
+/// one entry (the events before a failing one, as the worker commits them) and ends the
+/// transaction; the claimed revision and the commit's answer.
+async fn commit_first_event_with<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    p: &PerspectiveName,
+    failure: PairFailure,
+) -> (i64, Vec<BatchCommitted>) {
+    let tx = begin(fixture.source()).await;
+    let batch = claim_batch(
+        fixture,
+        &tx,
+        from_start(std::slice::from_ref(p)),
+        limits(10, 10, 100),
+    )
+    .await;
+    let [claimed] = &batch.pairs[..] else {
+        panic!("one pair claimed, not {:?}", work_of(&batch));
+    };
+    let ClaimedWork::Apply { state, events } = &claimed.work else {
+        panic!("expected events to apply");
+    };
+    let prefix = commit_of(&claimed.cursor, state.as_ref(), &events[..1]);
+    let done = fixture
+        .store()
+        .commit_batch(
+            &tx,
+            &[BatchEntry::new(
+                claimed.cursor.pair(),
+                Some(prefix),
+                Some(failure),
+            )],
+        )
+        .await
+        .expect("commit_batch");
+    commit(tx).await.expect("commit");
+    (claimed.cursor.revision, done)
+}
+
 /// A pair whose batch committed the events before its failing one is retried at the failing
 /// event alone; a failure recorded at an event its cursor has passed does not bound it.
 pub async fn a_pair_failed_after_its_prefix_is_retried_at_the_failing_event<
@@ -2844,48 +2883,14 @@ pub async fn a_pair_failed_after_its_prefix_is_retried_at_the_failing_event<
     isolate(&*fixture, std::slice::from_ref(&p)).await;
     let streams = streams_with(&*fixture, 1, 4).await;
     let (stream, ids) = &streams[0];
-    let tx = begin(fixture.source()).await;
-    let batch = claim_batch(
-        &*fixture,
-        &tx,
-        from_start(std::slice::from_ref(&p)),
-        limits(10, 10, 100),
-    )
-    .await;
-    let [claimed] = &batch.pairs[..] else {
-        panic!("one pair claimed, not {:?}", work_of(&batch));
-    };
-    let ClaimedWork::Apply {
-        state: claimed_state,
-        events,
-    } = &claimed.work
-    else {
-        panic!("expected events to apply");
-    };
     let failure = PairFailure::new("apply failed at the second event")
         .at_event(Some(ids[1]))
         .retry_after(Duration::ZERO);
-    let done = fixture
-        .store()
-        .commit_batch(
-            &tx,
-            &[BatchEntry::new(
-                claimed.cursor.pair(),
-                Some(commit_of(
-                    &claimed.cursor,
-                    claimed_state.as_ref(),
-                    &events[..1],
-                )),
-                Some(failure),
-            )],
-        )
-        .await
-        .expect("commit_batch");
+    let (_, done) = commit_first_event_with(&*fixture, &p, failure).await;
     assert!(matches!(
         done[..],
         [BatchCommitted::Committed { parked: false, .. }]
     ));
-    commit(tx).await.expect("commit");
 
     let retry = peek_batch(
         &*fixture,
@@ -2928,51 +2933,17 @@ pub async fn a_batch_entry_can_commit_its_prefix_and_park_its_pair<F: Perspectiv
     isolate(&*fixture, std::slice::from_ref(&p)).await;
     let streams = streams_with(&*fixture, 1, 3).await;
     let (stream, ids) = &streams[0];
-    let tx = begin(fixture.source()).await;
-    let batch = claim_batch(
-        &*fixture,
-        &tx,
-        from_start(std::slice::from_ref(&p)),
-        limits(10, 10, 100),
-    )
-    .await;
-    let [claimed] = &batch.pairs[..] else {
-        panic!("one pair claimed, not {:?}", work_of(&batch));
-    };
-    let ClaimedWork::Apply {
-        state: claimed_state,
-        events,
-    } = &claimed.work
-    else {
-        panic!("expected events to apply");
-    };
     let failure = PairFailure::new("apply failed at the second event")
         .at_event(Some(ids[1]))
         .park(true);
-    let done = fixture
-        .store()
-        .commit_batch(
-            &tx,
-            &[BatchEntry::new(
-                claimed.cursor.pair(),
-                Some(commit_of(
-                    &claimed.cursor,
-                    claimed_state.as_ref(),
-                    &events[..1],
-                )),
-                Some(failure),
-            )],
-        )
-        .await
-        .expect("commit_batch");
+    let (revision, done) = commit_first_event_with(&*fixture, &p, failure).await;
     assert_eq!(
         done,
         [BatchCommitted::Committed {
-            revision: claimed.cursor.revision + 1,
+            revision: revision + 1,
             parked: true
         }]
     );
-    commit(tx).await.expect("commit");
     let (after, stored) = state(&*fixture, *stream, &p).await.expect("cursor");
     assert_eq!(
         (after.last_event_id, after.applied_count),
