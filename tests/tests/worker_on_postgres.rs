@@ -3,8 +3,8 @@
 //! the worker does not run, failing pairs that back off (on the cursor, for every instance),
 //! are parked, skipped and retried without starving the healthy ones, a batch that outlives the
 //! server's idle timeout shrinks, a debounced late event is rewound once its window has passed,
-//! a purge is followed by a rebuild from the start, and a release dropped while it waits for the
-//! cursor row still releases the lease.
+//! a purge is followed by a rebuild from the start, a long rewind replays page by page, and a
+//! release dropped while it waits for the cursor row still releases the lease.
 
 use lockstep_core::Pair;
 use std::sync::Arc;
@@ -100,6 +100,21 @@ impl Setup {
             .await
             .expect("state");
         row.map(|r| serde_json::from_value(r.get(0)).expect("a list"))
+    }
+
+    /// Another instance's worker on the same database, with `options`.
+    fn worker_with(&self, options: WorkerOptions) -> Worker {
+        let mut registry = PerspectiveRegistry::new();
+        registry.register(Numbers::new()).expect("register");
+        PerspectiveWorker::new(
+            PgDatabase::from_pool(self.pool.clone()),
+            PgPerspectiveStore::new(),
+            registry,
+            options,
+            InstanceId::random(),
+            Some(Arc::new(self.locker.clone()) as Arc<dyn StreamLocker>),
+        )
+        .expect("worker")
     }
 
     async fn live_leases(&self) -> usize {
@@ -255,6 +270,57 @@ async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
     s.numbers(stream, [3]).await;
     s.drain().await;
     assert_eq!(s.state(stream).await, Some(vec![0, 1, 2, 3]));
+}
+
+/// A rewind replays its events in pages (ADR 0031): a rewind from the start of a stream of
+/// 1 235 events (the last one late) replays all of them, 100 per page — or one per page when the bytes allow no
+/// second — from a spawned task, as a service runs it; the state is the fold either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_rewind_replays_its_events_page_by_page() {
+    let s = setup(WorkerOptions::default()).await;
+    let name = PerspectiveName::new(NUMBERS).expect("name");
+    for (options, what) in [
+        (
+            WorkerOptions::default().with_max_events_per_claim(100),
+            "100 events per page",
+        ),
+        (
+            WorkerOptions::default()
+                .with_max_events_per_claim(100)
+                .with_max_bytes_per_batch(1),
+            "one event per page (1 byte)",
+        ),
+    ] {
+        let stream = StreamId::new_v7();
+        s.numbers(stream, 1..=1_234).await;
+        s.drain().await;
+        s.append(stream, vec![late(0)]).await;
+        assert!(
+            s.worker
+                .request_rewind(stream, &name, None)
+                .await
+                .expect("request")
+        );
+        // Another instance with the paging options rewinds it.
+        let worker = s.worker_with(options);
+        let name = name.clone();
+        let outcome = tokio::spawn(async move { worker.rewind(stream, &name).await })
+            .await
+            .expect("no panic")
+            .expect("rewind");
+        assert!(
+            matches!(
+                outcome,
+                lockstep_worker::PairOutcome::Rewound {
+                    replayed: 1_235,
+                    from_snapshot: false
+                }
+            ),
+            "{what}: {outcome:?}"
+        );
+        assert_eq!(s.state(stream).await, Some((0..=1_234).collect()), "{what}");
+        assert_eq!(s.live_leases().await, 0, "{what}: the lease is released");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

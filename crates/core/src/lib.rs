@@ -125,11 +125,11 @@ pub use options::StreamLockOptions;
 pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
-    ClaimedWork, Cursor, MAX_PROGRESS_ROWS, MAX_STATES_PAGE, Pair, PairFailure, PendingPair,
-    PendingThrough, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RetireStates,
-    Retired, RewindDebounce, RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot,
-    StateCommit, StoredState, THROUGHPUT_WINDOW, Throughput, check_progress_limit,
-    check_states_page,
+    ClaimedWork, Cursor, EventPage, MAX_PROGRESS_ROWS, MAX_STATES_PAGE, PageLimits, Pair,
+    PairFailure, PendingPair, PendingThrough, PerspectiveStatus, PerspectiveStore, ProgressReport,
+    Rebuild, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress, RewindRequest,
+    SkippedEvent, Snapshot, StateCommit, StoredState, THROUGHPUT_WINDOW, Throughput,
+    check_progress_limit, check_states_page,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

@@ -234,6 +234,15 @@ impl Default for BatchLimits {
 }
 
 impl BatchLimits {
+    /// The page a rewind reads at a time under these limits: [`BatchLimits::events_per_pair`]
+    /// events and [`BatchLimits::bytes`] bytes.
+    pub fn page(&self) -> PageLimits {
+        PageLimits {
+            events: self.events_per_pair,
+            bytes: self.bytes,
+        }
+    }
+
     /// A batch of one pair with at most `events` events (the smallest batch: what a batch
     /// shrinks to after its claim outlived a server timeout).
     pub fn single(events: usize) -> BatchLimits {
@@ -273,6 +282,81 @@ impl BatchLimits {
             return bad("scan must be at least pairs");
         }
         Ok(())
+    }
+}
+
+/// How much one read of a rewind's events takes ([`PerspectiveStore::load_rewind`],
+/// [`PerspectiveStore::rewind_events`]): events are taken in event-id order while fewer than
+/// `events` are taken and their payloads' bytes stay within `bytes` — and the first event
+/// always, whatever its size (a rewind could never pass it otherwise). So a rewind holds one
+/// page of events at a time, whatever the length of the stream it replays.
+///
+/// Bytes are counted as [`BatchLimits::bytes`] counts them: as stored (Postgres:
+/// `pg_column_size`; the in-memory store: the payload's JSON text).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PageLimits {
+    /// Events per page. Default 1 000 (a batch's [`BatchLimits::events_per_pair`]).
+    pub events: usize,
+    /// Bytes of payloads per page. Default 16 MiB (a batch's [`BatchLimits::bytes`]).
+    pub bytes: u64,
+}
+
+impl Default for PageLimits {
+    fn default() -> Self {
+        BatchLimits::default().page()
+    }
+}
+
+impl PageLimits {
+    /// At most `events` events and `bytes` bytes per page. Either 0, more than 1 000 000 events
+    /// or more than 1 TiB is [`crate::ErrorKind::InvalidInput`]; nothing is read with it.
+    pub fn new(events: usize, bytes: u64) -> Result<PageLimits> {
+        let page = PageLimits { events, bytes };
+        page.validate()?;
+        Ok(page)
+    }
+
+    /// Checks the bounds (as [`PageLimits::new`]); the stores check them before reading.
+    pub fn validate(&self) -> Result<()> {
+        BatchLimits {
+            events_per_pair: self.events,
+            bytes: self.bytes,
+            ..BatchLimits::default()
+        }
+        .validate()
+        .map_err(|_| {
+            crate::Error::new(
+                crate::ErrorKind::InvalidInput,
+                format!(
+                    "page limits: events must be between 1 and 1000000 and bytes between 1 and \
+                     1 TiB, not {} events and {} bytes",
+                    self.events, self.bytes
+                ),
+            )
+        })
+    }
+
+    /// Takes the longest prefix of `events` (in order) that fits the page; whether some were
+    /// left out. `size` is an event's stored size.
+    pub fn cut(
+        &self,
+        events: &mut Vec<RecordedEvent>,
+        size: impl Fn(&RecordedEvent) -> u64,
+    ) -> bool {
+        let mut bytes = 0u64;
+        let mut keep = 0;
+        for event in events.iter() {
+            let next = bytes.saturating_add(size(event));
+            if keep >= self.events || (keep > 0 && next > self.bytes) {
+                break;
+            }
+            bytes = next;
+            keep += 1;
+        }
+        let more = keep < events.len();
+        events.truncate(keep);
+        more
     }
 }
 
@@ -693,19 +777,48 @@ pub struct RewindLoad {
     pub cursor: Cursor,
     /// The latest snapshot strictly before the request's trigger, if any.
     pub snapshot: Option<Snapshot>,
-    /// The stream's events after the snapshot (all of them without one), in event-id order,
-    /// without the events an operator skipped for the pair.
+    /// The first page ([`PageLimits`]) of the stream's events after the snapshot (from the
+    /// first without one), in event-id order, without the events an operator skipped for the
+    /// pair.
     pub events: Vec<RecordedEvent>,
+    /// Whether the stream has more such events after the last of `events`: the next pages come
+    /// from [`PerspectiveStore::rewind_events`].
+    pub more: bool,
 }
 
 impl RewindLoad {
-    /// A load of `cursor` with its snapshot and events.
+    /// A load of `cursor` with its snapshot and all its events (`more` false).
     pub fn new(cursor: Cursor, snapshot: Option<Snapshot>, events: Vec<RecordedEvent>) -> Self {
         RewindLoad {
             cursor,
             snapshot,
             events,
+            more: false,
         }
+    }
+
+    /// The same, with `more` events after the last of `events`.
+    #[must_use]
+    pub fn with_more(mut self, more: bool) -> Self {
+        self.more = more;
+        self
+    }
+}
+
+/// One page of a pair's events ([`PerspectiveStore::rewind_events`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct EventPage {
+    /// The events, in event-id order.
+    pub events: Vec<RecordedEvent>,
+    /// Whether more events follow the last of them.
+    pub more: bool,
+}
+
+impl EventPage {
+    /// A page of `events`, `more` when others follow.
+    pub fn new(events: Vec<RecordedEvent>, more: bool) -> Self {
+        EventPage { events, more }
     }
 }
 
@@ -1034,18 +1147,20 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         async move { Ok((self.commit_state(tx, commit).await?, false)) }
     }
 
-    /// Everything a rewind of the pair reads, at once ([`RewindLoad`]): the cursor, and when it
-    /// has a rewind request the latest snapshot strictly before the trigger
-    /// ([`PerspectiveStore::snapshot_before`]) and the stream's events after it
-    /// ([`PerspectiveStore::stream_events`]) less the pair's skipped events
-    /// ([`PerspectiveStore::skipped_events`]). `None`: no cursor. The default makes those
+    /// Everything a rewind of the pair reads first, at once ([`RewindLoad`]): the cursor, and
+    /// when it has a rewind request the latest snapshot strictly before the trigger
+    /// ([`PerspectiveStore::snapshot_before`]) and the first `page` of the stream's events after
+    /// it less the pair's skipped events ([`PerspectiveStore::rewind_events`]). `None`: no
+    /// cursor. A bad `page` is [`crate::ErrorKind::InvalidInput`]. The default makes those
     /// calls one after another; a store can read them in one statement.
     fn load_rewind<'a>(
         &'a self,
         tx: &'a Tx,
         pair: &'a Pair,
+        page: PageLimits,
     ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
         async move {
+            page.validate()?;
             let Some(cursor) = self.cursor(tx, pair).await? else {
                 return Ok(None);
             };
@@ -1054,12 +1169,37 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
             };
             let snapshot = self.snapshot_before(tx, pair, rewind.trigger).await?;
             let after = snapshot.as_ref().map(|s| s.event_id);
+            let first = self.rewind_events(tx, pair, after, page).await?;
+            Ok(Some(
+                RewindLoad::new(cursor, snapshot, first.events).with_more(first.more),
+            ))
+        }
+    }
+
+    /// A page of the events a rewind of the pair replays: the stream's events after `after`
+    /// (from the first when `None`), in event-id order, less the pair's skipped events, as
+    /// many as fit `page`; [`EventPage::more`] when others follow. A bad `page` is
+    /// [`crate::ErrorKind::InvalidInput`]. The default reads the stream
+    /// ([`PerspectiveStore::stream_events`]) and the skipped events and cuts the page, counting
+    /// a payload's bytes as its JSON text; a store should read only the page.
+    fn rewind_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        after: Option<Uuid>,
+        page: PageLimits,
+    ) -> impl Future<Output = Result<EventPage>> + Send + 'a {
+        async move {
+            page.validate()?;
             let mut events = self.stream_events(tx, pair.stream_id, after).await?;
             let skipped = self.skipped_events(tx, pair).await?;
             if !skipped.is_empty() {
                 events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
             }
-            Ok(Some(RewindLoad::new(cursor, snapshot, events)))
+            let more = page.cut(&mut events, |e| {
+                serde_json::to_string(&e.payload).map_or(0, |text| text.len() as u64)
+            });
+            Ok(EventPage::new(events, more))
         }
     }
 

@@ -61,11 +61,11 @@ use std::time::{Duration, Instant};
 
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor,
-    DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LeaseInfo,
-    LockReason, NewEvent, Pair, PairFailure, PendingPair, PerspectiveName, PerspectiveStatus,
-    PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
-    RewindDebounce, RewindLoad, SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
-    StreamLockOptions, StreamLocker, TransactionSource, async_trait,
+    DistributedLock, EventPage, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId,
+    LeaseInfo, LockReason, NewEvent, PageLimits, Pair, PairFailure, PendingPair, PerspectiveName,
+    PerspectiveStatus, PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey,
+    Result, RewindDebounce, RewindLoad, SkippedEvent, Snapshot, StateCommit, StreamId,
+    StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource, async_trait,
 };
 use tracing::Instrument;
 use uuid::Uuid;
@@ -620,10 +620,23 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         &'a self,
         tx: &'a Tx,
         pair: &'a Pair,
+        page: PageLimits,
     ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
         let span = pair_span("load_rewind", pair.stream_id, &pair.perspective);
-        let call = self.inner.load_rewind(tx, pair);
+        let call = self.inner.load_rewind(tx, pair, page);
         observe("perspective_store", "load_rewind", span, ok, call)
+    }
+
+    fn rewind_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        after: Option<Uuid>,
+        page: PageLimits,
+    ) -> impl Future<Output = Result<EventPage>> + Send + 'a {
+        let span = pair_span("rewind_events", pair.stream_id, &pair.perspective);
+        let call = self.inner.rewind_events(tx, pair, after, page);
+        observe("perspective_store", "rewind_events", span, ok, call)
     }
 
     fn cursor<'a>(

@@ -68,23 +68,43 @@ use futures_util::TryStreamExt;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
-    ErrorKind, InstanceId, LeaseEpoch, LeaseId, LockReason, Pair, PairFailure, PendingPair,
-    PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild,
-    RecordedEvent, Result, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress,
-    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, ValidationError,
+    ErrorKind, EventPage, InstanceId, LeaseEpoch, LeaseId, LockReason, PageLimits, Pair,
+    PairFailure, PendingPair, PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore,
+    ProgressReport, Rebuild, RecordedEvent, Result, RetireStates, Retired, RewindDebounce,
+    RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
+    StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
 use time::OffsetDateTime;
 use tokio_postgres::GenericClient;
 use tokio_postgres::Row;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
 /// The statements of [`PgPerspectiveStore`], one per operation.
 pub mod sql {
     /// The cursor columns every read returns, in the order `decode_cursor` reads them; the
     /// cursor row is `k`.
+    /// A rewind page's statement: its columns (the event's, then its payload's stored size)…
+    macro_rules! rewind_page_head {
+        () => {
+            "SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at, \
+                    pg_column_size(e.payload)::bigint \
+               FROM wh_events e "
+        };
+    }
+
+    /// … and its end: the pair's skipped events left out, the first `$3` in event-id order.
+    macro_rules! rewind_page_tail {
+        () => {
+            "AND NOT EXISTS (SELECT 1 FROM wh_perspective_skipped_events x \
+                              WHERE x.stream_id = $1 AND x.perspective_name = $2 \
+                                AND x.event_id = e.event_id) \
+             ORDER BY e.event_id LIMIT $3"
+        };
+    }
+
     macro_rules! cursor_columns {
         () => {
             "k.last_event_id, k.revision, k.applied_count, k.rewind_trigger_event_id, \
@@ -267,12 +287,19 @@ SELECT count(*) FROM w";
     pub const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
-    /// What a rewind reads, in one statement (`$1` stream, `$2` perspective): a header row
-    /// (part 0: the cursor columns, then the latest snapshot strictly before the request's
-    /// trigger) and, when the cursor has a request, the stream's events after that snapshot
-    /// but the pair's skipped ones (part 1), in event-id order. No row: no cursor. The events'
-    /// range starts *at* the snapshot (or the nil id) and leaves the snapshot's own event out,
-    /// so that it stays one index range of `wh_events` whether or not there is a snapshot.
+    /// What a rewind reads first, in one statement (`$1` stream, `$2` perspective, `$3` at most
+    /// this many events): a header row (part 0: the cursor columns, then the latest snapshot
+    /// strictly before the request's trigger) and, when the cursor has a request, the first
+    /// events of the stream after that snapshot but the pair's skipped ones (part 1), in
+    /// event-id order. No row: no cursor. The events' range starts *at* the snapshot (or the
+    /// nil id) and leaves the snapshot's own event out, so that it stays one index range of
+    /// `wh_events` whether or not there is a snapshot.
+    ///
+    /// An event row ends with its payload's stored size (`pg_column_size`), and `$3` is one
+    /// event more than the page holds: the store takes rows while they fit the page's events
+    /// and bytes and stops reading at the first that does not (which says that more follow).
+    /// The byte bound is the store's, not the statement's: a running total in SQL (a window)
+    /// cost a 100-event read 0.3–0.5 ms more (ADR 0031).
     pub const LOAD_REWIND: &str = concat!(
         "WITH c AS (SELECT ",
         cursor_columns!(),
@@ -282,14 +309,15 @@ SELECT count(*) FROM w";
                   AND s.event_id < (SELECT c.rewind_trigger_event_id FROM c) \
                 ORDER BY s.event_id DESC LIMIT 1) \
          SELECT 0 AS part, c.*, s.event_id, s.state, s.applied_count, \
-                NULL::uuid, NULL::bigint, NULL::text, NULL::jsonb, NULL::timestamptz \
+                NULL::uuid, NULL::bigint, NULL::text, NULL::jsonb, NULL::timestamptz, NULL::bigint \
            FROM c LEFT JOIN s ON true \
          UNION ALL \
-         SELECT 1, NULL::uuid, NULL::bigint, NULL::bigint, NULL::uuid, NULL::timestamptz, \
+         (SELECT 1, NULL::uuid, NULL::bigint, NULL::bigint, NULL::uuid, NULL::timestamptz, \
                 NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text, \
                 NULL::timestamptz, NULL::bigint, NULL::uuid, NULL::timestamptz, \
                 NULL::timestamptz, NULL::uuid, NULL::jsonb, NULL::bigint, \
-                e.event_id, e.version, e.event_type, e.payload, e.recorded_at \
+                e.event_id, e.version, e.event_type, e.payload, e.recorded_at, \
+                pg_column_size(e.payload)::bigint \
            FROM wh_events e \
           WHERE e.stream_id = $1 \
             AND EXISTS (SELECT 1 FROM c WHERE c.rewind_trigger_event_id IS NOT NULL) \
@@ -298,7 +326,24 @@ SELECT count(*) FROM w";
             AND e.event_id IS DISTINCT FROM (SELECT s.event_id FROM s) \
             AND NOT EXISTS (SELECT 1 FROM wh_perspective_skipped_events x \
                              WHERE x.stream_id = $1 AND x.perspective_name = $2 \
-                               AND x.event_id = e.event_id)"
+                               AND x.event_id = e.event_id) \
+          ORDER BY e.event_id LIMIT $3)"
+    );
+
+    /// A page of the events a rewind replays, from the stream's first (`$1` stream, `$2`
+    /// perspective, `$3` at most this many events): the events but the pair's skipped ones, in
+    /// event-id order, each with its payload's stored size as in [`LOAD_REWIND`].
+    pub const REWIND_EVENTS_FROM_START: &str = concat!(
+        rewind_page_head!(),
+        "WHERE e.stream_id = $1 ",
+        rewind_page_tail!()
+    );
+
+    /// The same after the event `$4` (the last of the previous page).
+    pub const REWIND_EVENTS_AFTER: &str = concat!(
+        rewind_page_head!(),
+        "WHERE e.stream_id = $1 AND e.event_id > $4 ",
+        rewind_page_tail!()
     );
 
     /// One pair's cursor.
@@ -661,12 +706,19 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok((revision, released.unwrap_or(false)))
     }
 
-    async fn load_rewind(&self, tx: &T, pair: &Pair) -> Result<Option<RewindLoad>> {
+    async fn load_rewind(
+        &self,
+        tx: &T,
+        pair: &Pair,
+        page: PageLimits,
+    ) -> Result<Option<RewindLoad>> {
         const DOING: &str = "reading what a rewind restores and replays";
+        page.validate()?;
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let (stream, name) = (stream_id.as_uuid(), perspective.as_str());
-        // Each row is decoded as it arrives, rather than all rows collected first: a full
-        // replay's rows would otherwise all be held (with their share of the connection's read
+        let rows_limit = page_rows(page);
+        // Each row is decoded as it arrives, rather than all rows collected first: a long
+        // page's rows would otherwise all be held (with their share of the connection's read
         // buffers) next to the events decoded from them (ADR 0029: a full replay of 20 000
         // events 24 % faster).
         let rows = tx
@@ -674,25 +726,20 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .query_typed_raw(
                 sql::LOAD_REWIND,
                 [
-                    (
-                        &stream as &(dyn tokio_postgres::types::ToSql + Sync),
-                        Type::UUID,
-                    ),
-                    (
-                        &name as &(dyn tokio_postgres::types::ToSql + Sync),
-                        Type::TEXT,
-                    ),
+                    (&stream as &(dyn ToSql + Sync), Type::UUID),
+                    (&name as &(dyn ToSql + Sync), Type::TEXT),
+                    (&rows_limit as &(dyn ToSql + Sync), Type::INT8),
                 ],
             )
             .await
             .map_err(|e| statement_error(e, DOING))?;
         let mut rows = std::pin::pin!(rows);
-        // No `ORDER BY` in the statement: sorting every event row with its payload cost a full
-        // replay about half its time (ADR 0012 §8 figures). The header is the row of part 0
-        // (the first, in practice: `UNION ALL` runs its branches in order), and the events come
-        // in the index's (stream, event id) order; both are checked here, not assumed.
+        // The header is the row of part 0 (the first, in practice: `UNION ALL` runs its
+        // branches in order); checked here, not assumed. The events stop at the first that
+        // does not fit the page: the rest of the rows are not read (the connection discards
+        // them).
         let mut header: Option<(Cursor, Option<Snapshot>)> = None;
-        let mut events = Vec::new();
+        let mut events = PageCut::new(page);
         while let Some(row) = rows
             .try_next()
             .await
@@ -701,8 +748,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             let part: i32 = row.try_get(0).map_err(decode_error)?;
             if part == 0 && header.is_none() {
                 header = Some(decode_rewind_header(&row, stream_id, perspective)?);
-            } else {
-                events.push(crate::decode(&row, LOAD_EVENT_AT, stream_id)?);
+            } else if !events.take(&row, LOAD_EVENT_AT, stream_id)? && header.is_some() {
+                break;
             }
         }
         // No row at all: no cursor.
@@ -715,10 +762,54 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 "a rewind load returned events without their cursor",
             ));
         };
-        if !events.is_sorted_by_key(|e| e.event_id) {
-            events.sort_by_key(|e| e.event_id);
+        let (events, more) = events.finish();
+        Ok(Some(
+            RewindLoad::new(cursor, snapshot, events).with_more(more),
+        ))
+    }
+
+    async fn rewind_events(
+        &self,
+        tx: &T,
+        pair: &Pair,
+        after: Option<Uuid>,
+        page: PageLimits,
+    ) -> Result<EventPage> {
+        const DOING: &str = "reading a page of a rewind's events";
+        page.validate()?;
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let (stream, name) = (stream_id.as_uuid(), perspective.as_str());
+        let rows_limit = page_rows(page);
+        let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
+            (&stream, Type::UUID),
+            (&name, Type::TEXT),
+            (&rows_limit, Type::INT8),
+        ];
+        let statement = match &after {
+            Some(after) => {
+                params.push((after, Type::UUID));
+                sql::REWIND_EVENTS_AFTER
+            }
+            None => sql::REWIND_EVENTS_FROM_START,
+        };
+        let rows = tx
+            .executor()
+            .query_typed_raw(statement, params)
+            .await
+            .map_err(|e| statement_error(e, DOING))?;
+        let mut rows = std::pin::pin!(rows);
+        let mut events = PageCut::new(page);
+        while let Some(row) = rows
+            .try_next()
+            .await
+            .map_err(|e| statement_error(e, DOING))?
+        {
+            if !events.take(&row, 0, stream_id)? {
+                break;
+            }
         }
-        Ok(Some(RewindLoad::new(cursor, snapshot, events)))
+        let (events, more) = events.finish();
+        Ok(EventPage::new(events, more))
     }
 
     async fn cursor(&self, tx: &T, pair: &Pair) -> Result<Option<Cursor>> {
@@ -1428,6 +1519,79 @@ fn decode_rewind_header(
 
 fn decode_error(err: tokio_postgres::Error) -> Error {
     Error::new(ErrorKind::Backend, "decoding a perspective-store row").with_source(err)
+}
+
+/// A page's row limit: one event more than the page holds (that row says more follow).
+fn page_rows(page: PageLimits) -> i64 {
+    i64::try_from(page.events).map_or(i64::MAX, |n| n.saturating_add(1))
+}
+
+/// A rewind page as its rows arrive (`LOAD_REWIND`'s docs): events are taken in event-id order
+/// while they fit the page; the first that does not ends it, and says that more follow.
+struct PageCut {
+    page: PageLimits,
+    events: Vec<RecordedEvent>,
+    bytes: u64,
+    more: bool,
+}
+
+impl PageCut {
+    fn new(page: PageLimits) -> PageCut {
+        PageCut {
+            page,
+            events: Vec::new(),
+            bytes: 0,
+            more: false,
+        }
+    }
+
+    /// Takes the event of `row` at `offset` (its stored size in the column after it) if it
+    /// fits: `Ok(false)` when the page is full, and no more rows are to be read. Rows out of
+    /// event-id order are an error (the statement orders them), never a page cut wrongly.
+    fn take(
+        &mut self,
+        row: &tokio_postgres::Row,
+        offset: usize,
+        stream_id: StreamId,
+    ) -> Result<bool> {
+        if self.more {
+            return Ok(false);
+        }
+        let size: Option<i64> = row.try_get(offset + 5).map_err(decode_error)?;
+        let bytes = self
+            .bytes
+            .saturating_add(size.and_then(|n| u64::try_from(n).ok()).unwrap_or(0));
+        if self.events.len() >= self.page.events
+            || (!self.events.is_empty() && bytes > self.page.bytes)
+        {
+            self.more = true;
+            return Ok(false);
+        }
+        let event = crate::decode(row, offset, stream_id)?;
+        if self
+            .events
+            .last()
+            .is_some_and(|last| last.event_id >= event.event_id)
+        {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                "a rewind page's events came out of event-id order",
+            ));
+        }
+        self.bytes = bytes;
+        self.events.push(event);
+        Ok(true)
+    }
+
+    /// Whether no event row was seen.
+    fn is_empty(&self) -> bool {
+        self.events.is_empty() && !self.more
+    }
+
+    /// The page's events, and whether more follow.
+    fn finish(self) -> (Vec<RecordedEvent>, bool) {
+        (self.events, self.more)
+    }
 }
 
 #[cfg(test)]

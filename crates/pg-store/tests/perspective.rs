@@ -4,8 +4,8 @@
 //! leaves the leased row to the keepalive, the store runs on a borrowed transaction.
 
 use lockstep_core::EventStore as _;
-use lockstep_core::Pair;
 use lockstep_core::Transaction as _;
+use lockstep_core::{PageLimits, Pair};
 use std::time::Duration;
 
 use lockstep_core::{
@@ -474,7 +474,7 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
         };
         let tx: PgTransaction = db.begin().await.expect("begin");
         let loaded = store
-            .load_rewind(&tx, &Pair::new(stream, p.clone()))
+            .load_rewind(&tx, &Pair::new(stream, p.clone()), PageLimits::default())
             .await
             .expect("load_rewind")
             .expect("a cursor");
@@ -575,8 +575,8 @@ async fn the_operators_argument_checks_run_inside_spawned_tasks() {
 /// A rewind's read on both sides of 1 000 events (the worker's short-replay bound, ADR 0023;
 /// and the bound of the cached-plan read tried and not taken in ADR 0025, whose two fallbacks
 /// these cases covered): with and without a snapshot, with events applied since the snapshot
-/// or not, every event after the snapshot comes once, in event-id order — from a spawned task
-/// with the concrete types.
+/// or not, every event after the snapshot comes once, in event-id order, in pages of 1 000 (the
+/// default) with no empty page after a full one — from a spawned task with the concrete types.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
     use lockstep_core::{StateCommit, TransactionSource as _};
@@ -647,20 +647,41 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
         );
         tx.commit().await.expect("commit");
         let (db2, store2, pair2) = (db.clone(), store.clone(), pair.clone());
-        let loaded = tokio::spawn(async move {
+        // The first page, then the next ones (pages of 1 000 events, the default).
+        let (loaded, got, pages) = tokio::spawn(async move {
             let tx: PgTransaction = db2.begin().await.expect("begin");
+            let page = PageLimits::default();
             let loaded = store2
-                .load_rewind(&tx, &pair2)
+                .load_rewind(&tx, &pair2, page)
                 .await
                 .expect("load_rewind")
                 .expect("a cursor");
+            let mut got: Vec<uuid::Uuid> = loaded.events.iter().map(|e| e.event_id).collect();
+            let (mut more, mut pages) = (loaded.more, vec![loaded.events.len()]);
+            while more {
+                let next = store2
+                    .rewind_events(&tx, &pair2, got.last().copied(), page)
+                    .await
+                    .expect("rewind_events");
+                got.extend(next.events.iter().map(|e| e.event_id));
+                pages.push(next.events.len());
+                more = next.more;
+            }
             tx.rollback().await.expect("rollback");
-            loaded
+            (loaded, got, pages)
         })
         .await
         .expect("the spawned task");
         let want = &ids[snapshot_at..];
-        let got: Vec<uuid::Uuid> = loaded.events.iter().map(|e| e.event_id).collect();
+        let full = want.len() / 1_000;
+        let mut expected_pages = vec![1_000; full];
+        if want.len() % 1_000 > 0 || want.is_empty() {
+            expected_pages.push(want.len() % 1_000);
+        }
+        assert_eq!(
+            pages, expected_pages,
+            "{len} events, snapshot after {snapshot_at}"
+        );
         assert_eq!(
             got.len(),
             want.len(),

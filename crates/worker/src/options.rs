@@ -22,13 +22,14 @@ pub struct WorkerOptions {
     /// share a pair (the claim skips rows another batch holds); more than 1 overlaps one
     /// batch's `apply` with another's round trips. Default 1.
     pub concurrency: usize,
-    /// Events applied per pair per batch. Default 1 000.
+    /// Events applied per pair per batch, and read per page by a rewind (ADR 0031). Default
+    /// 1 000.
     pub max_events_per_claim: usize,
     /// Events per batch, all pairs together. Default 10 000.
     pub max_events_per_batch: usize,
     /// Bytes of event payloads and states per batch, as stored (see
-    /// [`BatchLimits::bytes`]); the first event of a batch is always handed out. Default
-    /// 16 MiB.
+    /// [`BatchLimits::bytes`]); the first event of a batch is always handed out. Also the bytes
+    /// of payloads a rewind reads per page (its first event always). Default 16 MiB.
     pub max_bytes_per_batch: u64,
     /// A pair that failed this many times in a row is parked: not claimed again until an
     /// operator retries it, skips its failing event or requests a rewind (its work keeps

@@ -1,7 +1,9 @@
 //! How many transactions a rewind uses (on the testkit fakes, real time): a short replay reads
 //! and commits in one, a long or slow one ends its read transaction before it replays or
-//! commits (`lockstep_worker::worker::SHORT_REPLAY_EVENTS`, `SHORT_REPLAY_TIME`). Either way
-//! the rewound state is the fold of the stream in event-id order and the lease is released.
+//! commits (`lockstep_worker::worker::SHORT_REPLAY_EVENTS`, `SHORT_REPLAY_TIME`), and a long
+//! one reads each later page of its events in a transaction of its own (pages bounded by the
+//! batch's events per pair and bytes). Either way the rewound state is the fold of the stream
+//! in event-id order and the lease is released.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -77,6 +79,24 @@ fn fold() -> PerspectiveName {
 /// late event: at the start of the stream (`late_first`: no snapshot before it, the whole
 /// stream replays) or just before the last event (one snapshot before it, a short replay).
 async fn world(events: i64, late_first: bool, delay: Duration) -> World {
+    world_with(events, late_first, delay, options()).await
+}
+
+/// The worker's options in [`world`]: a snapshot every 100 events, batches (and rewind pages)
+/// of 100 events.
+fn options() -> WorkerOptions {
+    WorkerOptions::default()
+        .with_snapshot_every(100)
+        .with_max_events_per_claim(100)
+}
+
+/// [`world`] with other options (the pair is caught up with them too).
+async fn world_with(
+    events: i64,
+    late_first: bool,
+    delay: Duration,
+    options: WorkerOptions,
+) -> World {
     let db = FakeDatabase::new();
     let source = Counting {
         db: db.clone(),
@@ -91,9 +111,7 @@ async fn world(events: i64, late_first: bool, delay: Duration) -> World {
         source.clone(),
         store.clone(),
         registry,
-        WorkerOptions::default()
-            .with_snapshot_every(100)
-            .with_max_events_per_claim(100),
+        options,
         InstanceId::random(),
         Some(Arc::new(locker) as Arc<dyn StreamLocker>),
     )
@@ -210,11 +228,71 @@ async fn a_rewind_that_replays_more_than_the_short_bound_commits_in_a_transactio
     let events = SHORT_REPLAY_EVENTS as i64 + 50;
     let world = Arc::new(world(events, true, Duration::ZERO).await);
     let (outcome, begun) = world.rewind().await;
+    let PairOutcome::Rewound {
+        from_snapshot: false,
+        replayed,
+    } = outcome
+    else {
+        panic!("{outcome:?}");
+    };
+    assert!(replayed > SHORT_REPLAY_EVENTS, "{replayed}");
+    // The first page's read, one read per later page of 100 (the batch's events per pair),
+    // and the commit: each a transaction of its own.
+    assert_eq!(
+        begun,
+        replayed.div_ceil(100) + 1,
+        "the read ends before the replay"
+    );
+    world.check().await;
+}
+
+#[tokio::test]
+async fn a_long_rewind_reads_and_replays_its_events_page_by_page() {
+    // 2 345 events and the late one at the start: a full replay, in pages of 100.
+    let world = Arc::new(world(2_345, true, Duration::ZERO).await);
+    let (outcome, begun) = world.rewind().await;
     assert!(
-        matches!(outcome, PairOutcome::Rewound { from_snapshot: false, replayed } if replayed > SHORT_REPLAY_EVENTS),
+        matches!(
+            outcome,
+            PairOutcome::Rewound {
+                from_snapshot: false,
+                replayed: 2_346
+            }
+        ),
         "{outcome:?}"
     );
-    assert_eq!(begun, 2, "the read ends before the replay");
+    assert_eq!(
+        begun,
+        24 + 1,
+        "24 pages read one after another, then the commit"
+    );
+    world.check().await;
+}
+
+#[tokio::test]
+async fn a_rewind_page_holds_its_first_event_whatever_its_bytes() {
+    // One byte per batch: every page holds one event, and the replay still gets through.
+    let world = Arc::new(
+        world_with(
+            30,
+            true,
+            Duration::ZERO,
+            options().with_max_bytes_per_batch(1),
+        )
+        .await,
+    );
+    let (outcome, begun) = world.rewind().await;
+    assert!(
+        matches!(
+            outcome,
+            PairOutcome::Rewound {
+                from_snapshot: false,
+                replayed: 31
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(begun, 31 + 1, "a page per event, then the commit");
     world.check().await;
 }
 

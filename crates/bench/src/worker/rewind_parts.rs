@@ -32,7 +32,7 @@ use lockstep_core::{
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::PgPerspectiveStore;
 use lockstep_pg_stream::PgStreamLocker;
-use lockstep_worker::PairOutcome;
+use lockstep_worker::{PairOutcome, WorkerOptions};
 use tokio_postgres::types::Type;
 use uuid::Uuid;
 
@@ -129,7 +129,11 @@ pub(super) async fn run(
             let tx = PgTransaction::begin(&pool).await?;
             mark(&mut t, &mut at);
             let loaded = store
-                .load_rewind(&tx, &Pair::new(stream, name.clone()))
+                .load_rewind(
+                    &tx,
+                    &Pair::new(stream, name.clone()),
+                    WorkerOptions::default().batch_limits().page(),
+                )
                 .await?
                 .context("no cursor")?;
             mark(&mut t, &mut at);

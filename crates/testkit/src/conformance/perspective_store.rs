@@ -32,10 +32,10 @@ use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch,
     ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseEpoch, LeaseId,
-    LockReason, NewEvent, Pair, PairFailure, PerspectiveName, PerspectiveStore, ProgressReport,
-    Rebuild, RecordedEvent, RetireStates, Retired, RewindDebounce, RewindProgress, SkippedEvent,
-    StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
-    ValidationError,
+    LockReason, NewEvent, PageLimits, Pair, PairFailure, PerspectiveName, PerspectiveStore,
+    ProgressReport, Rebuild, RecordedEvent, RetireStates, Retired, RewindDebounce, RewindProgress,
+    SkippedEvent, StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker,
+    TransactionSource, ValidationError,
 };
 use uuid::Uuid;
 
@@ -3588,7 +3588,11 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
             let tx = begin(fixture.source()).await;
             let loaded = fixture
                 .store()
-                .load_rewind(&tx, &lockstep_core::Pair::new(stream, p.clone()))
+                .load_rewind(
+                    &tx,
+                    &lockstep_core::Pair::new(stream, p.clone()),
+                    PageLimits::default(),
+                )
                 .await
                 .expect("load_rewind");
             rollback(tx).await;
@@ -3641,8 +3645,138 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
             replayed,
             "skipped ids[4] left out"
         );
+        assert!(!loaded.more, "every event fits one page");
         assert!(loaded.events.iter().all(|e| e.stream_id == stream));
     }
+}
+
+/// A rewind reads its events in pages: `load_rewind` returns the first page and whether more
+/// follow, `rewind_events` the page after a given event — at most the page's events, within its
+/// bytes but the first event always, never the pair's skipped events, and `more` false on the
+/// last page even when it is exactly full. Pages read one after another give the stream's
+/// events, in order, each once. A page limit of 0 is refused before anything is read.
+pub async fn a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("RewindPages");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(8);
+    let stream = stream_with(&*fixture, &ids).await;
+    let pair = lockstep_core::Pair::new(stream, p.clone());
+    apply(&*fixture, stream, &p, 3, false).await;
+    let store = fixture.store();
+    let tx = begin(fixture.source()).await;
+    assert!(
+        store
+            .skip_event(&tx, &pair, ids[3], "conformance")
+            .await
+            .expect("skip_event")
+    );
+    commit(tx).await.expect("commit");
+    apply(&*fixture, stream, &p, 8, false).await;
+    let tx = begin(fixture.source()).await;
+    assert!(
+        store
+            .request_rewind(&tx, &pair, None)
+            .await
+            .expect("request_rewind")
+    );
+    commit(tx).await.expect("commit");
+    let expected: Vec<Uuid> = ids.iter().copied().filter(|id| *id != ids[3]).collect();
+
+    // Reads every page of the rewind with `page`: the pages' sizes and their events.
+    let read_all = |page: PageLimits| {
+        let fixture = Arc::clone(&fixture);
+        let pair = pair.clone();
+        async move {
+            let store = fixture.store();
+            let tx = begin(fixture.source()).await;
+            let first = store
+                .load_rewind(&tx, &pair, page)
+                .await
+                .expect("load_rewind")
+                .expect("a cursor");
+            let mut sizes = vec![first.events.len()];
+            let mut events = event_ids(&first.events);
+            let mut more = first.more;
+            while more {
+                let next = store
+                    .rewind_events(&tx, &pair, events.last().copied(), page)
+                    .await
+                    .expect("rewind_events");
+                assert!(!next.events.is_empty(), "a page holds at least one event");
+                sizes.push(next.events.len());
+                events.extend(event_ids(&next.events));
+                more = next.more;
+                assert!(sizes.len() <= 10, "the pages do not end");
+            }
+            rollback(tx).await;
+            (sizes, events)
+        }
+    };
+    let roomy = 1 << 30;
+    // 7 events (one skipped): pages of 3, 3, 1; pages of 7 — one, exactly full, `more` false.
+    for (events, sizes) in [(3, vec![3, 3, 1]), (7, vec![7]), (1000, vec![7])] {
+        let page = PageLimits::new(events, roomy).expect("page limits");
+        assert_eq!(
+            read_all(page).await,
+            (sizes, expected.clone()),
+            "{events} per page"
+        );
+    }
+    // One byte: the first event of each page always, no second one.
+    let page = PageLimits::new(1000, 1).expect("page limits");
+    assert_eq!(read_all(page).await, (vec![1; 7], expected.clone()));
+
+    // From the start, and after an event: the skipped one is never handed out.
+    let tx = begin(fixture.source()).await;
+    let page = PageLimits::new(2, roomy).expect("page limits");
+    let from_start = store
+        .rewind_events(&tx, &pair, None, page)
+        .await
+        .expect("page");
+    assert_eq!(
+        (event_ids(&from_start.events), from_start.more),
+        (ids[..2].to_vec(), true)
+    );
+    let after = store
+        .rewind_events(&tx, &pair, Some(ids[2]), page)
+        .await
+        .expect("page");
+    assert_eq!(
+        (event_ids(&after.events), after.more),
+        (ids[4..6].to_vec(), true)
+    );
+    let last = store
+        .rewind_events(&tx, &pair, Some(ids[7]), page)
+        .await
+        .expect("page");
+    assert_eq!(
+        (last.events.len(), last.more),
+        (0, false),
+        "nothing after the last event"
+    );
+
+    // A page of no events is refused.
+    let mut bad = PageLimits::default();
+    bad.events = 0;
+    let err = store
+        .load_rewind(&tx, &pair, bad)
+        .await
+        .expect_err("0 events per page");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    let err = store
+        .rewind_events(&tx, &pair, None, bad)
+        .await
+        .expect_err("0 events per page");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert_eq!(
+        PageLimits::new(1, 0).expect_err("0 bytes").kind(),
+        ErrorKind::InvalidInput
+    );
+    rollback(tx).await;
 }
 
 /// `commit_state_releasing` commits like `commit_state` and, when it reports the lease
@@ -4006,6 +4140,7 @@ macro_rules! __lockstep_perspective_store_cases {
             a_late_arrival_inside_a_claimed_range_survives_the_batch_commit,
             an_event_skipped_between_pending_ones_is_not_handed_out,
             load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it,
+            a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes,
             a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits,
             states_page_through_one_perspectives_states_in_stream_order,
             pending_through_counts_what_is_not_applied_up_to_an_event,

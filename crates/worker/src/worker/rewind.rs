@@ -16,6 +16,12 @@
 //! transaction while user code runs (an `idle_in_transaction_session_timeout` would fail it on
 //! every retry).
 //!
+//! **Pages.** The events to replay are read in pages bounded like a batch claim
+//! ([`crate::WorkerOptions::batch_limits`]: `max_events_per_claim` events, `max_bytes_per_batch`
+//! bytes, the first event always): the first with the cursor and the snapshot, each next one
+//! ([`PerspectiveStore::rewind_events`]) in a read transaction of its own while the one before
+//! it is applied. A rewind holds at most two pages, whatever the stream's length (ADR 0031).
+//!
 //! **Progress.** While a replay runs, its progress (events replayed of events to replay, and
 //! since when) is recorded at most once per [`PROGRESS_EVERY`]
 //! ([`PerspectiveStore::record_progress`], a transaction of its own, never on the replay's
@@ -29,8 +35,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use lockstep_core::{
-    DynPerspective, Error, ErrorKind, LockReason, PerspectiveName, PerspectiveStore,
-    ProgressReport, Result, StateCommit, StreamId, Transaction, TransactionSource,
+    DynPerspective, Error, ErrorKind, LockReason, PageLimits, PerspectiveName, PerspectiveStore,
+    ProgressReport, RecordedEvent, Result, StateCommit, StreamId, Transaction, TransactionSource,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -186,22 +192,24 @@ where
         let never = CancellationToken::new();
         let lost = lease.map_or(&never, HeldLease::lost);
         let fence = lease.map(|l| l.id().clone());
-        // Everything the rewind reads, in one statement (`load_rewind`).
+        let pair = Pair::new(stream_id, name.clone());
+        let page = self.options.batch_limits().page();
+        // The cursor, the snapshot and the first page of events, in one statement
+        // (`load_rewind`).
         let read = async {
             let tx = self
                 .source
                 .begin()
                 .await
                 .map_err(|e| PairError::new(0, e))?;
-            let loaded = self
-                .store
-                .load_rewind(&tx, &Pair::new(stream_id, name.clone()))
-                .await;
+            let loaded = self.store.load_rewind(&tx, &pair, page).await;
             // A short replay keeps the transaction for its commit (module docs); otherwise it
             // ends here. Read only: a failed rollback still ends it, and changes nothing.
             let short = matches!(
                 &loaded,
-                Ok(Some(l)) if l.events.len() <= SHORT_REPLAY_EVENTS && l.cursor.rewind.is_some()
+                Ok(Some(l)) if !l.more
+                    && l.events.len() <= SHORT_REPLAY_EVENTS
+                    && l.cursor.rewind.is_some()
             );
             let kept = if short {
                 Some((tx, Instant::now()))
@@ -214,7 +222,6 @@ where
                 Err(err) => {
                     // The pair's failures count towards its backoff and parking, as when the
                     // reads were separate and the cursor came first.
-                    let pair = Pair::new(stream_id, name.clone());
                     let failures = self.cursor_failures(&pair).await.unwrap_or(0);
                     Err(PairError::new(failures, err))
                 }
@@ -241,17 +248,24 @@ where
             Some(state) => state,
             None => p.initial_state().map_err(|e| PairError::new(failures, e))?,
         };
-        // On a blocking thread, checking the lost signal before every event; dropped (the lost
-        // signal wins the race below, or shutdown abandons the pair) it stops within one event.
-        let started = Arc::new(AtomicU64::new(0));
-        let to_replay = loaded.events.len() as u64;
-        let replay =
-            apply_off_runtime_counting(p, state, loaded.events, lost, Some(Arc::clone(&started)));
-        let progress = self.report_progress(stream_id, name, lease, &started, to_replay);
-        let applied = tokio::select! {
+        // Until the last page is read, the events to replay are estimated from the cursor:
+        // what it applied after the snapshot (at least what was read).
+        let estimate = loaded.cursor.applied_count.saturating_sub(base_count);
+        let counts = Arc::new(ReplayCounts::new(
+            loaded.events.len() as u64,
+            loaded.more,
+            estimate,
+        ));
+        let first = Page {
+            events: loaded.events,
+            more: loaded.more,
+        };
+        let replay = self.replay_pages(&pair, p, state, first, page, lost, &counts);
+        let progress = self.report_progress(stream_id, name, lease, &counts);
+        let replayed = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(PairError::new(failures, lease_lost())),
-            applied = replay => applied.map_err(|e| PairError::new(failures, e))?,
+            replayed = replay => replayed.map_err(|e| PairError::new(failures, e))?,
             () = progress => unreachable!("the progress report never ends by itself"),
         };
         // The read transaction serves the commit only if the replay was quick; otherwise it
@@ -264,23 +278,11 @@ where
             }
             None => None,
         };
-        let events = applied.events;
-        let state = match applied.outcome {
-            Ok(n) if n == events.len() => applied.state,
-            // Stopped before the end: only the lost signal stops a replay.
-            Ok(_) => return Err(PairError::new(failures, lease_lost())),
-            Err(e) => {
-                return Err(PairError::new(
-                    failures,
-                    format!("the perspective failed during replay: {e}"),
-                ));
-            }
-        };
-        let replayed = events.len();
-        let mut commit = StateCommit::new(stream_id, name.clone(), revision, state);
-        commit.last_event_id = events.last().map(|e| e.event_id).or(base);
-        commit.applied_count = base_count + replayed as u64;
-        commit.applied_events = events.iter().map(|e| e.event_id).collect();
+        let count = replayed.applied.len();
+        let mut commit = StateCommit::new(stream_id, name.clone(), revision, replayed.state);
+        commit.last_event_id = replayed.applied.last().copied().or(base);
+        commit.applied_count = base_count + count as u64;
+        commit.applied_events = replayed.applied;
         commit.rewound_from = Some(rewind.trigger);
         commit.snapshot = true;
         commit.fence = fence;
@@ -292,6 +294,98 @@ where
         ))
     }
 
+    /// Replays `first` and the pages after it onto `state`, on the blocking pool, reading each
+    /// next page while the one before it is applied (so a rewind holds at most two pages,
+    /// whatever the stream's length). A page cut by its bytes makes the next one ask for one
+    /// event more than it held (the rows read past a page are read for nothing), growing back
+    /// by doubling. The replayed state and the ids of the events applied, in order; `Err`:
+    /// what stopped it (the lost signal, a failed `apply`, a failed read), as the message
+    /// stored on the cursor.
+    #[allow(clippy::too_many_arguments)]
+    async fn replay_pages(
+        &self,
+        pair: &Pair,
+        p: &Arc<dyn DynPerspective>,
+        mut state: serde_json::Value,
+        first: Page,
+        page: PageLimits,
+        lost: &CancellationToken,
+        counts: &Arc<ReplayCounts>,
+    ) -> std::result::Result<ReplayedPages, String> {
+        let mut applied_ids = Vec::with_capacity(first.events.len());
+        let mut current = first;
+        let mut limits = page;
+        loop {
+            let after = current.events.last().map(|e| e.event_id);
+            let more = current.more;
+            if more && after.is_none() {
+                return Err(Error::new(
+                    ErrorKind::Backend,
+                    "a rewind page was empty with more events after it",
+                )
+                .to_string());
+            }
+            let events = std::mem::take(&mut current.events);
+            let expected = events.len();
+            let apply = apply_off_runtime_counting(
+                p,
+                state,
+                events,
+                lost,
+                Some(Arc::clone(&counts.started)),
+            );
+            let next = async {
+                if more {
+                    Some(self.read_page(pair, after, limits).await)
+                } else {
+                    None
+                }
+            };
+            let (applied, next) = tokio::join!(apply, next);
+            let applied = applied.map_err(|e| e.to_string())?;
+            match applied.outcome {
+                Ok(n) if n == expected => {}
+                // Stopped before the end: only the lost signal stops a replay.
+                Ok(_) => return Err(lease_lost()),
+                Err(e) => return Err(format!("the perspective failed during replay: {e}")),
+            }
+            state = applied.state;
+            applied_ids.extend(applied.events.iter().map(|e| e.event_id));
+            drop(applied.events);
+            match next {
+                None => break,
+                Some(next) => {
+                    let next = next.map_err(|e| e.to_string())?;
+                    limits.events = next_page_events(limits.events, page.events, &next);
+                    counts.read(next.events.len() as u64, next.more);
+                    current = next;
+                }
+            }
+        }
+        Ok(ReplayedPages {
+            state,
+            applied: applied_ids,
+        })
+    }
+
+    /// The page of the pair's rewind after `after`, in a read transaction of its own.
+    async fn read_page(
+        &self,
+        pair: &Pair,
+        after: Option<uuid::Uuid>,
+        limits: PageLimits,
+    ) -> Result<Page> {
+        let tx = self.source.begin().await?;
+        let page = self.store.rewind_events(&tx, pair, after, limits).await;
+        // Read only: a failed rollback still ends it, and changes nothing.
+        let _ = tx.rollback().await;
+        let page = page?;
+        Ok(Page {
+            events: page.events,
+            more: page.more,
+        })
+    }
+
     /// Reports the replay's progress every [`PROGRESS_EVERY`] until dropped (never returns):
     /// the store's row and the gauges, which its guard takes back when dropped.
     async fn report_progress(
@@ -299,23 +393,18 @@ where
         stream_id: StreamId,
         name: &PerspectiveName,
         lease: Option<&HeldLease>,
-        started: &AtomicU64,
-        to_replay: u64,
+        counts: &ReplayCounts,
     ) {
         let began = Instant::now();
         let mut gauges = ProgressGauges::new(name);
-        let mut report =
-            ProgressReport::new(stream_id, name.clone(), uuid::Uuid::new_v4(), 0, to_replay);
+        let mut report = ProgressReport::new(stream_id, name.clone(), uuid::Uuid::new_v4(), 0, 0);
         report.lease = lease.map(|l| l.id().clone());
         loop {
             tokio::time::sleep(PROGRESS_EVERY).await;
-            // The event being applied is counted when it starts: the ones before it are done.
-            let replayed = started
-                .load(Ordering::Relaxed)
-                .saturating_sub(1)
-                .min(to_replay);
+            let (replayed, to_replay) = counts.now();
             gauges.set(to_replay - replayed);
             report.replayed = replayed;
+            report.to_replay = to_replay;
             report.elapsed = began.elapsed();
             let recorded = async {
                 let tx = self.source.begin().await?;
@@ -394,6 +483,75 @@ pub(super) enum Rewind {
     NothingToDo,
     /// The commit lost the compare-and-set: another applier moved the cursor first.
     LostRace,
+}
+
+/// A page of a rewind's events, as the replay takes it.
+struct Page {
+    events: Vec<RecordedEvent>,
+    more: bool,
+}
+
+/// What [`PerspectiveWorker::replay_pages`] ends with.
+struct ReplayedPages {
+    state: serde_json::Value,
+    /// The ids of the events applied, in order.
+    applied: Vec<uuid::Uuid>,
+}
+
+/// The events a page after a page of `requested` events asks for (`max`: the configured
+/// page): one more than `page` held when its bytes cut it, else double, up to `max`.
+fn next_page_events(requested: usize, max: usize, page: &Page) -> usize {
+    if page.more && page.events.len() < requested {
+        page.events.len().saturating_add(1).min(max)
+    } else {
+        requested.saturating_mul(2).min(max)
+    }
+}
+
+/// A replay's counts, shared with its progress report: events started (bumped by the blocking
+/// thread as each event's application starts), events read, and the estimate of the total
+/// while pages remain.
+struct ReplayCounts {
+    started: Arc<AtomicU64>,
+    read: AtomicU64,
+    /// The total, estimated from the cursor, while more pages follow; `u64::MAX` once the last
+    /// page is read.
+    estimate: AtomicU64,
+}
+
+impl ReplayCounts {
+    fn new(read: u64, more: bool, estimate: u64) -> ReplayCounts {
+        ReplayCounts {
+            started: Arc::new(AtomicU64::new(0)),
+            read: AtomicU64::new(read),
+            estimate: AtomicU64::new(if more { estimate } else { u64::MAX }),
+        }
+    }
+
+    /// A page of `events` was read; `more` after it or not.
+    fn read(&self, events: u64, more: bool) {
+        self.read.fetch_add(events, Ordering::Relaxed);
+        if !more {
+            self.estimate.store(u64::MAX, Ordering::Relaxed);
+        }
+    }
+
+    /// Events replayed and events to replay, now: the event being applied is counted when it
+    /// starts, so the ones before it are done; the total is what was read once the last page
+    /// is, else the estimate (at least one more than what was read).
+    fn now(&self) -> (u64, u64) {
+        let read = self.read.load(Ordering::Relaxed);
+        let to_replay = match self.estimate.load(Ordering::Relaxed) {
+            u64::MAX => read,
+            estimate => estimate.max(read.saturating_add(1)),
+        };
+        let replayed = self
+            .started
+            .load(Ordering::Relaxed)
+            .saturating_sub(1)
+            .min(to_replay);
+        (replayed, to_replay)
+    }
 }
 
 pub(super) fn lease_lost() -> String {

@@ -312,14 +312,11 @@ where
         lease: Option<&HeldLease>,
         lost: &CancellationToken,
     ) -> std::result::Result<Option<(StateCommit, u32)>, PairError> {
-        let loaded = match self
-            .store
-            .load_rewind(tx, &Pair::new(stream_id, name.clone()))
-            .await
-        {
+        let pair = Pair::new(stream_id, name.clone());
+        let page = self.options.batch_limits().page();
+        let loaded = match self.store.load_rewind(tx, &pair, page).await {
             Ok(loaded) => loaded,
             Err(err) => {
-                let pair = Pair::new(stream_id, name.clone());
                 let failures = self.cursor_failures(&pair).await.unwrap_or(0);
                 return Err(PairError::new(failures, err));
             }
@@ -331,37 +328,49 @@ where
         let Some(rewind) = loaded.cursor.rewind else {
             return Ok(None); // someone else finished it
         };
-        let events = if loaded.snapshot.is_some() {
-            // A snapshot of the pair from when it was a JSON perspective: a table perspective
-            // replays from the start whatever snapshots exist.
-            let mut events = self
-                .store
-                .stream_events(tx, stream_id, None)
-                .await
-                .map_err(|e| PairError::new(failures, e))?;
-            let skipped = self
-                .store
-                .skipped_events(tx, &Pair::new(stream_id, name.clone()))
-                .await
-                .map_err(|e| PairError::new(failures, e))?;
-            events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
-            events
+        // A snapshot of the pair from when it was a JSON perspective: a table perspective
+        // replays from the start whatever snapshots exist, so its first page is read again.
+        let (mut events, mut more) = if loaded.snapshot.is_some() {
+            (Vec::new(), true)
         } else {
-            loaded.events
+            (loaded.events, loaded.more)
         };
         reset_in(&**p, tx, stream_id)
             .await
             .map_err(|e| PairError::new(failures, e))?;
-        let applied = apply_in(&**p, tx, &events, &|| !lost.is_cancelled()).await;
-        if let Some(error) = applied.error {
-            return Err(PairError::new(
-                failures,
-                format!("the perspective failed during replay: {error}"),
-            ));
-        }
-        if applied.applied < events.len() {
-            // Only the lost signal stops a replay.
-            return Err(PairError::new(failures, lease_lost()));
+        // Page by page, in the rewind's transaction (the table rows it writes and the cursor
+        // commit together): one page of events held at a time.
+        let mut applied_ids: Vec<uuid::Uuid> = Vec::new();
+        let mut after = None;
+        loop {
+            let applied = apply_in(&**p, tx, &events, &|| !lost.is_cancelled()).await;
+            if let Some(error) = applied.error {
+                return Err(PairError::new(
+                    failures,
+                    format!("the perspective failed during replay: {error}"),
+                ));
+            }
+            if applied.applied < events.len() {
+                // Only the lost signal stops a replay.
+                return Err(PairError::new(failures, lease_lost()));
+            }
+            applied_ids.extend(events.iter().map(|e| e.event_id));
+            after = events.last().map(|e| e.event_id).or(after);
+            if !more {
+                break;
+            }
+            let next = self
+                .store
+                .rewind_events(tx, &pair, after, page)
+                .await
+                .map_err(|e| PairError::new(failures, e))?;
+            if next.events.is_empty() && next.more {
+                return Err(PairError::new(
+                    failures,
+                    "a rewind page was empty with more events after it",
+                ));
+            }
+            (events, more) = (next.events, next.more);
         }
         let mut commit = StateCommit::new(
             stream_id,
@@ -369,9 +378,9 @@ where
             loaded.cursor.revision,
             serde_json::Value::Null,
         );
-        commit.last_event_id = events.last().map(|e| e.event_id);
-        commit.applied_count = events.len() as u64;
-        commit.applied_events = events.iter().map(|e| e.event_id).collect();
+        commit.last_event_id = applied_ids.last().copied();
+        commit.applied_count = applied_ids.len() as u64;
+        commit.applied_events = applied_ids;
         commit.rewound_from = Some(rewind.trigger);
         commit.snapshot = false;
         commit.fence = lease.map(|l| l.id().clone());
