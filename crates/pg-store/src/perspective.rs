@@ -86,25 +86,6 @@ use uuid::Uuid;
 pub mod sql {
     /// The cursor columns every read returns, in the order `decode_cursor` reads them; the
     /// cursor row is `k`.
-    /// A rewind page's statement: its columns (the event's, then its payload's stored size)…
-    macro_rules! rewind_page_head {
-        () => {
-            "SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at, \
-                    pg_column_size(e.payload)::bigint \
-               FROM wh_events e "
-        };
-    }
-
-    /// … and its end: the pair's skipped events left out, the first `$3` in event-id order.
-    macro_rules! rewind_page_tail {
-        () => {
-            "AND NOT EXISTS (SELECT 1 FROM wh_perspective_skipped_events x \
-                              WHERE x.stream_id = $1 AND x.perspective_name = $2 \
-                                AND x.event_id = e.event_id) \
-             ORDER BY e.event_id LIMIT $3"
-        };
-    }
-
     macro_rules! cursor_columns {
         () => {
             "k.last_event_id, k.revision, k.applied_count, k.rewind_trigger_event_id, \
@@ -330,21 +311,12 @@ SELECT count(*) FROM w";
           ORDER BY e.event_id LIMIT $3)"
     );
 
-    /// A page of the events a rewind replays, from the stream's first (`$1` stream, `$2`
-    /// perspective, `$3` at most this many events): the events but the pair's skipped ones, in
-    /// event-id order, each with its payload's stored size as in [`LOAD_REWIND`].
-    pub const REWIND_EVENTS_FROM_START: &str = concat!(
-        rewind_page_head!(),
-        "WHERE e.stream_id = $1 ",
-        rewind_page_tail!()
-    );
-
-    /// The same after the event `$4` (the last of the previous page).
-    pub const REWIND_EVENTS_AFTER: &str = concat!(
-        rewind_page_head!(),
-        "WHERE e.stream_id = $1 AND e.event_id > $4 ",
-        rewind_page_tail!()
-    );
+    /// A page of the events a rewind replays (`$1` stream, `$2` perspective, `$3` at most this
+    /// many events, `$4` after this event, from the first when NULL): the events but the pair's
+    /// skipped ones, in event-id order, each with its payload's stored size as in
+    /// [`LOAD_REWIND`]. Through `lockstep_rewind_page` (migration V21), which pins the plan to
+    /// an ordered index scan.
+    pub const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
 
     /// One pair's cursor.
     pub const CURSOR: &str = concat!(
@@ -780,21 +752,15 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let (stream, name) = (stream_id.as_uuid(), perspective.as_str());
         let rows_limit = page_rows(page);
-        let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
+        let params: [(&(dyn ToSql + Sync), Type); 4] = [
             (&stream, Type::UUID),
             (&name, Type::TEXT),
             (&rows_limit, Type::INT8),
+            (&after, Type::UUID),
         ];
-        let statement = match &after {
-            Some(after) => {
-                params.push((after, Type::UUID));
-                sql::REWIND_EVENTS_AFTER
-            }
-            None => sql::REWIND_EVENTS_FROM_START,
-        };
         let rows = tx
             .executor()
-            .query_typed_raw(statement, params)
+            .query_typed_raw(sql::REWIND_EVENTS, params)
             .await
             .map_err(|e| statement_error(e, DOING))?;
         let mut rows = std::pin::pin!(rows);
