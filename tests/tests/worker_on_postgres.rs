@@ -6,7 +6,7 @@
 //! a purge is followed by a rebuild from the start, a long rewind replays page by page, and a
 //! release dropped while it waits for the cursor row still releases the lease.
 
-use lockstep_core::Pair;
+use lockstep_core::{PageLimits, Pair};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -281,13 +281,11 @@ async fn a_long_rewind_replays_its_events_page_by_page() {
     let name = PerspectiveName::new(NUMBERS).expect("name");
     for (options, what) in [
         (
-            WorkerOptions::default().with_max_events_per_claim(100),
+            WorkerOptions::default().with_rewind_page(PageLimits::new(100, 1 << 24).expect("page")),
             "100 events per page",
         ),
         (
-            WorkerOptions::default()
-                .with_max_events_per_claim(100)
-                .with_max_bytes_per_batch(1),
+            WorkerOptions::default().with_rewind_page(PageLimits::new(100, 1).expect("page")),
             "one event per page (1 byte)",
         ),
     ] {

@@ -234,15 +234,6 @@ impl Default for BatchLimits {
 }
 
 impl BatchLimits {
-    /// The page a rewind reads at a time under these limits: [`BatchLimits::events_per_pair`]
-    /// events and [`BatchLimits::bytes`] bytes.
-    pub fn page(&self) -> PageLimits {
-        PageLimits {
-            events: self.events_per_pair,
-            bytes: self.bytes,
-        }
-    }
-
     /// A batch of one pair with at most `events` events (the smallest batch: what a batch
     /// shrinks to after its claim outlived a server timeout).
     pub fn single(events: usize) -> BatchLimits {
@@ -288,7 +279,7 @@ impl BatchLimits {
 /// How much one read of a rewind's events takes ([`PerspectiveStore::load_rewind`],
 /// [`PerspectiveStore::rewind_events`]): events are taken in event-id order while fewer than
 /// `events` are taken and their payloads' bytes stay within `bytes` — and the first event
-/// always, whatever its size (a rewind could never pass it otherwise). So a rewind holds one
+/// always, whatever its size (a rewind could never pass it otherwise). So a rewind holds a
 /// page of events at a time, whatever the length of the stream it replays.
 ///
 /// Bytes are counted as [`BatchLimits::bytes`] counts them: as stored (Postgres:
@@ -296,15 +287,18 @@ impl BatchLimits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PageLimits {
-    /// Events per page. Default 1 000 (a batch's [`BatchLimits::events_per_pair`]).
+    /// Events per page. Default 10 000.
     pub events: usize,
-    /// Bytes of payloads per page. Default 16 MiB (a batch's [`BatchLimits::bytes`]).
+    /// Bytes of payloads per page. Default 16 MiB (as a batch's [`BatchLimits::bytes`]).
     pub bytes: u64,
 }
 
 impl Default for PageLimits {
     fn default() -> Self {
-        BatchLimits::default().page()
+        PageLimits {
+            events: 10_000,
+            bytes: 16 * 1024 * 1024,
+        }
     }
 }
 

@@ -575,8 +575,8 @@ async fn the_operators_argument_checks_run_inside_spawned_tasks() {
 /// A rewind's read on both sides of 1 000 events (the worker's short-replay bound, ADR 0023;
 /// and the bound of the cached-plan read tried and not taken in ADR 0025, whose two fallbacks
 /// these cases covered): with and without a snapshot, with events applied since the snapshot
-/// or not, every event after the snapshot comes once, in event-id order, in pages of 1 000 (the
-/// default) with no empty page after a full one — from a spawned task with the concrete types.
+/// or not, every event after the snapshot comes once, in event-id order, in pages of 1 000 with
+/// no empty page after a full one — from a spawned task with the concrete types.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
     use lockstep_core::{StateCommit, TransactionSource as _};
@@ -647,10 +647,10 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
         );
         tx.commit().await.expect("commit");
         let (db2, store2, pair2) = (db.clone(), store.clone(), pair.clone());
-        // The first page, then the next ones (pages of 1 000 events, the default).
+        // The first page, then the next ones, in pages of 1 000 events.
         let (loaded, got, pages) = tokio::spawn(async move {
             let tx: PgTransaction = db2.begin().await.expect("begin");
-            let page = PageLimits::default();
+            let page = PageLimits::new(1_000, 1 << 24).expect("page limits");
             let loaded = store2
                 .load_rewind(&tx, &pair2, page)
                 .await

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lockstep_core::{BatchLimits, Error, ErrorKind, Result, RewindDebounce};
+use lockstep_core::{BatchLimits, Error, ErrorKind, PageLimits, Result, RewindDebounce};
 
 /// The longest duration an option accepts (a day): far beyond any sensible setting, and small
 /// enough that adding it to any `Instant` or timestamp cannot overflow.
@@ -22,15 +22,18 @@ pub struct WorkerOptions {
     /// share a pair (the claim skips rows another batch holds); more than 1 overlaps one
     /// batch's `apply` with another's round trips. Default 1.
     pub concurrency: usize,
-    /// Events applied per pair per batch, and read per page by a rewind (ADR 0031). Default
-    /// 1 000.
+    /// Events applied per pair per batch. Default 1 000.
     pub max_events_per_claim: usize,
     /// Events per batch, all pairs together. Default 10 000.
     pub max_events_per_batch: usize,
     /// Bytes of event payloads and states per batch, as stored (see
-    /// [`BatchLimits::bytes`]); the first event of a batch is always handed out. Also the bytes
-    /// of payloads a rewind reads per page (its first event always). Default 16 MiB.
+    /// [`BatchLimits::bytes`]); the first event of a batch is always handed out. Default
+    /// 16 MiB.
     pub max_bytes_per_batch: u64,
+    /// How many events, and bytes of payloads as stored, a rewind reads at a time: it holds
+    /// at most two such pages, whatever the length of the stream it replays (ADR 0031).
+    /// Default [`PageLimits::default`]: 10 000 events, 16 MiB.
+    pub rewind_page: PageLimits,
     /// A pair that failed this many times in a row is parked: not claimed again until an
     /// operator retries it, skips its failing event or requests a rewind (its work keeps
     /// queueing). `None`: never parked, retried after the backoff forever. Default 10.
@@ -67,6 +70,7 @@ impl Default for WorkerOptions {
             max_events_per_claim: 1000,
             max_events_per_batch: 10_000,
             max_bytes_per_batch: 16 * 1024 * 1024,
+            rewind_page: PageLimits::default(),
             park_after_failures: Some(10),
             snapshot_every: 100,
             rewind_debounce: Duration::ZERO,
@@ -119,6 +123,13 @@ impl WorkerOptions {
     #[must_use]
     pub fn with_max_bytes_per_batch(mut self, max_bytes_per_batch: u64) -> Self {
         self.max_bytes_per_batch = max_bytes_per_batch;
+        self
+    }
+
+    /// These options with [`WorkerOptions::rewind_page`] set to `rewind_page`.
+    #[must_use]
+    pub fn with_rewind_page(mut self, rewind_page: PageLimits) -> Self {
+        self.rewind_page = rewind_page;
         self
     }
 
@@ -221,6 +232,7 @@ impl WorkerOptions {
         if self.park_after_failures == Some(0) {
             return bad("park_after_failures must be at least 1 (None: never park)");
         }
+        self.rewind_page.validate()?;
         self.batch_limits().validate()
     }
 
@@ -287,6 +299,22 @@ mod tests {
             },
             WorkerOptions {
                 max_bytes_per_batch: 0,
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                rewind_page: {
+                    let mut page = PageLimits::default();
+                    page.events = 0;
+                    page
+                },
+                ..WorkerOptions::default()
+            },
+            WorkerOptions {
+                rewind_page: {
+                    let mut page = PageLimits::default();
+                    page.bytes = 0;
+                    page
+                },
                 ..WorkerOptions::default()
             },
             WorkerOptions {

@@ -1,8 +1,8 @@
 //! How many transactions a rewind uses (on the testkit fakes, real time): a short replay reads
 //! and commits in one, a long or slow one ends its read transaction before it replays or
 //! commits (`lockstep_worker::worker::SHORT_REPLAY_EVENTS`, `SHORT_REPLAY_TIME`), and a long
-//! one reads each later page of its events in a transaction of its own (pages bounded by the
-//! batch's events per pair and bytes). Either way the rewound state is the fold of the stream
+//! one reads each later page of its events in a transaction of its own (`rewind_page`: events
+//! and bytes). Either way the rewound state is the fold of the stream
 //! in event-id order and the lease is released.
 
 use std::sync::Arc;
@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lockstep_core::{
-    EventStore, ExpectedVersion, InstanceId, NewEvent, Pair, Perspective, PerspectiveName,
-    PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, StreamId, StreamLocker,
-    Transaction as _, TransactionSource,
+    EventStore, ExpectedVersion, InstanceId, NewEvent, PageLimits, Pair, Perspective,
+    PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, StreamId,
+    StreamLocker, Transaction as _, TransactionSource,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
@@ -82,12 +82,18 @@ async fn world(events: i64, late_first: bool, delay: Duration) -> World {
     world_with(events, late_first, delay, options()).await
 }
 
-/// The worker's options in [`world`]: a snapshot every 100 events, batches (and rewind pages)
+/// The worker's options in [`world`]: a snapshot every 100 events, batches and rewind pages
 /// of 100 events.
 fn options() -> WorkerOptions {
     WorkerOptions::default()
         .with_snapshot_every(100)
         .with_max_events_per_claim(100)
+        .with_rewind_page(page(1 << 24))
+}
+
+/// Rewind pages of 100 events and `bytes`.
+fn page(bytes: u64) -> PageLimits {
+    PageLimits::new(100, bytes).expect("page limits")
 }
 
 /// [`world`] with other options (the pair is caught up with them too).
@@ -236,8 +242,8 @@ async fn a_rewind_that_replays_more_than_the_short_bound_commits_in_a_transactio
         panic!("{outcome:?}");
     };
     assert!(replayed > SHORT_REPLAY_EVENTS, "{replayed}");
-    // The first page's read, one read per later page of 100 (the batch's events per pair),
-    // and the commit: each a transaction of its own.
+    // The first page's read, one read per later page of 100, and the commit: each a
+    // transaction of its own.
     assert_eq!(
         begun,
         replayed.div_ceil(100) + 1,
@@ -271,13 +277,13 @@ async fn a_long_rewind_reads_and_replays_its_events_page_by_page() {
 
 #[tokio::test]
 async fn a_rewind_page_holds_its_first_event_whatever_its_bytes() {
-    // One byte per batch: every page holds one event, and the replay still gets through.
+    // One byte per page: every page holds one event, and the replay still gets through.
     let world = Arc::new(
         world_with(
             30,
             true,
             Duration::ZERO,
-            options().with_max_bytes_per_batch(1),
+            options().with_rewind_page(page(1)),
         )
         .await,
     );

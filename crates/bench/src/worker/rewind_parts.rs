@@ -132,7 +132,7 @@ pub(super) async fn run(
                 .load_rewind(
                     &tx,
                     &Pair::new(stream, name.clone()),
-                    WorkerOptions::default().batch_limits().page(),
+                    WorkerOptions::default().rewind_page,
                 )
                 .await?
                 .context("no cursor")?;

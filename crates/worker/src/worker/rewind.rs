@@ -16,9 +16,9 @@
 //! transaction while user code runs (an `idle_in_transaction_session_timeout` would fail it on
 //! every retry).
 //!
-//! **Pages.** The events to replay are read in pages bounded like a batch claim
-//! ([`crate::WorkerOptions::batch_limits`]: `max_events_per_claim` events, `max_bytes_per_batch`
-//! bytes, the first event always): the first with the cursor and the snapshot, each next one
+//! **Pages.** The events to replay are read in pages ([`crate::WorkerOptions::rewind_page`]:
+//! events and bytes, the first event always): the first with the cursor and the snapshot, each
+//! next one
 //! ([`PerspectiveStore::rewind_events`]) in a read transaction of its own while the one before
 //! it is applied. A rewind holds at most two pages, whatever the stream's length (ADR 0031).
 //!
@@ -193,7 +193,7 @@ where
         let lost = lease.map_or(&never, HeldLease::lost);
         let fence = lease.map(|l| l.id().clone());
         let pair = Pair::new(stream_id, name.clone());
-        let page = self.options.batch_limits().page();
+        let page = self.options.rewind_page;
         // The cursor, the snapshot and the first page of events, in one statement
         // (`load_rewind`).
         let read = async {

@@ -313,7 +313,7 @@ where
         lost: &CancellationToken,
     ) -> std::result::Result<Option<(StateCommit, u32)>, PairError> {
         let pair = Pair::new(stream_id, name.clone());
-        let page = self.options.batch_limits().page();
+        let page = self.options.rewind_page;
         let loaded = match self.store.load_rewind(tx, &pair, page).await {
             Ok(loaded) => loaded,
             Err(err) => {
