@@ -88,6 +88,10 @@ struct World {
 
 impl World {
     async fn new() -> World {
+        World::with_options(WorkerOptions::default()).await
+    }
+
+    async fn with_options(options: WorkerOptions) -> World {
         let db = FakeDatabase::new();
         let events = InMemoryEventStore::new();
         let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), &db);
@@ -101,7 +105,7 @@ impl World {
             db.clone(),
             store.clone(),
             registry,
-            WorkerOptions::default(),
+            options,
             InstanceId::random(),
             Some(Arc::new(locker) as Arc<dyn StreamLocker>),
         )
@@ -301,6 +305,37 @@ async fn a_late_event_resets_the_streams_rows_and_replays_them_in_order() {
         "{outcome:?}"
     );
     assert_eq!(world.seen.of(stream), once(&[10, 15, 20, 30]));
+}
+
+#[tokio::test]
+async fn a_table_rewind_replays_page_by_page_in_its_one_transaction() {
+    // Pages of two events: the late event's rewind reads four pages in the rewind's
+    // transaction, and every row is written once, in event-id order.
+    let page = lockstep_core::PageLimits::new(2, 1 << 20).expect("page limits");
+    let world = World::with_options(WorkerOptions::default().with_rewind_page(page)).await;
+    let stream = StreamId::new_v7();
+    let ids = world
+        .append_numbers(stream, &[10, 20, 30, 40, 50, 60, 70])
+        .await;
+    world.drain().await;
+    world
+        .append(stream, &[(Uuid::from_u128(ids[0].as_u128() + 1), 15)])
+        .await;
+    world.drain().await;
+    let rows: Vec<(i64, u32)> = world
+        .seen
+        .rows
+        .rows()
+        .into_iter()
+        .filter(|((s, _), _)| *s == stream)
+        .map(|((_, id), row)| (id, row))
+        .collect::<std::collections::BTreeMap<_, _>>()
+        .into_values()
+        .collect();
+    assert_eq!(rows, once(&[10, 15, 20, 30, 40, 50, 60, 70]));
+    let cursor = world.cursor(stream).await;
+    assert!(cursor.rewind.is_none(), "the request is cleared");
+    assert_eq!(cursor.applied_count, 8);
 }
 
 #[tokio::test]
