@@ -108,6 +108,10 @@ fn daily() -> PerspectiveName {
 type Worker = PerspectiveWorker<PgDatabase, PgPerspectiveStore>;
 
 fn worker(pool: &deadpool_postgres::Pool) -> Worker {
+    worker_with(pool, WorkerOptions::default())
+}
+
+fn worker_with(pool: &deadpool_postgres::Pool, options: WorkerOptions) -> Worker {
     let locker = PgStreamLocker::from_pool(
         pool.clone(),
         StreamLockOptions::new(Duration::from_secs(5), Duration::from_secs(1)).expect("options"),
@@ -120,7 +124,7 @@ fn worker(pool: &deadpool_postgres::Pool) -> Worker {
         PgDatabase::from_pool(pool.clone()),
         PgPerspectiveStore::new(),
         registry,
-        WorkerOptions::default(),
+        options,
         InstanceId::random(),
         Some(Arc::new(locker) as Arc<dyn StreamLocker>),
     )
@@ -259,6 +263,54 @@ async fn two_workers_write_every_events_rows_exactly_once_and_a_late_event_is_re
     stop_b.cancel();
     run_a.await.expect("worker a");
     run_b.await.expect("worker b");
+}
+
+/// A table perspective's rewind reads its events in pages (ADR 0031) inside its one
+/// transaction: with pages of 7 events, a late event in a stream of 50 resets the rows and
+/// replays all 51, each once, in order — from a spawned task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_rewind_replays_page_by_page() {
+    let db = test_database().await;
+    let pool = db.pool(4);
+    setup(&pool).await;
+    let page = lockstep_core::PageLimits::new(7, 1 << 20).expect("page limits");
+    let worker = Arc::new(worker_with(
+        &pool,
+        WorkerOptions::default().with_rewind_page(page),
+    ));
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    // (13 is the schema's poison.)
+    let ns: Vec<i64> = (100..150).collect();
+    append(&pool, stream, numbers(&ns)).await;
+    let late = number_event(5000)
+        .with_id(early_id(Duration::from_secs(3600)))
+        .expect("id");
+    let drain = |worker: Arc<Worker>| async move {
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                let report = worker.run_once().await;
+                assert!(report.errors.is_empty(), "{:?}", report.errors);
+                if !report.did_work() {
+                    return;
+                }
+            }
+            panic!("the worker did not go idle");
+        })
+        .await
+        .expect("task");
+    };
+    drain(Arc::clone(&worker)).await;
+    assert_eq!(seen(&pool, stream).await, ns);
+    append(&pool, stream, vec![late]).await;
+    drain(Arc::clone(&worker)).await;
+    let mut with_late = vec![5000];
+    with_late.extend(&ns);
+    assert_eq!(
+        seen(&pool, stream).await,
+        with_late,
+        "reset and replayed, once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
