@@ -631,3 +631,50 @@ impl Drop for ProgressGauges {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(events: usize, more: bool) -> Page {
+        let events = (0..events)
+            .map(|n| RecordedEvent {
+                event_id: uuid::Uuid::now_v7(),
+                stream_id: StreamId::new_v7(),
+                version: n as u64 + 1,
+                event_type: "Numbered".to_owned(),
+                payload: serde_json::json!(n),
+                recorded_at: time::OffsetDateTime::UNIX_EPOCH,
+            })
+            .collect();
+        Page { events, more }
+    }
+
+    #[test]
+    fn a_page_cut_by_its_bytes_makes_the_next_ask_for_one_more_and_full_pages_double_back() {
+        // Asked for 100, got 3 with more after them: the bytes cut it.
+        assert_eq!(next_page_events(100, 100, &page(3, true)), 4);
+        // Full by its count: double, up to the configured page.
+        assert_eq!(next_page_events(4, 100, &page(4, true)), 8);
+        assert_eq!(next_page_events(64, 100, &page(64, true)), 100);
+        assert_eq!(next_page_events(100, 100, &page(100, true)), 100);
+        // The last page: nothing follows, whatever is asked next is never used.
+        assert_eq!(next_page_events(100, 100, &page(7, false)), 100);
+    }
+
+    #[test]
+    fn progress_estimates_the_total_until_the_last_page_is_read() {
+        let counts = ReplayCounts::new(1_000, true, 5_000);
+        assert_eq!(counts.now(), (0, 5_000), "nothing started yet");
+        counts.started.store(1_001, Ordering::Relaxed);
+        assert_eq!(counts.now(), (1_000, 5_000), "the first page applied");
+        // An estimate below what was read: at least one more than read.
+        let low = ReplayCounts::new(2_000, true, 10);
+        assert_eq!(low.now().1, 2_001);
+        // The last page read: the total is exact.
+        counts.read(500, false);
+        assert_eq!(counts.now(), (1_000, 1_500));
+        counts.started.store(1_500, Ordering::Relaxed);
+        assert_eq!(counts.now(), (1_499, 1_500));
+    }
+}
