@@ -18,9 +18,9 @@
 //!
 //! **Pages.** The events to replay are read in pages ([`crate::WorkerOptions::rewind_page`]:
 //! events and bytes, the first event always): the first with the cursor and the snapshot, each
-//! next one
-//! ([`PerspectiveStore::rewind_events`]) in a read transaction of its own while the one before
-//! it is applied. A rewind holds at most two pages, whatever the stream's length (ADR 0031).
+//! next one ([`PerspectiveStore::rewind_events`]) in a read transaction of its own while the one
+//! before it is applied. A rewind holds at most two pages, whatever the stream's length (ADR
+//! 0031).
 //!
 //! **Progress.** While a replay runs, its progress (events replayed of events to replay, and
 //! since when) is recorded at most once per [`PROGRESS_EVERY`]
@@ -301,7 +301,10 @@ where
     /// by doubling. The replayed state and the ids of the events applied, in order; `Err`:
     /// what stopped it (the lost signal, a failed `apply`, a failed read), as the message
     /// stored on the cursor.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the replay's inputs, each used once; a struct for them would be built once"
+    )]
     async fn replay_pages(
         &self,
         pair: &Pair,
