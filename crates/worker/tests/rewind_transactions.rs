@@ -276,6 +276,50 @@ async fn a_long_rewind_reads_and_replays_its_events_page_by_page() {
 }
 
 #[tokio::test]
+async fn a_paged_rewind_dropped_between_pages_commits_nothing_and_the_next_one_completes() {
+    // 600 events at 1 ms each, pages of 100: dropped 150 ms in, the replay is a page or two
+    // along, with the next page's read in flight.
+    let world = Arc::new(world(600, true, Duration::from_millis(1)).await);
+    let cursor = |world: Arc<World>| async move {
+        let tx = world.source.db.begin_now();
+        world
+            .store
+            .cursor(&tx, &Pair::new(world.stream, fold()))
+            .await
+            .expect("cursor")
+            .expect("a cursor")
+    };
+    let before = cursor(Arc::clone(&world)).await;
+    let dropped = Arc::clone(&world);
+    let rewind = tokio::spawn(async move {
+        tokio::time::timeout(
+            Duration::from_millis(150),
+            dropped.worker.rewind(dropped.stream, &fold()),
+        )
+        .await
+    })
+    .await
+    .expect("no panic");
+    assert!(rewind.is_err(), "still replaying when dropped: {rewind:?}");
+    let after = cursor(Arc::clone(&world)).await;
+    assert_eq!(after.revision, before.revision, "nothing committed");
+    assert_eq!(after.rewind, before.rewind, "still requested");
+    // The next rewind (the same instance) replays every page and commits the fold.
+    let (outcome, _) = world.rewind().await;
+    assert!(
+        matches!(
+            outcome,
+            PairOutcome::Rewound {
+                from_snapshot: false,
+                replayed: 601
+            }
+        ),
+        "{outcome:?}"
+    );
+    world.check().await;
+}
+
+#[tokio::test]
 async fn a_rewind_page_holds_its_first_event_whatever_its_bytes() {
     // One byte per page: every page holds one event, and the replay still gets through.
     let world = Arc::new(
