@@ -160,6 +160,19 @@ impl World {
         .expect("the worker task");
     }
 
+    /// The stream's rows, in event-id order.
+    fn rows_in_event_order(&self, stream: StreamId) -> Vec<(i64, u32)> {
+        self.seen
+            .rows
+            .rows()
+            .into_iter()
+            .filter(|((s, _), _)| *s == stream)
+            .map(|((_, id), row)| (id, row))
+            .collect::<std::collections::BTreeMap<_, _>>()
+            .into_values()
+            .collect()
+    }
+
     async fn cursor(&self, stream: StreamId) -> lockstep_core::Cursor {
         let tx = self.db.begin_now();
         let cursor = self
@@ -262,16 +275,7 @@ async fn a_late_event_resets_the_streams_rows_and_replays_them_in_order() {
     world.append(stream, &[(late, 15)]).await;
     world.drain().await;
     assert_eq!(world.seen.of(stream).len(), 4);
-    let rows: Vec<(i64, u32)> = world
-        .seen
-        .rows
-        .rows()
-        .into_iter()
-        .filter(|((s, _), _)| *s == stream)
-        .map(|((_, id), row)| (id, row))
-        .collect::<std::collections::BTreeMap<_, _>>()
-        .into_values()
-        .collect();
+    let rows = world.rows_in_event_order(stream);
     assert_eq!(
         rows,
         once(&[10, 15, 20, 30]),
@@ -322,16 +326,7 @@ async fn a_table_rewind_replays_page_by_page_in_its_one_transaction() {
         .append(stream, &[(Uuid::from_u128(ids[0].as_u128() + 1), 15)])
         .await;
     world.drain().await;
-    let rows: Vec<(i64, u32)> = world
-        .seen
-        .rows
-        .rows()
-        .into_iter()
-        .filter(|((s, _), _)| *s == stream)
-        .map(|((_, id), row)| (id, row))
-        .collect::<std::collections::BTreeMap<_, _>>()
-        .into_values()
-        .collect();
+    let rows = world.rows_in_event_order(stream);
     assert_eq!(rows, once(&[10, 15, 20, 30, 40, 50, 60, 70]));
     let cursor = world.cursor(stream).await;
     assert!(cursor.rewind.is_none(), "the request is cleared");
