@@ -493,7 +493,6 @@ fn options(args: &Args, concurrency: usize) -> WorkerOptions {
         .with_concurrency(concurrency)
 }
 
-/// A worker instance for `perspectives` with a pool and a locker of its own.
 /// A worker instance of its own (pool, locker, `InstanceId`), its connections open: a running
 /// instance has them open, and the floor's connection is opened before the clock too, so the
 /// timed part (and the server CPU counted from before it) is the work, not the connection
@@ -504,7 +503,12 @@ async fn worker(
     perspectives: &[Arc<dyn lockstep_core::DynPerspective>],
     lock: StreamLockOptions,
 ) -> Result<PgWorker> {
-    let size = options.concurrency + 2;
+    let pool = open_pool(db, options.concurrency + 2).await?;
+    worker_on(pool, options, perspectives, lock)
+}
+
+/// A pool of `size` connections to the benchmark database, every one of them open.
+async fn open_pool(db: &BenchDatabase, size: usize) -> Result<deadpool_postgres::Pool> {
     let pool = db.pool(size)?;
     let mut open = Vec::with_capacity(size);
     for _ in 0..size {
@@ -516,6 +520,16 @@ async fn worker(
         open.push(client);
     }
     drop(open);
+    Ok(pool)
+}
+
+/// A worker instance for `perspectives` on `pool`, with a locker of its own on it.
+fn worker_on(
+    pool: deadpool_postgres::Pool,
+    options: WorkerOptions,
+    perspectives: &[Arc<dyn lockstep_core::DynPerspective>],
+    lock: StreamLockOptions,
+) -> Result<PgWorker> {
     let mut registry = PerspectiveRegistry::new();
     for p in perspectives {
         registry.register_dyn(Arc::clone(p))?;

@@ -14,16 +14,20 @@
 //!
 //! Each side runs on emptied tables (`TRUNCATE` of the event and perspective tables, then fresh
 //! perspectives and streams), with one worker (default options but a 10 ms poll, a 1 ms
-//! backoff, parking after 3 failures), timed from its first cycle to the end of the cycle after
-//! which no healthy pair has work left (checked after every cycle, on both sides). Then, not
-//! timed, the worker runs until every poisoned pair is parked, and everything is verified: every
-//! healthy state equals its stream's fold and has no work left; every poisoned pair is parked
-//! at its poison event with the fold of the events before it and its work from the poison on
-//! still queued; the unserved perspective's work is untouched. A failure of any pair but a
-//! poisoned one is an error. The sides alternate per round; the headline is the median of the
-//! per-round ratios. A last line says what the ratio is made of: the time the failing pairs
-//! add per failure stored while timed, as a share of a healthy pair's time alone, and the
-//! largest share that keeps the ratio at 1.2 (issue 18's goal).
+//! backoff, parking after 3 failures) on a pool of its own. Before the clock, a second worker
+//! on that pool folds a warm-up perspective's streams (some poisoned, so parked), so that every
+//! connection has compiled the store's functions and planned their statements, as a running
+//! worker's have ([`WARM_BATCHES`]). Timed: the measured worker's cycles, from its first to
+//! the one after which no healthy pair has work left (counted after every cycle, on both
+//! sides, outside the timed part). Then, not timed, the worker runs until every poisoned pair
+//! is parked, and everything is verified: every healthy state equals its stream's fold and has
+//! no work left; every poisoned pair is parked at its poison event with the fold of the events
+//! before it and its work from the poison on still queued; the unserved perspective's work is
+//! untouched. A failure of any pair but a poisoned one is an error. The sides alternate per
+//! round; the headline is the median of the per-round ratios. A last line says what the ratio
+//! is made of: the time the failing pairs add per failure stored while timed, as a share of a
+//! healthy pair's time alone, and the largest share that keeps the ratio at 1.2 (issue 18's
+//! goal).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -38,12 +42,25 @@ use uuid::Uuid;
 
 use super::{
     Args, POLL, PgWorker, STALLED_AFTER, append_with, create, fmt_all, median, number_event,
-    options, register, vacuum, worker,
+    open_pool, options, register, vacuum, worker_on,
 };
 use crate::bench_db::BenchDatabase;
 
 /// The event a poisoned stream carries: no `n`.
 const POISON: &str = "Poison";
+
+/// Warm-up, before the clock, on the measured worker's pool: a second worker folds this many
+/// batches' worth (`--pairs-per-cycle` each) of streams of a perspective of its own, more
+/// batches than the pool has connections, so that every connection has compiled the store's
+/// PL/pgSQL functions and planned their statements (claim, commit, failure, retry, parking)
+/// as in a worker that has been running for a while. A backend's first claim and first commit
+/// take several times a warm one's; without the warm-up each side's new pool made that most of
+/// the figure.
+const WARM_BATCHES: usize = 6;
+/// Events per warm-up stream.
+const WARM_EVENTS: usize = 2;
+/// One warm-up stream in this many is poisoned (at its first event), and parked.
+const WARM_POISON_EVERY: usize = 32;
 
 /// The list of numbers, failing on an event without one.
 struct Strict(String);
@@ -83,6 +100,9 @@ impl Perspective for Strict {
 /// One side's streams.
 struct Setup {
     perspective: PerspectiveName,
+    /// The warm-up's perspective, and its poisoned streams.
+    warm_perspective: PerspectiveName,
+    warm_poisoned: Vec<Uuid>,
     unserved: Option<PerspectiveName>,
     healthy: Vec<Uuid>,
     poisoned: Vec<Uuid>,
@@ -125,15 +145,15 @@ async fn measure(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> 
             let setup = set_up(db, args, round, with).await?;
             let strict: Arc<dyn DynPerspective> =
                 Arc::new(Strict(setup.perspective.as_str().to_owned()));
-            let w = worker(
-                db,
-                options(args, 1)
-                    .with_park_after_failures(Some(3))
-                    .with_failure_backoff(Duration::from_millis(1)),
-                std::slice::from_ref(&strict),
-                lock,
-            )
-            .await?;
+            let opts = options(args, 1)
+                .with_park_after_failures(Some(3))
+                .with_failure_backoff(Duration::from_millis(1));
+            let pool = open_pool(db, opts.concurrency + 2).await?;
+            let warm: Arc<dyn DynPerspective> =
+                Arc::new(Strict(setup.warm_perspective.as_str().to_owned()));
+            let warming = worker_on(pool.clone(), opts, std::slice::from_ref(&warm), lock)?;
+            warm_up(db, &warming, &setup).await?;
+            let w = worker_on(pool, opts, std::slice::from_ref(&strict), lock)?;
             let (elapsed, failed) = catch_up(db, &w, &setup).await?;
             park_the_rest(db, &w, &setup).await?;
             check(db, &setup, args).await?;
@@ -198,9 +218,11 @@ async fn measure(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> 
         ));
     }
     lines.push(format!(
-        "Timed: from the worker's first cycle to the end of the cycle after which no healthy pair \
-         has work left (a count after every cycle, both sides). Worker: default options but a 10 \
-         ms poll, park_after_failures = Some(3), a 1 ms failure backoff. The poison event is \
+        "Timed: the worker's cycles, from its first to the one after which no healthy pair has \
+         work left (a count after every cycle, both sides, not timed). Worker: default options but \
+         a 10 ms poll, park_after_failures = Some(3), a 1 ms failure backoff; its connections \
+         warmed up first by a second worker on the same pool ({} batches of a perspective of \
+         its own, some pairs poisoned and parked), as a running worker's are. The poison event is \
          event {} of its stream (the events before it are committed; the pair backs off 1 ms, 2 \
          ms and is parked at its third failure); the unserved perspective is registered, so the \
          appends fan out to it (its rows beyond {} streams deleted in set-up). Each side on \
@@ -208,7 +230,7 @@ async fn measure(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, f64)> 
          Verified after each side (not timed): every healthy state is its stream's fold with no \
          work left; every poisoned pair parked at its poison event, its state the fold before \
          it, its work from the poison on still queued; the unserved work untouched.",
-        args.starved_poison_at, args.starved_unserved
+        WARM_BATCHES, args.starved_poison_at, args.starved_unserved
     ));
     Ok((lines, headline))
 }
@@ -229,9 +251,23 @@ async fn set_up(db: &BenchDatabase, args: &Args, round: usize, with: bool) -> Re
     } else {
         None
     };
-    let mut names = vec![perspective.clone()];
+    let warm_perspective = PerspectiveName::new(format!("Warm{round}{}", u8::from(with)))?;
+    let mut names = vec![perspective.clone(), warm_perspective.clone()];
     names.extend(unserved.clone());
     register(db, &names).await?;
+    let warm_streams: Vec<StreamId> = (0..args.pairs_per_cycle * WARM_BATCHES)
+        .map(|_| StreamId::new_v7())
+        .collect();
+    let warm_make = |s: usize, i: usize, n: i64| -> Result<NewEvent> {
+        if s.is_multiple_of(WARM_POISON_EVERY) && i == 0 {
+            Ok(NewEvent::new(POISON, serde_json::json!({ "x": n }))?)
+        } else {
+            number_event(n)
+        }
+    };
+    append_with(db, &warm_streams, WARM_EVENTS, &warm_make, None).await?;
+    let warm: Vec<Uuid> = warm_streams.iter().map(StreamId::as_uuid).collect();
+    let warm_poisoned: Vec<Uuid> = warm.iter().step_by(WARM_POISON_EVERY).copied().collect();
     // Healthy and poisoned streams interleaved (one in every `step` is poisoned), so that they
     // share batches.
     let poisoned_n = if with { args.starved_poisoned } else { 0 };
@@ -281,9 +317,22 @@ async fn set_up(db: &BenchDatabase, args: &Args, round: usize, with: bool) -> Re
             )
             .await?;
     }
+    // Appends fan out to every registered perspective: the warm-up's work is on its own
+    // streams only, and the measured perspective has none on them.
+    db.client()
+        .await?
+        .execute(
+            "DELETE FROM wh_perspective_events \
+              WHERE (perspective_name = $1 AND stream_id <> ALL($3)) \
+                 OR (perspective_name = $2 AND stream_id = ANY($3))",
+            &[&warm_perspective.as_str(), &perspective.as_str(), &warm],
+        )
+        .await?;
     vacuum(db).await?;
     Ok(Setup {
         perspective,
+        warm_perspective,
+        warm_poisoned,
         unserved,
         healthy,
         poisoned,
@@ -303,17 +352,21 @@ async fn healthy_left(client: &tokio_postgres::Client, setup: &Setup) -> Result<
         .get(0))
 }
 
-/// Cycles until no healthy pair has work left; returns the time it took and the failures the
-/// cycles stored. A failure of a pair that is not poisoned, or a cycle error, is an error.
+/// Cycles until no healthy pair has work left; returns the time the worker took and the
+/// failures the cycles stored. A failure of a pair that is not poisoned, or a cycle error, is
+/// an error. Timed: the worker's cycles (and a poll interval after a cycle that found
+/// nothing), not the benchmark's count of the healthy work left after each cycle (about 1 ms
+/// each, and the side with failing pairs runs more cycles).
 async fn catch_up(db: &BenchDatabase, w: &PgWorker, setup: &Setup) -> Result<(Duration, usize)> {
     let client = db.client().await?;
     let poisoned: HashSet<String> = setup.poisoned.iter().map(Uuid::to_string).collect();
     let mut failed = 0;
     let mut last: Option<(i64, Instant)> = None;
-    let started = Instant::now();
+    let mut elapsed = Duration::ZERO;
     loop {
+        let cycle = Instant::now();
         let report = w.run_once().await;
-        let elapsed = started.elapsed();
+        elapsed += cycle.elapsed();
         if let Some(error) = report.errors.first() {
             bail!("worker cycle failed: {error}");
         }
@@ -338,6 +391,45 @@ async fn catch_up(db: &BenchDatabase, w: &PgWorker, setup: &Setup) -> Result<(Du
                 _ => last = Some((left, Instant::now())),
             }
             tokio::time::sleep(POLL).await;
+            elapsed += POLL;
+        }
+    }
+}
+
+/// Before the clock: the warm-up worker (on the measured worker's pool) cycles until the
+/// warm-up's healthy pairs are caught up and its poisoned ones parked ([`WARM_BATCHES`]).
+async fn warm_up(db: &BenchDatabase, w: &PgWorker, setup: &Setup) -> Result<()> {
+    let client = db.client().await?;
+    let name = setup.warm_perspective.as_str();
+    let started = Instant::now();
+    loop {
+        let report = w.run_once().await;
+        if let Some(error) = report.errors.first() {
+            bail!("worker cycle failed while warming up: {error}");
+        }
+        let row = client
+            .query_one(
+                "SELECT (SELECT count(*) FROM wh_perspective_events
+                          WHERE perspective_name = $1 AND stream_id <> ALL($2)),
+                        (SELECT count(*) FROM wh_perspective_cursors
+                          WHERE perspective_name = $1 AND stream_id = ANY($2)
+                            AND parked_at IS NOT NULL)",
+                &[&name, &setup.warm_poisoned],
+            )
+            .await?;
+        let (left, parked): (i64, i64) = (row.get(0), row.get(1));
+        if left == 0 && parked as usize == setup.warm_poisoned.len() {
+            return Ok(());
+        }
+        if started.elapsed() > STALLED_AFTER {
+            bail!(
+                "warm-up: {left} healthy work rows left, {parked} of {} poisoned pairs parked \
+                 after {STALLED_AFTER:?}",
+                setup.warm_poisoned.len()
+            );
+        }
+        if report.pairs == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
 }
