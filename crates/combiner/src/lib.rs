@@ -57,7 +57,15 @@
 //! - **Dropping.** A [`Submission`] dropped before its turn (before a batch took it) is removed
 //!   from the queue and never decided. One dropped after its batch took it is decided and
 //!   committed with the batch — nobody hears the answer; its events carry ids (choose them with
-//!   [`lockstep_core::NewEvent::with_id`] in [`Decider::encode`] to find them later).
+//!   [`lockstep_core::NewEvent::with_id`] in [`Decider::encode`] to find them later) — unless
+//!   that batch's attempt fails and is retried: a retry leaves out every command whose
+//!   submission is gone (nothing of it was committed).
+//! - **One command's fault stays its own.** Events whose ids the store refuses (an id already
+//!   stored, or chosen by two commands of one batch) make it refuse the batch's append as a
+//!   whole; the batch's commands are then decided again one per batch, so that only the command
+//!   at fault is answered [`ErrorKind::InvalidInput`]. A panic in the decider's code answers the
+//!   command it was deciding [`CombineError::Failed`] ([`ErrorKind::Backend`], not retryable),
+//!   and the others are decided as if it had not been submitted.
 //! - **Bounded batches.** At most [`CombinerOptions::max_commands`] commands and
 //!   [`CombinerOptions::max_bytes`] of event payload per batch, and no new command is taken once
 //!   the batch has decided for [`CombinerOptions::max_batch_time`]: a long queue is served in
@@ -73,17 +81,23 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::num::NonZeroUsize;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt as _;
 use lockstep_core::{
     Decider, Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RetryPolicy, Retryable,
     StreamId, Transaction, TransactionSource, aggregate_key,
 };
 use tokio::sync::oneshot;
 use uuid::Uuid;
+
+/// The longest lock wait a batch sets (about 24.8 days): PostgreSQL's `lock_timeout` is a
+/// 32-bit count of milliseconds. [`CombinerOptions::lock_timeout`] takes longer waits as this.
+pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 
 /// How big a batch may grow, how long its lock wait lasts, and how failed batches are retried.
 /// Every value is valid by its type; the defaults are on each setter.
@@ -135,10 +149,11 @@ impl CombinerOptions {
     }
 
     /// How long a batch waits for the aggregate's write lock before failing with a retryable
-    /// [`ErrorKind::LockTimeout`] (default 10 s; `None`: without limit).
+    /// [`ErrorKind::LockTimeout`] (default 10 s; `None`: without limit). A wait longer than
+    /// [`MAX_LOCK_TIMEOUT`] is that long.
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.lock_timeout = timeout;
+        self.lock_timeout = timeout.map(|t| t.min(MAX_LOCK_TIMEOUT));
         self
     }
 
@@ -199,7 +214,8 @@ pub enum CombineError<E> {
     /// Nothing of the command was committed: the batch failed (its append, its commit, its lock
     /// or its load — every command of the batch gets the error, retryable where it is, after
     /// the retry policy was used up), or the command's events could not be stored
-    /// ([`ErrorKind::InvalidInput`], that command only), or the combiner stopped.
+    /// ([`ErrorKind::InvalidInput`], that command only), or the decider panicked on it
+    /// ([`ErrorKind::Backend`], that command only), or the combiner stopped.
     Failed(Error),
     /// The `COMMIT`'s reply was lost: the batch may or may not have committed. Not retryable as
     /// such; look for `event_ids` in the stream (empty when the command had no events to append).
@@ -446,7 +462,15 @@ where
             }
         };
         if start {
-            runtime.spawn(run_aggregate(Arc::clone(&self.inner), id));
+            // The guard exists before the task: a task dropped unpolled (its runtime is shutting
+            // down) still removes the queue, so that no submission waits for ever and the next
+            // one starts a task of its own.
+            let guard = TaskGuard {
+                queues: Arc::clone(&self.inner.queues),
+                id,
+                done: false,
+            };
+            runtime.spawn(run_aggregate(Arc::clone(&self.inner), id, guard));
         }
         Submission {
             answer,
@@ -464,7 +488,8 @@ struct Queued<D: Decider> {
 
 /// The answer of one [`Combiner::submit`]: a future (`Send`, `'static`) resolving to
 /// [`Accepted`] or a [`CombineError`]. Dropping it before its batch took the command removes
-/// the command from the queue; dropped later, the command is committed with its batch.
+/// the command from the queue; dropped later, the command is committed with its batch (unless
+/// the batch is retried: a retry leaves it out).
 pub struct Submission<D: Decider> {
     answer: oneshot::Receiver<Answer<D>>,
     queued: Option<Queued<D>>,
@@ -490,8 +515,9 @@ impl<D: Decider> Future for Submission<D> {
                 Poll::Ready(answer.unwrap_or_else(|_| {
                     Err(CombineError::Failed(Error::new(
                         ErrorKind::Cancelled,
-                        "the combiner stopped before answering (its runtime shut down, or a \
-                         decision panicked); the command may have been committed",
+                        "the combiner stopped before answering (its runtime shut down while \
+                         this command's batch was in flight); the command may have been \
+                         committed",
                     )))
                 }))
             }
@@ -510,9 +536,11 @@ impl<D: Decider> Drop for Submission<D> {
     }
 }
 
-/// Ends an aggregate's batch task: on a normal end the queue entry is already gone; on a
-/// panic or a cancelled task (runtime shutdown) the entry is removed and its commands dropped,
-/// which answers their submissions with [`ErrorKind::Cancelled`].
+/// Ends an aggregate's batch task: on a normal end the queue entry is already gone; when the
+/// task is dropped (its runtime shut down, even before it ran) the entry is removed and the
+/// commands still queued are answered [`ErrorKind::Cancelled`], never decided. The commands of
+/// a batch in flight are dropped with it: their submissions hear that they may have been
+/// committed.
 struct TaskGuard<D: Decider> {
     queues: Arc<Queues<D>>,
     id: Uuid,
@@ -521,27 +549,41 @@ struct TaskGuard<D: Decider> {
 
 impl<D: Decider> Drop for TaskGuard<D> {
     fn drop(&mut self) {
-        if !self.done {
-            let removed = self.queues.lock().remove(&self.id);
-            drop(removed);
+        if self.done {
+            return;
+        }
+        let removed = self.queues.lock().remove(&self.id);
+        for pending in removed.into_iter().flat_map(|q| q.pending) {
+            let _ = pending.reply.send(Err(CombineError::Failed(Error::new(
+                ErrorKind::Cancelled,
+                "the combiner stopped (its runtime shut down) before deciding this command; \
+                 nothing of it was committed",
+            ))));
         }
     }
 }
 
-/// Runs batches of aggregate `id` until its queue is empty.
-async fn run_aggregate<Src, St, D>(inner: Arc<Inner<Src, St, D>>, id: Uuid)
+/// Runs batches of aggregate `id` until its queue is empty. After a batch whose append was
+/// refused as a whole ([`ErrorKind::InvalidInput`]: an event id one of its commands chose is
+/// already stored, or two chose the same), its commands are decided again one per batch, so
+/// that only the command at fault is refused.
+async fn run_aggregate<Src, St, D>(inner: Arc<Inner<Src, St, D>>, id: Uuid, mut guard: TaskGuard<D>)
 where
     Src: TransactionSource,
     St: EventStore<Src::Tx>,
     D: Decider,
 {
-    let mut guard = TaskGuard {
-        queues: Arc::clone(&inner.queues),
-        id,
-        done: false,
-    };
+    let mut alone = 0usize;
     loop {
-        run_batch(&inner, id).await;
+        let max = if alone > 0 {
+            alone -= 1;
+            1
+        } else {
+            inner.options.max_commands.get()
+        };
+        if let Some(refused) = run_batch(&inner, id, max).await {
+            alone = refused;
+        }
         let mut map = inner.queues.lock();
         let empty = map.get_mut(&id).is_none_or(|q| {
             q.pending.retain(|p| !p.reply.is_closed());
@@ -562,8 +604,10 @@ enum Decision<E> {
     Invalid(Error),
 }
 
-/// One batch: attempts under the retry policy, then every taken command answered.
-async fn run_batch<Src, St, D>(inner: &Inner<Src, St, D>, id: Uuid)
+/// One batch of at most `max` commands: attempts under the retry policy, then every taken
+/// command answered. `Some(n)`: the batch's append was refused as a whole and its `n` commands
+/// were put back, unanswered, to be decided one per batch.
+async fn run_batch<Src, St, D>(inner: &Inner<Src, St, D>, id: Uuid, max: usize) -> Option<usize>
 where
     Src: TransactionSource,
     St: EventStore<Src::Tx>,
@@ -572,7 +616,7 @@ where
     let mut taken: Vec<Pending<D>> = Vec::new();
     let mut attempt = 1;
     loop {
-        match attempt_batch(inner, id, &mut taken).await {
+        match attempt_batch(inner, id, &mut taken, max).await {
             Ok(decisions) => {
                 let batch_commands = taken.len();
                 for (pending, decision) in taken.into_iter().zip(decisions) {
@@ -589,7 +633,7 @@ where
                     // A dropped submission does not hear its answer (it was committed).
                     let _ = pending.reply.send(answer);
                 }
-                return;
+                return None;
             }
             Err(error) => {
                 if let Some(delay) = inner.options.retry.retry_after(attempt, &error) {
@@ -599,18 +643,37 @@ where
                     attempt += 1;
                     continue;
                 }
-                if taken.is_empty() {
+                if error.kind() == ErrorKind::InvalidInput && taken.len() > 1 {
+                    // The store refused the batch's events as a whole, for one command's ids:
+                    // nothing was committed; decide them again one per batch.
+                    let n = taken.len();
+                    inner.queues.push_front(id, taken);
+                    return Some(n);
+                }
+                let error = if taken.is_empty() {
                     // Failed before any command was taken (begin, lock or load): the commands
-                    // that would have formed the batch get the error.
+                    // that would have formed the batch get the error. None of them was
+                    // decided, so a lost reply to the empty batch's COMMIT is no news for them.
                     while taken.len() < inner.options.max_commands.get() {
                         match inner.queues.pop(id) {
                             Some(next) => taken.push(next),
                             None => break,
                         }
                     }
-                }
+                    if error.kind() == ErrorKind::CommitUnknown {
+                        Error::new(
+                            ErrorKind::ConnectionLost,
+                            "the connection was lost before this command was decided; nothing \
+                             of it was committed",
+                        )
+                    } else {
+                        error
+                    }
+                } else {
+                    error
+                };
                 answer_failure(taken, &error);
-                return;
+                return None;
             }
         }
     }
@@ -639,6 +702,7 @@ async fn attempt_batch<Src, St, D>(
     inner: &Inner<Src, St, D>,
     id: Uuid,
     taken: &mut Vec<Pending<D>>,
+    max: usize,
 ) -> Result<Vec<Decision<D::Error>>, Error>
 where
     Src: TransactionSource,
@@ -646,7 +710,7 @@ where
     D: Decider,
 {
     let tx = inner.source.begin().await?;
-    match decide_batch(inner, &tx, id, taken).await {
+    match decide_batch(inner, &tx, id, taken, max).await {
         Ok(decisions) => {
             tx.commit().await?;
             Ok(decisions)
@@ -659,11 +723,17 @@ where
     }
 }
 
+/// Decides the batch's commands (see [`attempt_batch`]). A panic in the decider's code fails
+/// the command it was deciding, alone: in `decide` or `encode` the batch goes on with the
+/// state as it was; in `evolve` the state is gone, so the attempt stops there — the commands
+/// before it go back to the queue's front (nothing of them is appended by this attempt, which
+/// commits nothing) and are decided again in the next batch, on the state loaded anew.
 async fn decide_batch<Src, St, D>(
     inner: &Inner<Src, St, D>,
     tx: &Src::Tx,
     id: Uuid,
     taken: &mut Vec<Pending<D>>,
+    max: usize,
 ) -> Result<Vec<Decision<D::Error>>, Error>
 where
     Src: TransactionSource,
@@ -679,7 +749,9 @@ where
         .load_locked(tx, stream, &key, options.lock_timeout)
         .await?;
     let base = loaded.len() as u64;
-    let mut state = Some(decider.fold(id, &loaded)?);
+    let folded = std::panic::catch_unwind(AssertUnwindSafe(|| decider.fold(id, &loaded)))
+        .map_err(|panic| panicked("folding the aggregate's stream", &*panic))??;
+    let mut state = Some(folded);
     drop(loaded);
     let started = Instant::now();
 
@@ -688,22 +760,36 @@ where
     let mut events: Vec<NewEvent> = Vec::new();
     let mut bytes = 0usize;
     loop {
-        let full = taken.len() >= options.max_commands.get()
+        let full = taken.len() >= max
             || (!taken.is_empty() && started.elapsed() >= options.max_batch_time);
         if full {
             break;
         }
-        let Some(mut next) = replay.next().or_else(|| inner.queues.pop(id)) else {
+        // A command of an earlier attempt whose submission was dropped since is left out:
+        // nothing of it was committed, and nobody waits for it.
+        let Some(mut next) = replay
+            .by_ref()
+            .find(|p| !p.reply.is_closed())
+            .or_else(|| inner.queues.pop(id))
+        else {
             break;
         };
         let current = state.take().unwrap_or_else(|| decider.initial_state(id));
-        let decided = decider.decide(&current, &next.command).await;
+        let decided = AssertUnwindSafe(decider.decide(&current, &next.command))
+            .catch_unwind()
+            .await;
         next.event_ids.clear();
         let decision = match decided {
-            Err(e) => Decision::Rejected(e),
-            Ok(decided) => match encode(decider, &decided) {
-                Err(e) => Decision::Invalid(e),
-                Ok((encoded, size)) => {
+            Err(panic) => Decision::Invalid(panicked("deciding this command", &*panic)),
+            Ok(Err(e)) => Decision::Rejected(e),
+            Ok(Ok(decided)) => match std::panic::catch_unwind(AssertUnwindSafe(|| {
+                encode(decider, &decided)
+            })) {
+                Err(panic) => {
+                    Decision::Invalid(panicked("encoding this command's events", &*panic))
+                }
+                Ok(Err(e)) => Decision::Invalid(e),
+                Ok(Ok((encoded, size))) => {
                     if !taken.is_empty() && bytes.saturating_add(size) > options.max_bytes.get() {
                         // Too big for this batch: it leads the next one.
                         let mut back = vec![next];
@@ -711,13 +797,26 @@ where
                         inner.queues.push_front(id, back);
                         break;
                     }
+                    let evolved = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        decided
+                            .iter()
+                            .fold(current, |after, event| decider.evolve(after, event))
+                    }));
+                    let after = match evolved {
+                        Ok(after) => after,
+                        Err(panic) => {
+                            let error =
+                                panicked("evolving the state by this command's events", &*panic);
+                            let _ = next.reply.send(Err(CombineError::Failed(error)));
+                            let mut back = std::mem::take(taken);
+                            back.extend(replay);
+                            inner.queues.push_front(id, back);
+                            return Ok(Vec::new());
+                        }
+                    };
                     bytes = bytes.saturating_add(size);
                     next.event_ids = encoded.iter().map(NewEvent::event_id).collect();
                     events.extend(encoded);
-                    let mut after = current;
-                    for event in &decided {
-                        after = decider.evolve(after, event);
-                    }
                     state = Some(after);
                     decisions.push(Decision::Accepted {
                         last_version: base + events.len() as u64,
@@ -740,6 +839,20 @@ where
             .await?;
     }
     Ok(decisions)
+}
+
+/// The error that answers a command whose decider code panicked (not retryable: the same code
+/// would panic again).
+fn panicked(doing: &str, panic: &(dyn std::any::Any + Send)) -> Error {
+    let detail = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned());
+    Error::new(
+        ErrorKind::Backend,
+        format!("the decider panicked {doing} ({detail}); nothing of it was committed"),
+    )
 }
 
 /// The stored form of a decision's events and their size (types plus payloads' JSON text).

@@ -179,3 +179,40 @@ fn submit_without_a_runtime_is_unsupported_and_queues_nothing() {
     let err = rt.block_on(submission).expect_err("no runtime at submit");
     assert_eq!(err.kind(), Some(ErrorKind::Unsupported));
 }
+
+/// A submission whose aggregate task was spawned on a runtime that had shut down (the task is
+/// dropped before it runs) is answered `Cancelled`, and the aggregate does not stay wedged: the
+/// next submission, on a live runtime, starts a task of its own.
+#[test]
+fn a_task_dropped_before_it_ran_answers_its_queue_and_frees_the_aggregate() {
+    let (shop, _handle) = Shop::new();
+    let c = Combiner::new(FakeDatabase::default(), InMemoryEventStore::default(), shop);
+    let id = Uuid::now_v7();
+    let dead = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let handle = dead.handle().clone();
+    drop(dead);
+    let orphan = {
+        let _in_dead_runtime = handle.enter();
+        c.submit(id, Cmd::Stock(1))
+    };
+    let live = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    live.block_on(async {
+        let answer = tokio::time::timeout(Duration::from_secs(5), orphan)
+            .await
+            .expect("answered, not left waiting");
+        let err = answer.expect_err("never decided");
+        assert_eq!(err.kind(), Some(ErrorKind::Cancelled), "{err:?}");
+        let next = tokio::time::timeout(Duration::from_secs(5), c.submit(id, Cmd::Stock(2)))
+            .await
+            .expect("the aggregate is not wedged")
+            .expect("accepted");
+        assert_eq!(next.last_version(), 1);
+    });
+}

@@ -1,8 +1,9 @@
 //! The combiner's behaviour, written once and run on the testkit's fakes (`tests/fakes.rs`)
 //! and on PostgreSQL (`tests/postgres.rs`): FIFO decisions, per-command answers, a business
-//! error or an unstorable event in the middle of a batch, a conflicting commit (retried and
-//! re-decided), a failed commit, a lost `COMMIT` reply, dropped submissions, the bounds, and
-//! two processes on one aggregate.
+//! error or an unstorable event in the middle of a batch, an event id already stored or chosen
+//! twice, a panicking decider, a conflicting commit (retried and re-decided), a submission
+//! dropped while its batch is retried, a failed commit, a lost `COMMIT` reply, dropped
+//! submissions, the bounds, and two processes on one aggregate.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -28,6 +29,12 @@ pub enum Cmd {
     Reserve { qty: u32, tag: u32, wait: bool },
     /// Decides an event that cannot be stored (a blank type).
     Unstorable { tag: u32 },
+    /// Reserves one unit with an event whose id the command chose.
+    Tagged { tag: u32, id: Uuid },
+    /// `decide` panics.
+    PanicInDecide { tag: u32 },
+    /// `decide` answers an event on which `evolve` panics.
+    PanicInEvolve { tag: u32 },
 }
 
 /// What happened in a test shop.
@@ -36,6 +43,8 @@ pub enum Ev {
     Stocked(u32),
     Reserved { qty: u32, tag: u32 },
     Unstorable,
+    Tagged { tag: u32, id: Uuid },
+    Boom,
 }
 
 /// The business answer.
@@ -104,6 +113,11 @@ impl ShopHandle {
         self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
     }
 
+    /// Lets one waiting decision through (each decision uses up its permit).
+    pub fn let_one(&self) {
+        self.gate.add_permits(1);
+    }
+
     /// Waits (at most 10 s) until the decision of `tag` has started.
     pub async fn entered(&mut self, tag: u32) {
         loop {
@@ -144,11 +158,20 @@ impl Decider for Shop {
                 self.log.lock().expect("log").push(tag);
                 Ok(vec![Ev::Unstorable])
             }
+            Cmd::Tagged { tag, id } => {
+                self.log.lock().expect("log").push(tag);
+                Ok(vec![Ev::Tagged { tag, id }])
+            }
+            Cmd::PanicInDecide { tag } => panic!("command {tag} cannot be decided"),
+            Cmd::PanicInEvolve { tag } => {
+                self.log.lock().expect("log").push(tag);
+                Ok(vec![Ev::Boom])
+            }
             Cmd::Reserve { qty, tag, wait } => {
                 self.log.lock().expect("log").push(tag);
                 let _ = self.entered.send(tag);
                 if wait {
-                    let _permit = self.gate.acquire().await.expect("gate open");
+                    self.gate.acquire().await.expect("gate open").forget();
                 }
                 let available = state.stocked - state.reserved;
                 if u64::from(qty) > available {
@@ -163,7 +186,9 @@ impl Decider for Shop {
         match *event {
             Ev::Stocked(n) => state.stocked += u64::from(n),
             Ev::Reserved { qty, .. } => state.reserved += u64::from(qty),
+            Ev::Tagged { .. } => state.reserved += 1,
             Ev::Unstorable => {}
+            Ev::Boom => panic!("this event cannot be evolved"),
         }
         state
     }
@@ -175,6 +200,10 @@ impl Decider for Shop {
                 NewEvent::new("Reserved", json!({ "qty": qty, "tag": tag }))
             }
             Ev::Unstorable => NewEvent::new(" ", json!({})),
+            Ev::Tagged { tag, id } => {
+                NewEvent::new("Reserved", json!({ "qty": 1, "tag": tag }))?.with_id(id)
+            }
+            Ev::Boom => NewEvent::new("Boom", json!({})),
         }
     }
 
@@ -359,6 +388,99 @@ pub async fn an_unstorable_event_refuses_only_its_command<B: Backend>(b: &B) {
     assert_eq!(reserved_tags(&src, &store, id).await, vec![0, 2]);
 }
 
+/// Event ids the commands chose: one already stored in the stream, and one chosen by two
+/// commands of one batch. The store refuses the batch's append as a whole; the commands are
+/// then decided again one per batch, and only the two at fault are refused (`InvalidInput`).
+pub async fn an_event_id_already_stored_or_chosen_twice_refuses_only_its_command<B: Backend>(
+    b: &B,
+) {
+    let (c, mut shop) = combiner(b, patient());
+    let id = Uuid::now_v7();
+    stocked(&c, id, 10).await;
+    let (stored_id, chosen_id) = (Uuid::now_v7(), Uuid::now_v7());
+    let stored = c.submit(
+        id,
+        Cmd::Tagged {
+            tag: 9,
+            id: stored_id,
+        },
+    );
+    assert_eq!(stored.await.expect("stored").last_version(), 2);
+    let first = c.submit(id, gated(1, 0));
+    shop.entered(0).await;
+    let one = c.submit(
+        id,
+        Cmd::Tagged {
+            tag: 1,
+            id: chosen_id,
+        },
+    );
+    let twice = c.submit(
+        id,
+        Cmd::Tagged {
+            tag: 2,
+            id: chosen_id,
+        },
+    );
+    let again = c.submit(
+        id,
+        Cmd::Tagged {
+            tag: 3,
+            id: stored_id,
+        },
+    );
+    let last = c.submit(id, reserve(1, 4));
+    shop.open();
+    assert_eq!(first.await.expect("accepted").last_version(), 3);
+    let one = one.await.expect("accepted");
+    assert_eq!((one.last_version(), one.event_ids()), (4, &[chosen_id][..]));
+    for (what, refused) in [("chosen twice", twice), ("already stored", again)] {
+        let err = refused.await.expect_err(what);
+        assert_eq!(err.kind(), Some(ErrorKind::InvalidInput), "{what}: {err:?}");
+    }
+    assert_eq!(last.await.expect("accepted").last_version(), 5);
+    let (src, store) = b.process();
+    assert_eq!(reserved_tags(&src, &store, id).await, vec![9, 0, 1, 4]);
+}
+
+/// A decider that panics fails the command it was deciding, alone (not retryable): in `decide`
+/// the batch goes on; in `evolve` the commands before it are decided again in a new batch.
+/// Nothing of the panicking commands is appended, and the aggregate keeps serving.
+pub async fn a_panicking_decider_fails_only_the_command_it_was_deciding<B: Backend>(b: &B) {
+    let (c, mut shop) = combiner(b, patient());
+    let id = Uuid::now_v7();
+    stocked(&c, id, 10).await;
+    let first = c.submit(id, gated(1, 0));
+    shop.entered(0).await;
+    let in_decide = c.submit(id, Cmd::PanicInDecide { tag: 1 });
+    let middle = c.submit(id, reserve(1, 2));
+    let in_evolve = c.submit(id, Cmd::PanicInEvolve { tag: 3 });
+    let last = c.submit(id, reserve(1, 4));
+    shop.open();
+    let versions = (
+        first.await.expect("accepted").last_version(),
+        middle.await.expect("accepted").last_version(),
+        last.await.expect("accepted").last_version(),
+    );
+    assert_eq!(versions, (2, 3, 4));
+    for (what, failed) in [("decide", in_decide), ("evolve", in_evolve)] {
+        let err = failed.await.expect_err(what);
+        assert_eq!(err.kind(), Some(ErrorKind::Backend), "{what}: {err:?}");
+        assert!(!lockstep_core::Retryable::is_retryable(&err), "{what}");
+        let message = err.error().map(Error::message).unwrap_or_default();
+        assert!(message.contains("panicked"), "{what}: {message}");
+    }
+    let (src, store) = b.process();
+    assert_eq!(reserved_tags(&src, &store, id).await, vec![0, 2, 4]);
+    assert_eq!(
+        c.submit(id, reserve(1, 5))
+            .await
+            .expect("still serving")
+            .last_version(),
+        5
+    );
+}
+
 /// Appends `qty` reserved units directly (no lock): a writer that does not use the combiner.
 async fn foreign_append<Src, St>(src: &Src, store: &St, id: Uuid, expected: u64, qty: u32)
 where
@@ -412,6 +534,36 @@ pub async fn a_conflicting_commit_is_retried_and_every_command_re_decided<B: Bac
         other => panic!("expected a rejection on fresh state, got {other:?}"),
     }
     assert_eq!(shop.decided(), vec![0, 1, 0, 1]);
+    assert_eq!(reserved_tags(&src, &store, id).await, vec![99, 0]);
+}
+
+/// A submission dropped while its batch waits to be retried is left out of the retry: nothing
+/// of it was committed, and it is not decided again.
+pub async fn a_submission_dropped_before_a_retry_is_left_out_of_it<B: Backend>(b: &B) {
+    let retry = RetryPolicy::new(
+        std::num::NonZeroU32::new(3).expect("non-zero"),
+        Duration::from_millis(1),
+        Duration::from_millis(5),
+    );
+    let (c, mut shop) = combiner(b, patient().retry(retry));
+    let id = Uuid::now_v7();
+    stocked(&c, id, 10).await;
+    let a = c.submit(id, gated(1, 0));
+    shop.entered(0).await;
+    let dropped = c.submit(id, reserve(2, 1));
+    let (src, store) = b.process();
+    foreign_append(&src, &store, id, 1, 3).await;
+    // The first attempt decides 0 and 1 and conflicts; the retry waits at 0's gate.
+    shop.let_one();
+    shop.entered(0).await;
+    drop(dropped);
+    shop.open();
+    let a = a.await.expect("accepted on the retry");
+    assert_eq!(
+        (a.attempts(), a.last_version(), a.batch_commands()),
+        (2, 3, 1)
+    );
+    assert_eq!(shop.decided(), vec![0, 1, 0]);
     assert_eq!(reserved_tags(&src, &store, id).await, vec![99, 0]);
 }
 
@@ -637,6 +789,21 @@ macro_rules! combiner_suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn an_unstorable_event_refuses_only_its_command() {
             suite::an_unstorable_event_refuses_only_its_command(&$make.await).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn an_event_id_already_stored_or_chosen_twice_refuses_only_its_command() {
+            suite::an_event_id_already_stored_or_chosen_twice_refuses_only_its_command(
+                &$make.await,
+            )
+            .await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_panicking_decider_fails_only_the_command_it_was_deciding() {
+            suite::a_panicking_decider_fails_only_the_command_it_was_deciding(&$make.await).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_submission_dropped_before_a_retry_is_left_out_of_it() {
+            suite::a_submission_dropped_before_a_retry_is_left_out_of_it(&$make.await).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_conflicting_commit_is_retried_and_every_command_re_decided() {
