@@ -39,11 +39,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
-    ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, InstanceId, LeaseEpoch,
-    LeaseFence, LeaseStatus, PairFailure, PendingPair, PendingThrough, PerspectiveName,
-    PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RecordedEvent, ResourceKey,
-    Result, RetireStates, Retired, RewindDebounce, RewindProgress, RewindRequest, SkippedEvent,
-    Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
+    ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, EventPage, InstanceId,
+    LeaseEpoch, LeaseFence, LeaseStatus, PageLimits, PairFailure, PendingPair, PendingThrough,
+    PerspectiveName, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RecordedEvent,
+    ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress, RewindRequest,
+    SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
     perspective_store::{DEFAULT_KEEP_SNAPSHOTS, check_progress_limit},
 };
 use std::time::Duration;
@@ -131,6 +131,8 @@ struct State {
     throughput: BTreeMap<PerspectiveName, (OffsetDateTime, u64, Option<f64>)>,
     /// Writes of open transactions, by transaction id.
     staged: HashMap<u64, Staged>,
+    /// The page limits of every `rewind_events` call, by pair, in order.
+    rewind_pages: HashMap<Key, Vec<PageLimits>>,
 }
 
 /// The in-memory perspective store. Clones share state.
@@ -193,6 +195,17 @@ impl InMemoryPerspectiveStore {
             .pairs
             .get(&(stream_id, perspective.clone()))
             .and_then(|p| p.state.clone())
+    }
+
+    /// The page limits of every [`PerspectiveStore::rewind_events`] call for `pair`, in order
+    /// (a rewind's first page included: the default `load_rewind` reads it with this call) —
+    /// what a rewind asked for, for tests.
+    pub fn rewind_page_requests(&self, pair: &lockstep_core::Pair) -> Vec<PageLimits> {
+        self.lock_state()
+            .rewind_pages
+            .get(&(pair.stream_id, pair.perspective.clone()))
+            .cloned()
+            .unwrap_or_default()
     }
 
     fn lock_state(&self) -> MutexGuard<'_, State> {
@@ -1040,6 +1053,31 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             .into_iter()
             .map(|e| e.event_id)
             .collect())
+    }
+
+    async fn rewind_events(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+        after: Option<Uuid>,
+        page: PageLimits,
+    ) -> Result<EventPage> {
+        // The trait's default read, recording what was asked for.
+        self.lock_state()
+            .rewind_pages
+            .entry((pair.stream_id, pair.perspective.clone()))
+            .or_default()
+            .push(page);
+        page.validate()?;
+        let mut events = self.stream_events(tx, pair.stream_id, after).await?;
+        let skipped = self.skipped_events(tx, pair).await?;
+        if !skipped.is_empty() {
+            events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
+        }
+        let more = page.cut(&mut events, |e| {
+            serde_json::to_string(&e.payload).map_or(0, |text| text.len() as u64)
+        });
+        Ok(EventPage::new(events, more))
     }
 
     async fn stream_events(

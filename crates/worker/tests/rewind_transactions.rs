@@ -347,6 +347,49 @@ async fn a_rewind_page_holds_its_first_event_whatever_its_bytes() {
 }
 
 #[tokio::test]
+async fn a_page_cut_by_its_bytes_makes_the_next_ask_for_one_event_more_the_first_page_too() {
+    // Pages of 100 events but 5 bytes (the payloads are numbers of one or two digits): a few
+    // events a page. The first page is read with the configured limits; the page after a cut
+    // one asks for one event more than it held — the first page's cut counts too.
+    let world = Arc::new(
+        world_with(
+            30,
+            true,
+            Duration::ZERO,
+            options().with_rewind_page(page(5)),
+        )
+        .await,
+    );
+    let (outcome, _) = world.rewind().await;
+    assert!(
+        matches!(
+            outcome,
+            PairOutcome::Rewound {
+                from_snapshot: false,
+                replayed: 31
+            }
+        ),
+        "{outcome:?}"
+    );
+    let asked: Vec<usize> = world
+        .store
+        .rewind_page_requests(&Pair::new(world.stream, fold()))
+        .iter()
+        .map(|p| p.events)
+        .collect();
+    assert!(asked.len() > 5, "read in pages: {asked:?}");
+    assert_eq!(asked[0], 100, "the first page with the configured limits");
+    // At most five one-digit numbers fit: the second read asks for one more than the first
+    // page held, and no read asks for more than twice what fits (a full page doubles).
+    assert!(asked[1] <= 6, "the first page's cut is used: {asked:?}");
+    assert!(
+        asked[1..].iter().all(|&n| n <= 10),
+        "after a cut page, one event more than it held: {asked:?}"
+    );
+    world.check().await;
+}
+
+#[tokio::test]
 async fn a_short_rewind_whose_replay_outlasts_the_short_time_commits_in_a_transaction_of_its_own() {
     // A few events replayed, each slower than the whole bound.
     let world = Arc::new(world(5, false, SHORT_REPLAY_TIME + Duration::from_millis(10)).await);

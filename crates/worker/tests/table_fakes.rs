@@ -334,6 +334,38 @@ async fn a_table_rewind_replays_page_by_page_in_its_one_transaction() {
 }
 
 #[tokio::test]
+async fn a_table_rewind_page_cut_by_its_bytes_makes_the_next_ask_for_one_event_more() {
+    // Pages of 100 events but 5 bytes (payloads of two digits): two events a page. After each
+    // cut page the next read asks for one event more than it got, not for 100 again (rows read
+    // past a cut are read for nothing).
+    let page = lockstep_core::PageLimits::new(100, 5).expect("page limits");
+    let world = World::with_options(WorkerOptions::default().with_rewind_page(page)).await;
+    let stream = StreamId::new_v7();
+    let numbers: Vec<i64> = (20..50).collect(); // no 13: `Seen` refuses it
+    let ids = world.append_numbers(stream, &numbers).await;
+    world.drain().await;
+    world
+        .append(stream, &[(Uuid::from_u128(ids[0].as_u128() + 1), 5)])
+        .await;
+    world.drain().await;
+    let cursor = world.cursor(stream).await;
+    assert!(cursor.rewind.is_none(), "the request is cleared");
+    assert_eq!(cursor.applied_count, 31);
+    let asked: Vec<usize> = world
+        .store
+        .rewind_page_requests(&Pair::new(stream, seen()))
+        .iter()
+        .map(|p| p.events)
+        .collect();
+    assert!(asked.len() > 5, "read in pages: {asked:?}");
+    assert_eq!(asked[0], 100, "the first page with the configured limits");
+    assert!(
+        asked[1..].iter().all(|&n| n <= 4),
+        "after a cut page, one event more than it held: {asked:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_purge_resets_the_rows_with_the_cursor() {
     let world = World::new().await;
     let stream = StreamId::new_v7();

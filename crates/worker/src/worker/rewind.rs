@@ -316,8 +316,10 @@ where
         counts: &Arc<ReplayCounts>,
     ) -> std::result::Result<ReplayedPages, String> {
         let mut applied_ids = Vec::with_capacity(first.events.len());
-        let mut current = first;
+        // The first page (read with the configured limits) may have been cut by its bytes too.
         let mut limits = page;
+        limits.events = next_page_events(page.events, page.events, first.events.len(), first.more);
+        let mut current = first;
         loop {
             let after = current.events.last().map(|e| e.event_id);
             let more = current.more;
@@ -359,7 +361,8 @@ where
                 None => break,
                 Some(next) => {
                     let next = next.map_err(|e| e.to_string())?;
-                    limits.events = next_page_events(limits.events, page.events, &next);
+                    limits.events =
+                        next_page_events(limits.events, page.events, next.events.len(), next.more);
                     counts.read(next.events.len() as u64, next.more);
                     current = next;
                 }
@@ -501,11 +504,13 @@ struct ReplayedPages {
     applied: Vec<uuid::Uuid>,
 }
 
-/// The events a page after a page of `requested` events asks for (`max`: the configured
-/// page): one more than `page` held when its bytes cut it, else double, up to `max`.
-fn next_page_events(requested: usize, max: usize, page: &Page) -> usize {
-    if page.more && page.events.len() < requested {
-        page.events.len().saturating_add(1).min(max)
+/// The events a page asks for after a page that was asked for `requested` events and held
+/// `got`, with `more` after them (`max`: the configured page): one more than it held when its
+/// bytes cut it, else double, up to `max`. Both replays (JSON and table) use it for every page
+/// after the first, the first page's cut included.
+pub(super) fn next_page_events(requested: usize, max: usize, got: usize, more: bool) -> usize {
+    if more && got < requested {
+        got.saturating_add(1).min(max)
     } else {
         requested.saturating_mul(2).min(max)
     }
@@ -639,30 +644,16 @@ impl Drop for ProgressGauges {
 mod tests {
     use super::*;
 
-    fn page(events: usize, more: bool) -> Page {
-        let events = (0..events)
-            .map(|n| RecordedEvent {
-                event_id: uuid::Uuid::now_v7(),
-                stream_id: StreamId::new_v7(),
-                version: n as u64 + 1,
-                event_type: "Numbered".to_owned(),
-                payload: serde_json::json!(n),
-                recorded_at: time::OffsetDateTime::UNIX_EPOCH,
-            })
-            .collect();
-        Page { events, more }
-    }
-
     #[test]
     fn a_page_cut_by_its_bytes_makes_the_next_ask_for_one_more_and_full_pages_double_back() {
         // Asked for 100, got 3 with more after them: the bytes cut it.
-        assert_eq!(next_page_events(100, 100, &page(3, true)), 4);
+        assert_eq!(next_page_events(100, 100, 3, true), 4);
         // Full by its count: double, up to the configured page.
-        assert_eq!(next_page_events(4, 100, &page(4, true)), 8);
-        assert_eq!(next_page_events(64, 100, &page(64, true)), 100);
-        assert_eq!(next_page_events(100, 100, &page(100, true)), 100);
+        assert_eq!(next_page_events(4, 100, 4, true), 8);
+        assert_eq!(next_page_events(64, 100, 64, true), 100);
+        assert_eq!(next_page_events(100, 100, 100, true), 100);
         // The last page: nothing follows, whatever is asked next is never used.
-        assert_eq!(next_page_events(100, 100, &page(7, false)), 100);
+        assert_eq!(next_page_events(100, 100, 7, false), 100);
     }
 
     #[test]

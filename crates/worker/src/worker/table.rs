@@ -28,7 +28,7 @@ use lockstep_core::{
 use tokio_util::sync::CancellationToken;
 
 use super::pair::Normal;
-use super::rewind::{PairError, Rewind, lease_lost};
+use super::rewind::{PairError, Rewind, lease_lost, next_page_events};
 use super::{PairOutcome, PerspectiveWorker, SkipReason};
 use crate::lease::HeldLease;
 use crate::telemetry::{self, count};
@@ -330,9 +330,14 @@ where
         };
         // A snapshot of the pair from when it was a JSON perspective: a table perspective
         // replays from the start whatever snapshots exist, so its first page is read again.
+        // After a page cut by its bytes, the next asks for one event more than it held
+        // (`next_page_events`, as the JSON replay does).
+        let mut limits = page;
         let (mut events, mut more) = if loaded.snapshot.is_some() {
             (Vec::new(), true)
         } else {
+            limits.events =
+                next_page_events(page.events, page.events, loaded.events.len(), loaded.more);
             (loaded.events, loaded.more)
         };
         reset_in(&**p, tx, stream_id)
@@ -361,9 +366,11 @@ where
             }
             let next = self
                 .store
-                .rewind_events(tx, &pair, after, page)
+                .rewind_events(tx, &pair, after, limits)
                 .await
                 .map_err(|e| PairError::new(failures, e))?;
+            limits.events =
+                next_page_events(limits.events, page.events, next.events.len(), next.more);
             if next.events.is_empty() && next.more {
                 return Err(PairError::new(
                     failures,
