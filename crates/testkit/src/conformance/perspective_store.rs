@@ -3654,7 +3654,9 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
 /// follow, `rewind_events` the page after a given event — at most the page's events, within its
 /// bytes but the first event always, never the pair's skipped events, and `more` false on the
 /// last page even when it is exactly full. Pages read one after another give the stream's
-/// events, in order, each once. A page limit of 0 is refused before anything is read.
+/// events, in order, each once — also after a snapshot, whose first page starts after it. The
+/// page after a skipped event, or after an id that is not in the stream, starts at the next
+/// event. A page limit of 0 is refused before anything is read.
 pub async fn a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes<
     F: PerspectiveStoreFixture,
 >(
@@ -3758,6 +3760,27 @@ pub async fn a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes<
         (0, false),
         "nothing after the last event"
     );
+    // After the skipped event itself, and after an id between two events of the stream.
+    let after_skipped = store
+        .rewind_events(&tx, &pair, Some(ids[3]), page)
+        .await
+        .expect("page");
+    assert_eq!(
+        (event_ids(&after_skipped.events), after_skipped.more),
+        (ids[4..6].to_vec(), true),
+        "after the skipped event"
+    );
+    let between = Uuid::from_u128(ids[4].as_u128() + 1);
+    assert!(between < ids[5], "ids are far apart");
+    let after_unknown = store
+        .rewind_events(&tx, &pair, Some(between), page)
+        .await
+        .expect("page");
+    assert_eq!(
+        (event_ids(&after_unknown.events), after_unknown.more),
+        (ids[5..7].to_vec(), true),
+        "after an id that is not in the stream"
+    );
 
     // A page of no events is refused.
     let mut bad = PageLimits::default();
@@ -3775,6 +3798,47 @@ pub async fn a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes<
     assert_eq!(
         PageLimits::new(1, 0).expect_err("0 bytes").kind(),
         ErrorKind::InvalidInput
+    );
+    rollback(tx).await;
+
+    // After a snapshot: a second stream, a snapshot at its third event, a rewind from its
+    // fifth. The first page starts after the snapshot; the next after the first's last event.
+    let ids = self::ids(8);
+    let stream = stream_with(&*fixture, &ids).await;
+    let pair = lockstep_core::Pair::new(stream, p.clone());
+    apply(&*fixture, stream, &p, 3, true).await;
+    apply(&*fixture, stream, &p, 8, false).await;
+    let tx = begin(fixture.source()).await;
+    assert!(
+        store
+            .request_rewind(&tx, &pair, Some(ids[4]))
+            .await
+            .expect("request_rewind")
+    );
+    commit(tx).await.expect("commit");
+    let tx = begin(fixture.source()).await;
+    let page = PageLimits::new(3, roomy).expect("page limits");
+    let first = store
+        .load_rewind(&tx, &pair, page)
+        .await
+        .expect("load_rewind")
+        .expect("a cursor");
+    assert_eq!(
+        first.snapshot.as_ref().map(|s| s.event_id),
+        Some(ids[2]),
+        "the snapshot before the trigger"
+    );
+    assert_eq!(
+        (event_ids(&first.events), first.more),
+        (ids[3..6].to_vec(), true)
+    );
+    let next = store
+        .rewind_events(&tx, &pair, Some(ids[5]), page)
+        .await
+        .expect("page");
+    assert_eq!(
+        (event_ids(&next.events), next.more),
+        (ids[6..8].to_vec(), false)
     );
     rollback(tx).await;
 }
