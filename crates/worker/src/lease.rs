@@ -91,7 +91,8 @@ struct Shared {
     instance: InstanceId,
     entries: Mutex<HashMap<u64, Entry>>,
     next: std::sync::atomic::AtomicU64,
-    /// Renews sent by the keeper (one per interval with leases held); for tests and benchmarks.
+    /// Renews sent by the keeper (one per interval with leases held, more after a failed one);
+    /// for tests and benchmarks.
     renew_calls: std::sync::atomic::AtomicU64,
     stop: CancellationToken,
     /// Woken when a lease is tracked: its deadline may be earlier than the one being waited for.
@@ -157,8 +158,8 @@ impl Shared {
 }
 
 /// Keeps an instance's stream leases alive: one background task renewing every lease it holds
-/// once per keepalive interval. Cheap to clone; the task stops when the last clone is dropped
-/// or [`LeaseKeeper::shutdown`] is called.
+/// once per keepalive interval (a failed renew is tried again sooner). Cheap to clone; the
+/// task stops when the last clone is dropped or [`LeaseKeeper::shutdown`] is called.
 #[derive(Debug, Clone)]
 pub struct LeaseKeeper {
     shared: Arc<Shared>,
@@ -400,12 +401,18 @@ impl LeaseKeeper {
 
 /// The keepalive loop: renew every lease kept alive once per interval, and fire the lost signal
 /// of every lease that was refused or whose local deadline passed — the deadlines on a timer of
-/// their own ([`watch_deadlines`]) while sleeping and while a renew is in flight.
+/// their own ([`watch_deadlines`]) while sleeping and while a renew is in flight. A renew that
+/// fails (an error, not a stall) is tried again soon ([`RENEW_RETRY_DIVISOR`]), until one is
+/// confirmed or the deadline passes, so that a lease survives a failed renew: without the
+/// retry, the next renew came an interval later, at or after the deadline at the default 3:1
+/// ratio (`keepalive_interval < lock_timeout / 2` leaves more than one interval of slack).
 async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
     let Some(tracked) = shared.upgrade().map(|s| Arc::clone(&s.tracked)) else {
         return;
     };
     let mut due = Instant::now();
+    // When the last renew failed: when to try again, sooner than the next interval.
+    let mut retry: Option<Instant> = None;
     loop {
         let interval = match shared.upgrade() {
             Some(s) => s.locker.options().keepalive_interval(),
@@ -415,7 +422,11 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
         // so a slow renew does not eat into the slack of the next (a renew confirmed after its
         // lease's deadline no longer counts). The renew is bounded by the interval, so it has
         // ended by then; if it is late anyway (a busy runtime), the next renew goes now, once.
-        let next = due.checked_add(interval).map(|at| at.max(Instant::now()));
+        // After a failed renew, the retry's time; the fixed rate goes on from it.
+        let next = match retry.take() {
+            Some(at) => Some(at.max(Instant::now())),
+            None => due.checked_add(interval).map(|at| at.max(Instant::now())),
+        };
         let sleep = async {
             match next {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -501,7 +512,16 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
                 }
             }
             Ok(Err(err)) => {
-                tracing::warn!(error = %err, leases = ids.len(), "keepalive renew failed");
+                tracing::warn!(error = %err, leases = ids.len(), "keepalive renew failed; trying again soon");
+                let now = Instant::now();
+                // A quarter interval, or half the time left to the earliest deadline if that is
+                // sooner (options close to `keepalive < timeout / 2` leave little slack).
+                let soon = interval / RENEW_RETRY_DIVISOR;
+                let pause = shared
+                    .earliest_deadline()
+                    .map_or(soon, |d| soon.min(d.saturating_duration_since(now) / 2))
+                    .max(MIN_RENEW_RETRY);
+                retry = now.checked_add(pause);
             }
             Err(_) => {
                 tracing::warn!(leases = ids.len(), "keepalive renew timed out");
@@ -524,6 +544,14 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
         }
     }
 }
+
+/// A failed renew is tried again after this fraction of the keepalive interval (a quarter), or
+/// after half the time left to the earliest deadline if that is sooner: a few tries in the
+/// slack the deadline leaves, without hammering a database that is failing.
+const RENEW_RETRY_DIVISOR: u32 = 4;
+
+/// The shortest pause before a failed renew is tried again.
+const MIN_RENEW_RETRY: Duration = Duration::from_millis(1);
 
 /// Runs `work` to its end while firing the lost signal of every kept lease whose deadline
 /// passes meanwhile. `None` when the keeper stops (or is gone) first.

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, InstanceId, LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
-    Result, StreamId, StreamLockOptions, StreamLocker, async_trait,
+    AcquireOutcome, ErrorKind, InstanceId, LeaseId, LockReason, PerspectiveName, ReleaseOutcome,
+    RenewOutcome, Result, StreamId, StreamLockOptions, StreamLocker, async_trait,
 };
-use lockstep_testkit::InMemoryStreamLocker;
+use lockstep_testkit::{FaultyStreamLocker, InMemoryStreamLocker};
 use lockstep_worker::{HeldLease, LeaseKeeper, Leased};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -403,5 +403,44 @@ async fn renews_that_take_most_of_an_interval_keep_the_lease_at_the_default_rati
             .iter()
             .filter_map(|c| c.confirmed.as_ref())
             .all(|(_, o)| o.iter().all(|o| o.is_renewed()))
+    );
+}
+
+/// A renew that fails (an error, not a stall) is tried again soon, so the lease survives it, as
+/// the options promise ("a lease survives one missed renew"). At the default 3:1 ratio the
+/// next regular renew is due exactly at the deadline: before the retry, one failed renew lost
+/// every lease the instance held. Afterwards the keepalive goes back to one call per interval.
+#[tokio::test(start_paused = true)]
+async fn a_lease_survives_a_renew_that_fails_and_is_tried_again_soon() {
+    let options = StreamLockOptions::new(ms(1200), ms(400)).expect("options");
+    let db = InMemoryStreamLocker::new(options);
+    let (faulty, faults) = FaultyStreamLocker::new(db.clone());
+    let keeper = LeaseKeeper::start(Arc::new(faulty), InstanceId::random());
+    let name = PerspectiveName::new("Orders").expect("name");
+    let stream = StreamId::new_v7();
+    db.create_cursor(stream, &name);
+    let lease = match keeper
+        .try_acquire(stream, &name, &LockReason::Rewind)
+        .await
+        .expect("try_acquire")
+    {
+        Leased::Acquired(lease) => lease,
+        other => panic!("a fresh cursor was not leased: {other:?}"),
+    };
+    // The deadline is 800 ms after the acquire; the renew at 400 ms fails, the next regular
+    // one would come at 800 ms.
+    faults.fail_next_renews(1, ErrorKind::ConnectionLost);
+    sleep(ms(3000)).await;
+    assert!(!lease.lost().is_cancelled(), "lost to one failed renew");
+    let other = db
+        .try_acquire(stream, &name, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire");
+    assert!(!other.is_acquired(), "still held: {other:?}");
+    // 3 000 ms: 7 renews at one per interval, plus the one that failed.
+    assert_eq!(keeper.renew_calls(), 8);
+    assert_eq!(
+        lease.release().await.expect("release"),
+        ReleaseOutcome::Released
     );
 }
