@@ -251,6 +251,68 @@ async fn a_failure_outside_apply_is_stored_on_the_pair() {
     assert_eq!(failures, 1);
 }
 
+/// An event whose stored payload does not decode (appended through the SQL function, which
+/// `jsonb` accepts and `serde_json` cannot read: a number out of range) fails its own pair at
+/// that event. Before, it failed every claim of the perspective, and no pair got further. Now
+/// the events before it are applied, the failure is stored on the cursor at that event, and
+/// the other pairs go on. An operator's skip lets the pair go on too. (Found in review: the
+/// fakes cannot hold such a payload, so this is Postgres only.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_that_cannot_be_read_fails_its_pair_not_the_claim() {
+    let s = setup(WorkerOptions::default()).await;
+    let (bad, good) = (StreamId::new_v7(), StreamId::new_v7());
+    s.numbers(bad, [1]).await;
+    let client = s.db.connect().await;
+    let unreadable = lockstep_core::Uuid::now_v7();
+    client
+        .execute(
+            "SELECT lockstep_append_events($1, NULL, ARRAY[$2::uuid], ARRAY['Numbered'], \
+             ARRAY['{\"n\": 1e400}'::jsonb])",
+            &[&bad.as_uuid(), &unreadable],
+        )
+        .await
+        .expect("an append through SQL");
+    s.numbers(bad, [3]).await;
+    s.numbers(good, [10, 20]).await;
+    let report = s.worker.run_once().await;
+    assert!(
+        report.errors.is_empty(),
+        "not a cycle error: {:?}",
+        report.errors
+    );
+    assert_eq!(report.failed, 1, "{report:?}");
+    assert_eq!(s.state(good).await, Some(vec![10, 20]), "the other pair");
+    assert_eq!(s.state(bad).await, Some(vec![1]), "the event before it");
+    let row = client
+        .query_one(
+            "SELECT error, failures, failed_event_id FROM wh_perspective_cursors \
+              WHERE stream_id = $1 AND perspective_name = $2",
+            &[&bad.as_uuid(), &NUMBERS],
+        )
+        .await
+        .expect("cursor");
+    let (error, failures, at): (Option<String>, i32, Option<lockstep_core::Uuid>) =
+        (row.get(0), row.get(1), row.get(2));
+    assert_eq!((failures, at), (1, Some(unreadable)), "{error:?}");
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.contains(&format!("event {unreadable} could not be read"))),
+        "{error:?}"
+    );
+    use lockstep_core::PerspectiveStore as _;
+    let tx = PgTransaction::begin(&s.pool).await.expect("begin");
+    assert!(
+        PgPerspectiveStore::new()
+            .skip_event(&tx, &Pair::new(bad, numbers_name()), unreadable, "test")
+            .await
+            .expect("skip_event")
+    );
+    tx.commit().await.expect("commit");
+    s.drain().await;
+    assert_eq!(s.state(bad).await, Some(vec![1, 3]), "on after the skip");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
     let s = setup(WorkerOptions::default().with_rewind_debounce(Duration::from_millis(200))).await;

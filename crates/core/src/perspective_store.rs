@@ -395,6 +395,23 @@ pub enum ClaimedWork {
     /// The pair needs a rewind (the request may have been written by this claim: commit the
     /// transaction to keep it). Run the rewind path after the transaction ends.
     Rewind,
+    /// Pending events after the cursor of which one, `event_id`, could not be read (its stored
+    /// payload does not decode — a number out of range, nesting too deep — written by SQL
+    /// that bypassed the event store's checks): `events` are the pending events before it, in
+    /// event-id order (possibly none). The pair fails at `event_id`, as if `apply` had failed
+    /// on it: the events before it are applied and committed with the failure, which is stored
+    /// on the cursor, backed off and parked like any other, so that an operator can skip the
+    /// event. The other pairs of the batch are not affected.
+    Unreadable {
+        /// The current state (`None`: nothing applied yet).
+        state: Option<serde_json::Value>,
+        /// The events before the unreadable one.
+        events: Vec<RecordedEvent>,
+        /// The event that could not be read.
+        event_id: Uuid,
+        /// Why it could not be read.
+        error: String,
+    },
 }
 
 /// One pair of a claimed batch.

@@ -33,6 +33,9 @@ struct Apply {
     /// byte bound leaves it out).
     walk_from: Option<StreamId>,
     events: Vec<RecordedEvent>,
+    /// The first of its work events that could not be read, and why: the pair is handed out
+    /// up to it ([`ClaimedWork::Unreadable`]).
+    unreadable: Option<(Uuid, String)>,
 }
 
 /// A claimed pair in claim order: a rewind (boxed: rare, and much larger than an index), or
@@ -133,6 +136,7 @@ pub(super) async fn claim<T: PgTransactionRef>(
                     state_bytes: row.try_get(BATCH_WORK_AT + 1).map_err(decode_error)?,
                     walk_from: walk_from.map(StreamId::from_uuid),
                     events: Vec::new(),
+                    unreadable: None,
                 });
             }
             other => return Err(unexpected(&format!("a row of unknown kind {other:?}"))),
@@ -160,7 +164,7 @@ pub(super) async fn claim<T: PgTransactionRef>(
                 .and_then(Option::take)
                 .ok_or_else(|| unexpected("a pair twice"))?,
         };
-        if apply.events.is_empty() {
+        if apply.events.is_empty() && apply.unreadable.is_none() {
             if let Some(at) = positions
                 .iter()
                 .position(|(p, _)| *p == apply.cursor.perspective)
@@ -171,20 +175,28 @@ pub(super) async fn claim<T: PgTransactionRef>(
             }
             continue;
         }
-        batch.pairs.push(ClaimedPair::new(
-            apply.cursor,
-            ClaimedWork::Apply {
+        let work = match apply.unreadable {
+            Some((event_id, error)) => ClaimedWork::Unreadable {
+                state: apply.state,
+                events: apply.events,
+                event_id,
+                error,
+            },
+            None => ClaimedWork::Apply {
                 state: apply.state,
                 events: apply.events,
             },
-        ));
+        };
+        batch.pairs.push(ClaimedPair::new(apply.cursor, work));
     }
     batch.positions = positions;
     Ok(batch)
 }
 /// Reads the events of the pairs to apply (`CLAIM_EVENTS`) and keeps, per pair, the events
 /// that are its work, in order, up to the first that did not come (the byte bound stopped
-/// the batch there; a pair with none is left out by the caller).
+/// the batch there; a pair with none is left out by the caller) or could not be read (the
+/// pair is then handed out up to it, [`ClaimedWork::Unreadable`]: one bad row fails its pair,
+/// not the claim).
 async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: i64) -> Result<()> {
     let mut streams = Vec::with_capacity(applies.len());
     let mut first = Vec::with_capacity(applies.len());
@@ -224,10 +236,26 @@ async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: 
             .filter(|i| *i < applies.len())
             .ok_or_else(|| unexpected("an event of a pair that was not claimed"))?;
         let apply = &mut applies[i];
-        let event = crate::decode(row, 1, apply.cursor.stream_id)?;
         if stopped[i] {
             continue;
         }
+        let event = match crate::decode(row, 1, apply.cursor.stream_id) {
+            Ok(event) => event,
+            Err(err) => {
+                // The id is read on its own: only the payload (or another column) is bad.
+                let id: Uuid = row.try_get(1).map_err(decode_error)?;
+                match apply.work.get(matched[i]) {
+                    Some(next) if *next == id => {
+                        apply.unreadable = Some((id, unreadable_message(id, &err)));
+                        stopped[i] = true;
+                    }
+                    // Not the pair's work (skipped, or enqueued after the claim).
+                    Some(next) if *next > id => {}
+                    _ => stopped[i] = true,
+                }
+                continue;
+            }
+        };
         match apply.work.get(matched[i]) {
             Some(id) if *id == event.event_id => {
                 matched[i] += 1;
@@ -240,6 +268,19 @@ async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: 
         }
     }
     Ok(())
+}
+
+/// What is stored on the cursor for an event that could not be read: the error with its
+/// causes (the driver's decoding error says what is wrong with the payload).
+fn unreadable_message(id: Uuid, err: &Error) -> String {
+    let mut message = format!("event {id} could not be read: {err}");
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
 }
 
 fn pair_cursor(

@@ -61,6 +61,8 @@ struct TableWork<Tx> {
     perspective: Arc<dyn DynTablePerspective<Tx>>,
     /// The pair's in-process apply lock, held until the batch's transaction has ended.
     guard: PairGuard,
+    /// As [`Work::unreadable`].
+    unreadable: Option<(Uuid, String)>,
 }
 
 /// A claimed pair on its way through the batch.
@@ -71,6 +73,9 @@ struct Work {
     state: Option<serde_json::Value>,
     /// The pair's in-process apply lock, held until the batch's transaction has ended.
     guard: Option<PairGuard>,
+    /// The event after `events` that could not be read, and why ([`ClaimedWork::Unreadable`]):
+    /// the pair fails at it once `events` are folded.
+    unreadable: Option<(Uuid, String)>,
 }
 
 impl<S, P> PerspectiveWorker<S, P>
@@ -188,16 +193,21 @@ where
                 report.add(&pair, outcome);
                 return Ok(());
             }
+            // An unreadable event after the applied ones fails the pair at it, with them.
+            let committed = !table.events.is_empty();
+            let failure = table.unreadable.map(|(event_id, error)| {
+                self.pair_failure(&table.cursor, committed, error, Some(event_id))
+            });
             applied.push(Applied {
-                from_apply: true,
+                from_apply: failure.is_none(),
                 events: table.events.len(),
                 oldest: table.events.iter().map(|e| e.recorded_at).min(),
                 first_snapshot: false,
             });
             entries.push(BatchEntry::new(
                 table.cursor.pair(),
-                Some(super::table::table_commit(&table.cursor, &table.events)),
-                None,
+                committed.then(|| super::table::table_commit(&table.cursor, &table.events)),
+                failure,
             ));
         }
         let committed = async {
@@ -243,34 +253,26 @@ where
         let mut rewinds = Vec::new();
         for claimed in pairs {
             let cursor = claimed.cursor;
-            match claimed.work {
-                ClaimedWork::Apply { state, events } => {
-                    let perspective = match self.kind(&cursor.perspective) {
-                        Some(Kind::Json(p)) => p,
-                        Some(Kind::Table(perspective)) => {
-                            let Some(guard) = self
-                                .coordinator
-                                .try_lock(cursor.stream_id, &cursor.perspective)
-                            else {
-                                report.pairs += 1;
-                                report.skipped += 1;
-                                continue;
-                            };
-                            tables.push(TableWork {
-                                cursor,
-                                events,
-                                perspective,
-                                guard,
-                            });
-                            continue;
-                        }
-                        // Only this worker's perspectives are asked for.
-                        None => {
-                            report.pairs += 1;
-                            report.skipped += 1;
-                            continue;
-                        }
-                    };
+            let (state, events, unreadable) = match claimed.work {
+                ClaimedWork::Apply { state, events } => (state, events, None),
+                ClaimedWork::Unreadable {
+                    state,
+                    events,
+                    event_id,
+                    error,
+                } => (state, events, Some((event_id, error))),
+                ClaimedWork::Rewind => {
+                    rewinds.push(cursor);
+                    continue;
+                }
+                _ => {
+                    report.skipped += 1;
+                    continue;
+                }
+            };
+            let perspective = match self.kind(&cursor.perspective) {
+                Some(Kind::Json(p)) => p,
+                Some(Kind::Table(perspective)) => {
                     let Some(guard) = self
                         .coordinator
                         .try_lock(cursor.stream_id, &cursor.perspective)
@@ -279,17 +281,38 @@ where
                         report.skipped += 1;
                         continue;
                     };
-                    work.push(Work {
+                    tables.push(TableWork {
                         cursor,
                         events,
                         perspective,
-                        state,
-                        guard: Some(guard),
+                        guard,
+                        unreadable,
                     });
+                    continue;
                 }
-                ClaimedWork::Rewind => rewinds.push(cursor),
-                _ => report.skipped += 1,
-            }
+                // Only this worker's perspectives are asked for.
+                None => {
+                    report.pairs += 1;
+                    report.skipped += 1;
+                    continue;
+                }
+            };
+            let Some(guard) = self
+                .coordinator
+                .try_lock(cursor.stream_id, &cursor.perspective)
+            else {
+                report.pairs += 1;
+                report.skipped += 1;
+                continue;
+            };
+            work.push(Work {
+                cursor,
+                events,
+                perspective,
+                state,
+                guard: Some(guard),
+                unreadable,
+            });
         }
         (work, tables, rewinds)
     }
@@ -311,7 +334,7 @@ where
                     prefix,
                     error,
                     event_id,
-                } => (prefix, Some((error, event_id, true))),
+                } => (prefix, Some((error, event_id, work.unreadable.is_none()))),
                 Folded::Stopped => {
                     report.pairs += 1;
                     report.skipped += 1;
@@ -341,17 +364,7 @@ where
                 commit_of.map(|(state, n)| self.state_commit(cursor, state, &work.events[..n]));
             let from_apply = failure.as_ref().is_some_and(|f| f.2);
             let failure = failure.map(|(error, event_id, _)| {
-                // A commit clears the failure count: the pair made progress, and this is its
-                // first failure at the new position.
-                let failures = if commit.is_some() {
-                    1
-                } else {
-                    cursor.failures.saturating_add(1)
-                };
-                PairFailure::new(error)
-                    .at_event(event_id)
-                    .retry_after(self.options.backoff(failures))
-                    .park(self.options.parks_after(failures))
+                self.pair_failure(cursor, commit.is_some(), error, event_id)
             });
             applied.push(Applied {
                 from_apply,
@@ -362,6 +375,27 @@ where
             entries.push(BatchEntry::new(cursor.pair(), commit, failure));
         }
         (entries, applied)
+    }
+
+    /// A pair's failure at `event_id`, backed off and parked by its count: a commit in the same
+    /// entry (`committed`) clears the count — the pair made progress, and this is its first
+    /// failure at the new position.
+    fn pair_failure(
+        &self,
+        cursor: &Cursor,
+        committed: bool,
+        error: String,
+        event_id: Option<Uuid>,
+    ) -> PairFailure {
+        let failures = if committed {
+            1
+        } else {
+            cursor.failures.saturating_add(1)
+        };
+        PairFailure::new(error)
+            .at_event(event_id)
+            .retry_after(self.options.backoff(failures))
+            .park(self.options.parks_after(failures))
     }
 
     fn state_commit(
@@ -513,6 +547,15 @@ async fn fold_off_runtime(work: Vec<Work>) -> Vec<(Work, Folded)> {
         work.into_iter()
             .map(|mut w| {
                 let folded = fold(&*w.perspective, w.state.take(), &w.events, &go_on);
+                // The events before an unreadable one folded: the pair fails at it with them.
+                let folded = match (folded, &w.unreadable) {
+                    (Folded::All(state), Some((event_id, error))) => Folded::Failed {
+                        prefix: (!w.events.is_empty()).then_some((state, w.events.len())),
+                        error: error.clone(),
+                        event_id: Some(*event_id),
+                    },
+                    (folded, _) => folded,
+                };
                 (w, folded)
             })
             .collect::<Vec<_>>()
