@@ -361,3 +361,58 @@ async fn a_failing_statement_fails_its_pair_alone_and_keeps_its_earlier_rows() {
     assert!(error.contains("check constraint"), "{error}");
     assert!(cursor.retry_at.is_some(), "backed off");
 }
+
+/// An event whose stored payload does not decode (appended through the SQL function: `jsonb`
+/// keeps a number out of range that `serde_json` cannot read) fails its table pair at that
+/// event. The rows of the events before it are written and committed, the failure is stored
+/// on the cursor at that event and backed off, and the other pairs of the batch are written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_that_cannot_be_read_fails_its_table_pair_at_it() {
+    let db = test_database().await;
+    let pool = db.pool(6);
+    setup(&pool).await;
+    let worker = Arc::new(worker(&pool));
+    worker.register().await.expect("register");
+    let (bad, good) = (StreamId::new_v7(), StreamId::new_v7());
+    append(&pool, bad, numbers(&[7, 8])).await;
+    let unreadable = Uuid::now_v7();
+    pool.get()
+        .await
+        .expect("connection")
+        .execute(
+            "SELECT lockstep_append_events($1, NULL, ARRAY[$2::uuid], ARRAY['Numbered'], \
+             ARRAY['{\"n\": 1e400}'::jsonb])",
+            &[&bad.as_uuid(), &unreadable],
+        )
+        .await
+        .expect("an append through SQL");
+    append(&pool, bad, numbers(&[9])).await;
+    append(&pool, good, numbers(&[1, 2])).await;
+    let cycles = Arc::clone(&worker);
+    let report = tokio::spawn(async move { cycles.run_once().await })
+        .await
+        .expect("task");
+    assert!(
+        report.errors.is_empty(),
+        "not a cycle error: {:?}",
+        report.errors
+    );
+    assert_eq!(report.failed, 1, "{report:?}");
+    assert_eq!(seen(&pool, good).await, vec![1, 2], "the other pair");
+    assert_eq!(seen(&pool, bad).await, vec![7, 8], "the rows before it");
+    let source = PgDatabase::from_pool(pool.clone());
+    let tx = source.begin().await.expect("begin");
+    let cursor = PgPerspectiveStore::new()
+        .cursor(&tx, &Pair::new(bad, daily()))
+        .await
+        .expect("read")
+        .expect("cursor");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(
+        (cursor.applied_count, cursor.failed_event_id),
+        (2, Some(unreadable))
+    );
+    let error = cursor.error.expect("stored");
+    assert!(error.contains("could not be read"), "{error}");
+    assert!(cursor.retry_at.is_some(), "backed off");
+}
