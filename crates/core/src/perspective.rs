@@ -83,27 +83,48 @@ pub trait DynPerspective: Send + Sync {
     /// Applies `events` in order to `state` while `go_on()` says so, asking before each event:
     /// a long replay can then be stopped within one event (a lost lease, a shutdown). Returns
     /// how many events were applied; `state` is the fold of exactly those. On failure, names
-    /// the event that failed; `state` is left as it was before the call.
+    /// the event that failed; `state` is left as it was before the call — also when the
+    /// perspective's code panics (the worker catches the panic and folds again one event at a
+    /// time from that state to find the event to blame).
     ///
-    /// The default calls [`DynPerspective::apply_all`] one event at a time; the implementation
-    /// for every [`Perspective`] decodes and encodes the state once per call instead.
+    /// The default calls [`DynPerspective::apply_all`] one event at a time, and puts the state
+    /// back while unwinding from a panic in it; the implementation for every [`Perspective`]
+    /// decodes and encodes the state once per call instead (a panic leaves its copy behind).
     fn apply_while(
         &self,
         state: &mut serde_json::Value,
         events: &[RecordedEvent],
         go_on: &dyn Fn() -> bool,
     ) -> Result<usize, ApplyError> {
-        let before = state.clone();
+        let mut guard = RestoreUnlessDone {
+            before: Some(state.clone()),
+            state,
+        };
         for (applied, event) in events.iter().enumerate() {
             if !go_on() {
+                guard.before = None;
                 return Ok(applied);
             }
-            if let Err(err) = self.apply_all(state, std::slice::from_ref(event)) {
-                *state = before;
-                return Err(err);
-            }
+            // On an error the guard puts the state back as it goes, as it does on a panic.
+            self.apply_all(guard.state, std::slice::from_ref(event))?;
         }
+        guard.before = None;
         Ok(events.len())
+    }
+}
+
+/// Puts `before` back into `state` when dropped while still holding it: on an early return with
+/// an error, and while unwinding from a panic.
+struct RestoreUnlessDone<'a> {
+    state: &'a mut serde_json::Value,
+    before: Option<serde_json::Value>,
+}
+
+impl Drop for RestoreUnlessDone<'_> {
+    fn drop(&mut self) {
+        if let Some(before) = self.before.take() {
+            *self.state = before;
+        }
     }
 }
 
@@ -430,6 +451,57 @@ mod tests {
             p.apply_all(&mut wrong, &[event(1)]),
             Err(ApplyError::State { .. })
         ));
+    }
+
+    /// A perspective of its own that implements only `apply_all`, pushing into the state in
+    /// place and panicking on a negative number.
+    struct PushesInPlace;
+
+    impl DynPerspective for PushesInPlace {
+        fn name(&self) -> &str {
+            "PushesInPlace"
+        }
+
+        fn initial_state(&self) -> crate::Result<serde_json::Value> {
+            Ok(serde_json::json!([]))
+        }
+
+        fn apply_all(
+            &self,
+            state: &mut serde_json::Value,
+            events: &[RecordedEvent],
+        ) -> Result<(), ApplyError> {
+            for event in events {
+                if let Some(list) = state.as_array_mut() {
+                    list.push(event.payload.clone());
+                }
+                if event.payload.as_i64().is_some_and(|n| n < 0) {
+                    panic!("a negative number");
+                }
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_default_apply_while_leaves_the_state_as_it_was_when_apply_all_panics() {
+        let p: &dyn DynPerspective = &PushesInPlace;
+        let mut state = serde_json::json!([0]);
+        let events = [event(1), event(2), event(-3)];
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            p.apply_while(&mut state, &events, &|| true)
+        }));
+        assert!(caught.is_err(), "the panic went through");
+        assert_eq!(state, serde_json::json!([0]), "as it was before the call");
+        // Without a panic it applies, and stopping early keeps what was applied.
+        let applied = p
+            .apply_while(&mut state, &events[..2], &|| true)
+            .expect("applies");
+        assert_eq!((applied, &state), (2, &serde_json::json!([0, 1, 2])));
+        let stopped = p
+            .apply_while(&mut state, &events, &|| false)
+            .expect("stops");
+        assert_eq!((stopped, &state), (0, &serde_json::json!([0, 1, 2])));
     }
 
     #[test]
