@@ -441,17 +441,21 @@ where
         report
     }
 
-    /// Stores a pair's failure on its cursor, with its backoff (`retry_at`: every instance
-    /// waits it out) and, after `park_after_failures` in a row, parked.
+    /// Stores a pair's failure on its cursor, at `event_id` when the failing event is known
+    /// (what `perspectives parked` shows and `skip` skips; `None` clears it), with its backoff
+    /// (`retry_at`: every instance waits it out) and, after `park_after_failures` in a row,
+    /// parked.
     async fn fail(
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
         failures_before: u32,
         error: &str,
+        event_id: Option<Uuid>,
     ) -> Result<PairOutcome> {
         let failures = failures_before.saturating_add(1);
         let failure = PairFailure::new(error)
+            .at_event(event_id)
             .retry_after(self.options.backoff(failures))
             .park(self.options.parks_after(failures));
         let tx = self.source.begin().await?;

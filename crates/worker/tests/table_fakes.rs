@@ -243,6 +243,11 @@ async fn a_failing_event_fails_its_pair_alone_keeping_the_rows_before_it() {
         cursor.error
     );
     assert!(cursor.retry_at.is_some(), "backed off");
+    assert_eq!(
+        cursor.failed_event_id,
+        Some(ids[2]),
+        "the failing event is on record (what `perspectives parked` shows)"
+    );
 
     // The operator skips the poison: the rest is applied, once.
     let tx = world.db.begin_now();

@@ -509,6 +509,7 @@ where
                     &pair.perspective,
                     failures - 1,
                     &err.to_string(),
+                    None,
                 )
                 .await
             {

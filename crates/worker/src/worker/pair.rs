@@ -79,7 +79,10 @@ where
             Err(err) => {
                 count(telemetry::PAIR_FAILURES, name.as_str(), 1);
                 tracing::warn!(error = %err, "processing the pair failed; stored on its cursor");
-                match self.fail(stream_id, name, failures, &err.to_string()).await {
+                match self
+                    .fail(stream_id, name, failures, &err.to_string(), None)
+                    .await
+                {
                     Ok(outcome) => Ok(Normal::Done(outcome)),
                     Err(_) => Err(err),
                 }
@@ -113,7 +116,13 @@ where
             let _ = tx.rollback().await;
             count(telemetry::APPLY_FAILURES, name.as_str(), 1);
             return self
-                .fail(stream_id, name, cursor.failures, &err.to_string())
+                .fail(
+                    stream_id,
+                    name,
+                    cursor.failures,
+                    &err.to_string(),
+                    failed_event(&err),
+                )
                 .await
                 .map(Normal::Done);
         }
@@ -224,4 +233,13 @@ where
 pub(super) enum Normal {
     Done(PairOutcome),
     NeedsRewind,
+}
+
+/// The event an `apply` failure names, when it names one.
+fn failed_event(err: &lockstep_core::ApplyError) -> Option<uuid::Uuid> {
+    match err {
+        lockstep_core::ApplyError::Apply { event_id, .. } => Some(*event_id),
+        lockstep_core::ApplyError::Panicked { event_id, .. } => *event_id,
+        _ => None,
+    }
 }

@@ -154,7 +154,7 @@ where
                 }) => {
                     count(telemetry::REWIND_FAILURES, name.as_str(), 1);
                     tracing::warn!(error = %err, "rewind failed; the request stays and is retried");
-                    self.fail(stream_id, name, failures, &err).await
+                    self.fail(stream_id, name, failures, &err, None).await
                 }
             }
         }

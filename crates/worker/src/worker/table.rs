@@ -149,7 +149,13 @@ where
                 }
             };
             return self
-                .fail(stream_id, name, failures_before, &error.to_string())
+                .fail(
+                    stream_id,
+                    name,
+                    failures_before,
+                    &error.to_string(),
+                    events.get(applied.applied).map(|e| e.event_id),
+                )
                 .await
                 .map(Normal::Done);
         }
@@ -168,7 +174,7 @@ where
             Err(err) => {
                 count(telemetry::PAIR_FAILURES, name.as_str(), 1);
                 return match self
-                    .fail(stream_id, name, cursor.failures, &err.to_string())
+                    .fail(stream_id, name, cursor.failures, &err.to_string(), None)
                     .await
                 {
                     Ok(outcome) => Ok(Normal::Done(outcome)),
