@@ -349,10 +349,16 @@ impl LeaseKeeper {
         let entries: Vec<Entry> = self.shared.entries().drain().map(|(_, e)| e).collect();
         let mut released = 0;
         let mut first_error = None;
+        // All of them within one lock timeout: by then a lease not released has expired.
+        let until = Instant::now()
+            .checked_add(self.shared.locker.options().lock_timeout())
+            .unwrap_or_else(Instant::now);
         for entry in entries {
             entry.lost.cancel();
             // Every lease is tried, even after one failed: an error stops none of the others.
-            match self.shared.locker.release(&entry.id).await {
+            let release = tokio::time::timeout_at(until, self.shared.locker.release(&entry.id));
+            let outcome = release.await.unwrap_or_else(|_| Err(no_answer()));
+            match outcome {
                 Ok(ReleaseOutcome::Released) => released += 1,
                 Ok(ReleaseOutcome::NotHeld) => {}
                 Err(err) => {
@@ -545,6 +551,24 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
     }
 }
 
+/// A release, bounded by the lease's lock timeout: a release that has not answered by then
+/// (a row lock held by someone else, a connection gone silent) is abandoned — the lease has
+/// expired by then anyway — so that no caller, nor a worker's cycle, waits on it for ever.
+async fn bounded_release(locker: &dyn StreamLocker, id: &LeaseId) -> Result<ReleaseOutcome> {
+    let bound = locker.options().lock_timeout();
+    tokio::time::timeout(bound, locker.release(id))
+        .await
+        .unwrap_or_else(|_| Err(no_answer()))
+}
+
+/// The error of a release that got no answer within the lock timeout.
+fn no_answer() -> Error {
+    Error::new(
+        ErrorKind::ConnectionLost,
+        "the release got no answer within the lock timeout; the lease expires on its own",
+    )
+}
+
 /// A failed renew is tried again after this fraction of the keepalive interval (a quarter), or
 /// after half the time left to the earliest deadline if that is sooner: a few tries in the
 /// slack the deadline leaves, without hammering a database that is failing.
@@ -654,12 +678,18 @@ impl HeldLease {
     /// when a `HeldLease` is dropped, and [`LeaseKeeper::shutdown`] still releases it. If the
     /// release fails, it is tried once more in the background; if that fails too, the lease
     /// expires after the lock timeout.
+    ///
+    /// Bounded: a release that has not answered within the lock timeout (a row lock held by
+    /// another transaction, a connection gone silent) is abandoned with a retryable
+    /// [`ErrorKind::ConnectionLost`] — by then the lease has expired anyway — and so is the
+    /// background retry. [`LeaseKeeper::shutdown`] releases every lease within one lock
+    /// timeout in all.
     pub async fn release(mut self) -> Result<ReleaseOutcome> {
         // Not renewed any more, but still tracked until the statement has run.
         if let Some(entry) = self.shared.entries().get_mut(&self.key) {
             entry.releasing = true;
         }
-        let outcome = self.shared.locker.release(&self.lease.id).await;
+        let outcome = bounded_release(&*self.shared.locker, &self.lease.id).await;
         if outcome.is_ok() {
             self.released = true;
             self.shared.entries().remove(&self.key);
@@ -681,7 +711,7 @@ impl Drop for HeldLease {
         let (locker, id) = (Arc::clone(&self.shared.locker), self.lease.id.clone());
         let shared = Arc::downgrade(&self.shared);
         let task = async move {
-            match locker.release(&id).await {
+            match bounded_release(&*locker, &id).await {
                 Ok(ReleaseOutcome::Released) => {
                     if let Some(shared) = shared.upgrade() {
                         shared

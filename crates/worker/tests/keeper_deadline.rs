@@ -444,3 +444,48 @@ async fn a_lease_survives_a_renew_that_fails_and_is_tried_again_soon() {
         ReleaseOutcome::Released
     );
 }
+
+/// A release that never answers (a row lock held elsewhere, a connection gone silent) is
+/// abandoned after the lock timeout, with a retryable error: by then the lease has expired,
+/// and no caller (a rewind ending, a worker's cycle) waits on it for ever. Shutdown releases
+/// every lease within one lock timeout in all.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_never_answers_is_abandoned_after_the_lock_timeout() {
+    let options = StreamLockOptions::new(ms(1200), ms(400)).expect("options");
+    let db = InMemoryStreamLocker::new(options);
+    let (faulty, faults) = FaultyStreamLocker::new(db.clone());
+    let keeper = LeaseKeeper::start(Arc::new(faulty), InstanceId::random());
+    let name = PerspectiveName::new("Orders").expect("name");
+    let mut leases = Vec::new();
+    for _ in 0..3 {
+        let stream = StreamId::new_v7();
+        db.create_cursor(stream, &name);
+        match keeper
+            .try_acquire(stream, &name, &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+        {
+            Leased::Acquired(lease) => leases.push(lease),
+            other => panic!("a fresh cursor was not leased: {other:?}"),
+        }
+    }
+    // From now on every call to the locker hangs.
+    faults.set_latency(Duration::from_secs(3600));
+    let started = Instant::now();
+    let released = tokio::time::timeout(ms(2400), leases.remove(0).release())
+        .await
+        .expect("the release returned within twice the lock timeout");
+    let err = released.expect_err("no answer");
+    assert_eq!(err.kind(), ErrorKind::ConnectionLost, "{err:?}");
+    assert!(err.is_retryable());
+    assert_eq!(started.elapsed(), ms(1200), "abandoned at the lock timeout");
+    let started = Instant::now();
+    let shutdown = tokio::time::timeout(ms(3600), keeper.shutdown())
+        .await
+        .expect("shutdown returned");
+    assert!(shutdown.is_err(), "the releases failed: {shutdown:?}");
+    assert!(
+        started.elapsed() <= ms(2400),
+        "one lock timeout for the held leases, one for the background release"
+    );
+}
