@@ -113,6 +113,24 @@ pub fn number_event(n: i64) -> NewEvent {
     }
 }
 
+/// Appends to `stream`, through the SQL function as a writer outside Rust would, a `Numbered`
+/// event whose payload cannot be read back: `jsonb` keeps the number `1e400`, which
+/// `serde_json` refuses as out of range. Returns its id.
+pub async fn append_unreadable(
+    client: &impl tokio_postgres::GenericClient,
+    stream: lockstep_core::StreamId,
+) -> Result<Uuid, tokio_postgres::Error> {
+    let id = Uuid::now_v7();
+    client
+        .execute(
+            "SELECT lockstep_append_events($1, NULL, ARRAY[$2::uuid], ARRAY['Numbered'], \
+             ARRAY['{\"n\": 1e400}'::jsonb])",
+            &[&stream.as_uuid(), &id],
+        )
+        .await?;
+    Ok(id)
+}
+
 /// A UUIDv7 whose timestamp lies `ago` before now: it sorts before every id generated since,
 /// as the id of an imported or replicated event would.
 pub fn early_id(ago: Duration) -> Uuid {

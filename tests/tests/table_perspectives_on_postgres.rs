@@ -375,17 +375,11 @@ async fn an_event_that_cannot_be_read_fails_its_table_pair_at_it() {
     worker.register().await.expect("register");
     let (bad, good) = (StreamId::new_v7(), StreamId::new_v7());
     append(&pool, bad, numbers(&[7, 8])).await;
-    let unreadable = Uuid::now_v7();
-    pool.get()
-        .await
-        .expect("connection")
-        .execute(
-            "SELECT lockstep_append_events($1, NULL, ARRAY[$2::uuid], ARRAY['Numbered'], \
-             ARRAY['{\"n\": 1e400}'::jsonb])",
-            &[&bad.as_uuid(), &unreadable],
-        )
+    let client = pool.get().await.expect("connection");
+    let unreadable = lockstep_tests::append_unreadable(&**client, bad)
         .await
         .expect("an append through SQL");
+    drop(client);
     append(&pool, bad, numbers(&[9])).await;
     append(&pool, good, numbers(&[1, 2])).await;
     let cycles = Arc::clone(&worker);

@@ -263,13 +263,7 @@ async fn an_event_that_cannot_be_read_fails_its_pair_not_the_claim() {
     let (bad, good) = (StreamId::new_v7(), StreamId::new_v7());
     s.numbers(bad, [1]).await;
     let client = s.db.connect().await;
-    let unreadable = lockstep_core::Uuid::now_v7();
-    client
-        .execute(
-            "SELECT lockstep_append_events($1, NULL, ARRAY[$2::uuid], ARRAY['Numbered'], \
-             ARRAY['{\"n\": 1e400}'::jsonb])",
-            &[&bad.as_uuid(), &unreadable],
-        )
+    let unreadable = lockstep_tests::append_unreadable(&client, bad)
         .await
         .expect("an append through SQL");
     s.numbers(bad, [3]).await;

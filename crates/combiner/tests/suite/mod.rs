@@ -501,9 +501,17 @@ where
     tx.commit().await.expect("foreign commit");
 }
 
-/// A commit that conflicts (a writer outside the lock appended meanwhile) is retried: the batch
-/// is loaded again and every command re-decided on the new state.
-pub async fn a_conflicting_commit_is_retried_and_every_command_re_decided<B: Backend>(b: &B) {
+/// A batch about to conflict: 10 units stocked, a gated decision of tag 0 under way, tag 1
+/// (2 units) queued behind it, and `foreign` units reserved meanwhile by a writer outside the
+/// lock. Retries: 3 attempts, 1–5 ms apart.
+struct Conflicting {
+    shop: ShopHandle,
+    id: Uuid,
+    first: lockstep_combiner::Submission<Shop>,
+    second: lockstep_combiner::Submission<Shop>,
+}
+
+async fn conflicting<B: Backend>(b: &B, foreign: u32) -> Conflicting {
     let retry = RetryPolicy::new(
         std::num::NonZeroU32::new(3).expect("non-zero"),
         Duration::from_millis(1),
@@ -512,11 +520,30 @@ pub async fn a_conflicting_commit_is_retried_and_every_command_re_decided<B: Bac
     let (c, mut shop) = combiner(b, patient().retry(retry));
     let id = Uuid::now_v7();
     stocked(&c, id, 10).await;
-    let a = c.submit(id, gated(1, 0));
+    let first = c.submit(id, gated(1, 0));
     shop.entered(0).await;
-    let b_cmd = c.submit(id, reserve(2, 1));
+    let second = c.submit(id, reserve(2, 1));
     let (src, store) = b.process();
-    foreign_append(&src, &store, id, 1, 8).await;
+    foreign_append(&src, &store, id, 1, foreign).await;
+    // The batch task holds the combiner's state: the handle may go.
+    Conflicting {
+        shop,
+        id,
+        first,
+        second,
+    }
+}
+
+/// A commit that conflicts (a writer outside the lock appended meanwhile) is retried: the batch
+/// is loaded again and every command re-decided on the new state.
+pub async fn a_conflicting_commit_is_retried_and_every_command_re_decided<B: Backend>(b: &B) {
+    let Conflicting {
+        shop,
+        id,
+        first: a,
+        second: b_cmd,
+    } = conflicting(b, 8).await;
+    let (src, store) = b.process();
     shop.open();
     let a = a.await.expect("accepted on the second attempt");
     assert_eq!((a.attempts(), a.last_version()), (2, 3));
@@ -540,19 +567,13 @@ pub async fn a_conflicting_commit_is_retried_and_every_command_re_decided<B: Bac
 /// A submission dropped while its batch waits to be retried is left out of the retry: nothing
 /// of it was committed, and it is not decided again.
 pub async fn a_submission_dropped_before_a_retry_is_left_out_of_it<B: Backend>(b: &B) {
-    let retry = RetryPolicy::new(
-        std::num::NonZeroU32::new(3).expect("non-zero"),
-        Duration::from_millis(1),
-        Duration::from_millis(5),
-    );
-    let (c, mut shop) = combiner(b, patient().retry(retry));
-    let id = Uuid::now_v7();
-    stocked(&c, id, 10).await;
-    let a = c.submit(id, gated(1, 0));
-    shop.entered(0).await;
-    let dropped = c.submit(id, reserve(2, 1));
+    let Conflicting {
+        mut shop,
+        id,
+        first: a,
+        second: dropped,
+    } = conflicting(b, 3).await;
     let (src, store) = b.process();
-    foreign_append(&src, &store, id, 1, 3).await;
     // The first attempt decides 0 and 1 and conflicts; the retry waits at 0's gate.
     shop.let_one();
     shop.entered(0).await;

@@ -270,32 +270,11 @@ where
                     continue;
                 }
             };
-            let perspective = match self.kind(&cursor.perspective) {
-                Some(Kind::Json(p)) => p,
-                Some(Kind::Table(perspective)) => {
-                    let Some(guard) = self
-                        .coordinator
-                        .try_lock(cursor.stream_id, &cursor.perspective)
-                    else {
-                        report.pairs += 1;
-                        report.skipped += 1;
-                        continue;
-                    };
-                    tables.push(TableWork {
-                        cursor,
-                        events,
-                        perspective,
-                        guard,
-                        unreadable,
-                    });
-                    continue;
-                }
-                // Only this worker's perspectives are asked for.
-                None => {
-                    report.pairs += 1;
-                    report.skipped += 1;
-                    continue;
-                }
+            // Only this worker's perspectives are asked for.
+            let Some(kind) = self.kind(&cursor.perspective) else {
+                report.pairs += 1;
+                report.skipped += 1;
+                continue;
             };
             let Some(guard) = self
                 .coordinator
@@ -305,14 +284,23 @@ where
                 report.skipped += 1;
                 continue;
             };
-            work.push(Work {
-                cursor,
-                events,
-                perspective,
-                state,
-                guard: Some(guard),
-                unreadable,
-            });
+            match kind {
+                Kind::Json(perspective) => work.push(Work {
+                    cursor,
+                    events,
+                    perspective,
+                    state,
+                    guard: Some(guard),
+                    unreadable,
+                }),
+                Kind::Table(perspective) => tables.push(TableWork {
+                    cursor,
+                    events,
+                    perspective,
+                    guard,
+                    unreadable,
+                }),
+            }
         }
         (work, tables, rewinds)
     }
