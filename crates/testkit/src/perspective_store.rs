@@ -839,7 +839,9 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         };
 
         // Rewind requests first, oldest first: a request on a pair without pending work is
-        // in no work walk. Bounded by `pairs`, not by `scan`: only servable ones are looked at.
+        // in no work walk. Bounded by `pairs`, not by `scan`: only servable ones are looked at,
+        // and no more of them than the batch has room for pairs — one another claim holds is
+        // not replaced by the next (Postgres's `LIMIT` on the candidates, V20).
         let requested: Vec<Key> = {
             let now = self.now();
             let leased: HashSet<Key> = self
@@ -865,7 +867,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             found.sort();
             found.into_iter().map(|(_, key)| key).collect()
         };
-        for key in requested {
+        for key in requested.into_iter().take(limits.pairs) {
             if full(&batch, &budget) {
                 break;
             }

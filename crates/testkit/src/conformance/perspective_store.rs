@@ -3022,6 +3022,48 @@ pub async fn a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds<
     assert_eq!(rewinds, streams, "both requests, the one without work too");
 }
 
+/// Rewind requests are looked at oldest first, and no more of them than the batch has room for
+/// pairs (the claim's cost does not grow with requests it cannot serve): with room for one
+/// pair, a claim whose oldest request is held by another open claim claims no request — it
+/// does not go on to the next one, which a later claim gets.
+pub async fn a_claim_looks_at_no_more_rewind_requests_than_it_has_room_for<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("RequestRoom");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let older = stream_with(&*fixture, &ids(1)).await;
+    let younger = stream_with(&*fixture, &ids(1)).await;
+    apply(&*fixture, older, &p, ALL_EVENTS, false).await;
+    apply(&*fixture, younger, &p, ALL_EVENTS, false).await;
+    request(&*fixture, older, &p, None).await;
+    request(&*fixture, younger, &p, None).await;
+    let asked = from_start(std::slice::from_ref(&p));
+    let holder = begin(fixture.source()).await;
+    let held = claim_batch(&*fixture, &holder, asked.clone(), limits(1, 10, 100)).await;
+    assert_eq!(
+        work_of(&held),
+        [(older, p.clone(), None)],
+        "the older request first"
+    );
+    let other = begin(fixture.source()).await;
+    let batch = claim_batch(&*fixture, &other, asked.clone(), limits(1, 10, 100)).await;
+    assert!(
+        batch.pairs.is_empty(),
+        "one request looked at, and another claim holds it: {batch:?}"
+    );
+    rollback(other).await;
+    let batch = peek_batch(&*fixture, asked, limits(2, 10, 100)).await;
+    assert_eq!(
+        work_of(&batch),
+        [(younger, p.clone(), None)],
+        "with room for two, the younger one too"
+    );
+    rollback(holder).await;
+}
+
 /// `skip_event` skips a pending event for good: recorded with its reason, its work item gone,
 /// the pair retried (unparked, no backoff); it changes nothing for an event that is not
 /// pending. A purge keeps the skipped events, deleting the cursor deletes them.
@@ -4198,6 +4240,7 @@ macro_rules! __lockstep_perspective_store_cases {
             a_pair_failed_after_its_prefix_is_retried_at_the_failing_event,
             a_batch_entry_can_commit_its_prefix_and_park_its_pair,
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
+            a_claim_looks_at_no_more_rewind_requests_than_it_has_room_for,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
             perspective_status_counts_work_failures_backoff_and_parking,
             a_batch_of_plain_entries_commits_each_as_commit_state_would,
