@@ -730,6 +730,126 @@ async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
     panic!("600 events were not all committed in 60 cycles");
 }
 
+/// Folds numbers, taking 400 ms over a negative one: the one pair whose batch always outlives a
+/// short `idle_in_transaction_session_timeout`.
+struct SlowOnNegative;
+
+impl lockstep_core::Perspective for SlowOnNegative {
+    type State = Vec<i64>;
+    type Error = std::convert::Infallible;
+
+    fn name(&self) -> &str {
+        "SlowOnNegative"
+    }
+
+    fn apply(
+        &self,
+        state: &mut Vec<i64>,
+        event: &lockstep_core::RecordedEvent,
+    ) -> Result<(), Self::Error> {
+        let n = event.payload["n"].as_i64().unwrap_or(0);
+        if n < 0 {
+            std::thread::sleep(Duration::from_millis(400));
+        }
+        state.push(n);
+        Ok(())
+    }
+}
+
+/// A pair whose every batch fails as a whole after its claim (its fold outlives the server's
+/// idle timeout) is charged in the end, although the other pairs' batches keep committing in
+/// between. Before, their successes undid the shrink that its failures caused: the batch never
+/// got to the smallest size, where a failure is the pair's own, so the pair was never charged
+/// (no error on its cursor, no backoff) and its batch neighbours' work was rolled back with it
+/// on every walk of the queue. (Found in review.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pair_whose_batches_keep_failing_is_charged_while_other_work_commits() {
+    let db = test_database().await;
+    let client = db.connect().await;
+    let name: String = client
+        .query_one("SELECT current_database()", &[])
+        .await
+        .expect("name")
+        .get(0);
+    client
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{name}\" SET idle_in_transaction_session_timeout = '150ms'"
+        ))
+        .await
+        .expect("set the timeout");
+    let pool = db.pool(4);
+    lockstep_pg::migrate(&pool).await.expect("migrate");
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(SlowOnNegative).expect("register");
+    let worker = PerspectiveWorker::new(
+        PgDatabase::from_pool(pool.clone()),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default().with_pairs_per_cycle(4),
+        InstanceId::random(),
+        None,
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let store = PgEventStore::new(&PgDatabase::from_pool(pool.clone()));
+    let append = |stream: StreamId, numbers: Vec<i64>| {
+        let (pool, store) = (pool.clone(), store.clone());
+        async move {
+            let tx = PgTransaction::begin(&pool).await.expect("begin");
+            store
+                .append(
+                    &tx,
+                    stream,
+                    ExpectedVersion::Any,
+                    &numbers.into_iter().map(number_event).collect::<Vec<_>>(),
+                )
+                .await
+                .expect("append");
+            tx.commit().await.expect("commit");
+        }
+    };
+    let slow = StreamId::new_v7();
+    append(slow, vec![-1]).await;
+    let others: Vec<StreamId> = (0..12).map(|_| StreamId::new_v7()).collect();
+    let cursor = |stream: StreamId| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT failures, applied_count FROM wh_perspective_cursors \
+                      WHERE stream_id = $1",
+                    &[&stream.as_uuid()],
+                )
+                .await
+                .expect("cursor")
+        }
+    };
+    for cycle in 0..600 {
+        // Steady traffic: every other pair has work again each cycle, so batches without the
+        // slow pair keep committing between its failures.
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        for stream in &others {
+            store
+                .append(&tx, *stream, ExpectedVersion::Any, &[number_event(cycle)])
+                .await
+                .expect("append");
+        }
+        tx.commit().await.expect("commit");
+        let report = worker.run_once().await;
+        let failures: i32 = cursor(slow).await.get(0);
+        if failures > 0 {
+            assert!(report.failed >= 1, "{report:?}");
+            // The others were served meanwhile.
+            for stream in &others {
+                let applied: i64 = cursor(*stream).await.get(1);
+                assert!(applied > 0, "{stream} served by cycle {cycle}");
+            }
+            return;
+        }
+    }
+    panic!("the pair whose batches keep failing was never charged in 600 cycles");
+}
+
 /// The batch cycle the way an application runs it: the concrete worker moved into a spawned
 /// task (its futures must be `Send`), applying a batch there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -219,6 +219,10 @@ pub struct PerspectiveWorker<S: TransactionSource, P> {
     positions: Mutex<Vec<(PerspectiveName, Option<StreamId>)>>,
     /// How many times the batch limits are halved (after batches that failed as a whole).
     shrink: AtomicU32,
+    /// The pairs of batches that failed as a whole, and when, until each is in a batch that
+    /// commits, is charged with the failure, or has not been seen for [`batch::SUSPECT_FOR`]:
+    /// the limits grow back only once none is left ([`batch`]).
+    suspects: Mutex<std::collections::HashMap<Pair, std::time::Instant>>,
     /// How the instance names itself in the fleet.
     identity: InstanceIdentity,
     /// Events applied since the last catch-up report, and when that was ([`rate`]).
@@ -274,6 +278,7 @@ where
             keeper: locker.map(|l| LeaseKeeper::start(l, instance)),
             coordinator: ApplyCoordinator::new(options.coordinator_warn_after),
             shrink: AtomicU32::new(0),
+            suspects: Mutex::default(),
             identity: InstanceIdentity::detect(),
             applied: rate::Unreported::default(),
         })

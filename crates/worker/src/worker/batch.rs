@@ -39,6 +39,11 @@ use crate::telemetry::{self, count, observe};
 /// The deepest the batch shrinks: every limit halved this many times is 1.
 const MAX_SHRINK: u32 = 20;
 
+/// How long a pair of a batch that failed as a whole keeps the limits from growing back without
+/// being seen again (in a batch that commits or fails): long enough for a walk of the queue to
+/// come back to it, so that other pairs' successes cannot undo the shrink its own batch needs.
+pub(super) const SUSPECT_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// How folding one pair's events ended.
 enum Folded {
     /// Every event applied: the new state.
@@ -224,9 +229,7 @@ where
                 return Ok(());
             }
         };
-        let _ = self
-            .shrink
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| s.checked_sub(1));
+        self.batch_committed(&claimed);
         for ((entry, outcome), applied) in entries.iter().zip(outcomes).zip(applied) {
             self.report_entry(entry, outcome, applied, report).await;
         }
@@ -459,8 +462,33 @@ where
         }
     }
 
-    /// A batch whose commit failed after its claim: the next ones are smaller; at the smallest
-    /// size the failure is its pair's (stored, backed off, parked in the end).
+    /// A batch committed: its pairs are no longer suspects, and the limits grow back one step
+    /// once no suspect is left. While a pair of a failed batch has not committed again, other
+    /// pairs' successes do not undo the shrink: otherwise, under steady traffic, a pair whose
+    /// batch fails once per walk of the queue would never reach the smallest batch, where its
+    /// failure is its own — never charged, its neighbours' work rolled back with it each time.
+    fn batch_committed(&self, claimed: &[Pair]) {
+        let none_left = {
+            let mut suspects = self
+                .suspects
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for pair in claimed {
+                suspects.remove(pair);
+            }
+            suspects.retain(|_, since| since.elapsed() < SUSPECT_FOR);
+            suspects.is_empty()
+        };
+        if none_left {
+            let _ = self
+                .shrink
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| s.checked_sub(1));
+        }
+    }
+
+    /// A batch whose commit failed after its claim: the next ones are smaller, and its pairs
+    /// are suspects until they commit again; at the smallest size the failure is its pair's
+    /// (stored, backed off, parked in the end).
     async fn batch_failed(
         &self,
         claimed: &[Pair],
@@ -477,6 +505,21 @@ where
                 Some((s + 1).min(MAX_SHRINK))
             });
         tracing::warn!(error = %err, pairs = claimed.len(), smallest, "a batch failed after its claim; the next batches are smaller");
+        {
+            let mut suspects = self
+                .suspects
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let now = std::time::Instant::now();
+            for pair in claimed {
+                if smallest || err.kind() == ErrorKind::Conflict {
+                    // Charged below, or nobody's fault (another applier got there first).
+                    suspects.remove(pair);
+                } else {
+                    suspects.insert(pair.clone(), now);
+                }
+            }
+        }
         if !smallest || err.kind() == ErrorKind::Conflict {
             report.errors.push(format!(
                 "a batch of {} pairs failed after its claim (the next ones are smaller): {err}",
