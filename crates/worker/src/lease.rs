@@ -231,7 +231,8 @@ impl LeaseKeeper {
     /// A lease this instance already holds live is *re-entered* (the seed's idempotent
     /// re-acquire): both `HeldLease`s then name one lease, and the first release ends it for
     /// both. Inside one instance, serialize work on a pair (the worker's
-    /// [`crate::ApplyCoordinator`]) instead of relying on that.
+    /// [`crate::ApplyCoordinator`]) instead of relying on that; the worker treats a re-entered
+    /// lease as busy and leaves it to its holder ([`HeldLease::leave`]).
     pub async fn try_acquire(
         &self,
         stream_id: StreamId,
@@ -662,6 +663,16 @@ impl HeldLease {
         if let Some(entry) = self.shared.entries().get_mut(&self.key) {
             entry.releasing = true;
         }
+    }
+
+    /// Leaves a lease this instance joined rather than took ([`StreamLease::reentered`]:
+    /// another task of the instance holds it — another worker sharing the instance id, an
+    /// application's rebuild): stops tracking it here and releases nothing, so that its
+    /// holder keeps it. The worker does this with every re-entered lease: a pair whose lease
+    /// another task of the instance holds is busy.
+    pub fn leave(mut self) {
+        self.released = true;
+        self.shared.entries().remove(&self.key);
     }
 
     /// The protected work's commit released the lease and has committed: forget it, sending

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use lockstep_core::Transaction as _;
 use lockstep_core::{
-    Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective,
-    PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, RewindDebounce,
-    Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    AcquireOutcome, Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent,
+    Perspective, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result,
+    RewindDebounce, Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions,
+    StreamLocker,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, FaultyStreamLocker, InMemoryEventStore,
@@ -231,6 +232,59 @@ async fn only_claimed_events_are_completed_and_the_rest_stay_pending() {
     assert_eq!(outcome, PairOutcome::Applied { events: 3 });
     assert_eq!(world.pending(stream).await, ids[3..].to_vec());
     assert_eq!(world.state(stream), vec![1, 2, 3]);
+}
+
+/// A rewind lease another task of this instance holds (another worker sharing the instance id,
+/// an application's rebuild) is busy for the worker: its rewind is skipped and retried later,
+/// and the lease is left to its holder — not released under it. (Found in review: the worker
+/// went on with the rewind, and its release ended the other task's lease.)
+#[tokio::test(start_paused = true)]
+async fn a_rewind_lease_held_by_another_task_of_the_instance_is_busy_and_left_alone() {
+    let world = World::new();
+    let instance = InstanceId::random();
+    let worker = world.worker_with(instance, true, WorkerOptions::default());
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, [10, 20]).await;
+    drain(&worker).await;
+    let late = early_id(1);
+    world.append(stream, &[(late, serde_json::json!(5))]).await;
+    assert!(
+        worker
+            .request_rewind(stream, &fold(), Some(late))
+            .await
+            .expect("request_rewind")
+    );
+    // Another task of the instance takes the pair's lease first.
+    let held = match world
+        .locker
+        .try_acquire(stream, &fold(), instance, &LockReason::Rewind)
+        .await
+        .expect("try_acquire")
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        other => panic!("not acquired: {other:?}"),
+    };
+    let outcome = worker.rewind(stream, &fold()).await.expect("rewind");
+    assert_eq!(outcome, PairOutcome::Skipped(SkipReason::Busy));
+    let cursor = world.cursor(stream).await;
+    assert_eq!(
+        cursor.lease.epoch, held.id.epoch,
+        "the other task's lease is still there"
+    );
+    assert!(!cursor.lease.is_unlocked(), "not released under its holder");
+    assert_eq!(world.state(stream), vec![10, 20], "nothing replayed");
+    // Once the holder lets go, the rewind runs.
+    assert_eq!(
+        world.locker.release(&held.id).await.expect("release"),
+        lockstep_core::ReleaseOutcome::Released
+    );
+    let outcome = worker.rewind(stream, &fold()).await.expect("rewind");
+    assert!(
+        matches!(outcome, PairOutcome::Rewound { .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(world.state(stream), vec![5, 10, 20]);
 }
 
 #[tokio::test(start_paused = true)]

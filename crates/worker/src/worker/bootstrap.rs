@@ -29,6 +29,12 @@ where
                 .try_acquire(stream_id, name, &LockReason::Bootstrap)
                 .await
             {
+                // Joined, not taken (another task of this instance holds it): proceed without
+                // it, as when it is denied, and leave it to its holder.
+                Ok(Leased::Acquired(lease)) if lease.lease().reentered => {
+                    lease.leave();
+                    None
+                }
                 Ok(Leased::Acquired(lease)) => Some(lease),
                 // Graceful degradation (the seed): proceed without the lease; the save is
                 // idempotent and refused if the cursor moved on.

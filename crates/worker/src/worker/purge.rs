@@ -28,6 +28,11 @@ where
                     .try_acquire(stream_id, name, &LockReason::Purge)
                     .await?
                 {
+                    // Another task of this instance holds the lease: busy, not ours to release.
+                    Leased::Acquired(lease) if lease.lease().reentered => {
+                        lease.leave();
+                        return Ok(PurgeOutcome::Busy);
+                    }
                     Leased::Acquired(lease) => Some(lease),
                     Leased::Denied(holder) => return Ok(PurgeOutcome::Denied(holder)),
                     Leased::Busy => return Ok(PurgeOutcome::Busy),

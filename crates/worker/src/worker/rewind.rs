@@ -78,6 +78,14 @@ where
                     .await
                 {
                     Err(err) => return Err(err),
+                    // Another task of this instance holds the lease (a worker sharing the
+                    // instance id, an application's rebuild): busy, and not ours to release.
+                    Ok(Leased::Acquired(lease)) if lease.lease().reentered => {
+                        lease.leave();
+                        count(telemetry::SKIPPED_BUSY, name.as_str(), 1);
+                        tracing::debug!("the rewind lease is held by another task of this instance; rewind retried on a later cycle");
+                        return Ok(PairOutcome::Skipped(SkipReason::Busy));
+                    }
                     Ok(Leased::Acquired(lease)) => Some(lease),
                     Ok(Leased::Denied(holder)) => {
                         count(telemetry::SKIPPED_LEASED, name.as_str(), 1);
