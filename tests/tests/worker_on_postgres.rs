@@ -651,12 +651,16 @@ async fn a_backoff_stored_by_one_instance_holds_every_instance_back() {
     assert_eq!(s.cursor(stream).await.failures, 1, "nobody retried it");
 }
 
-/// Issue 18, measured before: with `idle_in_transaction_session_timeout = 1s` and a claim whose
-/// apply takes longer, the pair livelocked (600 events at 3 ms: 0 committed in 14 s, 4 200
-/// applies, `failures = 0`). Now the batch that outlived the timeout shrinks and every event is
-/// committed; the pair's failure count is not charged for the batch's size.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
+/// A test database whose sessions have `idle_in_transaction_session_timeout = timeout` (set
+/// on the database, so every pooled connection has it), migrated: the database, a connection
+/// to it and a pool of 4.
+async fn database_with_idle_timeout(
+    timeout: &str,
+) -> (
+    TestDatabase,
+    tokio_postgres::Client,
+    deadpool_postgres::Pool,
+) {
     let db = test_database().await;
     let client = db.connect().await;
     let name: String = client
@@ -666,12 +670,22 @@ async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
         .get(0);
     client
         .batch_execute(&format!(
-            "ALTER DATABASE \"{name}\" SET idle_in_transaction_session_timeout = '1s'"
+            "ALTER DATABASE \"{name}\" SET idle_in_transaction_session_timeout = '{timeout}'"
         ))
         .await
         .expect("set the timeout");
     let pool = db.pool(4);
     lockstep_pg::migrate(&pool).await.expect("migrate");
+    (db, client, pool)
+}
+
+/// Issue 18, measured before: with `idle_in_transaction_session_timeout = 1s` and a claim whose
+/// apply takes longer, the pair livelocked (600 events at 3 ms: 0 committed in 14 s, 4 200
+/// applies, `failures = 0`). Now the batch that outlived the timeout shrinks and every event is
+/// committed; the pair's failure count is not charged for the batch's size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
+    let (_db, client, pool) = database_with_idle_timeout("1s").await;
     let mut registry = PerspectiveRegistry::new();
     let numbers = Numbers::slowed(Duration::from_millis(3));
     registry.register(numbers.clone()).expect("register");
@@ -764,21 +778,7 @@ impl lockstep_core::Perspective for SlowOnNegative {
 /// on every walk of the queue. (Found in review.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pair_whose_batches_keep_failing_is_charged_while_other_work_commits() {
-    let db = test_database().await;
-    let client = db.connect().await;
-    let name: String = client
-        .query_one("SELECT current_database()", &[])
-        .await
-        .expect("name")
-        .get(0);
-    client
-        .batch_execute(&format!(
-            "ALTER DATABASE \"{name}\" SET idle_in_transaction_session_timeout = '150ms'"
-        ))
-        .await
-        .expect("set the timeout");
-    let pool = db.pool(4);
-    lockstep_pg::migrate(&pool).await.expect("migrate");
+    let (_db, client, pool) = database_with_idle_timeout("150ms").await;
     let mut registry = PerspectiveRegistry::new();
     registry.register(SlowOnNegative).expect("register");
     let worker = PerspectiveWorker::new(

@@ -1058,6 +1058,33 @@ fn unsupported<T>(what: &str) -> Result<T> {
     ))
 }
 
+/// The default [`PerspectiveStore::rewind_events`]: the stream's events after `after`
+/// ([`PerspectiveStore::stream_events`]) less the pair's skipped events, cut to `page`, a
+/// payload's bytes counted as its JSON text. Public for a store that overrides the method only
+/// to watch it (the testkit's in-memory store records what each call asked for).
+pub async fn rewind_page_from_stream<Tx, S>(
+    store: &S,
+    tx: &Tx,
+    pair: &Pair,
+    after: Option<Uuid>,
+    page: PageLimits,
+) -> Result<EventPage>
+where
+    Tx: ?Sized + Sync,
+    S: PerspectiveStore<Tx> + ?Sized,
+{
+    page.validate()?;
+    let mut events = store.stream_events(tx, pair.stream_id, after).await?;
+    let skipped = store.skipped_events(tx, pair).await?;
+    if !skipped.is_empty() {
+        events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
+    }
+    let more = page.cut(&mut events, |e| {
+        serde_json::to_string(&e.payload).map_or(0, |text| text.len() as u64)
+    });
+    Ok(EventPage::new(events, more))
+}
+
 /// Retention of snapshots per pair.
 pub const DEFAULT_KEEP_SNAPSHOTS: usize = 3;
 
@@ -1200,18 +1227,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         after: Option<Uuid>,
         page: PageLimits,
     ) -> impl Future<Output = Result<EventPage>> + Send + 'a {
-        async move {
-            page.validate()?;
-            let mut events = self.stream_events(tx, pair.stream_id, after).await?;
-            let skipped = self.skipped_events(tx, pair).await?;
-            if !skipped.is_empty() {
-                events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
-            }
-            let more = page.cut(&mut events, |e| {
-                serde_json::to_string(&e.payload).map_or(0, |text| text.len() as u64)
-            });
-            Ok(EventPage::new(events, more))
-        }
+        rewind_page_from_stream(self, tx, pair, after, page)
     }
 
     /// The pair's cursor, if it has one.

@@ -1070,16 +1070,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             .entry((pair.stream_id, pair.perspective.clone()))
             .or_default()
             .push(page);
-        page.validate()?;
-        let mut events = self.stream_events(tx, pair.stream_id, after).await?;
-        let skipped = self.skipped_events(tx, pair).await?;
-        if !skipped.is_empty() {
-            events.retain(|e| !skipped.iter().any(|s| s.event_id == e.event_id));
-        }
-        let more = page.cut(&mut events, |e| {
-            serde_json::to_string(&e.payload).map_or(0, |text| text.len() as u64)
-        });
-        Ok(EventPage::new(events, more))
+        lockstep_core::perspective_store::rewind_page_from_stream(self, tx, pair, after, page).await
     }
 
     async fn stream_events(

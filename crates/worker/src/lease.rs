@@ -670,14 +670,18 @@ impl HeldLease {
     /// application's rebuild): stops tracking it here and releases nothing, so that its
     /// holder keeps it. The worker does this with every re-entered lease: a pair whose lease
     /// another task of the instance holds is busy.
-    pub fn leave(mut self) {
-        self.released = true;
-        self.shared.entries().remove(&self.key);
+    pub fn leave(self) {
+        self.forget();
     }
 
     /// The protected work's commit released the lease and has committed: forget it, sending
     /// nothing.
-    pub fn released_by_commit(mut self) {
+    pub fn released_by_commit(self) {
+        self.forget();
+    }
+
+    /// Stops tracking the lease and sends nothing (someone else ends it, or already has).
+    fn forget(mut self) {
         self.released = true;
         self.shared.entries().remove(&self.key);
     }
