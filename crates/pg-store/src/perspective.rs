@@ -269,53 +269,26 @@ SELECT count(*) FROM w";
          FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
     /// What a rewind reads first, in one statement (`$1` stream, `$2` perspective, `$3` at most
-    /// this many events): a header row (part 0: the cursor columns, then the latest snapshot
-    /// strictly before the request's trigger) and, when the cursor has a request, the first
-    /// events of the stream after that snapshot but the pair's skipped ones (part 1), in
-    /// event-id order. No row: no cursor. The events' range starts *at* the snapshot (or the
-    /// nil id) and leaves the snapshot's own event out, so that it stays one index range of
-    /// `wh_events` whether or not there is a snapshot.
+    /// this many events), through `lockstep_load_rewind` (migration V22): a header row (part 0:
+    /// the cursor columns, then the latest snapshot strictly before the request's trigger) and,
+    /// when the cursor has a request, the first events of the stream after that snapshot but the
+    /// pair's skipped ones (part 1), in event-id order. No row: no cursor. The function keeps
+    /// its plans for the session and walks the stream's own range of `wh_events_stream_event`
+    /// whatever the statistics say (ADR 0033); as a plain statement this was planned on every
+    /// call, and with few streams in the table it read every later event of every stream.
     ///
     /// An event row ends with its payload's stored size (`pg_column_size`), and `$3` is one
     /// event more than the page holds: the store takes rows while they fit the page's events
     /// and bytes and stops reading at the first that does not (which says that more follow).
     /// The byte bound is the store's, not the statement's: a running total in SQL (a window)
     /// cost a 100-event read 0.3–0.5 ms more (ADR 0031).
-    pub const LOAD_REWIND: &str = concat!(
-        "WITH c AS (SELECT ",
-        cursor_columns!(),
-        " FROM wh_perspective_cursors k WHERE k.stream_id = $1 AND k.perspective_name = $2), \
-         s AS (SELECT s.event_id, s.state, s.applied_count FROM wh_perspective_snapshots s \
-                WHERE s.stream_id = $1 AND s.perspective_name = $2 \
-                  AND s.event_id < (SELECT c.rewind_trigger_event_id FROM c) \
-                ORDER BY s.event_id DESC LIMIT 1) \
-         SELECT 0 AS part, c.*, s.event_id, s.state, s.applied_count, \
-                NULL::uuid, NULL::bigint, NULL::text, NULL::jsonb, NULL::timestamptz, NULL::bigint \
-           FROM c LEFT JOIN s ON true \
-         UNION ALL \
-         (SELECT 1, NULL::uuid, NULL::bigint, NULL::bigint, NULL::uuid, NULL::timestamptz, \
-                NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text, \
-                NULL::timestamptz, NULL::bigint, NULL::uuid, NULL::timestamptz, \
-                NULL::timestamptz, NULL::uuid, NULL::jsonb, NULL::bigint, \
-                e.event_id, e.version, e.event_type, e.payload, e.recorded_at, \
-                pg_column_size(e.payload)::bigint \
-           FROM wh_events e \
-          WHERE e.stream_id = $1 \
-            AND EXISTS (SELECT 1 FROM c WHERE c.rewind_trigger_event_id IS NOT NULL) \
-            AND e.event_id >= coalesce((SELECT s.event_id FROM s), \
-                                       '00000000-0000-0000-0000-000000000000'::uuid) \
-            AND e.event_id IS DISTINCT FROM (SELECT s.event_id FROM s) \
-            AND NOT EXISTS (SELECT 1 FROM wh_perspective_skipped_events x \
-                             WHERE x.stream_id = $1 AND x.perspective_name = $2 \
-                               AND x.event_id = e.event_id) \
-          ORDER BY e.event_id LIMIT $3)"
-    );
+    pub const LOAD_REWIND: &str = "SELECT * FROM lockstep_load_rewind($1, $2, $3)";
 
     /// A page of the events a rewind replays (`$1` stream, `$2` perspective, `$3` at most this
     /// many events, `$4` after this event, from the first when NULL): the events but the pair's
     /// skipped ones, in event-id order, each with its payload's stored size as in
-    /// [`LOAD_REWIND`]. Through `lockstep_rewind_page` (migration V21), which pins the plan to
-    /// an ordered index scan.
+    /// [`LOAD_REWIND`]. Through `lockstep_rewind_page` (migrations V21 and V22), which pins the
+    /// plan to the stream's own range of `wh_events_stream_event`, read in order.
     pub const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
 
     /// One pair's cursor.
@@ -706,8 +679,8 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .await
             .map_err(|e| statement_error(e, DOING))?;
         let mut rows = std::pin::pin!(rows);
-        // The header is the row of part 0 (the first, in practice: `UNION ALL` runs its
-        // branches in order); checked here, not assumed. The events stop at the first that
+        // The header is the row of part 0 (the function returns it first); checked here, not
+        // assumed. The events stop at the first that
         // does not fit the page: the rest of the rows are not read (the connection discards
         // them).
         let mut header: Option<(Cursor, Option<Snapshot>)> = None;

@@ -696,6 +696,149 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
     }
 }
 
+/// Entries of `wh_events`' indexes read since the server started, as this database's
+/// statistics say once every backend flushed its own: the caller ends its transactions (the
+/// flush happens when a backend goes idle), on a pool of one connection that asked for it.
+async fn wh_events_index_reads(db: &PgDatabase) -> i64 {
+    use lockstep_core::TransactionSource as _;
+    let tx = db.begin().await.expect("begin");
+    tx.client()
+        .batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .expect("flush the statistics");
+    tx.commit().await.expect("commit");
+    // A new transaction: statistics are read once per transaction and kept.
+    let tx = db.begin().await.expect("begin");
+    let read: i64 = tx
+        .client()
+        .query_one(
+            "SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes \
+              WHERE relname = 'wh_events'",
+            &[],
+        )
+        .await
+        .expect("index reads")
+        .get(0);
+    tx.commit().await.expect("commit");
+    read
+}
+
+/// A rewind's first read and its next pages walk the stream's own events from the snapshot on,
+/// whatever the statistics say (ADR 0033). Two streams of 2 000 events, the second appended
+/// after the first, analysed: as plain statements planned with the statistics, the reads took
+/// the primary key from the snapshot's event with a filter on the stream, and read every later
+/// event of the other stream too. Counted in the server's statistics (entries of `wh_events`'
+/// indexes read), on a pool of one connection so that no other backend's counts arrive late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
+    use lockstep_core::{StateCommit, TransactionSource as _};
+    const LEN: usize = 2_000;
+    const SNAPSHOT_AT: usize = 1_900;
+    let f = fixture().await;
+    let db = PgDatabase::from_pool(f.db.pool(1));
+    let store = f.store.clone();
+    let p = name("OwnRange");
+    let (stream, other) = (StreamId::new_v7(), StreamId::new_v7());
+    let tx = db.begin().await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    for s in [stream, other] {
+        let events: Vec<NewEvent> = (0..LEN).map(|n| event(n as i64)).collect();
+        let tx = db.begin().await.expect("begin");
+        f.events
+            .append(&tx, s, ExpectedVersion::NoStream, &events)
+            .await
+            .expect("append");
+        tx.commit().await.expect("commit");
+    }
+    let ids = stream_event_ids(&f, stream).await;
+    let pair = Pair::new(stream, p.clone());
+    // Applied up to a snapshot 100 events before the end, then a rewind from after it.
+    let tx = db.begin().await.expect("begin");
+    let cursor = match store
+        .claim(&tx, &pair, SNAPSHOT_AT, RewindDebounce::NONE)
+        .await
+        .expect("claim")
+    {
+        Claim::Apply { cursor, .. } => cursor,
+        other => panic!("expected work, got {other:?}"),
+    };
+    let mut commit = StateCommit::new(stream, p.clone(), cursor.revision, serde_json::json!([]));
+    commit.last_event_id = Some(ids[SNAPSHOT_AT - 1]);
+    commit.applied_count = SNAPSHOT_AT as u64;
+    commit.applied_events = ids[..SNAPSHOT_AT].to_vec();
+    commit.snapshot = true;
+    store
+        .commit_state(&tx, &commit)
+        .await
+        .expect("commit_state");
+    assert!(
+        store
+            .request_rewind(&tx, &pair, Some(ids[SNAPSHOT_AT + 50]))
+            .await
+            .expect("request_rewind")
+    );
+    tx.commit().await.expect("commit");
+    let tx = db.begin().await.expect("begin");
+    tx.client()
+        .batch_execute("ANALYZE wh_events")
+        .await
+        .expect("analyze");
+    tx.commit().await.expect("commit");
+
+    // One page that reaches the stream's end, then pages of 60: the last of them too.
+    for (page_events, want_pages) in [(1_000, 1), (60, 2)] {
+        let before = wh_events_index_reads(&db).await;
+        let (db2, store2, pair2) = (db.clone(), store.clone(), pair.clone());
+        let (got, pages) = tokio::spawn(async move {
+            let tx: PgTransaction = db2.begin().await.expect("begin");
+            let page = PageLimits::new(page_events, 1 << 24).expect("page limits");
+            let loaded = store2
+                .load_rewind(&tx, &pair2, page)
+                .await
+                .expect("load_rewind")
+                .expect("a cursor");
+            assert_eq!(
+                loaded.snapshot.map(|s| s.applied_count),
+                Some(SNAPSHOT_AT as u64)
+            );
+            let mut got: Vec<uuid::Uuid> = loaded.events.iter().map(|e| e.event_id).collect();
+            let (mut more, mut pages) = (loaded.more, 1);
+            while more {
+                let next = store2
+                    .rewind_events(&tx, &pair2, got.last().copied(), page)
+                    .await
+                    .expect("rewind_events");
+                got.extend(next.events.iter().map(|e| e.event_id));
+                more = next.more;
+                pages += 1;
+            }
+            tx.rollback().await.expect("rollback");
+            (got, pages)
+        })
+        .await
+        .expect("the spawned task");
+        let read = wh_events_index_reads(&db).await - before;
+
+        assert_eq!(
+            got,
+            ids[SNAPSHOT_AT..],
+            "the events after the snapshot, once each"
+        );
+        assert_eq!(pages, want_pages, "pages of {page_events}");
+        // Each read may take one entry past its page or its stream's end.
+        let tail = (LEN - SNAPSHOT_AT) as i64;
+        assert!(
+            read <= tail + 4,
+            "pages of {page_events}: the reads walked {read} index entries of wh_events for \
+             {tail} events of their own stream (the other stream has {LEN} after them)"
+        );
+    }
+}
+
 /// The byte bound as Postgres counts it (`pg_column_size` of payloads and states), inside a
 /// batch: the pair whose event does not fit hands out the events before it and ends the batch;
 /// a later pair whose first event does not fit is not claimed and the scan's position stays
