@@ -616,6 +616,29 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         )
     }
 
+    fn commit_state_releasing_and_end<'a>(
+        &'a self,
+        tx: Tx,
+        commit: &'a StateCommit,
+    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a
+    where
+        Tx: lockstep_core::Transaction,
+    {
+        let span = pair_span(
+            "commit_state_releasing_and_end",
+            commit.stream_id,
+            &commit.perspective,
+        );
+        let call = self.inner.commit_state_releasing_and_end(tx, commit);
+        observe(
+            "perspective_store",
+            "commit_state_releasing_and_end",
+            span,
+            ok,
+            call,
+        )
+    }
+
     fn load_rewind<'a>(
         &'a self,
         tx: &'a Tx,

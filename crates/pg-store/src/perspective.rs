@@ -268,6 +268,12 @@ SELECT count(*) FROM w";
     pub const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
+    /// [`COMMIT_RELEASE`] that refuses by raising (SQLSTATE `LSREF`, migration V23), for a
+    /// statement sent with the transaction's `COMMIT`: the refusal turns it into a rollback.
+    pub const COMMIT_RELEASE_OR_REFUSE: &str = "SELECT outcome, revision, released \
+         FROM lockstep_perspective_commit_release_or_refuse($1, $2, $3, $4, $5, $6, $7, $8, $9, \
+         $10, $11, $12)";
+
     /// What a rewind reads first, in one statement (`$1` stream, `$2` perspective, `$3` at most
     /// this many events), through `lockstep_load_rewind` (migration V22): a header row (part 0:
     /// the cursor columns, then the latest snapshot strictly before the request's trigger) and,
@@ -649,6 +655,43 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         let revision = commit_outcome(&row, commit)?;
         let released: Option<bool> = row.try_get(2).map_err(decode_error)?;
         Ok((revision, released.unwrap_or(false)))
+    }
+
+    fn commit_state_releasing_and_end<'a>(
+        &'a self,
+        tx: T,
+        commit: &'a StateCommit,
+    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a
+    where
+        T: lockstep_core::Transaction,
+    {
+        async move {
+            if commit.fence.is_none() {
+                // Nothing to release: the plain commit, then the transaction's.
+                let revision = self.commit_state(&tx, commit).await?;
+                tx.commit().await?;
+                return Ok((revision, false));
+            }
+            // The fenced commit and the COMMIT in one round trip (ADR 0034): a refusal is an
+            // error at the server, which makes the COMMIT a rollback.
+            let params = CommitParams::new(commit, self.keep_snapshots)?;
+            let params = params.as_params();
+            let rows = tx
+                .commit_returning(sql::COMMIT_RELEASE_OR_REFUSE, &params, |e| {
+                    refused_or_statement_error(e, commit)
+                })
+                .await?;
+            let row = rows.first().ok_or_else(|| {
+                Error::new(
+                    ErrorKind::CommitUnknown,
+                    "a fenced commit committed without its row: whether it released the lease \
+                     is not known",
+                )
+            })?;
+            let revision = commit_outcome(row, commit)?;
+            let released: Option<bool> = row.try_get(2).map_err(decode_error)?;
+            Ok((revision, released.unwrap_or(false)))
+        }
     }
 
     async fn load_rewind(
@@ -1325,31 +1368,72 @@ impl PgPerspectiveStore {
         commit: &StateCommit,
         statement: &str,
     ) -> Result<Row> {
-        check_json(&commit.state)?;
-        let (holder, epoch) =
-            fence_params(commit.fence.as_ref(), commit.stream_id, &commit.perspective)?;
-        let applied_count = count_param(commit.applied_count)?;
+        let params = CommitParams::new(commit, self.keep_snapshots)?;
         tx.executor()
-            .query_typed_one(
-                statement,
-                &[
-                    (&commit.stream_id.as_uuid(), Type::UUID),
-                    (&commit.perspective.as_str(), Type::TEXT),
-                    (&commit.expected_revision, Type::INT8),
-                    (&commit.state, Type::JSONB),
-                    (&commit.last_event_id, Type::UUID),
-                    (&applied_count, Type::INT8),
-                    (&commit.applied_events, Type::UUID_ARRAY),
-                    (&commit.rewound_from, Type::UUID),
-                    (&commit.snapshot, Type::BOOL),
-                    (&self.keep_snapshots, Type::INT4),
-                    (&holder, Type::UUID),
-                    (&epoch, Type::INT8),
-                ],
-            )
+            .query_typed_one(statement, &params.as_params())
             .await
             .map_err(|e| statement_error(e, "committing a perspective state"))
     }
+}
+
+/// A state change's twelve parameters (`lockstep_perspective_commit` and its fenced variants),
+/// checked: a state `jsonb` can store, a fence on the commit's own pair, a count that fits.
+struct CommitParams<'c> {
+    commit: &'c StateCommit,
+    stream: Uuid,
+    perspective: &'c str,
+    applied_count: i64,
+    holder: Option<Uuid>,
+    epoch: Option<i64>,
+    keep: i32,
+}
+
+impl<'c> CommitParams<'c> {
+    fn new(commit: &'c StateCommit, keep: i32) -> Result<CommitParams<'c>> {
+        check_json(&commit.state)?;
+        let (holder, epoch) =
+            fence_params(commit.fence.as_ref(), commit.stream_id, &commit.perspective)?;
+        Ok(CommitParams {
+            commit,
+            stream: commit.stream_id.as_uuid(),
+            perspective: commit.perspective.as_str(),
+            applied_count: count_param(commit.applied_count)?,
+            holder,
+            epoch,
+            keep,
+        })
+    }
+
+    fn as_params(&self) -> [(&(dyn ToSql + Sync), Type); 12] {
+        let c = self.commit;
+        [
+            (&self.stream, Type::UUID),
+            (&self.perspective, Type::TEXT),
+            (&c.expected_revision, Type::INT8),
+            (&c.state, Type::JSONB),
+            (&c.last_event_id, Type::UUID),
+            (&self.applied_count, Type::INT8),
+            (&c.applied_events, Type::UUID_ARRAY),
+            (&c.rewound_from, Type::UUID),
+            (&c.snapshot, Type::BOOL),
+            (&self.keep, Type::INT4),
+            (&self.holder, Type::UUID),
+            (&self.epoch, Type::INT8),
+        ]
+    }
+}
+
+/// A refusal of `lockstep_perspective_commit_release_or_refuse` (SQLSTATE `LSREF`: the outcome
+/// in the message, the revision found in the detail) as the error a refused row gives;
+/// anything else as a statement error.
+fn refused_or_statement_error(err: tokio_postgres::Error, commit: &StateCommit) -> Error {
+    if let Some(db) = err.as_db_error()
+        && db.code().code() == "LSREF"
+    {
+        let found = db.detail().and_then(|d| d.parse::<i64>().ok());
+        return refusal(db.message(), found, commit);
+    }
+    statement_error(err, "committing a perspective state")
 }
 
 /// The new revision of a commit's row (outcome, revision), or its refusal as an error.
@@ -1358,7 +1442,14 @@ fn commit_outcome(row: &Row, commit: &StateCommit) -> Result<i64> {
     let revision: Option<i64> = row.try_get(1).map_err(decode_error)?;
     match (outcome.as_str(), revision) {
         ("committed", Some(revision)) => Ok(revision),
-        ("conflict", found) => Err(Error::new(
+        (other, found) => Err(refusal(other, found, commit)),
+    }
+}
+
+/// The error of a commit refused with `outcome` (`found`: the cursor's revision, when known).
+fn refusal(outcome: &str, found: Option<i64>, commit: &StateCommit) -> Error {
+    match (outcome, found) {
+        ("conflict", found) => Error::new(
             ErrorKind::Conflict,
             format!(
                 "stream {} perspective {}: expected revision {}, the cursor is at {}",
@@ -1367,19 +1458,19 @@ fn commit_outcome(row: &Row, commit: &StateCommit) -> Result<i64> {
                 commit.expected_revision,
                 found.map_or_else(|| "?".to_owned(), |r| r.to_string())
             ),
-        )),
-        ("no_cursor", _) => Err(Error::new(
+        ),
+        ("no_cursor", _) => Error::new(
             ErrorKind::Conflict,
             format!(
                 "stream {} perspective {}: the cursor no longer exists",
                 commit.stream_id, commit.perspective
             ),
-        )),
-        ("lease_lost", _) => Err(lease_lost()),
-        (other, _) => Err(Error::new(
+        ),
+        ("lease_lost", _) => lease_lost(),
+        (other, _) => Error::new(
             ErrorKind::Backend,
             format!("a commit returned an unknown outcome {other:?}"),
-        )),
+        ),
     }
 }
 

@@ -50,7 +50,7 @@ use deadpool_postgres::{Object, Pool};
 use futures_util::StreamExt as _;
 use lockstep_core::{Error, ErrorKind, Result, Transaction};
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, GenericClient, SimpleQueryStream};
+use tokio_postgres::{Client, GenericClient, Row, SimpleQueryStream};
 
 use crate::error::map_error;
 
@@ -66,6 +66,40 @@ pub trait PgTransactionRef: Send + Sync {
 
     /// Where to send statements that belong to this transaction.
     fn executor(&self) -> &Self::Executor;
+
+    /// Runs `sql` as this transaction's last statement and commits: the statement's rows once
+    /// committed. A statement that fails at the server leaves nothing of the transaction
+    /// committed and returns its error mapped by `map_error` (a lost connection is not passed
+    /// to it). The default runs the statement, then commits: two round trips.
+    /// [`PgTransaction`] sends both in one ([`PgTransaction::commit_returning`], which says what
+    /// a caller must know about it).
+    fn commit_returning<'a>(
+        self,
+        sql: &'a str,
+        params: &'a [(&'a (dyn ToSql + Sync), Type)],
+        map_error: impl FnOnce(tokio_postgres::Error) -> Error + Send + 'a,
+    ) -> impl Future<Output = Result<Vec<Row>>> + Send + 'a
+    where
+        Self: Transaction,
+    {
+        async move {
+            let rows = match self.executor().query_typed(sql, params).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let err = if crate::error::kind_of(&e) == ErrorKind::ConnectionLost {
+                        crate::error::map_error(e, "running a transaction's last statement")
+                    } else {
+                        map_error(e)
+                    };
+                    // The transaction ends either way; its statement's error says why.
+                    let _ = self.rollback().await;
+                    return Err(err);
+                }
+            };
+            self.commit().await?;
+            Ok(rows)
+        }
+    }
 }
 
 impl PgTransactionRef for tokio_postgres::Transaction<'_> {
@@ -146,6 +180,16 @@ impl WriteAtCommit {
         self.map_error = Box::new(f);
         self
     }
+}
+
+/// How a statement's server error becomes the caller's error.
+type StatementErrorMap<'a> = Box<dyn FnOnce(tokio_postgres::Error) -> Error + Send + 'a>;
+
+/// The statement [`PgTransaction::commit_returning`] sends with the `COMMIT`.
+struct LastStatement<'a> {
+    sql: &'a str,
+    params: &'a [(&'a (dyn ToSql + Sync), Type)],
+    map_error: StatementErrorMap<'a>,
 }
 
 /// An owned READ COMMITTED transaction on a pooled connection.
@@ -277,10 +321,42 @@ impl PgTransaction {
         lock(&self.at_commit).len()
     }
 
+    /// Sends `sql` as the transaction's **last** statement together with the `COMMIT`, in one
+    /// round trip (after any write held back by [`PgTransaction::write_at_commit`]), and returns
+    /// the statement's rows once the transaction committed. It is sent with
+    /// `tokio_postgres::Client::query_typed` (parse, bind and execute in one message, so it
+    /// reaches the server before the `COMMIT`), the parameters with their types.
+    ///
+    /// For a last write whose answer the caller needs. A statement that fails at the server
+    /// makes the `COMMIT` a rollback: the error is the statement's, mapped by `map_error`
+    /// (a lost connection is not passed to it), and nothing of the transaction is committed.
+    /// So a statement that *refuses* (a compare-and-set that lost, say) must raise an error to
+    /// keep the rest of the transaction from committing; rows that say "refused" come back
+    /// committed. Otherwise the outcomes of [`Transaction::commit`]: a lost connection while
+    /// the `COMMIT` was in flight is [`ErrorKind::CommitUnknown`]. Cancel-safe as `commit`.
+    pub async fn commit_returning(
+        self,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+        map_error: impl FnOnce(tokio_postgres::Error) -> Error + Send,
+    ) -> Result<Vec<Row>> {
+        self.commit_now_with(Some(LastStatement {
+            sql,
+            params,
+            map_error: Box::new(map_error),
+        }))
+        .await
+    }
+
     /// The commit of [`Transaction::commit`] (documented there, for this type).
-    async fn commit_now(mut self) -> Result<()> {
+    async fn commit_now(self) -> Result<()> {
+        self.commit_now_with(None).await.map(drop)
+    }
+
+    /// The commit, with `last` sent just before the `COMMIT`: its rows (none without it).
+    async fn commit_now_with(mut self, last: Option<LastStatement<'_>>) -> Result<Vec<Row>> {
         let Some(conn) = self.conn.take() else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         let writes = std::mem::take(&mut *lock(&self.at_commit));
         if conn.is_closed() {
@@ -297,10 +373,10 @@ impl PgTransaction {
             ));
         }
         let conn = DetachOnDrop(Some(conn));
-        if writes.is_empty() {
-            self.commit_alone(conn).await
+        if writes.is_empty() && last.is_none() {
+            self.commit_alone(conn).await.map(|()| Vec::new())
         } else {
-            self.commit_with(conn, writes).await
+            self.commit_with(conn, writes, last).await
         }
     }
 
@@ -342,10 +418,16 @@ impl PgTransaction {
         }
     }
 
-    /// The held-back writes and the `COMMIT`, pipelined. No probe is needed: a write that
-    /// succeeds proves the transaction had not failed before it (in a failed transaction every
-    /// statement errors with 25P02), and a write that fails makes the `COMMIT` a rollback.
-    async fn commit_with(&self, mut conn: DetachOnDrop, writes: Vec<WriteAtCommit>) -> Result<()> {
+    /// The held-back writes, then `last`, and the `COMMIT`, pipelined; `last`'s rows. No probe
+    /// is needed: a write that succeeds proves the transaction had not failed before it (in a
+    /// failed transaction every statement errors with 25P02), and a write that fails makes the
+    /// `COMMIT` a rollback.
+    async fn commit_with(
+        &self,
+        mut conn: DetachOnDrop,
+        writes: Vec<WriteAtCommit>,
+        last: Option<LastStatement<'_>>,
+    ) -> Result<Vec<Row>> {
         let client = conn.client();
         // `join_all` and `join` poll in order, and `query_typed` hands its whole statement to
         // the connection on its first poll: the writes reach the server before the COMMIT, all
@@ -360,10 +442,20 @@ impl PgTransaction {
                     .collect()
             })
             .collect();
+        let (last_sent, last_map) = match last {
+            Some(LastStatement {
+                sql,
+                params,
+                map_error,
+            }) => (Some((sql, params)), Some(map_error)),
+            None => (None, None),
+        };
         let sent: Vec<_> = writes
             .iter()
             .zip(&params)
-            .map(|(write, params)| client.query_typed(&write.sql, params))
+            .map(|(write, params)| (write.sql.as_str(), params.as_slice()))
+            .chain(last_sent)
+            .map(|(sql, params)| client.query_typed(sql, params))
             .collect();
         let (refused, (outcomes, commit)) = futures_util::future::join(
             self.begin_refused(),
@@ -374,24 +466,37 @@ impl PgTransaction {
         )
         .await;
         if let Some(e) = refused {
-            return self.ran_outside_a_transaction(conn, e).await;
+            return self
+                .ran_outside_a_transaction(conn, e)
+                .await
+                .map(|()| Vec::new());
         }
-        // The first failed write's error, in its caller's terms (a lost connection stays one).
-        let failed = outcomes
+        // The first failed statement's error, in its caller's terms (a lost connection stays
+        // one); the last statement's rows.
+        let last_at = last_map.is_some().then_some(writes.len());
+        let mappers = writes
             .into_iter()
-            .zip(writes)
-            .find_map(|(outcome, write)| outcome.err().map(|e| (e, write.map_error)))
-            .map(|(e, map)| {
-                if crate::error::kind_of(&e) == ErrorKind::ConnectionLost {
-                    map_error(e, "running a write held back until commit")
-                } else {
-                    map(e)
+            .map(|write| -> StatementErrorMap<'_> { write.map_error })
+            .chain(last_map);
+        let (mut rows, mut failed) = (Vec::new(), None);
+        for (at, (outcome, map)) in outcomes.into_iter().zip(mappers).enumerate() {
+            match outcome {
+                Ok(got) if Some(at) == last_at => rows = got,
+                Ok(_) => {}
+                Err(e) if failed.is_none() => {
+                    failed = Some(if crate::error::kind_of(&e) == ErrorKind::ConnectionLost {
+                        map_error(e, "running a write held back until commit")
+                    } else {
+                        map(e)
+                    });
                 }
-            });
+                Err(_) => {}
+            }
+        }
         match (failed, commit) {
             (None, Ok(())) => {
                 self.release(conn.disarm());
-                Ok(())
+                Ok(rows)
             }
             // A write failed at the server: the COMMIT rolled the transaction back.
             (Some(write_error), Ok(())) => {
@@ -596,6 +701,19 @@ impl PgTransactionRef for PgTransaction {
 
     fn executor(&self) -> &Client {
         self.client()
+    }
+
+    /// The statement and the `COMMIT` in one round trip ([`PgTransaction::commit_returning`]).
+    fn commit_returning<'a>(
+        self,
+        sql: &'a str,
+        params: &'a [(&'a (dyn ToSql + Sync), Type)],
+        map_error: impl FnOnce(tokio_postgres::Error) -> Error + Send + 'a,
+    ) -> impl Future<Output = Result<Vec<Row>>> + Send + 'a
+    where
+        Self: Transaction,
+    {
+        PgTransaction::commit_returning(self, sql, params, map_error)
     }
 }
 

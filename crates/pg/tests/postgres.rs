@@ -623,6 +623,175 @@ async fn writes_held_back_until_commit_are_stored_by_it_or_roll_everything_back(
     assert_eq!(nine, 0);
 }
 
+/// A statement's error as a conflict (the caller's own mapping).
+fn as_conflict(e: tokio_postgres::Error) -> lockstep_core::Error {
+    lockstep_core::Error::new(ErrorKind::Conflict, "the last statement").with_source(e)
+}
+
+/// The values stored in `t`, in order.
+async fn stored(setup: &tokio_postgres::Client) -> Vec<i32> {
+    setup
+        .query("SELECT x FROM t ORDER BY x", &[])
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// ADR 0034: `commit_returning` sends its statement after the held-back writes and with the
+/// `COMMIT`, and returns its rows once committed; a statement that fails rolls the whole
+/// transaction back and returns its error as the caller maps it, and the connection is pooled
+/// outside any transaction. From a spawned task, with the concrete types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_statement_sent_with_the_commit_returns_its_rows_or_rolls_everything_back() {
+    use tokio_postgres::types::Type;
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+
+    let (pool2, rows) = tokio::spawn(async move {
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        tx.client()
+            .execute("INSERT INTO t VALUES (1)", &[])
+            .await
+            .expect("insert");
+        tx.write_at_commit(insert_at_commit(2));
+        let rows = tx
+            .commit_returning(
+                "INSERT INTO t VALUES ($1) RETURNING x * 10",
+                &[(&3_i32, Type::INT4)],
+                as_conflict,
+            )
+            .await
+            .expect("committed");
+        (pool, rows)
+    })
+    .await
+    .expect("the spawned task");
+    let pool = pool2;
+    let tens: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(tens, vec![30], "the statement's rows");
+    assert_eq!(stored(&setup).await, vec![1, 2, 3], "all of it committed");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let pid = backend_pid(tx.client()).await;
+    tx.client()
+        .execute("INSERT INTO t VALUES (4)", &[])
+        .await
+        .expect("insert");
+    tx.write_at_commit(insert_at_commit(5));
+    let err = tx
+        .commit_returning("INSERT INTO t VALUES (1)", &[], as_conflict)
+        .await
+        .expect_err("a duplicate");
+    assert_eq!(
+        err.kind(),
+        ErrorKind::Conflict,
+        "the caller's mapping: {err}"
+    );
+    assert_eq!(
+        stored(&setup).await,
+        vec![1, 2, 3],
+        "the failed transaction kept nothing"
+    );
+    assert_eq!(backend_state(&setup, pid).await, "idle");
+    let conn = pool.get().await.expect("connection");
+    assert_eq!(
+        backend_pid(&conn).await,
+        pid,
+        "the clean connection was pooled again"
+    );
+}
+
+/// ADR 0034: the statement and the `COMMIT` go out together. A reply lost after the `COMMIT`
+/// was sent is `CommitUnknown` (both may have been applied), never a retryable error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_reply_to_a_statement_sent_with_the_commit_is_commit_unknown() {
+    let db = test_database().await;
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+    let (relay, pool) = relayed(&db).await;
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    relay.cut_after_client_sends(b"COMMIT\0");
+    let err = tx
+        .commit_returning("INSERT INTO t VALUES (1) RETURNING x", &[], as_conflict)
+        .await
+        .expect_err("the reply was lost");
+    assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
+    assert!(!err.is_retryable());
+}
+
+/// `PgTransactionRef::commit_returning`'s default (a transaction type that does not pipeline):
+/// the statement, then the commit; a failed statement rolls the transaction back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_last_statement_runs_it_then_commits() {
+    use lockstep_pg::PgTransactionRef;
+
+    /// A transaction that keeps the trait's default.
+    struct Plain(PgTransaction);
+
+    impl PgTransactionRef for Plain {
+        type Executor = tokio_postgres::Client;
+
+        fn executor(&self) -> &tokio_postgres::Client {
+            self.0.client()
+        }
+    }
+
+    impl lockstep_core::Transaction for Plain {
+        fn commit(self) -> impl std::future::Future<Output = lockstep_core::Result<()>> + Send {
+            self.0.commit()
+        }
+
+        fn rollback(self) -> impl std::future::Future<Output = lockstep_core::Result<()>> + Send {
+            self.0.rollback()
+        }
+    }
+
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+    let handler = tokio::spawn(async move {
+        let tx = Plain(PgTransaction::begin(&pool).await.expect("begin"));
+        let rows = PgTransactionRef::commit_returning(
+            tx,
+            "INSERT INTO t VALUES (1) RETURNING x",
+            &[],
+            as_conflict,
+        )
+        .await
+        .expect("committed");
+        let tx = Plain(PgTransaction::begin(&pool).await.expect("begin"));
+        tx.executor()
+            .execute("INSERT INTO t VALUES (2)", &[])
+            .await
+            .expect("insert");
+        let err =
+            PgTransactionRef::commit_returning(tx, "INSERT INTO t VALUES (1)", &[], as_conflict)
+                .await
+                .expect_err("a duplicate");
+        (rows.len(), err.kind())
+    });
+    assert_eq!(
+        handler.await.expect("the spawned task"),
+        (1, ErrorKind::Conflict)
+    );
+    assert_eq!(stored(&setup).await, vec![1], "the failed one kept nothing");
+}
+
 /// Issue 11: a lost reply to a pipelined write + COMMIT is `CommitUnknown` (the server may have
 /// committed both), never a retryable error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

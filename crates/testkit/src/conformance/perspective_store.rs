@@ -4019,6 +4019,138 @@ pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commit
     }
 }
 
+/// `commit_state_releasing_and_end` commits the state change and its transaction as one, or
+/// nothing: a refused change (a stale revision, a fence that is not the live lease) commits
+/// nothing of the transaction — not even another write made on it before — and keeps the lease
+/// held; an accepted one commits the state, the other write and (if the store says so) the
+/// lease's release. Without a fence nothing is released.
+pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_nothing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("CommitAndEnd");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(3);
+    let stream = stream_with(&*fixture, &ids).await;
+    // The other write: a rewind request on another pair, made on the same transaction first.
+    // (Applied, so that it has a cursor on every store.)
+    let witness = stream_with(&*fixture, &[Uuid::now_v7()]).await;
+    apply(&*fixture, witness, &p, ALL_EVENTS, false).await;
+    let held = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
+    let commit_for = |cursor: &Cursor, n: usize, fence: Option<LeaseId>| {
+        let mut change = StateCommit::new(
+            stream,
+            p.clone(),
+            cursor.revision,
+            serde_json::json!({ "sum": n }),
+        );
+        change.last_event_id = Some(ids[n - 1]);
+        change.applied_count = n as u64;
+        change.applied_events = ids[cursor.applied_count as usize..n].to_vec();
+        change.fence = fence;
+        change
+    };
+    let requested = |fixture: Arc<F>| {
+        let name = p.clone();
+        async move {
+            cursor(&*fixture, witness, &name)
+                .await
+                .and_then(|c| c.rewind)
+                .is_some()
+        }
+    };
+    let with_witness = |fixture: Arc<F>| {
+        let pair = lockstep_core::Pair::new(witness, p.clone());
+        async move {
+            let tx = begin(fixture.source()).await;
+            assert!(
+                fixture
+                    .store()
+                    .request_rewind(&tx, &pair, None)
+                    .await
+                    .expect("request_rewind")
+            );
+            tx
+        }
+    };
+
+    // Refused: a stale revision, then fences that are not the live lease.
+    let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let mut stale = commit_for(&before, 1, Some(held.id.clone()));
+    stale.expected_revision += 1;
+    let not_live = [
+        LeaseId::new(
+            stream,
+            p.clone(),
+            held.id.holder,
+            LeaseEpoch::new(held.id.epoch.get() - 1),
+        ),
+        LeaseId::new(stream, p.clone(), InstanceId::random(), held.id.epoch),
+    ];
+    let refusals = std::iter::once((stale, ErrorKind::Conflict)).chain(
+        not_live
+            .into_iter()
+            .map(|fence| (commit_for(&before, 1, Some(fence)), ErrorKind::LeaseLost)),
+    );
+    for (change, kind) in refusals {
+        let tx = with_witness(fixture.clone()).await;
+        let refused = fixture
+            .store()
+            .commit_state_releasing_and_end(tx, &change)
+            .await;
+        assert_eq!(refused.map_err(|e| e.kind()).err(), Some(kind));
+        assert!(
+            !requested(fixture.clone()).await,
+            "a refused commit ({kind:?}) committed the transaction's other write"
+        );
+        renew(&*fixture, &held).await;
+    }
+    let now = cursor(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(now.revision, before.revision, "nothing written");
+    assert_eq!(pending(&*fixture, stream, &p).await, ids);
+
+    // No fence: committed with the other write, nothing released.
+    let tx = with_witness(fixture.clone()).await;
+    let (revision, released) = fixture
+        .store()
+        .commit_state_releasing_and_end(tx, &commit_for(&before, 1, None))
+        .await
+        .expect("commit_state_releasing_and_end");
+    assert_eq!((revision, released), (before.revision + 1, false));
+    assert!(
+        requested(fixture.clone()).await,
+        "the other write committed"
+    );
+    renew(&*fixture, &held).await;
+
+    // Fenced on the live lease: committed, and released if the store says so.
+    let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let tx = begin(fixture.source()).await;
+    let (revision, released) = fixture
+        .store()
+        .commit_state_releasing_and_end(tx, &commit_for(&before, 3, Some(held.id.clone())))
+        .await
+        .expect("commit_state_releasing_and_end");
+    assert_eq!(revision, before.revision + 1);
+    let (after, stored) = state(&*fixture, stream, &p).await.expect("cursor");
+    assert_eq!(
+        (after.last_event_id, after.applied_count, stored),
+        (Some(ids[2]), 3, Some(serde_json::json!({ "sum": 3 })))
+    );
+    assert!(pending(&*fixture, stream, &p).await.is_empty());
+    let renewed = fixture.locker().renew(&held.id).await.expect("renew");
+    assert_eq!(
+        renewed.is_renewed(),
+        !released,
+        "the lease is released exactly when the store says so"
+    );
+    if !released {
+        let done = fixture.locker().release(&held.id).await.expect("release");
+        assert!(done.is_released());
+    }
+}
+
 /// `states` pages through one perspective's stored states in stream-id order: only pairs that
 /// have a state, only of that perspective, each page after the last stream of the one before;
 /// a page of 0 or more than `MAX_STATES_PAGE` is invalid input.
@@ -4249,6 +4381,7 @@ macro_rules! __lockstep_perspective_store_cases {
             load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it,
             a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes,
             a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits,
+            a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_nothing,
             states_page_through_one_perspectives_states_in_stream_order,
             pending_through_counts_what_is_not_applied_up_to_an_event,
             a_retired_perspective_gets_no_work_keeps_its_states_and_continues_when_registered_again,

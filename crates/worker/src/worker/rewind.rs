@@ -9,8 +9,9 @@
 //! **One transaction when the replay is short.** The reads and the fenced commit run in one
 //! READ COMMITTED transaction when the replay is at most [`SHORT_REPLAY_EVENTS`] events and
 //! ends within [`SHORT_REPLAY_TIME`] of the read (a rewind from a recent snapshot): no
-//! `ROLLBACK` of the read, no second `BEGIN` — 4 round trips instead of 5 (the `BEGIN` travels
-//! with the read, `lockstep_pg`'s ADR 0024; 7 before both). The commit's statement
+//! `ROLLBACK` of the read, no second `BEGIN` — 3 round trips: the lease, the read (its `BEGIN`
+//! travels with it, ADR 0024), the fenced commit (the `COMMIT` travels with it,
+//! `PerspectiveStore::commit_state_releasing_and_end`, ADR 0034); 7 before. The commit's statement
 //! takes its own snapshot either way (READ COMMITTED), so what it checks and writes is the
 //! same. A longer replay ends the read transaction first, so that no connection sits idle in a
 //! transaction while user code runs (an `idle_in_transaction_session_timeout` would fail it on
@@ -433,7 +434,7 @@ where
     }
 
     /// The commit, fenced on the lease, which it releases in the same statement when the store
-    /// can (`commit_state_releasing`): `true` when it did and the transaction committed. It
+    /// can (`commit_state_releasing_and_end`): `true` when it did and the transaction committed. It
     /// runs on `read`, the read's transaction, when the replay kept it (module docs), else on
     /// a new one.
     async fn commit_rewind(
@@ -456,8 +457,11 @@ where
                 Some(tx) => tx,
                 None => self.source.begin().await?,
             };
-            let (_, released) = self.store.commit_state_releasing(&tx, commit).await?;
-            tx.commit().await?;
+            // The state change and the COMMIT together (one round trip on Postgres, ADR 0034).
+            let (_, released) = self
+                .store
+                .commit_state_releasing_and_end(tx, commit)
+                .await?;
             Ok::<_, lockstep_core::Error>(released)
         }
         .await;
