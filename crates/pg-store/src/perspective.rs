@@ -657,6 +657,9 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok((revision, released.unwrap_or(false)))
     }
 
+    // Not an `async fn`: with the `where` clause, that form's future fails the higher-ranked
+    // `Send` check of a worker spawned with the concrete types (examples/service).
+    #[allow(clippy::manual_async_fn)]
     fn commit_state_releasing_and_end<'a>(
         &'a self,
         tx: T,

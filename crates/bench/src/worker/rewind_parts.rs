@@ -8,11 +8,13 @@
 //!    after it less the skipped ones: one statement);
 //! 3. the replay on tokio's blocking pool (`apply_while`);
 //! 4. on the same transaction (a short replay keeps it: ADR 0023), the fenced commit with a
-//!    new snapshot that also releases the lease (`commit_state_releasing`,
-//!    `lockstep_perspective_commit_release`), `COMMIT`.
+//!    new snapshot that also releases the lease, sent with the `COMMIT`
+//!    (`commit_state_releasing_and_end`, `lockstep_perspective_commit_release_or_refuse`: ADR
+//!    0034).
 //!
-//! Four round trips in all: `BEGIN` travels with the load (ADR 0024), so its step is the pool
-//! checkout only (seven before ADR 0023 and 0024, eleven before ADR 0012 §8). Each round also times the worker's
+//! Three round trips in all: `BEGIN` travels with the load (ADR 0024), so its step is the pool
+//! checkout only, and the `COMMIT` with the fenced commit (ADR 0034; four before it, seven
+//! before ADR 0023 and 0024, eleven before ADR 0012 §8). Each round also times the worker's
 //! own rewind of the same pair, back to back with the step-by-step one (the order swapped every
 //! round), so that the two are compared under the same conditions (the headline's snapshot
 //! rewinds each follow a full one). A bare round trip (`SELECT 1` on a pooled connection) is
@@ -40,13 +42,12 @@ use super::{PgWorker, fmt_all, median, verify_rewound};
 use crate::bench_db::BenchDatabase;
 
 /// The steps, in order: label and round trips.
-const STEPS: [(&str, usize); 6] = [
+const STEPS: [(&str, usize); 5] = [
     ("acquire the rewind lease", 1),
     ("BEGIN (checkout; sent with the load)", 0),
     ("load_rewind (cursor, snapshot, events, skipped)", 1),
     ("replay (blocking pool)", 0),
-    ("fenced commit + snapshot + release", 1),
-    ("COMMIT", 1),
+    ("fenced commit + snapshot + release, with the COMMIT", 1),
 ];
 
 /// Records the time since `at` in `t` and restarts `at`.
@@ -162,9 +163,7 @@ pub(super) async fn run(
             commit.rewound_from = Some(request.trigger);
             commit.snapshot = true;
             commit.fence = Some(lease.id.clone());
-            let (_, released) = store.commit_state_releasing(&tx, &commit).await?;
-            mark(&mut t, &mut at);
-            tx.commit().await?;
+            let (_, released) = store.commit_state_releasing_and_end(tx, &commit).await?;
             mark(&mut t, &mut at);
             if !released {
                 bail!("the rewind lease was not released by the commit");
@@ -244,12 +243,10 @@ pub(super) async fn run(
     let in_trips = round_trips as f64 * rtt;
     let (typed, prepared) = (median(&typed), median(&prepared));
     // What is left to save, from the steps' medians: the read and the commit outside an
-    // explicit transaction (no BEGIN); the two store statements prepared once instead of
-    // planned per call (the cursor read's difference, twice).
+    // explicit transaction (no BEGIN). (The read and the commit call PL/pgSQL functions, which
+    // keep their statements' plans: nothing of them is planned per call but the call itself.)
     let save_read = medians[1];
-    let save_plan = 2.0 * (typed - prepared).max(0.0);
     let no_tx = snapshot_ms - save_read;
-    let planned = no_tx - save_plan;
     lines.push(format!(
         "The same calls as PerspectiveWorker::rewind (rewind_locked → rewind_under → \
          restore_and_replay, commit_rewind), each timed, on a pool of the worker's size; the \
@@ -257,8 +254,9 @@ pub(super) async fn run(
          both back to back, while the headline table's snapshot rewinds each follow a full one. \
          Bare round trip (SELECT 1, pooled connection): {rtt:.3} ms median, so {round_trips} \
          round trips are {in_trips:.2} ms; the rest is each statement's own work, server and \
-         client (the store sends every statement with query_typed, parsed and planned per call: \
-         the cursor read {typed:.3} ms so, {prepared:.3} ms prepared once). The replay of \
+         client (what planning costs a statement here: the cursor read sent with query_typed, \
+         parsed and planned per call, {typed:.3} ms; prepared once, {prepared:.3} ms). The \
+         replay of \
          {replayed} events: {:.3} ms.",
         medians[3]
     ));
@@ -266,14 +264,11 @@ pub(super) async fn run(
         "snapshot / full = {snapshot_ms:.2} / {full_ms:.2} ms = {:.4} (the headline); under \
          0.05 needs <= {budget:.2} ms. Back to back: the worker's rewind {worker_ms:.2} ms = \
          {:.4}, its calls alone {total:.2} ms = {:.4}. Estimated from the steps (headline \
-         conditions): no BEGIN (-{save_read:.2} ms) {no_tx:.2} ms = \
-         {:.4}; plus the two store statements prepared once (-{save_plan:.2} ms) \
-         {planned:.2} ms = {:.4}.",
+         conditions): no BEGIN (-{save_read:.2} ms) {no_tx:.2} ms = {:.4}.",
         ratio(snapshot_ms),
         ratio(worker_ms),
         ratio(total),
         ratio(no_tx),
-        ratio(planned)
     ));
     Ok(lines)
 }
