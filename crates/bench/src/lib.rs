@@ -69,7 +69,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
         Command::Locker(args) => locker::run(args).await,
         Command::Aggregate(args) => aggregate::run(args).await,
-        Command::Worker(args) => worker::run(args).await,
+        // Boxed: every section's state lives in this one future (clippy's large_futures).
+        Command::Worker(args) => Box::pin(worker::run(args)).await,
         Command::Reliability(args) => reliability::run(args).await,
         Command::TestWorker(args) => lockstep_tests::worker_process::run(args).await,
     }

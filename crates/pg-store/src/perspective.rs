@@ -670,10 +670,18 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     {
         async move {
             if commit.fence.is_none() {
-                // Nothing to release: the plain commit, then the transaction's.
-                let revision = self.commit_state(&tx, commit).await?;
-                tx.commit().await?;
-                return Ok((revision, false));
+                // Nothing to release: the plain commit, then the transaction's (a refusal rolls
+                // it back, as the trait's default does).
+                return match self.commit_state(&tx, commit).await {
+                    Ok(revision) => {
+                        tx.commit().await?;
+                        Ok((revision, false))
+                    }
+                    Err(err) => {
+                        let _ = tx.rollback().await;
+                        Err(err)
+                    }
+                };
             }
             // The fenced commit and the COMMIT in one round trip (ADR 0034): a refusal is an
             // error at the server, which makes the COMMIT a rollback.

@@ -696,46 +696,33 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
     }
 }
 
-/// Entries of `wh_events`' indexes read since the server started, as this database's
-/// statistics say once every backend flushed its own: the caller ends its transactions (the
-/// flush happens when a backend goes idle), on a pool of one connection that asked for it.
-async fn wh_events_index_reads(db: &PgDatabase) -> i64 {
-    use lockstep_core::TransactionSource as _;
-    let tx = db.begin().await.expect("begin");
+/// Entries of `wh_events`' indexes read so far by the transaction `tx` (`idx_tup_read` of its
+/// own counts, not flushed yet: no other backend's can arrive in them).
+async fn wh_events_index_reads(tx: &PgTransaction) -> i64 {
     tx.client()
-        .batch_execute("SELECT pg_stat_force_next_flush()")
-        .await
-        .expect("flush the statistics");
-    tx.commit().await.expect("commit");
-    // A new transaction: statistics are read once per transaction and kept.
-    let tx = db.begin().await.expect("begin");
-    let read: i64 = tx
-        .client()
         .query_one(
-            "SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes \
-              WHERE relname = 'wh_events'",
+            "SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(i.indexrelid)), 0)::bigint \
+               FROM pg_index i WHERE i.indrelid = 'wh_events'::regclass",
             &[],
         )
         .await
         .expect("index reads")
-        .get(0);
-    tx.commit().await.expect("commit");
-    read
+        .get(0)
 }
 
 /// A rewind's first read and its next pages walk the stream's own events from the snapshot on,
 /// whatever the statistics say (ADR 0033). Two streams of 2 000 events, the second appended
 /// after the first, analysed: as plain statements planned with the statistics, the reads took
 /// the primary key from the snapshot's event with a filter on the stream, and read every later
-/// event of the other stream too. Counted in the server's statistics (entries of `wh_events`'
-/// indexes read), on a pool of one connection so that no other backend's counts arrive late.
+/// event of the other stream too. Counted in the server's statistics of the reading
+/// transaction (entries of `wh_events`' indexes read).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
     use lockstep_core::{StateCommit, TransactionSource as _};
     const LEN: usize = 2_000;
     const SNAPSHOT_AT: usize = 1_900;
     let f = fixture().await;
-    let db = PgDatabase::from_pool(f.db.pool(1));
+    let db = f.source.clone();
     let store = f.store.clone();
     let p = name("OwnRange");
     let (stream, other) = (StreamId::new_v7(), StreamId::new_v7());
@@ -791,10 +778,10 @@ async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
 
     // One page that reaches the stream's end, then pages of 60: the last of them too.
     for (page_events, want_pages) in [(1_000, 1), (60, 2)] {
-        let before = wh_events_index_reads(&db).await;
         let (db2, store2, pair2) = (db.clone(), store.clone(), pair.clone());
-        let (got, pages) = tokio::spawn(async move {
+        let (got, pages, read) = tokio::spawn(async move {
             let tx: PgTransaction = db2.begin().await.expect("begin");
+            let before = wh_events_index_reads(&tx).await;
             let page = PageLimits::new(page_events, 1 << 24).expect("page limits");
             let loaded = store2
                 .load_rewind(&tx, &pair2, page)
@@ -816,12 +803,12 @@ async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
                 more = next.more;
                 pages += 1;
             }
+            let read = wh_events_index_reads(&tx).await - before;
             tx.rollback().await.expect("rollback");
-            (got, pages)
+            (got, pages, read)
         })
         .await
         .expect("the spawned task");
-        let read = wh_events_index_reads(&db).await - before;
 
         assert_eq!(
             got,

@@ -22,7 +22,9 @@
 -- `wh_events_stream_event` can serve them as index bounds and in order, and with sorts,
 -- bitmap and sequential scans off for these functions alone, the generic plan is that index
 -- range — the stream's own events from the bound on, whatever the statistics. So the plan is
--- made once per session (`force_generic_plan`), not on every call.
+-- made once per session (`force_generic_plan`), not on every call. (The check of the pair's
+-- skipped events stays what V21's plans made it: the pair's skipped events read once and
+-- kept, compared with each event.)
 --
 -- Re-runnable.
 

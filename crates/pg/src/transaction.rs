@@ -182,6 +182,9 @@ impl WriteAtCommit {
     }
 }
 
+/// A statement's reply: its rows, or why it failed.
+type StatementOutcome = std::result::Result<Vec<Row>, tokio_postgres::Error>;
+
 /// How a statement's server error becomes the caller's error.
 type StatementErrorMap<'a> = Box<dyn FnOnce(tokio_postgres::Error) -> Error + Send + 'a>;
 
@@ -450,17 +453,64 @@ impl PgTransaction {
             }) => (Some((sql, params)), Some(map_error)),
             None => (None, None),
         };
-        let sent: Vec<_> = writes
+        let mut sent: Vec<_> = writes
             .iter()
             .zip(&params)
             .map(|(write, params)| (write.sql.as_str(), params.as_slice()))
             .chain(last_sent)
-            .map(|(sql, params)| client.query_typed(sql, params))
+            .map(|(sql, params)| Box::pin(client.query_typed(sql, params)))
             .collect();
+        // Each statement is handed to the connection on its first poll — or refused there by
+        // the client, unsent (a parameter that cannot be encoded). Then no COMMIT may follow:
+        // it would commit the rest of the transaction without the statement.
+        let mut early: Vec<Option<StatementOutcome>> = sent.iter().map(|_| None).collect();
+        std::future::poll_fn(|cx| {
+            for (slot, statement) in early.iter_mut().zip(sent.iter_mut()) {
+                if let std::task::Poll::Ready(outcome) = statement.as_mut().poll(cx) {
+                    *slot = Some(outcome);
+                }
+            }
+            std::task::Poll::Ready(())
+        })
+        .await;
+        if let Some(unsent) = early.iter_mut().find_map(|slot| match slot.take() {
+            Some(Err(e)) if e.as_db_error().is_none() && !e.is_closed() => Some(e),
+            other => {
+                *slot = other;
+                None
+            }
+        }) {
+            // The statements sent before it run ahead of the ROLLBACK; their replies are
+            // discarded by the connection.
+            drop(sent);
+            let refused = self.begin_refused().await;
+            if let Some(e) = refused {
+                return self
+                    .ran_outside_a_transaction(conn, e)
+                    .await
+                    .map(|()| Vec::new());
+            }
+            self.roll_back_and_release(conn).await;
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "a statement sent with the commit could not be encoded (a parameter of the \
+                 wrong type?): it was not sent, and the transaction was rolled back",
+            )
+            .with_source(unsent));
+        }
+        let statements = sent
+            .into_iter()
+            .zip(early)
+            .map(|(statement, early)| async move {
+                match early {
+                    Some(outcome) => outcome,
+                    None => statement.await,
+                }
+            });
         let (refused, (outcomes, commit)) = futures_util::future::join(
             self.begin_refused(),
             futures_util::future::join(
-                futures_util::future::join_all(sent),
+                futures_util::future::join_all(statements),
                 client.batch_execute("COMMIT"),
             ),
         )

@@ -689,9 +689,9 @@ async fn a_last_statement_sent_with_the_commit_returns_its_rows_or_rolls_everyth
         .commit_returning("INSERT INTO t VALUES (1)", &[], as_conflict)
         .await
         .expect_err("a duplicate");
-    assert_eq!(
-        err.kind(),
-        ErrorKind::Conflict,
+    assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
+    assert!(
+        err.to_string().contains("the last statement"),
         "the caller's mapping: {err}"
     );
     assert_eq!(
@@ -706,6 +706,67 @@ async fn a_last_statement_sent_with_the_commit_returns_its_rows_or_rolls_everyth
         pid,
         "the clean connection was pooled again"
     );
+}
+
+/// A held-back write or a last statement whose parameter cannot be encoded (a text bound as
+/// an `int4`) is refused by the client before anything is sent: the `COMMIT` must not follow
+/// it, or the rest of the transaction would commit without it. Both roll back, say so as
+/// invalid input, and pool the connection outside any transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_that_cannot_be_encoded_is_not_followed_by_the_commit() {
+    use tokio_postgres::types::Type;
+    let db = test_database().await;
+    let pool = db.pool(1);
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+    let task_pool = pool.clone();
+    let handler = tokio::spawn(async move {
+        let pool = task_pool;
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        tx.client()
+            .execute("INSERT INTO t VALUES (1)", &[])
+            .await
+            .expect("insert");
+        tx.write_at_commit(
+            lockstep_pg::WriteAtCommit::new("INSERT INTO t VALUES ($1)")
+                .bind("two".to_owned(), Type::INT4),
+        );
+        let held_back = tx.commit().await.expect_err("not encodable").kind();
+
+        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        let pid = backend_pid(tx.client()).await;
+        tx.client()
+            .execute("INSERT INTO t VALUES (3)", &[])
+            .await
+            .expect("insert");
+        tx.write_at_commit(insert_at_commit(4));
+        let last = tx
+            .commit_returning(
+                "INSERT INTO t VALUES ($1)",
+                &[(&"five", Type::INT4)],
+                as_conflict,
+            )
+            .await
+            .expect_err("not encodable")
+            .kind();
+        (held_back, last, pid)
+    });
+    let (held_back, last, pid) = handler.await.expect("the spawned task");
+    assert_eq!(
+        (held_back, last),
+        (ErrorKind::InvalidInput, ErrorKind::InvalidInput)
+    );
+    assert_eq!(
+        stored(&setup).await,
+        Vec::<i32>::new(),
+        "nothing of either transaction committed"
+    );
+    assert_eq!(backend_state(&setup, pid).await, "idle");
+    let conn = pool.get().await.expect("connection");
+    assert_eq!(backend_pid(&conn).await, pid, "pooled again");
 }
 
 /// ADR 0034: the statement and the `COMMIT` go out together. A reply lost after the `COMMIT`
@@ -728,6 +789,35 @@ async fn a_lost_reply_to_a_statement_sent_with_the_commit_is_commit_unknown() {
         .expect_err("the reply was lost");
     assert_eq!(err.kind(), ErrorKind::CommitUnknown, "{err}");
     assert!(!err.is_retryable());
+}
+
+/// ADR 0034: the statement and the `COMMIT` are one round trip (counted by a relay between the
+/// pool and the server). On one thread, so that the connection's task writes both requests
+/// together: on two, it may write the statement before the `COMMIT` is queued, and the relay
+/// counts a second burst if the statement's reply came back in between — the client still
+/// never waits for it.
+#[tokio::test]
+async fn the_statement_and_the_commit_are_one_round_trip() {
+    let db = test_database().await;
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+    let (relay, pool) = relayed(&db).await;
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    tx.client()
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .expect("insert");
+    let before = relay.round_trips();
+    let rows = tx
+        .commit_returning("INSERT INTO t VALUES (2) RETURNING x", &[], as_conflict)
+        .await
+        .expect("committed");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(relay.round_trips() - before, 1, "one round trip");
+    assert_eq!(stored(&setup).await, vec![1, 2]);
 }
 
 /// `PgTransactionRef::commit_returning`'s default (a transaction type that does not pipeline):
@@ -783,11 +873,13 @@ async fn the_default_last_statement_runs_it_then_commits() {
             PgTransactionRef::commit_returning(tx, "INSERT INTO t VALUES (1)", &[], as_conflict)
                 .await
                 .expect_err("a duplicate");
-        (rows.len(), err.kind())
+        (rows.len(), err.kind(), err.to_string())
     });
-    assert_eq!(
-        handler.await.expect("the spawned task"),
-        (1, ErrorKind::Conflict)
+    let (rows, kind, message) = handler.await.expect("the spawned task");
+    assert_eq!((rows, kind), (1, ErrorKind::Conflict));
+    assert!(
+        message.contains("the last statement"),
+        "the caller's mapping: {message}"
     );
     assert_eq!(stored(&setup).await, vec![1], "the failed one kept nothing");
 }

@@ -404,3 +404,122 @@ async fn a_short_rewind_whose_replay_outlasts_the_short_time_commits_in_a_transa
     );
     world.check().await;
 }
+
+/// ADR 0035: a JSON perspective's first read runs while the lease is acquired, so what it read
+/// may be older than the lease. Here the lease's acquire takes 300 ms; meanwhile a late event
+/// arrives inside the replayed range and another instance rewinds the pair with it, commits
+/// and releases. The first worker then gets the lease with a read that lacks the event: its
+/// fenced commit is refused (the cursor moved on), the rewind ends as a lost race, and the
+/// committed state is the other instance's — the fold of every event — with the request
+/// cleared and the lease released. From spawned tasks, with the concrete types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_read_older_than_its_lease_never_commits_over_a_newer_state() {
+    let db = FakeDatabase::new();
+    let source = Counting {
+        db: db.clone(),
+        begun: Arc::new(AtomicUsize::new(0)),
+    };
+    let events = InMemoryEventStore::new();
+    let locker = InMemoryStreamLocker::with_database(Default::default(), &db);
+    let store = InMemoryPerspectiveStore::new(&db, &events, &locker);
+    let (slow_locker, faults) = lockstep_testkit::FaultyStreamLocker::new(locker.clone());
+    let worker_with = |locker: Arc<dyn StreamLocker>| {
+        let mut registry = PerspectiveRegistry::new();
+        registry
+            .register(Fold {
+                delay: Duration::ZERO,
+            })
+            .expect("register");
+        PerspectiveWorker::new(
+            source.clone(),
+            store.clone(),
+            registry,
+            options(),
+            InstanceId::random(),
+            Some(locker),
+        )
+        .expect("worker")
+    };
+    let slow = Arc::new(worker_with(Arc::new(slow_locker)));
+    let other = Arc::new(worker_with(Arc::new(locker.clone())));
+    slow.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let ids = append(&db, &events, stream, (1..=300).map(|n| (Uuid::now_v7(), n))).await;
+    for _ in 0..100 {
+        if !other.run_once().await.did_work() {
+            break;
+        }
+    }
+    let pair = Pair::new(stream, fold());
+    let request = |from: Uuid| {
+        let (db, store, pair) = (db.clone(), store.clone(), pair.clone());
+        async move {
+            let tx = db.begin_now();
+            assert!(
+                store
+                    .request_rewind(&tx, &pair, Some(from))
+                    .await
+                    .expect("request")
+            );
+            tx.commit().await.expect("commit");
+        }
+    };
+    // A late event before the last one: a short rewind from the last snapshot.
+    let late = Uuid::from_u128(ids[ids.len() - 2].as_u128() + 1);
+    append(&db, &events, stream, [(late, -7)]).await;
+    request(late).await;
+
+    faults.set_latency(Duration::from_millis(300));
+    let rewinding = {
+        let slow = Arc::clone(&slow);
+        tokio::spawn(async move { slow.rewind(stream, &fold()).await })
+    };
+    // While the slow worker waits for its lease (its read done): another late event inside
+    // the range it read, and the other instance's rewind with it.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let later = Uuid::from_u128(ids[ids.len() - 3].as_u128() + 1);
+    append(&db, &events, stream, [(later, -8)]).await;
+    request(later).await;
+    let done = {
+        let other = Arc::clone(&other);
+        tokio::spawn(async move { other.rewind(stream, &fold()).await })
+            .await
+            .expect("no panic")
+            .expect("rewind")
+    };
+    assert!(
+        matches!(done, PairOutcome::Rewound { .. }),
+        "the other instance rewinds first: {done:?}"
+    );
+    let outcome = rewinding.await.expect("no panic").expect("rewind");
+    faults.clear();
+    // A lost race (the commit refused), not "nothing to do": the read was made before the
+    // other instance's commit, while the lease was being acquired.
+    assert!(
+        matches!(
+            outcome,
+            PairOutcome::Skipped(lockstep_worker::SkipReason::Busy)
+        ),
+        "the stale read's commit is refused: {outcome:?}"
+    );
+
+    let mut all = events.committed(stream);
+    all.sort_by_key(|e| e.event_id);
+    let expected: Vec<i64> = all.iter().filter_map(|e| e.payload.as_i64()).collect();
+    let state: Vec<i64> = store
+        .committed_state(stream, &fold())
+        .map(|s| serde_json::from_value(s).expect("a list"))
+        .expect("a state");
+    assert_eq!(
+        state, expected,
+        "the fold of every event, the late ones in place"
+    );
+    let tx = db.begin_now();
+    let cursor = store
+        .cursor(&tx, &pair)
+        .await
+        .expect("cursor")
+        .expect("a cursor");
+    assert!(cursor.rewind.is_none(), "the request is cleared");
+    assert!(cursor.lease.is_unlocked(), "the lease is released");
+}

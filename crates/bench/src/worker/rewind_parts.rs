@@ -5,7 +5,8 @@
 //!
 //! 1. acquire the `rewind` lease (`StreamLocker::try_acquire`, one statement);
 //! 2. `BEGIN`, `load_rewind` (the cursor, the snapshot before the trigger, the stream's events
-//!    after it less the skipped ones: one statement);
+//!    after it less the skipped ones: one statement) — the worker runs it while it acquires the
+//!    lease (ADR 0035), on another connection; here the two are timed one after the other;
 //! 3. the replay on tokio's blocking pool (`apply_while`);
 //! 4. on the same transaction (a short replay keeps it: ADR 0023), the fenced commit with a
 //!    new snapshot that also releases the lease, sent with the `COMMIT`
@@ -242,14 +243,10 @@ pub(super) async fn run(
     let ratio = |ms: f64| ms / full_ms;
     let in_trips = round_trips as f64 * rtt;
     let (typed, prepared) = (median(&typed), median(&prepared));
-    // What is left to save, from the steps' medians: the read and the commit outside an
-    // explicit transaction (no BEGIN). (The read and the commit call PL/pgSQL functions, which
-    // keep their statements' plans: nothing of them is planned per call but the call itself.)
-    let save_read = medians[1];
-    let no_tx = snapshot_ms - save_read;
     lines.push(format!(
         "The same calls as PerspectiveWorker::rewind (rewind_locked → rewind_under → \
-         restore_and_replay, commit_rewind), each timed, on a pool of the worker's size; the \
+         restore_and_replay, commit_rewind), each timed, one after the other (the worker \
+         overlaps the lease and the read), on a pool of the worker's size; the \
          worker's own rewind of the same pair alternates with them (order swapped every round), \
          both back to back, while the headline table's snapshot rewinds each follow a full one. \
          Bare round trip (SELECT 1, pooled connection): {rtt:.3} ms median, so {round_trips} \
@@ -263,12 +260,10 @@ pub(super) async fn run(
     lines.push(format!(
         "snapshot / full = {snapshot_ms:.2} / {full_ms:.2} ms = {:.4} (the headline); under \
          0.05 needs <= {budget:.2} ms. Back to back: the worker's rewind {worker_ms:.2} ms = \
-         {:.4}, its calls alone {total:.2} ms = {:.4}. Estimated from the steps (headline \
-         conditions): no BEGIN (-{save_read:.2} ms) {no_tx:.2} ms = {:.4}.",
+         {:.4}, its calls alone {total:.2} ms = {:.4}.",
         ratio(snapshot_ms),
         ratio(worker_ms),
         ratio(total),
-        ratio(no_tx),
     ));
     Ok(lines)
 }

@@ -4033,10 +4033,16 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
     register(&*fixture, std::slice::from_ref(&p)).await;
     let ids = ids(3);
     let stream = stream_with(&*fixture, &ids).await;
-    // The other write: a rewind request on another pair, made on the same transaction first.
-    // (Applied, so that it has a cursor on every store.)
-    let witness = stream_with(&*fixture, &[Uuid::now_v7()]).await;
-    apply(&*fixture, witness, &p, ALL_EVENTS, false).await;
+    // The other write: a rewind request on another pair, made on the same transaction first
+    // (one pair for the cases without a fence, one for the fenced commit that goes through;
+    // applied, so that they have a cursor on every store).
+    let (witness, fenced_witness) = (
+        stream_with(&*fixture, &[Uuid::now_v7()]).await,
+        stream_with(&*fixture, &[Uuid::now_v7()]).await,
+    );
+    for w in [witness, fenced_witness] {
+        apply(&*fixture, w, &p, ALL_EVENTS, false).await;
+    }
     let held = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
     let commit_for = |cursor: &Cursor, n: usize, fence: Option<LeaseId>| {
         let mut change = StateCommit::new(
@@ -4051,7 +4057,7 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
         change.fence = fence;
         change
     };
-    let requested = |fixture: Arc<F>| {
+    let requested = |fixture: Arc<F>, witness: StreamId| {
         let name = p.clone();
         async move {
             cursor(&*fixture, witness, &name)
@@ -4060,7 +4066,7 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
                 .is_some()
         }
     };
-    let with_witness = |fixture: Arc<F>| {
+    let with_witness = |fixture: Arc<F>, witness: StreamId| {
         let pair = lockstep_core::Pair::new(witness, p.clone());
         async move {
             let tx = begin(fixture.source()).await;
@@ -4094,14 +4100,14 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
             .map(|fence| (commit_for(&before, 1, Some(fence)), ErrorKind::LeaseLost)),
     );
     for (change, kind) in refusals {
-        let tx = with_witness(fixture.clone()).await;
+        let tx = with_witness(fixture.clone(), witness).await;
         let refused = fixture
             .store()
             .commit_state_releasing_and_end(tx, &change)
             .await;
         assert_eq!(refused.map_err(|e| e.kind()).err(), Some(kind));
         assert!(
-            !requested(fixture.clone()).await,
+            !requested(fixture.clone(), witness).await,
             "a refused commit ({kind:?}) committed the transaction's other write"
         );
         renew(&*fixture, &held).await;
@@ -4111,7 +4117,7 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
     assert_eq!(pending(&*fixture, stream, &p).await, ids);
 
     // No fence: committed with the other write, nothing released.
-    let tx = with_witness(fixture.clone()).await;
+    let tx = with_witness(fixture.clone(), witness).await;
     let (revision, released) = fixture
         .store()
         .commit_state_releasing_and_end(tx, &commit_for(&before, 1, None))
@@ -4119,20 +4125,25 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
         .expect("commit_state_releasing_and_end");
     assert_eq!((revision, released), (before.revision + 1, false));
     assert!(
-        requested(fixture.clone()).await,
+        requested(fixture.clone(), witness).await,
         "the other write committed"
     );
     renew(&*fixture, &held).await;
 
-    // Fenced on the live lease: committed, and released if the store says so.
+    // Fenced on the live lease: committed with the other write, and released if the store
+    // says so.
     let before = cursor(&*fixture, stream, &p).await.expect("cursor");
-    let tx = begin(fixture.source()).await;
+    let tx = with_witness(fixture.clone(), fenced_witness).await;
     let (revision, released) = fixture
         .store()
         .commit_state_releasing_and_end(tx, &commit_for(&before, 3, Some(held.id.clone())))
         .await
         .expect("commit_state_releasing_and_end");
     assert_eq!(revision, before.revision + 1);
+    assert!(
+        requested(fixture.clone(), fenced_witness).await,
+        "the other write committed with the fenced commit"
+    );
     let (after, stored) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
         (after.last_event_id, after.applied_count, stored),

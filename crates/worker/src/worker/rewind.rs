@@ -17,6 +17,16 @@
 //! transaction while user code runs (an `idle_in_transaction_session_timeout` would fail it on
 //! every retry).
 //!
+//! **The first read does not wait for the lease** (a JSON perspective's, ADR 0035): it runs
+//! while the lease is acquired, on another connection, so the two round trips overlap. It takes
+//! no lock and writes nothing; when the lease is not acquired (denied, busy, re-entered, an
+//! error) it is dropped and its transaction rolled back. What it read may be older than the
+//! lease: another instance's rewind may have committed between the read and the acquire. The
+//! fenced commit's compare-and-set on the cursor's revision refuses such a commit (a lost race:
+//! the pair is looked at again on a later cycle), so nothing read before the lease is ever
+//! committed over a newer state. A table perspective's rewind reads after the lease, as
+//! before (its reads and writes share the application's transaction).
+//!
 //! **Pages.** The events to replay are read in pages ([`crate::WorkerOptions::rewind_page`]:
 //! events and bytes, the first event always): the first with the cursor and the snapshot, each
 //! next one ([`PerspectiveStore::rewind_events`]) in a read transaction of its own while the one
@@ -72,12 +82,32 @@ where
         let span = tracing::info_span!("rewind", reason = "rewind", epoch = tracing::field::Empty);
         async move {
             let started = Instant::now();
-            // 1. Acquire the lease (denied: skip this pair, retry on a later cycle).
-            let lease = match &self.keeper {
-                Some(keeper) => match keeper
-                    .try_acquire(stream_id, name, &LockReason::Rewind)
-                    .await
-                {
+            // 1. Acquire the lease (denied: skip this pair, retry on a later cycle). A JSON
+            // perspective's first read runs meanwhile, on another connection (module docs); it
+            // is dropped, its transaction rolled back, unless the lease is acquired.
+            let pair = Pair::new(stream_id, name.clone());
+            let (leased, read) = match (&self.keeper, p) {
+                (Some(keeper), Kind::Json(_)) => {
+                    // Boxed: held next to the acquire, the read would make every future
+                    // that awaits a rewind (a cycle, a service's task) that much larger.
+                    let (leased, read) = tokio::join!(
+                        keeper.try_acquire(stream_id, name, &LockReason::Rewind),
+                        Box::pin(self.read_rewind(&pair))
+                    );
+                    (Some(leased), Some(read))
+                }
+                (Some(keeper), Kind::Table(_)) => (
+                    Some(
+                        keeper
+                            .try_acquire(stream_id, name, &LockReason::Rewind)
+                            .await,
+                    ),
+                    None,
+                ),
+                (None, _) => (None, None),
+            };
+            let lease = match leased {
+                Some(leased) => match leased {
                     Err(err) => return Err(err),
                     // Another task of this instance holds the lease (a worker sharing the
                     // instance id, an application's rebuild): busy, and not ours to release.
@@ -113,7 +143,10 @@ where
             // 2–3. The keeper keeps it alive while we restore and replay; a lost lease abandons
             // the work at once.
             let (outcome, released) = match p {
-                Kind::Json(p) => self.rewind_under(stream_id, name, p, lease.as_ref()).await,
+                Kind::Json(p) => {
+                    self.rewind_under(stream_id, name, p, lease.as_ref(), read)
+                        .await
+                }
                 Kind::Table(p) => {
                     self.table_rewind_under(stream_id, name, p, lease.as_ref())
                         .await
@@ -179,8 +212,12 @@ where
         name: &PerspectiveName,
         p: &Arc<dyn DynPerspective>,
         lease: Option<&HeldLease>,
+        read: Option<ReadOutcome<S::Tx>>,
     ) -> (std::result::Result<Rewind, PairError>, bool) {
-        match self.restore_and_replay(stream_id, name, p, lease).await {
+        match self
+            .restore_and_replay(stream_id, name, p, lease, read)
+            .await
+        {
             Ok(Replayed::Commit(commit, from_snapshot, failures, read)) => {
                 self.commit_rewind(&commit, from_snapshot, failures, lease, read)
                     .await
@@ -190,13 +227,53 @@ where
         }
     }
 
-    /// Restore and replay: the commit to make, or how the rewind ended before it.
+    /// The first read of a rewind (`load_rewind`: the cursor, the snapshot and the first page
+    /// of events, in one statement), and its transaction when a short replay is to keep it for
+    /// the commit (module docs).
+    async fn read_rewind(&self, pair: &Pair) -> ReadOutcome<S::Tx> {
+        let tx = self
+            .source
+            .begin()
+            .await
+            .map_err(|e| PairError::new(0, e))?;
+        let loaded = self
+            .store
+            .load_rewind(&tx, pair, self.options.rewind_page)
+            .await;
+        // A short replay keeps the transaction for its commit (module docs); otherwise it
+        // ends here. Read only: a failed rollback still ends it, and changes nothing.
+        let short = matches!(
+            &loaded,
+            Ok(Some(l)) if !l.more
+                && l.events.len() <= SHORT_REPLAY_EVENTS
+                && l.cursor.rewind.is_some()
+        );
+        let kept = if short {
+            Some((tx, Instant::now()))
+        } else {
+            let _ = tx.rollback().await;
+            None
+        };
+        match loaded {
+            Ok(loaded) => Ok((loaded, kept)),
+            Err(err) => {
+                // The pair's failures count towards its backoff and parking, as when the
+                // reads were separate and the cursor came first.
+                let failures = self.cursor_failures(pair).await.unwrap_or(0);
+                Err(PairError::new(failures, err))
+            }
+        }
+    }
+
+    /// Restore and replay: the commit to make, or how the rewind ended before it. `read`: the
+    /// first read, when it ran while the lease was acquired; `None` reads now.
     async fn restore_and_replay(
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
         p: &Arc<dyn DynPerspective>,
         lease: Option<&HeldLease>,
+        read: Option<ReadOutcome<S::Tx>>,
     ) -> std::result::Result<Replayed<S::Tx>, PairError> {
         let never = CancellationToken::new();
         let lost = lease.map_or(&never, HeldLease::lost);
@@ -204,42 +281,15 @@ where
         let pair = Pair::new(stream_id, name.clone());
         let page = self.options.rewind_page;
         // The cursor, the snapshot and the first page of events, in one statement
-        // (`load_rewind`).
-        let read = async {
-            let tx = self
-                .source
-                .begin()
-                .await
-                .map_err(|e| PairError::new(0, e))?;
-            let loaded = self.store.load_rewind(&tx, &pair, page).await;
-            // A short replay keeps the transaction for its commit (module docs); otherwise it
-            // ends here. Read only: a failed rollback still ends it, and changes nothing.
-            let short = matches!(
-                &loaded,
-                Ok(Some(l)) if !l.more
-                    && l.events.len() <= SHORT_REPLAY_EVENTS
-                    && l.cursor.rewind.is_some()
-            );
-            let kept = if short {
-                Some((tx, Instant::now()))
-            } else {
-                let _ = tx.rollback().await;
-                None
-            };
-            match loaded {
-                Ok(loaded) => Ok((loaded, kept)),
-                Err(err) => {
-                    // The pair's failures count towards its backoff and parking, as when the
-                    // reads were separate and the cursor came first.
-                    let failures = self.cursor_failures(&pair).await.unwrap_or(0);
-                    Err(PairError::new(failures, err))
-                }
-            }
-        };
-        let (loaded, kept) = tokio::select! {
-            biased;
-            () = lost.cancelled() => return Err(PairError::new(0, lease_lost())),
-            loaded = read => loaded?,
+        // (`load_rewind`): read already, or now.
+        let (loaded, kept) = match read {
+            Some(_) if lost.is_cancelled() => return Err(PairError::new(0, lease_lost())),
+            Some(read) => read?,
+            None => tokio::select! {
+                biased;
+                () = lost.cancelled() => return Err(PairError::new(0, lease_lost())),
+                read = self.read_rewind(&pair) => read?,
+            },
         };
         let Some(loaded) = loaded else {
             return Ok(Replayed::Done(Rewind::NothingToDo));
@@ -480,6 +530,11 @@ where
         }
     }
 }
+
+/// A rewind's first read: what it loaded (`None`: no cursor) and the transaction kept for the
+/// commit with the time of the read; `Err` with the pair's failure count.
+type ReadOutcome<Tx> =
+    std::result::Result<(Option<lockstep_core::RewindLoad>, Option<(Tx, Instant)>), PairError>;
 
 /// What [`PerspectiveWorker::restore_and_replay`] ends with.
 enum Replayed<Tx> {
