@@ -108,7 +108,9 @@ BEGIN
     IF k.rewind_trigger_event_id IS NULL THEN
         RETURN;
     END IF;
-    -- From the snapshot's event on (or the first), leaving the snapshot's own event out.
+    -- From the snapshot's event on (or the first), leaving the snapshot's own event out: the
+    -- page of `lockstep_rewind_page` below after the snapshot, written out rather than called,
+    -- so that the rows go through one tuplestore, not two.
     RETURN QUERY
     SELECT 1, NULL::uuid, NULL::bigint, NULL::bigint, NULL::uuid, NULL::timestamptz,
            NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text,

@@ -572,6 +572,56 @@ async fn the_operators_argument_checks_run_inside_spawned_tasks() {
     assert_eq!(borrowed, (true, Some(stream)));
 }
 
+/// Appends `len` numbered events to a new `stream` in a transaction of its own.
+async fn append_numbered(f: &PgFixture, stream: StreamId, len: usize) {
+    use lockstep_core::TransactionSource as _;
+    let events: Vec<NewEvent> = (0..len).map(|n| event(n as i64)).collect();
+    let tx = f.source.begin().await.expect("begin");
+    f.events
+        .append(&tx, stream, ExpectedVersion::NoStream, &events)
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+}
+
+/// Claims and commits the pair's events `ids[done..upto]` (its state an empty list), with a
+/// snapshot or not, in a transaction of its own.
+async fn apply_range(
+    f: &PgFixture,
+    pair: &Pair,
+    ids: &[uuid::Uuid],
+    done: usize,
+    upto: usize,
+    snapshot: bool,
+) {
+    use lockstep_core::{StateCommit, TransactionSource as _};
+    let tx = f.source.begin().await.expect("begin");
+    let cursor = match f
+        .store
+        .claim(&tx, pair, upto - done, RewindDebounce::NONE)
+        .await
+        .expect("claim")
+    {
+        Claim::Apply { cursor, .. } => cursor,
+        other => panic!("expected work, got {other:?}"),
+    };
+    let mut commit = StateCommit::new(
+        pair.stream_id,
+        pair.perspective.clone(),
+        cursor.revision,
+        serde_json::json!([]),
+    );
+    commit.last_event_id = Some(ids[upto - 1]);
+    commit.applied_count = upto as u64;
+    commit.applied_events = ids[done..upto].to_vec();
+    commit.snapshot = snapshot;
+    f.store
+        .commit_state(&tx, &commit)
+        .await
+        .expect("commit_state");
+    tx.commit().await.expect("commit");
+}
+
 /// A rewind's read on both sides of 1 000 events (the worker's short-replay bound, ADR 0023;
 /// and the bound of the cached-plan read tried and not taken in ADR 0025, whose two fallbacks
 /// these cases covered): with and without a snapshot, with events applied since the snapshot
@@ -579,7 +629,7 @@ async fn the_operators_argument_checks_run_inside_spawned_tasks() {
 /// no empty page after a full one — from a spawned task with the concrete types.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
-    use lockstep_core::{StateCommit, TransactionSource as _};
+    use lockstep_core::TransactionSource as _;
     let f = fixture().await;
     let (db, store) = (f.source.clone(), f.store.clone());
     let p = name("LongRewind");
@@ -600,13 +650,7 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
     ];
     for (len, snapshot_at, applied) in cases {
         let stream = StreamId::new_v7();
-        let events: Vec<NewEvent> = (0..len).map(|n| event(n as i64)).collect();
-        let tx = db.begin().await.expect("begin");
-        f.events
-            .append(&tx, stream, ExpectedVersion::NoStream, &events)
-            .await
-            .expect("append");
-        tx.commit().await.expect("commit");
+        append_numbered(&f, stream, len).await;
         let ids = stream_event_ids(&f, stream).await;
         let pair = Pair::new(stream, p.clone());
         // Apply the first events with a snapshot, then the rest of `applied` without one.
@@ -615,26 +659,7 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
             if upto <= done {
                 continue;
             }
-            let tx = db.begin().await.expect("begin");
-            let cursor = match store
-                .claim(&tx, &pair, upto - done, lockstep_core::RewindDebounce::NONE)
-                .await
-                .expect("claim")
-            {
-                lockstep_core::Claim::Apply { cursor, .. } => cursor,
-                other => panic!("expected work, got {other:?}"),
-            };
-            let mut commit =
-                StateCommit::new(stream, p.clone(), cursor.revision, serde_json::json!([]));
-            commit.last_event_id = Some(ids[upto - 1]);
-            commit.applied_count = upto as u64;
-            commit.applied_events = ids[done..upto].to_vec();
-            commit.snapshot = snapshot;
-            store
-                .commit_state(&tx, &commit)
-                .await
-                .expect("commit_state");
-            tx.commit().await.expect("commit");
+            apply_range(&f, &pair, &ids, done, upto, snapshot).await;
             done = upto;
         }
         let tx = db.begin().await.expect("begin");
@@ -718,7 +743,7 @@ async fn wh_events_index_reads(tx: &PgTransaction) -> i64 {
 /// transaction (entries of `wh_events`' indexes read).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
-    use lockstep_core::{StateCommit, TransactionSource as _};
+    use lockstep_core::TransactionSource as _;
     const LEN: usize = 2_000;
     const SNAPSHOT_AT: usize = 1_900;
     let f = fixture().await;
@@ -733,35 +758,13 @@ async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
         .expect("register");
     tx.commit().await.expect("commit");
     for s in [stream, other] {
-        let events: Vec<NewEvent> = (0..LEN).map(|n| event(n as i64)).collect();
-        let tx = db.begin().await.expect("begin");
-        f.events
-            .append(&tx, s, ExpectedVersion::NoStream, &events)
-            .await
-            .expect("append");
-        tx.commit().await.expect("commit");
+        append_numbered(&f, s, LEN).await;
     }
     let ids = stream_event_ids(&f, stream).await;
     let pair = Pair::new(stream, p.clone());
     // Applied up to a snapshot 100 events before the end, then a rewind from after it.
+    apply_range(&f, &pair, &ids, 0, SNAPSHOT_AT, true).await;
     let tx = db.begin().await.expect("begin");
-    let cursor = match store
-        .claim(&tx, &pair, SNAPSHOT_AT, RewindDebounce::NONE)
-        .await
-        .expect("claim")
-    {
-        Claim::Apply { cursor, .. } => cursor,
-        other => panic!("expected work, got {other:?}"),
-    };
-    let mut commit = StateCommit::new(stream, p.clone(), cursor.revision, serde_json::json!([]));
-    commit.last_event_id = Some(ids[SNAPSHOT_AT - 1]);
-    commit.applied_count = SNAPSHOT_AT as u64;
-    commit.applied_events = ids[..SNAPSHOT_AT].to_vec();
-    commit.snapshot = true;
-    store
-        .commit_state(&tx, &commit)
-        .await
-        .expect("commit_state");
     assert!(
         store
             .request_rewind(&tx, &pair, Some(ids[SNAPSHOT_AT + 50]))

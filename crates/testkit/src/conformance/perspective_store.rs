@@ -3885,6 +3885,28 @@ pub async fn a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes<
     rollback(tx).await;
 }
 
+/// A state change from `cursor` up to the `n`th of `ids` (`{"sum": n}`), fenced on `fence`.
+fn sum_commit_up_to(
+    stream: StreamId,
+    name: &PerspectiveName,
+    ids: &[Uuid],
+    cursor: &Cursor,
+    n: usize,
+    fence: Option<LeaseId>,
+) -> StateCommit {
+    let mut change = StateCommit::new(
+        stream,
+        name.clone(),
+        cursor.revision,
+        serde_json::json!({ "sum": n }),
+    );
+    change.last_event_id = Some(ids[n - 1]);
+    change.applied_count = n as u64;
+    change.applied_events = ids[cursor.applied_count as usize..n].to_vec();
+    change.fence = fence;
+    change
+}
+
 /// `commit_state_releasing` commits like `commit_state` and, when it reports the lease
 /// released, the lease is gone once the transaction commits (a renew is refused; another
 /// instance acquires it at once); a refused commit, a rolled-back transaction or a store that
@@ -3900,17 +3922,7 @@ pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commit
     let stream = stream_with(&*fixture, &ids).await;
     let held = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
     let commit_for = |cursor: &Cursor, n: usize, fence: Option<LeaseId>| {
-        let mut change = StateCommit::new(
-            stream,
-            p.clone(),
-            cursor.revision,
-            serde_json::json!({ "sum": n }),
-        );
-        change.last_event_id = Some(ids[n - 1]);
-        change.applied_count = n as u64;
-        change.applied_events = ids[cursor.applied_count as usize..n].to_vec();
-        change.fence = fence;
-        change
+        sum_commit_up_to(stream, &p, &ids, cursor, n, fence)
     };
 
     // Refused (a stale revision): nothing written, the lease held.
@@ -4045,17 +4057,7 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
     }
     let held = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
     let commit_for = |cursor: &Cursor, n: usize, fence: Option<LeaseId>| {
-        let mut change = StateCommit::new(
-            stream,
-            p.clone(),
-            cursor.revision,
-            serde_json::json!({ "sum": n }),
-        );
-        change.last_event_id = Some(ids[n - 1]);
-        change.applied_count = n as u64;
-        change.applied_events = ids[cursor.applied_count as usize..n].to_vec();
-        change.fence = fence;
-        change
+        sum_commit_up_to(stream, &p, &ids, cursor, n, fence)
     };
     let requested = |fixture: Arc<F>, witness: StreamId| {
         let name = p.clone();
