@@ -622,6 +622,33 @@ async fn apply_range(
     tx.commit().await.expect("commit");
 }
 
+/// A rewind's whole read on `tx`: the first read, then every next page (`page` each): what
+/// the first read loaded, every event id in order, and each page's length.
+async fn read_every_page(
+    store: &PgPerspectiveStore,
+    tx: &PgTransaction,
+    pair: &Pair,
+    page: PageLimits,
+) -> (lockstep_core::RewindLoad, Vec<uuid::Uuid>, Vec<usize>) {
+    let loaded = store
+        .load_rewind(tx, pair, page)
+        .await
+        .expect("load_rewind")
+        .expect("a cursor");
+    let mut got: Vec<uuid::Uuid> = loaded.events.iter().map(|e| e.event_id).collect();
+    let (mut more, mut pages) = (loaded.more, vec![loaded.events.len()]);
+    while more {
+        let next = store
+            .rewind_events(tx, pair, got.last().copied(), page)
+            .await
+            .expect("rewind_events");
+        got.extend(next.events.iter().map(|e| e.event_id));
+        pages.push(next.events.len());
+        more = next.more;
+    }
+    (loaded, got, pages)
+}
+
 /// A rewind's read on both sides of 1 000 events (the worker's short-replay bound, ADR 0023;
 /// and the bound of the cached-plan read tried and not taken in ADR 0025, whose two fallbacks
 /// these cases covered): with and without a snapshot, with events applied since the snapshot
@@ -676,24 +703,9 @@ async fn a_rewind_reads_every_event_on_both_sides_of_a_thousand() {
         let (loaded, got, pages) = tokio::spawn(async move {
             let tx: PgTransaction = db2.begin().await.expect("begin");
             let page = PageLimits::new(1_000, 1 << 24).expect("page limits");
-            let loaded = store2
-                .load_rewind(&tx, &pair2, page)
-                .await
-                .expect("load_rewind")
-                .expect("a cursor");
-            let mut got: Vec<uuid::Uuid> = loaded.events.iter().map(|e| e.event_id).collect();
-            let (mut more, mut pages) = (loaded.more, vec![loaded.events.len()]);
-            while more {
-                let next = store2
-                    .rewind_events(&tx, &pair2, got.last().copied(), page)
-                    .await
-                    .expect("rewind_events");
-                got.extend(next.events.iter().map(|e| e.event_id));
-                pages.push(next.events.len());
-                more = next.more;
-            }
+            let read = read_every_page(&store2, &tx, &pair2, page).await;
             tx.rollback().await.expect("rollback");
-            (loaded, got, pages)
+            read
         })
         .await
         .expect("the spawned task");
@@ -786,26 +798,12 @@ async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
             let tx: PgTransaction = db2.begin().await.expect("begin");
             let before = wh_events_index_reads(&tx).await;
             let page = PageLimits::new(page_events, 1 << 24).expect("page limits");
-            let loaded = store2
-                .load_rewind(&tx, &pair2, page)
-                .await
-                .expect("load_rewind")
-                .expect("a cursor");
+            let (loaded, got, pages) = read_every_page(&store2, &tx, &pair2, page).await;
             assert_eq!(
                 loaded.snapshot.map(|s| s.applied_count),
                 Some(SNAPSHOT_AT as u64)
             );
-            let mut got: Vec<uuid::Uuid> = loaded.events.iter().map(|e| e.event_id).collect();
-            let (mut more, mut pages) = (loaded.more, 1);
-            while more {
-                let next = store2
-                    .rewind_events(&tx, &pair2, got.last().copied(), page)
-                    .await
-                    .expect("rewind_events");
-                got.extend(next.events.iter().map(|e| e.event_id));
-                more = next.more;
-                pages += 1;
-            }
+            let pages = pages.len();
             let read = wh_events_index_reads(&tx).await - before;
             tx.rollback().await.expect("rollback");
             (got, pages, read)

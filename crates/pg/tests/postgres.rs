@@ -544,6 +544,17 @@ async fn a_connection_that_failed_with_a_lost_connection_is_not_pooled_again() {
     assert_eq!(pool.status().size, 1, "a healthy one is pooled");
 }
 
+/// A test database with a table `t (x int PRIMARY KEY)`, and a connection of its own to look.
+async fn database_with_table_t() -> (TestDatabase, tokio_postgres::Client) {
+    let db = test_database().await;
+    let setup = db.connect().await;
+    setup
+        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
+        .await
+        .expect("create");
+    (db, setup)
+}
+
 /// A write held back with `write_at_commit` until a pipelined commit.
 fn insert_at_commit(x: i32) -> lockstep_pg::WriteAtCommit {
     lockstep_pg::WriteAtCommit::new("INSERT INTO t VALUES ($1)")
@@ -556,13 +567,8 @@ fn insert_at_commit(x: i32) -> lockstep_pg::WriteAtCommit {
 /// pool outside any transaction.
 #[tokio::test]
 async fn writes_held_back_until_commit_are_stored_by_it_or_roll_everything_back() {
-    let db = test_database().await;
+    let (db, setup) = database_with_table_t().await;
     let pool = db.pool(1);
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     tx.client()
@@ -646,13 +652,8 @@ async fn stored(setup: &tokio_postgres::Client) -> Vec<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_last_statement_sent_with_the_commit_returns_its_rows_or_rolls_everything_back() {
     use tokio_postgres::types::Type;
-    let db = test_database().await;
+    let (db, setup) = database_with_table_t().await;
     let pool = db.pool(1);
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
 
     let (pool2, rows) = tokio::spawn(async move {
         let tx = PgTransaction::begin(&pool).await.expect("begin");
@@ -715,13 +716,8 @@ async fn a_last_statement_sent_with_the_commit_returns_its_rows_or_rolls_everyth
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_that_cannot_be_encoded_is_not_followed_by_the_commit() {
     use tokio_postgres::types::Type;
-    let db = test_database().await;
+    let (db, setup) = database_with_table_t().await;
     let pool = db.pool(1);
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
     let task_pool = pool.clone();
     let handler = tokio::spawn(async move {
         let pool = task_pool;
@@ -773,12 +769,7 @@ async fn a_statement_that_cannot_be_encoded_is_not_followed_by_the_commit() {
 /// was sent is `CommitUnknown` (both may have been applied), never a retryable error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_reply_to_a_statement_sent_with_the_commit_is_commit_unknown() {
-    let db = test_database().await;
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
+    let (db, _setup) = database_with_table_t().await;
     let (relay, pool) = relayed(&db).await;
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
@@ -798,12 +789,7 @@ async fn a_lost_reply_to_a_statement_sent_with_the_commit_is_commit_unknown() {
 /// never waits for it.
 #[tokio::test]
 async fn the_statement_and_the_commit_are_one_round_trip() {
-    let db = test_database().await;
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
+    let (db, setup) = database_with_table_t().await;
     let (relay, pool) = relayed(&db).await;
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     tx.client()
@@ -847,13 +833,8 @@ async fn the_default_last_statement_runs_it_then_commits() {
         }
     }
 
-    let db = test_database().await;
+    let (db, setup) = database_with_table_t().await;
     let pool = db.pool(1);
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
     let handler = tokio::spawn(async move {
         let tx = Plain(PgTransaction::begin(&pool).await.expect("begin"));
         let rows = PgTransactionRef::commit_returning(
@@ -888,12 +869,7 @@ async fn the_default_last_statement_runs_it_then_commits() {
 /// committed both), never a retryable error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_reply_to_a_pipelined_commit_is_commit_unknown() {
-    let db = test_database().await;
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
+    let (db, _setup) = database_with_table_t().await;
     let (relay, pool) = relayed(&db).await;
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
@@ -913,13 +889,8 @@ async fn a_lost_reply_to_a_pipelined_commit_is_commit_unknown() {
 /// connection instead of pooling it mid-transaction.
 #[tokio::test]
 async fn a_commit_dropped_in_flight_never_pools_its_connection() {
-    let db = test_database().await;
+    let (db, _setup) = database_with_table_t().await;
     let pool = db.pool(1);
-    let setup = db.connect().await;
-    setup
-        .batch_execute("CREATE TABLE t (x int PRIMARY KEY)")
-        .await
-        .expect("create");
 
     let tx = PgTransaction::begin(&pool).await.expect("begin");
     let pid = backend_pid(tx.client()).await;

@@ -3885,6 +3885,25 @@ pub async fn a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes<
     rollback(tx).await;
 }
 
+/// Two fences on `live`'s pair that are not the live lease: an earlier epoch of its holder, and
+/// its epoch with another holder.
+fn not_live(live: &LeaseId) -> [LeaseId; 2] {
+    [
+        LeaseId::new(
+            live.stream_id,
+            live.perspective.clone(),
+            live.holder,
+            LeaseEpoch::new(live.epoch.get() - 1),
+        ),
+        LeaseId::new(
+            live.stream_id,
+            live.perspective.clone(),
+            InstanceId::random(),
+            live.epoch,
+        ),
+    ]
+}
+
 /// A state change from `cursor` up to the `n`th of `ids` (`{"sum": n}`), fenced on `fence`.
 fn sum_commit_up_to(
     stream: StreamId,
@@ -3940,15 +3959,7 @@ pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commit
 
     // Fenced on a lease that is not the live one (an earlier epoch, another holder): refused
     // as lost, nothing written, the live lease held.
-    for fence in [
-        LeaseId::new(
-            stream,
-            p.clone(),
-            held.id.holder,
-            LeaseEpoch::new(held.id.epoch.get() - 1),
-        ),
-        LeaseId::new(stream, p.clone(), InstanceId::random(), held.id.epoch),
-    ] {
+    for fence in not_live(&held.id) {
         let tx = begin(fixture.source()).await;
         let refused = fixture
             .store()
@@ -4087,17 +4098,8 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
     let before = cursor(&*fixture, stream, &p).await.expect("cursor");
     let mut stale = commit_for(&before, 1, Some(held.id.clone()));
     stale.expected_revision += 1;
-    let not_live = [
-        LeaseId::new(
-            stream,
-            p.clone(),
-            held.id.holder,
-            LeaseEpoch::new(held.id.epoch.get() - 1),
-        ),
-        LeaseId::new(stream, p.clone(), InstanceId::random(), held.id.epoch),
-    ];
     let refusals = std::iter::once((stale, ErrorKind::Conflict)).chain(
-        not_live
+        not_live(&held.id)
             .into_iter()
             .map(|fence| (commit_for(&before, 1, Some(fence)), ErrorKind::LeaseLost)),
     );
