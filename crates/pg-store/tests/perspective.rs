@@ -509,6 +509,87 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
     assert!(!renewed, "the released lease cannot be renewed");
 }
 
+/// `commit_state_releasing_and_end` (ADR 0034) from inside `tokio::spawn` with the concrete
+/// types, as the worker calls it: the fenced commit sent with the `COMMIT` on the read's
+/// transaction commits the state and releases the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fenced_commit_with_the_commit_runs_inside_a_spawned_task() {
+    use lockstep_core::{StateCommit, TransactionSource as _};
+    let f = fixture().await;
+    let (db, store, locker) = (f.source.clone(), f.store.clone(), f.locker.clone());
+    let p = name("SpawnedCommitAndEnd");
+    let stream = StreamId::new_v7();
+    let tx = db.begin().await.expect("begin");
+    store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    f.events
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[event(1), event(2)],
+        )
+        .await
+        .expect("append");
+    assert!(
+        store
+            .request_rewind(&tx, &Pair::new(stream, p.clone()), None)
+            .await
+            .expect("request_rewind")
+    );
+    tx.commit().await.expect("commit");
+
+    let (db2, store2, p2) = (db.clone(), store.clone(), p.clone());
+    let handler = tokio::spawn(async move {
+        let lease = match locker
+            .try_acquire(stream, &p2, InstanceId::random(), &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+        {
+            AcquireOutcome::Acquired(lease) => lease,
+            other => panic!("expected the lease, got {other:?}"),
+        };
+        let tx: PgTransaction = db2.begin().await.expect("begin");
+        let loaded = store2
+            .load_rewind(&tx, &Pair::new(stream, p2.clone()), PageLimits::default())
+            .await
+            .expect("load_rewind")
+            .expect("a cursor");
+        let mut commit = StateCommit::new(
+            stream,
+            p2.clone(),
+            loaded.cursor.revision,
+            serde_json::json!([1, 2]),
+        );
+        commit.last_event_id = loaded.events.last().map(|e| e.event_id);
+        commit.applied_count = 2;
+        commit.applied_events = loaded.events.iter().map(|e| e.event_id).collect();
+        commit.rewound_from = loaded.cursor.rewind.map(|r| r.trigger);
+        commit.snapshot = true;
+        commit.fence = Some(lease.id.clone());
+        let (revision, released) = store2
+            .commit_state_releasing_and_end(tx, &commit)
+            .await
+            .expect("commit_state_releasing_and_end");
+        (revision, released, loaded.cursor.revision)
+    });
+    let (revision, released, before) = handler.await.expect("the spawned task");
+    assert_eq!(revision, before + 1);
+    assert!(released, "Postgres releases the lease with the commit");
+    let tx = db.begin().await.expect("begin");
+    let (cursor, state) = store
+        .state(&tx, &Pair::new(stream, p))
+        .await
+        .expect("state")
+        .expect("a cursor");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(state, Some(serde_json::json!([1, 2])));
+    assert!(cursor.rewind.is_none(), "the request is cleared");
+    assert!(cursor.lease.is_unlocked(), "the lease is released");
+}
+
 /// The operator's argument checks (`lockstep perspectives …`, ADR 0020's leftover): whether a
 /// name is registered and which stream an event belongs to, from a spawned task with the
 /// concrete types, on the owned transaction and on a borrowed `tokio_postgres` one.
