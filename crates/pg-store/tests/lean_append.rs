@@ -3,14 +3,12 @@
 //! for them are refused. (Replays, refusals, expected versions and races in one stream are the
 //! event-store conformance suite's, in `postgres.rs`.)
 
-use std::time::Duration;
-
 use deadpool_postgres::Pool;
 use lockstep_core::Transaction as _;
 use lockstep_core::{ErrorKind, EventStore, ExpectedVersion, NewEvent, StreamId};
 use lockstep_pg::{LockQueue, PgTransaction, migrate};
 use lockstep_pg_store::PgEventStore;
-use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+use lockstep_testkit::pg_harness::{TestDatabase, test_database, until_lock_waiters};
 
 async fn migrated() -> (TestDatabase, Pool) {
     let db = test_database().await;
@@ -144,8 +142,10 @@ async fn ids_another_transaction_stores_in_another_stream_meanwhile_are_refused(
                 (tx, result)
             })
         };
-        // Give the second writer a chance to reach its append (either way it must wait).
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The second writer must wait for the first, whichever way the first ends.
+        let observer = pool.get().await.expect("a connection");
+        until_lock_waiters(&observer, 1, "the second writer's append").await;
+        drop(observer);
         if first_commits {
             first.commit().await.expect("commit");
         } else {

@@ -28,7 +28,12 @@
 //!   request for its statement and closes its connection instead of pooling it, so no
 //!   statement keeps running and no lease is written for a caller that gave up. The request uses
 //!   the TLS connector of the [`lockstep_pg::PgDatabase`] the locker was built from (wired by
-//!   hand: [`PgStreamLocker::with_cancel_tls`]).
+//!   hand: [`PgStreamLocker::with_cancel_tls`]). What a dropped call may still do: a statement
+//!   the server finished in the instant of the drop stays done, and one still on its way to the
+//!   server (a cancel request can arrive first; it is sent again for 2 s) may run once it
+//!   arrives — exactly as the same call made a moment later would: renew and release act only
+//!   on a lease the caller still holds at that epoch, and a try-acquire's lease is the caller's
+//!   own, re-entered by its next try-acquire.
 //! - **No panics on stored values**: a row lockstep cannot read (an expiry past year 9999 or
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run

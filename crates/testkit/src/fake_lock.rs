@@ -247,6 +247,14 @@ impl FakeDatabase {
             .count()
     }
 
+    /// How many statements of any fake on this database wait right now for a lock, a row or a
+    /// version another transaction holds — what `pg_stat_activity.wait_event_type = 'Lock'`
+    /// shows on a server. A test waits on it instead of sleeping until a concurrent writer has
+    /// surely reached its wait.
+    pub fn waiting(&self) -> usize {
+        self.table().waits.len()
+    }
+
     /// Whether nothing is locked (no key, no cursor row of a fenced commit) and no statement of
     /// any fake waits on this database: what a test expects once every transaction has ended.
     pub fn is_idle(&self) -> bool {

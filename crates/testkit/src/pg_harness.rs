@@ -157,6 +157,36 @@ impl TestDatabase {
     }
 }
 
+/// How many backends of `client`'s database wait for a lock or a row right now
+/// (`pg_stat_activity.wait_event_type = 'Lock'`): in a test's own database, the test's own
+/// statements. A failed read panics (test code).
+pub async fn lock_waiters(client: &tokio_postgres::Client) -> usize {
+    let row = client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            &[],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("reading pg_stat_activity: {e}"));
+    usize::try_from(row.get::<_, i64>(0)).unwrap_or(usize::MAX)
+}
+
+/// Waits until at least `n` backends of `client`'s database wait for a lock or a row
+/// ([`lock_waiters`]): a test that needs "the other writer is waiting now" asks the server
+/// instead of sleeping, which a busy machine makes wrong. Bounded: panics naming `what` after
+/// 60 s.
+pub async fn until_lock_waiters(client: &tokio_postgres::Client, n: usize, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while lock_waiters(client).await < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not waiting for a lock after 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 impl Drop for TestDatabase {
     fn drop(&mut self) {
         // Drop runs inside (or outside) some runtime; a thread with its own runtime works in

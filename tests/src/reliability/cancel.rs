@@ -1,5 +1,4 @@
-//! Cancel safety: a dropped future at every await point of every operation (issue 8's suite,
-//! faults part).
+//! Cancel safety: a dropped future at every await point of every operation.
 //!
 //! Each operation's future is polled exactly `N` times, with real I/O in between (a short sleep,
 //! or a bare yield in the long run), and then dropped, for `N = 1, 2, …` until it completes
@@ -16,7 +15,11 @@
 //!   ADR 0002's addendum allows — a try-acquire the server finished in the instant of the drop —
 //!   is a lease for the caller's own instance id, and its next try-acquire must re-enter it
 //!   (same epoch, `reentered`); anything else is a violation. A lease operation dropped while it
-//!   waited for a row lock must not have happened once the row lock is released;
+//!   waited for a row lock — the server showed it waiting (`pg_stat_activity.wait_event_type =
+//!   'Lock'`) at the drop — must not have happened once the row lock is released. One dropped
+//!   before it reached the server may still run once it arrives, like a call made a moment
+//!   later (the contract of `PgStreamLocker`'s cancel safety); it must then have taken effect
+//!   entirely;
 //! - **no half-appended events**: a stream holds all of an append's events or none;
 //! - **the pool still works**: a checkout answers, outside any transaction.
 //!
@@ -102,6 +105,19 @@ async fn poll_n<F: Future>(
     gap: Gap,
     release: Option<&Notify>,
 ) -> (Option<F::Output>, bool) {
+    let (outcome, released, _) = poll_n_then(fut, n, gap, release, async || false).await;
+    (outcome, released)
+}
+
+/// [`poll_n`], asking `before_drop` (what the server shows) just before an unfinished `fut` is
+/// dropped; its answer is the third value (`false` when `fut` completed).
+async fn poll_n_then<F: Future>(
+    fut: F,
+    n: u32,
+    gap: Gap,
+    release: Option<&Notify>,
+    before_drop: impl AsyncFnOnce() -> bool,
+) -> (Option<F::Output>, bool, bool) {
     let mut fut = Box::pin(fut);
     let mut released = false;
     for i in 1..=n {
@@ -110,7 +126,7 @@ async fn poll_n<F: Future>(
         }
         let polled = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await;
         if let Poll::Ready(out) = polled {
-            return (Some(out), released);
+            return (Some(out), released, false);
         }
         if i == RELEASE_AFTER_POLLS
             && let Some(notify) = release
@@ -119,8 +135,9 @@ async fn poll_n<F: Future>(
             released = true;
         }
     }
+    let answer = before_drop().await;
     drop(fut);
-    (None, released)
+    (None, released, answer)
 }
 
 /// Every operation under test.
@@ -474,6 +491,19 @@ impl Ctx {
         Ok(left)
     }
 
+    /// Whether a backend of the case's pool (`app`) is waiting for a lock or row right now.
+    async fn waits_for_lock(&self, app: &str) -> anyhow::Result<bool> {
+        let row = self
+            .observer
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
+                  WHERE application_name = $1 AND wait_event_type = 'Lock')",
+                &[&app],
+            )
+            .await?;
+        Ok(row.try_get(0)?)
+    }
+
     /// Events of `stream`: how many, and whether their versions are exactly 1..=count.
     async fn events(&self, stream: StreamId) -> anyhow::Result<(i64, bool)> {
         let row = self
@@ -662,18 +692,32 @@ async fn lease_case(
             _ => Ok(()),
         }
     };
-    let (outcome, released) = poll_n(fut, n, gap, holder.as_ref().map(|_| &*release)).await;
+    let app = case_app(op_with_lock(op, row_locked), n);
+    // Dropped while it waited means: the server showed the statement waiting for the row at the
+    // drop. A drop before that (the statement still on its way, as on a busy machine) may let
+    // it run once it arrives, like a call made a moment later — renew, release and the admin
+    // operations act only on what the caller still holds — and such a drop is not checked as
+    // one that waited.
+    let (outcome, released, waited) = poll_n_then(
+        fut,
+        n,
+        gap,
+        holder.as_ref().map(|_| &*release),
+        async || holder.is_some() && ctx.waits_for_lock(&app).await.unwrap_or(false),
+    )
+    .await;
     let completed = outcome.is_some();
     if let Some(Err(e)) = &outcome {
         tally.violation(format!("{label}: the operation failed: {e}"));
     }
-    let app = case_app(op_with_lock(op, row_locked), n);
-    let early = holder.is_some() && !released;
+    let early = holder.is_some() && !released && waited;
     if let Some(holder) = holder {
         if early {
             // Dropped while it waited: the wait must end (cancel request) before the row is let
             // go, and the statement must not run once it is.
             ctx.settle(&app, false, false, label, tally).await;
+        }
+        if !released {
             release.notify_one();
         }
         join_holder(holder, label, tally).await;
@@ -873,10 +917,6 @@ async fn lock_wait_case(
             lock.acquire_for_transaction(&tx, &key, wait).await
         }
     };
-    let (outcome, released) = poll_n(fut, n, gap, holder.as_ref().map(|_| &*release)).await;
-    if let Some(Err(e)) = &outcome {
-        tally.violation(format!("{label}: the acquire failed: {e}"));
-    }
     let app = case_app(
         if load {
             Op::LoadLocked { held }
@@ -885,8 +925,21 @@ async fn lock_wait_case(
         },
         n,
     );
+    // As for the lease operations: "dropped while it waited" is what the server showed at the
+    // drop, not a count of polls.
+    let (outcome, released, waited) = poll_n_then(
+        fut,
+        n,
+        gap,
+        holder.as_ref().map(|_| &*release),
+        async || held && ctx.waits_for_lock(&app).await.unwrap_or(false),
+    )
+    .await;
+    if let Some(Err(e)) = &outcome {
+        tally.violation(format!("{label}: the acquire failed: {e}"));
+    }
     if let Some(holder) = holder {
-        let early = !released && outcome.is_none();
+        let early = !released && outcome.is_none() && waited;
         if early {
             // Dropped while it waited behind the holder: the server-side wait must end, and
             // the abandoned waiter must never get the lock once the holder lets go (its

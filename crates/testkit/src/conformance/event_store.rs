@@ -9,6 +9,7 @@
 //! Run it with [`event_store_conformance!`](crate::event_store_conformance) (one test per case),
 //! or call the cases or [`run_all`] yourself.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +18,7 @@ use lockstep_core::{
     TransactionSource, ValidationError, version_conflict,
 };
 
-use super::{begin, commit, rollback};
+use super::{begin, commit, rollback, until_waiting};
 
 /// What the suite needs from a backend: the store under test and owned transactions of the
 /// type it runs on.
@@ -36,6 +37,27 @@ pub trait EventStoreFixture: Send + Sync + 'static {
     /// backend). Committing a transaction aborted by a failed append must fail with
     /// [`ErrorKind::TransactionAborted`].
     fn source(&self) -> &Self::Source;
+
+    /// How many statements on the fixture's database wait right now for a row or lock that
+    /// another transaction holds (Postgres: backends of the test's database whose
+    /// `pg_stat_activity.wait_event_type` is `Lock`; the fakes:
+    /// [`FakeDatabase::waiting`](crate::FakeDatabase::waiting)). The concurrent cases wait on it
+    /// before ending the transaction a second writer must wait for, so they test that order on
+    /// a machine of any speed.
+    fn waiting(&self) -> impl Future<Output = usize> + Send;
+}
+
+/// A transaction source whose database shows how many statements wait
+/// ([`EventStoreFixture::waiting`]), so [`Fixture`] can serve the concurrent cases.
+pub trait ShowsWaits {
+    /// How many statements wait right now for a row or lock another transaction holds.
+    fn waiting(&self) -> impl Future<Output = usize> + Send;
+}
+
+impl ShowsWaits for crate::FakeDatabase {
+    fn waiting(&self) -> impl Future<Output = usize> + Send {
+        std::future::ready(crate::FakeDatabase::waiting(self))
+    }
 }
 
 /// A fixture made of a transaction source and a store running on its transactions (the
@@ -58,7 +80,7 @@ impl<S, St> Fixture<S, St> {
 
 impl<S, St> EventStoreFixture for Fixture<S, St>
 where
-    S: TransactionSource + 'static,
+    S: TransactionSource + ShowsWaits + Sync + 'static,
     St: EventStore<S::Tx> + 'static,
 {
     type Tx = S::Tx;
@@ -71,6 +93,10 @@ where
 
     fn source(&self) -> &S {
         &self.source
+    }
+
+    fn waiting(&self) -> impl Future<Output = usize> + Send {
+        self.source.waiting()
     }
 }
 
@@ -434,8 +460,8 @@ pub async fn a_concurrent_append_of_the_same_event_ids_stores_them_once<F: Event
                 (tx, result)
             })
         };
-        // Give the second writer a chance to reach its append (either way it must wait).
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The second writer must wait for the first, whichever way the first ends.
+        until_waiting(|| fixture.waiting(), 1, "the second writer's append").await;
         if first_commits {
             commit(first).await.expect("commit");
         } else {
@@ -505,8 +531,8 @@ pub async fn concurrent_appends_of_one_version_let_exactly_one_commit<F: EventSt
                 (tx, result)
             })
         };
-        // Give the second writer a chance to reach its append (either way it must wait).
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The second writer must wait for the first, whichever way the first ends.
+        until_waiting(|| fixture.waiting(), 1, "the second writer's append").await;
         if first_commits {
             commit(first).await.expect("commit");
         } else {
@@ -592,7 +618,7 @@ pub async fn load_locked_waits_for_the_holder_and_sees_its_commit<F: EventStoreF
             (events.len(), v)
         })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    until_waiting(|| fixture.waiting(), 1, "the second load_locked").await;
     commit(holder).await.expect("commit");
     let (loaded, v) = waiter.await.expect("waiter");
     assert_eq!(loaded, 1, "loaded after the holder's commit");

@@ -68,6 +68,24 @@ async fn rollback<T: Transaction>(tx: T) {
     tx.rollback().await.expect("rolling back");
 }
 
+/// Waits until `waiting()` shows at least `n` statements waiting for a lock or row held by
+/// another transaction: what the database says, not a guess at how long a concurrent writer
+/// takes to get there (which a busy machine makes wrong). Bounded: a writer that never waits
+/// within a minute fails the case with `what`.
+async fn until_waiting<Fut>(mut waiting: impl FnMut() -> Fut, n: usize, what: &str)
+where
+    Fut: std::future::Future<Output = usize>,
+{
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while waiting().await < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not waiting after 60 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
 /// Calls an `after_each:` check of the suite macros (a function, so the closure's argument
 /// type is known).
 #[doc(hidden)]
