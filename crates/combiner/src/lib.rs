@@ -59,7 +59,10 @@
 //!   committed with the batch — nobody hears the answer; its events carry ids (choose them with
 //!   [`lockstep_core::NewEvent::with_id`] in [`Decider::encode`] to find them later) — unless
 //!   that batch's attempt fails and is retried: a retry leaves out every command whose
-//!   submission is gone (nothing of it was committed).
+//!   submission is gone (nothing of it was committed); nor is it decided again when its batch
+//!   puts it back in the queue. Dropping costs O(log n) in the queue's length: the command is
+//!   removed by its key from its aggregate's own queue, under that queue's lock only, so a storm
+//!   of cancelled requests stays cheap and never holds up the other aggregates.
 //! - **One command's fault stays its own.** Events whose ids the store refuses (an id already
 //!   stored, or chosen by two commands of one batch) make it refuse the batch's append as a
 //!   whole; the batch's commands are then decided again one per batch, so that only the command
@@ -76,7 +79,7 @@
 //! ends when the queue is empty), so a caller that is cancelled never cancels a batch in flight:
 //! [`Combiner::submit`] needs a tokio runtime.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::Future;
 use std::io;
@@ -289,6 +292,7 @@ pub type Answer<D> = Result<Accepted, CombineError<<D as Decider>::Error>>;
 
 /// One queued command.
 struct Pending<D: Decider> {
+    /// Its place in its aggregate's queue (the order of the `submit` calls).
     seq: u64,
     command: D::Command,
     reply: oneshot::Sender<Answer<D>>,
@@ -296,48 +300,119 @@ struct Pending<D: Decider> {
     event_ids: Vec<Uuid>,
 }
 
-/// The queue of one aggregate.
+/// What one aggregate's queue holds: its open commands by sequence number, so that the next
+/// one is the first key, a dropped submission is removed by its key and a command put back
+/// returns to its place, each in O(log n).
+struct QueueState<D: Decider> {
+    pending: BTreeMap<u64, Pending<D>>,
+    next_seq: u64,
+}
+
+/// The queue of one aggregate, with a lock of its own: a submission dropped or a command taken
+/// on one aggregate never waits for another aggregate's queue, and no operation on a queue
+/// walks it (the one exception, a command put back by its batch and dropped since, is skipped
+/// and removed when it comes first — each such entry once).
 struct AggregateQueue<D: Decider> {
-    pending: VecDeque<Pending<D>>,
+    state: Mutex<QueueState<D>>,
+    #[cfg(test)]
+    scanned: Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// Every aggregate with queued commands or a batch in flight (an entry exists exactly while
-/// its batch task runs).
-struct Queues<D: Decider> {
-    map: Mutex<HashMap<Uuid, AggregateQueue<D>>>,
-    next_seq: std::sync::atomic::AtomicU64,
-}
-
-impl<D: Decider> Queues<D> {
-    fn lock(&self) -> MutexGuard<'_, HashMap<Uuid, AggregateQueue<D>>> {
-        // A panic while holding the map leaves it consistent (every change is one call).
-        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+impl<D: Decider> AggregateQueue<D> {
+    fn lock(&self) -> MutexGuard<'_, QueueState<D>> {
+        // A panic while holding the queue leaves it consistent (every change is one call).
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The next open command of `id`'s queue (dropped submissions are skipped).
-    fn pop(&self, id: Uuid) -> Option<Pending<D>> {
-        let mut map = self.lock();
-        let queue = map.get_mut(&id)?;
-        while let Some(next) = queue.pending.pop_front() {
+    /// Queues a command at the back, returning its sequence number.
+    fn push_back(&self, command: D::Command, reply: oneshot::Sender<Answer<D>>) -> u64 {
+        let mut state = self.lock();
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        state.pending.insert(
+            seq,
+            Pending {
+                seq,
+                command,
+                reply,
+                event_ids: Vec::new(),
+            },
+        );
+        seq
+    }
+
+    /// Removes the command `seq` (a submission dropped before a batch took it). The command is
+    /// dropped after the lock is released.
+    fn remove(&self, seq: u64) -> Option<Pending<D>> {
+        self.lock().pending.remove(&seq)
+    }
+
+    /// The next open command (put-back commands whose submission was dropped are removed).
+    fn pop(&self) -> Option<Pending<D>> {
+        let mut state = self.lock();
+        while let Some((_, next)) = state.pending.pop_first() {
             if !next.reply.is_closed() {
                 return Some(next);
             }
+            self.count_scanned();
         }
         None
     }
 
-    /// Puts commands back at the front of `id`'s queue, in their order.
-    fn push_front(&self, id: Uuid, commands: Vec<Pending<D>>) {
+    /// Whether an open command is queued (put-back commands whose submission was dropped are
+    /// removed from the front first).
+    fn has_open(&self) -> bool {
+        let mut state = self.lock();
+        while let Some(first) = state.pending.first_entry() {
+            if !first.get().reply.is_closed() {
+                return true;
+            }
+            first.remove();
+            self.count_scanned();
+        }
+        false
+    }
+
+    /// Puts commands of a batch back in their places: ahead of every command queued after
+    /// them, in their order.
+    fn put_back(&self, commands: Vec<Pending<D>>) {
         if commands.is_empty() {
             return;
         }
-        let mut map = self.lock();
-        let queue = map.entry(id).or_insert_with(|| AggregateQueue {
-            pending: VecDeque::new(),
-        });
-        for command in commands.into_iter().rev() {
-            queue.pending.push_front(command);
+        let mut state = self.lock();
+        for command in commands {
+            state.pending.insert(command.seq, command);
         }
+    }
+
+    /// Takes every queued command out (the queue's task is gone).
+    fn take_all(&self) -> BTreeMap<u64, Pending<D>> {
+        std::mem::take(&mut self.lock().pending)
+    }
+
+    /// Counts, for the tests, an entry that a queue operation visited besides the one it took
+    /// or removed.
+    fn count_scanned(&self) {
+        #[cfg(test)]
+        self.scanned
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Every aggregate with queued commands or a batch in flight (an entry exists exactly while
+/// its batch task runs). The map's lock is held only to find, add or remove an aggregate's
+/// queue (and, when adding a command, for that queue's O(log n) insert, so that a task that
+/// saw its queue empty and ends cannot miss it).
+struct Queues<D: Decider> {
+    map: Mutex<HashMap<Uuid, Arc<AggregateQueue<D>>>>,
+    #[cfg(test)]
+    scanned: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<D: Decider> Queues<D> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Uuid, Arc<AggregateQueue<D>>>> {
+        // A panic while holding the map leaves it consistent (every change is one call).
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -398,7 +473,8 @@ where
                 options,
                 queues: Arc::new(Queues {
                     map: Mutex::new(HashMap::new()),
-                    next_seq: std::sync::atomic::AtomicU64::new(0),
+                    #[cfg(test)]
+                    scanned: Arc::default(),
                 }),
             }),
         }
@@ -421,10 +497,6 @@ where
     /// [`CombineError::Failed`] ([`ErrorKind::Unsupported`]) and nothing is queued.
     pub fn submit(&self, id: Uuid, command: D::Command) -> Submission<D> {
         let (reply, answer) = oneshot::channel();
-        let queues = Arc::clone(&self.inner.queues);
-        let seq = queues
-            .next_seq
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let runtime = match tokio::runtime::Handle::try_current() {
             Ok(runtime) => runtime,
             Err(_) => {
@@ -438,28 +510,27 @@ where
                 };
             }
         };
-        let pending = Pending {
-            seq,
-            command,
-            reply,
-            event_ids: Vec::new(),
-        };
-        let start = {
-            let mut map = queues.lock();
-            match map.get_mut(&id) {
-                Some(queue) => {
-                    queue.pending.push_back(pending);
-                    false
-                }
+        let (queue, seq, start) = {
+            let mut map = self.inner.queues.lock();
+            let (queue, start) = match map.get(&id) {
+                Some(queue) => (Arc::clone(queue), false),
                 None => {
-                    let mut queue = AggregateQueue {
-                        pending: VecDeque::new(),
-                    };
-                    queue.pending.push_back(pending);
-                    map.insert(id, queue);
-                    true
+                    let queue = Arc::new(AggregateQueue {
+                        state: Mutex::new(QueueState {
+                            pending: BTreeMap::new(),
+                            next_seq: 0,
+                        }),
+                        #[cfg(test)]
+                        scanned: Arc::clone(&self.inner.queues.scanned),
+                    });
+                    map.insert(id, Arc::clone(&queue));
+                    (queue, true)
                 }
-            }
+            };
+            // Under the map's lock: the aggregate's task, once it saw the queue empty, removes
+            // it under this lock, so the command is in a queue that a task serves.
+            let seq = queue.push_back(command, reply);
+            (queue, seq, start)
         };
         if start {
             // The guard exists before the task: a task dropped unpolled (its runtime is shutting
@@ -470,25 +541,30 @@ where
                 id,
                 done: false,
             };
-            runtime.spawn(run_aggregate(Arc::clone(&self.inner), id, guard));
+            runtime.spawn(run_aggregate(
+                Arc::clone(&self.inner),
+                id,
+                Arc::clone(&queue),
+                guard,
+            ));
         }
         Submission {
             answer,
-            queued: Some(Queued { queues, id, seq }),
+            queued: Some(Queued { queue, id, seq }),
         }
     }
 }
 
 /// Where a submission waits in its queue, to remove it if it is dropped before its turn.
 struct Queued<D: Decider> {
-    queues: Arc<Queues<D>>,
+    queue: Arc<AggregateQueue<D>>,
     id: Uuid,
     seq: u64,
 }
 
 /// The answer of one [`Combiner::submit`]: a future (`Send`, `'static`) resolving to
 /// [`Accepted`] or a [`CombineError`]. Dropping it before its batch took the command removes
-/// the command from the queue; dropped later, the command is committed with its batch (unless
+/// the command from the queue (in O(log n), holding up no other aggregate); dropped later, the command is committed with its batch (unless
 /// the batch is retried: a retry leaves it out).
 pub struct Submission<D: Decider> {
     answer: oneshot::Receiver<Answer<D>>,
@@ -526,12 +602,11 @@ impl<D: Decider> Future for Submission<D> {
 }
 
 impl<D: Decider> Drop for Submission<D> {
+    /// Removes the command by its key, under its aggregate's lock only (O(log n)); a command a
+    /// batch already took is not in the queue, and is left to its batch.
     fn drop(&mut self) {
         if let Some(queued) = self.queued.take() {
-            let mut map = queued.queues.lock();
-            if let Some(queue) = map.get_mut(&queued.id) {
-                queue.pending.retain(|p| p.seq != queued.seq);
-            }
+            drop(queued.queue.remove(queued.seq));
         }
     }
 }
@@ -553,7 +628,8 @@ impl<D: Decider> Drop for TaskGuard<D> {
             return;
         }
         let removed = self.queues.lock().remove(&self.id);
-        for pending in removed.into_iter().flat_map(|q| q.pending) {
+        let pending = removed.map(|queue| queue.take_all()).unwrap_or_default();
+        for pending in pending.into_values() {
             let _ = pending.reply.send(Err(CombineError::Failed(Error::new(
                 ErrorKind::Cancelled,
                 "the combiner stopped (its runtime shut down) before deciding this command; \
@@ -567,8 +643,12 @@ impl<D: Decider> Drop for TaskGuard<D> {
 /// refused as a whole ([`ErrorKind::InvalidInput`]: an event id one of its commands chose is
 /// already stored, or two chose the same), its commands are decided again one per batch, so
 /// that only the command at fault is refused.
-async fn run_aggregate<Src, St, D>(inner: Arc<Inner<Src, St, D>>, id: Uuid, mut guard: TaskGuard<D>)
-where
+async fn run_aggregate<Src, St, D>(
+    inner: Arc<Inner<Src, St, D>>,
+    id: Uuid,
+    queue: Arc<AggregateQueue<D>>,
+    mut guard: TaskGuard<D>,
+) where
     Src: TransactionSource,
     St: EventStore<Src::Tx>,
     D: Decider,
@@ -581,15 +661,16 @@ where
         } else {
             inner.options.max_commands.get()
         };
-        if let Some(refused) = run_batch(&inner, id, max).await {
+        if let Some(refused) = run_batch(&inner, &queue, id, max).await {
             alone = refused;
         }
+        if queue.has_open() {
+            continue;
+        }
+        // Seen empty: look again under the map's lock, which every submission holds while it
+        // adds its command.
         let mut map = inner.queues.lock();
-        let empty = map.get_mut(&id).is_none_or(|q| {
-            q.pending.retain(|p| !p.reply.is_closed());
-            q.pending.is_empty()
-        });
-        if empty {
+        if !queue.has_open() {
             map.remove(&id);
             guard.done = true;
             return;
@@ -607,7 +688,12 @@ enum Decision<E> {
 /// One batch of at most `max` commands: attempts under the retry policy, then every taken
 /// command answered. `Some(n)`: the batch's append was refused as a whole and its `n` commands
 /// were put back, unanswered, to be decided one per batch.
-async fn run_batch<Src, St, D>(inner: &Inner<Src, St, D>, id: Uuid, max: usize) -> Option<usize>
+async fn run_batch<Src, St, D>(
+    inner: &Inner<Src, St, D>,
+    queue: &AggregateQueue<D>,
+    id: Uuid,
+    max: usize,
+) -> Option<usize>
 where
     Src: TransactionSource,
     St: EventStore<Src::Tx>,
@@ -616,7 +702,7 @@ where
     let mut taken: Vec<Pending<D>> = Vec::new();
     let mut attempt = 1;
     loop {
-        match attempt_batch(inner, id, &mut taken, max).await {
+        match attempt_batch(inner, queue, id, &mut taken, max).await {
             Ok(decisions) => {
                 let batch_commands = taken.len();
                 for (pending, decision) in taken.into_iter().zip(decisions) {
@@ -647,7 +733,7 @@ where
                     // The store refused the batch's events as a whole, for one command's ids:
                     // nothing was committed; decide them again one per batch.
                     let n = taken.len();
-                    inner.queues.push_front(id, taken);
+                    queue.put_back(taken);
                     return Some(n);
                 }
                 let error = if taken.is_empty() {
@@ -655,7 +741,7 @@ where
                     // that would have formed the batch get the error. None of them was
                     // decided, so a lost reply to the empty batch's COMMIT is no news for them.
                     while taken.len() < inner.options.max_commands.get() {
-                        match inner.queues.pop(id) {
+                        match queue.pop() {
                             Some(next) => taken.push(next),
                             None => break,
                         }
@@ -700,6 +786,7 @@ fn answer_failure<D: Decider>(taken: Vec<Pending<D>>, error: &Error) {
 /// batch's commands in order, also when the attempt fails.
 async fn attempt_batch<Src, St, D>(
     inner: &Inner<Src, St, D>,
+    queue: &AggregateQueue<D>,
     id: Uuid,
     taken: &mut Vec<Pending<D>>,
     max: usize,
@@ -710,7 +797,7 @@ where
     D: Decider,
 {
     let tx = inner.source.begin().await?;
-    match decide_batch(inner, &tx, id, taken, max).await {
+    match decide_batch(inner, queue, &tx, id, taken, max).await {
         Ok(decisions) => {
             tx.commit().await?;
             Ok(decisions)
@@ -730,6 +817,7 @@ where
 /// commits nothing) and are decided again in the next batch, on the state loaded anew.
 async fn decide_batch<Src, St, D>(
     inner: &Inner<Src, St, D>,
+    queue: &AggregateQueue<D>,
     tx: &Src::Tx,
     id: Uuid,
     taken: &mut Vec<Pending<D>>,
@@ -770,7 +858,7 @@ where
         let Some(mut next) = replay
             .by_ref()
             .find(|p| !p.reply.is_closed())
-            .or_else(|| inner.queues.pop(id))
+            .or_else(|| queue.pop())
         else {
             break;
         };
@@ -794,7 +882,7 @@ where
                         // Too big for this batch: it leads the next one.
                         let mut back = vec![next];
                         back.extend(&mut replay);
-                        inner.queues.push_front(id, back);
+                        queue.put_back(back);
                         break;
                     }
                     let evolved = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -810,7 +898,7 @@ where
                             let _ = next.reply.send(Err(CombineError::Failed(error)));
                             let mut back = std::mem::take(taken);
                             back.extend(replay);
-                            inner.queues.push_front(id, back);
+                            queue.put_back(back);
                             return Ok(Vec::new());
                         }
                     };
@@ -831,7 +919,7 @@ where
         taken.push(next);
     }
     // Commands of an earlier attempt that no longer fit lead the next batch.
-    inner.queues.push_front(id, replay.collect());
+    queue.put_back(replay.collect());
     if !events.is_empty() {
         inner
             .store
@@ -885,4 +973,157 @@ fn json_len(value: &lockstep_core::serde_json::Value) -> usize {
     // Writing a `Value` to a sink that never fails cannot fail.
     let _ = lockstep_core::serde_json::to_writer(&mut count, value);
     count.0
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::mpsc as std_mpsc;
+
+    use lockstep_core::{AggregateType, RecordedEvent};
+    use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
+    use tokio::sync::{Semaphore, mpsc};
+
+    use super::*;
+
+    /// Counts: command `n` appends one event; command 0 first waits for a permit of the gate.
+    /// Every decision's command is sent to `entered` when it starts.
+    struct Gated {
+        ty: AggregateType,
+        gate: Arc<Semaphore>,
+        entered: mpsc::UnboundedSender<u64>,
+    }
+
+    impl Decider for Gated {
+        type State = u64;
+        type Command = u64;
+        type Event = u64;
+        type Error = String;
+
+        fn aggregate_type(&self) -> &AggregateType {
+            &self.ty
+        }
+
+        fn initial_state(&self, _id: Uuid) -> u64 {
+            0
+        }
+
+        async fn decide(&self, _state: &u64, n: &u64) -> std::result::Result<Vec<u64>, String> {
+            let _ = self.entered.send(*n);
+            if *n == 0 {
+                self.gate
+                    .acquire()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .forget();
+            }
+            Ok(vec![*n])
+        }
+
+        fn evolve(&self, state: u64, n: &u64) -> u64 {
+            state + n
+        }
+
+        fn encode(&self, n: &u64) -> lockstep_core::Result<NewEvent> {
+            NewEvent::new("Counted", lockstep_core::serde_json::json!({ "n": n }))
+        }
+
+        fn decode(&self, event: &RecordedEvent) -> lockstep_core::Result<u64> {
+            Ok(event.payload["n"].as_u64().unwrap_or(0))
+        }
+    }
+
+    type GatedCombiner = Combiner<FakeDatabase, InMemoryEventStore, Gated>;
+
+    /// A combiner whose aggregate `id` is deciding command 0, held at the gate: every later
+    /// submission for `id` waits in the queue until the gate opens.
+    async fn deciding_at_the_gate(id: Uuid) -> (GatedCombiner, Arc<Semaphore>, Submission<Gated>) {
+        let gate = Arc::new(Semaphore::new(0));
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let decider = Gated {
+            ty: AggregateType::new("Gated").expect("valid"),
+            gate: Arc::clone(&gate),
+            entered: tx,
+        };
+        let options = CombinerOptions::default().max_batch_time(Duration::from_secs(30));
+        let c = Combiner::with_options(
+            FakeDatabase::new(),
+            InMemoryEventStore::new(),
+            decider,
+            options,
+        );
+        let head = c.submit(id, 0);
+        let started = tokio::time::timeout(Duration::from_secs(10), entered.recv())
+            .await
+            .expect("the first decision started within 10 s");
+        assert_eq!(started, Some(0));
+        (c, gate, head)
+    }
+
+    /// A storm of dropped submissions costs no scan of the queue: dropping each of `n` queued
+    /// submissions removes it by its key, and the batches that follow skip at most the
+    /// entries they remove, so the whole storm visits at most `n` entries (a scan per drop
+    /// would visit about n²/2). The dropped commands are never decided.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropping_queued_submissions_visits_each_entry_at_most_once() {
+        const N: u64 = 2_000;
+        let id = Uuid::now_v7();
+        let (c, gate, head) = deciding_at_the_gate(id).await;
+        let dropped: Vec<_> = (1..=N).map(|n| c.submit(id, n)).collect();
+        let kept = c.submit(id, N + 1);
+        drop(dropped);
+        gate.add_permits(1);
+        let head = head.await.expect("accepted");
+        assert_eq!(
+            head.batch_commands(),
+            2,
+            "the dropped commands were not decided"
+        );
+        assert_eq!(kept.await.expect("accepted").last_version(), 2);
+        let scanned = c.inner.queues.scanned.load(Ordering::Relaxed);
+        assert!(
+            scanned <= N,
+            "dropping {N} queued submissions visited {scanned} queue entries"
+        );
+    }
+
+    /// Dropping a queued submission and serving an aggregate's queue never wait for the lock
+    /// every aggregate shares: while another thread holds it, a queued submission is dropped
+    /// (on a thread of its own, which signals when it is done) and the aggregate's batch takes
+    /// its next command and answers it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropping_and_serving_a_queue_never_wait_for_the_combiner_wide_lock() {
+        let id = Uuid::now_v7();
+        let (c, gate, head) = deciding_at_the_gate(id).await;
+        let dropped = c.submit(id, 1);
+        let kept = c.submit(id, 2);
+        let queues = Arc::clone(&c.inner.queues);
+        let (held, lock_held) = std_mpsc::channel();
+        // Dropped (also when the test fails) to let the lock go.
+        let (release, released) = std_mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _every_aggregate = queues.lock();
+            let _ = held.send(());
+            let _ = released.recv();
+        });
+        lock_held.recv().expect("the combiner-wide lock is held");
+        let (done, dropping) = std_mpsc::channel();
+        std::thread::spawn(move || {
+            drop(dropped);
+            let _ = done.send(());
+        });
+        let answered = dropping.recv_timeout(Duration::from_secs(10));
+        assert!(
+            answered.is_ok(),
+            "dropping a queued submission waited for the combiner-wide lock"
+        );
+        gate.add_permits(1);
+        let answers =
+            tokio::time::timeout(Duration::from_secs(10), async { (head.await, kept.await) }).await;
+        drop(release);
+        holder.join().expect("the lock's holder");
+        let (head, kept) = answers.expect("the batch took its next command and answered");
+        assert_eq!(head.expect("accepted").batch_commands(), 2);
+        assert_eq!(kept.expect("accepted").last_version(), 2);
+    }
 }

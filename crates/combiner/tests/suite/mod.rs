@@ -1,9 +1,10 @@
 //! The combiner's behaviour, written once and run on the testkit's fakes (`tests/fakes.rs`)
 //! and on PostgreSQL (`tests/postgres.rs`): FIFO decisions, per-command answers, a business
 //! error or an unstorable event in the middle of a batch, an event id already stored or chosen
-//! twice, a panicking decider, a conflicting commit (retried and re-decided), a submission
-//! dropped while its batch is retried, a failed commit, a lost `COMMIT` reply, dropped
-//! submissions, the bounds, and two processes on one aggregate.
+//! twice (also with a submission dropped in the refused batch), a panicking decider, a
+//! conflicting commit (retried and re-decided), a submission dropped while its batch is
+//! retried, a failed commit, a lost `COMMIT` reply, dropped submissions, the bounds, and two
+//! processes on one aggregate.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -443,6 +444,52 @@ pub async fn an_event_id_already_stored_or_chosen_twice_refuses_only_its_command
     assert_eq!(reserved_tags(&src, &store, id).await, vec![9, 0, 1, 4]);
 }
 
+/// A submission dropped while its batch had taken it, in a batch whose append is then refused
+/// as a whole, goes back to the queue with the others but is never decided again: the
+/// commands are decided again one per batch without it, and the aggregate's task ends.
+pub async fn a_submission_dropped_in_a_refused_batch_is_not_decided_again<B: Backend>(b: &B) {
+    let (c, mut shop) = combiner(b, patient());
+    let id = Uuid::now_v7();
+    stocked(&c, id, 10).await;
+    let chosen_id = Uuid::now_v7();
+    let first = c.submit(id, gated(1, 0));
+    shop.entered(0).await;
+    let one = c.submit(
+        id,
+        Cmd::Tagged {
+            tag: 1,
+            id: chosen_id,
+        },
+    );
+    let twice = c.submit(
+        id,
+        Cmd::Tagged {
+            tag: 2,
+            id: chosen_id,
+        },
+    );
+    let dropped = c.submit(id, gated(1, 3));
+    shop.let_one();
+    shop.entered(3).await;
+    drop(dropped);
+    shop.open();
+    assert_eq!(first.await.expect("accepted").last_version(), 2);
+    assert_eq!(one.await.expect("accepted").last_version(), 3);
+    let err = twice.await.expect_err("chosen twice");
+    assert_eq!(err.kind(), Some(ErrorKind::InvalidInput), "{err:?}");
+    // The next command finds the aggregate served (the task ended or took it).
+    assert_eq!(
+        c.submit(id, reserve(1, 4))
+            .await
+            .expect("accepted")
+            .last_version(),
+        4
+    );
+    assert_eq!(shop.decided(), vec![0, 1, 2, 3, 0, 1, 2, 4]);
+    let (src, store) = b.process();
+    assert_eq!(reserved_tags(&src, &store, id).await, vec![0, 1, 4]);
+}
+
 /// A decider that panics fails the command it was deciding, alone (not retryable): in `decide`
 /// the batch goes on; in `evolve` the commands before it are decided again in a new batch.
 /// Nothing of the panicking commands is appended, and the aggregate keeps serving.
@@ -817,6 +864,10 @@ macro_rules! combiner_suite {
                 &$make.await,
             )
             .await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_submission_dropped_in_a_refused_batch_is_not_decided_again() {
+            suite::a_submission_dropped_in_a_refused_batch_is_not_decided_again(&$make.await).await;
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_panicking_decider_fails_only_the_command_it_was_deciding() {
