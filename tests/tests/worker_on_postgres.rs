@@ -679,6 +679,21 @@ async fn database_with_idle_timeout(
     (db, client, pool)
 }
 
+/// A pool on `db` whose sessions have no idle timeout: the test's own appends, which a busy
+/// machine can leave idle between two statements for longer than the worker's timeout.
+fn pool_without_idle_timeout(db: &TestDatabase) -> deadpool_postgres::Pool {
+    let mut config = db.config().clone();
+    config.options("-c idle_in_transaction_session_timeout=0");
+    let manager = deadpool_postgres::Manager::from_config(
+        config,
+        tokio_postgres::NoTls,
+        deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        },
+    );
+    lockstep_pg::pool::bounded_pool(manager, 2).expect("pool")
+}
+
 /// Issue 18, measured before: with `idle_in_transaction_session_timeout = 1s` and a claim whose
 /// apply takes longer, the pair livelocked (600 events at 3 ms: 0 committed in 14 s, 4 200
 /// applies, `failures = 0`). Now the batch that outlived the timeout shrinks and every event is
@@ -744,8 +759,9 @@ async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
     panic!("600 events were not all committed in 60 cycles");
 }
 
-/// Folds numbers, taking 400 ms over a negative one: the one pair whose batch always outlives a
-/// short `idle_in_transaction_session_timeout`.
+/// Folds numbers, taking 1.2 s over a negative one: the one pair whose batch always outlives a
+/// short `idle_in_transaction_session_timeout` (400 ms: the other pairs' batches stay well
+/// inside it on a busy machine).
 struct SlowOnNegative;
 
 impl lockstep_core::Perspective for SlowOnNegative {
@@ -763,7 +779,7 @@ impl lockstep_core::Perspective for SlowOnNegative {
     ) -> Result<(), Self::Error> {
         let n = event.payload["n"].as_i64().unwrap_or(0);
         if n < 0 {
-            std::thread::sleep(Duration::from_millis(400));
+            std::thread::sleep(Duration::from_millis(1200));
         }
         state.push(n);
         Ok(())
@@ -778,7 +794,8 @@ impl lockstep_core::Perspective for SlowOnNegative {
 /// on every walk of the queue. (Found in review.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pair_whose_batches_keep_failing_is_charged_while_other_work_commits() {
-    let (_db, client, pool) = database_with_idle_timeout("150ms").await;
+    let (db, client, pool) = database_with_idle_timeout("400ms").await;
+    let appends = pool_without_idle_timeout(&db);
     let mut registry = PerspectiveRegistry::new();
     registry.register(SlowOnNegative).expect("register");
     let worker = PerspectiveWorker::new(
@@ -791,9 +808,9 @@ async fn a_pair_whose_batches_keep_failing_is_charged_while_other_work_commits()
     )
     .expect("worker");
     worker.register().await.expect("register");
-    let store = PgEventStore::new(&PgDatabase::from_pool(pool.clone()));
+    let store = PgEventStore::new(&PgDatabase::from_pool(appends.clone()));
     let append = |stream: StreamId, numbers: Vec<i64>| {
-        let (pool, store) = (pool.clone(), store.clone());
+        let (pool, store) = (appends.clone(), store.clone());
         async move {
             let tx = PgTransaction::begin(&pool).await.expect("begin");
             store
@@ -827,7 +844,7 @@ async fn a_pair_whose_batches_keep_failing_is_charged_while_other_work_commits()
     for cycle in 0..600 {
         // Steady traffic: every other pair has work again each cycle, so batches without the
         // slow pair keep committing between its failures.
-        let tx = PgTransaction::begin(&pool).await.expect("begin");
+        let tx = PgTransaction::begin(&appends).await.expect("begin");
         for stream in &others {
             store
                 .append(&tx, *stream, ExpectedVersion::Any, &[number_event(cycle)])
