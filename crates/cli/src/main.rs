@@ -75,10 +75,14 @@ enum Command {
     /// Perspectives: status (and --check), rewind, rebuild, retire, purge, parked, retry, skip.
     #[command(subcommand, after_help = EXIT_CODES)]
     Perspectives(ops::PerspectivesCommand),
-    /// Lists the worker instances (the fleet): id, name, host, pid, version, perspectives,
-    /// started, last seen, leases held, live or stale.
+    /// The worker instances (the fleet): without a subcommand, lists them (id, name, host, pid,
+    /// version, perspectives, started, last seen, leases held, live, stale or unreadable);
+    /// `forget` and `prune` remove instances that died.
     #[command(after_help = EXIT_CODES)]
-    Workers,
+    Workers {
+        #[command(subcommand)]
+        command: Option<workers::WorkersCommand>,
+    },
     /// Serves a status page (leases, advisory locks, perspectives; refreshes itself) and
     /// /metrics until Ctrl-C.
     #[command(after_help = EXIT_CODES)]
@@ -204,7 +208,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Migrate { status: true } => ops::migration_status(&require(url)?, json).await,
         Command::Locks(cmd) => ops::locks(&require(url)?, cmd, json).await,
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd, json).await,
-        Command::Workers => workers::workers(&require(url)?, json).await,
+        Command::Workers { command } => {
+            workers::run(&require(url)?, command.unwrap_or_default(), json).await
+        }
         Command::Serve { addr, names, token } => {
             let options = serve::ServeOptions { addr, names, token };
             serve::serve(&require(url)?, options, json).await

@@ -242,7 +242,7 @@ async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable>
         let workers: Vec<Value> = crate::workers::instances(pool)
             .await?
             .iter()
-            .map(|i| crate::workers::instance_json(i, &leases))
+            .map(|e| crate::workers::entry_json(e, &leases))
             .collect();
         Ok::<_, anyhow::Error>((leases, workers, advisory, perspectives, parked))
     };
@@ -455,11 +455,13 @@ fn database_gauges(snap: &Snapshot) -> String {
     gauge_family(
         &mut out,
         "lockstep_worker_instances",
-        "Announced worker instances, by state (live: seen within its lock timeout; stale).",
+        "Announced worker instances, by state (live: seen within its lock timeout; stale; \
+         unreadable: a row lockstep cannot read, written by hand).",
         "state",
         [
             (Some("live"), workers("live")),
             (Some("stale"), workers("stale")),
+            (Some("unreadable"), workers("unreadable")),
         ],
     );
     let name = |p: &Value| p["perspective"].as_str().unwrap_or("").to_owned();

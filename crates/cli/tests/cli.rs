@@ -2821,3 +2821,323 @@ async fn a_retired_perspective_leaves_the_metrics() {
         "no family keeps it: {after}"
     );
 }
+
+/// Announces `name` (instance `me`, running `perspectives`) from a spawned task, as a worker
+/// does, on a locker whose lock timeout is `timeout`.
+async fn announce_instance(
+    pool: &deadpool_postgres::Pool,
+    me: InstanceId,
+    name: &str,
+    perspectives: &[&PerspectiveName],
+    timeout: std::time::Duration,
+) -> PgStreamLocker {
+    let locker = PgStreamLocker::from_pool(
+        pool.clone(),
+        StreamLockOptions::new(timeout, timeout / 5).expect("options"),
+    );
+    let announced = lockstep_core::InstanceAnnouncement::new(
+        me,
+        name,
+        "host-a",
+        4242,
+        "app 1.0",
+        perspectives.iter().map(|p| (*p).clone()).collect(),
+    )
+    .expect("valid");
+    tokio::spawn({
+        let locker = locker.clone();
+        async move { locker.announce(&announced).await }
+    })
+    .await
+    .expect("task")
+    .expect("announce");
+    locker
+}
+
+/// A fleet row lockstep cannot read (an operator's `'infinity'` last-seen time, a perspective
+/// name that does not validate) is listed as unreadable, with its id, beside the other
+/// instances — by `workers` (text and JSON, exit 0), and `locks list`, `perspectives status
+/// --check` and the page (with its metrics) go on working — instead of failing them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_fleet_row_is_listed_as_unreadable_beside_the_others() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgPerspectiveStore::new()
+        .register(&tx, std::slice::from_ref(&name))
+        .await
+        .expect("register");
+    let event = NewEvent::new("Entered", serde_json::json!({ "amount": 1 })).expect("event");
+    let stream = StreamId::new_v7();
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    let (good, infinite, misnamed) = (
+        InstanceId::random(),
+        InstanceId::random(),
+        InstanceId::random(),
+    );
+    let minute = std::time::Duration::from_secs(60);
+    let locker = announce_instance(&pool, good, "good", &[&name], minute).await;
+    announce_instance(&pool, infinite, "infinite", &[&name], minute).await;
+    announce_instance(&pool, misnamed, "misnamed", &[&name], minute).await;
+    assert!(
+        locker
+            .try_acquire(stream, &name, good, &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+            .is_acquired()
+    );
+    let client = pool.get().await.expect("connection");
+    client
+        .execute(
+            "UPDATE wh_worker_instances SET last_seen_at = 'infinity' WHERE instance_id = $1",
+            &[&infinite.as_uuid()],
+        )
+        .await
+        .expect("an operator's update");
+    client
+        .execute(
+            "UPDATE wh_worker_instances SET perspectives = ARRAY[''] WHERE instance_id = $1",
+            &[&misnamed.as_uuid()],
+        )
+        .await
+        .expect("an operator's update");
+
+    let out = lockstep_on(&url, &["workers", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let rows = doc(&out);
+    let rows = rows.as_array().expect("an array");
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let row = |id: InstanceId| {
+        rows.iter()
+            .find(|r| r["instance_id"] == id.to_string())
+            .unwrap_or_else(|| panic!("{id} is listed: {rows:?}"))
+    };
+    assert_eq!(row(good)["state"], "live");
+    assert_eq!(row(good)["leases_held"], 1);
+    for (bad, name, problem) in [
+        (infinite, "infinite", "last_seen_at"),
+        (misnamed, "misnamed", "perspective name"),
+    ] {
+        assert_eq!(row(bad)["state"], "unreadable", "{rows:?}");
+        assert_eq!(row(bad)["name"], name, "{rows:?}");
+        assert!(
+            row(bad)["error"]
+                .as_str()
+                .is_some_and(|e| e.contains(problem)),
+            "{problem}: {rows:?}"
+        );
+    }
+
+    let out = lockstep_on(&url, &["workers"]).await;
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert!(report.contains(&good.to_string()), "{report}");
+    for bad in [infinite, misnamed] {
+        let line = report
+            .lines()
+            .find(|l| l.contains(&bad.to_string()))
+            .unwrap_or_else(|| panic!("{bad} is listed: {report}"));
+        assert!(line.contains("unreadable"), "{report}");
+    }
+    assert!(report.contains("1 live, 0 stale, 2 unreadable"), "{report}");
+
+    let out = lockstep_on(&url, &["locks", "list", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(doc(&out)[0]["holder_name"], "good", "{}", text(&out));
+    let out = lockstep_on(&url, &["perspectives", "status", "--check", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(
+        doc(&out)["perspectives"][0]["live_workers"],
+        serde_json::json!(["good"]),
+        "an unreadable row runs nothing: {}",
+        text(&out)
+    );
+
+    let (mut server, addr) = serve(&url).await;
+    let (page, metrics) = (
+        http_on(&addr, "GET", "/fragment", &[], "").await,
+        http_on(&addr, "GET", "/metrics", &[], "").await,
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(page.0, 200, "{}", page.1);
+    for id in [good, infinite, misnamed] {
+        assert!(page.1.contains(&id.to_string()), "{}", page.1);
+    }
+    assert!(page.1.contains("unreadable"), "{}", page.1);
+    assert_eq!(metrics.0, 200, "{}", metrics.1);
+    assert!(
+        metrics
+            .1
+            .contains("lockstep_worker_instances{state=\"unreadable\"} 2"),
+        "{}",
+        metrics.1
+    );
+    assert!(
+        metrics
+            .1
+            .contains("lockstep_worker_instances{state=\"live\"} 1"),
+        "{}",
+        metrics.1
+    );
+}
+
+/// `workers forget` removes one instance that died (exit 0), refuses a live one and one that is
+/// not announced (exit 1, nothing changed); `workers prune --older-than` removes the stale
+/// instances not seen for that long and never a live one; a bad duration or id exits 2. Each
+/// answers one JSON document with `--json`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_forget_and_prune_remove_instances_that_died_and_keep_live_ones() {
+    let (_db, url, pool) = migrated().await;
+    let name = PerspectiveName::new("Ledger").expect("valid");
+    let minute = std::time::Duration::from_secs(60);
+    let (live, died, old, recent) = (
+        InstanceId::random(),
+        InstanceId::random(),
+        InstanceId::random(),
+        InstanceId::random(),
+    );
+    for (id, n) in [
+        (live, "live"),
+        (died, "died"),
+        (old, "old"),
+        (recent, "recent"),
+    ] {
+        announce_instance(&pool, id, n, &[&name], minute).await;
+    }
+    let client = pool.get().await.expect("connection");
+    for (id, ago) in [(died, "3 hours"), (old, "2 hours"), (recent, "10 minutes")] {
+        client
+            .execute(
+                &format!(
+                    "UPDATE wh_worker_instances SET last_seen_at = clock_timestamp() - \
+                     interval '{ago}' WHERE instance_id = $1"
+                ),
+                &[&id.as_uuid()],
+            )
+            .await
+            .expect("seen long ago");
+    }
+    let listed = |out: &Output| -> Vec<String> {
+        let mut names: Vec<String> = doc(out)
+            .as_array()
+            .expect("an array")
+            .iter()
+            .map(|r| r["name"].as_str().unwrap_or("").to_owned())
+            .collect();
+        names.sort();
+        names
+    };
+
+    let out = lockstep_on(&url, &["workers", "forget", &live.to_string(), "--json"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(
+        doc(&out),
+        serde_json::json!({ "instance_id": live.to_string(), "outcome": "live" })
+    );
+    let out = lockstep_on(&url, &["workers", "forget", &died.to_string()]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(text(&out).contains("forgotten"), "{}", text(&out));
+    let out = lockstep_on(&url, &["workers", "forget", &died.to_string(), "--json"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(doc(&out)["outcome"], "not_announced");
+    let out = lockstep_on(&url, &["workers", "--json"]).await;
+    assert_eq!(listed(&out), ["live", "old", "recent"]);
+
+    let out = lockstep_on(&url, &["workers", "prune", "--older-than", "1h", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(
+        doc(&out),
+        serde_json::json!({
+            "older_than_s": 3600.0,
+            "forgotten": [{ "instance_id": old.to_string(), "name": "old" }],
+        })
+    );
+    let out = lockstep_on(&url, &["workers", "list", "--json"]).await;
+    assert_eq!(listed(&out), ["live", "recent"]);
+    let out = lockstep_on(&url, &["workers", "prune", "--older-than", "0s"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("1 stale worker instances"),
+        "{}",
+        text(&out)
+    );
+    let out = lockstep_on(&url, &["workers", "--json"]).await;
+    assert_eq!(listed(&out), ["live"], "a live instance is never pruned");
+
+    for args in [
+        &["workers", "prune", "--older-than", "soon", "--json"][..],
+        &["workers", "prune", "--older-than", "-1h", "--json"],
+        &["workers", "forget", "not-a-uuid", "--json"],
+        &[
+            "workers",
+            "forget",
+            "00000000-0000-0000-0000-000000000000",
+            "--json",
+        ],
+    ] {
+        let out = lockstep_on(&url, args).await;
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+        assert_eq!(doc(&out)["exit_code"], 2, "{args:?}");
+    }
+    let out = lockstep_on(&url, &["workers", "--json"]).await;
+    assert_eq!(listed(&out), ["live"]);
+}
+
+/// `perspectives retire` warns that live worker instances still run the perspective (they
+/// register it again when they restart) and names them, on standard error and in the JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retire_warns_that_live_workers_still_run_the_perspective() {
+    let (_db, url, pool) = migrated().await;
+    let (ledger, _, _) = two_ledger_pairs(&pool).await;
+    let statements = PerspectiveName::new("Statements").expect("valid");
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgPerspectiveStore::new()
+        .register(&tx, std::slice::from_ref(&statements))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    let minute = std::time::Duration::from_secs(60);
+    announce_instance(&pool, InstanceId::random(), "app-1", &[&ledger], minute).await;
+    announce_instance(&pool, InstanceId::random(), "app-2\n", &[&ledger], minute).await;
+
+    let out = lockstep_on(
+        &url,
+        &["perspectives", "retire", ledger.as_str(), "--keep-states"],
+    )
+    .await;
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    let warning = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        warning.contains("warning: 2 live worker instances still run `Ledger`"),
+        "{warning}"
+    );
+    assert!(
+        warning.contains("\"app-1\"") && warning.contains("\"app-2\\n\""),
+        "names quoted: {warning}"
+    );
+
+    let out = lockstep_on(
+        &url,
+        &[
+            "perspectives",
+            "retire",
+            statements.as_str(),
+            "--drop-states",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(doc(&out)["live_workers"], serde_json::json!([]));
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warning"),
+        "no live worker runs it: {}",
+        text(&out)
+    );
+}
