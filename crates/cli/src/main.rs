@@ -98,6 +98,17 @@ enum Command {
         /// command line is visible to every user of the machine.
         #[arg(long, env = "LOCKSTEP_SERVE_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// A URL people reach the page at besides its address and localhost (a DNS name, a
+        /// proxy), e.g. https://status.example.com; repeatable. Its host is accepted in the
+        /// Host header and its origin for the actions; a request naming any other host name
+        /// is refused (421), so a DNS-rebinding page cannot read the page.
+        #[arg(long = "public-url", value_name = "URL")]
+        public_urls: Vec<String>,
+        /// Seconds a client has to send a request's headers; the connection is closed after
+        /// that.
+        #[arg(long, value_name = "SECONDS", default_value_t = 10,
+              value_parser = clap::value_parser!(u64).range(1..=3600))]
+        header_read_timeout: u64,
     },
 }
 
@@ -211,8 +222,20 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Workers { command } => {
             workers::run(&require(url)?, command.unwrap_or_default(), json).await
         }
-        Command::Serve { addr, names, token } => {
-            let options = serve::ServeOptions { addr, names, token };
+        Command::Serve {
+            addr,
+            names,
+            token,
+            public_urls,
+            header_read_timeout,
+        } => {
+            let options = serve::ServeOptions {
+                addr,
+                names,
+                token,
+                public_urls,
+                header_read_timeout: std::time::Duration::from_secs(header_read_timeout),
+            };
             serve::serve(&require(url)?, options, json).await
         }
     }
