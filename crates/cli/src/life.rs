@@ -8,7 +8,9 @@
 //!   pending and the running ones' progress.
 //! - `retire NAME --keep-states|--drop-states`: appends stop enqueueing work for it, its queued
 //!   work is deleted, its states are kept (a later registration continues from the cursors) or
-//!   deleted.
+//!   deleted. Live worker instances that still run it are named in a warning (and in the JSON,
+//!   `live_workers`): a worker registers its perspectives when it starts, so the perspective
+//!   comes back as soon as one of them restarts, until they are deployed without it.
 
 use std::process::ExitCode;
 
@@ -88,6 +90,17 @@ pub(crate) async fn retire(
     states: RetireStates,
     json: bool,
 ) -> Result<ExitCode> {
+    // Read first: a fleet that cannot be read stops the command before it changes anything.
+    let running: Vec<String> = crate::workers::instances(db.pool())
+        .await?
+        .iter()
+        .filter_map(|e| match e {
+            lockstep_core::InstanceEntry::Instance(i) if i.is_live() && i.runs(name) => {
+                Some(i.announcement.name.clone())
+            }
+            _ => None,
+        })
+        .collect();
     let store = PgPerspectiveStore::new();
     let outcome = lockstep_worker::life::retire(db, &store, name, states)
         .await
@@ -106,18 +119,34 @@ pub(crate) async fn retire(
         Retired::Retired {
             work_removed,
             pairs,
-        } => finish(
-            json,
-            true,
-            &json!({
-                "perspective": name.as_str(), "outcome": "retired", "states": kept,
-                "work_removed": work_removed, "pairs": pairs,
-            }),
-            &format!(
-                "`{name}` retired: appends enqueue no more work for it, {work_removed} queued \
+        } => {
+            if !running.is_empty() {
+                let names: Vec<String> = running
+                    .iter()
+                    .map(|n| format!("{:?}", n.as_str()))
+                    .collect();
+                eprintln!(
+                    "warning: {} live worker instances still run `{name}` ({}): a worker \
+                     registers its perspectives when it starts, so `{name}` is registered again \
+                     as soon as one of them restarts; deploy the workers without it \
+                     (`lockstep workers` lists them)",
+                    running.len(),
+                    names.join(", ")
+                );
+            }
+            finish(
+                json,
+                true,
+                &json!({
+                    "perspective": name.as_str(), "outcome": "retired", "states": kept,
+                    "work_removed": work_removed, "pairs": pairs, "live_workers": running,
+                }),
+                &format!(
+                    "`{name}` retired: appends enqueue no more work for it, {work_removed} queued \
                  work items deleted, the states of its {pairs} pairs {how}"
-            ),
-        ),
+                ),
+            )
+        }
         _ => not_registered(json, url, name),
     })
 }

@@ -75,10 +75,14 @@ enum Command {
     /// Perspectives: status (and --check), rewind, rebuild, retire, purge, parked, retry, skip.
     #[command(subcommand, after_help = EXIT_CODES)]
     Perspectives(ops::PerspectivesCommand),
-    /// Lists the worker instances (the fleet): id, name, host, pid, version, perspectives,
-    /// started, last seen, leases held, live or stale.
+    /// The worker instances (the fleet): without a subcommand, lists them (id, name, host, pid,
+    /// version, perspectives, started, last seen, leases held, live, stale or unreadable);
+    /// `forget` and `prune` remove instances that died.
     #[command(after_help = EXIT_CODES)]
-    Workers,
+    Workers {
+        #[command(subcommand)]
+        command: Option<workers::WorkersCommand>,
+    },
     /// Serves a status page (leases, advisory locks, perspectives; refreshes itself) and
     /// /metrics until Ctrl-C.
     #[command(after_help = EXIT_CODES)]
@@ -94,6 +98,17 @@ enum Command {
         /// command line is visible to every user of the machine.
         #[arg(long, env = "LOCKSTEP_SERVE_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// A URL people reach the page at besides its address and localhost (a DNS name, a
+        /// proxy), e.g. https://status.example.com; repeatable. Its host is accepted in the
+        /// Host header and its origin for the actions; a request naming any other host name
+        /// is refused (421), so a DNS-rebinding page cannot read the page.
+        #[arg(long = "public-url", value_name = "URL")]
+        public_urls: Vec<String>,
+        /// Seconds a client has to send a request's headers; the connection is closed after
+        /// that.
+        #[arg(long, value_name = "SECONDS", default_value_t = 10,
+              value_parser = clap::value_parser!(u64).range(1..=3600))]
+        header_read_timeout: u64,
     },
 }
 
@@ -204,9 +219,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Migrate { status: true } => ops::migration_status(&require(url)?, json).await,
         Command::Locks(cmd) => ops::locks(&require(url)?, cmd, json).await,
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd, json).await,
-        Command::Workers => workers::workers(&require(url)?, json).await,
-        Command::Serve { addr, names, token } => {
-            let options = serve::ServeOptions { addr, names, token };
+        Command::Workers { command } => {
+            workers::run(&require(url)?, command.unwrap_or_default(), json).await
+        }
+        Command::Serve {
+            addr,
+            names,
+            token,
+            public_urls,
+            header_read_timeout,
+        } => {
+            let options = serve::ServeOptions {
+                addr,
+                names,
+                token,
+                public_urls,
+                header_read_timeout: std::time::Duration::from_secs(header_read_timeout),
+            };
             serve::serve(&require(url)?, options, json).await
         }
     }

@@ -372,8 +372,7 @@ pub(crate) async fn locks(url: &DbUrl, cmd: LocksCommand, json: bool) -> Result<
                 .collect();
             let instances = crate::workers::instances(&pool).await?;
             let holder_name = |holder: InstanceId| {
-                instances
-                    .iter()
+                crate::workers::readable(&instances)
                     .find(|i| i.announcement.instance == holder)
                     .map(|i| i.announcement.name.escape_debug().to_string())
             };

@@ -18,10 +18,19 @@
 //!   only when the operator configured a token (`LOCKSTEP_SERVE_TOKEN`); see [`actions`].
 //!
 //! Other methods on these paths get 405, other paths 404. It listens on loopback by default;
-//! put it behind your usual proxy (TLS, single sign-on) for anything else. axum's accept loop
-//! pauses after a failed accept (EMFILE), so running out of descriptors does not make it spin.
+//! put it behind your usual proxy (TLS, single sign-on) for anything else. It answers only to
+//! an address, `localhost` or a `--public-url` in the `Host` header, and every answer forbids
+//! framing and sniffing ([`guard`]). A client has `--header-read-timeout` to send its headers
+//! (hyper closes the connection after that), so idle or slow connections cannot pile up. The
+//! accept loop pauses after a failed accept (EMFILE), so running out of descriptors does not
+//! make it spin.
+//!
+//! Every page, fragment, `/api/status` and `/metrics` request reads the same snapshot: while
+//! one is being read, the requests that arrive wait for it and share it, so a burst of scrapes
+//! costs one read of the database rather than one per request (which emptied the pool).
 
 mod actions;
+mod guard;
 mod render;
 
 use std::collections::HashMap;
@@ -29,11 +38,11 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -44,6 +53,7 @@ use lockstep_pg_store::PgPerspectiveStore;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 use crate::ops::{advisory_rows, lease_rows, parked_json, status_rows};
 use crate::pg::DbUrl;
@@ -62,7 +72,14 @@ pub(crate) struct Shared {
     token: Option<String>,
     /// Actions asked for and not yet confirmed: nonce → (action, when asked).
     pending: Mutex<HashMap<String, (actions::Action, Instant)>>,
+    /// The hosts and origins the page answers to.
+    guard: guard::Guard,
+    /// The snapshot being read, if one is: its result once read (`None` until then).
+    reading: Mutex<Option<watch::Receiver<Option<Read>>>>,
 }
+
+/// A snapshot read once and shared by every request that waited for it.
+type Read = Arc<std::result::Result<Snapshot, Unavailable>>;
 
 /// `lockstep serve`'s options.
 pub(crate) struct ServeOptions {
@@ -72,6 +89,10 @@ pub(crate) struct ServeOptions {
     pub(crate) names: Vec<String>,
     /// The actions' token.
     pub(crate) token: Option<String>,
+    /// The URLs people reach the page at besides its address and `localhost`.
+    pub(crate) public_urls: Vec<String>,
+    /// How long a client has to send a request's headers.
+    pub(crate) header_read_timeout: Duration,
 }
 
 /// Serves until Ctrl-C. Starts also while the database is unreachable (the page says so and
@@ -85,6 +106,7 @@ pub(crate) async fn serve(url: &DbUrl, options: ServeOptions, json: bool) -> Res
              {MIN_TOKEN_CHARS} characters"
         )));
     }
+    let guard = guard::Guard::new(&options.public_urls).map_err(bad_argument)?;
     let listener = listen("--addr", &options.addr).await?;
     let metrics =
         lockstep_observe::prometheus::install().context("installing the metrics recorder")?;
@@ -96,6 +118,8 @@ pub(crate) async fn serve(url: &DbUrl, options: ServeOptions, json: bool) -> Res
         database: url.database().to_owned(),
         token: options.token.map(|t| t.trim().to_owned()),
         pending: Mutex::new(HashMap::new()),
+        guard,
+        reading: Mutex::new(None),
     });
     let bound = listener.local_addr()?;
     let actions_on = shared.token.is_some();
@@ -120,17 +144,47 @@ pub(crate) async fn serve(url: &DbUrl, options: ServeOptions, json: bool) -> Res
             }
         );
     }
-    let app = router(shared);
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await
-    .context("serving")?;
+    run(listener, router(shared), options.header_read_timeout).await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// How long a Ctrl-C waits for the requests in flight.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Accepts connections until Ctrl-C and serves each on a task of its own with hyper: its
+/// headers within `header_read_timeout` or the connection is closed. On Ctrl-C it stops
+/// accepting and lets the requests in flight finish (within [`SHUTDOWN_GRACE`]).
+async fn run(mut listener: TcpListener, app: Router, header_read_timeout: Duration) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let stop = tokio::signal::ctrl_c();
+    tokio::pin!(stop);
+    loop {
+        let (io, peer) = tokio::select! {
+            // axum's accept pauses after a failed accept (EMFILE) instead of spinning.
+            accepted = axum::serve::Listener::accept(&mut listener) => accepted,
+            _ = &mut stop => break,
+        };
+        let app = app.clone();
+        let service = hyper::service::service_fn(
+            move |mut request: hyper::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(ConnectInfo(peer));
+                let mut app = app.clone();
+                async move { tower_service::Service::call(&mut app, request).await }
+            },
+        );
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(header_read_timeout)
+            .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(err) = connection.await {
+                tracing::debug!(%peer, error = %err, "connection closed");
+            }
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await;
 }
 
 fn router(shared: Arc<Shared>) -> Router {
@@ -147,6 +201,11 @@ fn router(shared: Arc<Shared>) -> Router {
                 "not found (GET /, /fragment, /api/status, /metrics, /healthz; POST /actions)\n",
             )
         })
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&shared),
+            guard::check_host,
+        ))
+        .layer(axum::middleware::from_fn(guard::security_headers))
         .with_state(shared)
 }
 
@@ -218,7 +277,46 @@ impl Unavailable {
     }
 }
 
-async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable> {
+/// The snapshot: the one being read if there is one (shared with every request waiting for
+/// it), else a new read. The read runs on a task of its own, so it finishes (and gives its
+/// connections back) even when every request waiting for it is gone.
+async fn snapshot(shared: &Arc<Shared>) -> Read {
+    let mut read = {
+        let mut reading = shared
+            .reading
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Still being read: the value is not in yet and the task that sends it is alive.
+        match reading.as_ref() {
+            Some(read) if read.borrow().is_none() && read.has_changed().is_ok() => {
+                tracing::debug!(target: "lockstep::serve", "joins the snapshot being read");
+                read.clone()
+            }
+            _ => {
+                tracing::debug!(target: "lockstep::serve", "reads a snapshot");
+                let (sender, read) = watch::channel(None);
+                let from = Arc::clone(shared);
+                tokio::spawn(async move {
+                    let snapshot = read_snapshot(&from).await;
+                    let _ = sender.send(Some(Arc::new(snapshot)));
+                });
+                *reading = Some(read.clone());
+                read
+            }
+        }
+    };
+    let lost = || {
+        Arc::new(Err(Unavailable::Unreachable(
+            "reading the snapshot failed; the next refresh tries again".to_owned(),
+        )))
+    };
+    match read.wait_for(Option::is_some).await {
+        Ok(value) => value.clone().unwrap_or_else(lost),
+        Err(_) => lost(),
+    }
+}
+
+async fn read_snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable> {
     let started = Instant::now();
     // Schema first: a database that is not migrated answers every read with an error that
     // says less than this.
@@ -242,7 +340,7 @@ async fn snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavailable>
         let workers: Vec<Value> = crate::workers::instances(pool)
             .await?
             .iter()
-            .map(|i| crate::workers::instance_json(i, &leases))
+            .map(|e| crate::workers::entry_json(e, &leases))
             .collect();
         Ok::<_, anyhow::Error>((leases, workers, advisory, perspectives, parked))
     };
@@ -320,8 +418,8 @@ async fn parked_rows(db: &PgDatabase) -> Result<Vec<Value>> {
 }
 
 async fn page(State(shared): State<Arc<Shared>>) -> Html<String> {
-    let body = match snapshot(&shared).await {
-        Ok(snap) => render::fragment(&snap, shared.token.is_some()),
+    let body = match &*snapshot(&shared).await {
+        Ok(snap) => render::fragment(snap, shared.token.is_some()),
         Err(why) => render::unavailable(why.message()),
     };
     Html(render::page(
@@ -332,8 +430,8 @@ async fn page(State(shared): State<Arc<Shared>>) -> Html<String> {
 }
 
 async fn fragment(State(shared): State<Arc<Shared>>) -> Response {
-    match snapshot(&shared).await {
-        Ok(snap) => Html(render::fragment(&snap, shared.token.is_some())).into_response(),
+    match &*snapshot(&shared).await {
+        Ok(snap) => Html(render::fragment(snap, shared.token.is_some())).into_response(),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
             Html(render::unavailable(why.message())),
@@ -343,7 +441,7 @@ async fn fragment(State(shared): State<Arc<Shared>>) -> Response {
 }
 
 async fn api_status(State(shared): State<Arc<Shared>>) -> Response {
-    match snapshot(&shared).await {
+    match &*snapshot(&shared).await {
         Ok(snap) => axum::Json(snap.json()).into_response(),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -455,11 +553,13 @@ fn database_gauges(snap: &Snapshot) -> String {
     gauge_family(
         &mut out,
         "lockstep_worker_instances",
-        "Announced worker instances, by state (live: seen within its lock timeout; stale).",
+        "Announced worker instances, by state (live: seen within its lock timeout; stale; \
+         unreadable: a row lockstep cannot read, written by hand).",
         "state",
         [
             (Some("live"), workers("live")),
             (Some("stale"), workers("stale")),
+            (Some("unreadable"), workers("unreadable")),
         ],
     );
     let name = |p: &Value| p["perspective"].as_str().unwrap_or("").to_owned();
@@ -560,7 +660,7 @@ fn database_gauges(snap: &Snapshot) -> String {
 }
 
 async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
-    match snapshot(&shared).await {
+    match &*snapshot(&shared).await {
         Ok(snap) => {
             // The page's own calls (the observe layer's counters and histograms), then the
             // database's gauges.
@@ -568,7 +668,7 @@ async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
             if !body.is_empty() && !body.ends_with('\n') {
                 body.push('\n');
             }
-            body.push_str(&database_gauges(&snap));
+            body.push_str(&database_gauges(snap));
             ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
         }
         Err(why) => (

@@ -189,6 +189,45 @@ impl WorkerInstance {
     }
 }
 
+/// A worker-instance row that cannot be read (a value written by hand outside lockstep, e.g. a
+/// `last_seen_at` of `'infinity'`, a blank name, a perspective name that does not validate),
+/// named by its id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnreadableInstance {
+    /// The instance id as stored (raw: it may itself be what cannot be read, the nil UUID).
+    pub instance_id: uuid::Uuid,
+    /// The name as stored, when it can be read as text (raw, unvalidated).
+    pub name: Option<String>,
+    /// What cannot be read, for people.
+    pub problem: String,
+}
+
+impl UnreadableInstance {
+    /// The row of `instance_id` (called `name` as stored, if readable) that cannot be read
+    /// because of `problem`.
+    pub fn new(
+        instance_id: uuid::Uuid,
+        name: Option<String>,
+        problem: impl Into<String>,
+    ) -> UnreadableInstance {
+        UnreadableInstance {
+            instance_id,
+            name,
+            problem: problem.into(),
+        }
+    }
+}
+
+/// One row of [`StreamLockAdmin::list_instance_entries`](crate::StreamLockAdmin::list_instance_entries).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InstanceEntry {
+    /// An instance, read.
+    Instance(WorkerInstance),
+    /// A row that cannot be read.
+    Unreadable(UnreadableInstance),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -68,7 +68,8 @@
 //!   perspective)` for rewind, bootstrap and purge: [`AcquireOutcome`], [`StreamLease`],
 //!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`], [`LeaseEntry`]
 //!   ([`stream_lease`]); the fleet of worker instances announced through the same locker:
-//!   [`InstanceAnnouncement`], [`KeepaliveOutcome`], [`WorkerInstance`] ([`fleet`]).
+//!   [`InstanceAnnouncement`], [`KeepaliveOutcome`], [`WorkerInstance`], [`InstanceEntry`]
+//!   ([`fleet`]).
 //! - [`Perspective`] / [`PerspectiveStore`] — read models and their storage ([`perspective`],
 //!   [`perspective_store`]); [`TablePerspective`] — read models in the application's own tables,
 //!   written in the worker's transaction ([`table_perspective`]).
@@ -118,7 +119,8 @@ pub use event_store::{
     EventStore, ExpectedVersion, NewEvent, RecordedEvent, VersionConflict, version_conflict,
 };
 pub use fleet::{
-    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceState, KeepaliveOutcome, WorkerInstance,
+    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceState, KeepaliveOutcome,
+    UnreadableInstance, WorkerInstance,
 };
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;

@@ -34,7 +34,7 @@ use async_trait::async_trait;
 use time::OffsetDateTime;
 
 use crate::error::Result;
-use crate::fleet::{InstanceAnnouncement, KeepaliveOutcome, WorkerInstance};
+use crate::fleet::{InstanceAnnouncement, InstanceEntry, KeepaliveOutcome, WorkerInstance};
 use crate::ids::{InstanceId, PerspectiveName, StreamId};
 use crate::options::StreamLockOptions;
 use crate::reason::LockReason;
@@ -499,6 +499,22 @@ pub trait StreamLockAdmin: Send + Sync {
     /// without a fleet.
     async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
         Err(fleet_unsupported())
+    }
+
+    /// Like [`StreamLockAdmin::list_instances`], but a row that cannot be read is an
+    /// [`InstanceEntry::Unreadable`] entry, in its place and with its id, instead of failing the
+    /// whole listing (it still fails when the listing itself cannot be read).
+    ///
+    /// The default lists [`StreamLockAdmin::list_instances`] as [`InstanceEntry::Instance`]
+    /// entries: right for a backend that cannot hold an unreadable row (the in-memory fake
+    /// cannot); the PostgreSQL locker overrides it, and wrappers forward it.
+    async fn list_instance_entries(&self) -> Result<Vec<InstanceEntry>> {
+        Ok(self
+            .list_instances()
+            .await?
+            .into_iter()
+            .map(InstanceEntry::Instance)
+            .collect())
     }
 }
 

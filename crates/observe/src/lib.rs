@@ -39,7 +39,7 @@
 //! | `contract` | `op` |
 //! |---|---|
 //! | `stream_locker` | `try_acquire`, `renew`, `release`, `renew_many`, `announce`, `keepalive`, `depart` |
-//! | `stream_lock_admin` | `list_leases`, `list_lease_entries`, `inspect`, `force_release`, `release_all_held_by`, `list_instances` |
+//! | `stream_lock_admin` | `list_leases`, `list_lease_entries`, `inspect`, `force_release`, `release_all_held_by`, `list_instances`, `list_instance_entries` |
 //! | `lease_fence` | `check_lease` |
 //! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
 //! | `event_store` | `load`, `load_locked`, `append` |
@@ -383,6 +383,12 @@ impl<T: StreamLockAdmin> StreamLockAdmin for Observed<T> {
         let span = tracing::info_span!("lockstep", op = "list_instances");
         let call = self.inner.list_instances();
         observe("stream_lock_admin", "list_instances", span, ok, call).await
+    }
+
+    async fn list_instance_entries(&self) -> Result<Vec<lockstep_core::InstanceEntry>> {
+        let span = tracing::info_span!("lockstep", op = "list_instance_entries");
+        let call = self.inner.list_instance_entries();
+        observe("stream_lock_admin", "list_instance_entries", span, ok, call).await
     }
 }
 

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lockstep_core::{
-    CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo, LeaseStatus,
-    PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
-    WorkerInstance,
+    CursorLease, InstanceEntry, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo,
+    LeaseStatus, PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin,
+    UnreadableLease, WorkerInstance,
 };
 use tokio_postgres::Row;
 
@@ -24,6 +24,13 @@ use crate::statement::{RowName, column};
 impl StreamLockAdmin for PgStreamLocker {
     async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
         self.instances().await
+    }
+
+    /// One entry per row: a row that cannot be read (an operator's `'infinity'` time, a nil id,
+    /// a blank name, a perspective name that does not validate) is
+    /// [`InstanceEntry::Unreadable`] with its id.
+    async fn list_instance_entries(&self) -> Result<Vec<InstanceEntry>> {
+        self.instance_entries().await
     }
 
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
@@ -172,7 +179,7 @@ fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<L
 }
 
 /// An error and its causes, on one line.
-fn problem(err: &lockstep_core::Error) -> String {
+pub(crate) fn problem(err: &lockstep_core::Error) -> String {
     let mut text = err.message().to_owned();
     let mut source = std::error::Error::source(err);
     while let Some(cause) = source {

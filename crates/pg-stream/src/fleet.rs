@@ -1,13 +1,15 @@
 //! The fleet of worker instances on PostgreSQL (`wh_worker_instances`, migration V10;
-//! `docs/adr/0015-worker-fleet.md`): [`PgStreamLocker`]'s announce and the operators' listing.
+//! `docs/adr/0015-worker-fleet.md`): [`PgStreamLocker`]'s announce, the operators' listing (a
+//! row it cannot read is listed as unreadable, with its id, beside the others) and the
+//! operators' forget and prune of stale instances.
 //! The keepalive that marks an instance seen is the locker's batched renew with one more CTE
 //! ([`sql::KEEPALIVE`]), so an announced instance costs no statement of its own per interval.
 
 use std::time::Duration;
 
 use lockstep_core::{
-    Error, ErrorKind, FORGET_STALE_AFTER, InstanceAnnouncement, InstanceState, PerspectiveName,
-    Result, StreamLocker, WorkerInstance,
+    Error, ErrorKind, FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceId,
+    InstanceState, PerspectiveName, Result, StreamLocker, UnreadableInstance, WorkerInstance,
 };
 use time::OffsetDateTime;
 use tokio_postgres::Row;
@@ -51,6 +53,103 @@ impl PgStreamLocker {
             .await?;
         rows.iter().map(listed_instance).collect()
     }
+
+    /// [`StreamLockAdmin::list_instance_entries`](lockstep_core::StreamLockAdmin::list_instance_entries):
+    /// one statement; a row that cannot be read is [`InstanceEntry::Unreadable`] with its id,
+    /// and only a row whose id cannot be read fails the listing.
+    pub(crate) async fn instance_entries(&self) -> Result<Vec<InstanceEntry>> {
+        let rows: Vec<Row> = self
+            .run(sql::LIST_INSTANCES, &[], "listing worker instances")
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let id: Uuid = column(row, "instance_id", RowName::Listed)?;
+                Ok(match listed_instance(row) {
+                    Ok(instance) => InstanceEntry::Instance(instance),
+                    Err(err) => {
+                        tracing::warn!(
+                            instance = %id,
+                            error = %err,
+                            "a listed worker instance cannot be read"
+                        );
+                        InstanceEntry::Unreadable(UnreadableInstance::new(
+                            id,
+                            row.try_get::<_, String>("name").ok(),
+                            crate::admin::problem(&err),
+                        ))
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Forgets `instance`'s announcement if it is not live (one statement): what an operator
+    /// does for an instance that died, instead of waiting a day for an announce to forget it.
+    /// A live instance is kept ([`ForgetInstance::Live`]): it would announce itself again at its
+    /// next keepalive.
+    pub async fn forget_instance(&self, instance: InstanceId) -> Result<ForgetInstance> {
+        let row: Option<Row> = self
+            .run(
+                sql::FORGET_INSTANCE,
+                &[&instance.as_uuid()],
+                "forgetting a worker instance",
+            )
+            .await?;
+        let Some(row) = row else {
+            return Ok(ForgetInstance::NotAnnounced);
+        };
+        let at = RowName::Instance(instance.as_uuid());
+        let live: bool = column(&row, "live", at)?;
+        let forgotten: bool = column(&row, "forgotten", at)?;
+        Ok(match (live, forgotten) {
+            (_, true) => {
+                tracing::info!(instance = %instance, "worker instance forgotten");
+                ForgetInstance::Forgotten
+            }
+            (true, false) => ForgetInstance::Live,
+            // Not live yet not deleted cannot happen in one statement; say what was found.
+            (false, false) => ForgetInstance::NotAnnounced,
+        })
+    }
+
+    /// Forgets every stale instance not seen for at least `unseen_for` (one statement, on the
+    /// database clock); a live instance is never forgotten. Returns the id and name of each
+    /// forgotten one, ordered by name, then id.
+    pub async fn forget_stale_instances(
+        &self,
+        unseen_for: Duration,
+    ) -> Result<Vec<(uuid::Uuid, String)>> {
+        let unseen_for = interval(unseen_for, "the time not seen")?;
+        let rows: Vec<Row> = self
+            .run(
+                sql::FORGET_STALE_INSTANCES,
+                &[&unseen_for],
+                "pruning stale worker instances",
+            )
+            .await?;
+        let at = RowName::Listed;
+        let mut forgotten = rows
+            .iter()
+            .map(|row| Ok((column(row, "instance_id", at)?, column(row, "name", at)?)))
+            .collect::<Result<Vec<(Uuid, String)>>>()?;
+        forgotten.sort_by(|a, b| (a.1.as_bytes(), a.0).cmp(&(b.1.as_bytes(), b.0)));
+        if !forgotten.is_empty() {
+            tracing::info!(count = forgotten.len(), "stale worker instances forgotten");
+        }
+        Ok(forgotten)
+    }
+}
+
+/// What [`PgStreamLocker::forget_instance`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ForgetInstance {
+    /// Its announcement was deleted.
+    Forgotten,
+    /// It is live (seen within its `stale_after`): kept.
+    Live,
+    /// No such instance is announced.
+    NotAnnounced,
 }
 
 fn interval(duration: Duration, what: &str) -> Result<PgInterval> {
@@ -73,8 +172,8 @@ fn micros(value: Option<i64>, what: &str, id: Uuid) -> Result<Duration> {
 }
 
 fn listed_instance(row: &Row) -> Result<WorkerInstance> {
-    let at = RowName::Listed;
-    let id: Uuid = column(row, "instance_id", at)?;
+    let id: Uuid = column(row, "instance_id", RowName::Listed)?;
+    let at = RowName::Instance(id);
     let instance = stored_holder(id, at)?;
     let names: Vec<String> = column(row, "perspectives", at)?;
     let perspectives = names

@@ -102,6 +102,7 @@ pub mod locker;
 pub mod sql;
 mod statement;
 
+pub use fleet::ForgetInstance;
 pub use interval::PgInterval;
 pub use locker::PgStreamLocker;
 

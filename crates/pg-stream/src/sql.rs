@@ -255,3 +255,35 @@ SELECT w.instance_id, w.name, w.host, w.pid, w.version, w.perspectives, w.starte
        w.last_seen_at + w.stale_after > n.now AS live
   FROM wh_worker_instances w, (SELECT clock_timestamp() AS now) n
  ORDER BY w.name COLLATE \"C\", w.instance_id";
+
+/// Forget one instance (`lockstep workers forget`): `$1` instance (`uuid`). Deletes its row
+/// unless it is live; one row (`live`, `forgotten`) when the instance is announced, none when it
+/// is not. A `last_seen_at` written by hand as `'infinity'` does not count as live (the row is
+/// one lockstep cannot read, and forgetting it is how an operator removes it). The row is
+/// locked first, so a keepalive that marks it seen meanwhile either comes first (and the
+/// instance is live: kept) or after (and finds it gone: the instance announces itself again).
+pub const FORGET_INSTANCE: &str = "\
+WITH target AS (
+    SELECT w.instance_id,
+           COALESCE(isfinite(w.last_seen_at)
+                    AND w.last_seen_at + w.stale_after > clock_timestamp(), false) AS live
+      FROM wh_worker_instances w
+     WHERE w.instance_id = $1::uuid
+       FOR UPDATE
+), forgotten AS (
+    DELETE FROM wh_worker_instances w
+     USING target t
+     WHERE w.instance_id = t.instance_id AND NOT t.live
+    RETURNING w.instance_id
+)
+SELECT t.live, EXISTS (SELECT 1 FROM forgotten) AS forgotten FROM target t";
+
+/// Prune the fleet (`lockstep workers prune`): `$1` not seen for (`interval`). Deletes every
+/// stale instance not seen for at least `$1` (on the database clock) and returns the id and
+/// name of each. A live instance is never deleted, nor a row whose `last_seen_at` is
+/// `'infinity'` (never stale).
+pub const FORGET_STALE_INSTANCES: &str = "\
+DELETE FROM wh_worker_instances w
+ WHERE NOT (w.last_seen_at + w.stale_after > clock_timestamp())
+   AND w.last_seen_at <= clock_timestamp() - $1::interval
+RETURNING w.instance_id, w.name";

@@ -159,6 +159,8 @@ pub(crate) enum RowName<'a> {
     Pair(StreamId, &'a str),
     /// A row of a listing (read before its key is known).
     Listed,
+    /// The fleet row of one worker instance (by its id as stored).
+    Instance(uuid::Uuid),
 }
 
 impl std::fmt::Display for RowName<'_> {
@@ -171,6 +173,7 @@ impl std::fmt::Display for RowName<'_> {
                 )
             }
             RowName::Listed => f.write_str("a listed cursor row"),
+            RowName::Instance(id) => write!(f, "the fleet row of worker instance {id}"),
         }
     }
 }

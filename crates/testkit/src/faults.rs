@@ -422,6 +422,11 @@ impl<L: StreamLockAdmin> StreamLockAdmin for FaultyStreamLocker<L> {
         self.admin_fault("list_instances").await?;
         self.inner.list_instances().await
     }
+
+    async fn list_instance_entries(&self) -> Result<Vec<lockstep_core::InstanceEntry>> {
+        self.admin_fault("list_instance_entries").await?;
+        self.inner.list_instance_entries().await
+    }
 }
 
 /// Fence checks pass through unless [`StreamLockerFaults::fail_next_lease_checks`] fails them.

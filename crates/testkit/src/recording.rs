@@ -120,6 +120,11 @@ pub enum StreamLockCall {
         /// What came back.
         outcome: Outcome<Vec<lockstep_core::WorkerInstance>>,
     },
+    /// `list_instance_entries` ([`StreamLockAdmin`]).
+    ListInstanceEntries {
+        /// What came back.
+        outcome: Outcome<Vec<lockstep_core::InstanceEntry>>,
+    },
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -365,6 +370,14 @@ impl<L: StreamLockAdmin> StreamLockAdmin for RecordingStreamLocker<L> {
     async fn list_instances(&self) -> Result<Vec<lockstep_core::WorkerInstance>> {
         let result = self.inner.list_instances().await;
         self.record(StreamLockCall::ListInstances {
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    async fn list_instance_entries(&self) -> Result<Vec<lockstep_core::InstanceEntry>> {
+        let result = self.inner.list_instance_entries().await;
+        self.record(StreamLockCall::ListInstanceEntries {
             outcome: outcome(&result),
         });
         result

@@ -4,13 +4,18 @@
 //! - **No token, no actions**: without `LOCKSTEP_SERVE_TOKEN` every `POST /actions` answers 403.
 //! - **The token travels in a header** (`X-Lockstep-Token`), compared in constant time. A
 //!   cross-site page cannot send a custom header without a CORS preflight, which this server
-//!   never grants, and a request whose `Origin` is not this server's is refused outright: no
-//!   cross-site request forgery.
+//!   never grants, and a request whose `Origin` is not this page's (scheme and host, see
+//!   [`super::guard`]) is refused outright: no cross-site request forgery.
+//! - **Nothing is read before the token is checked**: a request without it is answered without
+//!   reading its body, and a body longer than [`MAX_BODY_BYTES`] is refused (413) unread past
+//!   that.
 //! - **Two steps**: the first request (no `confirm`) validates the action and answers a prompt
 //!   and a nonce; only a second request carrying that nonce, for the same action, within
 //!   [`CONFIRM_WITHIN`], does it. The page shows the prompt in a confirmation dialog.
 //! - **An audit line** on standard error for every action done or refused after the token
-//!   check: when, from which address, what, and the outcome.
+//!   check: when, from which address, what, and the outcome. Perspective names are quoted and
+//!   every text escaped, so one audit event is always exactly one line (a name with a newline
+//!   cannot forge another).
 
 use lockstep_core::Pair;
 use std::net::SocketAddr;
@@ -39,6 +44,9 @@ pub(super) const CONFIRM_WITHIN: Duration = Duration::from_secs(60);
 
 /// At most this many actions wait for their confirmation at once.
 const MAX_PENDING: usize = 256;
+
+/// The longest action request body read (an action is a few hundred bytes).
+pub(super) const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// What an action request says.
 #[derive(Debug, Deserialize)]
@@ -136,13 +144,15 @@ impl Action {
         }
     }
 
+    /// For the audit line: the perspective name quoted and escaped (it is user data).
     fn describe(&self) -> String {
+        let q = |p: &PerspectiveName| format!("{:?}", p.as_str());
         match self {
-            Action::Release(s, p) => format!("release {s}/{p}"),
-            Action::Rewind(s, p) => format!("rewind {s}/{p}"),
-            Action::Rebuild(p) => format!("rebuild {p}"),
-            Action::Retry(s, p) => format!("retry {s}/{p}"),
-            Action::Skip(s, p, e) => format!("skip {e} of {s}/{p}"),
+            Action::Release(s, p) => format!("release {s}/{}", q(p)),
+            Action::Rewind(s, p) => format!("rewind {s}/{}", q(p)),
+            Action::Rebuild(p) => format!("rebuild {}", q(p)),
+            Action::Retry(s, p) => format!("retry {s}/{}", q(p)),
+            Action::Skip(s, p, e) => format!("skip {e} of {s}/{}", q(p)),
         }
     }
 }
@@ -164,23 +174,44 @@ fn same(a: &str, b: &str) -> bool {
             == 0
 }
 
-/// Whether the request's `Origin`, when it has one, is this server (same host and port).
-fn same_origin(headers: &HeaderMap) -> bool {
+/// Whether the request's `Origin`, when it has one, is this page ([`super::guard::Guard`]).
+fn same_origin(shared: &Shared, headers: &HeaderMap) -> bool {
     let Some(origin) = headers.get(header::ORIGIN) else {
         // Not sent by a browser for same-origin GETs and by scripts; the token and the custom
         // header still stand.
         return true;
     };
     let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
-    let origin = origin.to_str().ok().and_then(|o| o.split_once("://"));
-    matches!((origin, host), (Some((_, o)), Some(h)) if o == h)
+    origin
+        .to_str()
+        .is_ok_and(|origin| shared.guard.origin_allowed(origin, host))
+}
+
+/// One audit line: every control or line-separating character escaped (`\n` as `\\n`), so
+/// it never spans two lines.
+fn audit_line(peer: SocketAddr, action: &str, outcome: &str) -> String {
+    format!(
+        "audit: {} from {peer}: {}: {}",
+        time::OffsetDateTime::now_utc(),
+        one_line(action),
+        one_line(outcome)
+    )
+}
+
+fn one_line(text: &str) -> String {
+    let mut line = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() || c == '\u{2028}' || c == '\u{2029}' {
+            line.extend(c.escape_debug());
+        } else {
+            line.push(c);
+        }
+    }
+    line
 }
 
 fn audit(peer: SocketAddr, action: &str, outcome: &str) {
-    eprintln!(
-        "audit: {} from {peer}: {action}: {outcome}",
-        time::OffsetDateTime::now_utc()
-    );
+    eprintln!("{}", audit_line(peer, action, outcome));
 }
 
 /// `POST /actions`.
@@ -188,7 +219,7 @@ pub(super) async fn handle(
     State(shared): State<Arc<Shared>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
-    body: Result<Json<Request>, axum::extract::rejection::JsonRejection>,
+    body: axum::body::Body,
 ) -> Response {
     let Some(token) = &shared.token else {
         return refused(
@@ -196,7 +227,7 @@ pub(super) async fn handle(
             "actions are disabled: start lockstep serve with LOCKSTEP_SERVE_TOKEN set",
         );
     };
-    if !same_origin(&headers) {
+    if !same_origin(&shared, &headers) {
         audit(peer, "(cross-origin request)", "refused");
         return refused(StatusCode::FORBIDDEN, "cross-origin requests are refused");
     }
@@ -211,7 +242,14 @@ pub(super) async fn handle(
             "a valid X-Lockstep-Token header is required (enter the token on the page)",
         );
     }
-    let Ok(Json(request)) = body else {
+    // Read only now, with the token checked, and never more than the cap.
+    let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
+        return refused(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("an action request has at most {MAX_BODY_BYTES} bytes"),
+        );
+    };
+    let Ok(request) = serde_json::from_slice::<Request>(&body) else {
         return refused(
             StatusCode::BAD_REQUEST,
             "expected a JSON body {action, stream_id (not for rebuild), perspective, event_id?, \
@@ -375,5 +413,41 @@ async fn run(shared: &Shared, action: &Action) -> lockstep_core::Result<(bool, S
             let _ = tx.rollback().await;
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_audit_line_is_one_line_whatever_the_texts_hold() {
+        let peer: SocketAddr = "127.0.0.1:9".parse().expect("address");
+        let line = audit_line(
+            peer,
+            "rewind x/Orders\naudit: 2030 from 1.2.3.4: release y/A: done",
+            "failed: a\r\nb\u{2028}c\u{85}d",
+        );
+        assert_eq!(line.lines().count(), 1, "{line}");
+        assert!(!line.contains(['\r', '\u{2028}', '\u{85}']), "{line}");
+        assert!(line.contains("Orders\\naudit: 2030"), "{line}");
+        assert!(
+            line.ends_with("failed: a\\r\\nb\\u{2028}c\\u{85}d"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn an_action_names_its_perspective_quoted() {
+        let stream = StreamId::from_uuid(Uuid::nil());
+        let name = PerspectiveName::new("Orders").expect("valid");
+        assert_eq!(
+            Action::Rebuild(name.clone()).describe(),
+            "rebuild \"Orders\""
+        );
+        assert_eq!(
+            Action::Release(stream, name).describe(),
+            format!("release {stream}/\"Orders\"")
+        );
     }
 }

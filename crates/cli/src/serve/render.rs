@@ -105,6 +105,7 @@ pub(super) fn summary(snap: &Snapshot) -> Value {
         "pairs_backing_off": sum("backing_off"),
         "workers_live": snap.workers.iter().filter(|w| w["state"] == "live").count(),
         "workers_stale": snap.workers.iter().filter(|w| w["state"] == "stale").count(),
+        "workers_unreadable": snap.workers.iter().filter(|w| w["state"] == "unreadable").count(),
         "perspectives_unserved": snap.perspectives.iter().filter(|p| p["unserved"] == true).count(),
     })
 }
@@ -232,11 +233,19 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
     );
     badge(
         &mut html,
-        level(n("perspectives_unserved") > 0, n("workers_stale") > 0),
+        level(
+            n("perspectives_unserved") > 0 || n("workers_unreadable") > 0,
+            n("workers_stale") > 0,
+        ),
         &format!(
-            "{} workers live, {} stale, {} perspectives with no live worker",
+            "{} workers live, {} stale, {}{} perspectives with no live worker",
             n("workers_live"),
             n("workers_stale"),
+            if n("workers_unreadable") > 0 {
+                format!("{} unreadable, ", n("workers_unreadable"))
+            } else {
+                String::new()
+            },
             n("perspectives_unserved")
         ),
     );
@@ -246,6 +255,15 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
         .workers
         .iter()
         .map(|w| {
+            if let Some(error) = w["error"].as_str() {
+                let mut row = vec![escape(&text(&w["name"])), escape(&text(&w["instance_id"]))];
+                row.extend(std::iter::repeat_n(String::new(), 7));
+                row.push(format!(
+                    "<span class=\"bad\">unreadable: {}</span>",
+                    escape(error)
+                ));
+                return row;
+            }
             let perspectives: Vec<String> = w["perspectives"]
                 .as_array()
                 .into_iter()
