@@ -307,6 +307,95 @@ async fn an_event_that_cannot_be_read_fails_its_pair_not_the_claim() {
     assert_eq!(s.state(bad).await, Some(vec![1, 3]), "on after the skip");
 }
 
+/// A rebuild that fails at an event parks the pair with that event on record, as the normal
+/// path does, so that `perspectives parked` shows it and `perspectives skip` can skip it; the
+/// rebuild then goes on without it. Three streams: an event that cannot be read (its stored
+/// payload does not decode) on the rewind's first read, one on a later page, and one `apply`
+/// refuses. Before, the rewind stored the failure without its event ("at event (none)", and
+/// skip answered "has no failing event on record").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_that_fails_at_an_event_parks_the_pair_at_that_event() {
+    let s = setup(
+        WorkerOptions::default()
+            .with_rewind_page(PageLimits::new(2, 1 << 20).expect("page"))
+            .with_failure_backoff(Duration::from_millis(1))
+            .with_failure_backoff_max(Duration::from_millis(1))
+            .with_park_after_failures(Some(2)),
+    )
+    .await;
+    let (first_page, later_page, refused) =
+        (StreamId::new_v7(), StreamId::new_v7(), StreamId::new_v7());
+    s.numbers(first_page, [1]).await;
+    s.numbers(later_page, [1, 2, 3, 4]).await;
+    s.numbers(refused, [1]).await;
+    s.drain().await;
+    // The workers are stopped: the events are appended, then the perspective is rebuilt.
+    let client = s.db.connect().await;
+    let mut bad = Vec::new();
+    for stream in [first_page, later_page] {
+        let id = lockstep_tests::append_unreadable(&client, stream)
+            .await
+            .expect("an append through SQL");
+        bad.push((stream, id));
+    }
+    let not_a_number = NewEvent::new("Numbered", serde_json::json!({ "m": 1 })).expect("event");
+    bad.push((refused, not_a_number.event_id()));
+    s.append(refused, vec![not_a_number]).await;
+    for (stream, _) in &bad {
+        s.numbers(*stream, [9]).await;
+    }
+    let pool = PgDatabase::from_pool(s.pool.clone());
+    lockstep_worker::life::rebuild(&pool, &PgPerspectiveStore::new(), &numbers_name())
+        .await
+        .expect("rebuild");
+    let mut parked = 0;
+    for _ in 0..200 {
+        let report = s.worker.run_once().await;
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        parked = client
+            .query_one(
+                "SELECT count(*) FROM wh_perspective_cursors \
+                  WHERE perspective_name = $1 AND parked_at IS NOT NULL",
+                &[&NUMBERS],
+            )
+            .await
+            .expect("parked")
+            .get::<_, i64>(0);
+        if parked == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(parked, 3, "every failing pair parked");
+    use lockstep_core::PerspectiveStore as _;
+    for (stream, id) in &bad {
+        let row = client
+            .query_one(
+                "SELECT error, failed_event_id, rewind_trigger_event_id IS NOT NULL \
+                   FROM wh_perspective_cursors WHERE stream_id = $1 AND perspective_name = $2",
+                &[&stream.as_uuid(), &NUMBERS],
+            )
+            .await
+            .expect("cursor");
+        let (error, at, rewinding): (Option<String>, Option<lockstep_core::Uuid>, bool) =
+            (row.get(0), row.get(1), row.get(2));
+        assert_eq!(at, Some(*id), "the failing event is on record: {error:?}");
+        assert!(rewinding, "the request stays");
+        let tx = PgTransaction::begin(&s.pool).await.expect("begin");
+        assert!(
+            PgPerspectiveStore::new()
+                .skip_event(&tx, &Pair::new(*stream, numbers_name()), *id, "test")
+                .await
+                .expect("skip_event")
+        );
+        tx.commit().await.expect("commit");
+    }
+    s.drain().await;
+    assert_eq!(s.state(first_page).await, Some(vec![1, 9]));
+    assert_eq!(s.state(later_page).await, Some(vec![1, 2, 3, 4, 9]));
+    assert_eq!(s.state(refused).await, Some(vec![1, 9]));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
     let s = setup(WorkerOptions::default().with_rewind_debounce(Duration::from_millis(200))).await;

@@ -796,16 +796,21 @@ pub struct RewindLoad {
     /// Whether the stream has more such events after the last of `events`: the next pages come
     /// from [`PerspectiveStore::rewind_events`].
     pub more: bool,
+    /// The event right after `events` when it could not be read (its stored payload does not
+    /// decode, as for [`ClaimedWork::Unreadable`]), and why: the page ends before it and
+    /// `more` is false. A rewind fails at it, so that an operator can skip it.
+    pub unreadable: Option<(Uuid, String)>,
 }
 
 impl RewindLoad {
-    /// A load of `cursor` with its snapshot and all its events (`more` false).
+    /// A load of `cursor` with its snapshot and all its events (`more` false, none unreadable).
     pub fn new(cursor: Cursor, snapshot: Option<Snapshot>, events: Vec<RecordedEvent>) -> Self {
         RewindLoad {
             cursor,
             snapshot,
             events,
             more: false,
+            unreadable: None,
         }
     }
 
@@ -825,12 +830,19 @@ pub struct EventPage {
     pub events: Vec<RecordedEvent>,
     /// Whether more events follow the last of them.
     pub more: bool,
+    /// The event right after `events` when it could not be read, and why (as
+    /// [`RewindLoad::unreadable`]): the page ends before it and `more` is false.
+    pub unreadable: Option<(Uuid, String)>,
 }
 
 impl EventPage {
-    /// A page of `events`, `more` when others follow.
+    /// A page of `events`, `more` when others follow (none unreadable).
     pub fn new(events: Vec<RecordedEvent>, more: bool) -> Self {
-        EventPage { events, more }
+        EventPage {
+            events,
+            more,
+            unreadable: None,
+        }
     }
 }
 
@@ -1240,9 +1252,9 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
             let snapshot = self.snapshot_before(tx, pair, rewind.trigger).await?;
             let after = snapshot.as_ref().map(|s| s.event_id);
             let first = self.rewind_events(tx, pair, after, page).await?;
-            Ok(Some(
-                RewindLoad::new(cursor, snapshot, first.events).with_more(first.more),
-            ))
+            let mut load = RewindLoad::new(cursor, snapshot, first.events).with_more(first.more);
+            load.unreadable = first.unreadable;
+            Ok(Some(load))
         }
     }
 

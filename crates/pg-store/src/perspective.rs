@@ -761,10 +761,10 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 "a rewind load returned events without their cursor",
             ));
         };
-        let (events, more) = events.finish();
-        Ok(Some(
-            RewindLoad::new(cursor, snapshot, events).with_more(more),
-        ))
+        let (events, more, unreadable) = events.finish();
+        let mut load = RewindLoad::new(cursor, snapshot, events).with_more(more);
+        load.unreadable = unreadable;
+        Ok(Some(load))
     }
 
     async fn rewind_events(
@@ -801,8 +801,10 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 break;
             }
         }
-        let (events, more) = events.finish();
-        Ok(EventPage::new(events, more))
+        let (events, more, unreadable) = events.finish();
+        let mut page = EventPage::new(events, more);
+        page.unreadable = unreadable;
+        Ok(page)
     }
 
     async fn cursor(&self, tx: &T, pair: &Pair) -> Result<Option<Cursor>> {
@@ -1574,6 +1576,8 @@ struct PageCut {
     events: Vec<RecordedEvent>,
     bytes: u64,
     more: bool,
+    /// The event the page ended at because it could not be read, and why.
+    unreadable: Option<(Uuid, String)>,
 }
 
 impl PageCut {
@@ -1583,19 +1587,23 @@ impl PageCut {
             events: Vec::new(),
             bytes: 0,
             more: false,
+            unreadable: None,
         }
     }
 
     /// Takes the event of `row` at `offset` (its stored size in the column after it) if it
     /// fits: `Ok(false)` when the page is full, and no more rows are to be read. Rows out of
-    /// event-id order are an error (the statement orders them), never a page cut wrongly.
+    /// event-id order are an error (the statement orders them), never a page cut wrongly. An
+    /// event that does not decode (a payload written by SQL that bypassed the event store's
+    /// checks) ends the page before it, recorded as unreadable: the rewind fails at that
+    /// event, which an operator can skip, rather than at no event.
     fn take(
         &mut self,
         row: &tokio_postgres::Row,
         offset: usize,
         stream_id: StreamId,
     ) -> Result<bool> {
-        if self.more {
+        if self.more || self.unreadable.is_some() {
             return Ok(false);
         }
         let size: Option<i64> = row.try_get(offset + 5).map_err(decode_error)?;
@@ -1608,7 +1616,15 @@ impl PageCut {
             self.more = true;
             return Ok(false);
         }
-        let event = crate::decode(row, offset, stream_id)?;
+        let event = match crate::decode(row, offset, stream_id) {
+            Ok(event) => event,
+            Err(err) => {
+                // The id is read on its own: only the payload (or another column) is bad.
+                let id: Uuid = row.try_get(offset).map_err(decode_error)?;
+                self.unreadable = Some((id, batch::unreadable_message(id, &err)));
+                return Ok(false);
+            }
+        };
         if self
             .events
             .last()
@@ -1626,12 +1642,13 @@ impl PageCut {
 
     /// Whether no event row was seen.
     fn is_empty(&self) -> bool {
-        self.events.is_empty() && !self.more
+        self.events.is_empty() && !self.more && self.unreadable.is_none()
     }
 
-    /// The page's events, and whether more follow.
-    fn finish(self) -> (Vec<RecordedEvent>, bool) {
-        (self.events, self.more)
+    /// The page's events, whether more follow, and the event it ended at because it could not
+    /// be read.
+    fn finish(self) -> (Vec<RecordedEvent>, bool, Option<(Uuid, String)>) {
+        (self.events, self.more, self.unreadable)
     }
 }
 

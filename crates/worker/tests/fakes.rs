@@ -1893,3 +1893,68 @@ async fn two_instances_split_the_work_and_every_state_is_exact() {
         assert_eq!(world.state(*stream), vec![i as i64, 100 + i as i64]);
     }
 }
+
+/// A rebuild that fails at an event parks the pair with that event on record, as the normal
+/// path does: `perspectives parked` shows it, and skipping it lets the rebuild go on without
+/// it. Both ways `apply` can fail at an event: an error (the event is named by it) and a
+/// panic (found by applying the page's events one at a time). Before, the rewind path stored
+/// the failure without its event, and the pair could not be skipped.
+#[tokio::test(start_paused = true)]
+async fn a_rebuild_that_fails_at_an_event_parks_the_pair_at_that_event() {
+    let world = World::new();
+    let worker = world.worker_with(InstanceId::random(), true, parking_options());
+    worker.register().await.expect("register");
+    let (refused, panicking) = (StreamId::new_v7(), StreamId::new_v7());
+    world.append_numbers(refused, [1]).await;
+    world.append_numbers(panicking, [1]).await;
+    drain(&worker).await;
+    // The workers are stopped: an event the perspective cannot take is appended to each
+    // stream, with one after it, and the perspective is rebuilt.
+    let mut bad = Vec::new();
+    for (stream, poison) in [(refused, "fail"), (panicking, "panic")] {
+        let id = Uuid::now_v7();
+        world
+            .append(stream, &[(id, serde_json::json!(poison))])
+            .await;
+        world.append_numbers(stream, [3]).await;
+        bad.push((stream, id));
+    }
+    lockstep_worker::life::rebuild(&world.db, &world.store, &fold())
+        .await
+        .expect("rebuild");
+    let parked = || async {
+        let tx = world.db.begin_now();
+        let parked = world
+            .store
+            .parked_pairs(&tx, &[], 100)
+            .await
+            .expect("parked");
+        tx.rollback().await.expect("rollback");
+        parked
+    };
+    cycle_until(&worker, 50, async || parked().await.len() == 2).await;
+    for (stream, id) in &bad {
+        let cursor = world.cursor(*stream).await;
+        assert!(cursor.rewind.is_some(), "the request stays: {cursor:?}");
+        assert_eq!(
+            cursor.failed_event_id,
+            Some(*id),
+            "the failing event is on record: {cursor:?}"
+        );
+        let tx = world.db.begin_now();
+        assert!(
+            world
+                .store
+                .skip_event(&tx, &Pair::new(*stream, fold()), *id, "cannot be read")
+                .await
+                .expect("skip")
+        );
+        tx.commit().await.expect("commit");
+    }
+    drain(&worker).await;
+    for (stream, _) in &bad {
+        assert_eq!(world.state(*stream), vec![1, 3], "rebuilt without it");
+        assert!(world.cursor(*stream).await.rewind.is_none());
+    }
+    assert!(parked().await.is_empty());
+}

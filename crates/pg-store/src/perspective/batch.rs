@@ -272,7 +272,7 @@ async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: 
 
 /// What is stored on the cursor for an event that could not be read: the error with its
 /// causes (the driver's decoding error says what is wrong with the payload).
-fn unreadable_message(id: Uuid, err: &Error) -> String {
+pub(super) fn unreadable_message(id: Uuid, err: &Error) -> String {
     let mut message = format!("event {id} could not be read: {err}");
     let mut source = std::error::Error::source(err);
     while let Some(cause) = source {

@@ -32,7 +32,7 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{CycleReport, Kind, PerspectiveWorker, apply_guarded};
+use super::{CycleReport, Kind, PerspectiveWorker, Probe, apply_guarded, probe};
 use crate::coordinator::PairGuard;
 use crate::telemetry::{self, count, observe};
 
@@ -639,28 +639,16 @@ fn fold(
         } => events.iter().position(|e| e.event_id == *event_id),
         // Where a panic happened is not known: find it one event at a time.
         ApplyError::Panicked { event_id: None, .. } => {
-            let mut probe = state.clone();
-            let mut found = None;
-            for (i, event) in events.iter().enumerate() {
-                if !go_on() {
-                    return Folded::Stopped;
-                }
-                if apply_guarded(p, &mut probe, std::slice::from_ref(event), go_on).is_err() {
-                    found = Some(i);
-                    break;
-                }
-            }
-            match found {
-                Some(i) => {
-                    return Folded::Failed {
-                        prefix: (i > 0).then_some((probe, i)),
-                        error,
-                        event_id: Some(events[i].event_id),
-                    };
-                }
+            return match probe(p, state.clone(), events, go_on) {
+                Probe::Failed(i, before) => Folded::Failed {
+                    prefix: (i > 0).then_some((before, i)),
+                    error,
+                    event_id: Some(events[i].event_id),
+                },
                 // It did not happen again: the one-at-a-time fold is the whole fold.
-                None => return Folded::All(probe),
-            }
+                Probe::Clean(all) => Folded::All(all),
+                Probe::Stopped => Folded::Stopped,
+            };
         }
         // The stored state does not decode: no event is to blame.
         _ => None,
