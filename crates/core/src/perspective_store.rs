@@ -661,6 +661,28 @@ pub struct PendingThrough {
     pub parked: u64,
     /// The last error of one such pair that is failing, if any.
     pub error: Option<String>,
+    /// Whether the perspective is registered, retired or neither (`None`: the store does not
+    /// say). Only a registered perspective's appends queue work: for the others nothing is
+    /// pending, yet nothing will ever be applied either.
+    pub registration: Option<Registration>,
+    /// How many live worker instances announce that they run the perspective (the fleet:
+    /// [`crate::WorkerInstance`]; `None`: the store does not say). 0 while work is pending: no
+    /// worker that could apply it is running, or the ones running have no stream locker (a
+    /// worker without one is not announced).
+    pub live_workers: Option<u64>,
+}
+
+/// Whether a perspective is registered ([`PendingThrough::registration`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Registration {
+    /// Registered: appends queue work for it.
+    Registered,
+    /// Retired with its states kept ([`RetireStates::Keep`]): the states stay readable, but
+    /// appends queue no work for it until it is registered again.
+    Retired,
+    /// Neither: never registered (a misspelt name), or retired with its states dropped.
+    NotRegistered,
 }
 
 impl PendingThrough {
@@ -1369,8 +1391,10 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// What `perspective` (one stream of it, with `stream_id`) has not applied yet of the events
     /// whose id is at most `up_to` (event-id order, the order perspectives apply in): pending
     /// work, rewinds requested from such an event, and whether the pairs holding it are parked
-    /// or failing. [`PendingThrough::is_caught_up`] is the "read your own write" test after an
-    /// append whose last event is `up_to` (its work is queued by the append itself).
+    /// or failing; whether the perspective is registered at all, and how many live worker
+    /// instances run it. [`PendingThrough::is_caught_up`] is the "read your own write" test
+    /// after an append whose last event is `up_to` (its work is queued by the append itself),
+    /// for a registered perspective.
     fn pending_through<'a>(
         &'a self,
         tx: &'a Tx,

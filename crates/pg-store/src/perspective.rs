@@ -70,9 +70,9 @@ use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
     ErrorKind, EventPage, InstanceId, LeaseEpoch, LeaseId, LockReason, PageLimits, Pair,
     PairFailure, PendingPair, PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore,
-    ProgressReport, Rebuild, RecordedEvent, Result, RetireStates, Retired, RewindDebounce,
-    RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
-    StreamId, ValidationError,
+    ProgressReport, Rebuild, RecordedEvent, Registration, Result, RetireStates, Retired,
+    RewindDebounce, RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit,
+    StoredState, StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -338,7 +338,9 @@ SELECT count(*) FROM w";
 
     /// What a perspective (`$1`; one stream of it when `$2` is not NULL) has not applied of
     /// the events up to `$3`: work rows, rewinds requested from such an event, and of the
-    /// pairs holding either how many are parked and one failing pair's error.
+    /// pairs holding either how many are parked and one failing pair's error; then whether
+    /// the perspective is registered, retired (its states kept) or neither, and how many live
+    /// worker instances announce it (live as the fleet listing counts them).
     pub const PENDING_THROUGH: &str = "\
         WITH w AS (SELECT w.stream_id FROM wh_perspective_events w \
                     WHERE w.perspective_name = $1 AND ($2::uuid IS NULL OR w.stream_id = $2) \
@@ -351,7 +353,16 @@ SELECT count(*) FROM w";
                          AND k.stream_id IN (SELECT stream_id FROM w UNION SELECT stream_id FROM r)) \
         SELECT (SELECT count(*) FROM w), (SELECT count(*) FROM r), \
                (SELECT count(*) FROM held WHERE parked_at IS NOT NULL), \
-               (SELECT error FROM held WHERE error IS NOT NULL LIMIT 1)";
+               (SELECT error FROM held WHERE error IS NOT NULL LIMIT 1), \
+               CASE WHEN EXISTS (SELECT FROM wh_perspectives p WHERE p.perspective_name = $1) \
+                    THEN 'registered' \
+                    WHEN EXISTS (SELECT FROM wh_retired_perspectives r \
+                                  WHERE r.perspective_name = $1) \
+                    THEN 'retired' \
+                    ELSE 'not registered' END, \
+               (SELECT count(*) FROM wh_worker_instances i \
+                 WHERE $1 = ANY (i.perspectives) \
+                   AND i.last_seen_at + i.stale_after > clock_timestamp())";
 
     /// The event ids of a pair's work, in event-id order.
     pub const PENDING_EVENTS: &str = "SELECT w.event_id FROM wh_perspective_events w \
@@ -1072,6 +1083,13 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         pending.rewinds = count(1)?;
         pending.parked = count(2)?;
         pending.error = row.try_get(3).map_err(decode_error)?;
+        let registration: &str = row.try_get(4).map_err(decode_error)?;
+        pending.registration = Some(match registration {
+            "registered" => Registration::Registered,
+            "retired" => Registration::Retired,
+            _ => Registration::NotRegistered,
+        });
+        pending.live_workers = Some(count(5)?);
         Ok(pending)
     }
 

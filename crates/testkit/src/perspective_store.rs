@@ -42,8 +42,8 @@ use lockstep_core::{
     ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, EventPage, InstanceId,
     LeaseEpoch, LeaseFence, LeaseStatus, PageLimits, PairFailure, PendingPair, PendingThrough,
     PerspectiveName, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RecordedEvent,
-    ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress, RewindRequest,
-    SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
+    Registration, ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress,
+    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
     perspective_store::{DEFAULT_KEEP_SNAPSHOTS, check_progress_limit},
 };
 use std::time::Duration;
@@ -1297,6 +1297,15 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 }
             }
         }
+        out.registration = Some(if Self::registered(&state, tx, perspective) {
+            Registration::Registered
+        } else if state.retired.contains(perspective) {
+            Registration::Retired
+        } else {
+            Registration::NotRegistered
+        });
+        drop(state);
+        out.live_workers = Some(self.locker.live_instances_running(perspective));
         Ok(out)
     }
 

@@ -1958,3 +1958,81 @@ async fn a_rebuild_that_fails_at_an_event_parks_the_pair_at_that_event() {
     }
     assert!(parked().await.is_empty());
 }
+
+/// A wait for a perspective nothing applies says why instead of "caught up" (the Postgres twin
+/// is in `tests/tests/reads_on_postgres.rs`): a name that is not registered (misspelt) or was
+/// retired with its states dropped is `NotRegistered`, one retired with its states kept is
+/// `Retired`, both at once; a wait that times out while no live worker instance runs the
+/// perspective says so, and does not once one is announced. Every wait from inside
+/// `tokio::spawn`, as a handler makes it. Before, the first three answered `Ok` at once.
+#[tokio::test(start_paused = true)]
+async fn a_wait_for_a_perspective_nothing_applies_says_why() {
+    use lockstep_core::{InstanceAnnouncement, RetireStates};
+    use lockstep_worker::{ReadModels, WaitError};
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let reads = ReadModels::new(world.db.clone(), world.store.clone());
+    let stream = StreamId::new_v7();
+    let last = *world.append_numbers(stream, [1]).await.last().expect("one");
+    let wait = |perspective: PerspectiveName, timeout: Duration| {
+        let reads = reads.clone();
+        async move {
+            tokio::spawn(async move {
+                reads
+                    .wait_for_stream(&perspective, stream, last, timeout)
+                    .await
+            })
+            .await
+            .expect("the waiting task")
+        }
+    };
+    let hour = Duration::from_secs(3600);
+
+    let typo = PerspectiveName::new("Flod").expect("valid");
+    let err = wait(typo, hour).await.expect_err("a misspelt name");
+    assert!(matches!(err, WaitError::NotRegistered { .. }), "{err}");
+    assert!(err.to_string().contains("Flod"), "{err}");
+
+    let err = wait(fold(), Duration::from_secs(1))
+        .await
+        .expect_err("nobody applies it");
+    assert!(matches!(err, WaitError::TimedOut { .. }), "{err}");
+    assert!(err.no_live_worker(), "{err:?}");
+    assert!(err.to_string().contains("no live worker"), "{err}");
+
+    let announcement = InstanceAnnouncement::new(
+        InstanceId::random(),
+        "worker-0",
+        "host",
+        1,
+        "test",
+        vec![fold()],
+    )
+    .expect("announcement");
+    world
+        .locker
+        .announce(&announcement)
+        .await
+        .expect("announce");
+    let err = wait(fold(), Duration::from_secs(1))
+        .await
+        .expect_err("still nobody applies it");
+    assert!(matches!(err, WaitError::TimedOut { .. }), "{err}");
+    assert!(!err.no_live_worker(), "{err:?}");
+
+    lockstep_worker::life::retire(&world.db, &world.store, &fold(), RetireStates::Keep)
+        .await
+        .expect("retire");
+    let err = wait(fold(), hour).await.expect_err("retired");
+    assert!(matches!(err, WaitError::Retired { .. }), "{err}");
+
+    worker.register().await.expect("register again");
+    lockstep_worker::life::retire(&world.db, &world.store, &fold(), RetireStates::Drop)
+        .await
+        .expect("retire");
+    let err = wait(fold(), hour)
+        .await
+        .expect_err("retired, states dropped");
+    assert!(matches!(err, WaitError::NotRegistered { .. }), "{err}");
+}
