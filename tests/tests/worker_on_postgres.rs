@@ -965,3 +965,167 @@ async fn the_batch_cycle_runs_inside_a_spawned_task() {
     assert_eq!(state, serde_json::json!([1, 2, 3]));
     drop(pool);
 }
+
+/// Makes the test database's clock run `offset` (an SQL interval) off the server's for every
+/// session opened from now on, as on a database server whose clock is off: a
+/// `clock_timestamp()` of its own in a schema searched before `pg_catalog`, which lockstep's
+/// statements and functions then call. (Column defaults keep the server's clock: a test writes
+/// `recorded_at` itself.) Checks that a new session sees it.
+async fn skew_database_clock(db: &TestDatabase, offset_seconds: i64) {
+    let client = db.connect().await;
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA skewed;
+             CREATE FUNCTION skewed.clock_timestamp() RETURNS timestamptz LANGUAGE sql VOLATILE
+                 AS $$ SELECT pg_catalog.clock_timestamp() + interval '{offset_seconds} seconds' $$;
+             ALTER DATABASE \"{}\" SET search_path = skewed, pg_catalog, public;",
+            db.name()
+        ))
+        .await
+        .expect("skew the database's clock");
+    let seen: f64 = db
+        .connect()
+        .await
+        .query_one(
+            "SELECT extract(epoch FROM clock_timestamp() - pg_catalog.clock_timestamp())::float8",
+            &[],
+        )
+        .await
+        .expect("the skewed clock")
+        .get(0);
+    assert!(
+        (seen - offset_seconds as f64).abs() < 60.0,
+        "the database's clock is {seen} s off, not {offset_seconds}"
+    );
+}
+
+/// The lag the worker reports for one event recorded `recorded_ago_seconds` before the
+/// database's now, on a database whose clock is `offset_seconds` off this host's.
+async fn reported_lag(offset_seconds: i64, recorded_ago_seconds: i64) -> f64 {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let db = test_database().await;
+    lockstep_pg::migrate(&db.pool(1)).await.expect("migrate");
+    skew_database_clock(&db, offset_seconds).await;
+    // Every connection of this pool is opened after the skew.
+    let pool = db.pool(4);
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Numbers::new()).expect("register");
+    let worker: Worker = PerspectiveWorker::new(
+        PgDatabase::from_pool(pool.clone()),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        Some(Arc::new(locker) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
+        .append(&tx, stream, ExpectedVersion::Any, &[number_event(1)])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    // Recorded on the database's clock, as its own default does on a server whose clock is off.
+    db.connect()
+        .await
+        .execute(
+            &format!(
+                "UPDATE wh_events SET recorded_at = clock_timestamp() \
+                                                 - interval '{recorded_ago_seconds} seconds'"
+            ),
+            &[],
+        )
+        .await
+        .expect("recorded_at");
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let report = {
+        let _local = metrics::set_default_local_recorder(&recorder);
+        worker.run_once().await
+    };
+    assert_eq!(report.applied, 1, "{report:?}");
+    let lags: Vec<f64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| key.key().name() == lockstep_worker::telemetry::LAG_SECONDS)
+        .flat_map(|(.., value)| match value {
+            DebugValue::Histogram(values) => values.into_iter().map(|v| v.into_inner()).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    assert_eq!(lags.len(), 1, "one batch committed: {lags:?}");
+    lags[0]
+}
+
+/// The lag is measured on the database's clock, the one `recorded_at` is written with: with
+/// the database an hour ahead of this host, an event recorded ten minutes ago (on its clock)
+/// is ten minutes old. Before, the host's clock said it was recorded 50 minutes in the future:
+/// a lag of 0, for every event.
+#[tokio::test]
+async fn the_lag_is_measured_on_the_databases_clock_when_it_is_ahead() {
+    let lag = reported_lag(3600, 600).await;
+    assert!((600.0..1800.0).contains(&lag), "lag {lag} s, not about 600");
+}
+
+/// With the database an hour behind this host, a fresh event has (next to) no lag. Before, the
+/// host's clock said it was an hour old.
+#[tokio::test]
+async fn the_lag_is_measured_on_the_databases_clock_when_it_is_behind() {
+    let lag = reported_lag(-3600, 0).await;
+    assert!(lag < 1800.0, "lag {lag} s, not about 0");
+}
+
+/// A running rewind's progress is read with the database's clock, what `perspectives status`
+/// and the page measure "running for" and "reported ago" against: with the database an hour
+/// behind this host, a rewind reported five seconds into its run has run about five seconds,
+/// not an hour and five.
+#[tokio::test]
+async fn rewind_progress_is_read_with_the_databases_clock() {
+    use lockstep_core::{PerspectiveStore as _, ProgressReport};
+    let db = test_database().await;
+    lockstep_pg::migrate(&db.pool(1)).await.expect("migrate");
+    skew_database_clock(&db, -3600).await;
+    let pool = db.pool(2);
+    let source = PgDatabase::from_pool(pool.clone());
+    let store = PgPerspectiveStore::new();
+    let pair = Pair::new(StreamId::new_v7(), numbers_name());
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, &[numbers_name()])
+        .await
+        .expect("register");
+    store.ensure_cursor(&tx, &pair).await.expect("cursor");
+    tx.commit().await.expect("commit");
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .request_rewind(&tx, &pair, None)
+        .await
+        .expect("request");
+    let mut report = ProgressReport::new(
+        pair.stream_id,
+        pair.perspective.clone(),
+        lockstep_core::Uuid::new_v4(),
+        10,
+        100,
+    );
+    report.elapsed = Duration::from_secs(5);
+    store.record_progress(&tx, &report).await.expect("report");
+    tx.commit().await.expect("commit");
+    let rows = lockstep_worker::life::rewind_progress(&source, &store, &[])
+        .await
+        .expect("progress");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let read_at = rows[0].read_at.expect("read with the database's clock");
+    let running = (read_at - rows[0].started_at).as_seconds_f64();
+    assert!((5.0..1800.0).contains(&running), "running {running} s");
+    // What this host's clock says instead (how it was measured before): over an hour.
+    let on_this_host =
+        (lockstep_core::OffsetDateTime::now_utc() - rows[0].started_at).as_seconds_f64();
+    assert!(on_this_host > 3600.0, "{on_this_host} s");
+    let since_report = (read_at - rows[0].updated_at).as_seconds_f64();
+    assert!((0.0..1800.0).contains(&since_report), "{since_report} s");
+}

@@ -442,6 +442,10 @@ pub struct ClaimedBatch {
     /// at (the request's position when none was). Pass them back as the next claim's positions
     /// so that successive claims go round every pair with work.
     pub positions: Vec<(PerspectiveName, Option<StreamId>)>,
+    /// The store's clock when the claim read its events (`None`: the store does not say, or
+    /// no event was read): the clock [`RecordedEvent::recorded_at`] was written with, so that
+    /// an event's age (a lag) is measured on one clock, not against this host's.
+    pub claimed_at: Option<OffsetDateTime>,
 }
 
 /// A pair's failure, as stored on its cursor ([`PerspectiveStore::record_failure`],
@@ -718,6 +722,9 @@ pub enum Claim {
         state: Option<serde_json::Value>,
         /// The events to apply.
         events: Vec<RecordedEvent>,
+        /// The store's clock when the claim read them (`None`: the store does not say), as
+        /// [`ClaimedBatch::claimed_at`].
+        claimed_at: Option<OffsetDateTime>,
     },
     /// The pair needs a rewind (requested before, or a late arrival found now — the request is
     /// then written in the claiming transaction: commit it). Nothing else was claimed.
@@ -974,6 +981,10 @@ pub struct RewindProgress {
     pub started_at: OffsetDateTime,
     /// When its last report arrived (store clock).
     pub updated_at: OffsetDateTime,
+    /// The store's clock when this was read (`None`: the store does not say): how long the
+    /// rewind has been running and since its last report are measured against it, on the
+    /// clock `started_at` and `updated_at` were written with.
+    pub read_at: Option<OffsetDateTime>,
 }
 
 impl RewindProgress {
@@ -994,6 +1005,7 @@ impl RewindProgress {
             to_replay,
             started_at,
             updated_at,
+            read_at: None,
         }
     }
 }

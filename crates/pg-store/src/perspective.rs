@@ -44,7 +44,7 @@
 //! # let stream = StreamId::new_v7();
 //! let tx = db.begin().await?;
 //! let pair = Pair::new(stream, name.clone());
-//! if let Claim::Apply { cursor, state, events } =
+//! if let Claim::Apply { cursor, state, events, .. } =
 //!     store.claim(&tx, &pair, 100, RewindDebounce::NONE).await?
 //! {
 //!     let new_state = serde_json::json!({ "seen": cursor.applied_count + events.len() as u64 });
@@ -143,7 +143,7 @@ SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
     /// the events. The V8 cursor columns (failed event, backoff, parking), which the claim
     /// function of V7 does not return and does not change, are joined at the end.
     pub const CLAIM: &str = "\
-SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
+SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at, clock_timestamp()
   FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
   LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
 
@@ -158,12 +158,13 @@ SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
     /// The events of a batch's claimed pairs (`$1` streams, `$2` and `$3` the first and last
     /// work id of each, `$4` the sizes of the pairs' states summed up to each pair, `$5` the
     /// byte bound): each pair's events as one range of `wh_events (stream_id, event_id)`, in
-    /// pair then event-id order, `o` the pair's ordinal (from 1). An event is returned while
+    /// pair then event-id order, `o` the pair's ordinal (from 1), each row with the database's
+    /// clock (what the events' ages are measured against). An event is returned while
     /// the states and events before it and itself fit the byte bound (`pg_column_size`), the
     /// batch's first always. The range may hold events that are not the pair's work (skipped,
     /// or enqueued since the claim): the caller keeps only the work ids; their sizes count.
     pub const CLAIM_EVENTS: &str = "\
-SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at
+SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock_timestamp()
   FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
                pg_column_size(e.payload) AS size,
                sum(pg_column_size(e.payload))
@@ -432,6 +433,8 @@ const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + V7_CURSOR_COLUMNS;
 const CLAIM_EVENT_AT: usize = CLAIM_STATE_AT + 1;
 /// Where the V8 cursor columns, joined at the end, are in a claim's rows.
 const CLAIM_EXTRA_AT: usize = CLAIM_EVENT_AT + 5;
+/// Where the database's clock at the claim is in a claim's rows (after the V8 columns).
+const CLAIM_CLOCK_AT: usize = CLAIM_EXTRA_AT + 3;
 /// The cursor columns of V7 (the single claim's function returns these).
 const V7_CURSOR_COLUMNS: usize = 13;
 /// How many columns `cursor_columns!` has: V7's and V8's failed event, backoff and parking.
@@ -645,6 +648,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                     .iter()
                     .map(|row| crate::decode(row, CLAIM_EVENT_AT, stream_id))
                     .collect::<Result<_>>()?,
+                claimed_at: Some(header.try_get(CLAIM_CLOCK_AT).map_err(decode_error)?),
             }),
             other => Err(Error::new(
                 ErrorKind::Backend,

@@ -831,6 +831,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         let debounce = request.debounce;
         let mut budget = Budget::default();
         let mut batch = ClaimedBatch::default();
+        // The clock the event store writes `recorded_at` with.
+        batch.claimed_at = Some(OffsetDateTime::now_utc());
         let mut claimed: HashSet<Key> = HashSet::new();
         let full = |batch: &ClaimedBatch, budget: &Budget| {
             batch.pairs.len() >= limits.pairs
@@ -1009,6 +1011,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             cursor: Self::cursor_of(&key, &pair, lease),
             state: pair.state,
             events,
+            // The clock the event store writes `recorded_at` with.
+            claimed_at: Some(OffsetDateTime::now_utc()),
         })
     }
 
@@ -1660,6 +1664,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 p.updated_at,
             );
             row.holder = p.lease.map(|(h, _)| h);
+            row.read_at = Some(self.now());
             out.push(row);
         }
         Ok(out)

@@ -244,6 +244,7 @@ async fn apply<F: PerspectiveStoreFixture>(
         cursor,
         state,
         events,
+        ..
     } = claim(fixture, &tx, stream, name, max, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
@@ -607,6 +608,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         cursor,
         state,
         events,
+        ..
     } = claim(&*fixture, &tx, stream, &p, 3, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
@@ -647,6 +649,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         cursor,
         state,
         events,
+        ..
     } = claim(&*fixture, &tx, stream, &p, ALL_EVENTS, RewindDebounce::NONE).await
     else {
         panic!("expected the rest to apply");
@@ -2720,6 +2723,7 @@ pub async fn a_successful_commit_clears_the_error_the_backoff_and_the_parking<
             cursor: claimed,
             state,
             events,
+            ..
         } = claim(&*fixture, &tx, *stream, &p, 10, RewindDebounce::NONE).await
         else {
             panic!("expected events to apply");

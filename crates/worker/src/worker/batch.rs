@@ -34,7 +34,7 @@ use uuid::Uuid;
 
 use super::{CycleReport, Kind, PerspectiveWorker, Probe, apply_guarded, probe};
 use crate::coordinator::PairGuard;
-use crate::telemetry::{self, count, observe};
+use crate::telemetry::{self, StoreClock, count, observe};
 
 /// The deepest the batch shrinks: every limit halved this many times is 1.
 const MAX_SHRINK: u32 = 20;
@@ -147,6 +147,7 @@ where
         // A `?` drops the guard, which rolls back: nothing claimed stays claimed.
         let tx = self.source.begin().await?;
         let batch = self.store.claim_batch(&tx, &request).await?;
+        let clock = StoreClock::new(batch.claimed_at);
         self.remember_positions(batch.positions);
         if batch.pairs.is_empty() {
             // Committed, not rolled back: a late arrival inside the debounce window was
@@ -231,7 +232,8 @@ where
         };
         self.batch_committed(&claimed);
         for ((entry, outcome), applied) in entries.iter().zip(outcomes).zip(applied) {
-            self.report_entry(entry, outcome, applied, report).await;
+            self.report_entry(entry, outcome, applied, &clock, report)
+                .await;
         }
         for cursor in rewinds {
             match self.rewind(cursor.stream_id, &cursor.perspective).await {
@@ -413,12 +415,13 @@ where
         commit
     }
 
-    /// Reports one committed entry and counts it.
+    /// Reports one committed entry and counts it (its lag on `clock`, the store's).
     async fn report_entry(
         &self,
         entry: &BatchEntry,
         outcome: BatchCommitted,
         applied: Applied,
+        clock: &StoreClock,
         report: &mut CycleReport,
     ) {
         let pair = &entry.pair;
@@ -432,10 +435,7 @@ where
                     count(telemetry::BOOTSTRAPS, name, 1);
                 }
                 if let Some(oldest) = applied.oldest {
-                    let lag = (OffsetDateTime::now_utc() - oldest)
-                        .as_seconds_f64()
-                        .max(0.0);
-                    observe(telemetry::LAG_SECONDS, name, lag);
+                    observe(telemetry::LAG_SECONDS, name, clock.age_seconds(oldest));
                 }
                 parked
             }

@@ -125,7 +125,7 @@ where
     ) -> Result<Normal> {
         // Every `?` drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let (tx, cursor, _, events) = match self.claim_one(tx, stream_id, name).await? {
+        let (tx, cursor, _, events, _) = match self.claim_one(tx, stream_id, name).await? {
             Ok(claimed) => claimed,
             Err(normal) => return Ok(normal),
         };
