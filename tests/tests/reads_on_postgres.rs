@@ -178,3 +178,95 @@ async fn a_wait_ends_at_its_timeout_without_a_worker_and_at_once_on_a_parked_pai
     assert!(matches!(err, WaitError::Parked { .. }), "{err}");
     assert!(err.to_string().contains("poison"), "{err}");
 }
+
+/// Waits from inside `tokio::spawn`, as a handler does.
+async fn spawned_wait(
+    reads: &Reads,
+    perspective: PerspectiveName,
+    stream: StreamId,
+    up_to: uuid::Uuid,
+    timeout: Duration,
+) -> Result<(), WaitError> {
+    let reads = reads.clone();
+    tokio::spawn(async move {
+        reads
+            .wait_for_stream(&perspective, stream, up_to, timeout)
+            .await
+    })
+    .await
+    .expect("the waiting task")
+}
+
+/// A wait for a perspective nothing applies says why instead of "caught up": a name that is
+/// not registered (misspelt) or was retired with its states dropped is `NotRegistered`, one
+/// retired with its states kept is `Retired`, both at once; a wait that times out while no
+/// live worker instance runs the perspective says so, and does not once one is announced.
+/// Before, the first three answered `Ok` at once and read nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_a_perspective_nothing_applies_says_why() {
+    use lockstep_core::{InstanceAnnouncement, RetireStates};
+    let db = test_database().await;
+    let pool = db.pool(4);
+    lockstep_pg::migrate(&pool).await.expect("migrate");
+    let source = PgDatabase::from_pool(pool.clone());
+    let store = PgPerspectiveStore::new();
+    let tx = source.begin().await.expect("begin");
+    store.register(&tx, &[numbers()]).await.expect("register");
+    tx.commit().await.expect("commit");
+    let reads: Reads = ReadModels::new(source.clone(), store.clone());
+    let stream = StreamId::new_v7();
+    let last = append(&pool, stream, &[1]).await;
+    let hour = Duration::from_secs(3600);
+
+    let typo = PerspectiveName::new("Numbrs").expect("valid");
+    let err = spawned_wait(&reads, typo, stream, last, hour)
+        .await
+        .expect_err("a misspelt name is not caught up");
+    assert!(matches!(err, WaitError::NotRegistered { .. }), "{err}");
+    assert!(err.to_string().contains("Numbrs"), "{err}");
+
+    let err = spawned_wait(&reads, numbers(), stream, last, Duration::from_millis(100))
+        .await
+        .expect_err("nobody applies it");
+    assert!(matches!(err, WaitError::TimedOut { .. }), "{err}");
+    assert!(err.no_live_worker(), "{err:?}");
+    assert!(err.to_string().contains("no live worker"), "{err}");
+
+    // A live instance announces that it runs the perspective (it is just slow).
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
+    let announcement = InstanceAnnouncement::new(
+        InstanceId::random(),
+        "worker-0",
+        "host",
+        1,
+        "test",
+        vec![numbers()],
+    )
+    .expect("announcement");
+    locker.announce(&announcement).await.expect("announce");
+    let err = spawned_wait(&reads, numbers(), stream, last, Duration::from_millis(100))
+        .await
+        .expect_err("still nobody applies it");
+    assert!(matches!(err, WaitError::TimedOut { .. }), "{err}");
+    assert!(!err.no_live_worker(), "{err:?}");
+    assert!(!err.to_string().contains("no live worker"), "{err}");
+
+    lockstep_worker::life::retire(&source, &store, &numbers(), RetireStates::Keep)
+        .await
+        .expect("retire");
+    let err = spawned_wait(&reads, numbers(), stream, last, hour)
+        .await
+        .expect_err("a retired perspective is not caught up");
+    assert!(matches!(err, WaitError::Retired { .. }), "{err}");
+
+    let tx = source.begin().await.expect("begin");
+    store.register(&tx, &[numbers()]).await.expect("register");
+    tx.commit().await.expect("commit");
+    lockstep_worker::life::retire(&source, &store, &numbers(), RetireStates::Drop)
+        .await
+        .expect("retire");
+    let err = spawned_wait(&reads, numbers(), stream, last, hour)
+        .await
+        .expect_err("a perspective retired with its states dropped is not caught up");
+    assert!(matches!(err, WaitError::NotRegistered { .. }), "{err}");
+}

@@ -410,3 +410,88 @@ async fn an_event_that_cannot_be_read_fails_its_table_pair_at_it() {
     assert!(error.contains("could not be read"), "{error}");
     assert!(cursor.retry_at.is_some(), "backed off");
 }
+
+/// A table perspective's rebuild that fails at an event stores that event with the failure, as
+/// its normal path does, so that an operator can skip it: an event that cannot be read (its
+/// stored payload does not decode) on a later page of the replay, and one the table refuses
+/// (its check constraint). Nothing of the failed replay is written; after the skips the
+/// rebuild writes every other row once. Before, the rewind stored the failure without its
+/// event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_that_fails_at_an_event_stores_that_event() {
+    let db = test_database().await;
+    let pool = db.pool(6);
+    setup(&pool).await;
+    let worker = Arc::new(worker_with(
+        &pool,
+        WorkerOptions::default()
+            .with_rewind_page(lockstep_core::PageLimits::new(2, 1 << 20).expect("page")),
+    ));
+    worker.register().await.expect("register");
+    let (unreadable, refused) = (StreamId::new_v7(), StreamId::new_v7());
+    append(&pool, unreadable, numbers(&[1, 2, 3])).await;
+    append(&pool, refused, numbers(&[1])).await;
+    let cycles = Arc::clone(&worker);
+    tokio::spawn(async move { cycles.run_once().await })
+        .await
+        .expect("task");
+    // The worker is stopped: the events are appended, then the perspective is rebuilt.
+    let client = pool.get().await.expect("connection");
+    let bad_payload = lockstep_tests::append_unreadable(&**client, unreadable)
+        .await
+        .expect("an append through SQL");
+    drop(client);
+    let thirteen = append(&pool, refused, numbers(&[13])).await;
+    append(&pool, unreadable, numbers(&[4])).await;
+    append(&pool, refused, numbers(&[2])).await;
+    let source = PgDatabase::from_pool(pool.clone());
+    lockstep_worker::life::rebuild(&source, &PgPerspectiveStore::new(), &daily())
+        .await
+        .expect("rebuild");
+    let cycles = Arc::clone(&worker);
+    let report = tokio::spawn(async move { cycles.run_once().await })
+        .await
+        .expect("task");
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.failed, 2, "{report:?}");
+    for (stream, at, why) in [
+        (unreadable, bad_payload, "could not be read"),
+        (refused, thirteen, "check constraint"),
+    ] {
+        let tx = source.begin().await.expect("begin");
+        let cursor = PgPerspectiveStore::new()
+            .cursor(&tx, &Pair::new(stream, daily()))
+            .await
+            .expect("read")
+            .expect("cursor");
+        tx.rollback().await.expect("rollback");
+        assert_eq!(cursor.failed_event_id, Some(at), "{cursor:?}");
+        assert!(cursor.rewind.is_some(), "the request stays");
+        let error = cursor.error.expect("stored");
+        assert!(error.contains(why), "{error}");
+        let tx = source.begin().await.expect("begin");
+        assert!(
+            PgPerspectiveStore::new()
+                .skip_event(&tx, &Pair::new(stream, daily()), at, "test")
+                .await
+                .expect("skip_event")
+        );
+        tx.commit().await.expect("commit");
+    }
+    let cycles = Arc::clone(&worker);
+    tokio::spawn(async move {
+        for _ in 0..50 {
+            let report = cycles.run_once().await;
+            assert!(report.errors.is_empty(), "{:?}", report.errors);
+            assert_eq!(report.failed, 0, "{report:?}");
+            if !report.did_work() {
+                return;
+            }
+        }
+        panic!("the worker did not go idle");
+    })
+    .await
+    .expect("task");
+    assert_eq!(seen(&pool, unreadable).await, vec![1, 2, 3, 4]);
+    assert_eq!(seen(&pool, refused).await, vec![1, 2]);
+}

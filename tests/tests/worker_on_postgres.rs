@@ -307,6 +307,95 @@ async fn an_event_that_cannot_be_read_fails_its_pair_not_the_claim() {
     assert_eq!(s.state(bad).await, Some(vec![1, 3]), "on after the skip");
 }
 
+/// A rebuild that fails at an event parks the pair with that event on record, as the normal
+/// path does, so that `perspectives parked` shows it and `perspectives skip` can skip it; the
+/// rebuild then goes on without it. Three streams: an event that cannot be read (its stored
+/// payload does not decode) on the rewind's first read, one on a later page, and one `apply`
+/// refuses. Before, the rewind stored the failure without its event ("at event (none)", and
+/// skip answered "has no failing event on record").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_that_fails_at_an_event_parks_the_pair_at_that_event() {
+    let s = setup(
+        WorkerOptions::default()
+            .with_rewind_page(PageLimits::new(2, 1 << 20).expect("page"))
+            .with_failure_backoff(Duration::from_millis(1))
+            .with_failure_backoff_max(Duration::from_millis(1))
+            .with_park_after_failures(Some(2)),
+    )
+    .await;
+    let (first_page, later_page, refused) =
+        (StreamId::new_v7(), StreamId::new_v7(), StreamId::new_v7());
+    s.numbers(first_page, [1]).await;
+    s.numbers(later_page, [1, 2, 3, 4]).await;
+    s.numbers(refused, [1]).await;
+    s.drain().await;
+    // The workers are stopped: the events are appended, then the perspective is rebuilt.
+    let client = s.db.connect().await;
+    let mut bad = Vec::new();
+    for stream in [first_page, later_page] {
+        let id = lockstep_tests::append_unreadable(&client, stream)
+            .await
+            .expect("an append through SQL");
+        bad.push((stream, id));
+    }
+    let not_a_number = NewEvent::new("Numbered", serde_json::json!({ "m": 1 })).expect("event");
+    bad.push((refused, not_a_number.event_id()));
+    s.append(refused, vec![not_a_number]).await;
+    for (stream, _) in &bad {
+        s.numbers(*stream, [9]).await;
+    }
+    let pool = PgDatabase::from_pool(s.pool.clone());
+    lockstep_worker::life::rebuild(&pool, &PgPerspectiveStore::new(), &numbers_name())
+        .await
+        .expect("rebuild");
+    let mut parked = 0;
+    for _ in 0..200 {
+        let report = s.worker.run_once().await;
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        parked = client
+            .query_one(
+                "SELECT count(*) FROM wh_perspective_cursors \
+                  WHERE perspective_name = $1 AND parked_at IS NOT NULL",
+                &[&NUMBERS],
+            )
+            .await
+            .expect("parked")
+            .get::<_, i64>(0);
+        if parked == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(parked, 3, "every failing pair parked");
+    use lockstep_core::PerspectiveStore as _;
+    for (stream, id) in &bad {
+        let row = client
+            .query_one(
+                "SELECT error, failed_event_id, rewind_trigger_event_id IS NOT NULL \
+                   FROM wh_perspective_cursors WHERE stream_id = $1 AND perspective_name = $2",
+                &[&stream.as_uuid(), &NUMBERS],
+            )
+            .await
+            .expect("cursor");
+        let (error, at, rewinding): (Option<String>, Option<lockstep_core::Uuid>, bool) =
+            (row.get(0), row.get(1), row.get(2));
+        assert_eq!(at, Some(*id), "the failing event is on record: {error:?}");
+        assert!(rewinding, "the request stays");
+        let tx = PgTransaction::begin(&s.pool).await.expect("begin");
+        assert!(
+            PgPerspectiveStore::new()
+                .skip_event(&tx, &Pair::new(*stream, numbers_name()), *id, "test")
+                .await
+                .expect("skip_event")
+        );
+        tx.commit().await.expect("commit");
+    }
+    s.drain().await;
+    assert_eq!(s.state(first_page).await, Some(vec![1, 9]));
+    assert_eq!(s.state(later_page).await, Some(vec![1, 2, 3, 4, 9]));
+    assert_eq!(s.state(refused).await, Some(vec![1, 9]));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debounced_late_event_is_rewound_once_the_window_has_passed() {
     let s = setup(WorkerOptions::default().with_rewind_debounce(Duration::from_millis(200))).await;
@@ -892,4 +981,168 @@ async fn the_batch_cycle_runs_inside_a_spawned_task() {
         .get(0);
     assert_eq!(state, serde_json::json!([1, 2, 3]));
     drop(pool);
+}
+
+/// Makes the test database's clock run `offset` (an SQL interval) off the server's for every
+/// session opened from now on, as on a database server whose clock is off: a
+/// `clock_timestamp()` of its own in a schema searched before `pg_catalog`, which lockstep's
+/// statements and functions then call. (Column defaults keep the server's clock: a test writes
+/// `recorded_at` itself.) Checks that a new session sees it.
+async fn skew_database_clock(db: &TestDatabase, offset_seconds: i64) {
+    let client = db.connect().await;
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA skewed;
+             CREATE FUNCTION skewed.clock_timestamp() RETURNS timestamptz LANGUAGE sql VOLATILE
+                 AS $$ SELECT pg_catalog.clock_timestamp() + interval '{offset_seconds} seconds' $$;
+             ALTER DATABASE \"{}\" SET search_path = skewed, pg_catalog, public;",
+            db.name()
+        ))
+        .await
+        .expect("skew the database's clock");
+    let seen: f64 = db
+        .connect()
+        .await
+        .query_one(
+            "SELECT extract(epoch FROM clock_timestamp() - pg_catalog.clock_timestamp())::float8",
+            &[],
+        )
+        .await
+        .expect("the skewed clock")
+        .get(0);
+    assert!(
+        (seen - offset_seconds as f64).abs() < 60.0,
+        "the database's clock is {seen} s off, not {offset_seconds}"
+    );
+}
+
+/// The lag the worker reports for one event recorded `recorded_ago_seconds` before the
+/// database's now, on a database whose clock is `offset_seconds` off this host's.
+async fn reported_lag(offset_seconds: i64, recorded_ago_seconds: i64) -> f64 {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let db = test_database().await;
+    lockstep_pg::migrate(&db.pool(1)).await.expect("migrate");
+    skew_database_clock(&db, offset_seconds).await;
+    // Every connection of this pool is opened after the skew.
+    let pool = db.pool(4);
+    let locker = PgStreamLocker::from_pool(pool.clone(), StreamLockOptions::default());
+    let mut registry = PerspectiveRegistry::new();
+    registry.register(Numbers::new()).expect("register");
+    let worker: Worker = PerspectiveWorker::new(
+        PgDatabase::from_pool(pool.clone()),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::random(),
+        Some(Arc::new(locker) as Arc<dyn StreamLocker>),
+    )
+    .expect("worker");
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    PgEventStore::with_queue(lockstep_pg::LockQueue::new())
+        .append(&tx, stream, ExpectedVersion::Any, &[number_event(1)])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    // Recorded on the database's clock, as its own default does on a server whose clock is off.
+    db.connect()
+        .await
+        .execute(
+            &format!(
+                "UPDATE wh_events SET recorded_at = clock_timestamp() \
+                                                 - interval '{recorded_ago_seconds} seconds'"
+            ),
+            &[],
+        )
+        .await
+        .expect("recorded_at");
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let report = {
+        let _local = metrics::set_default_local_recorder(&recorder);
+        worker.run_once().await
+    };
+    assert_eq!(report.applied, 1, "{report:?}");
+    let lags: Vec<f64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| key.key().name() == lockstep_worker::telemetry::LAG_SECONDS)
+        .flat_map(|(.., value)| match value {
+            DebugValue::Histogram(values) => values.into_iter().map(|v| v.into_inner()).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    assert_eq!(lags.len(), 1, "one batch committed: {lags:?}");
+    lags[0]
+}
+
+/// The lag is measured on the database's clock, the one `recorded_at` is written with: with
+/// the database an hour ahead of this host, an event recorded ten minutes ago (on its clock)
+/// is ten minutes old. Before, the host's clock said it was recorded 50 minutes in the future:
+/// a lag of 0, for every event.
+#[tokio::test]
+async fn the_lag_is_measured_on_the_databases_clock_when_it_is_ahead() {
+    let lag = reported_lag(3600, 600).await;
+    assert!((600.0..1800.0).contains(&lag), "lag {lag} s, not about 600");
+}
+
+/// With the database an hour behind this host, a fresh event has (next to) no lag. Before, the
+/// host's clock said it was an hour old.
+#[tokio::test]
+async fn the_lag_is_measured_on_the_databases_clock_when_it_is_behind() {
+    let lag = reported_lag(-3600, 0).await;
+    assert!(lag < 1800.0, "lag {lag} s, not about 0");
+}
+
+/// A running rewind's progress is read with the database's clock, what `perspectives status`
+/// and the page measure "running for" and "reported ago" against: with the database an hour
+/// behind this host, a rewind reported five seconds into its run has run about five seconds,
+/// not an hour and five.
+#[tokio::test]
+async fn rewind_progress_is_read_with_the_databases_clock() {
+    use lockstep_core::{PerspectiveStore as _, ProgressReport};
+    let db = test_database().await;
+    lockstep_pg::migrate(&db.pool(1)).await.expect("migrate");
+    skew_database_clock(&db, -3600).await;
+    let pool = db.pool(2);
+    let source = PgDatabase::from_pool(pool.clone());
+    let store = PgPerspectiveStore::new();
+    let pair = Pair::new(StreamId::new_v7(), numbers_name());
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .register(&tx, &[numbers_name()])
+        .await
+        .expect("register");
+    store.ensure_cursor(&tx, &pair).await.expect("cursor");
+    tx.commit().await.expect("commit");
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    store
+        .request_rewind(&tx, &pair, None)
+        .await
+        .expect("request");
+    let mut report = ProgressReport::new(
+        pair.stream_id,
+        pair.perspective.clone(),
+        lockstep_core::Uuid::new_v4(),
+        10,
+        100,
+    );
+    report.elapsed = Duration::from_secs(5);
+    store.record_progress(&tx, &report).await.expect("report");
+    tx.commit().await.expect("commit");
+    let rows = lockstep_worker::life::rewind_progress(&source, &store, &[])
+        .await
+        .expect("progress");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let read_at = rows[0].read_at.expect("read with the database's clock");
+    let running = (read_at - rows[0].started_at).as_seconds_f64();
+    assert!((5.0..1800.0).contains(&running), "running {running} s");
+    // What this host's clock says instead (how it was measured before): over an hour.
+    let on_this_host =
+        (lockstep_core::OffsetDateTime::now_utc() - rows[0].started_at).as_seconds_f64();
+    assert!(on_this_host > 3600.0, "{on_this_host} s");
+    let since_report = (read_at - rows[0].updated_at).as_seconds_f64();
+    assert!((0.0..1800.0).contains(&since_report), "{since_report} s");
 }

@@ -153,17 +153,17 @@ pub(crate) async fn retire(
 
 /// The running rewinds of `perspective` among `progress`, as `perspectives status --json`
 /// shows them: stream, holder, replayed, to replay, percent, started at, seconds running and
-/// since the last report (the database's clock read against this machine's).
+/// since the last report (on the database's clock, as the read returned it).
 pub(crate) fn progress_json(
     progress: &[lockstep_core::RewindProgress],
     perspective: &PerspectiveName,
 ) -> serde_json::Value {
-    let now = time::OffsetDateTime::now_utc();
     let secs = |d: time::Duration| d.as_seconds_f64().max(0.0);
     progress
         .iter()
         .filter(|r| &r.perspective == perspective)
         .map(|r| {
+            let now = r.read_at.unwrap_or_else(time::OffsetDateTime::now_utc);
             let percent = if r.to_replay == 0 {
                 100.0
             } else {

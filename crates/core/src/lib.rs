@@ -129,8 +129,8 @@ pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
     ClaimedWork, Cursor, EventPage, MAX_PROGRESS_ROWS, MAX_STATES_PAGE, PageLimits, Pair,
     PairFailure, PendingPair, PendingThrough, PerspectiveStatus, PerspectiveStore, ProgressReport,
-    Rebuild, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress, RewindRequest,
-    SkippedEvent, Snapshot, StateCommit, StoredState, THROUGHPUT_WINDOW, Throughput,
+    Rebuild, Registration, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress,
+    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, THROUGHPUT_WINDOW, Throughput,
     check_progress_limit, check_states_page,
 };
 pub use reason::{CustomReason, LockReason};

@@ -442,6 +442,10 @@ pub struct ClaimedBatch {
     /// at (the request's position when none was). Pass them back as the next claim's positions
     /// so that successive claims go round every pair with work.
     pub positions: Vec<(PerspectiveName, Option<StreamId>)>,
+    /// The store's clock when the claim read its events (`None`: the store does not say, or
+    /// no event was read): the clock [`RecordedEvent::recorded_at`] was written with, so that
+    /// an event's age (a lag) is measured on one clock, not against this host's.
+    pub claimed_at: Option<OffsetDateTime>,
 }
 
 /// A pair's failure, as stored on its cursor ([`PerspectiveStore::record_failure`],
@@ -661,6 +665,28 @@ pub struct PendingThrough {
     pub parked: u64,
     /// The last error of one such pair that is failing, if any.
     pub error: Option<String>,
+    /// Whether the perspective is registered, retired or neither (`None`: the store does not
+    /// say). Only a registered perspective's appends queue work: for the others nothing is
+    /// pending, yet nothing will ever be applied either.
+    pub registration: Option<Registration>,
+    /// How many live worker instances announce that they run the perspective (the fleet:
+    /// [`crate::WorkerInstance`]; `None`: the store does not say). 0 while work is pending: no
+    /// worker that could apply it is running, or the ones running have no stream locker (a
+    /// worker without one is not announced).
+    pub live_workers: Option<u64>,
+}
+
+/// Whether a perspective is registered ([`PendingThrough::registration`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Registration {
+    /// Registered: appends queue work for it.
+    Registered,
+    /// Retired with its states kept ([`RetireStates::Keep`]): the states stay readable, but
+    /// appends queue no work for it until it is registered again.
+    Retired,
+    /// Neither: never registered (a misspelt name), or retired with its states dropped.
+    NotRegistered,
 }
 
 impl PendingThrough {
@@ -696,6 +722,9 @@ pub enum Claim {
         state: Option<serde_json::Value>,
         /// The events to apply.
         events: Vec<RecordedEvent>,
+        /// The store's clock when the claim read them (`None`: the store does not say), as
+        /// [`ClaimedBatch::claimed_at`].
+        claimed_at: Option<OffsetDateTime>,
     },
     /// The pair needs a rewind (requested before, or a late arrival found now — the request is
     /// then written in the claiming transaction: commit it). Nothing else was claimed.
@@ -796,16 +825,21 @@ pub struct RewindLoad {
     /// Whether the stream has more such events after the last of `events`: the next pages come
     /// from [`PerspectiveStore::rewind_events`].
     pub more: bool,
+    /// The event right after `events` when it could not be read (its stored payload does not
+    /// decode, as for [`ClaimedWork::Unreadable`]), and why: the page ends before it and
+    /// `more` is false. A rewind fails at it, so that an operator can skip it.
+    pub unreadable: Option<(Uuid, String)>,
 }
 
 impl RewindLoad {
-    /// A load of `cursor` with its snapshot and all its events (`more` false).
+    /// A load of `cursor` with its snapshot and all its events (`more` false, none unreadable).
     pub fn new(cursor: Cursor, snapshot: Option<Snapshot>, events: Vec<RecordedEvent>) -> Self {
         RewindLoad {
             cursor,
             snapshot,
             events,
             more: false,
+            unreadable: None,
         }
     }
 
@@ -825,12 +859,19 @@ pub struct EventPage {
     pub events: Vec<RecordedEvent>,
     /// Whether more events follow the last of them.
     pub more: bool,
+    /// The event right after `events` when it could not be read, and why (as
+    /// [`RewindLoad::unreadable`]): the page ends before it and `more` is false.
+    pub unreadable: Option<(Uuid, String)>,
 }
 
 impl EventPage {
-    /// A page of `events`, `more` when others follow.
+    /// A page of `events`, `more` when others follow (none unreadable).
     pub fn new(events: Vec<RecordedEvent>, more: bool) -> Self {
-        EventPage { events, more }
+        EventPage {
+            events,
+            more,
+            unreadable: None,
+        }
     }
 }
 
@@ -940,6 +981,10 @@ pub struct RewindProgress {
     pub started_at: OffsetDateTime,
     /// When its last report arrived (store clock).
     pub updated_at: OffsetDateTime,
+    /// The store's clock when this was read (`None`: the store does not say): how long the
+    /// rewind has been running and since its last report are measured against it, on the
+    /// clock `started_at` and `updated_at` were written with.
+    pub read_at: Option<OffsetDateTime>,
 }
 
 impl RewindProgress {
@@ -960,6 +1005,7 @@ impl RewindProgress {
             to_replay,
             started_at,
             updated_at,
+            read_at: None,
         }
     }
 }
@@ -1240,9 +1286,9 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
             let snapshot = self.snapshot_before(tx, pair, rewind.trigger).await?;
             let after = snapshot.as_ref().map(|s| s.event_id);
             let first = self.rewind_events(tx, pair, after, page).await?;
-            Ok(Some(
-                RewindLoad::new(cursor, snapshot, first.events).with_more(first.more),
-            ))
+            let mut load = RewindLoad::new(cursor, snapshot, first.events).with_more(first.more);
+            load.unreadable = first.unreadable;
+            Ok(Some(load))
         }
     }
 
@@ -1357,8 +1403,10 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// What `perspective` (one stream of it, with `stream_id`) has not applied yet of the events
     /// whose id is at most `up_to` (event-id order, the order perspectives apply in): pending
     /// work, rewinds requested from such an event, and whether the pairs holding it are parked
-    /// or failing. [`PendingThrough::is_caught_up`] is the "read your own write" test after an
-    /// append whose last event is `up_to` (its work is queued by the append itself).
+    /// or failing; whether the perspective is registered at all, and how many live worker
+    /// instances run it. [`PendingThrough::is_caught_up`] is the "read your own write" test
+    /// after an append whose last event is `up_to` (its work is queued by the append itself),
+    /// for a registered perspective.
     fn pending_through<'a>(
         &'a self,
         tx: &'a Tx,

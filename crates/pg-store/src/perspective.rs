@@ -44,7 +44,7 @@
 //! # let stream = StreamId::new_v7();
 //! let tx = db.begin().await?;
 //! let pair = Pair::new(stream, name.clone());
-//! if let Claim::Apply { cursor, state, events } =
+//! if let Claim::Apply { cursor, state, events, .. } =
 //!     store.claim(&tx, &pair, 100, RewindDebounce::NONE).await?
 //! {
 //!     let new_state = serde_json::json!({ "seen": cursor.applied_count + events.len() as u64 });
@@ -70,9 +70,9 @@ use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
     ErrorKind, EventPage, InstanceId, LeaseEpoch, LeaseId, LockReason, PageLimits, Pair,
     PairFailure, PendingPair, PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore,
-    ProgressReport, Rebuild, RecordedEvent, Result, RetireStates, Retired, RewindDebounce,
-    RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
-    StreamId, ValidationError,
+    ProgressReport, Rebuild, RecordedEvent, Registration, Result, RetireStates, Retired,
+    RewindDebounce, RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit,
+    StoredState, StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -143,7 +143,7 @@ SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
     /// the events. The V8 cursor columns (failed event, backoff, parking), which the claim
     /// function of V7 does not return and does not change, are joined at the end.
     pub const CLAIM: &str = "\
-SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
+SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at, clock_timestamp()
   FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
   LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
 
@@ -158,12 +158,13 @@ SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
     /// The events of a batch's claimed pairs (`$1` streams, `$2` and `$3` the first and last
     /// work id of each, `$4` the sizes of the pairs' states summed up to each pair, `$5` the
     /// byte bound): each pair's events as one range of `wh_events (stream_id, event_id)`, in
-    /// pair then event-id order, `o` the pair's ordinal (from 1). An event is returned while
+    /// pair then event-id order, `o` the pair's ordinal (from 1), each row with the database's
+    /// clock (what the events' ages are measured against). An event is returned while
     /// the states and events before it and itself fit the byte bound (`pg_column_size`), the
     /// batch's first always. The range may hold events that are not the pair's work (skipped,
     /// or enqueued since the claim): the caller keeps only the work ids; their sizes count.
     pub const CLAIM_EVENTS: &str = "\
-SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at
+SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock_timestamp()
   FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
                pg_column_size(e.payload) AS size,
                sum(pg_column_size(e.payload))
@@ -338,7 +339,9 @@ SELECT count(*) FROM w";
 
     /// What a perspective (`$1`; one stream of it when `$2` is not NULL) has not applied of
     /// the events up to `$3`: work rows, rewinds requested from such an event, and of the
-    /// pairs holding either how many are parked and one failing pair's error.
+    /// pairs holding either how many are parked and one failing pair's error; then whether
+    /// the perspective is registered, retired (its states kept) or neither, and how many live
+    /// worker instances announce it (live as the fleet listing counts them).
     pub const PENDING_THROUGH: &str = "\
         WITH w AS (SELECT w.stream_id FROM wh_perspective_events w \
                     WHERE w.perspective_name = $1 AND ($2::uuid IS NULL OR w.stream_id = $2) \
@@ -351,7 +354,16 @@ SELECT count(*) FROM w";
                          AND k.stream_id IN (SELECT stream_id FROM w UNION SELECT stream_id FROM r)) \
         SELECT (SELECT count(*) FROM w), (SELECT count(*) FROM r), \
                (SELECT count(*) FROM held WHERE parked_at IS NOT NULL), \
-               (SELECT error FROM held WHERE error IS NOT NULL LIMIT 1)";
+               (SELECT error FROM held WHERE error IS NOT NULL LIMIT 1), \
+               CASE WHEN EXISTS (SELECT FROM wh_perspectives p WHERE p.perspective_name = $1) \
+                    THEN 'registered' \
+                    WHEN EXISTS (SELECT FROM wh_retired_perspectives r \
+                                  WHERE r.perspective_name = $1) \
+                    THEN 'retired' \
+                    ELSE 'not registered' END, \
+               (SELECT count(*) FROM wh_worker_instances i \
+                 WHERE $1 = ANY (i.perspectives) \
+                   AND i.last_seen_at + i.stale_after > clock_timestamp())";
 
     /// The event ids of a pair's work, in event-id order.
     pub const PENDING_EVENTS: &str = "SELECT w.event_id FROM wh_perspective_events w \
@@ -421,6 +433,8 @@ const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + V7_CURSOR_COLUMNS;
 const CLAIM_EVENT_AT: usize = CLAIM_STATE_AT + 1;
 /// Where the V8 cursor columns, joined at the end, are in a claim's rows.
 const CLAIM_EXTRA_AT: usize = CLAIM_EVENT_AT + 5;
+/// Where the database's clock at the claim is in a claim's rows (after the V8 columns).
+const CLAIM_CLOCK_AT: usize = CLAIM_EXTRA_AT + 3;
 /// The cursor columns of V7 (the single claim's function returns these).
 const V7_CURSOR_COLUMNS: usize = 13;
 /// How many columns `cursor_columns!` has: V7's and V8's failed event, backoff and parking.
@@ -634,6 +648,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                     .iter()
                     .map(|row| crate::decode(row, CLAIM_EVENT_AT, stream_id))
                     .collect::<Result<_>>()?,
+                claimed_at: Some(header.try_get(CLAIM_CLOCK_AT).map_err(decode_error)?),
             }),
             other => Err(Error::new(
                 ErrorKind::Backend,
@@ -761,10 +776,10 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 "a rewind load returned events without their cursor",
             ));
         };
-        let (events, more) = events.finish();
-        Ok(Some(
-            RewindLoad::new(cursor, snapshot, events).with_more(more),
-        ))
+        let (events, more, unreadable) = events.finish();
+        let mut load = RewindLoad::new(cursor, snapshot, events).with_more(more);
+        load.unreadable = unreadable;
+        Ok(Some(load))
     }
 
     async fn rewind_events(
@@ -801,8 +816,10 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 break;
             }
         }
-        let (events, more) = events.finish();
-        Ok(EventPage::new(events, more))
+        let (events, more, unreadable) = events.finish();
+        let mut page = EventPage::new(events, more);
+        page.unreadable = unreadable;
+        Ok(page)
     }
 
     async fn cursor(&self, tx: &T, pair: &Pair) -> Result<Option<Cursor>> {
@@ -1070,6 +1087,13 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         pending.rewinds = count(1)?;
         pending.parked = count(2)?;
         pending.error = row.try_get(3).map_err(decode_error)?;
+        let registration: &str = row.try_get(4).map_err(decode_error)?;
+        pending.registration = Some(match registration {
+            "registered" => Registration::Registered,
+            "retired" => Registration::Retired,
+            _ => Registration::NotRegistered,
+        });
+        pending.live_workers = Some(count(5)?);
         Ok(pending)
     }
 
@@ -1574,6 +1598,8 @@ struct PageCut {
     events: Vec<RecordedEvent>,
     bytes: u64,
     more: bool,
+    /// The event the page ended at because it could not be read, and why.
+    unreadable: Option<(Uuid, String)>,
 }
 
 impl PageCut {
@@ -1583,19 +1609,23 @@ impl PageCut {
             events: Vec::new(),
             bytes: 0,
             more: false,
+            unreadable: None,
         }
     }
 
     /// Takes the event of `row` at `offset` (its stored size in the column after it) if it
     /// fits: `Ok(false)` when the page is full, and no more rows are to be read. Rows out of
-    /// event-id order are an error (the statement orders them), never a page cut wrongly.
+    /// event-id order are an error (the statement orders them), never a page cut wrongly. An
+    /// event that does not decode (a payload written by SQL that bypassed the event store's
+    /// checks) ends the page before it, recorded as unreadable: the rewind fails at that
+    /// event, which an operator can skip, rather than at no event.
     fn take(
         &mut self,
         row: &tokio_postgres::Row,
         offset: usize,
         stream_id: StreamId,
     ) -> Result<bool> {
-        if self.more {
+        if self.more || self.unreadable.is_some() {
             return Ok(false);
         }
         let size: Option<i64> = row.try_get(offset + 5).map_err(decode_error)?;
@@ -1608,7 +1638,15 @@ impl PageCut {
             self.more = true;
             return Ok(false);
         }
-        let event = crate::decode(row, offset, stream_id)?;
+        let event = match crate::decode(row, offset, stream_id) {
+            Ok(event) => event,
+            Err(err) => {
+                // The id is read on its own: only the payload (or another column) is bad.
+                let id: Uuid = row.try_get(offset).map_err(decode_error)?;
+                self.unreadable = Some((id, batch::unreadable_message(id, &err)));
+                return Ok(false);
+            }
+        };
         if self
             .events
             .last()
@@ -1626,12 +1664,13 @@ impl PageCut {
 
     /// Whether no event row was seen.
     fn is_empty(&self) -> bool {
-        self.events.is_empty() && !self.more
+        self.events.is_empty() && !self.more && self.unreadable.is_none()
     }
 
-    /// The page's events, and whether more follow.
-    fn finish(self) -> (Vec<RecordedEvent>, bool) {
-        (self.events, self.more)
+    /// The page's events, whether more follow, and the event it ended at because it could not
+    /// be read.
+    fn finish(self) -> (Vec<RecordedEvent>, bool, Option<(Uuid, String)>) {
+        (self.events, self.more, self.unreadable)
     }
 }
 

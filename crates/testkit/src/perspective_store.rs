@@ -42,8 +42,8 @@ use lockstep_core::{
     ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, EventPage, InstanceId,
     LeaseEpoch, LeaseFence, LeaseStatus, PageLimits, PairFailure, PendingPair, PendingThrough,
     PerspectiveName, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RecordedEvent,
-    ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress, RewindRequest,
-    SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
+    Registration, ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress,
+    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
     perspective_store::{DEFAULT_KEEP_SNAPSHOTS, check_progress_limit},
 };
 use std::time::Duration;
@@ -831,6 +831,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         let debounce = request.debounce;
         let mut budget = Budget::default();
         let mut batch = ClaimedBatch::default();
+        // The clock the event store writes `recorded_at` with.
+        batch.claimed_at = Some(OffsetDateTime::now_utc());
         let mut claimed: HashSet<Key> = HashSet::new();
         let full = |batch: &ClaimedBatch, budget: &Budget| {
             batch.pairs.len() >= limits.pairs
@@ -1009,6 +1011,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             cursor: Self::cursor_of(&key, &pair, lease),
             state: pair.state,
             events,
+            // The clock the event store writes `recorded_at` with.
+            claimed_at: Some(OffsetDateTime::now_utc()),
         })
     }
 
@@ -1297,6 +1301,15 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 }
             }
         }
+        out.registration = Some(if Self::registered(&state, tx, perspective) {
+            Registration::Registered
+        } else if state.retired.contains(perspective) {
+            Registration::Retired
+        } else {
+            Registration::NotRegistered
+        });
+        drop(state);
+        out.live_workers = Some(self.locker.live_instances_running(perspective));
         Ok(out)
     }
 
@@ -1651,6 +1664,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 p.updated_at,
             );
             row.holder = p.lease.map(|(h, _)| h);
+            row.read_at = Some(self.now());
             out.push(row);
         }
         Ok(out)

@@ -192,6 +192,19 @@ impl InMemoryStreamLocker {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// How many live announced instances run `perspective` (live as
+    /// [`StreamLockAdmin::list_instances`] says: seen within their lock timeout).
+    pub(crate) fn live_instances_running(&self, perspective: &PerspectiveName) -> u64 {
+        let now = Instant::now();
+        self.instances()
+            .values()
+            .filter(|i| {
+                now.saturating_duration_since(i.seen) < i.stale_after
+                    && i.announcement.perspectives.contains(perspective)
+            })
+            .count() as u64
+    }
+
     fn expiry_from(&self, now: Instant) -> Instant {
         now + self.options.lock_timeout()
     }

@@ -12,10 +12,14 @@
 //! - **Waits**: [`ReadModels::wait_for_stream`] returns once the pair has applied every event
 //!   whose id is at most the given one (the last event of your append), and
 //!   [`ReadModels::wait_for_perspective`] once every pair of the perspective has. Each wait is
-//!   **bounded** by the timeout it is given ([`WaitError::TimedOut`], with what was still
-//!   pending), ends at once when a pair it waits for is parked ([`WaitError::Parked`]: it will
-//!   not catch up by itself), and is **cancel-safe**: dropping it mid-wait leaves nothing
-//!   behind (each check is a read-only transaction, rolled back).
+//!   **bounded** by the timeout it is given, each check included ([`WaitError::TimedOut`],
+//!   with what was still pending, and saying so when no live worker instance runs the
+//!   perspective), ends at once when a pair it waits for is parked ([`WaitError::Parked`]: it
+//!   will not catch up by itself) and when the perspective is not registered or is retired
+//!   ([`WaitError::NotRegistered`], [`WaitError::Retired`]: no work is queued for it, so
+//!   nothing it shows is ever pending, yet nothing is applied either), and is
+//!   **cancel-safe**: dropping it mid-wait leaves nothing behind (each check is a read-only
+//!   transaction, rolled back).
 //! - The wait polls: one short read-only statement per check, starting 2 ms apart and backing
 //!   off to [`WaitOptions::max_poll_interval`] (50 ms by default). Event-id order is the order
 //!   perspectives apply in; an event of another stream with a smaller id (another process's
@@ -25,8 +29,8 @@ use lockstep_core::Pair;
 use std::time::Duration;
 
 use lockstep_core::{
-    Error, ErrorKind, PendingThrough, Perspective, PerspectiveName, PerspectiveStore, StreamId,
-    Transaction, TransactionSource,
+    Error, ErrorKind, PendingThrough, Perspective, PerspectiveName, PerspectiveStore, Registration,
+    StreamId, Transaction, TransactionSource,
 };
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -68,11 +72,16 @@ impl WaitOptions {
 pub enum WaitError {
     /// The timeout passed first. `pending` is what was still not applied at the last check.
     #[error(
-        "{perspective}{} has not applied every event up to {up_to} within {waited:?}: {} events and {} rewinds pending{}",
+        "{perspective}{} has not applied every event up to {up_to} within {waited:?}: {} events and {} rewinds pending{}{}",
         stream_id.map(|s| format!(" (stream {s})")).unwrap_or_default(),
         pending.events,
         pending.rewinds,
-        pending.error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default()
+        pending.error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default(),
+        if pending.live_workers == Some(0) {
+            "; no live worker instance runs this perspective (none is announced in the fleet)"
+        } else {
+            ""
+        }
     )]
     TimedOut {
         /// The perspective waited for.
@@ -83,7 +92,9 @@ pub enum WaitError {
         up_to: Uuid,
         /// How long it waited.
         waited: Duration,
-        /// What was pending at the last check.
+        /// What was pending at the last check that ended ([`PendingThrough::default`] when
+        /// none did in time); its `live_workers` says whether a live worker instance runs the
+        /// perspective.
         pending: PendingThrough,
     },
     /// A pair holding the events waited for is parked: it will not catch up until an operator
@@ -104,6 +115,27 @@ pub enum WaitError {
         /// What was pending.
         pending: PendingThrough,
     },
+    /// The perspective is not registered (a misspelt name, or retired with its states
+    /// dropped): no append queues work for it, so it would look caught up while nothing is
+    /// applied.
+    #[error(
+        "{perspective} is not a registered perspective: nothing is applied for it, so there is \
+         nothing to wait for (is the name right? has a worker running it registered it?)"
+    )]
+    NotRegistered {
+        /// The perspective waited for.
+        perspective: PerspectiveName,
+    },
+    /// The perspective is retired (its states kept): no append queues work for it until it is
+    /// registered again, so its states do not follow the events.
+    #[error(
+        "{perspective} is retired: appends queue no work for it until it is registered again, \
+         so there is nothing to wait for"
+    )]
+    Retired {
+        /// The perspective waited for.
+        perspective: PerspectiveName,
+    },
     /// Reading from the store failed (bad input, the database).
     #[error(transparent)]
     Store(#[from] Error),
@@ -116,6 +148,12 @@ impl WaitError {
             WaitError::Store(err) => Some(err),
             _ => None,
         }
+    }
+
+    /// Whether the wait timed out while no live worker instance ran the perspective (as the
+    /// fleet of announced instances says): it will not catch up until one is started.
+    pub fn no_live_worker(&self) -> bool {
+        matches!(self, WaitError::TimedOut { pending, .. } if pending.live_workers == Some(0))
     }
 }
 
@@ -209,7 +247,9 @@ where
     }
 
     /// Waits until the pair `(stream_id, perspective)` has applied every event whose id is at
-    /// most `up_to` (pass the last event id of your append), for at most `timeout`.
+    /// most `up_to` (pass the last event id of your append), for at most `timeout`. A
+    /// perspective that is not registered, or retired, is an error at once
+    /// ([`WaitError::NotRegistered`], [`WaitError::Retired`]), never "caught up".
     pub async fn wait_for_stream(
         &self,
         perspective: &PerspectiveName,
@@ -222,7 +262,8 @@ where
     }
 
     /// Waits until every pair of `perspective` has applied every event whose id is at most
-    /// `up_to`, for at most `timeout`.
+    /// `up_to`, for at most `timeout`; a perspective that is not registered, or retired, is an
+    /// error at once, as for [`ReadModels::wait_for_stream`].
     pub async fn wait_for_perspective(
         &self,
         perspective: &PerspectiveName,
@@ -242,8 +283,46 @@ where
         let started = Instant::now();
         let deadline = started.checked_add(timeout);
         let mut pause = self.options.first_poll_interval;
+        let mut last = PendingThrough::default();
         loop {
-            let pending = self.pending_through(perspective, stream_id, up_to).await?;
+            // Each check is bounded by the time left too, but given at least the longest
+            // pause (so that a wait of zero still checks once): a statement that waits for a
+            // lock does not hold the wait past its timeout. Dropped, its transaction is rolled
+            // back.
+            let check = self.pending_through(perspective, stream_id, up_to);
+            let checked = match deadline {
+                Some(deadline) => {
+                    let bound = Instant::now()
+                        .checked_add(self.options.max_poll_interval)
+                        .map_or(deadline, |least| deadline.max(least));
+                    tokio::time::timeout_at(bound, check).await.ok()
+                }
+                None => Some(check.await),
+            };
+            let Some(pending) = checked else {
+                let now = Instant::now();
+                return Err(WaitError::TimedOut {
+                    perspective: perspective.clone(),
+                    stream_id,
+                    up_to,
+                    waited: now.saturating_duration_since(started),
+                    pending: last,
+                });
+            };
+            let pending = pending?;
+            match pending.registration {
+                Some(Registration::NotRegistered) => {
+                    return Err(WaitError::NotRegistered {
+                        perspective: perspective.clone(),
+                    });
+                }
+                Some(Registration::Retired) => {
+                    return Err(WaitError::Retired {
+                        perspective: perspective.clone(),
+                    });
+                }
+                _ => {}
+            }
             if pending.is_caught_up() {
                 return Ok(());
             }
@@ -268,6 +347,7 @@ where
                 });
             }
             let sleep = left.map_or(pause, |left| pause.min(left));
+            last = pending;
             tokio::time::sleep(sleep).await;
             pause = (pause * 2).min(self.options.max_poll_interval);
         }

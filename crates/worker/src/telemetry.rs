@@ -25,7 +25,7 @@
 //! | [`BATCH_FAILURES`] | `lockstep_worker_batch_failures_total` | counter | batches whose commit failed after the claim (a server timeout, a lost connection); the next batches are smaller |
 //! | [`BATCH_PAIRS`] | `lockstep_worker_batch_pairs` | histogram | pairs per claimed batch (label: the batch's first perspective) |
 //! | [`LEASES_LOST`] | `lockstep_worker_leases_lost_total` | counter | held leases reported lost by the keeper (renew refused or local deadline passed) |
-//! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit |
+//! | [`LAG_SECONDS`] | `lockstep_worker_lag_seconds` | histogram | age of the oldest event applied in a batch, at commit, on the database's clock |
 //! | [`REWINDS_RUNNING`] | `lockstep_worker_rewinds_running` | gauge | replays of this instance running for more than a progress interval (1 s) |
 //! | [`REWIND_EVENTS_REMAINING`] | `lockstep_worker_rewind_events_remaining` | gauge | events those replays still have to replay, at their last progress report |
 //! | [`PAIRS_RETRIED`] | `lockstep_worker_pairs_processed_alone_total` | counter | pairs whose batch was rolled back because a table perspective failed in it, then processed alone |
@@ -190,6 +190,38 @@ pub(crate) fn gauge_add(name: &'static str, perspective: &str, delta: f64) {
 /// Adds `n` to the counter `name` for `perspective`.
 pub(crate) fn count(name: &'static str, perspective: &str, n: u64) {
     metrics::counter!(name, "perspective" => perspective.to_owned()).increment(n);
+}
+
+/// The store's clock as a claim read it, carried forward on this host's monotonic clock, so
+/// that an event's age ([`LAG_SECONDS`]) is measured on the clock its `recorded_at` was written
+/// with (the database's), never against this host's wall clock: a host an hour ahead of the
+/// database would otherwise read an hour of lag for fresh events, one behind it none at all.
+pub(crate) struct StoreClock {
+    at: Option<time::OffsetDateTime>,
+    read: std::time::Instant,
+}
+
+impl StoreClock {
+    /// The store's clock `at` (`None`: the store did not say), read now.
+    pub(crate) fn new(at: Option<time::OffsetDateTime>) -> StoreClock {
+        StoreClock {
+            at,
+            read: std::time::Instant::now(),
+        }
+    }
+
+    /// How long ago `recorded_at` was, now, in seconds (0 for a time in the future): on the
+    /// store's clock, or on this host's when the store did not say what its clock was.
+    pub(crate) fn age_seconds(&self, recorded_at: time::OffsetDateTime) -> f64 {
+        let now = match self.at {
+            Some(at) => time::Duration::try_from(self.read.elapsed())
+                .ok()
+                .and_then(|since| at.checked_add(since))
+                .unwrap_or(at),
+            None => time::OffsetDateTime::now_utc(),
+        };
+        (now - recorded_at).as_seconds_f64().max(0.0)
+    }
 }
 
 /// Records `value` in the histogram `name` for `perspective`.

@@ -584,6 +584,71 @@ fn apply_guarded(
     }
 }
 
+/// What applying events one at a time found ([`probe`]).
+enum Probe {
+    /// The event at this index failed; the fold of the events before it.
+    Failed(usize, serde_json::Value),
+    /// None failed this time: the fold of them all.
+    Clean(serde_json::Value),
+    /// `go_on` said stop first.
+    Stopped,
+}
+
+/// Applies `events` to `state` one at a time until one fails: how a panic's event is found
+/// (a panic unwinds out of `apply_while` without saying which event it was applying).
+fn probe(
+    p: &dyn DynPerspective,
+    mut state: serde_json::Value,
+    events: &[RecordedEvent],
+    go_on: &dyn Fn() -> bool,
+) -> Probe {
+    for (i, event) in events.iter().enumerate() {
+        if !go_on() {
+            return Probe::Stopped;
+        }
+        if apply_guarded(p, &mut state, std::slice::from_ref(event), go_on).is_err() {
+            return Probe::Failed(i, state);
+        }
+    }
+    Probe::Clean(state)
+}
+
+/// The event of `events` that `err` failed at, when applying them to `state` (the state
+/// before them: a failed `apply_while` leaves it as it was): the one the error names, else,
+/// for a panic, the first that fails when they are applied again one at a time (on tokio's
+/// blocking pool, stopping once `stop` fires or this future is dropped). `None`: the error
+/// is not an event's (a state that does not decode), or no event failed again.
+async fn failed_at(
+    p: &Arc<dyn DynPerspective>,
+    state: serde_json::Value,
+    events: Vec<RecordedEvent>,
+    err: &ApplyError,
+    stop: &CancellationToken,
+) -> Option<Uuid> {
+    match err {
+        ApplyError::Apply { event_id, .. }
+        | ApplyError::Panicked {
+            event_id: Some(event_id),
+            ..
+        } => Some(*event_id),
+        ApplyError::Panicked { event_id: None, .. } => {
+            let p = Arc::clone(p);
+            let abandon = stop.child_token();
+            let _abandon_when_dropped = abandon.clone().drop_guard();
+            tokio::task::spawn_blocking(move || {
+                match probe(&*p, state, &events, &|| !abandon.is_cancelled()) {
+                    Probe::Failed(i, _) => events.get(i).map(|e| e.event_id),
+                    Probe::Clean(_) | Probe::Stopped => None,
+                }
+            })
+            .await
+            .ok()
+            .flatten()
+        }
+        _ => None,
+    }
+}
+
 /// A caught panic's message, when it was a string.
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic

@@ -1893,3 +1893,146 @@ async fn two_instances_split_the_work_and_every_state_is_exact() {
         assert_eq!(world.state(*stream), vec![i as i64, 100 + i as i64]);
     }
 }
+
+/// A rebuild that fails at an event parks the pair with that event on record, as the normal
+/// path does: `perspectives parked` shows it, and skipping it lets the rebuild go on without
+/// it. Both ways `apply` can fail at an event: an error (the event is named by it) and a
+/// panic (found by applying the page's events one at a time). Before, the rewind path stored
+/// the failure without its event, and the pair could not be skipped.
+#[tokio::test(start_paused = true)]
+async fn a_rebuild_that_fails_at_an_event_parks_the_pair_at_that_event() {
+    let world = World::new();
+    let worker = world.worker_with(InstanceId::random(), true, parking_options());
+    worker.register().await.expect("register");
+    let (refused, panicking) = (StreamId::new_v7(), StreamId::new_v7());
+    world.append_numbers(refused, [1]).await;
+    world.append_numbers(panicking, [1]).await;
+    drain(&worker).await;
+    // The workers are stopped: an event the perspective cannot take is appended to each
+    // stream, with one after it, and the perspective is rebuilt.
+    let mut bad = Vec::new();
+    for (stream, poison) in [(refused, "fail"), (panicking, "panic")] {
+        let id = Uuid::now_v7();
+        world
+            .append(stream, &[(id, serde_json::json!(poison))])
+            .await;
+        world.append_numbers(stream, [3]).await;
+        bad.push((stream, id));
+    }
+    lockstep_worker::life::rebuild(&world.db, &world.store, &fold())
+        .await
+        .expect("rebuild");
+    let parked = || async {
+        let tx = world.db.begin_now();
+        let parked = world
+            .store
+            .parked_pairs(&tx, &[], 100)
+            .await
+            .expect("parked");
+        tx.rollback().await.expect("rollback");
+        parked
+    };
+    cycle_until(&worker, 50, async || parked().await.len() == 2).await;
+    for (stream, id) in &bad {
+        let cursor = world.cursor(*stream).await;
+        assert!(cursor.rewind.is_some(), "the request stays: {cursor:?}");
+        assert_eq!(
+            cursor.failed_event_id,
+            Some(*id),
+            "the failing event is on record: {cursor:?}"
+        );
+        let tx = world.db.begin_now();
+        assert!(
+            world
+                .store
+                .skip_event(&tx, &Pair::new(*stream, fold()), *id, "cannot be read")
+                .await
+                .expect("skip")
+        );
+        tx.commit().await.expect("commit");
+    }
+    drain(&worker).await;
+    for (stream, _) in &bad {
+        assert_eq!(world.state(*stream), vec![1, 3], "rebuilt without it");
+        assert!(world.cursor(*stream).await.rewind.is_none());
+    }
+    assert!(parked().await.is_empty());
+}
+
+/// A wait for a perspective nothing applies says why instead of "caught up" (the Postgres twin
+/// is in `tests/tests/reads_on_postgres.rs`): a name that is not registered (misspelt) or was
+/// retired with its states dropped is `NotRegistered`, one retired with its states kept is
+/// `Retired`, both at once; a wait that times out while no live worker instance runs the
+/// perspective says so, and does not once one is announced. Every wait from inside
+/// `tokio::spawn`, as a handler makes it. Before, the first three answered `Ok` at once.
+#[tokio::test(start_paused = true)]
+async fn a_wait_for_a_perspective_nothing_applies_says_why() {
+    use lockstep_core::{InstanceAnnouncement, RetireStates};
+    use lockstep_worker::{ReadModels, WaitError};
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let reads = ReadModels::new(world.db.clone(), world.store.clone());
+    let stream = StreamId::new_v7();
+    let last = *world.append_numbers(stream, [1]).await.last().expect("one");
+    let wait = |perspective: PerspectiveName, timeout: Duration| {
+        let reads = reads.clone();
+        async move {
+            tokio::spawn(async move {
+                reads
+                    .wait_for_stream(&perspective, stream, last, timeout)
+                    .await
+            })
+            .await
+            .expect("the waiting task")
+        }
+    };
+    let hour = Duration::from_secs(3600);
+
+    let typo = PerspectiveName::new("Flod").expect("valid");
+    let err = wait(typo, hour).await.expect_err("a misspelt name");
+    assert!(matches!(err, WaitError::NotRegistered { .. }), "{err}");
+    assert!(err.to_string().contains("Flod"), "{err}");
+
+    let err = wait(fold(), Duration::from_secs(1))
+        .await
+        .expect_err("nobody applies it");
+    assert!(matches!(err, WaitError::TimedOut { .. }), "{err}");
+    assert!(err.no_live_worker(), "{err:?}");
+    assert!(err.to_string().contains("no live worker"), "{err}");
+
+    let announcement = InstanceAnnouncement::new(
+        InstanceId::random(),
+        "worker-0",
+        "host",
+        1,
+        "test",
+        vec![fold()],
+    )
+    .expect("announcement");
+    world
+        .locker
+        .announce(&announcement)
+        .await
+        .expect("announce");
+    let err = wait(fold(), Duration::from_secs(1))
+        .await
+        .expect_err("still nobody applies it");
+    assert!(matches!(err, WaitError::TimedOut { .. }), "{err}");
+    assert!(!err.no_live_worker(), "{err:?}");
+
+    lockstep_worker::life::retire(&world.db, &world.store, &fold(), RetireStates::Keep)
+        .await
+        .expect("retire");
+    let err = wait(fold(), hour).await.expect_err("retired");
+    assert!(matches!(err, WaitError::Retired { .. }), "{err}");
+
+    worker.register().await.expect("register again");
+    lockstep_worker::life::retire(&world.db, &world.store, &fold(), RetireStates::Drop)
+        .await
+        .expect("retire");
+    let err = wait(fold(), hour)
+        .await
+        .expect_err("retired, states dropped");
+    assert!(matches!(err, WaitError::NotRegistered { .. }), "{err}");
+}

@@ -425,3 +425,45 @@ async fn a_registry_for_another_transaction_type_is_refused() {
     assert_eq!(err.kind(), lockstep_core::ErrorKind::InvalidInput);
     assert!(err.to_string().contains("Other"), "{err}");
 }
+
+/// A table perspective's rebuild that fails at an event stores that event with the failure,
+/// as its normal path does, so that an operator can skip it; the skip lets the rebuild go on,
+/// each row written once. Before, the rewind path stored the failure without its event.
+#[tokio::test]
+async fn a_rebuild_that_fails_at_an_event_stores_that_event() {
+    let world = World::new().await;
+    let stream = StreamId::new_v7();
+    world.append_numbers(stream, &[1, 2]).await;
+    world.drain().await;
+    // The worker is stopped: an event the perspective refuses is appended, then a rebuild.
+    let ids = world.append_numbers(stream, &[13, 3]).await;
+    lockstep_worker::life::rebuild(&world.db, &world.store, &seen())
+        .await
+        .expect("rebuild");
+    let worker = Arc::clone(&world.worker);
+    let report = tokio::spawn(async move { worker.run_once().await })
+        .await
+        .expect("task");
+    assert_eq!(report.failed, 1, "{report:?}");
+    let cursor = world.cursor(stream).await;
+    assert!(cursor.rewind.is_some(), "the request stays: {cursor:?}");
+    assert_eq!(
+        cursor.failed_event_id,
+        Some(ids[0]),
+        "the failing event is on record: {cursor:?}"
+    );
+    assert_eq!(world.seen.of(stream), once(&[1, 2]), "nothing written");
+
+    let tx = world.db.begin_now();
+    assert!(
+        world
+            .store
+            .skip_event(&tx, &Pair::new(stream, seen()), ids[0], "refused by design")
+            .await
+            .expect("skip")
+    );
+    tx.commit().await.expect("commit");
+    world.drain().await;
+    assert_eq!(world.rows_in_event_order(stream), once(&[1, 2, 3]));
+    assert!(world.cursor(stream).await.rewind.is_none());
+}

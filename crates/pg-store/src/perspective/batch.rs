@@ -145,9 +145,11 @@ pub(super) async fn claim<T: PgTransactionRef>(
     if positions.len() != request.positions.len() {
         return Err(unexpected("positions missing"));
     }
-    if !applies.is_empty() {
-        read_events(tx, &mut applies, bytes).await?;
-    }
+    let claimed_at = if applies.is_empty() {
+        None
+    } else {
+        read_events(tx, &mut applies, bytes).await?
+    };
     // A pair the byte bound left out entirely is not in this batch: its perspective's walk
     // goes back to just before the first such pair, so that the next claim starts with it.
     let mut applies: Vec<Option<Apply>> = applies.into_iter().map(Some).collect();
@@ -190,14 +192,19 @@ pub(super) async fn claim<T: PgTransactionRef>(
         batch.pairs.push(ClaimedPair::new(apply.cursor, work));
     }
     batch.positions = positions;
+    batch.claimed_at = claimed_at;
     Ok(batch)
 }
 /// Reads the events of the pairs to apply (`CLAIM_EVENTS`) and keeps, per pair, the events
 /// that are its work, in order, up to the first that did not come (the byte bound stopped
 /// the batch there; a pair with none is left out by the caller) or could not be read (the
 /// pair is then handed out up to it, [`ClaimedWork::Unreadable`]: one bad row fails its pair,
-/// not the claim).
-async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: i64) -> Result<()> {
+/// not the claim). Returns the database's clock when it read them (`None`: no row).
+async fn read_events<T: PgTransactionRef>(
+    tx: &T,
+    applies: &mut [Apply],
+    bytes: i64,
+) -> Result<Option<time::OffsetDateTime>> {
     let mut streams = Vec::with_capacity(applies.len());
     let mut first = Vec::with_capacity(applies.len());
     let mut last = Vec::with_capacity(applies.len());
@@ -225,6 +232,10 @@ async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: 
         )
         .await
         .map_err(|e| statement_error(e, "reading a claimed batch's events"))?;
+    let claimed_at = match rows.first() {
+        Some(row) => Some(row.try_get(6).map_err(decode_error)?),
+        None => None,
+    };
     // How far each pair's work ids have been matched; a pair stops at its first gap.
     let mut matched = vec![0_usize; applies.len()];
     let mut stopped = vec![false; applies.len()];
@@ -267,12 +278,12 @@ async fn read_events<T: PgTransactionRef>(tx: &T, applies: &mut [Apply], bytes: 
             _ => stopped[i] = true,
         }
     }
-    Ok(())
+    Ok(claimed_at)
 }
 
 /// What is stored on the cursor for an event that could not be read: the error with its
 /// causes (the driver's decoding error says what is wrong with the payload).
-fn unreadable_message(id: Uuid, err: &Error) -> String {
+pub(super) fn unreadable_message(id: Uuid, err: &Error) -> String {
     let mut message = format!("event {id} could not be read: {err}");
     let mut source = std::error::Error::source(err);
     while let Some(cause) = source {

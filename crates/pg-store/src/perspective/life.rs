@@ -68,10 +68,11 @@ SELECT t.perspective_name, t.window_applied, t.window_started_at,
  ORDER BY t.perspective_name COLLATE \"C\"";
 
     /// The current progress of the rewinds of `$1` (all when empty), at most `$2`: the pair
-    /// still has a rewind request, and a report made under a lease names the live lease.
+    /// still has a rewind request, and a report made under a lease names the live lease. Each
+    /// row with the database's clock, what its times are read against.
     pub(super) const PROGRESS: &str = "\
 SELECT p.stream_id, p.perspective_name, p.instance_id, p.replayed, p.to_replay,
-       p.started_at, p.updated_at
+       p.started_at, p.updated_at, clock_timestamp()
   FROM wh_perspective_rewind_progress p
   JOIN wh_perspective_cursors k
     ON k.stream_id = p.stream_id AND k.perspective_name = p.perspective_name
@@ -204,6 +205,7 @@ pub(super) async fn rewind_progress<T: PgTransactionRef>(
                 started_at,
                 updated_at,
             );
+            progress.read_at = Some(row.try_get(7).map_err(decode_error)?);
             progress.holder = holder.map(InstanceId::from_uuid).transpose().map_err(|e| {
                 Error::new(ErrorKind::Backend, "a stored instance id is invalid").with_source(e)
             })?;

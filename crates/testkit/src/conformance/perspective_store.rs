@@ -33,9 +33,9 @@ use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch,
     ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseEpoch, LeaseId,
     LockReason, NewEvent, PageLimits, Pair, PairFailure, PerspectiveName, PerspectiveStore,
-    ProgressReport, Rebuild, RecordedEvent, RetireStates, Retired, RewindDebounce, RewindProgress,
-    SkippedEvent, StateCommit, StreamId, StreamLease, StreamLockAdmin, StreamLocker,
-    TransactionSource, ValidationError,
+    ProgressReport, Rebuild, RecordedEvent, Registration, RetireStates, Retired, RewindDebounce,
+    RewindProgress, SkippedEvent, StateCommit, StreamId, StreamLease, StreamLockAdmin,
+    StreamLocker, TransactionSource, ValidationError,
 };
 use uuid::Uuid;
 
@@ -244,6 +244,7 @@ async fn apply<F: PerspectiveStoreFixture>(
         cursor,
         state,
         events,
+        ..
     } = claim(fixture, &tx, stream, name, max, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
@@ -607,6 +608,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         cursor,
         state,
         events,
+        ..
     } = claim(&*fixture, &tx, stream, &p, 3, RewindDebounce::NONE).await
     else {
         panic!("expected events to apply");
@@ -647,6 +649,7 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         cursor,
         state,
         events,
+        ..
     } = claim(&*fixture, &tx, stream, &p, ALL_EVENTS, RewindDebounce::NONE).await
     else {
         panic!("expected the rest to apply");
@@ -2723,6 +2726,7 @@ pub async fn a_successful_commit_clears_the_error_the_backoff_and_the_parking<
             cursor: claimed,
             state,
             events,
+            ..
         } = claim(&*fixture, &tx, *stream, &p, 10, RewindDebounce::NONE).await
         else {
             panic!("expected events to apply");
@@ -4304,9 +4308,10 @@ pub async fn pending_through_counts_what_is_not_applied_up_to_an_event<
     let parked = pending_through(&*fixture, &p, Some(stream), ids[2]).await;
     assert_eq!((parked.events, parked.parked), (1, 1));
     assert_eq!(parked.error.as_deref(), Some("boom"));
+    let before = pending_through(&*fixture, &p, Some(stream), ids[1]).await;
     assert_eq!(
-        pending_through(&*fixture, &p, Some(stream), ids[1]).await,
-        lockstep_core::PendingThrough::default(),
+        (before.events, before.rewinds, before.parked, before.error),
+        (0, 0, 0, None),
         "a pair parked after the event asked for does not hold it up"
     );
 
@@ -4333,6 +4338,37 @@ pub async fn pending_through_counts_what_is_not_applied_up_to_an_event<
             .is_caught_up(),
         "a rewind from a later event does not hold up an earlier one"
     );
+}
+
+/// `pending_through` says whether the perspective is registered: a registered one is, a name
+/// never registered (misspelt) is not, one retired with its states kept is retired, and one
+/// retired with its states dropped is not registered — so that a wait can refuse to call
+/// "caught up" a perspective that nothing applies.
+pub async fn pending_through_says_whether_the_perspective_is_registered<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("Registration");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(1);
+    let stream = stream_with(&*fixture, &ids).await;
+    let registration = async |name: &PerspectiveName| {
+        pending_through(&*fixture, name, Some(stream), ids[0])
+            .await
+            .registration
+    };
+    assert_eq!(registration(&p).await, Some(Registration::Registered));
+    assert_eq!(
+        registration(&name("Registratoin")).await,
+        Some(Registration::NotRegistered)
+    );
+    retire(&*fixture, &p, RetireStates::Keep).await;
+    assert_eq!(registration(&p).await, Some(Registration::Retired));
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    assert_eq!(registration(&p).await, Some(Registration::Registered));
+    retire(&*fixture, &p, RetireStates::Drop).await;
+    assert_eq!(registration(&p).await, Some(Registration::NotRegistered));
 }
 
 /// Runs every case, in order, in one test. Prefer
@@ -4402,6 +4438,7 @@ macro_rules! __lockstep_perspective_store_cases {
             a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_nothing,
             states_page_through_one_perspectives_states_in_stream_order,
             pending_through_counts_what_is_not_applied_up_to_an_event,
+            pending_through_says_whether_the_perspective_is_registered,
             a_retired_perspective_gets_no_work_keeps_its_states_and_continues_when_registered_again,
             a_perspective_retired_with_dropped_states_starts_again_from_the_first_event,
             an_event_appended_while_retired_before_the_cursor_is_a_late_arrival,

@@ -32,9 +32,9 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{CycleReport, Kind, PerspectiveWorker, apply_guarded};
+use super::{CycleReport, Kind, PerspectiveWorker, Probe, apply_guarded, probe};
 use crate::coordinator::PairGuard;
-use crate::telemetry::{self, count, observe};
+use crate::telemetry::{self, StoreClock, count, observe};
 
 /// The deepest the batch shrinks: every limit halved this many times is 1.
 const MAX_SHRINK: u32 = 20;
@@ -147,6 +147,7 @@ where
         // A `?` drops the guard, which rolls back: nothing claimed stays claimed.
         let tx = self.source.begin().await?;
         let batch = self.store.claim_batch(&tx, &request).await?;
+        let clock = StoreClock::new(batch.claimed_at);
         self.remember_positions(batch.positions);
         if batch.pairs.is_empty() {
             // Committed, not rolled back: a late arrival inside the debounce window was
@@ -231,7 +232,8 @@ where
         };
         self.batch_committed(&claimed);
         for ((entry, outcome), applied) in entries.iter().zip(outcomes).zip(applied) {
-            self.report_entry(entry, outcome, applied, report).await;
+            self.report_entry(entry, outcome, applied, &clock, report)
+                .await;
         }
         for cursor in rewinds {
             match self.rewind(cursor.stream_id, &cursor.perspective).await {
@@ -413,12 +415,13 @@ where
         commit
     }
 
-    /// Reports one committed entry and counts it.
+    /// Reports one committed entry and counts it (its lag on `clock`, the store's).
     async fn report_entry(
         &self,
         entry: &BatchEntry,
         outcome: BatchCommitted,
         applied: Applied,
+        clock: &StoreClock,
         report: &mut CycleReport,
     ) {
         let pair = &entry.pair;
@@ -432,10 +435,7 @@ where
                     count(telemetry::BOOTSTRAPS, name, 1);
                 }
                 if let Some(oldest) = applied.oldest {
-                    let lag = (OffsetDateTime::now_utc() - oldest)
-                        .as_seconds_f64()
-                        .max(0.0);
-                    observe(telemetry::LAG_SECONDS, name, lag);
+                    observe(telemetry::LAG_SECONDS, name, clock.age_seconds(oldest));
                 }
                 parked
             }
@@ -639,28 +639,16 @@ fn fold(
         } => events.iter().position(|e| e.event_id == *event_id),
         // Where a panic happened is not known: find it one event at a time.
         ApplyError::Panicked { event_id: None, .. } => {
-            let mut probe = state.clone();
-            let mut found = None;
-            for (i, event) in events.iter().enumerate() {
-                if !go_on() {
-                    return Folded::Stopped;
-                }
-                if apply_guarded(p, &mut probe, std::slice::from_ref(event), go_on).is_err() {
-                    found = Some(i);
-                    break;
-                }
-            }
-            match found {
-                Some(i) => {
-                    return Folded::Failed {
-                        prefix: (i > 0).then_some((probe, i)),
-                        error,
-                        event_id: Some(events[i].event_id),
-                    };
-                }
+            return match probe(p, state.clone(), events, go_on) {
+                Probe::Failed(i, before) => Folded::Failed {
+                    prefix: (i > 0).then_some((before, i)),
+                    error,
+                    event_id: Some(events[i].event_id),
+                },
                 // It did not happen again: the one-at-a-time fold is the whole fold.
-                None => return Folded::All(probe),
-            }
+                Probe::Clean(all) => Folded::All(all),
+                Probe::Stopped => Folded::Stopped,
+            };
         }
         // The stored state does not decode: no event is to blame.
         _ => None,

@@ -9,12 +9,11 @@ use lockstep_core::{
     Claim, DynPerspective, ErrorKind, PerspectiveName, PerspectiveStore, RecordedEvent, Result,
     StateCommit, StreamId, Transaction, TransactionSource,
 };
-use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime};
-use crate::telemetry::{self, count, observe};
+use crate::telemetry::{self, StoreClock, count, observe};
 
 impl<S, P> PerspectiveWorker<S, P>
 where
@@ -62,7 +61,7 @@ where
     ) -> Result<Normal> {
         // Every `?` below drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let (tx, cursor, state, events) = match self.claim_one(tx, stream_id, name).await? {
+        let (tx, cursor, state, events, clock) = match self.claim_one(tx, stream_id, name).await? {
             Ok(claimed) => claimed,
             Err(normal) => return Ok(normal),
         };
@@ -72,7 +71,7 @@ where
         // storing the failure fails is it the cycle's (the database itself is unavailable).
         let failures = cursor.failures;
         match self
-            .apply_claimed(tx, stream_id, name, p, cursor, state, events)
+            .apply_claimed(tx, stream_id, name, p, cursor, state, events, &clock)
             .await
         {
             Ok(normal) => Ok(normal),
@@ -102,6 +101,7 @@ where
         cursor: lockstep_core::Cursor,
         state: Option<serde_json::Value>,
         events: Vec<RecordedEvent>,
+        clock: &StoreClock,
     ) -> Result<Normal> {
         let state = match state {
             Some(state) => state,
@@ -151,10 +151,11 @@ where
             events.len() as u64,
         );
         if let Some(oldest) = oldest {
-            let lag = (OffsetDateTime::now_utc() - oldest)
-                .as_seconds_f64()
-                .max(0.0);
-            observe(telemetry::LAG_SECONDS, name.as_str(), lag);
+            observe(
+                telemetry::LAG_SECONDS,
+                name.as_str(),
+                clock.age_seconds(oldest),
+            );
         }
         let needs_bootstrap = cursor.latest_snapshot.is_none() && !snapshot && applied_count > 0;
         if needs_bootstrap && let Err(err) = self.bootstrap(stream_id, name, revision).await {
@@ -175,6 +176,7 @@ pub(super) type Claimed<Tx> = std::result::Result<
         lockstep_core::Cursor,
         Option<serde_json::Value>,
         Vec<RecordedEvent>,
+        StoreClock,
     ),
     Normal,
 >;
@@ -207,7 +209,11 @@ where
                 cursor,
                 state,
                 events,
-            } => return Ok(Ok((tx, cursor, state, events))),
+                claimed_at,
+            } => {
+                let clock = StoreClock::new(claimed_at);
+                return Ok(Ok((tx, cursor, state, events, clock)));
+            }
             Claim::Rewind { .. } => {
                 // Keep a rewind request the claim may have just written.
                 tx.commit().await?;

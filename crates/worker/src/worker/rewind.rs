@@ -54,7 +54,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{
-    Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime_counting, release,
+    Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime_counting, failed_at,
+    release,
 };
 use crate::lease::{HeldLease, Leased};
 use crate::telemetry::{self, count, observe};
@@ -193,10 +194,13 @@ where
                 Err(PairError {
                     failures_before: failures,
                     message: err,
+                    event_id,
                 }) => {
                     count(telemetry::REWIND_FAILURES, name.as_str(), 1);
                     tracing::warn!(error = %err, "rewind failed; the request stays and is retried");
-                    self.fail(stream_id, name, failures, &err, None).await
+                    // At the event it failed at, when it was one event's: what `perspectives
+                    // parked` shows and `skip` skips (the rebuild then goes on without it).
+                    self.fail(stream_id, name, failures, &err, event_id).await
                 }
             }
         }
@@ -318,13 +322,14 @@ where
         let first = Page {
             events: loaded.events,
             more: loaded.more,
+            unreadable: loaded.unreadable,
         };
-        let replay = self.replay_pages(&pair, p, state, first, page, lost, &counts);
+        let replay = self.replay_pages(&pair, p, state, first, page, lost, &counts, failures);
         let progress = self.report_progress(stream_id, name, lease, &counts);
         let replayed = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(PairError::new(failures, lease_lost())),
-            replayed = replay => replayed.map_err(|e| PairError::new(failures, e))?,
+            replayed = replay => replayed?,
             () = progress => unreachable!("the progress report never ends by itself"),
         };
         // The read transaction serves the commit only if the replay was quick; otherwise it
@@ -358,8 +363,9 @@ where
     /// whatever the stream's length). A page cut by its bytes makes the next one ask for one
     /// event more than it held (the rows read past a page are read for nothing), growing back
     /// by doubling. The replayed state and the ids of the events applied, in order; `Err`:
-    /// what stopped it (the lost signal, a failed `apply`, a failed read), as the message
-    /// stored on the cursor.
+    /// what stopped it (the lost signal, a failed `apply`, a failed read, an event that could
+    /// not be read), as stored on the cursor with `failures` before it, at the event it
+    /// failed at when it was one event's.
     #[allow(
         clippy::too_many_arguments,
         reason = "the replay's inputs, each used once; a struct for them would be built once"
@@ -373,7 +379,9 @@ where
         page: PageLimits,
         lost: &CancellationToken,
         counts: &Arc<ReplayCounts>,
-    ) -> std::result::Result<ReplayedPages, String> {
+        failures: u32,
+    ) -> std::result::Result<ReplayedPages, PairError> {
+        let failed = |e: &dyn std::fmt::Display| PairError::new(failures, e);
         let mut applied_ids = Vec::with_capacity(first.events.len());
         // The first page (read with the configured limits) may have been cut by its bytes too.
         let mut limits = page;
@@ -383,12 +391,12 @@ where
             let after = current.events.last().map(|e| e.event_id);
             let more = current.more;
             if more && after.is_none() {
-                return Err(Error::new(
+                return Err(failed(&Error::new(
                     ErrorKind::Backend,
                     "a rewind page was empty with more events after it",
-                )
-                .to_string());
+                )));
             }
+            let unreadable = current.unreadable.take();
             let events = std::mem::take(&mut current.events);
             let expected = events.len();
             let apply = apply_off_runtime_counting(
@@ -406,20 +414,30 @@ where
                 }
             };
             let (applied, next) = tokio::join!(apply, next);
-            let applied = applied.map_err(|e| e.to_string())?;
+            let applied = applied.map_err(|e| failed(&e))?;
             match applied.outcome {
                 Ok(n) if n == expected => {}
                 // Stopped before the end: only the lost signal stops a replay.
-                Ok(_) => return Err(lease_lost()),
-                Err(e) => return Err(format!("the perspective failed during replay: {e}")),
+                Ok(_) => return Err(failed(&lease_lost())),
+                Err(e) => {
+                    let at = failed_at(p, applied.state, applied.events, &e, lost).await;
+                    return Err(
+                        failed(&format!("the perspective failed during replay: {e}")).at(at),
+                    );
+                }
             }
             state = applied.state;
             applied_ids.extend(applied.events.iter().map(|e| e.event_id));
             drop(applied.events);
+            // The page ended at an event that could not be read (its stored payload does not
+            // decode): the replay fails at it, as the normal path does.
+            if let Some((event_id, error)) = unreadable {
+                return Err(failed(&error).at(Some(event_id)));
+            }
             match next {
                 None => break,
                 Some(next) => {
-                    let next = next.map_err(|e| e.to_string())?;
+                    let next = next.map_err(|e| failed(&e))?;
                     limits.events =
                         next_page_events(limits.events, page.events, next.events.len(), next.more);
                     counts.read(next.events.len() as u64, next.more);
@@ -448,6 +466,7 @@ where
         Ok(Page {
             events: page.events,
             more: page.more,
+            unreadable: page.unreadable,
         })
     }
 
@@ -562,6 +581,8 @@ pub(super) enum Rewind {
 struct Page {
     events: Vec<RecordedEvent>,
     more: bool,
+    /// The event after `events` that could not be read, and why (then `more` is false).
+    unreadable: Option<(uuid::Uuid, String)>,
 }
 
 /// What [`PerspectiveWorker::replay_pages`] ends with.
@@ -637,12 +658,14 @@ pub(super) fn lease_lost() -> String {
     .to_string()
 }
 
-/// Why processing a pair failed: what to store on its cursor, and the pair's failure count
-/// before this failure (what its backoff and parking are computed from).
+/// Why processing a pair failed: what to store on its cursor, the event it failed at when it
+/// was one event's, and the pair's failure count before this failure (what its backoff and
+/// parking are computed from).
 #[derive(Debug)]
 pub(super) struct PairError {
     pub(super) failures_before: u32,
     pub(super) message: String,
+    pub(super) event_id: Option<uuid::Uuid>,
 }
 
 impl PairError {
@@ -650,7 +673,14 @@ impl PairError {
         PairError {
             failures_before,
             message: error.to_string(),
+            event_id: None,
         }
+    }
+
+    /// The same, failed at `event_id`.
+    pub(super) fn at(mut self, event_id: Option<uuid::Uuid>) -> PairError {
+        self.event_id = event_id;
+        self
     }
 }
 

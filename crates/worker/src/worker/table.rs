@@ -125,7 +125,7 @@ where
     ) -> Result<Normal> {
         // Every `?` drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let (tx, cursor, _, events) = match self.claim_one(tx, stream_id, name).await? {
+        let (tx, cursor, _, events, _) = match self.claim_one(tx, stream_id, name).await? {
             Ok(claimed) => claimed,
             Err(normal) => return Ok(normal),
         };
@@ -339,12 +339,12 @@ where
         // After a page cut by its bytes, the next asks for one event more than it held
         // (`next_page_events`, as the JSON replay does).
         let mut limits = page;
-        let (mut events, mut more) = if loaded.snapshot.is_some() {
-            (Vec::new(), true)
+        let (mut events, mut more, mut unreadable) = if loaded.snapshot.is_some() {
+            (Vec::new(), true, None)
         } else {
             limits.events =
                 next_page_events(page.events, page.events, loaded.events.len(), loaded.more);
-            (loaded.events, loaded.more)
+            (loaded.events, loaded.more, loaded.unreadable)
         };
         reset_in(&**p, tx, stream_id)
             .await
@@ -356,14 +356,20 @@ where
         loop {
             let applied = apply_in(&**p, tx, &events, &|| !lost.is_cancelled()).await;
             if let Some(error) = applied.error {
+                // At the event it failed at: what `perspectives parked` shows and `skip` skips.
                 return Err(PairError::new(
                     failures,
                     format!("the perspective failed during replay: {error}"),
-                ));
+                )
+                .at(events.get(applied.applied).map(|e| e.event_id)));
             }
             if applied.applied < events.len() {
                 // Only the lost signal stops a replay.
                 return Err(PairError::new(failures, lease_lost()));
+            }
+            // The page ended at an event that could not be read: the replay fails at it.
+            if let Some((event_id, error)) = unreadable.take() {
+                return Err(PairError::new(failures, error).at(Some(event_id)));
             }
             applied_ids.extend(events.iter().map(|e| e.event_id));
             after = events.last().map(|e| e.event_id).or(after);
@@ -383,7 +389,7 @@ where
                     "a rewind page was empty with more events after it",
                 ));
             }
-            (events, more) = (next.events, next.more);
+            (events, more, unreadable) = (next.events, next.more, next.unreadable);
         }
         let mut commit = StateCommit::new(
             stream_id,
