@@ -105,6 +105,7 @@ pub mod resource_key;
 pub mod retry;
 pub mod stream_lease;
 pub mod table_perspective;
+mod text;
 pub mod unit_of_work;
 
 pub use aggregate_lock::{
