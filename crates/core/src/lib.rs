@@ -119,7 +119,8 @@ pub use event_store::{
     EventStore, ExpectedVersion, NewEvent, RecordedEvent, VersionConflict, version_conflict,
 };
 pub use fleet::{
-    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceState, KeepaliveOutcome, WorkerInstance,
+    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceInUse, InstanceState, KeepaliveOutcome,
+    WorkerInstance, instance_in_use,
 };
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;
