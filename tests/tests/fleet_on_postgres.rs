@@ -133,3 +133,86 @@ async fn two_workers_are_listed_kept_alive_and_gone_or_stale_when_they_stop_or_d
         "a clean stop removes the row"
     );
 }
+
+/// Two workers given one instance id, as two processes would be (each with its own token and
+/// host): the second refuses to start with a conflict that names the first's host and pid and
+/// writes nothing; the first, killed (its task aborted), leaves a row that the second takes
+/// over once it is stale — and the second then runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_with_a_running_instance_id_refuses_to_start_until_that_one_is_stale() {
+    let db = test_database().await;
+    let pool = db.pool(8);
+    lockstep_pg::migrate(&pool).await.expect("migrate");
+    let locker = PgStreamLocker::from_pool(pool.clone(), options());
+    let me = InstanceId::random();
+
+    let first = tokio::spawn({
+        let worker = worker(&pool, me, "fleet-first");
+        async move { worker.run(CancellationToken::new()).await }
+    });
+    let announced = until(&locker, me, "announced", |i| i.is_some())
+        .await
+        .expect("listed");
+
+    let second = Arc::new(
+        worker(&pool, me, "fleet-second")
+            .with_identity(
+                InstanceIdentity::detect()
+                    .with_name("fleet-second")
+                    .with_host("second-host")
+                    .with_token(lockstep_core::Uuid::new_v4()),
+            )
+            .expect("identity"),
+    );
+    let refused = tokio::spawn({
+        let second = Arc::clone(&second);
+        async move { second.run(CancellationToken::new()).await }
+    })
+    .await
+    .expect("the second worker's task")
+    .expect_err("the second process refuses to start");
+    assert_eq!(
+        refused.kind(),
+        lockstep_core::ErrorKind::Conflict,
+        "{refused}"
+    );
+    let other = lockstep_core::instance_in_use(&refused).expect("names the first process");
+    assert_eq!(
+        (other.name.as_str(), other.host.as_str(), other.pid),
+        (
+            "fleet-first",
+            announced.announcement.host.as_str(),
+            std::process::id()
+        )
+    );
+    assert_eq!(other.stale_after, options().lock_timeout());
+    let unchanged = listed(&locker, me).await.expect("listed");
+    assert_eq!(
+        (unchanged.announcement, unchanged.started_at),
+        (announced.announcement.clone(), announced.started_at)
+    );
+
+    first.abort();
+    assert!(first.await.expect_err("aborted").is_cancelled());
+    until(&locker, me, "the first is stale", |i| {
+        i.is_some_and(|i| i.state == InstanceState::Stale)
+    })
+    .await;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (second, shutdown) = (Arc::clone(&second), shutdown.clone());
+        async move { second.run(shutdown).await }
+    });
+    let taken = until(&locker, me, "taken over", |i| {
+        i.is_some_and(|i| i.announcement.name == "fleet-second" && i.state == InstanceState::Live)
+    })
+    .await
+    .expect("listed");
+    assert_eq!(taken.announcement.host, "second-host");
+    assert!(taken.started_at > announced.started_at, "a new start");
+    shutdown.cancel();
+    running
+        .await
+        .expect("the second worker's task")
+        .expect("run");
+}

@@ -308,6 +308,33 @@ pub enum ValidationError {
         /// Which option.
         field: &'static str,
     },
+    /// A name began or ended with whitespace, so it would print like the name without it.
+    #[error("{field} must not begin or end with whitespace")]
+    SurroundingWhitespace {
+        /// Which name.
+        field: &'static str,
+    },
+    /// A name contained a character that prints as nothing or like another one: a control
+    /// character (Unicode general category Cc, e.g. a newline), a format character (Cf, e.g.
+    /// U+200B ZERO WIDTH SPACE, U+FEFF) or whitespace other than a plain space (e.g. U+00A0
+    /// NO-BREAK SPACE).
+    #[error(
+        "{field} must not contain U+{code:04X}, which prints as nothing or like another character",
+        code = u32::from(*.character)
+    )]
+    LookAlikeCharacter {
+        /// Which name.
+        field: &'static str,
+        /// The first such character.
+        character: char,
+    },
+    /// A name was not in Unicode normalization form C (NFC), so it would print like its NFC
+    /// form (`Cafe` + U+0301 like `Café`) yet be another name. It is refused, never normalised.
+    #[error("{field} must be in Unicode normalization form C (NFC)")]
+    NotNfc {
+        /// Which name.
+        field: &'static str,
+    },
     /// A text value (an instance's name, host or version) was empty or only whitespace.
     #[error("{field} must not be blank")]
     BlankText {

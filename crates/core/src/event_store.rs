@@ -133,12 +133,29 @@ impl NewEvent {
     /// no NUL) and the payload (storable, see [`crate::json`]: nested at most
     /// [`NewEvent::MAX_PAYLOAD_DEPTH`] levels deep — [`ValidationError::JsonTooDeep`] — and no
     /// U+0000 in any string or key) and wraps the event. The payload is stored as given
-    /// (Postgres: `jsonb`) and read back unchanged.
+    /// (Postgres: `jsonb`) and read back unchanged. A refused payload is dropped without
+    /// recursing ([`crate::json::drop_iteratively`]), however deep code nested it.
     ///
     /// This is the only way to build a `NewEvent` ([`NewEvent::with_id`] changes only the id of
     /// one built here), so every event an [`EventStore`] is given has a payload it can load.
     pub fn new(event_type: impl Into<String>, payload: serde_json::Value) -> Result<NewEvent> {
-        let event_type = event_type.into();
+        match Self::checked_type(event_type.into(), &payload) {
+            Ok(event_type) => Ok(NewEvent {
+                event_id: Uuid::now_v7(),
+                event_type,
+                payload,
+            }),
+            Err(err) => {
+                // A refused payload may be nested far deeper than it may be stored (built in
+                // code): dropping it recursively could overflow the stack.
+                crate::json::drop_iteratively(payload);
+                Err(err)
+            }
+        }
+    }
+
+    /// The checks of [`NewEvent::new`]: the type name, then the payload.
+    fn checked_type(event_type: String, payload: &serde_json::Value) -> Result<String> {
         if event_type.trim().is_empty() {
             return Err(ValidationError::BlankEventType.into());
         }
@@ -159,12 +176,8 @@ impl NewEvent {
         // A payload nested deeper than a load can read would make the stream unloadable for
         // good; PostgreSQL's jsonb cannot store U+0000 in any string (key or value). Refuse both
         // here so every backend rejects the same event the same way, before anything is written.
-        crate::json::check_storable(&payload, "event payload")?;
-        Ok(NewEvent {
-            event_id: Uuid::now_v7(),
-            event_type,
-            payload,
-        })
+        crate::json::check_storable(payload, "event payload")?;
+        Ok(event_type)
     }
 
     /// Gives the event a caller-chosen id instead of a fresh UUIDv7. The nil UUID is refused
@@ -406,6 +419,31 @@ mod tests {
         );
         let ok = NewEvent::new("StockAdded", serde_json::json!({"q": 1})).expect("valid");
         assert_eq!(ok.event_type(), "StockAdded");
+    }
+
+    /// A payload far deeper than any parsed JSON can be (built in code) is refused, and
+    /// refusing it — which drops it — does not overflow the stack of a normal test thread.
+    #[test]
+    fn a_payload_a_hundred_thousand_levels_deep_is_refused_without_overflowing_the_stack() {
+        for level in [0, 1] {
+            let deep = (0..100_000).fold(serde_json::json!("leaf"), |value, i| {
+                if i % 2 == level {
+                    serde_json::Value::Array(vec![value])
+                } else {
+                    let mut map = serde_json::Map::new();
+                    map.insert("k".to_owned(), value);
+                    serde_json::Value::Object(map)
+                }
+            });
+            let err = NewEvent::new("Deep", deep).expect_err("refused");
+            assert_eq!(
+                err.validation(),
+                Some(&ValidationError::JsonTooDeep {
+                    field: "event payload",
+                    max: 127
+                })
+            );
+        }
     }
 
     #[test]

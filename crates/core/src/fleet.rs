@@ -19,11 +19,14 @@
 //! [`StreamLocker::depart`]: crate::StreamLocker::depart
 //! [`StreamLockAdmin::list_instances`]: crate::StreamLockAdmin::list_instances
 
+use std::fmt;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use time::OffsetDateTime;
+use uuid::Uuid;
 
-use crate::error::{Result, ValidationError};
+use crate::error::{Error, ErrorKind, Result, ValidationError};
 use crate::ids::{InstanceId, PerspectiveName};
 use crate::stream_lease::RenewOutcome;
 
@@ -49,6 +52,12 @@ pub struct InstanceAnnouncement {
     pub version: String,
     /// The perspectives it runs, sorted, without duplicates.
     pub perspectives: Vec<PerspectiveName>,
+    /// Which process announces: [`InstanceAnnouncement::process_token`] unless set
+    /// ([`InstanceAnnouncement::with_token`]). An instance id names one running instance: an
+    /// announce of an id whose announcement is live and carries another token is refused
+    /// ([`InstanceInUse`]); the same token (a re-announce of the same process) replaces it.
+    /// The nil UUID when listed from a row announced without one.
+    pub token: Uuid,
 }
 
 impl InstanceAnnouncement {
@@ -79,8 +88,101 @@ impl InstanceAnnouncement {
             pid,
             version,
             perspectives,
+            token: InstanceAnnouncement::process_token(),
         })
     }
+
+    /// The token of this process: random, drawn once, the same for every announcement the
+    /// process makes, so a process that announces again (its keepalive, after its row was
+    /// forgotten) is told from a second process started with the same instance id.
+    pub fn process_token() -> Uuid {
+        static TOKEN: OnceLock<Uuid> = OnceLock::new();
+        *TOKEN.get_or_init(Uuid::new_v4)
+    }
+
+    /// The same announcement, made with `token` instead of the process's: what a component
+    /// that stands for a process of its own uses (tests that play two processes in one).
+    #[must_use]
+    pub fn with_token(mut self, token: Uuid) -> Self {
+        self.token = token;
+        self
+    }
+}
+
+/// Why an announce was refused: the instance id is announced, live, by another process (another
+/// [`InstanceAnnouncement::token`]). Two processes with one id would share one fleet row and
+/// each hold every lease of the other re-entrantly, so the second one must not start. The
+/// error is [`ErrorKind::Conflict`]; [`instance_in_use`] returns these details.
+///
+/// The other announcement is taken over once it is stale (not seen for `stale_after`, its
+/// locker's lock timeout: its leases have expired by then too) or gone (a clean stop departs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InstanceInUse {
+    /// The instance id both processes were given.
+    pub instance: InstanceId,
+    /// The name the other process announced.
+    pub name: String,
+    /// Its host.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+    /// How long ago it was last seen, on the backend's clock.
+    pub since_seen: Duration,
+    /// How long it may go unseen before it is stale and its announcement can be taken over.
+    pub stale_after: Duration,
+}
+
+impl InstanceInUse {
+    /// `instance` is announced by the process `name` on `host` as `pid`, seen `since_seen`
+    /// ago, stale after `stale_after`.
+    pub fn new(
+        instance: InstanceId,
+        name: impl Into<String>,
+        host: impl Into<String>,
+        pid: u32,
+        since_seen: Duration,
+        stale_after: Duration,
+    ) -> InstanceInUse {
+        InstanceInUse {
+            instance,
+            name: name.into(),
+            host: host.into(),
+            pid,
+            since_seen,
+            stale_after,
+        }
+    }
+
+    /// The [`ErrorKind::Conflict`] error that carries it (its message says all of it).
+    pub fn into_error(self) -> Error {
+        Error::new(ErrorKind::Conflict, self.to_string()).with_cause_in_message(self)
+    }
+}
+
+impl fmt::Display for InstanceInUse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "instance {} is already running in another process: {:?} on host {:?}, pid {}, \
+             seen {:.1} s ago. An instance id names one running process: give this one its \
+             own id, or start it once that one has stopped (its announcement is taken over \
+             {:.1} s after it was last seen)",
+            self.instance,
+            self.name,
+            self.host,
+            self.pid,
+            self.since_seen.as_secs_f64(),
+            self.stale_after.as_secs_f64(),
+        )
+    }
+}
+
+impl std::error::Error for InstanceInUse {}
+
+/// The [`InstanceInUse`] behind an error, if that is why an announce was refused.
+pub fn instance_in_use(err: &Error) -> Option<&InstanceInUse> {
+    err.underlying()?.downcast_ref::<InstanceInUse>()
 }
 
 fn checked_text(field: &'static str, value: String) -> Result<String> {

@@ -102,8 +102,12 @@ impl From<Uuid> for StreamId {
 
 /// The name of a perspective (a read model), e.g. `OrderPerspective`.
 ///
-/// Not blank, at most [`PerspectiveName::MAX_CHARS`] characters, no NUL. Any other text —
-/// quotes, semicolons, SQL — is kept verbatim: backends always bind it as a parameter.
+/// Not blank, at most [`PerspectiveName::MAX_CHARS`] characters, no NUL, and no look-alike of
+/// another name: no whitespace at either end, no control or format character (a newline,
+/// U+200B ZERO WIDTH SPACE, U+FEFF), no whitespace but the plain space, and in Unicode
+/// normalization form C — so two names that print alike are one name (`Seq ` and `Seq` + U+200B
+/// are refused, not registered beside `Seq`). Any other text — quotes, semicolons, SQL — is
+/// kept verbatim: backends always bind it as a parameter.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PerspectiveName(String);
 
@@ -129,6 +133,7 @@ impl PerspectiveName {
                 field: "perspective name",
             }));
         }
+        crate::text::check_unambiguous("perspective name", &name)?;
         Ok(PerspectiveName(name))
     }
 
@@ -161,8 +166,10 @@ impl AsRef<str> for PerspectiveName {
 /// `relay:aggregate:{type}:{id}`.
 ///
 /// Not blank, no `:` (otherwise `A:B`/`c` and `A`/`B:c` would share a key), no NUL, at most
-/// [`AggregateType::MAX_CHARS`] characters. Case and surrounding text are kept exactly: `Stock`
-/// and `stock` are different types.
+/// [`AggregateType::MAX_CHARS`] characters, and no look-alike of another type (the rules of
+/// [`PerspectiveName`]: `Stock ` or `Stock` + U+200B would be another lock key than `Stock`,
+/// so two writers of what reads as one aggregate would not exclude each other). Case is kept
+/// exactly: `Stock` and `stock` are different types.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct AggregateType(String);
 
@@ -193,6 +200,7 @@ impl AggregateType {
                 max: Self::MAX_CHARS,
             }));
         }
+        crate::text::check_unambiguous("aggregate type", &name)?;
         Ok(AggregateType(name))
     }
 
@@ -258,6 +266,67 @@ mod tests {
         assert_eq!(
             typed(PerspectiveName::new(sql).map(|n| n.0)),
             Ok(sql.to_owned())
+        );
+    }
+
+    /// The names of the look-alike report: each prints like `Seq` or `Café` and is refused by
+    /// both name types, with the field it names; the plain names stay accepted.
+    #[test]
+    fn look_alike_perspective_names_and_aggregate_types_are_refused() {
+        enum Want {
+            Accepted,
+            Space,
+            Hidden(char),
+            NotNfc,
+        }
+        let refusal = |want: &Want, field| match *want {
+            Want::Accepted => None,
+            Want::Space => Some(ValidationError::SurroundingWhitespace { field }),
+            Want::Hidden(character) => {
+                Some(ValidationError::LookAlikeCharacter { field, character })
+            }
+            Want::NotNfc => Some(ValidationError::NotNfc { field }),
+        };
+        let cases = [
+            ("Seq", Want::Accepted),
+            ("Café", Want::Accepted),
+            ("Seq ", Want::Space),
+            (" Seq", Want::Space),
+            ("Seq\n", Want::Space),
+            ("Seq\u{200B}", Want::Hidden('\u{200B}')),
+            ("Se\u{200E}q", Want::Hidden('\u{200E}')),
+            ("\u{FEFF}Seq", Want::Hidden('\u{FEFF}')),
+            ("Seq\u{2060}", Want::Hidden('\u{2060}')),
+            ("Se\tq", Want::Hidden('\t')),
+            ("Cafe\u{301}", Want::NotNfc),
+        ];
+        for (name, want) in &cases {
+            let perspective = typed(PerspectiveName::new(*name).map(|n| n.0));
+            let aggregate = typed(AggregateType::new(*name).map(|t| t.0));
+            match (
+                refusal(want, "perspective name"),
+                refusal(want, "aggregate type"),
+            ) {
+                (Some(p), Some(a)) => {
+                    assert_eq!(perspective, Err(p), "{name:?}");
+                    assert_eq!(aggregate, Err(a), "{name:?}");
+                }
+                _ => {
+                    assert_eq!(perspective.as_deref(), Ok(*name));
+                    assert_eq!(aggregate.as_deref(), Ok(*name));
+                }
+            }
+        }
+        // The NUL check keeps its own error; a blank name is still blank, not "whitespace".
+        assert_eq!(
+            typed(PerspectiveName::new("a\0b")),
+            Err(ValidationError::ContainsNul {
+                field: "perspective name"
+            })
+        );
+        assert_eq!(
+            typed(PerspectiveName::new(" ")),
+            Err(ValidationError::BlankPerspectiveName)
         );
     }
 

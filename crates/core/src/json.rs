@@ -67,6 +67,29 @@ fn deeper_than(value: &Value, room: usize) -> bool {
     }
 }
 
+/// Drops `value` without recursing more than [`MAX_DEPTH`] + 1 levels, however deep it is.
+///
+/// Dropping a `serde_json::Value` recurses once per level of nesting, so a value nested tens of
+/// thousands of levels deep (it cannot come from parsed JSON — serde_json's parser stops at 128
+/// levels — but code can build one) overflows the thread's stack when it is dropped and aborts
+/// the process. A value within [`MAX_DEPTH`] is dropped as usual; a deeper one is taken apart
+/// with an explicit stack, so that each value is dropped once its children have been moved
+/// out. Constructors that refuse a value as too deep ([`crate::NewEvent::new`]) drop it here.
+pub fn drop_iteratively(value: Value) {
+    if !deeper_than(&value, MAX_DEPTH) {
+        return;
+    }
+    let mut stack = vec![value];
+    while let Some(mut value) = stack.pop() {
+        match &mut value {
+            Value::Array(items) => stack.append(items),
+            Value::Object(map) => stack.extend(std::mem::take(map).into_iter().map(|(_, v)| v)),
+            _ => {}
+        }
+        // `value` has no children left: dropping it recurses no further.
+    }
+}
+
 fn contains_nul(value: &Value) -> bool {
     match value {
         Value::String(s) => s.contains('\0'),
@@ -135,6 +158,25 @@ mod tests {
         assert!(check_storable(&late, "v").is_ok());
         let late = serde_json::json!([1, [2], { "k": nested(MAX_DEPTH - 1) }]);
         assert!(check_storable(&late, "v").is_err());
+    }
+
+    #[test]
+    fn a_value_far_deeper_than_the_limit_is_dropped_without_recursing() {
+        // Arrays and objects alternating, each with siblings beside the deep branch.
+        let deep = (0..200_000).fold(serde_json::json!("leaf"), |value, level| {
+            if level % 2 == 0 {
+                Value::Array(vec![serde_json::json!(1), value, serde_json::json!([2])])
+            } else {
+                let mut map = serde_json::Map::new();
+                map.insert("a".to_owned(), serde_json::json!({ "b": [] }));
+                map.insert("k".to_owned(), value);
+                Value::Object(map)
+            }
+        });
+        drop_iteratively(deep);
+        // Shallow values take the ordinary path.
+        drop_iteratively(nested(MAX_DEPTH));
+        drop_iteratively(serde_json::json!(null));
     }
 
     #[test]

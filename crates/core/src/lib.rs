@@ -106,6 +106,7 @@ pub mod resource_key;
 pub mod retry;
 pub mod stream_lease;
 pub mod table_perspective;
+mod text;
 pub mod unit_of_work;
 
 pub use aggregate_lock::{
@@ -119,8 +120,8 @@ pub use event_store::{
     EventStore, ExpectedVersion, NewEvent, RecordedEvent, VersionConflict, version_conflict,
 };
 pub use fleet::{
-    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceState, KeepaliveOutcome,
-    UnreadableInstance, WorkerInstance,
+    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceInUse, InstanceState,
+    KeepaliveOutcome, UnreadableInstance, WorkerInstance, instance_in_use,
 };
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;

@@ -57,7 +57,8 @@ pub trait Perspective: Send + Sync + 'static {
     type Error: std::error::Error + Send + Sync + 'static;
 
     /// The perspective's name: the key of its cursors, leases and states. Must be a valid
-    /// [`PerspectiveName`] (not blank, at most 200 characters, no NUL).
+    /// [`PerspectiveName`] (not blank, at most 200 characters, no NUL, no look-alike: no
+    /// whitespace at either end, no control or format character, in NFC).
     fn name(&self) -> &str;
 
     /// Applies one event to the state. Deterministic: a replay must reach the same state.

@@ -38,7 +38,7 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::error::Result;
+use crate::error::{Result, ValidationError};
 use crate::event_store::RecordedEvent;
 use crate::ids::{InstanceId, PerspectiveName, StreamId};
 use crate::stream_lease::{CursorLease, LeaseId};
@@ -566,6 +566,28 @@ pub struct SkippedEvent {
 }
 
 impl SkippedEvent {
+    /// The longest skip reason accepted, in characters: room for an operator's note or the
+    /// failure an event was skipped for, never a payload. A longer reason is refused
+    /// ([`SkippedEvent::check_reason`]), never truncated.
+    pub const MAX_REASON_CHARS: usize = 1000;
+
+    /// Checks a skip reason before it is stored: at most [`SkippedEvent::MAX_REASON_CHARS`]
+    /// characters, else [`ValidationError::TextTooLong`] (field `"skip reason"`), an
+    /// [`crate::ErrorKind::InvalidInput`] error. Every store runs it before writing anything
+    /// ([`PerspectiveStore::skip_event`]).
+    pub fn check_reason(reason: &str) -> Result<()> {
+        // Counting stops just past the limit: a reason of megabytes costs no more to refuse.
+        if reason.chars().nth(Self::MAX_REASON_CHARS).is_some() {
+            return Err(ValidationError::TextTooLong {
+                field: "skip reason",
+                chars: reason.chars().count(),
+                max: Self::MAX_REASON_CHARS,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
     /// A skipped event.
     pub fn new(event_id: Uuid, reason: impl Into<String>, skipped_at: OffsetDateTime) -> Self {
         SkippedEvent {
@@ -1447,7 +1469,9 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// Skips one pending event of the pair for good: records it ([`SkippedEvent`], with
     /// `reason`), deletes its work item and retries the pair ([`PerspectiveStore::unpark`]).
     /// A rewind of the pair leaves it out too. `Ok(false)`, with nothing changed, when the
-    /// event is not pending work of the pair.
+    /// event is not pending work of the pair. A reason longer than
+    /// [`SkippedEvent::MAX_REASON_CHARS`] is [`crate::ErrorKind::InvalidInput`]
+    /// ([`SkippedEvent::check_reason`]), refused before anything is read or written.
     fn skip_event<'a>(
         &'a self,
         tx: &'a Tx,
@@ -1577,5 +1601,29 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<Vec<Throughput>>> + Send + 'a {
         let _ = tx;
         async { unsupported("throughput") }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::typed;
+
+    #[test]
+    fn a_skip_reason_is_bounded_in_characters() {
+        let at_limit = "é".repeat(SkippedEvent::MAX_REASON_CHARS);
+        assert_eq!(typed(SkippedEvent::check_reason(&at_limit)), Ok(()));
+        assert_eq!(typed(SkippedEvent::check_reason("")), Ok(()));
+        let over = "é".repeat(SkippedEvent::MAX_REASON_CHARS + 1);
+        assert_eq!(
+            typed(SkippedEvent::check_reason(&over)),
+            Err(ValidationError::TextTooLong {
+                field: "skip reason",
+                chars: 1001,
+                max: 1000
+            })
+        );
+        let ten_megabytes = "x".repeat(10 << 20);
+        assert!(SkippedEvent::check_reason(&ten_megabytes).is_err());
     }
 }

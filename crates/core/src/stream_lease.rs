@@ -282,10 +282,14 @@ pub trait StreamLocker: Send + Sync {
         Ok(outcomes)
     }
 
-    /// Announces a worker instance ([`crate::fleet`]): inserts it, or replaces what an
-    /// instance of the same id announced before (its `started_at` is kept), seen now, stale after
-    /// this locker's lock timeout. Instances not seen for [`crate::FORGET_STALE_AFTER`] are
-    /// forgotten on the way.
+    /// Announces a worker instance ([`crate::fleet`]): inserts it, or replaces what the same
+    /// process ([`InstanceAnnouncement::token`]) announced before under this id (its
+    /// `started_at` is kept), seen now, stale after this locker's lock timeout. An id announced
+    /// by another process (another token) is taken over once that announcement is stale (a new
+    /// `started_at`); while it is live the announce is refused with
+    /// [`ErrorKind::Conflict`](crate::ErrorKind::Conflict) and [`crate::InstanceInUse`] naming
+    /// the other process, and nothing changes: an instance id names one running process.
+    /// Instances not seen for [`crate::FORGET_STALE_AFTER`] are forgotten on the way.
     ///
     /// The default is [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported): a backend
     /// without a fleet (the worker then runs unannounced).

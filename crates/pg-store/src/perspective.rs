@@ -1174,6 +1174,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     }
 
     async fn skip_event(&self, tx: &T, pair: &Pair, event_id: Uuid, reason: &str) -> Result<bool> {
+        SkippedEvent::check_reason(reason)?;
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let reason = reason.replace('\0', "\u{FFFD}");
         let row = tx

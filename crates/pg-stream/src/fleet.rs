@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use lockstep_core::{
     Error, ErrorKind, FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceId,
-    InstanceState, PerspectiveName, Result, StreamLocker, UnreadableInstance, WorkerInstance,
+    InstanceInUse, InstanceState, PerspectiveName, Result, StreamLocker, UnreadableInstance,
+    WorkerInstance,
 };
 use time::OffsetDateTime;
 use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use crate::interval::PgInterval;
@@ -21,28 +23,56 @@ use crate::sql;
 use crate::statement::{RowName, column};
 
 impl PgStreamLocker {
-    /// [`StreamLocker::announce`]: one statement.
+    /// [`StreamLocker::announce`]: one statement (run once more in the rare case that the
+    /// row it conflicts with was committed after the statement's snapshot and could not be
+    /// read by it). A live row of another process is [`InstanceInUse`], nothing written.
     pub(crate) async fn announce_instance(&self, a: &InstanceAnnouncement) -> Result<()> {
         let stale_after = interval(self.options().lock_timeout(), "the lock timeout")?;
         let forget = interval(FORGET_STALE_AFTER, "FORGET_STALE_AFTER")?;
         let perspectives: Vec<&str> = a.perspectives.iter().map(PerspectiveName::as_str).collect();
-        let _: u64 = self
-            .run(
-                sql::ANNOUNCE,
-                &[
-                    &a.instance.as_uuid(),
-                    &a.name,
-                    &a.host,
-                    &i64::from(a.pid),
-                    &a.version,
-                    &perspectives,
-                    &stale_after,
-                    &forget,
-                ],
-                "announcing a worker instance",
+        let pid = i64::from(a.pid);
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &a.instance.as_uuid(),
+            &a.name,
+            &a.host,
+            &pid,
+            &a.version,
+            &perspectives,
+            &stale_after,
+            &forget,
+            &a.token,
+        ];
+        for _ in 0..3 {
+            let row: Option<Row> = self
+                .run(sql::ANNOUNCE, &params, "announcing a worker instance")
+                .await?;
+            let Some(row) = row else {
+                continue; // the conflicting row is newer than the snapshot: look again
+            };
+            let at = RowName::Listed;
+            if column::<bool, _>(&row, "announced", at)? {
+                return Ok(());
+            }
+            let id = a.instance.as_uuid();
+            let pid: i64 = column(&row, "pid", at)?;
+            return Err(InstanceInUse::new(
+                a.instance,
+                column::<String, _>(&row, "name", at)?,
+                column::<String, _>(&row, "host", at)?,
+                u32::try_from(pid).unwrap_or(0),
+                micros(column(&row, "since_seen_us", at)?, "last_seen_at", id)?,
+                micros(column(&row, "stale_after_us", at)?, "stale_after", id)?,
             )
-            .await?;
-        Ok(())
+            .into_error());
+        }
+        Err(Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "instance {} is being announced by another process at the same time; an \
+                 instance id names one running process",
+                a.instance
+            ),
+        ))
     }
 
     /// [`StreamLockAdmin::list_instances`](lockstep_core::StreamLockAdmin::list_instances): one
@@ -188,6 +218,7 @@ fn listed_instance(row: &Row) -> Result<WorkerInstance> {
         )
         .with_source(e)
     };
+    let token: Option<Uuid> = column(row, "token", at)?;
     let announcement = InstanceAnnouncement::new(
         instance,
         column::<String, _>(row, "name", at)?,
@@ -197,7 +228,9 @@ fn listed_instance(row: &Row) -> Result<WorkerInstance> {
         column::<String, _>(row, "version", at)?,
         perspectives,
     )
-    .map_err(stored)?;
+    .map_err(stored)?
+    // A row announced without a token (before tokens were stored) lists the nil token.
+    .with_token(token.unwrap_or(Uuid::nil()));
     let started_at: OffsetDateTime = column(row, "started_at", at)?;
     let last_seen_at: OffsetDateTime = column(row, "last_seen_at", at)?;
     let stale_after = micros(column(row, "stale_after_us", at)?, "stale_after", id)?;

@@ -222,22 +222,47 @@ SELECT NULL, NULL, NULL, NULL, NULL, true FROM seen";
 
 /// Announce: `$1` instance (`uuid`), `$2` name, `$3` host, `$4` pid (`bigint`), `$5` version,
 /// `$6` perspectives (`text[]`), `$7` stale after (`interval`, the lock timeout), `$8` forget
-/// after (`interval`). Inserts the instance seen now, or replaces what the same id announced
-/// before, keeping its `started_at`; on the way, deletes every other instance not seen for `$8`.
+/// after (`interval`), `$9` the announcing process's token (`uuid`). Inserts the instance seen
+/// now; or replaces what the same process (same token) announced before, keeping its
+/// `started_at`; or takes over a stale row of another process as a new start. A live row of
+/// another token is left as it is. On the way, deletes every other instance not seen for `$8`.
+///
+/// One row: `announced` true; or false with the live row's `name`, `host`, `pid`,
+/// `since_seen_us` and `stale_after_us` (the process that holds the id). No row when the
+/// conflicting row was committed after this statement's snapshot (it cannot be read here):
+/// run it again.
 pub const ANNOUNCE: &str = "\
 WITH forgotten AS (
     DELETE FROM wh_worker_instances
      WHERE instance_id <> $1::uuid AND last_seen_at < clock_timestamp() - $8::interval
+), announced AS (
+    INSERT INTO wh_worker_instances AS w
+           (instance_id, name, host, pid, version, perspectives, started_at, last_seen_at,
+            stale_after, token)
+    VALUES ($1::uuid, $2::text, $3::text, $4::bigint, $5::text, $6::text[], clock_timestamp(),
+            clock_timestamp(), $7::interval, $9::uuid)
+    ON CONFLICT (instance_id) DO UPDATE
+       SET name = EXCLUDED.name, host = EXCLUDED.host, pid = EXCLUDED.pid,
+           version = EXCLUDED.version, perspectives = EXCLUDED.perspectives,
+           last_seen_at = EXCLUDED.last_seen_at, stale_after = EXCLUDED.stale_after,
+           started_at = CASE WHEN w.token IS NOT DISTINCT FROM EXCLUDED.token
+                             THEN w.started_at ELSE EXCLUDED.started_at END,
+           token = EXCLUDED.token
+     WHERE w.token IS NOT DISTINCT FROM EXCLUDED.token
+        OR NOT (w.last_seen_at + w.stale_after > clock_timestamp())
+    RETURNING w.instance_id
 )
-INSERT INTO wh_worker_instances AS w
-       (instance_id, name, host, pid, version, perspectives, started_at, last_seen_at,
-        stale_after)
-VALUES ($1::uuid, $2::text, $3::text, $4::bigint, $5::text, $6::text[], clock_timestamp(),
-        clock_timestamp(), $7::interval)
-ON CONFLICT (instance_id) DO UPDATE
-   SET name = EXCLUDED.name, host = EXCLUDED.host, pid = EXCLUDED.pid,
-       version = EXCLUDED.version, perspectives = EXCLUDED.perspectives,
-       last_seen_at = EXCLUDED.last_seen_at, stale_after = EXCLUDED.stale_after";
+SELECT true AS announced, NULL::text AS name, NULL::text AS host, NULL::bigint AS pid,
+       NULL::bigint AS since_seen_us, NULL::bigint AS stale_after_us
+  FROM announced
+UNION ALL
+SELECT false, o.name, o.host, o.pid,
+       CASE WHEN isfinite(o.last_seen_at) THEN
+           GREATEST(0, floor(extract(epoch FROM clock_timestamp() - o.last_seen_at) * 1000000))::bigint
+       END,
+       floor(extract(epoch FROM o.stale_after) * 1000000)::bigint
+  FROM wh_worker_instances o
+ WHERE o.instance_id = $1::uuid AND NOT EXISTS (SELECT 1 FROM announced)";
 
 /// Depart: `$1` instance. Deletes its announcement; one row affected means it was there.
 pub const DEPART: &str = "DELETE FROM wh_worker_instances WHERE instance_id = $1::uuid";
@@ -247,7 +272,7 @@ pub const DEPART: &str = "DELETE FROM wh_worker_instances WHERE instance_id = $1
 /// NULL for a time written by hand as `'infinity'` (reported as a row lockstep cannot read).
 pub const LIST_INSTANCES: &str = "\
 SELECT w.instance_id, w.name, w.host, w.pid, w.version, w.perspectives, w.started_at,
-       w.last_seen_at,
+       w.last_seen_at, w.token,
        floor(extract(epoch FROM w.stale_after) * 1000000)::bigint AS stale_after_us,
        CASE WHEN isfinite(w.last_seen_at) THEN
            GREATEST(0, floor(extract(epoch FROM n.now - w.last_seen_at) * 1000000))::bigint

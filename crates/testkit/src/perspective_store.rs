@@ -1390,6 +1390,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         event_id: Uuid,
         reason: &str,
     ) -> Result<bool> {
+        SkippedEvent::check_reason(reason)?;
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         tx.check_usable()?;
         let key = (stream_id, perspective.clone());

@@ -317,9 +317,29 @@ impl StreamLocker for InMemoryStreamLocker {
             *id == announcement.instance
                 || now.saturating_duration_since(i.seen) <= lockstep_core::FORGET_STALE_AFTER
         });
-        let started = instances
-            .get(&announcement.instance)
-            .map_or(now, |i| i.started);
+        // An id names one process: another process's live announcement is not replaced; its
+        // stale one is taken over as a new start.
+        let started = match instances.get(&announcement.instance) {
+            None => now,
+            Some(i) if i.announcement.token == announcement.token => i.started,
+            Some(i) => {
+                let since_seen = now.saturating_duration_since(i.seen);
+                // As listed: live while `last_seen_at + stale_after > now`.
+                if since_seen < i.stale_after {
+                    let other = &i.announcement;
+                    return Err(lockstep_core::InstanceInUse::new(
+                        other.instance,
+                        other.name.clone(),
+                        other.host.clone(),
+                        other.pid,
+                        since_seen,
+                        i.stale_after,
+                    )
+                    .into_error());
+                }
+                now
+            }
+        };
         instances.insert(
             announcement.instance,
             Announced {

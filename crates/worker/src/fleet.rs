@@ -9,6 +9,12 @@
 //! that is dropped or killed without stopping leaves its announcement to go stale after the
 //! locker's lock timeout. A worker without a locker has no keepalive and is not announced.
 //!
+//! An instance id names one running process: a worker whose id is announced, live, by another
+//! process (another [`InstanceIdentity::token`]) refuses to start — `run` returns the
+//! [`ErrorKind::Conflict`](lockstep_core::ErrorKind::Conflict) error of
+//! [`InstanceInUse`](lockstep_core::InstanceInUse), which names that process's host and pid —
+//! until that process stops or its announcement goes stale.
+//!
 //! ```
 //! use lockstep_worker::InstanceIdentity;
 //!
@@ -19,7 +25,7 @@
 //! assert_eq!(identity.pid(), std::process::id());
 //! ```
 
-use lockstep_core::{InstanceAnnouncement, InstanceId, PerspectiveName, Result};
+use lockstep_core::{InstanceAnnouncement, InstanceId, PerspectiveName, Result, Uuid};
 
 /// What a worker instance says about itself besides its id and perspectives: a name for
 /// people, the host, the process id and a version. Validated when it is given to a worker
@@ -30,6 +36,7 @@ pub struct InstanceIdentity {
     host: String,
     pid: u32,
     version: String,
+    token: Uuid,
 }
 
 impl InstanceIdentity {
@@ -43,6 +50,7 @@ impl InstanceIdentity {
             host,
             pid,
             version: format!("lockstep-worker {}", env!("CARGO_PKG_VERSION")),
+            token: InstanceAnnouncement::process_token(),
         }
     }
 
@@ -65,6 +73,21 @@ impl InstanceIdentity {
     pub fn with_version(mut self, version: impl Into<String>) -> Self {
         self.version = version.into();
         self
+    }
+
+    /// The same, announcing with `token` instead of this process's
+    /// ([`InstanceAnnouncement::process_token`]): for a worker that stands for a process of its
+    /// own (a test that plays two processes in one).
+    #[must_use]
+    pub fn with_token(mut self, token: Uuid) -> Self {
+        self.token = token;
+        self
+    }
+
+    /// The token the announcement carries: which process announces
+    /// ([`InstanceAnnouncement::token`]).
+    pub fn token(&self) -> Uuid {
+        self.token
     }
 
     /// The name.
@@ -101,6 +124,7 @@ impl InstanceIdentity {
             self.version.clone(),
             perspectives,
         )
+        .map(|a| a.with_token(self.token))
     }
 }
 

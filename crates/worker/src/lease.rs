@@ -301,7 +301,9 @@ impl LeaseKeeper {
     /// An announcement of another instance than the keeper's is
     /// [`ErrorKind::InvalidInput`]; a locker without a
     /// fleet answers [`ErrorKind::Unsupported`] and the
-    /// keeper goes on unannounced.
+    /// keeper goes on unannounced. An instance id announced, live, by another process is
+    /// [`ErrorKind::Conflict`] ([`lockstep_core::InstanceInUse`]), and the keeper stays
+    /// unannounced.
     pub async fn announce(&self, announcement: InstanceAnnouncement) -> Result<()> {
         if announcement.instance != self.shared.instance {
             return Err(Error::new(
@@ -542,6 +544,11 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
                 None => return,
                 Some(Ok(Ok(()))) => {
                     tracing::info!(instance = %shared.instance, "the instance's announcement was gone; announced again");
+                }
+                Some(Ok(Err(err))) if lockstep_core::instance_in_use(&err).is_some() => {
+                    // Another process took the id over while this one was not seen: both now
+                    // run as one instance.
+                    tracing::error!(error = %err, "announcing the instance again was refused: another process runs this instance id");
                 }
                 Some(Ok(Err(err))) => {
                     tracing::warn!(error = %err, "announcing the instance again failed");

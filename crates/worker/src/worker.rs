@@ -360,14 +360,33 @@ where
         tx.commit().await
     }
 
-    /// Runs until `shutdown` fires: registers, announces the instance to the fleet (with a
-    /// locker; a failure to announce is logged, and the worker runs unannounced), then cycles,
+    /// Runs until `shutdown` fires: announces the instance to the fleet (with a locker), then
+    /// registers and cycles,
     /// sleeping `poll_interval` after a cycle that found nothing. On shutdown it stops
     /// claiming, lets the pair in flight finish within `shutdown_grace` (abandoning it after
     /// that: its transaction rolls back), releases every lease the instance holds and departs
     /// from the fleet. Dropped instead (a cancelled task), it leaves its announcement to go
     /// stale.
+    ///
+    /// It refuses to start when its instance id is announced, live, by another process
+    /// ([`lockstep_core::InstanceInUse`], [`ErrorKind::Conflict`]: two processes with one id
+    /// would each hold every lease of the other): `run` returns that error before registering
+    /// or claiming anything. Any other failure to announce is logged, and the worker runs
+    /// unannounced.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        match self.announce().await {
+            Ok(true) => {
+                tracing::info!(instance = %self.instance, name = self.identity.name(), "worker instance announced")
+            }
+            Ok(false) => tracing::debug!("worker instance not announced (no locker, or no fleet)"),
+            Err(err) if lockstep_core::instance_in_use(&err).is_some() => {
+                tracing::error!(error = %err, "the worker's instance id is in use by another process; not starting");
+                return Err(err);
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "announcing the worker instance failed; it runs unannounced")
+            }
+        }
         self.register().await?;
         telemetry::describe();
         for name in self.registry.names() {
@@ -378,15 +397,6 @@ where
             perspectives = ?self.registry,
             "perspective worker running"
         );
-        match self.announce().await {
-            Ok(true) => {
-                tracing::info!(instance = %self.instance, name = self.identity.name(), "worker instance announced")
-            }
-            Ok(false) => tracing::debug!("worker instance not announced (no locker, or no fleet)"),
-            Err(err) => {
-                tracing::warn!(error = %err, "announcing the worker instance failed; it runs unannounced")
-            }
-        }
         while !shutdown.is_cancelled() {
             let report = self.cycle(Some(&shutdown)).await;
             for error in &report.errors {

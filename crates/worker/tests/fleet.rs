@@ -209,3 +209,89 @@ async fn an_announcement_of_another_instance_is_refused() {
     assert_eq!(err.kind(), lockstep_core::ErrorKind::InvalidInput);
     assert!(locker.list_instances().await.expect("list").is_empty());
 }
+
+/// A second process started with the instance id of a running one: its worker's `run` refuses
+/// to start with a conflict that names the first one's host and pid, and changes nothing; the
+/// first goes on (its keepalives mark it seen); once the first stops, the second starts.
+#[tokio::test(start_paused = true)]
+async fn a_second_worker_with_a_running_instance_id_refuses_to_start_until_the_first_stops() {
+    let (locker, db) = (InMemoryStreamLocker::new(options()), FakeDatabase::new());
+    let me = InstanceId::random();
+    let first = worker(&locker, &db, me);
+    let first_shutdown = CancellationToken::new();
+    let first_running = tokio::spawn({
+        let shutdown = first_shutdown.clone();
+        async move { first.run(shutdown).await }
+    });
+    let announced = until(&locker, me, "announced", |i| i.is_some())
+        .await
+        .expect("listed");
+
+    // Another process: its own token, name and host.
+    let second = Arc::new(
+        worker(&locker, &db, me)
+            .with_identity(
+                InstanceIdentity::detect()
+                    .with_name("count-worker-1")
+                    .with_host("second-host")
+                    .with_token(lockstep_core::Uuid::new_v4()),
+            )
+            .expect("identity"),
+    );
+    let refused = tokio::spawn({
+        let second = Arc::clone(&second);
+        async move { second.run(CancellationToken::new()).await }
+    })
+    .await
+    .expect("the second worker's task")
+    .expect_err("the second process refuses to start");
+    assert_eq!(
+        refused.kind(),
+        lockstep_core::ErrorKind::Conflict,
+        "{refused}"
+    );
+    let other = lockstep_core::instance_in_use(&refused).expect("names the first process");
+    assert_eq!(
+        (other.name.as_str(), other.host.as_str(), other.pid),
+        (
+            "count-worker-0",
+            announced.announcement.host.as_str(),
+            std::process::id()
+        )
+    );
+    assert!(
+        refused.to_string().contains(&announced.announcement.host),
+        "{refused}"
+    );
+    let unchanged = listed(&locker, me).await.expect("listed");
+    assert_eq!(unchanged.announcement, announced.announcement);
+    assert!(!second.keeper().expect("a keeper").is_announced());
+
+    // The first goes on: its keepalive marks it seen again.
+    until(&locker, me, "the first seen again", |i| {
+        i.is_some_and(|i| i.last_seen_at > announced.last_seen_at && i.state == InstanceState::Live)
+    })
+    .await;
+
+    first_shutdown.cancel();
+    first_running
+        .await
+        .expect("the first worker's task")
+        .expect("run");
+    let second_shutdown = CancellationToken::new();
+    let second_running = tokio::spawn({
+        let (second, shutdown) = (Arc::clone(&second), second_shutdown.clone());
+        async move { second.run(shutdown).await }
+    });
+    let taken = until(&locker, me, "the second announced", |i| {
+        i.is_some_and(|i| i.announcement.name == "count-worker-1")
+    })
+    .await
+    .expect("listed");
+    assert_eq!(taken.announcement.host, "second-host");
+    second_shutdown.cancel();
+    second_running
+        .await
+        .expect("the second worker's task")
+        .expect("run");
+}

@@ -37,16 +37,18 @@ use anyhow::Context as _;
 use deadpool_postgres::Pool;
 use lockstep_core::{
     AcquireOutcome, AggregateType, DistributedLock, Error, ErrorKind, EventStore, ExpectedVersion,
-    InstanceId, LeaseEpoch, LeaseId, LockReason, NewEvent, PerspectiveName, ResourceKey,
-    RetryPolicy, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, ValidationError,
+    InstanceId, LeaseEpoch, LeaseId, LockReason, NewEvent, Pair, PerspectiveName, PerspectiveStore,
+    ResourceKey, RetryPolicy, SkippedEvent, StreamId, StreamLockAdmin, StreamLockOptions,
+    StreamLocker, ValidationError,
 };
 use lockstep_pg::{LockQueue, PgTransaction};
 use lockstep_pg_advisory::PgDistributedLock;
-use lockstep_pg_store::PgEventStore;
+use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_testkit::{
-    FakeDatabase, FakeDistributedLock, InMemoryEventStore, InMemoryStreamLocker,
+    FakeDatabase, FakeDistributedLock, InMemoryEventStore, InMemoryPerspectiveStore,
+    InMemoryStreamLocker,
 };
 use lockstep_worker::WorkerOptions;
 use rand::Rng as _;
@@ -73,6 +75,8 @@ struct Ctx {
     fake_locker: InMemoryStreamLocker,
     fake_lock: FakeDistributedLock,
     fake_store: InMemoryEventStore,
+    perspectives: PgPerspectiveStore,
+    fake_perspectives: InMemoryPerspectiveStore,
     perspective: PerspectiveName,
     /// A pair with a cursor row on both sides, held by `holder`.
     pair: StreamId,
@@ -99,6 +103,10 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
             Box::new(|c| Box::pin(options_case(c))),
         ),
         ("ids and names", Box::new(|c| Box::pin(names_case(c)))),
+        (
+            "look-alike names and long skip reasons",
+            Box::new(|c| Box::pin(look_alike_case(c))),
+        ),
         ("events", Box::new(|c| Box::pin(events_case(c)))),
         (
             "retry and worker options",
@@ -208,13 +216,17 @@ impl Ctx {
         lockstep_pg::migrate(&pool).await?;
         let observer = db.connect().await;
         let fake_db = FakeDatabase::new();
+        let fake_locker = InMemoryStreamLocker::with_database(long_options()?, &fake_db);
+        let fake_store = InMemoryEventStore::new();
         let ctx = Ctx {
             locker: PgStreamLocker::from_pool(pool.clone(), long_options()?),
             lock: PgDistributedLock::from_pool(pool.clone()),
             store: PgEventStore::with_queue(lockstep_pg::LockQueue::new()),
-            fake_locker: InMemoryStreamLocker::with_database(long_options()?, &fake_db),
+            perspectives: PgPerspectiveStore::new(),
+            fake_perspectives: InMemoryPerspectiveStore::new(&fake_db, &fake_store, &fake_locker),
+            fake_locker,
             fake_lock: FakeDistributedLock::new(&fake_db),
-            fake_store: InMemoryEventStore::new(),
+            fake_store,
             fake_db,
             perspective: PerspectiveName::new("BadInput")?,
             pair: StreamId::new_v7(),
@@ -283,6 +295,16 @@ impl Ctx {
         streams.sort();
         parts.push(format!("fake events:{}", streams.join(",")));
         parts.push(format!("fake locks:{:?}", self.fake_db.held_keys()));
+        let ftx = self.fake_db.begin_now();
+        let registered: Vec<String> = self
+            .fake_perspectives
+            .perspective_status(&ftx)
+            .await?
+            .into_iter()
+            .map(|s| s.perspective.to_string())
+            .collect();
+        ftx.rollback().await?;
+        parts.push(format!("fake perspectives:{registered:?}"));
         Ok(parts.join(";"))
     }
 }
@@ -575,6 +597,81 @@ async fn names_case(_: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
         if let Err(e) = r {
             p.push(format!("{what} refused: {e}"));
         }
+    }
+    Ok((n, p))
+}
+
+/// Names that print like `Seq` or `Café` are refused before they can be registered (a worker
+/// registers what it can name), so neither Postgres nor the fakes get a second perspective that
+/// reads as the first; a skip reason of 10 MB is refused by both stores before any write.
+async fn look_alike_case(ctx: Arc<Ctx>) -> anyhow::Result<(u64, Problems)> {
+    let mut p = Problems::new();
+    let mut n = 0;
+    for (what, text) in [
+        ("a trailing space", "Seq "),
+        ("a leading space", " Seq"),
+        ("a trailing newline", "Seq\n"),
+        ("a zero width space", "Seq\u{200B}"),
+        ("a left-to-right mark", "Se\u{200E}q"),
+        ("a byte order mark", "\u{FEFF}Seq"),
+        ("a word joiner", "Seq\u{2060}"),
+        ("NFD", "Cafe\u{301}"),
+    ] {
+        n += 1;
+        let what = format!("perspective name with {what}");
+        match PerspectiveName::new(text) {
+            Err(e) => refused(
+                &mut p,
+                &what,
+                Err::<(), _>(e),
+                ErrorKind::InvalidInput,
+                None,
+            ),
+            Ok(name) => {
+                p.push(format!("{what}: accepted"));
+                // Registered as a worker would register it: the checksums show the change.
+                let names = [name];
+                let tx = PgTransaction::begin(&ctx.pool).await?;
+                ctx.perspectives.register(&tx, &names).await?;
+                tx.commit().await?;
+                let ftx = ctx.fake_db.begin_now();
+                ctx.fake_perspectives.register(&ftx, &names).await?;
+                ftx.commit().await?;
+            }
+        }
+    }
+    n += 1;
+    let pair = Pair::new(ctx.pair, ctx.perspective.clone());
+    let reason = "x".repeat(10 << 20);
+    let event = Uuid::now_v7();
+    let tx = PgTransaction::begin(&ctx.pool).await?;
+    let pg = ctx
+        .perspectives
+        .skip_event(&tx, &pair, event, &reason)
+        .await;
+    tx.commit().await?;
+    let ftx = ctx.fake_db.begin_now();
+    let fake = ctx
+        .fake_perspectives
+        .skip_event(&ftx, &pair, event, &reason)
+        .await;
+    ftx.commit().await?;
+    same_kind(
+        &mut p,
+        "a skip reason of 10 MB",
+        &fake,
+        &pg,
+        Some(ErrorKind::InvalidInput),
+    );
+    if let Err(e) = &pg
+        && e.validation()
+            != Some(&ValidationError::TextTooLong {
+                field: "skip reason",
+                chars: reason.len(),
+                max: SkippedEvent::MAX_REASON_CHARS,
+            })
+    {
+        p.push(format!("a skip reason of 10 MB: {e}"));
     }
     Ok((n, p))
 }

@@ -3191,6 +3191,72 @@ pub async fn skip_event_skips_a_pending_event_for_good_and_retries_the_pair<
     );
 }
 
+/// A skip reason longer than [`SkippedEvent::MAX_REASON_CHARS`] (an operator pasting a payload,
+/// 10 MB) is [`ErrorKind::InvalidInput`] before anything is written: the event stays pending,
+/// the pair parked, nothing is recorded. A reason of exactly the limit is stored whole.
+pub async fn a_skip_reason_longer_than_the_limit_is_invalid_input_and_changes_nothing<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("SkipReason");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(2);
+    let stream = stream_with(&*fixture, &ids).await;
+    let failure = PairFailure::new("poison")
+        .at_event(Some(ids[0]))
+        .retry_after(Duration::from_secs(3600))
+        .park(true);
+    assert!(fail(&*fixture, stream, &p, failure).await);
+    let pair = lockstep_core::Pair::new(stream, p.clone());
+    let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+
+    for reason in [
+        "é".repeat(SkippedEvent::MAX_REASON_CHARS + 1),
+        "x".repeat(10 << 20),
+    ] {
+        let tx = begin(fixture.source()).await;
+        let err = fixture
+            .store()
+            .skip_event(&tx, &pair, ids[0], &reason)
+            .await
+            .expect_err("a reason over the limit is refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        assert_eq!(
+            err.validation(),
+            Some(&ValidationError::TextTooLong {
+                field: "skip reason",
+                chars: reason.chars().count(),
+                max: SkippedEvent::MAX_REASON_CHARS,
+            })
+        );
+        // The transaction is still usable: nothing was sent.
+        commit(tx).await.expect("commit");
+    }
+    assert_eq!(
+        cursor(&*fixture, stream, &p).await,
+        Some(before),
+        "nothing changed"
+    );
+    assert!(skipped(&*fixture, stream, &p).await.is_empty());
+    assert_eq!(pending(&*fixture, stream, &p).await, ids);
+
+    let at_limit = "é".repeat(SkippedEvent::MAX_REASON_CHARS);
+    let tx = begin(fixture.source()).await;
+    assert!(
+        fixture
+            .store()
+            .skip_event(&tx, &pair, ids[0], &at_limit)
+            .await
+            .expect("a reason of the limit is accepted")
+    );
+    commit(tx).await.expect("commit");
+    let recorded = skipped(&*fixture, stream, &p).await;
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(recorded[0].reason, at_limit, "stored whole");
+}
+
 /// The committed skipped events of a pair.
 async fn skipped<F: PerspectiveStoreFixture>(
     fixture: &F,
@@ -4428,6 +4494,7 @@ macro_rules! __lockstep_perspective_store_cases {
             a_batch_hands_out_late_arrivals_and_rewind_requests_as_rewinds,
             a_claim_looks_at_no_more_rewind_requests_than_it_has_room_for,
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
+            a_skip_reason_longer_than_the_limit_is_invalid_input_and_changes_nothing,
             perspective_status_counts_work_failures_backoff_and_parking,
             a_batch_of_plain_entries_commits_each_as_commit_state_would,
             a_late_arrival_inside_a_claimed_range_survives_the_batch_commit,

@@ -12,9 +12,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, InstanceAnnouncement, InstanceId, InstanceState, LeaseId, LockReason,
-    PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLease, StreamLockAdmin,
-    StreamLocker, WorkerInstance,
+    AcquireOutcome, ErrorKind, InstanceAnnouncement, InstanceId, InstanceState, LeaseId,
+    LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLease,
+    StreamLockAdmin, StreamLocker, Uuid, WorkerInstance, instance_in_use,
 };
 
 use crate::InMemoryStreamLocker;
@@ -772,6 +772,122 @@ pub async fn an_instance_not_seen_for_its_stale_after_is_stale<F: StreamLockerFi
     );
 }
 
+/// The announcement of `instance` by a second process (a token of its own) on another host.
+fn second_process(instance: InstanceId) -> InstanceAnnouncement {
+    InstanceAnnouncement::new(
+        instance,
+        "second-process",
+        "second-host",
+        777,
+        "1.2.3",
+        Vec::new(),
+    )
+    .expect("valid announcement")
+    .with_token(Uuid::new_v4())
+}
+
+/// Announces `announcement`, which must be refused as an id another process runs, naming it
+/// (`name`, `host`, `pid`), with nothing changed.
+async fn refused_as_in_use<F: StreamLockerFixture>(
+    fixture: &F,
+    announcement: &InstanceAnnouncement,
+    (name, host, pid): (&str, &str, u32),
+) {
+    let me = announcement.instance;
+    let before = listed(fixture, me)
+        .await
+        .expect("the other process is listed");
+    let err = fixture
+        .locker()
+        .announce(announcement)
+        .await
+        .expect_err("an id announced live by another process is refused");
+    assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
+    let other = instance_in_use(&err).expect("the details of the other process");
+    assert_eq!(
+        (
+            other.instance,
+            other.name.as_str(),
+            other.host.as_str(),
+            other.pid
+        ),
+        (me, name, host, pid)
+    );
+    assert_eq!(other.stale_after, fixture.locker().options().lock_timeout());
+    let text = err.to_string();
+    assert!(
+        text.contains(host) && text.contains(&pid.to_string()),
+        "{text}"
+    );
+    let after = listed(fixture, me).await.expect("still listed");
+    assert_eq!(
+        (after.announcement, after.started_at),
+        (before.announcement, before.started_at),
+        "a refused announce changes nothing"
+    );
+}
+
+/// An instance id names one running process: announcing an id that another process (another
+/// token) has announced and that is live is refused with a conflict that names that process,
+/// and changes nothing. The first process announcing again (its keepalive does when its row
+/// went missing) is fine; once it departs, the second process can announce.
+pub async fn an_id_announced_live_by_another_process_is_refused_until_it_departs<
+    F: StreamLockerFixture,
+>(
+    fixture: &F,
+) {
+    let me = InstanceId::random();
+    let first = announcement(me, &["A"]);
+    let second = second_process(me);
+    fixture.locker().announce(&first).await.expect("announce");
+    refused_as_in_use(fixture, &second, (&first.name, "conformance-host", 4242)).await;
+    fixture
+        .locker()
+        .announce(&first)
+        .await
+        .expect("the same process announces again");
+    refused_as_in_use(fixture, &second, (&first.name, "conformance-host", 4242)).await;
+    assert!(fixture.locker().depart(me).await.expect("depart"));
+    fixture
+        .locker()
+        .announce(&second)
+        .await
+        .expect("the id is free once the first process departed");
+    let listed = listed(fixture, me).await.expect("listed");
+    assert_eq!(listed.announcement, second);
+}
+
+/// A stale announcement of another process is taken over (a new start), and from then on the
+/// first process is the other one: its announce is refused, naming the second.
+pub async fn a_stale_announcement_of_another_process_is_taken_over<F: StreamLockerFixture>(
+    fixture: &F,
+) {
+    let me = InstanceId::random();
+    let first = announcement(me, &["A"]);
+    fixture.locker().announce(&first).await.expect("announce");
+    let started = listed(fixture, me).await.expect("listed").started_at;
+    wait_past_expiry(fixture).await;
+    assert_eq!(
+        listed(fixture, me).await.expect("listed").state,
+        InstanceState::Stale
+    );
+    let second = second_process(me);
+    fixture
+        .locker()
+        .announce(&second)
+        .await
+        .expect("a stale announcement is taken over");
+    let taken = listed(fixture, me).await.expect("listed");
+    assert_eq!(taken.announcement, second);
+    assert_eq!(taken.state, InstanceState::Live);
+    assert!(
+        taken.started_at > started,
+        "a takeover is a new start: {} after {started}",
+        taken.started_at
+    );
+    refused_as_in_use(fixture, &first, ("second-process", "second-host", 777)).await;
+}
+
 /// Departing removes the announcement; departing again finds nothing.
 pub async fn depart_removes_the_instance<F: StreamLockerFixture>(fixture: &F) {
     let (me, other) = (InstanceId::random(), InstanceId::random());
@@ -837,6 +953,8 @@ macro_rules! __lockstep_stream_locker_cases {
             keepalive_of_an_unannounced_instance_is_not_seen,
             an_instance_not_seen_for_its_stale_after_is_stale,
             depart_removes_the_instance,
+            an_id_announced_live_by_another_process_is_refused_until_it_departs,
+            a_stale_announcement_of_another_process_is_taken_over,
         ] }
     };
 }
