@@ -57,9 +57,15 @@ pub struct MigrationReport {
     pub applied: Vec<(i32, String)>,
 }
 
+/// How long [`migrate`] and [`migration_status`] wait for a connection: 60 s. They run at a
+/// deploy or at start-up, when the server may be busy (a new connection to a loaded server can
+/// take seconds); waiting beats failing the deploy. The wait for the migration lock itself is
+/// not bounded: another run holding it finishes first.
+pub const MIGRATE_CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Applies every migration not yet applied to the database behind `pool`.
 pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
-    let mut conn = crate::pool::checkout(pool, crate::DEFAULT_CHECKOUT_WAIT).await?;
+    let mut conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
     let key = advisory_key(MIGRATION_LOCK_KEY);
     conn.execute("SELECT pg_advisory_lock($1)", &[&key])
         .await
@@ -144,7 +150,7 @@ impl MigrationStatus {
 /// read if it exists (a database never migrated lists every migration as pending) and nothing
 /// is created or locked.
 pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
-    let conn = crate::pool::checkout(pool, crate::DEFAULT_CHECKOUT_WAIT).await?;
+    let conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
     // `to_regclass` resolves the name on the search_path as refinery does; NULL when absent.
     let exists: bool = conn
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&MIGRATION_TABLE])

@@ -58,16 +58,26 @@ pub(crate) async fn checkout_naming(
         Ok(conn) => conn.map_err(|e| map_pool_error_for(e, target)),
         Err(_) => {
             let status = pool.status();
+            let in_use = status.size - status.available.min(status.size);
+            let to = target.map(|t| format!(" to {t}")).unwrap_or_default();
+            // A pool with room opens a new connection for the checkout: then the time went to
+            // the server accepting it, not to other borrowers.
+            let why = if in_use < status.max_size {
+                format!(
+                    "opening a new connection took longer ({in_use} of {} in use): the server \
+                     is slow to accept connections or unreachable",
+                    status.max_size
+                )
+            } else {
+                format!(
+                    "pool exhausted: {in_use} of {} in use, {} waiting; see lockstep_pg::pool \
+                     for sizing",
+                    status.max_size, status.waiting
+                )
+            };
             Err(Error::new(
                 ErrorKind::ConnectionLost,
-                format!(
-                    "no pooled connection{} came free within {wait:?} (pool exhausted: {} of {} \
-                     in use, {} waiting); see lockstep_pg::pool for sizing",
-                    target.map(|t| format!(" to {t}")).unwrap_or_default(),
-                    status.size - status.available.min(status.size),
-                    status.max_size,
-                    status.waiting
-                ),
+                format!("no pooled connection{to} within {wait:?}: {why}"),
             ))
         }
     }
