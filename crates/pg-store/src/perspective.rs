@@ -159,20 +159,22 @@ SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at
     /// work id of each, `$4` the sizes of the pairs' states summed up to each pair, `$5` the
     /// byte bound): each pair's events as one range of `wh_events (stream_id, event_id)`, in
     /// pair then event-id order, `o` the pair's ordinal (from 1). An event is returned while
-    /// the states and events before it and itself fit the byte bound (`pg_column_size`), the
-    /// batch's first always. The range may hold events that are not the pair's work (skipped,
-    /// or enqueued since the claim): the caller keeps only the work ids; their sizes count.
+    /// the states and events before it and itself fit the byte bound, the batch's first
+    /// always. An event counts its payload's decoded size (`payload_bytes`, stored by the
+    /// append; for an event stored before that column existed, its `jsonb` decompressed — not
+    /// `pg_column_size`, which is the compressed size of a large value). The range may hold
+    /// events that are not the pair's work (skipped, or enqueued since the claim): the caller
+    /// keeps only the work ids; their sizes count.
     pub const CLAIM_EVENTS: &str = "\
 SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at
-  FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
-               pg_column_size(e.payload) AS size,
-               sum(pg_column_size(e.payload))
-                   OVER (ORDER BY p.o, e.event_id ROWS UNBOUNDED PRECEDING) AS cum,
+  FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.size,
+               sum(e.size) OVER (ORDER BY p.o, e.event_id ROWS UNBOUNDED PRECEDING) AS cum,
                p.stb
           FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::int8[])
                WITH ORDINALITY AS p(sid, lo, hi, stb, o)
          CROSS JOIN LATERAL (
-               SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+               SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+                      coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}')) AS size
                  FROM wh_events e
                 WHERE e.stream_id = p.sid AND e.event_id >= p.lo AND e.event_id <= p.hi
                 ORDER BY e.event_id) e) x
@@ -283,7 +285,8 @@ SELECT count(*) FROM w";
     /// whatever the statistics say (ADR 0033); as a plain statement this was planned on every
     /// call, and with few streams in the table it read every later event of every stream.
     ///
-    /// An event row ends with its payload's stored size (`pg_column_size`), and `$3` is one
+    /// An event row ends with its payload's decoded size (`payload_bytes`: what the worker
+    /// holds once it decoded the event, not its compressed size), and `$3` is one
     /// event more than the page holds: the store takes rows while they fit the page's events
     /// and bytes and stops reading at the first that does not (which says that more follow).
     /// The byte bound is the store's, not the statement's: a running total in SQL (a window)
@@ -292,7 +295,7 @@ SELECT count(*) FROM w";
 
     /// A page of the events a rewind replays (`$1` stream, `$2` perspective, `$3` at most this
     /// many events, `$4` after this event, from the first when NULL): the events but the pair's
-    /// skipped ones, in event-id order, each with its payload's stored size as in
+    /// skipped ones, in event-id order, each with its payload's decoded size as in
     /// [`LOAD_REWIND`]. Through `lockstep_rewind_page` (migrations V21 and V22), which pins the
     /// plan to the stream's own range of `wh_events_stream_event`, read in order.
     pub const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
@@ -1586,7 +1589,7 @@ impl PageCut {
         }
     }
 
-    /// Takes the event of `row` at `offset` (its stored size in the column after it) if it
+    /// Takes the event of `row` at `offset` (its decoded size in the column after it) if it
     /// fits: `Ok(false)` when the page is full, and no more rows are to be read. Rows out of
     /// event-id order are an error (the statement orders them), never a page cut wrongly.
     fn take(

@@ -908,8 +908,8 @@ async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
     }
 }
 
-/// The byte bound as Postgres counts it (`pg_column_size` of payloads and states), inside a
-/// batch: the pair whose event does not fit hands out the events before it and ends the batch;
+/// The byte bound as the store counts it (each payload's decoded size, `payload_bytes`),
+/// inside a batch: the pair whose event does not fit hands out the events before it and ends the batch;
 /// a later pair whose first event does not fit is not claimed and the scan's position stays
 /// before it; the batch's first event goes whatever its size, alone. The sizes come from the
 /// server, so each bound sits one byte short of the next event.
@@ -944,13 +944,12 @@ async fn a_batch_stops_at_its_byte_bound_where_postgres_counts_it() {
     let size_of = |rows: &[tokio_postgres::Row], stream: StreamId| -> Vec<(uuid::Uuid, u64)> {
         rows.iter()
             .filter(|r| r.get::<_, uuid::Uuid>(0) == stream.as_uuid())
-            .map(|r| (r.get(1), u64::try_from(r.get::<_, i32>(2)).expect("size")))
+            .map(|r| (r.get(1), u64::try_from(r.get::<_, i64>(2)).expect("size")))
             .collect()
     };
     let rows = client
         .query(
-            "SELECT stream_id, event_id, pg_column_size(payload) FROM wh_events \
-             ORDER BY event_id",
+            "SELECT stream_id, event_id, payload_bytes FROM wh_events ORDER BY event_id",
             &[],
         )
         .await
@@ -1009,4 +1008,80 @@ async fn a_batch_stops_at_its_byte_bound_where_postgres_counts_it() {
     let (pairs, position) = claim(s0[0].1 - 1).await;
     assert_eq!(pairs, vec![(streams[0], ids(&s0, 1))]);
     assert_eq!(position, Some(streams[0]));
+}
+
+/// A pair's state counts against the batch's byte bound at its decoded size, not as Postgres
+/// stores it: a state of a megabyte of one repeated character (a few kilobytes compressed)
+/// leaves a 512 KiB bound no room beyond the batch's first event, which goes whatever its
+/// size, so that the pair makes progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_counts_a_compressible_state_at_its_decoded_size() {
+    use lockstep_core::{BatchClaim, ClaimedWork, StateCommit, TransactionSource as _};
+    let f = fixture().await;
+    let p = name("CompressibleState");
+    let stream = StreamId::new_v7();
+    let tx = f.source.begin().await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    append_numbered(&f, stream, 3).await;
+    let pair = Pair::new(stream, p.clone());
+    let ids = stream_event_ids(&f, stream).await;
+
+    let tx = f.source.begin().await.expect("begin");
+    let Claim::Apply { cursor, .. } = f
+        .store
+        .claim(&tx, &pair, 1, RewindDebounce::NONE)
+        .await
+        .expect("claim")
+    else {
+        panic!("expected work");
+    };
+    let big = serde_json::json!({ "body": "s".repeat(1 << 20) });
+    let mut commit = StateCommit::new(stream, p.clone(), cursor.revision, big);
+    commit.last_event_id = Some(ids[0]);
+    commit.applied_count = 1;
+    commit.applied_events = vec![ids[0]];
+    f.store
+        .commit_state(&tx, &commit)
+        .await
+        .expect("commit_state");
+    tx.commit().await.expect("commit");
+    let stored: i32 = f
+        .pool
+        .get()
+        .await
+        .expect("client")
+        .query_one(
+            "SELECT pg_column_size(state) FROM wh_perspective_states WHERE perspective_name = $1",
+            &[&p.as_str()],
+        )
+        .await
+        .expect("the state's stored size")
+        .get(0);
+    assert!(
+        stored < 64 * 1024,
+        "Postgres compresses the state: {stored} bytes"
+    );
+
+    let mut request = BatchClaim::new(std::slice::from_ref(&p));
+    request.limits.bytes = 512 * 1024;
+    let tx = f.source.begin().await.expect("begin");
+    let batch = f.store.claim_batch(&tx, &request).await.expect("claim");
+    tx.rollback().await.expect("rollback");
+    let events: Vec<Vec<uuid::Uuid>> = batch
+        .pairs
+        .iter()
+        .map(|pair| match &pair.work {
+            ClaimedWork::Apply { events, .. } => events.iter().map(|e| e.event_id).collect(),
+            other => panic!("expected events, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        events,
+        vec![vec![ids[1]]],
+        "the megabyte state leaves room for no event but the batch's first"
+    );
 }
