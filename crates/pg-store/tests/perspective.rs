@@ -1085,3 +1085,197 @@ async fn a_batch_counts_a_compressible_state_at_its_decoded_size() {
         "the megabyte state leaves room for no event but the batch's first"
     );
 }
+
+/// Waits until the server shows a backend running `statement_part` waiting — for a lock, or
+/// in the poll of a registration that does not queue (`PgSleep`) — and returns its wait event.
+async fn waiting_backend(f: &PgFixture, statement_part: &str) -> (String, String) {
+    let client = f.pool.get().await.expect("client");
+    let pattern = format!("%{statement_part}%");
+    loop {
+        let row = client
+            .query_opt(
+                "SELECT wait_event_type, wait_event FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid() \
+                   AND query LIKE $1 AND state = 'active' \
+                   AND (wait_event_type = 'Lock' OR wait_event = 'PgSleep')",
+                &[&pattern],
+            )
+            .await
+            .expect("pg_stat_activity");
+        if let Some(row) = row {
+            return (row.get(0), row.get(1));
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// An append left open does not turn a registration into a write outage: while a new
+/// perspective's registration waits for that append, another append goes through, with a lock
+/// wait bound that fails if it queued behind the registration; once the open append commits,
+/// the registration completes and has work for both appends' events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_waiting_for_an_open_append_holds_no_other_append_back() {
+    use lockstep_core::TransactionSource as _;
+    let f = fixture().await;
+    let (first, third) = (StreamId::new_v7(), StreamId::new_v7());
+    let open = f.source.begin().await.expect("begin");
+    f.events
+        .append(&open, first, ExpectedVersion::NoStream, &[event(1)])
+        .await
+        .expect("append");
+
+    let late = name("RegisteredBesideAppends");
+    let registration = {
+        let (db, late) = (f.source.clone(), late.clone());
+        let store = PgPerspectiveStore::new()
+            .with_registration_wait(Duration::from_millis(50), Duration::from_secs(600))
+            .expect("wait bounds");
+        tokio::spawn(async move {
+            let tx = db.begin().await.expect("begin");
+            store.register(&tx, std::slice::from_ref(&late)).await?;
+            tx.commit().await
+        })
+    };
+    let (kind, what) = waiting_backend(&f, "lockstep_register_perspectives").await;
+
+    let tx = f.source.begin().await.expect("begin");
+    tx.client()
+        .batch_execute("SET LOCAL lock_timeout = '5s'")
+        .await
+        .expect("lock_timeout");
+    f.events
+        .append(&tx, third, ExpectedVersion::NoStream, &[event(3)])
+        .await
+        .unwrap_or_else(|e| {
+            panic!("an append while the registration waits ({kind}/{what}) must not queue: {e}")
+        });
+    tx.commit().await.expect("commit");
+    assert!(
+        !registration.is_finished(),
+        "the registration still waits for the open append"
+    );
+
+    open.commit().await.expect("commit");
+    registration
+        .await
+        .expect("task")
+        .expect("the registration completes once the open append ended");
+    let tx = f.source.begin().await.expect("begin");
+    for stream in [first, third] {
+        let pending = f
+            .store
+            .pending_events(&tx, &Pair::new(stream, late.clone()))
+            .await
+            .expect("pending_events");
+        assert_eq!(pending.len(), 1, "work for the event of {stream}");
+    }
+    tx.rollback().await.expect("rollback");
+}
+
+/// A registration or retirement that waited its bound for an append left open gives up with a
+/// retryable `LockTimeout` that names the append's backend and since when it is open, and
+/// changes nothing; with the append ended, the same call goes through. Run from spawned tasks
+/// with the concrete types, as a worker's start and the operator's CLI run them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_or_retirement_that_gives_up_names_the_open_append_and_changes_nothing() {
+    use lockstep_core::{ErrorKind, RetireStates, TransactionSource as _};
+    let f = fixture().await;
+    let kept = name("KeptRegistered");
+    let tx = f.source.begin().await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&kept))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+
+    let open = f.source.begin().await.expect("begin");
+    f.events
+        .append(
+            &open,
+            StreamId::new_v7(),
+            ExpectedVersion::NoStream,
+            &[event(1)],
+        )
+        .await
+        .expect("append");
+    let pid: i32 = open
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let impatient = PgPerspectiveStore::new()
+        .with_registration_wait(Duration::from_millis(20), Duration::ZERO)
+        .expect("wait bounds");
+    let new = name("NotYetRegistered");
+    let attempt = |retire: bool| {
+        let (db, store, new, kept) = (
+            f.source.clone(),
+            impatient.clone(),
+            new.clone(),
+            kept.clone(),
+        );
+        tokio::spawn(async move {
+            let tx = db.begin().await.expect("begin");
+            let outcome = if retire {
+                store
+                    .retire(&tx, &kept, RetireStates::Drop)
+                    .await
+                    .map(|_| ())
+            } else {
+                store.register(&tx, std::slice::from_ref(&new)).await
+            };
+            match outcome {
+                Ok(()) => tx.commit().await,
+                Err(err) => {
+                    tx.rollback().await.expect("rollback");
+                    Err(err)
+                }
+            }
+        })
+    };
+    for retire in [false, true] {
+        let err = attempt(retire)
+            .await
+            .expect("task")
+            .expect_err("the open append holds it back");
+        assert_eq!(err.kind(), ErrorKind::LockTimeout, "{err}");
+        assert!(err.kind().is_retryable());
+        let message = err.to_string();
+        assert!(
+            message.contains("open since") && message.contains(&format!("pid {pid}")),
+            "names the open append: {message}"
+        );
+    }
+    let tx = f.source.begin().await.expect("begin");
+    assert!(!f.store.is_registered(&tx, &new).await.expect("registered"));
+    assert!(f.store.is_registered(&tx, &kept).await.expect("registered"));
+    tx.rollback().await.expect("rollback");
+
+    open.commit().await.expect("commit");
+    attempt(false).await.expect("task").expect("register");
+    attempt(true).await.expect("task").expect("retire");
+    let tx = f.source.begin().await.expect("begin");
+    assert!(f.store.is_registered(&tx, &new).await.expect("registered"));
+    assert!(!f.store.is_registered(&tx, &kept).await.expect("registered"));
+    tx.rollback().await.expect("rollback");
+}
+
+#[test]
+fn registration_wait_bounds_above_an_hour_are_invalid_input() {
+    let hour = Duration::from_secs(3600);
+    assert!(
+        PgPerspectiveStore::new()
+            .with_registration_wait(hour, hour)
+            .is_ok()
+    );
+    for (queue, give_up) in [(hour + Duration::from_micros(1), hour), (hour, hour * 2)] {
+        assert_eq!(
+            PgPerspectiveStore::new()
+                .with_registration_wait(queue, give_up)
+                .expect_err("above an hour")
+                .kind(),
+            lockstep_core::ErrorKind::InvalidInput
+        );
+    }
+}

@@ -360,7 +360,9 @@ where
         tx.commit().await
     }
 
-    /// Runs until `shutdown` fires: registers, announces the instance to the fleet (with a
+    /// Runs until `shutdown` fires: registers (a retryable failure is tried again every
+    /// `poll_interval`: a registration may give up waiting for an append left open), announces
+    /// the instance to the fleet (with a
     /// locker; a failure to announce is logged, and the worker runs unannounced), then cycles,
     /// sleeping `poll_interval` after a cycle that found nothing. On shutdown it stops
     /// claiming, lets the pair in flight finish within `shutdown_grace` (abandoning it after
@@ -368,7 +370,23 @@ where
     /// from the fleet. Dropped instead (a cancelled task), it leaves its announcement to go
     /// stale.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
-        self.register().await?;
+        // A registration that cannot be made now (a retryable error: on Postgres, an append
+        // transaction left open holds the registered perspectives' table and the registration
+        // gave up waiting for it rather than hold every append back) is tried again after
+        // `poll_interval`, until it is made or shutdown fires; another error ends the run.
+        loop {
+            match self.register().await {
+                Ok(()) => break,
+                Err(err) if err.kind().is_retryable() => {
+                    tracing::warn!(error = %err, "registering the perspectives failed; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(self.options.poll_interval) => {}
+                    }
+                }
+                Err(err) => return Err(err),
+            }
+        }
         telemetry::describe();
         for name in self.registry.names() {
             telemetry::zero(name.as_str());
