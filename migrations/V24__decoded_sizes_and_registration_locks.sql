@@ -1,5 +1,6 @@
 -- lockstep V24: what a worker holds is bounded by the decoded size of the events it reads; a
--- change of the registered perspectives never holds appends back for more than a moment
+-- change of the registered perspectives never holds appends back for more than a moment; a
+-- retirement takes a perspective's rows in the workers' order
 -- (docs/adr/0037-byte-bounds-count-decoded-sizes.md,
 -- docs/adr/0038-registrations-wait-beside-appends.md).
 --
@@ -20,7 +21,10 @@
 -- - `lockstep_register_perspectives(names, queue_at_most, give_up_after)` and
 --   `lockstep_retire_perspective(name, keep, queue_at_most, give_up_after)` replace the
 --   functions of V11 (dropped; the new parameters have defaults, so a call with the old
---   arguments still works) and take their exclusive lock through it.
+--   arguments still works) and take their exclusive lock through it. A retirement first locks
+--   the perspective's cursor rows in stream order (the order in which every worker locks
+--   cursor rows, or skips them), waiting for the batches and fenced commits that hold some of
+--   them before it touches any row they write: it no longer deadlocks with them.
 --
 -- Every statement is re-runnable.
 
@@ -415,15 +419,23 @@ BEGIN
 END
 $$;
 
--- V11's retirement (same result; no row: neither registered nor retired with its states kept).
--- SHARE ROW EXCLUSIVE on `wh_perspectives` first (registrations and retirements take turns;
--- appends do not wait for it), and an unknown name returns there; then, for a registered name,
--- ACCESS EXCLUSIVE through `lockstep_lock_perspectives_for_change` (appends queue behind it for
--- at most `p_queue_at_most` at a time; 55P03 after `p_give_up_after`): no append can enqueue
--- work for the name after its work is deleted. Then as V11: the registration deleted; with the
--- states kept, queued work that sorts before its pair's cursor (a late arrival not yet claimed)
--- becomes a rewind request first; the work deleted; the states, snapshots, skipped events,
--- progress, rate and cursors kept or dropped.
+-- V11's retirement (same result; no row: neither registered nor retired with its states kept),
+-- which takes its locks in this order:
+--
+-- 1. SHARE ROW EXCLUSIVE on `wh_perspectives` (registrations and retirements take turns;
+--    appends do not wait for it); an unknown name returns here;
+-- 2. the perspective's cursor rows, `FOR UPDATE`, in stream order — the order in which every
+--    worker locks cursor rows (its claims skip locked rows instead): a batch or a fenced commit
+--    that holds some of them is waited for before this touches any row it writes (work rows,
+--    states, snapshots), so neither waits for the other in a cycle;
+-- 3. ACCESS EXCLUSIVE on `wh_perspectives` through `lockstep_lock_perspectives_for_change`
+--    (appends queue behind it for at most `p_queue_at_most` at a time; 55P03 after
+--    `p_give_up_after`): no append can enqueue work for the name after its work is deleted;
+-- 4. the cursor rows again: those that appends committed between 2 and 3 (new streams).
+--
+-- Then as V11: the registration deleted; with the states kept, queued work that sorts before
+-- its pair's cursor (a late arrival not yet claimed) becomes a rewind request first; the work
+-- deleted; the states, snapshots, skipped events, progress, rate and cursors kept or dropped.
 DROP FUNCTION IF EXISTS lockstep_retire_perspective(text, boolean);
 CREATE OR REPLACE FUNCTION lockstep_retire_perspective(
     p_name          text,
@@ -444,9 +456,13 @@ BEGIN
        AND NOT EXISTS (SELECT 1 FROM wh_retired_perspectives r WHERE r.perspective_name = p_name) THEN
         RETURN;
     END IF;
+    PERFORM 1 FROM wh_perspective_cursors k WHERE k.perspective_name = p_name
+     ORDER BY k.stream_id FOR UPDATE;
     IF was_registered THEN
         PERFORM lockstep_lock_perspectives_for_change('retiring a perspective', p_queue_at_most,
                                                       p_give_up_after);
+        PERFORM 1 FROM wh_perspective_cursors k WHERE k.perspective_name = p_name
+         ORDER BY k.stream_id FOR UPDATE;
         DELETE FROM wh_perspectives p WHERE p.perspective_name = p_name;
     END IF;
     IF p_keep THEN

@@ -1279,3 +1279,243 @@ fn registration_wait_bounds_above_an_hour_are_invalid_input() {
         );
     }
 }
+
+/// What a worker holds while an operator retires its perspective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeldByWorker {
+    /// A batch that claimed the middle stream's pair and has not committed yet.
+    ClaimedBatch,
+    /// A fenced transaction (as a table perspective's rewind runs it) holding the middle
+    /// stream's cursor row, its state change still to come.
+    FencedRewind,
+}
+
+/// Three streams of a perspective, in stream order, each with an applied event (a state); the
+/// middle one with two more events queued. Returns the streams and the middle one's event ids.
+async fn three_applied_streams(f: &PgFixture, p: &PerspectiveName) -> Vec<StreamId> {
+    use lockstep_core::TransactionSource as _;
+    let tx = f.source.begin().await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(p))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    let mut streams: Vec<StreamId> = (0..3).map(|_| StreamId::new_v7()).collect();
+    streams.sort_by_key(|s| s.as_uuid());
+    for stream in &streams {
+        append_numbered(f, *stream, 1).await;
+        let ids = stream_event_ids(f, *stream).await;
+        apply_range(f, &Pair::new(*stream, p.clone()), &ids, 0, 1, false).await;
+    }
+    let tx = f.source.begin().await.expect("begin");
+    f.events
+        .append(&tx, streams[1], ExpectedVersion::Any, &[event(2), event(3)])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    streams
+}
+
+/// A retirement while a worker holds a pair (`held`): the retirement waits for the worker (the
+/// server shows it waiting for a lock), the worker's state change then commits, and so does the
+/// retirement — neither is a deadlock victim — and the end state is the retirement's.
+async fn retire_beside_a_worker(held: HeldByWorker, states: lockstep_core::RetireStates) {
+    use lockstep_core::{
+        BatchClaim, BatchCommitted, BatchEntry, ClaimedWork, LeaseFence as _, RetireStates,
+        Retired, StateCommit, TransactionSource as _,
+    };
+    let f = fixture().await;
+    let p = name("RetiredBesideAWorker");
+    let streams = three_applied_streams(&f, &p).await;
+    let middle = Pair::new(streams[1], p.clone());
+    let lease = if held == HeldByWorker::FencedRewind {
+        let tx = f.source.begin().await.expect("begin");
+        assert!(
+            f.store
+                .request_rewind(&tx, &middle, None)
+                .await
+                .expect("request_rewind")
+        );
+        tx.commit().await.expect("commit");
+        match f
+            .locker
+            .try_acquire(streams[1], &p, InstanceId::random(), &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+        {
+            AcquireOutcome::Acquired(lease) => Some(lease),
+            other => panic!("expected the lease, got {other:?}"),
+        }
+    } else {
+        None
+    };
+
+    // The worker's transaction, holding the middle pair's cursor row.
+    let worker = f.source.begin().await.expect("begin");
+    let (cursor, events) = match &lease {
+        None => {
+            let batch = f
+                .store
+                .claim_batch(&worker, &BatchClaim::new(std::slice::from_ref(&p)))
+                .await
+                .expect("claim_batch");
+            assert_eq!(batch.pairs.len(), 1, "the middle pair alone has work");
+            let claimed = batch.pairs.into_iter().next().expect("a pair");
+            let ClaimedWork::Apply { events, .. } = claimed.work else {
+                panic!("expected events");
+            };
+            (claimed.cursor, events)
+        }
+        Some(lease) => {
+            f.locker
+                .check_lease(&worker, &lease.id)
+                .await
+                .expect("the fence");
+            let loaded = f
+                .store
+                .load_rewind(&worker, &middle, PageLimits::default())
+                .await
+                .expect("load_rewind")
+                .expect("a cursor");
+            (loaded.cursor, loaded.events)
+        }
+    };
+
+    let mut retirement = {
+        let (db, store, p) = (f.source.clone(), f.store.clone(), p.clone());
+        tokio::spawn(async move {
+            let tx = db.begin().await.expect("begin");
+            let outcome = store.retire(&tx, &p, states).await?;
+            tx.commit().await?;
+            Ok::<_, lockstep_core::Error>(outcome)
+        })
+    };
+    let (kind, _) = tokio::select! {
+        waiting = waiting_backend(&f, "lockstep_retire_perspective") => waiting,
+        finished = &mut retirement => panic!(
+            "the retirement did not wait for the worker's transaction: {finished:?}"
+        ),
+    };
+    assert_eq!(kind, "Lock", "the retirement waits for the worker's rows");
+
+    let mut commit = StateCommit::new(
+        streams[1],
+        p.clone(),
+        cursor.revision,
+        serde_json::json!({ "applied": events.len() }),
+    );
+    commit.last_event_id = events.last().map(|e| e.event_id);
+    commit.applied_count = cursor.applied_count + events.len() as u64;
+    commit.applied_events = events.iter().map(|e| e.event_id).collect();
+    match &lease {
+        None => {
+            let outcomes = f
+                .store
+                .commit_batch(
+                    &worker,
+                    &[BatchEntry::new(middle.clone(), Some(commit), None)],
+                )
+                .await
+                .expect("the batch's commit is no deadlock victim");
+            assert!(matches!(outcomes[0], BatchCommitted::Committed { .. }));
+        }
+        Some(lease) => {
+            commit.applied_count = events.len() as u64;
+            commit.rewound_from = cursor.rewind.map(|r| r.trigger);
+            commit.fence = Some(lease.id.clone());
+            f.store
+                .commit_state_releasing(&worker, &commit)
+                .await
+                .expect("the fenced commit is no deadlock victim");
+        }
+    }
+    worker
+        .commit()
+        .await
+        .expect("the worker's transaction commits");
+    let outcome = retirement
+        .await
+        .expect("task")
+        .expect("the retirement is no deadlock victim");
+    assert_eq!(
+        outcome,
+        Retired::Retired {
+            work_removed: 0,
+            pairs: 3
+        },
+        "the worker's work was committed before the retirement deleted any"
+    );
+
+    let client = f.pool.get().await.expect("client");
+    let count = |table: &'static str| {
+        let client = &client;
+        let p = p.clone();
+        async move {
+            client
+                .query_one(
+                    &format!("SELECT count(*) FROM {table} WHERE perspective_name = $1"),
+                    &[&p.as_str()],
+                )
+                .await
+                .expect("count")
+                .get::<_, i64>(0)
+        }
+    };
+    let left = (
+        count("wh_perspective_cursors").await,
+        count("wh_perspective_states").await,
+        count("wh_perspective_events").await,
+    );
+    match states {
+        RetireStates::Drop => assert_eq!(left, (0, 0, 0), "cursors, states, work"),
+        RetireStates::Keep => {
+            assert_eq!(left, (3, 3, 0), "cursors, states, work");
+            let tx = f.source.begin().await.expect("begin");
+            let (cursor, state) = f
+                .store
+                .state(&tx, &middle)
+                .await
+                .expect("state")
+                .expect("a cursor");
+            tx.rollback().await.expect("rollback");
+            assert_eq!(state, Some(serde_json::json!({ "applied": events.len() })));
+            assert_eq!(cursor.last_event_id, events.last().map(|e| e.event_id));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_dropped_states_beside_a_claimed_batch_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::ClaimedBatch,
+        lockstep_core::RetireStates::Drop,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_kept_states_beside_a_claimed_batch_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::ClaimedBatch,
+        lockstep_core::RetireStates::Keep,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_dropped_states_beside_a_fenced_rewind_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::FencedRewind,
+        lockstep_core::RetireStates::Drop,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_kept_states_beside_a_fenced_rewind_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::FencedRewind,
+        lockstep_core::RetireStates::Keep,
+    )
+    .await;
+}
