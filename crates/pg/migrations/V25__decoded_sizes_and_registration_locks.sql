@@ -1,4 +1,4 @@
--- lockstep V24: what a worker holds is bounded by the decoded size of the events it reads; a
+-- lockstep V25: what a worker holds is bounded by the decoded size of the events it reads; a
 -- change of the registered perspectives never holds appends back for more than a moment; a
 -- retirement takes a perspective's rows in the workers' order
 -- (docs/adr/0037-byte-bounds-count-decoded-sizes.md,
