@@ -213,8 +213,10 @@ pub struct BatchLimits {
     pub events_per_pair: usize,
     /// Events in the whole batch. Default 10 000.
     pub events: usize,
-    /// Bytes of event payloads and states in the whole batch, as stored (Postgres:
-    /// `pg_column_size`, which is the compressed size of a large value). Default 16 MiB.
+    /// Bytes of event payloads and states in the whole batch, decoded: what the worker holds,
+    /// not what they take on disk (Postgres stores a large value compressed; it counts each
+    /// payload's uncompressed `jsonb` size, stored with the event, and each state as it
+    /// arrives). Default 16 MiB.
     pub bytes: u64,
     /// Pairs looked at per claim, claimable or not (busy, leased, backing off, parked): what
     /// bounds a claim's cost when most pairs with work cannot be served now. At least `pairs`.
@@ -283,8 +285,8 @@ impl BatchLimits {
 /// always, whatever its size (a rewind could never pass it otherwise). So a rewind holds a
 /// page of events at a time, whatever the length of the stream it replays.
 ///
-/// Bytes are counted as [`BatchLimits::bytes`] counts them: as stored (Postgres:
-/// `pg_column_size`; the in-memory store: the payload's JSON text).
+/// Bytes are counted as [`BatchLimits::bytes`] counts them: decoded (Postgres: the payload's
+/// uncompressed `jsonb` size; the in-memory store: the payload's JSON text).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PageLimits {

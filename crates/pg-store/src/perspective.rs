@@ -101,8 +101,12 @@ pub mod sql {
     /// Whether `$1` is registered: a row, or none.
     pub const IS_REGISTERED: &str = "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1";
 
-    /// Registers names (`$1 text[]`); returns how many were new (they catch up).
-    pub const REGISTER: &str = "SELECT lockstep_register_perspectives($1)";
+    /// Registers names (`$1 text[]`); returns how many were new (they catch up). Appends
+    /// queue behind its exclusive lock for at most `$2` µs at a time, and it gives up after
+    /// `$3` µs with 55P03 naming the transaction it waits for (see
+    /// `lockstep_lock_perspectives_for_change`).
+    pub const REGISTER: &str = "SELECT lockstep_register_perspectives($1, \
+         $2 * interval '1 microsecond', $3 * interval '1 microsecond')";
 
     /// Pairs of the perspectives `$5 text[]` with work, or with a rewind request whose debounce
     /// window (`$2` µs) has passed or that was first flagged at least `$4` µs ago (the cap), not
@@ -159,21 +163,23 @@ SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at, clock_timestamp()
     /// work id of each, `$4` the sizes of the pairs' states summed up to each pair, `$5` the
     /// byte bound): each pair's events as one range of `wh_events (stream_id, event_id)`, in
     /// pair then event-id order, `o` the pair's ordinal (from 1), each row with the database's
-    /// clock (what the events' ages are measured against). An event is returned while
-    /// the states and events before it and itself fit the byte bound (`pg_column_size`), the
-    /// batch's first always. The range may hold events that are not the pair's work (skipped,
-    /// or enqueued since the claim): the caller keeps only the work ids; their sizes count.
+    /// clock (what the events' ages are measured against). An event is returned while the
+    /// states and events before it and itself fit the byte bound, the batch's first always. An
+    /// event counts its payload's decoded size (`payload_bytes`, stored by the append; for an
+    /// event stored before that column existed, its `jsonb` decompressed — not
+    /// `pg_column_size`, which is the compressed size of a large value). The range may hold
+    /// events that are not the pair's work (skipped, or enqueued since the claim): the caller
+    /// keeps only the work ids; their sizes count.
     pub const CLAIM_EVENTS: &str = "\
 SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock_timestamp()
-  FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
-               pg_column_size(e.payload) AS size,
-               sum(pg_column_size(e.payload))
-                   OVER (ORDER BY p.o, e.event_id ROWS UNBOUNDED PRECEDING) AS cum,
+  FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.size,
+               sum(e.size) OVER (ORDER BY p.o, e.event_id ROWS UNBOUNDED PRECEDING) AS cum,
                p.stb
           FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::int8[])
                WITH ORDINALITY AS p(sid, lo, hi, stb, o)
          CROSS JOIN LATERAL (
-               SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+               SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+                      coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}')) AS size
                  FROM wh_events e
                 WHERE e.stream_id = p.sid AND e.event_id >= p.lo AND e.event_id <= p.hi
                 ORDER BY e.event_id) e) x
@@ -284,7 +290,8 @@ SELECT count(*) FROM w";
     /// whatever the statistics say (ADR 0033); as a plain statement this was planned on every
     /// call, and with few streams in the table it read every later event of every stream.
     ///
-    /// An event row ends with its payload's stored size (`pg_column_size`), and `$3` is one
+    /// An event row ends with its payload's decoded size (`payload_bytes`: what the worker
+    /// holds once it decoded the event, not its compressed size), and `$3` is one
     /// event more than the page holds: the store takes rows while they fit the page's events
     /// and bytes and stops reading at the first that does not (which says that more follow).
     /// The byte bound is the store's, not the statement's: a running total in SQL (a window)
@@ -293,7 +300,7 @@ SELECT count(*) FROM w";
 
     /// A page of the events a rewind replays (`$1` stream, `$2` perspective, `$3` at most this
     /// many events, `$4` after this event, from the first when NULL): the events but the pair's
-    /// skipped ones, in event-id order, each with its payload's stored size as in
+    /// skipped ones, in event-id order, each with its payload's decoded size as in
     /// [`LOAD_REWIND`]. Through `lockstep_rewind_page` (migrations V21 and V22), which pins the
     /// plan to the stream's own range of `wh_events_stream_event`, read in order.
     pub const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
@@ -456,7 +463,15 @@ const LOAD_EVENT_AT: usize = LOAD_SNAPSHOT_AT + 3;
 #[derive(Debug, Clone)]
 pub struct PgPerspectiveStore {
     keep_snapshots: i32,
+    /// How long appends may queue behind a registration's or retirement's exclusive lock at a
+    /// time, µs.
+    change_queue_us: i64,
+    /// How long a registration or retirement tries before it gives up, µs.
+    change_give_up_us: i64,
 }
+
+/// The most [`PgPerspectiveStore::with_registration_wait`] accepts for either bound.
+const MAX_REGISTRATION_WAIT: Duration = Duration::from_secs(3600);
 
 impl Default for PgPerspectiveStore {
     fn default() -> Self {
@@ -481,12 +496,59 @@ impl PgPerspectiveStore {
         Ok(row.is_some())
     }
 
-    /// A store keeping the last [`DEFAULT_KEEP_SNAPSHOTS`] snapshots per pair.
+    /// A store keeping the last [`DEFAULT_KEEP_SNAPSHOTS`] snapshots per pair, whose
+    /// registrations and retirements let appends queue behind them for at most
+    /// [`Self::DEFAULT_QUEUE_AT_MOST`] at a time and give up after
+    /// [`Self::DEFAULT_GIVE_UP_AFTER`] ([`Self::with_registration_wait`]).
     pub fn new() -> PgPerspectiveStore {
         PgPerspectiveStore {
             // A small constant: it fits.
             keep_snapshots: DEFAULT_KEEP_SNAPSHOTS as i32,
+            change_queue_us: 50_000,
+            change_give_up_us: 5_000_000,
         }
+    }
+
+    /// How long appends may queue behind a registration's or retirement's lock at a time, by
+    /// default: 50 ms.
+    pub const DEFAULT_QUEUE_AT_MOST: Duration = Duration::from_millis(50);
+
+    /// How long a registration or retirement waits for the transactions that hold the
+    /// registered perspectives' table, by default: 5 s.
+    pub const DEFAULT_GIVE_UP_AFTER: Duration = Duration::from_secs(5);
+
+    /// This store, with the bounds of the wait of [`register`](PerspectiveStore::register)
+    /// (when a name is new) and [`retire`](PerspectiveStore::retire) for their exclusive lock
+    /// on the registered perspectives, which every append holds a shared lock on until its
+    /// transaction ends, and which every append queues behind while it is requested:
+    ///
+    /// - `queue_at_most`: how long a request waits at a time, so how long appends may queue
+    ///   behind it (0: it is granted at once or not at all). A request that timed out is not
+    ///   made again while a transaction it waited for still holds the table: an append left
+    ///   open holds the registration back, not the appends;
+    /// - `give_up_after`: how long the call keeps trying (polling every 20 ms) before it fails
+    ///   with [`ErrorKind::LockTimeout`] (retryable), whose message names the transaction it
+    ///   waited for: its pid, since when it has been open and its application.
+    ///
+    /// Either above an hour is [`ErrorKind::InvalidInput`].
+    pub fn with_registration_wait(
+        mut self,
+        queue_at_most: Duration,
+        give_up_after: Duration,
+    ) -> Result<PgPerspectiveStore> {
+        if queue_at_most > MAX_REGISTRATION_WAIT || give_up_after > MAX_REGISTRATION_WAIT {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "a registration's wait must be at most an hour, not {queue_at_most:?} at a \
+                     time and {give_up_after:?} in all"
+                ),
+            ));
+        }
+        // At most an hour: the microseconds fit.
+        self.change_queue_us = queue_at_most.as_micros() as i64;
+        self.change_give_up_us = give_up_after.as_micros() as i64;
+        Ok(self)
     }
 
     /// A store keeping the last `keep` snapshots per pair (at least 1). Fails with
@@ -495,6 +557,7 @@ impl PgPerspectiveStore {
         match i32::try_from(keep) {
             Ok(keep) if keep >= 1 => Ok(PgPerspectiveStore {
                 keep_snapshots: keep,
+                ..PgPerspectiveStore::new()
             }),
             _ => Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -543,7 +606,14 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     async fn register(&self, tx: &T, perspectives: &[PerspectiveName]) -> Result<()> {
         let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
         tx.executor()
-            .query_typed_one(sql::REGISTER, &[(&names, Type::TEXT_ARRAY)])
+            .query_typed_one(
+                sql::REGISTER,
+                &[
+                    (&names, Type::TEXT_ARRAY),
+                    (&self.change_queue_us, Type::INT8),
+                    (&self.change_give_up_us, Type::INT8),
+                ],
+            )
             .await
             .map_err(|e| statement_error(e, "registering perspectives"))?;
         Ok(())
@@ -1283,7 +1353,13 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         perspective: &PerspectiveName,
         states: RetireStates,
     ) -> Result<Retired> {
-        life::retire(tx, perspective, states).await
+        life::retire(
+            tx,
+            perspective,
+            states,
+            (self.change_queue_us, self.change_give_up_us),
+        )
+        .await
     }
 
     async fn retired(&self, tx: &T) -> Result<Vec<PerspectiveName>> {
@@ -1614,7 +1690,7 @@ impl PageCut {
         }
     }
 
-    /// Takes the event of `row` at `offset` (its stored size in the column after it) if it
+    /// Takes the event of `row` at `offset` (its decoded size in the column after it) if it
     /// fits: `Ok(false)` when the page is full, and no more rows are to be read. Rows out of
     /// event-id order are an error (the statement orders them), never a page cut wrongly. An
     /// event that does not decode (a payload written by SQL that bypassed the event store's

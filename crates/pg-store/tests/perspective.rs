@@ -908,8 +908,8 @@ async fn a_rewind_reads_only_its_own_streams_events_whatever_the_statistics() {
     }
 }
 
-/// The byte bound as Postgres counts it (`pg_column_size` of payloads and states), inside a
-/// batch: the pair whose event does not fit hands out the events before it and ends the batch;
+/// The byte bound as the store counts it (each payload's decoded size, `payload_bytes`),
+/// inside a batch: the pair whose event does not fit hands out the events before it and ends the batch;
 /// a later pair whose first event does not fit is not claimed and the scan's position stays
 /// before it; the batch's first event goes whatever its size, alone. The sizes come from the
 /// server, so each bound sits one byte short of the next event.
@@ -944,13 +944,12 @@ async fn a_batch_stops_at_its_byte_bound_where_postgres_counts_it() {
     let size_of = |rows: &[tokio_postgres::Row], stream: StreamId| -> Vec<(uuid::Uuid, u64)> {
         rows.iter()
             .filter(|r| r.get::<_, uuid::Uuid>(0) == stream.as_uuid())
-            .map(|r| (r.get(1), u64::try_from(r.get::<_, i32>(2)).expect("size")))
+            .map(|r| (r.get(1), u64::try_from(r.get::<_, i64>(2)).expect("size")))
             .collect()
     };
     let rows = client
         .query(
-            "SELECT stream_id, event_id, pg_column_size(payload) FROM wh_events \
-             ORDER BY event_id",
+            "SELECT stream_id, event_id, payload_bytes FROM wh_events ORDER BY event_id",
             &[],
         )
         .await
@@ -1009,4 +1008,514 @@ async fn a_batch_stops_at_its_byte_bound_where_postgres_counts_it() {
     let (pairs, position) = claim(s0[0].1 - 1).await;
     assert_eq!(pairs, vec![(streams[0], ids(&s0, 1))]);
     assert_eq!(position, Some(streams[0]));
+}
+
+/// A pair's state counts against the batch's byte bound at its decoded size, not as Postgres
+/// stores it: a state of a megabyte of one repeated character (a few kilobytes compressed)
+/// leaves a 512 KiB bound no room beyond the batch's first event, which goes whatever its
+/// size, so that the pair makes progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_counts_a_compressible_state_at_its_decoded_size() {
+    use lockstep_core::{BatchClaim, ClaimedWork, StateCommit, TransactionSource as _};
+    let f = fixture().await;
+    let p = name("CompressibleState");
+    let stream = StreamId::new_v7();
+    let tx = f.source.begin().await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    append_numbered(&f, stream, 3).await;
+    let pair = Pair::new(stream, p.clone());
+    let ids = stream_event_ids(&f, stream).await;
+
+    let tx = f.source.begin().await.expect("begin");
+    let Claim::Apply { cursor, .. } = f
+        .store
+        .claim(&tx, &pair, 1, RewindDebounce::NONE)
+        .await
+        .expect("claim")
+    else {
+        panic!("expected work");
+    };
+    let big = serde_json::json!({ "body": "s".repeat(1 << 20) });
+    let mut commit = StateCommit::new(stream, p.clone(), cursor.revision, big);
+    commit.last_event_id = Some(ids[0]);
+    commit.applied_count = 1;
+    commit.applied_events = vec![ids[0]];
+    f.store
+        .commit_state(&tx, &commit)
+        .await
+        .expect("commit_state");
+    tx.commit().await.expect("commit");
+    let stored: i32 = f
+        .pool
+        .get()
+        .await
+        .expect("client")
+        .query_one(
+            "SELECT pg_column_size(state) FROM wh_perspective_states WHERE perspective_name = $1",
+            &[&p.as_str()],
+        )
+        .await
+        .expect("the state's stored size")
+        .get(0);
+    assert!(
+        stored < 64 * 1024,
+        "Postgres compresses the state: {stored} bytes"
+    );
+
+    let mut request = BatchClaim::new(std::slice::from_ref(&p));
+    request.limits.bytes = 512 * 1024;
+    let tx = f.source.begin().await.expect("begin");
+    let batch = f.store.claim_batch(&tx, &request).await.expect("claim");
+    tx.rollback().await.expect("rollback");
+    let events: Vec<Vec<uuid::Uuid>> = batch
+        .pairs
+        .iter()
+        .map(|pair| match &pair.work {
+            ClaimedWork::Apply { events, .. } => events.iter().map(|e| e.event_id).collect(),
+            other => panic!("expected events, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        events,
+        vec![vec![ids[1]]],
+        "the megabyte state leaves room for no event but the batch's first"
+    );
+}
+
+/// Waits until the server shows a backend running `statement_part` waiting — for a lock, or
+/// in the poll of a registration that does not queue (`PgSleep`) — and returns its wait event.
+async fn waiting_backend(f: &PgFixture, statement_part: &str) -> (String, String) {
+    let client = f.pool.get().await.expect("client");
+    let pattern = format!("%{statement_part}%");
+    loop {
+        let row = client
+            .query_opt(
+                "SELECT wait_event_type, wait_event FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid() \
+                   AND query LIKE $1 AND state = 'active' \
+                   AND (wait_event_type = 'Lock' OR wait_event = 'PgSleep')",
+                &[&pattern],
+            )
+            .await
+            .expect("pg_stat_activity");
+        if let Some(row) = row {
+            return (row.get(0), row.get(1));
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// An append left open does not turn a registration into a write outage: while a new
+/// perspective's registration waits for that append, another append goes through, with a lock
+/// wait bound that fails if it queued behind the registration; once the open append commits,
+/// the registration completes and has work for both appends' events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_waiting_for_an_open_append_holds_no_other_append_back() {
+    use lockstep_core::TransactionSource as _;
+    let f = fixture().await;
+    let (first, third) = (StreamId::new_v7(), StreamId::new_v7());
+    let open = f.source.begin().await.expect("begin");
+    f.events
+        .append(&open, first, ExpectedVersion::NoStream, &[event(1)])
+        .await
+        .expect("append");
+
+    let late = name("RegisteredBesideAppends");
+    let registration = {
+        let (db, late) = (f.source.clone(), late.clone());
+        let store = PgPerspectiveStore::new()
+            .with_registration_wait(Duration::from_millis(50), Duration::from_secs(600))
+            .expect("wait bounds");
+        tokio::spawn(async move {
+            let tx = db.begin().await.expect("begin");
+            store.register(&tx, std::slice::from_ref(&late)).await?;
+            tx.commit().await
+        })
+    };
+    let (kind, what) = waiting_backend(&f, "lockstep_register_perspectives").await;
+
+    let tx = f.source.begin().await.expect("begin");
+    tx.client()
+        .batch_execute("SET LOCAL lock_timeout = '5s'")
+        .await
+        .expect("lock_timeout");
+    f.events
+        .append(&tx, third, ExpectedVersion::NoStream, &[event(3)])
+        .await
+        .unwrap_or_else(|e| {
+            panic!("an append while the registration waits ({kind}/{what}) must not queue: {e}")
+        });
+    tx.commit().await.expect("commit");
+    assert!(
+        !registration.is_finished(),
+        "the registration still waits for the open append"
+    );
+
+    open.commit().await.expect("commit");
+    registration
+        .await
+        .expect("task")
+        .expect("the registration completes once the open append ended");
+    let tx = f.source.begin().await.expect("begin");
+    for stream in [first, third] {
+        let pending = f
+            .store
+            .pending_events(&tx, &Pair::new(stream, late.clone()))
+            .await
+            .expect("pending_events");
+        assert_eq!(pending.len(), 1, "work for the event of {stream}");
+    }
+    tx.rollback().await.expect("rollback");
+}
+
+/// A registration or retirement that waited its bound for an append left open gives up with a
+/// retryable `LockTimeout` that names the append's backend and since when it is open, and
+/// changes nothing; with the append ended, the same call goes through. Run from spawned tasks
+/// with the concrete types, as a worker's start and the operator's CLI run them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_or_retirement_that_gives_up_names_the_open_append_and_changes_nothing() {
+    use lockstep_core::{ErrorKind, RetireStates, TransactionSource as _};
+    let f = fixture().await;
+    let kept = name("KeptRegistered");
+    let tx = f.source.begin().await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&kept))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+
+    let open = f.source.begin().await.expect("begin");
+    f.events
+        .append(
+            &open,
+            StreamId::new_v7(),
+            ExpectedVersion::NoStream,
+            &[event(1)],
+        )
+        .await
+        .expect("append");
+    let pid: i32 = open
+        .client()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let impatient = PgPerspectiveStore::new()
+        .with_registration_wait(Duration::from_millis(20), Duration::ZERO)
+        .expect("wait bounds");
+    let new = name("NotYetRegistered");
+    let attempt = |retire: bool| {
+        let (db, store, new, kept) = (
+            f.source.clone(),
+            impatient.clone(),
+            new.clone(),
+            kept.clone(),
+        );
+        tokio::spawn(async move {
+            let tx = db.begin().await.expect("begin");
+            let outcome = if retire {
+                store
+                    .retire(&tx, &kept, RetireStates::Drop)
+                    .await
+                    .map(|_| ())
+            } else {
+                store.register(&tx, std::slice::from_ref(&new)).await
+            };
+            match outcome {
+                Ok(()) => tx.commit().await,
+                Err(err) => {
+                    tx.rollback().await.expect("rollback");
+                    Err(err)
+                }
+            }
+        })
+    };
+    for retire in [false, true] {
+        let err = attempt(retire)
+            .await
+            .expect("task")
+            .expect_err("the open append holds it back");
+        assert_eq!(err.kind(), ErrorKind::LockTimeout, "{err}");
+        assert!(err.kind().is_retryable());
+        let message = err.to_string();
+        assert!(
+            message.contains("open since") && message.contains(&format!("pid {pid}")),
+            "names the open append: {message}"
+        );
+    }
+    let tx = f.source.begin().await.expect("begin");
+    assert!(!f.store.is_registered(&tx, &new).await.expect("registered"));
+    assert!(f.store.is_registered(&tx, &kept).await.expect("registered"));
+    tx.rollback().await.expect("rollback");
+
+    open.commit().await.expect("commit");
+    attempt(false).await.expect("task").expect("register");
+    attempt(true).await.expect("task").expect("retire");
+    let tx = f.source.begin().await.expect("begin");
+    assert!(f.store.is_registered(&tx, &new).await.expect("registered"));
+    assert!(!f.store.is_registered(&tx, &kept).await.expect("registered"));
+    tx.rollback().await.expect("rollback");
+}
+
+#[test]
+fn registration_wait_bounds_above_an_hour_are_invalid_input() {
+    let hour = Duration::from_secs(3600);
+    assert!(
+        PgPerspectiveStore::new()
+            .with_registration_wait(hour, hour)
+            .is_ok()
+    );
+    for (queue, give_up) in [(hour + Duration::from_micros(1), hour), (hour, hour * 2)] {
+        assert_eq!(
+            PgPerspectiveStore::new()
+                .with_registration_wait(queue, give_up)
+                .expect_err("above an hour")
+                .kind(),
+            lockstep_core::ErrorKind::InvalidInput
+        );
+    }
+}
+
+/// What a worker holds while an operator retires its perspective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeldByWorker {
+    /// A batch that claimed the middle stream's pair and has not committed yet.
+    ClaimedBatch,
+    /// A fenced transaction (as a table perspective's rewind runs it) holding the middle
+    /// stream's cursor row, its state change still to come.
+    FencedRewind,
+}
+
+/// Three streams of a perspective, in stream order, each with an applied event (a state); the
+/// middle one with two more events queued. Returns the streams and the middle one's event ids.
+async fn three_applied_streams(f: &PgFixture, p: &PerspectiveName) -> Vec<StreamId> {
+    use lockstep_core::TransactionSource as _;
+    let tx = f.source.begin().await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(p))
+        .await
+        .expect("register");
+    tx.commit().await.expect("commit");
+    let mut streams: Vec<StreamId> = (0..3).map(|_| StreamId::new_v7()).collect();
+    streams.sort_by_key(|s| s.as_uuid());
+    for stream in &streams {
+        append_numbered(f, *stream, 1).await;
+        let ids = stream_event_ids(f, *stream).await;
+        apply_range(f, &Pair::new(*stream, p.clone()), &ids, 0, 1, false).await;
+    }
+    let tx = f.source.begin().await.expect("begin");
+    f.events
+        .append(&tx, streams[1], ExpectedVersion::Any, &[event(2), event(3)])
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    streams
+}
+
+/// A retirement while a worker holds a pair (`held`): the retirement waits for the worker (the
+/// server shows it waiting for a lock), the worker's state change then commits, and so does the
+/// retirement — neither is a deadlock victim — and the end state is the retirement's.
+async fn retire_beside_a_worker(held: HeldByWorker, states: lockstep_core::RetireStates) {
+    use lockstep_core::{
+        BatchClaim, BatchCommitted, BatchEntry, ClaimedWork, LeaseFence as _, RetireStates,
+        Retired, StateCommit, TransactionSource as _,
+    };
+    let f = fixture().await;
+    let p = name("RetiredBesideAWorker");
+    let streams = three_applied_streams(&f, &p).await;
+    let middle = Pair::new(streams[1], p.clone());
+    let lease = if held == HeldByWorker::FencedRewind {
+        let tx = f.source.begin().await.expect("begin");
+        assert!(
+            f.store
+                .request_rewind(&tx, &middle, None)
+                .await
+                .expect("request_rewind")
+        );
+        tx.commit().await.expect("commit");
+        match f
+            .locker
+            .try_acquire(streams[1], &p, InstanceId::random(), &LockReason::Rewind)
+            .await
+            .expect("try_acquire")
+        {
+            AcquireOutcome::Acquired(lease) => Some(lease),
+            other => panic!("expected the lease, got {other:?}"),
+        }
+    } else {
+        None
+    };
+
+    // The worker's transaction, holding the middle pair's cursor row.
+    let worker = f.source.begin().await.expect("begin");
+    let (cursor, events) = match &lease {
+        None => {
+            let batch = f
+                .store
+                .claim_batch(&worker, &BatchClaim::new(std::slice::from_ref(&p)))
+                .await
+                .expect("claim_batch");
+            assert_eq!(batch.pairs.len(), 1, "the middle pair alone has work");
+            let claimed = batch.pairs.into_iter().next().expect("a pair");
+            let ClaimedWork::Apply { events, .. } = claimed.work else {
+                panic!("expected events");
+            };
+            (claimed.cursor, events)
+        }
+        Some(lease) => {
+            f.locker
+                .check_lease(&worker, &lease.id)
+                .await
+                .expect("the fence");
+            let loaded = f
+                .store
+                .load_rewind(&worker, &middle, PageLimits::default())
+                .await
+                .expect("load_rewind")
+                .expect("a cursor");
+            (loaded.cursor, loaded.events)
+        }
+    };
+
+    let mut retirement = {
+        let (db, store, p) = (f.source.clone(), f.store.clone(), p.clone());
+        tokio::spawn(async move {
+            let tx = db.begin().await.expect("begin");
+            let outcome = store.retire(&tx, &p, states).await?;
+            tx.commit().await?;
+            Ok::<_, lockstep_core::Error>(outcome)
+        })
+    };
+    let (kind, _) = tokio::select! {
+        waiting = waiting_backend(&f, "lockstep_retire_perspective") => waiting,
+        finished = &mut retirement => panic!(
+            "the retirement did not wait for the worker's transaction: {finished:?}"
+        ),
+    };
+    assert_eq!(kind, "Lock", "the retirement waits for the worker's rows");
+
+    let mut commit = StateCommit::new(
+        streams[1],
+        p.clone(),
+        cursor.revision,
+        serde_json::json!({ "applied": events.len() }),
+    );
+    commit.last_event_id = events.last().map(|e| e.event_id);
+    commit.applied_count = cursor.applied_count + events.len() as u64;
+    commit.applied_events = events.iter().map(|e| e.event_id).collect();
+    match &lease {
+        None => {
+            let outcomes = f
+                .store
+                .commit_batch(
+                    &worker,
+                    &[BatchEntry::new(middle.clone(), Some(commit), None)],
+                )
+                .await
+                .expect("the batch's commit is no deadlock victim");
+            assert!(matches!(outcomes[0], BatchCommitted::Committed { .. }));
+        }
+        Some(lease) => {
+            commit.applied_count = events.len() as u64;
+            commit.rewound_from = cursor.rewind.map(|r| r.trigger);
+            commit.fence = Some(lease.id.clone());
+            f.store
+                .commit_state_releasing(&worker, &commit)
+                .await
+                .expect("the fenced commit is no deadlock victim");
+        }
+    }
+    worker
+        .commit()
+        .await
+        .expect("the worker's transaction commits");
+    let outcome = retirement
+        .await
+        .expect("task")
+        .expect("the retirement is no deadlock victim");
+    assert_eq!(
+        outcome,
+        Retired::Retired {
+            work_removed: 0,
+            pairs: 3
+        },
+        "the worker's work was committed before the retirement deleted any"
+    );
+
+    let client = f.pool.get().await.expect("client");
+    let count = |table: &'static str| {
+        let client = &client;
+        let p = p.clone();
+        async move {
+            client
+                .query_one(
+                    &format!("SELECT count(*) FROM {table} WHERE perspective_name = $1"),
+                    &[&p.as_str()],
+                )
+                .await
+                .expect("count")
+                .get::<_, i64>(0)
+        }
+    };
+    let left = (
+        count("wh_perspective_cursors").await,
+        count("wh_perspective_states").await,
+        count("wh_perspective_events").await,
+    );
+    match states {
+        RetireStates::Drop => assert_eq!(left, (0, 0, 0), "cursors, states, work"),
+        RetireStates::Keep => {
+            assert_eq!(left, (3, 3, 0), "cursors, states, work");
+            let tx = f.source.begin().await.expect("begin");
+            let (cursor, state) = f
+                .store
+                .state(&tx, &middle)
+                .await
+                .expect("state")
+                .expect("a cursor");
+            tx.rollback().await.expect("rollback");
+            assert_eq!(state, Some(serde_json::json!({ "applied": events.len() })));
+            assert_eq!(cursor.last_event_id, events.last().map(|e| e.event_id));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_dropped_states_beside_a_claimed_batch_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::ClaimedBatch,
+        lockstep_core::RetireStates::Drop,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_kept_states_beside_a_claimed_batch_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::ClaimedBatch,
+        lockstep_core::RetireStates::Keep,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_dropped_states_beside_a_fenced_rewind_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::FencedRewind,
+        lockstep_core::RetireStates::Drop,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_with_kept_states_beside_a_fenced_rewind_waits_for_it_without_deadlock() {
+    retire_beside_a_worker(
+        HeldByWorker::FencedRewind,
+        lockstep_core::RetireStates::Keep,
+    )
+    .await;
 }

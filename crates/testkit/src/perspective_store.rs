@@ -15,7 +15,7 @@
 //!   walks each perspective's pairs with work in stream order from its position, wrapping round
 //!   once; every pair of the walk counts towards `scan`. It skips pairs whose row is locked,
 //!   under a live lease, backing off or parked (checked before the row lock is taken, as a
-//!   `WHERE` would). Sizes are the JSON text's length (`pg_column_size` on Postgres). A pair
+//!   `WHERE` would). Sizes are the JSON text's length (decoded sizes on Postgres too). A pair
 //!   whose state and first event do not fit the bytes left ends the batch without moving the
 //!   position past it. [`PerspectiveStore::commit_batch`] checks every entry first (an entry
 //!   needs a commit or a failure) and drops what it staged if an entry fails with anything but a

@@ -361,7 +361,8 @@ where
     }
 
     /// Runs until `shutdown` fires: announces the instance to the fleet (with a locker), then
-    /// registers and cycles,
+    /// registers (a retryable failure is tried again every `poll_interval`: a registration may
+    /// give up waiting for an append left open) and cycles,
     /// sleeping `poll_interval` after a cycle that found nothing. On shutdown it stops
     /// claiming, lets the pair in flight finish within `shutdown_grace` (abandoning it after
     /// that: its transaction rolls back), releases every lease the instance holds and departs
@@ -387,7 +388,43 @@ where
                 tracing::warn!(error = %err, "announcing the worker instance failed; it runs unannounced")
             }
         }
-        self.register().await?;
+        // A registration that cannot be made now (a retryable error: on Postgres, an append
+        // transaction left open holds the registered perspectives' table and the registration
+        // gave up waiting for it rather than hold every append back) is tried again after
+        // `poll_interval`, until it is made or shutdown fires; another error ends the run, after
+        // departing from the fleet like a shutdown.
+        let registered = loop {
+            match self.register().await {
+                Ok(()) => break true,
+                Err(err) if err.kind().is_retryable() => {
+                    tracing::warn!(error = %err, "registering the perspectives failed; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => break false,
+                        () = tokio::time::sleep(self.options.poll_interval) => {}
+                    }
+                }
+                Err(err) => {
+                    if let Some(keeper) = &self.keeper
+                        && let Err(depart) = keeper.shutdown().await
+                    {
+                        tracing::warn!(error = %depart, "departing after a failed registration failed");
+                    }
+                    return Err(err);
+                }
+            }
+        };
+        if registered {
+            self.serve(&shutdown).await;
+        }
+        if let Some(keeper) = &self.keeper {
+            let released = keeper.shutdown().await?;
+            tracing::info!(released, "perspective worker stopped; leases released");
+        }
+        Ok(())
+    }
+
+    /// The cycles of [`run`](Self::run), once registered, until `shutdown` fires.
+    async fn serve(&self, shutdown: &CancellationToken) {
         telemetry::describe();
         for name in self.registry.names() {
             telemetry::zero(name.as_str());
@@ -398,7 +435,7 @@ where
             "perspective worker running"
         );
         while !shutdown.is_cancelled() {
-            let report = self.cycle(Some(&shutdown)).await;
+            let report = self.cycle(Some(shutdown)).await;
             for error in &report.errors {
                 tracing::warn!(error = %error, "perspective worker cycle failed");
             }
@@ -409,11 +446,6 @@ where
                 }
             }
         }
-        if let Some(keeper) = &self.keeper {
-            let released = keeper.shutdown().await?;
-            tracing::info!(released, "perspective worker stopped; leases released");
-        }
-        Ok(())
     }
 
     /// Runs one cycle (see the [module docs](self)).

@@ -13,7 +13,7 @@ use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
 use tokio_postgres::GenericClient;
 use tokio_postgres::Row;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
 use super::{
@@ -21,13 +21,31 @@ use super::{
     count_param, decode_cursor, decode_error, fence_params, micros, sql,
 };
 
+/// The length of a column's value as it arrived, whatever its type: for `jsonb`, a version
+/// byte and the JSON text — what decoding it holds, where `pg_column_size` on the server
+/// counts a large value compressed.
+struct ReceivedLen(usize);
+
+impl<'a> FromSql<'a> for ReceivedLen {
+    fn from_sql(
+        _: &Type,
+        raw: &'a [u8],
+    ) -> std::result::Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(ReceivedLen(raw.len()))
+    }
+
+    fn accepts(_: &Type) -> bool {
+        true
+    }
+}
+
 /// A pair to apply, claimed by the first statement, waiting for its events.
 struct Apply {
     cursor: lockstep_core::Cursor,
     state: Option<serde_json::Value>,
     /// The ids of its pending work rows it is handed, ascending (at least one).
     work: Vec<Uuid>,
-    /// The size of its state as Postgres counts it (`pg_column_size`).
+    /// The size of its state as it arrived (the JSON text): what the worker holds.
     state_bytes: i64,
     /// Where its perspective's walk stood before it (the position to go back to when the
     /// byte bound leaves it out).
@@ -133,7 +151,10 @@ pub(super) async fn claim<T: PgTransactionRef>(
                     cursor,
                     state: row.try_get(BATCH_STATE_AT).map_err(decode_error)?,
                     work,
-                    state_bytes: row.try_get(BATCH_WORK_AT + 1).map_err(decode_error)?,
+                    state_bytes: row
+                        .try_get::<_, Option<ReceivedLen>>(BATCH_STATE_AT)
+                        .map_err(decode_error)?
+                        .map_or(0, |n| i64::try_from(n.0).unwrap_or(i64::MAX)),
                     walk_from: walk_from.map(StreamId::from_uuid),
                     events: Vec::new(),
                     unreadable: None,

@@ -18,10 +18,13 @@ use super::{decode_error, stored_count, stored_name};
 
 /// The statements of this module.
 pub(super) mod sql {
-    /// Retires `$1`, keeping its states when `$2` (see `lockstep_retire_perspective`, V11). No
-    /// row: not registered.
-    pub(super) const RETIRE: &str =
-        "SELECT work_removed, pairs FROM lockstep_retire_perspective($1, $2)";
+    /// Retires `$1`, keeping its states when `$2` (see `lockstep_retire_perspective`). No row:
+    /// not registered. It first locks the perspective's cursor rows in stream order, the
+    /// workers' order, so it waits for the batches that hold some instead of deadlocking with
+    /// them. Appends queue behind its exclusive lock for at most `$3` µs at a time, and it
+    /// gives up after `$4` µs with 55P03 naming the transaction it waits for.
+    pub(super) const RETIRE: &str = "SELECT work_removed, pairs FROM lockstep_retire_perspective(\
+         $1, $2, $3 * interval '1 microsecond', $4 * interval '1 microsecond')";
 
     /// The perspectives retired with their states kept, by name.
     pub(super) const RETIRED: &str = "SELECT r.perspective_name FROM wh_retired_perspectives r \
@@ -89,13 +92,19 @@ pub(super) async fn retire<T: PgTransactionRef>(
     tx: &T,
     perspective: &PerspectiveName,
     states: RetireStates,
+    (queue_us, give_up_us): (i64, i64),
 ) -> Result<Retired> {
     let keep = states == RetireStates::Keep;
     let row = tx
         .executor()
         .query_typed_opt(
             sql::RETIRE,
-            &[(&perspective.as_str(), Type::TEXT), (&keep, Type::BOOL)],
+            &[
+                (&perspective.as_str(), Type::TEXT),
+                (&keep, Type::BOOL),
+                (&queue_us, Type::INT8),
+                (&give_up_us, Type::INT8),
+            ],
         )
         .await
         .map_err(|e| statement_error(e, "retiring a perspective"))?;

@@ -3765,6 +3765,92 @@ pub async fn load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_af
     }
 }
 
+/// The byte bounds count what a worker holds: each payload's size decoded, not as stored (a
+/// database stores a large value compressed). Four events of a megabyte of one repeated
+/// character each, which compress to a few kilobytes: a batch bounded at two and a half
+/// megabytes holds two of them, and so does each rewind page; a bound below one event still
+/// hands out one, so that the pair makes progress.
+pub async fn the_byte_bounds_count_payloads_decoded_not_as_stored<F: PerspectiveStoreFixture>(
+    fixture: Arc<F>,
+) {
+    const MB: usize = 1 << 20;
+    let p = name("Compressible");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(4);
+    let stream = StreamId::new_v7();
+    let events: Vec<NewEvent> = ids
+        .iter()
+        .enumerate()
+        .map(|(n, id)| {
+            NewEvent::new(
+                "Padded",
+                serde_json::json!({ "n": n, "body": "x".repeat(MB) }),
+            )
+            .expect("event")
+            .with_id(*id)
+            .expect("a chosen id")
+        })
+        .collect();
+    append(&*fixture, stream, &events).await;
+
+    let mut bounded = limits(ALL_PAIRS, ALL_EVENTS, ALL_EVENTS);
+    bounded.bytes = (5 * MB / 2) as u64;
+    let batch = peek_batch(&*fixture, from_start(std::slice::from_ref(&p)), bounded).await;
+    assert_eq!(
+        work_of(&batch),
+        vec![(stream, p.clone(), Some(ids[..2].to_vec()))],
+        "two megabytes of payloads fit two and a half, three do not"
+    );
+    bounded.bytes = (MB / 2) as u64;
+    let batch = peek_batch(&*fixture, from_start(std::slice::from_ref(&p)), bounded).await;
+    assert_eq!(
+        work_of(&batch),
+        vec![(stream, p.clone(), Some(ids[..1].to_vec()))],
+        "one event larger than the bound, alone"
+    );
+
+    let pair = lockstep_core::Pair::new(stream, p.clone());
+    let store = fixture.store();
+    let tx = begin(fixture.source()).await;
+    assert!(
+        store
+            .request_rewind(&tx, &pair, None)
+            .await
+            .expect("request_rewind")
+    );
+    commit(tx).await.expect("commit");
+    let tx = begin(fixture.source()).await;
+    let page = PageLimits::new(1000, (5 * MB / 2) as u64).expect("page limits");
+    let first = store
+        .load_rewind(&tx, &pair, page)
+        .await
+        .expect("load_rewind")
+        .expect("a cursor");
+    assert_eq!(
+        (event_ids(&first.events), first.more),
+        (ids[..2].to_vec(), true)
+    );
+    let next = store
+        .rewind_events(&tx, &pair, Some(ids[1]), page)
+        .await
+        .expect("rewind_events");
+    assert_eq!(
+        (event_ids(&next.events), next.more),
+        (ids[2..].to_vec(), false)
+    );
+    let small = PageLimits::new(1000, (MB / 2) as u64).expect("page limits");
+    let page = store
+        .rewind_events(&tx, &pair, None, small)
+        .await
+        .expect("rewind_events");
+    assert_eq!(
+        (event_ids(&page.events), page.more),
+        (ids[..1].to_vec(), true)
+    );
+    rollback(tx).await;
+}
+
 /// A rewind reads its events in pages: `load_rewind` returns the first page and whether more
 /// follow, `rewind_events` the page after a given event — at most the page's events, within its
 /// bytes but the first event always, never the pair's skipped events, and `more` false on the
@@ -4501,6 +4587,7 @@ macro_rules! __lockstep_perspective_store_cases {
             an_event_skipped_between_pending_ones_is_not_handed_out,
             load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it,
             a_rewind_reads_its_events_in_pages_bounded_by_events_and_bytes,
+            the_byte_bounds_count_payloads_decoded_not_as_stored,
             a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits,
             a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_nothing,
             states_page_through_one_perspectives_states_in_stream_order,
