@@ -327,7 +327,7 @@ pub(crate) async fn run(args: Args) -> Result<()> {
     }
     if wants(Section::Rewind) {
         let db = create(&url, &args).await?;
-        let rewind = rewind(&db, &args).await;
+        let rewind = Box::pin(rewind(&db, &args)).await;
         db.drop_database().await?;
         let (rewind_lines, rewind_ratio) = rewind?;
         lines.extend(rewind_lines);
