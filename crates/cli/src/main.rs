@@ -99,7 +99,7 @@ enum Command {
         #[arg(long, env = "LOCKSTEP_SERVE_TOKEN", hide_env_values = true)]
         token: Option<String>,
         /// A URL people reach the page at besides its address and localhost (a DNS name, a
-        /// proxy), e.g. https://status.example.com; repeatable. Its host is accepted in the
+        /// proxy), e.g. `https://status.example.com`; repeatable. Its host is accepted in the
         /// Host header and its origin for the actions; a request naming any other host name
         /// is refused (421), so a DNS-rebinding page cannot read the page.
         #[arg(long = "public-url", value_name = "URL")]

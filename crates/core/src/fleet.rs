@@ -67,7 +67,7 @@ impl InstanceAnnouncement {
     /// An announcement of `instance`, called `name`, on `host` as process `pid`, running
     /// `version` and `perspectives` (sorted and deduplicated here). A blank text, one longer
     /// than [`Self::MAX_TEXT_CHARS`] or one with a NUL character is
-    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput).
+    /// [`ErrorKind::InvalidInput`].
     pub fn new(
         instance: InstanceId,
         name: impl Into<String>,
