@@ -1852,6 +1852,37 @@ async fn a_panic_commits_the_events_before_it_and_names_its_event() {
     assert!(cursor.retry_at.is_some());
 }
 
+/// The one-pair path (`process_pair`, as an operator's endpoint calls it from a spawned task)
+/// stores a panic at the event that panicked, found by applying the events again one at a
+/// time, so `perspectives parked` shows it and `skip` can skip it.
+#[tokio::test(start_paused = true)]
+async fn a_panic_on_the_one_pair_path_is_stored_at_its_event() {
+    let world = World::new();
+    let worker = world.worker();
+    worker.register().await.expect("register");
+    let stream = StreamId::new_v7();
+    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::now_v7()).collect();
+    let poison = ids[1];
+    world
+        .append(
+            stream,
+            &[
+                (ids[0], serde_json::json!(1)),
+                (poison, serde_json::json!("panic")),
+                (ids[2], serde_json::json!(3)),
+            ],
+        )
+        .await;
+    let outcome = tokio::spawn(async move { worker.process_pair(stream, &fold()).await })
+        .await
+        .expect("task")
+        .expect("process");
+    assert!(matches!(outcome, PairOutcome::Failed { .. }), "{outcome:?}");
+    let cursor = world.cursor(stream).await;
+    assert_eq!(cursor.failed_event_id, Some(poison));
+    assert_eq!(cursor.failures, 1);
+}
+
 /// Issue 18: two instances on one store split the work with no overlap (their batches skip
 /// each other's rows) and every state is the exact fold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

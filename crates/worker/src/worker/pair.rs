@@ -115,14 +115,12 @@ where
             // transaction of its own), so that one does not wait for this one's row lock.
             let _ = tx.rollback().await;
             count(telemetry::APPLY_FAILURES, name.as_str(), 1);
+            // The event it failed at: named by the error, or for a panic found by applying
+            // the events again one at a time (a failed apply left `state` as it was before
+            // them).
+            let at = super::failed_at(p, state, events, &err, &CancellationToken::new()).await;
             return self
-                .fail(
-                    stream_id,
-                    name,
-                    cursor.failures,
-                    &err.to_string(),
-                    failed_event(&err),
-                )
+                .fail(stream_id, name, cursor.failures, &err.to_string(), at)
                 .await
                 .map(Normal::Done);
         }
@@ -239,13 +237,4 @@ where
 pub(super) enum Normal {
     Done(PairOutcome),
     NeedsRewind,
-}
-
-/// The event an `apply` failure names, when it names one.
-fn failed_event(err: &lockstep_core::ApplyError) -> Option<uuid::Uuid> {
-    match err {
-        lockstep_core::ApplyError::Apply { event_id, .. } => Some(*event_id),
-        lockstep_core::ApplyError::Panicked { event_id, .. } => *event_id,
-        _ => None,
-    }
 }
