@@ -7,7 +7,8 @@
 //!
 //! - it is the unit-of-work source ([`lockstep_core::TransactionSource`], `Tx` =
 //!   [`PgTransaction`]): `let tx = db.begin().await?; …; tx.commit().await?`;
-//! - [`PgDatabase::migrate`] applies the schema;
+//! - [`PgDatabase::migrate`] applies the schema and [`PgDatabase::check_schema`] says whether
+//!   this build runs on the database's;
 //! - every backend takes it — `PgDistributedLock::new(&db)`, `PgStreamLocker::new(&db, …)`,
 //!   `PgEventStore::new(&db)` — so the aggregate lock and the event store's `load_locked` share
 //!   one queue, and every cancel request uses the pool's TLS, by construction.
@@ -57,6 +58,9 @@ struct Inner {
     queue: LockQueue,
     // Where the pool connects (database, hosts, ports, user; never the password), for errors.
     target: Option<String>,
+    // Set once `ensure_schema` found a schema this build runs on; a failure is not remembered
+    // (a `migrate` may fix it).
+    schema_checked: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for PgDatabase {
@@ -152,6 +156,28 @@ impl PgDatabase {
     /// ([`crate::migrate::migration_status`]).
     pub async fn migration_status(&self) -> Result<crate::migrate::MigrationStatus> {
         crate::migrate::migration_status(&self.inner.pool).await
+    }
+
+    /// Whether this build can run on the database, read only ([`crate::migrate::check_schema`]):
+    /// the installed schema version, or an [`ErrorKind::Unsupported`] error whose
+    /// [`SchemaMismatch`](crate::migrate::SchemaMismatch) says to run `migrate` or to upgrade
+    /// the binary.
+    pub async fn check_schema(&self) -> Result<crate::migrate::InstalledSchema> {
+        crate::migrate::check_schema(&self.inner.pool).await
+    }
+
+    /// [`PgDatabase::check_schema`] once per handle (and its clones): the first call that
+    /// succeeds is remembered, and later calls return at once. The perspective worker's
+    /// Postgres backends call it when they start, so a worker refuses a database it was not
+    /// built for before it takes any work.
+    pub async fn ensure_schema(&self) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.inner.schema_checked.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.check_schema().await?;
+        self.inner.schema_checked.store(true, Ordering::Release);
+        Ok(())
     }
 }
 
@@ -355,6 +381,7 @@ impl PgDatabaseBuilder {
                         checkout_wait: self.checkout_wait,
                         queue: self.queue,
                         target: Some(target),
+                        schema_checked: Default::default(),
                     }),
                 })
             }
@@ -372,6 +399,7 @@ impl PgDatabaseBuilder {
                 checkout_wait: self.checkout_wait,
                 queue: self.queue,
                 target: None,
+                schema_checked: Default::default(),
             }),
         }
     }

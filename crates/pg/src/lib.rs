@@ -10,10 +10,11 @@
 //!   (`lockstep_pg_advisory::PgDistributedLock::new(&db)`,
 //!   `lockstep_pg_stream::PgStreamLocker::new(&db, options)`,
 //!   `lockstep_pg_store::PgEventStore::new(&db)`), so they share its queue and TLS.
-//! - [`migrate()`]: applies the schema, the numbered SQL files of the workspace's `migrations/`
-//!   folder, which this crate carries a checked copy of ([`migrate`](mod@migrate) says what
-//!   it creates and what the `wh_` prefix means). Explicit, idempotent, safe from several
-//!   processes at once, recorded in a history table of lockstep's own.
+//! - [`migrate()`]: applies the schema of the workspace's `migrations/` folder (a baseline,
+//!   later numbered migrations, one file per SQL function) and records its version;
+//!   [`migrate::check_schema`] refuses a database this build was not built for
+//!   ([`migrate`](mod@migrate) says what it creates and what the `wh_` prefix means). Explicit,
+//!   idempotent, safe from several processes at once.
 //! - [`error`]: SQLSTATE → [`lockstep_core::ErrorKind`], never by message text.
 //! - [`transaction`]: [`PgTransaction`], an owned unit-of-work transaction (`'static`, so a
 //!   handler holding it can be spawned; the only transaction a lock can be **waited** for on,

@@ -38,8 +38,19 @@ async fn migrations_apply_once_even_when_two_runs_race() {
         embedded_migrations(),
         "every migration applied exactly once"
     );
+    let mut functions = a.functions_applied.clone();
+    functions.extend(b.functions_applied.clone());
+    let every_file: Vec<String> = lockstep_pg::migrate::FUNCTION_FILES
+        .iter()
+        .map(|f| f.name.to_owned())
+        .collect();
+    assert_eq!(
+        functions, every_file,
+        "every function file applied once, in order"
+    );
     let again = migrate(&pool_a).await.expect("third run");
-    assert!(again.applied.is_empty());
+    assert!(again.is_empty(), "{again:?}");
+    assert_eq!(again.schema_version, lockstep_pg::migrate::SCHEMA_VERSION);
     let client = db.connect().await;
     let row = client
         .query_one("SELECT count(*) FROM wh_perspective_cursors", &[])
@@ -48,7 +59,7 @@ async fn migrations_apply_once_even_when_two_runs_race() {
     assert_eq!(row.get::<_, i64>(0), 0);
 }
 
-/// Issue 21: the status of the migrations, read only — pending on a new database (and nothing
+/// The status of the migrations and function files, read only — pending on a new database (and nothing
 /// created), applied after `migrate`, an edited file shows as changed, a version this build
 /// does not know as unknown; called from a spawned task with the concrete handle.
 #[tokio::test]
@@ -68,6 +79,17 @@ async fn migration_status_says_applied_pending_changed_and_unknown_and_changes_n
             .iter()
             .all(|m| m.state == MigrationState::Pending)
     );
+    assert!(
+        fresh
+            .functions
+            .iter()
+            .all(|f| f.state == MigrationState::Pending)
+    );
+    assert_eq!(
+        fresh.functions.len(),
+        lockstep_pg::migrate::FUNCTION_FILES.len()
+    );
+    assert_eq!(fresh.schema, None);
     assert!(!fresh.is_up_to_date());
     let admin = db.connect().await;
     let tables: i64 = admin
@@ -88,6 +110,16 @@ async fn migration_status_says_applied_pending_changed_and_unknown_and_changes_n
             .migrations
             .iter()
             .all(|m| matches!(m.state, MigrationState::Applied { .. }))
+    );
+    assert!(
+        migrated
+            .functions
+            .iter()
+            .all(|f| matches!(f.state, MigrationState::Applied { .. }))
+    );
+    assert_eq!(
+        migrated.schema.as_ref().map(|s| s.version),
+        Some(lockstep_pg::migrate::SCHEMA_VERSION)
     );
 
     admin
@@ -110,6 +142,21 @@ async fn migration_status_says_applied_pending_changed_and_unknown_and_changes_n
         (9999, "from_a_newer_build")
     );
     assert!(matches!(last.state, MigrationState::Unknown { .. }));
+
+    admin
+        .batch_execute(
+            "UPDATE lockstep_schema_functions SET checksum = 'edited' \
+              WHERE name = 'lockstep_append_events'",
+        )
+        .await
+        .expect("tamper with a function's record");
+    let changed = handle.migration_status().await.expect("status");
+    let entry = changed
+        .functions
+        .iter()
+        .find(|f| f.name == "lockstep_append_events")
+        .expect("listed");
+    assert!(matches!(entry.state, MigrationState::Changed { .. }));
 }
 
 #[tokio::test]
