@@ -400,3 +400,99 @@ mod container {
         Ok(config)
     }
 }
+
+/// Why [`TestDatabase::pg_dump`] printed nothing useful: `pg_dump` is missing, or it failed.
+#[derive(Debug)]
+pub struct PgDumpError(String);
+
+impl fmt::Display for PgDumpError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PgDumpError {}
+
+impl TestDatabase {
+    /// Runs `pg_dump` (from the `PATH`; PostgreSQL's client package) on this database with
+    /// `args` added (e.g. `--schema-only`) and returns what it printed. It runs on a blocking
+    /// thread; its wait is bounded by `pg_dump` itself (a dump of a test database takes well
+    /// under a second, but it waits for locks another session holds on the tables).
+    pub async fn pg_dump(&self, args: &[&str]) -> Result<String, PgDumpError> {
+        let mut command = std::process::Command::new("pg_dump");
+        command.args(["--no-owner", "--no-privileges"]).args(args);
+        match self.config.get_hosts().first() {
+            Some(Host::Tcp(host)) => {
+                command.args(["-h", host]);
+            }
+            Some(Host::Unix(path)) => {
+                command.arg("-h").arg(path);
+            }
+            None => {}
+        }
+        if let Some(port) = self.config.get_ports().first() {
+            command.args(["-p", &port.to_string()]);
+        }
+        if let Some(user) = self.config.get_user() {
+            command.args(["-U", user]);
+        }
+        if let Some(password) = self.config.get_password() {
+            command.env("PGPASSWORD", String::from_utf8_lossy(password).into_owned());
+        }
+        command.arg(&self.name);
+        let output = tokio::task::spawn_blocking(move || command.output())
+            .await
+            .map_err(|e| PgDumpError(format!("the pg_dump task failed: {e}")))?
+            .map_err(|e| {
+                PgDumpError(format!(
+                    "running pg_dump failed ({e}): install PostgreSQL's client programs \
+                     (Debian: postgresql-client)"
+                ))
+            })?;
+        if !output.status.success() {
+            return Err(PgDumpError(format!(
+                "pg_dump exited with {}: {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            )));
+        }
+        String::from_utf8(output.stdout)
+            .map_err(|e| PgDumpError(format!("pg_dump printed something not UTF-8: {e}")))
+    }
+
+    /// The database's schema as `pg_dump --schema-only` prints it, normalised by
+    /// [`normalise_schema_dump`]: what two databases with the same schema print alike.
+    pub async fn schema_dump(&self) -> Result<String, PgDumpError> {
+        Ok(normalise_schema_dump(
+            &self.pg_dump(&["--schema-only"]).await?,
+        ))
+    }
+}
+
+/// A `pg_dump` text without what differs between two dumps of the same schema: its `--`
+/// comments (with the versions of the server and of `pg_dump`), its `SET` and `set_config`
+/// lines, its `\restrict` keys, and runs of blank lines.
+pub fn normalise_schema_dump(dump: &str) -> String {
+    let mut out = String::with_capacity(dump.len());
+    let mut blank = true;
+    for line in dump.lines() {
+        let skip = line.starts_with("--")
+            || line.starts_with("SET ")
+            || line.starts_with("SELECT pg_catalog.set_config(")
+            || line.starts_with('\\');
+        if skip {
+            continue;
+        }
+        let is_blank = line.trim().is_empty();
+        if is_blank && blank {
+            continue;
+        }
+        blank = is_blank;
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    let trimmed = out.trim_end().len();
+    out.truncate(trimmed);
+    out.push('\n');
+    out
+}
