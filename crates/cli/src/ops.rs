@@ -172,8 +172,9 @@ pub(crate) enum PerspectivesCommand {
 }
 
 pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
-    let db = url.handle(2).await?;
+    let db = url.connected(2).await?;
     let report = db.migrate().await.map_err(explain)?;
+    let newer = report.schema_version > lockstep_pg::migrate::SCHEMA_VERSION;
     if json {
         let applied: Vec<_> = report
             .applied
@@ -182,78 +183,152 @@ pub(crate) async fn migrate(url: &DbUrl, json: bool) -> Result<ExitCode> {
             .collect();
         say!(
             "{}",
-            json!({ "database": url.database(), "applied": applied })
+            json!({
+                "database": url.database(),
+                "schema_version": report.schema_version,
+                "applied": applied,
+                "functions_applied": report.functions_applied,
+                "functions_dropped": report.functions_dropped,
+            })
         );
-    } else if report.applied.is_empty() {
-        say!("{}: the schema is up to date.", url.database());
+    } else if newer {
+        say!(
+            "{}: the schema is at version {}, installed by a newer lockstep that this build \
+             (version {}) runs on; nothing changed.",
+            url.database(),
+            report.schema_version,
+            lockstep_pg::migrate::SCHEMA_VERSION
+        );
+    } else if report.is_empty() {
+        say!(
+            "{}: the schema (version {}) is up to date.",
+            url.database(),
+            report.schema_version
+        );
     } else {
         for (version, name) in &report.applied {
             say!("applied V{version} {name}");
         }
+        for name in &report.functions_applied {
+            say!("applied functions/{name}.sql");
+        }
+        for signature in &report.functions_dropped {
+            say!("dropped {signature}");
+        }
         say!(
-            "{}: {} migration(s) applied.",
+            "{}: schema version {}: {} migration(s), {} function file(s) applied, {} dropped.",
             url.database(),
-            report.applied.len()
+            report.schema_version,
+            report.applied.len(),
+            report.functions_applied.len(),
+            report.functions_dropped.len()
         );
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// `lockstep migrate --status`: every migration and where it stands, read only; exit 3 while a
-/// migration is pending or changed (the database is not migrated for this build).
+/// `lockstep migrate --status`: every migration and function file and where it stands, and the
+/// schema version, read only; exit 3 when this build cannot run on the database as it is (run
+/// `lockstep migrate`, or upgrade the binary).
 pub(crate) async fn migration_status(url: &DbUrl, json: bool) -> Result<ExitCode> {
-    use lockstep_pg::migrate::MigrationState;
-    let db = url.handle(2).await?;
+    use lockstep_pg::migrate::{MigrationState, SCHEMA_VERSION};
+    let db = url.connected(2).await?;
     let status = db.migration_status().await.map_err(explain)?;
+    let state = |state: &MigrationState| match state {
+        MigrationState::Applied { applied_on } => ("applied", Some(applied_on.clone())),
+        MigrationState::Pending => ("pending", None),
+        MigrationState::Changed { applied_on } => ("changed", Some(applied_on.clone())),
+        MigrationState::Unknown { applied_on } => ("unknown", Some(applied_on.clone())),
+        _ => ("unknown", None),
+    };
     let rows: Vec<serde_json::Value> = status
         .migrations
         .iter()
         .map(|m| {
-            let (state, applied_on) = match &m.state {
-                MigrationState::Applied { applied_on } => ("applied", Some(applied_on)),
-                MigrationState::Pending => ("pending", None),
-                MigrationState::Changed { applied_on } => ("changed", Some(applied_on)),
-                MigrationState::Unknown { applied_on } => ("unknown", Some(applied_on)),
-                _ => ("unknown", None),
-            };
+            let (state, applied_on) = state(&m.state);
             json!({ "version": m.version, "name": m.name, "state": state, "applied_on": applied_on })
         })
         .collect();
+    let functions: Vec<serde_json::Value> = status
+        .functions
+        .iter()
+        .map(|f| {
+            let (state, applied_on) = state(&f.state);
+            json!({ "name": f.name, "state": state, "applied_on": applied_on })
+        })
+        .collect();
+    let schema = status.schema.as_ref().map(|s| {
+        json!({
+            "version": s.version,
+            "last_breaking": s.last_breaking,
+            "installed_by": s.installed_by,
+        })
+    });
     let up_to_date = status.is_up_to_date();
     if json {
         say!(
             "{}",
-            json!({ "database": url.database(), "up_to_date": up_to_date, "migrations": rows })
+            json!({
+                "database": url.database(),
+                "up_to_date": up_to_date,
+                "build_schema_version": SCHEMA_VERSION,
+                "schema": schema,
+                "snapshot": status.snapshot,
+                "migrations": rows,
+                "functions": functions,
+            })
         );
     } else {
         say!(
-            "{:>7}  {:<8}  {:<32}  applied on",
+            "{:>7}  {:<8}  {:<45}  applied on",
             "version",
             "state",
             "name"
         );
         for r in &rows {
             say!(
-                "{:>7}  {:<8}  {:<32}  {}",
+                "{:>7}  {:<8}  {:<45}  {}",
                 format!("V{}", r["version"]),
                 r["state"].as_str().unwrap_or(""),
                 r["name"].as_str().unwrap_or(""),
                 r["applied_on"].as_str().unwrap_or("-")
             );
         }
-        let pending = rows.iter().filter(|r| r["state"] == "pending").count();
-        let changed = rows.iter().filter(|r| r["state"] == "changed").count();
-        if up_to_date {
-            say!("{}: the schema is up to date.", url.database());
-        } else {
+        for f in &functions {
             say!(
-                "{}: {pending} pending, {changed} changed since applied: run `lockstep migrate`{}",
-                url.database(),
-                if changed > 0 {
-                    " (a changed migration is refused: restore its file)"
-                } else {
-                    ""
-                }
+                "{:>7}  {:<8}  {:<45}  {}",
+                "fn",
+                f["state"].as_str().unwrap_or(""),
+                f["name"].as_str().unwrap_or(""),
+                f["applied_on"].as_str().unwrap_or("-")
+            );
+        }
+        let all = rows.iter().chain(&functions);
+        let pending = all.clone().filter(|r| r["state"] == "pending").count();
+        let changed = all.filter(|r| r["state"] == "changed").count();
+        let installed = match &status.schema {
+            Some(s) => format!(
+                "schema version {} (this build: {SCHEMA_VERSION})",
+                s.version
+            ),
+            None => "no schema version".to_owned(),
+        };
+        if status.snapshot {
+            say!(
+                "{}: the schema of a development snapshot from before 0.1, which cannot be \
+                 upgraded: use a new database, or drop lockstep's tables and run `lockstep migrate`",
+                url.database()
+            );
+        } else if up_to_date {
+            say!("{}: {installed}, up to date.", url.database());
+        } else {
+            let advice = match db.check_schema().await {
+                Err(e) => e.message().to_owned(),
+                Ok(_) => "run `lockstep migrate`".to_owned(),
+            };
+            say!(
+                "{}: {installed}: {pending} pending, {changed} changed since applied: {advice}",
+                url.database()
             );
         }
     }

@@ -43,10 +43,19 @@ impl DbUrl {
         self.config.get_dbname().unwrap_or("postgres")
     }
 
+    /// The database handle ([`DbUrl::connected`]) on a database whose schema this build runs
+    /// on: a database never migrated, migrated by an older build, or by a newer incompatible
+    /// one is refused here, saying what to do, before any command reads or changes it.
+    pub(crate) async fn handle(&self, size: usize) -> Result<PgDatabase> {
+        let db = self.connected(size).await?;
+        db.check_schema().await.map_err(explain)?;
+        Ok(db)
+    }
+
     /// The database handle: a pool of at most `size` connections whose checkout waits at most
     /// 10 s, checked by connecting once, so a wrong target fails here, with advice, rather than
-    /// deep inside the first operation.
-    pub(crate) async fn handle(&self, size: usize) -> Result<PgDatabase> {
+    /// deep inside the first operation. The schema is not checked (`migrate` installs it).
+    pub(crate) async fn connected(&self, size: usize) -> Result<PgDatabase> {
         let db = self.handle_lazy(size, "lockstep")?;
         drop(db.checkout().await.map_err(|e| {
             // The pool's message already names the target ("connecting to <target>: why"):

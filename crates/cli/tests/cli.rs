@@ -323,6 +323,32 @@ async fn a_database_that_was_never_migrated_says_to_run_migrate() {
     assert!(report.contains("lockstep migrate"), "{report}");
 }
 
+/// A database a newer, incompatible lockstep migrated is refused by every command but
+/// `migrate --status`, which says so; `migrate` itself refuses to install an older schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_of_a_newer_incompatible_schema_is_refused_with_advice() {
+    let (_db, url, pool) = migrated().await;
+    let newer = lockstep_pg::migrate::SCHEMA_VERSION + 1;
+    pool.get()
+        .await
+        .expect("connection")
+        .batch_execute(&format!(
+            "UPDATE lockstep_schema_version SET version = {newer}, last_breaking = {newer}"
+        ))
+        .await
+        .expect("a newer schema");
+    for args in [
+        &["locks", "list"][..],
+        &["migrate"][..],
+        &["migrate", "--status"][..],
+    ] {
+        let out = lockstep_on(&url, args).await;
+        let report = text(&out);
+        assert_eq!(out.status.code(), Some(3), "{args:?}: {report}");
+        assert!(report.contains("upgrade this binary"), "{args:?}: {report}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_safe_to_repeat_and_to_run_concurrently() {
     let db = test_database().await;
@@ -1661,8 +1687,9 @@ async fn every_command_answers_json_and_refusals_name_what_was_wrong() {
     );
 }
 
-/// Issue 21: `migrate --status` changes nothing and says which migrations are pending (exit 3,
-/// "not migrated") or that the schema is up to date (exit 0), as text and as JSON.
+/// `migrate --status` changes nothing and says which migrations and function files are pending
+/// (exit 3, "not migrated") or that the schema is up to date at this build's version (exit 0),
+/// as text and as JSON.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_status_lists_pending_then_applied_migrations() {
     let db = test_database().await;
@@ -1678,9 +1705,18 @@ async fn migrate_status_lists_pending_then_applied_migrations() {
         migrations.iter().all(|m| m["state"] == "pending"),
         "{answer}"
     );
+    let files = lockstep_pg::migrate::FUNCTION_FILES.len();
+    let functions = answer["functions"].as_array().expect("functions");
+    assert_eq!(functions.len(), files);
+    assert!(
+        functions.iter().all(|f| f["state"] == "pending"),
+        "{answer}"
+    );
+    assert_eq!(answer["schema"], serde_json::Value::Null);
     let text_out = lockstep_on(&url, &["migrate", "--status"]).await;
     assert!(
-        text(&text_out).contains(&format!("{count} pending")),
+        text(&text_out).contains(&format!("{} pending", count + files))
+            && text(&text_out).contains("lockstep migrate"),
         "{}",
         text(&text_out)
     );
@@ -1698,6 +1734,18 @@ async fn migrate_status_lists_pending_then_applied_migrations() {
             .iter()
             .all(|m| m["state"] == "applied" && m["applied_on"].is_string()),
         "{answer}"
+    );
+    assert!(
+        answer["functions"]
+            .as_array()
+            .expect("functions")
+            .iter()
+            .all(|f| f["state"] == "applied" && f["applied_on"].is_string()),
+        "{answer}"
+    );
+    assert_eq!(
+        answer["schema"]["version"],
+        lockstep_pg::migrate::SCHEMA_VERSION
     );
 }
 

@@ -446,7 +446,7 @@ fn quote_ident(name: &str) -> String {
 
 /// Whether the history table holds migrations of a development snapshot from before 0.1
 /// (whose first migration was not the baseline).
-async fn is_snapshot(conn: &Object) -> Result<bool> {
+async fn is_snapshot(conn: &tokio_postgres::Client) -> Result<bool> {
     if !table_exists(conn, MIGRATION_TABLE).await? {
         return Ok(false);
     }
@@ -463,7 +463,7 @@ async fn is_snapshot(conn: &Object) -> Result<bool> {
     Ok(row.get(0))
 }
 
-async fn table_exists(conn: &Object, table: &str) -> Result<bool> {
+async fn table_exists(conn: &tokio_postgres::Client, table: &str) -> Result<bool> {
     // `to_regclass` resolves the name on the search_path as refinery does; NULL when absent.
     let row = conn
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
@@ -473,7 +473,7 @@ async fn table_exists(conn: &Object, table: &str) -> Result<bool> {
 }
 
 /// The version row, when the table and the row exist.
-async fn installed_schema(conn: &Object) -> Result<Option<InstalledSchema>> {
+async fn installed_schema(conn: &tokio_postgres::Client) -> Result<Option<InstalledSchema>> {
     if !table_exists(conn, VERSION_TABLE).await? {
         return Ok(None);
     }
@@ -498,10 +498,15 @@ async fn installed_schema(conn: &Object) -> Result<Option<InstalledSchema>> {
 /// upgrade the binary). One checkout and up to four short reads.
 pub async fn check_schema(pool: &Pool) -> Result<InstalledSchema> {
     let conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
-    if is_snapshot(&conn).await? {
+    check_schema_on(&conn).await
+}
+
+/// [`check_schema`] on a connection the caller holds (in a transaction or not): it only reads.
+pub async fn check_schema_on(conn: &tokio_postgres::Client) -> Result<InstalledSchema> {
+    if is_snapshot(conn).await? {
         return Err(SchemaMismatch::Snapshot.into_error());
     }
-    let Some(installed) = installed_schema(&conn).await? else {
+    let Some(installed) = installed_schema(conn).await? else {
         return Err(SchemaMismatch::NotInstalled.into_error());
     };
     if installed.version < SCHEMA_VERSION {
@@ -520,7 +525,7 @@ pub async fn check_schema(pool: &Pool) -> Result<InstalledSchema> {
         .into_error());
     }
     if installed.version == SCHEMA_VERSION {
-        let differ = differing_functions(&conn).await?;
+        let differ = differing_functions(conn).await?;
         if !differ.is_empty() {
             return Err(SchemaMismatch::FunctionsDiffer { names: differ }.into_error());
         }
@@ -529,7 +534,7 @@ pub async fn check_schema(pool: &Pool) -> Result<InstalledSchema> {
 }
 
 /// This build's function files whose installed text differs or is missing.
-async fn differing_functions(conn: &Object) -> Result<Vec<String>> {
+async fn differing_functions(conn: &tokio_postgres::Client) -> Result<Vec<String>> {
     Ok(function_states(conn)
         .await?
         .into_iter()
@@ -696,7 +701,7 @@ pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
 }
 
 /// Every function file and where it stands; then the recorded names this build lacks.
-async fn function_states(conn: &Object) -> Result<Vec<FunctionEntry>> {
+async fn function_states(conn: &tokio_postgres::Client) -> Result<Vec<FunctionEntry>> {
     let names: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.name).collect();
     if !table_exists(conn, FUNCTIONS_TABLE).await? {
         return Ok(names
