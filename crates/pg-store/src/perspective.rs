@@ -143,11 +143,18 @@ SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
  LIMIT $3";
 
     /// Claims a pair (`$1` stream, `$2` perspective, `$3` max events, `$4` debounce window µs,
-    /// `$5` debounce cap µs): a header row (outcome, cursor columns, state), then for `apply`
-    /// the events. The V8 cursor columns (failed event, backoff, parking), which the claim
-    /// function of V7 does not return and does not change, are joined at the end.
+    /// `$5` debounce cap µs) through `lockstep_perspective_claim`: a header row (outcome, the
+    /// cursor columns, state), then for `apply` the events (the event columns), every row
+    /// ending with the database's clock. The function returns the cursor columns but the
+    /// failed event, backoff and parking, which it does not change: those are read from the
+    /// cursor row and selected right after the function's, so the row holds the cursor columns
+    /// as one block in the order of `cursor_columns!`.
     pub const CLAIM: &str = "\
-SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at, clock_timestamp()
+SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger_event_id,
+       c.rewind_flagged_at, c.rewind_first_flagged_at, c.error, c.failures, c.latest_snapshot,
+       c.stream_lock_instance_id, c.stream_lock_reason, c.stream_lock_expiry, c.stream_lock_epoch,
+       k.failed_event_id, k.retry_at, k.parked_at,
+       c.state, c.event_id, c.version, c.event_type, c.payload, c.recorded_at, clock_timestamp()
   FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
   LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
 
@@ -432,20 +439,17 @@ DELETE FROM wh_perspective_cursors k WHERE k.stream_id = $1 AND k.perspective_na
 RETURNING 1";
 }
 
+/// How many cursor columns every read returns, in the order `decode_cursor` reads them (those
+/// of `cursor_columns!`).
+const CURSOR_COLUMNS: usize = 16;
 /// Where the cursor columns start in a claim's header row (after `outcome`).
 const CLAIM_CURSOR_AT: usize = 1;
 /// Where the state is in a claim's header row.
-const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + V7_CURSOR_COLUMNS;
+const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + CURSOR_COLUMNS;
 /// Where the event columns start in a claim's event rows.
 const CLAIM_EVENT_AT: usize = CLAIM_STATE_AT + 1;
-/// Where the V8 cursor columns, joined at the end, are in a claim's rows.
-const CLAIM_EXTRA_AT: usize = CLAIM_EVENT_AT + 5;
-/// Where the database's clock at the claim is in a claim's rows (after the V8 columns).
-const CLAIM_CLOCK_AT: usize = CLAIM_EXTRA_AT + 3;
-/// The cursor columns of V7 (the single claim's function returns these).
-const V7_CURSOR_COLUMNS: usize = 13;
-/// How many columns `cursor_columns!` has: V7's and V8's failed event, backoff and parking.
-const CURSOR_COLUMNS: usize = V7_CURSOR_COLUMNS + 3;
+/// Where the database's clock at the claim is in a claim's rows (after the event columns).
+const CLAIM_CLOCK_AT: usize = CLAIM_EVENT_AT + 5;
 /// A batch claim's pair rows: kind, stream, perspective, the cursor columns, the state, the
 /// work ids, the state's size, the walk's position before the pair.
 const BATCH_CURSOR_AT: usize = 3;
@@ -596,7 +600,7 @@ impl PgPerspectiveStore {
             .map(|row| {
                 let stream_id = StreamId::from_uuid(row.try_get(0).map_err(decode_error)?);
                 let name = stored_name(row.try_get(1).map_err(decode_error)?)?;
-                decode_cursor(row, 2, 2 + V7_CURSOR_COLUMNS, stream_id, &name)
+                decode_cursor(row, 2, stream_id, &name)
             })
             .collect()
     }
@@ -696,23 +700,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             Some("busy") => Ok(Claim::Busy),
             Some("idle") => Ok(Claim::Idle),
             Some("rewind") => Ok(Claim::Rewind {
-                cursor: decode_cursor(
-                    header,
-                    CLAIM_CURSOR_AT,
-                    CLAIM_EXTRA_AT,
-                    stream_id,
-                    perspective,
-                )?,
+                cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
             }),
             Some("apply") if event_rows.is_empty() => Ok(Claim::Idle),
             Some("apply") => Ok(Claim::Apply {
-                cursor: decode_cursor(
-                    header,
-                    CLAIM_CURSOR_AT,
-                    CLAIM_EXTRA_AT,
-                    stream_id,
-                    perspective,
-                )?,
+                cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
                 state: header.try_get(CLAIM_STATE_AT).map_err(decode_error)?,
                 events: event_rows
                     .iter()
@@ -905,7 +897,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             )
             .await
             .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
-        row.map(|row| decode_cursor(&row, 0, V7_CURSOR_COLUMNS, stream_id, perspective))
+        row.map(|row| decode_cursor(&row, 0, stream_id, perspective))
             .transpose()
     }
 
@@ -928,7 +920,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .map_err(|e| statement_error(e, "reading a perspective state"))?;
         row.map(|row| {
             Ok((
-                decode_cursor(&row, 0, V7_CURSOR_COLUMNS, stream_id, perspective)?,
+                decode_cursor(&row, 0, stream_id, perspective)?,
                 row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
             ))
         })
@@ -1121,7 +1113,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 let stream: Uuid = row.try_get(CURSOR_COLUMNS + 1).map_err(decode_error)?;
                 let stream_id = StreamId::from_uuid(stream);
                 Ok(StoredState::new(
-                    decode_cursor(row, 0, V7_CURSOR_COLUMNS, stream_id, perspective)?,
+                    decode_cursor(row, 0, stream_id, perspective)?,
                     row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
                 ))
             })
@@ -1392,12 +1384,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     }
 }
 
-/// The cursor columns of [`sql`]: V7's starting at `at`, V8's (failed event, backoff, parking)
-/// at `extra_at`.
+/// The cursor columns of [`sql`] (`CURSOR_COLUMNS` of them, in the order of `cursor_columns!`),
+/// starting at `at`.
 fn decode_cursor(
     row: &Row,
     at: usize,
-    extra_at: usize,
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> Result<Cursor> {
@@ -1431,9 +1422,9 @@ fn decode_cursor(
     cursor.failures = u32::try_from(failures)
         .map_err(|_| Error::new(ErrorKind::Backend, "a stored failure count is negative"))?;
     cursor.latest_snapshot = row.try_get(at + 8).map_err(decode_error)?;
-    cursor.failed_event_id = row.try_get(extra_at).map_err(decode_error)?;
-    cursor.retry_at = row.try_get(extra_at + 1).map_err(decode_error)?;
-    cursor.parked_at = row.try_get(extra_at + 2).map_err(decode_error)?;
+    cursor.failed_event_id = row.try_get(at + 13).map_err(decode_error)?;
+    cursor.retry_at = row.try_get(at + 14).map_err(decode_error)?;
+    cursor.parked_at = row.try_get(at + 15).map_err(decode_error)?;
     cursor.lease = CursorLease {
         holder: holder.map(InstanceId::from_uuid).transpose()?,
         reason: reason
@@ -1635,13 +1626,7 @@ fn decode_rewind_header(
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> Result<(Cursor, Option<Snapshot>)> {
-    let cursor = decode_cursor(
-        header,
-        LOAD_CURSOR_AT,
-        LOAD_CURSOR_AT + V7_CURSOR_COLUMNS,
-        stream_id,
-        perspective,
-    )?;
+    let cursor = decode_cursor(header, LOAD_CURSOR_AT, stream_id, perspective)?;
     let snapshot = match header
         .try_get::<_, Option<Uuid>>(LOAD_SNAPSHOT_AT)
         .map_err(decode_error)?
@@ -1798,11 +1783,27 @@ mod tests {
 
     #[test]
     fn the_claim_header_columns_line_up_with_the_function() {
-        // lockstep_perspective_claim: outcome, 13 cursor columns, state, 5 event columns; then
-        // the 3 joined V8 columns.
-        assert_eq!(CLAIM_STATE_AT, 14);
-        assert_eq!(CLAIM_EVENT_AT, 15);
-        assert_eq!(CLAIM_EXTRA_AT, 20);
+        // CLAIM: outcome, 13 cursor columns of lockstep_perspective_claim, then the cursor
+        // row's failed event, backoff and parking (16 cursor columns), state, 5 event columns,
+        // the clock.
+        assert_eq!(CLAIM_STATE_AT, 17);
+        assert_eq!(CLAIM_EVENT_AT, 18);
+        assert_eq!(CLAIM_CLOCK_AT, 23);
+        // The statement's select list puts them there (no column of it holds a comma).
+        let list = sql::CLAIM
+            .strip_prefix("SELECT ")
+            .and_then(|s| s.split("\n  FROM ").next())
+            .expect("a select list");
+        let columns: Vec<&str> = list.split(',').map(str::trim).collect();
+        assert_eq!(columns.len(), CLAIM_CLOCK_AT + 1);
+        assert_eq!(columns[CLAIM_CURSOR_AT], "c.last_event_id");
+        assert_eq!(
+            columns[CLAIM_CURSOR_AT + CURSOR_COLUMNS - 3..CLAIM_STATE_AT],
+            ["k.failed_event_id", "k.retry_at", "k.parked_at"]
+        );
+        assert_eq!(columns[CLAIM_STATE_AT], "c.state");
+        assert_eq!(columns[CLAIM_EVENT_AT], "c.event_id");
+        assert_eq!(columns[CLAIM_CLOCK_AT], "clock_timestamp()");
         // lockstep_perspective_claim_pairs: kind, stream, perspective, 16 cursor columns,
         // state, work ids, state size, walk position.
         assert_eq!(BATCH_STATE_AT, 19);

@@ -17,8 +17,8 @@ use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
 use super::{
-    BATCH_CURSOR_AT, BATCH_STATE_AT, BATCH_WORK_AT, V7_CURSOR_COLUMNS, backoff_micros, check_json,
-    count_param, decode_cursor, decode_error, fence_params, micros, sql,
+    BATCH_CURSOR_AT, BATCH_STATE_AT, BATCH_WORK_AT, backoff_micros, check_json, count_param,
+    decode_cursor, decode_error, fence_params, micros, sql,
 };
 
 /// The length of a column's value as it arrived, whatever its type: for `jsonb`, a version
@@ -320,13 +320,7 @@ fn pair_cursor(
     stream: StreamId,
     name: &PerspectiveName,
 ) -> Result<lockstep_core::Cursor> {
-    decode_cursor(
-        row,
-        BATCH_CURSOR_AT,
-        BATCH_CURSOR_AT + V7_CURSOR_COLUMNS,
-        stream,
-        name,
-    )
+    decode_cursor(row, BATCH_CURSOR_AT, stream, name)
 }
 
 /// `ids` in ascending order without repeats (borrowed when they are already).
