@@ -2,7 +2,8 @@
 //! [`PerspectiveStore`] for every [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`],
 //! a borrowed `tokio_postgres::Transaction`).
 //!
-//! The schema and the protocol are in migration `V5` and `docs/adr/0006-perspective-store.md`:
+//! The schema is in `migrations/` (the baseline's tables, one file per SQL function in
+//! `migrations/functions/`), the protocol in `docs/adr/0006-perspective-store.md`:
 //!
 //! - tables `wh_perspectives` (registered names), `wh_perspective_events` (the work queue,
 //!   `(stream_id, perspective_name, event_id)`), `wh_perspective_states`,
@@ -158,11 +159,12 @@ SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger
   FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
   LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
 
-    /// Claims a batch's pairs (see `lockstep_perspective_claim_pairs`, migration V16): `$1`
-    /// perspective names, `$2` their positions, `$3` pairs, `$4` events per pair, `$5` events,
-    /// `$6` scan, `$7` debounce window µs, `$8` debounce cap µs. Rows: `rewind` and `apply`
-    /// pairs in claim order (an `apply` row with its state, its work rows' ids, the state's
-    /// size and the walk's position before it), then one `position` per perspective.
+    /// Claims a batch's pairs (see `lockstep_perspective_claim_pairs`, in
+    /// `migrations/functions/lockstep_perspective_claim_pairs.sql`): `$1` perspective names,
+    /// `$2` their positions, `$3` pairs, `$4` events per pair, `$5` events, `$6` scan, `$7`
+    /// debounce window µs, `$8` debounce cap µs. Rows: `rewind` and `apply` pairs in claim
+    /// order (an `apply` row with its state, its work rows' ids, the state's size and the
+    /// walk's position before it), then one `position` per perspective.
     pub const CLAIM_PAIRS: &str =
         "SELECT * FROM lockstep_perspective_claim_pairs($1, $2, $3, $4, $5, $6, $7, $8)";
 
@@ -173,10 +175,10 @@ SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger
     /// clock (what the events' ages are measured against). An event is returned while the
     /// states and events before it and itself fit the byte bound, the batch's first always. An
     /// event counts its payload's decoded size (`payload_bytes`, stored by the append; for an
-    /// event stored before that column existed, its `jsonb` decompressed — not
-    /// `pg_column_size`, which is the compressed size of a large value). The range may hold
-    /// events that are not the pair's work (skipped, or enqueued since the claim): the caller
-    /// keeps only the work ids; their sizes count.
+    /// event written by other means, its `jsonb` decompressed — not `pg_column_size`, which is
+    /// the compressed size of a large value). The range may hold events that are not the pair's
+    /// work (skipped, or enqueued since the claim): the caller keeps only the work ids; their
+    /// sizes count.
     pub const CLAIM_EVENTS: &str = "\
 SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock_timestamp()
   FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.size,
@@ -193,7 +195,7 @@ SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock
  WHERE x.cum = x.size OR x.stb + x.cum <= $5
  ORDER BY x.o, x.event_id";
 
-    /// Commits a batch (see `lockstep_perspective_commit_batch`, migration V8).
+    /// Commits a batch (see `lockstep_perspective_commit_batch`).
     pub const COMMIT_BATCH: &str = "SELECT ord, outcome, revision, parked \
          FROM lockstep_perspective_commit_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
                                                 $12, $13, $14, $15, $16, $17, $18)";
@@ -246,7 +248,8 @@ SELECT p.perspective_name,
     /// deletes its work item and retries the pair. The count is 0 when it was not pending.
     /// The pair's cursor row is locked first (the `InitPlan` of `k` runs before the delete):
     /// a batch that has the pair claimed is waited for, so no work row of a claimed pair
-    /// disappears before its batch commits (V15's range delete counts on it).
+    /// disappears before its batch commits (`lockstep_perspective_commit_batch` deletes a
+    /// pair's applied work as the range from its first to its last id, and counts on it).
     pub const SKIP_EVENT: &str = "\
 WITH k AS (
     SELECT 1 FROM wh_perspective_cursors c
@@ -278,21 +281,22 @@ SELECT count(*) FROM w";
          FROM lockstep_perspective_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
     /// A fenced commit that also releases the fence's lease (see
-    /// `lockstep_perspective_commit_release`, migration V9): as [`COMMIT`], and `released`.
+    /// `lockstep_perspective_commit_release`): as [`COMMIT`], and `released`.
     pub const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
-    /// [`COMMIT_RELEASE`] that refuses by raising (SQLSTATE `LSREF`, migration V23), for a
-    /// statement sent with the transaction's `COMMIT`: the refusal turns it into a rollback.
+    /// [`COMMIT_RELEASE`] that refuses by raising (SQLSTATE `LSREF`; see
+    /// `lockstep_perspective_commit_release_or_refuse`), for a statement sent with the
+    /// transaction's `COMMIT`: the refusal turns it into a rollback.
     pub const COMMIT_RELEASE_OR_REFUSE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release_or_refuse($1, $2, $3, $4, $5, $6, $7, $8, $9, \
          $10, $11, $12)";
 
     /// What a rewind reads first, in one statement (`$1` stream, `$2` perspective, `$3` at most
-    /// this many events), through `lockstep_load_rewind` (migration V22): a header row (part 0:
-    /// the cursor columns, then the latest snapshot strictly before the request's trigger) and,
-    /// when the cursor has a request, the first events of the stream after that snapshot but the
-    /// pair's skipped ones (part 1), in event-id order. No row: no cursor. The function keeps
+    /// this many events), through `lockstep_load_rewind`: a header row (part 0: the cursor
+    /// columns, then the latest snapshot strictly before the request's trigger) and, when the
+    /// cursor has a request, the first events of the stream after that snapshot but the pair's
+    /// skipped ones (part 1), in event-id order. No row: no cursor. The function keeps
     /// its plans for the session and walks the stream's own range of `wh_events_stream_event`
     /// whatever the statistics say (ADR 0033); as a plain statement this was planned on every
     /// call, and with few streams in the table it read every later event of every stream.
@@ -308,8 +312,8 @@ SELECT count(*) FROM w";
     /// A page of the events a rewind replays (`$1` stream, `$2` perspective, `$3` at most this
     /// many events, `$4` after this event, from the first when NULL): the events but the pair's
     /// skipped ones, in event-id order, each with its payload's decoded size as in
-    /// [`LOAD_REWIND`]. Through `lockstep_rewind_page` (migrations V21 and V22), which pins the
-    /// plan to the stream's own range of `wh_events_stream_event`, read in order.
+    /// [`LOAD_REWIND`]. Through `lockstep_rewind_page`, which pins the plan to the stream's own
+    /// range of `wh_events_stream_event`, read in order.
     pub const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
 
     /// One pair's cursor.
@@ -416,8 +420,8 @@ UPDATE wh_perspective_cursors k
  WHERE k.stream_id = $1 AND k.perspective_name = $2
 RETURNING k.revision";
 
-    /// Records a failure (see `lockstep_perspective_record_failure`, migration V8): `$3` error,
-    /// `$4` event, `$5` backoff µs, `$6` park. Returns whether the pair is parked.
+    /// Records a failure (see `lockstep_perspective_record_failure`): `$3` error, `$4` event,
+    /// `$5` backoff µs, `$6` park. Returns whether the pair is parked.
     pub const RECORD_FAILURE: &str =
         "SELECT lockstep_perspective_record_failure($1, $2, $3, $4, $5, $6)";
 
