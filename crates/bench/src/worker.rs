@@ -965,7 +965,6 @@ async fn catch_up(db: &BenchDatabase, args: &Args) -> Result<(Vec<String>, Catch
         ));
         let order = [
             "lockstep_perspective_claim_pairs",
-            "lockstep_perspective_claim_batch",
             "lockstep_perspective_try_claim",
             "lockstep_perspective_commit_batch",
             "lockstep_perspective_commit",

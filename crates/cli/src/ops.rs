@@ -591,7 +591,7 @@ pub(crate) fn lease_json(l: &lockstep_core::LeaseInfo) -> serde_json::Value {
 
 /// How long `l` has been held, on the database clock: a live lease's expiry minus its time left
 /// is the listing's "now" there; an expired lease was held until its expiry (its holder stopped
-/// renewing). `None` when the start is not recorded (a lease acquired before migration V14).
+/// renewing). `None` when the lease's start is not recorded.
 pub(crate) fn held_for(l: &lockstep_core::LeaseInfo) -> Option<std::time::Duration> {
     let started = l.acquired_at?;
     let now = match l.status {

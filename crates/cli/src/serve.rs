@@ -362,9 +362,9 @@ async fn read_snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavail
 
 /// Gives each lease row its `started_at` and, for a running rewind, its `progress`.
 ///
-/// The start is the lease's own `acquired_at` (migration V14 records it in the try-acquire
-/// that begins an epoch; ADR 0021): `"started_at_source": "lease"`. A lease acquired before that
-/// migration has none; a running rewind's progress report (ADR 0016 §4) then dates it, since a
+/// The start is the lease's own `acquired_at` (the try-acquire that begins an epoch records
+/// it; ADR 0021): `"started_at_source": "lease"`. A lease whose start is not recorded has none;
+/// a running rewind's progress report (ADR 0016 §4) then dates it, since a
 /// report is listed only while the lease it was made under is live with the same holder and
 /// epoch: `"rewind_progress"`, a moment after the lease was taken. Otherwise `"started_at":
 /// null` with `"not_recorded"`, which the page says in words rather than guessing a time.

@@ -392,8 +392,8 @@ pub struct LeaseInfo {
     pub status: LeaseStatus,
     /// When this lease was acquired (backend clock): the try-acquire that began its epoch.
     /// Renewals and a holder's re-entry keep it. `None` when the backend did not record it —
-    /// on Postgres, a lease whose epoch began before migration `V14` or by a binary of an
-    /// earlier release (what an operator's page shows as "not recorded" rather than a guess).
+    /// on Postgres, a lease whose cursor row holds no readable start for the lease's epoch
+    /// (what an operator's page shows as "not recorded" rather than a guess).
     pub acquired_at: Option<OffsetDateTime>,
 }
 

@@ -43,7 +43,7 @@
 //!
 //! A [`ResourceKey`](lockstep_core::ResourceKey) maps to the `bigint` advisory key by
 //! [`ResourceKey::advisory_key`](lockstep_core::ResourceKey::advisory_key) (first 8 bytes of
-//! SHA-256, big-endian). Migration `V2` installs the same function in SQL,
+//! SHA-256, big-endian). The schema has the same function in SQL,
 //! `lockstep_advisory_key(text)`, and a view `lockstep_advisory_locks` that puts the key back
 //! together from `pg_locks` (which shows a `bigint` advisory key as `classid` = high 32 bits,
 //! `objid` = low 32 bits, `objsubid = 1`). Who holds or waits for an aggregate's lock:
@@ -57,9 +57,10 @@
 //! # Semantics (see `docs/adr/0003-advisory-lock-design.md`)
 //!
 //! - **Schema**: every lock statement calls the SQL function `lockstep_advisory_lock`
-//!   (migration `V4`; `V19` tries a free lock first, ADR 0028), the one place where the
-//!   protocol below — isolation check, `lock_timeout` set for the wait and restored — is
-//!   written (the event store's `lockstep_lock_and_load` calls it too). Apply the schema
+//!   (`migrations/functions/lockstep_advisory_lock.sql`; it tries a free lock first, ADR
+//!   0028), the one place where the protocol below — isolation check, `lock_timeout` set for
+//!   the wait and restored — is written (the event store's `lockstep_lock_and_load` calls it
+//!   too). Apply the schema
 //!   first with [`lockstep_pg::migrate()`].
 //! - **Timeouts** map to a transaction-local `lock_timeout` for the one statement (restored in
 //!   the same statement) and fail with [`ErrorKind::LockTimeout`](lockstep_core::ErrorKind).

@@ -2,11 +2,11 @@
 //! prepare). The transaction-scoped statements are `lockstep-pg`'s, next to the queue that
 //! runs them.
 //!
-//! Every lock statement calls the SQL function `lockstep_advisory_lock` (migration `V4`), the
-//! one place the protocol is written: for transaction-scoped locks it checks the isolation
-//! level **in the same statement** and locks only under READ COMMITTED (a refused transaction
-//! holds nothing and is not aborted); for a wait with a limit it sets `lock_timeout` for the
-//! wait and restores it. The event store's `lockstep_lock_and_load` calls the same function.
+//! Every lock statement calls the SQL function `lockstep_advisory_lock`, the one place the
+//! protocol is written: for transaction-scoped locks it checks the isolation level **in the
+//! same statement** and locks only under READ COMMITTED (a refused transaction holds nothing
+//! and is not aborted); for a wait with a limit it sets `lock_timeout` for the wait and
+//! restores it. The event store's `lockstep_lock_and_load` calls the same function.
 
 /// `$1` key, `$2` lock_timeout (`NULL`: no limit) → acquired. A session lock, on a connection
 /// outside any transaction block: the statement is its own implicit transaction, so a failed

@@ -13,46 +13,45 @@
 //!   also run on any [`PgTransactionRef`]: a borrowed `tokio_postgres::Transaction` or
 //!   `deadpool_postgres::Transaction` the application manages itself (pass `&tx`).
 //!
-//! - Storage: table `wh_events` (migration `V3`): `event_id uuid` primary key (the id the
-//!   caller's [`NewEvent`] carries: a fresh UUIDv7 unless chosen with `with_id`), `stream_id`,
-//!   `version bigint`, `event_type`, `payload jsonb`, `recorded_at timestamptz DEFAULT
-//!   clock_timestamp()`, and **`UNIQUE (stream_id, version)`**.
+//! - Storage: table `wh_events` (the baseline schema in `migrations/`): `event_id uuid` primary
+//!   key (the id the caller's [`NewEvent`] carries: a fresh UUIDv7 unless chosen with
+//!   `with_id`), `stream_id`, `version bigint`, `event_type`, `payload jsonb`, `recorded_at
+//!   timestamptz DEFAULT clock_timestamp()`, and **`UNIQUE (stream_id, version)`**.
 //! - [`append`](lockstep_core::EventStore::append) calls the SQL function
 //!   `lockstep_append_events` (one statement, one round trip): it reads the stream's version,
 //!   checks the expected version and inserts the events with the next versions, then enqueues
-//!   one perspective work row per registered perspective (migration `V5`, [`perspective`]). A
-//!   stale expectation raises `unique_violation`, exactly like losing a race on the unique
-//!   index, so every conflict is SQLSTATE `23505` →
+//!   one perspective work row per registered perspective ([`perspective`]). A stale
+//!   expectation raises `unique_violation`, exactly like losing a race on the unique index, so
+//!   every conflict is SQLSTATE `23505` →
 //!   [`ErrorKind::Conflict`](lockstep_core::ErrorKind) with a [`VersionConflict`], and every
 //!   conflict leaves the transaction aborted. Of two transactions appending the same version,
 //!   the second waits for the first and fails only if the first commits. A `23505` is a
 //!   version conflict only when its constraint is `wh_events_stream_version`.
-//! - Appends are **idempotent by event id** (migration `V6`; since `V13` the primary key
-//!   detects a stored id as part of the insert, so an append that is neither a replay nor a
-//!   refusal pays no probe of its own, and the fan-out runs only when a perspective is
-//!   registered — ADR 0019), so a unit of work retried after a
-//!   lost `COMMIT` reply ([`ErrorKind::CommitUnknown`](lockstep_core::ErrorKind)) cannot write
-//!   its events twice: when every event id of an append is already stored in that stream, at
-//!   consecutive versions in the order given (and the expected version, if any, is the one
-//!   before the first), the append is a **replay**: nothing is written and it returns what the
-//!   original append returned (the version of its last event). Stored ids that are anything
-//!   else — some stored and some not, in another stream, at other positions, at another
-//!   expected version — are refused with [`ErrorKind::InvalidInput`] (not retryable; the
-//!   transaction is aborted). An id another transaction is storing right now in the same
-//!   stream is waited for and, if it commits, is a retryable [`ErrorKind::Conflict`]: the
-//!   retry then replays or is refused (stored meanwhile in another stream, it is refused at
-//!   once: the retry's answer). An append listing one id twice is refused before any SQL.
+//! - Appends are **idempotent by event id** (`lockstep_append_events`: the primary key detects
+//!   a stored id as part of the insert, so an append that is neither a replay nor a refusal
+//!   pays no probe of its own, and the fan-out runs only when a perspective is registered — ADR
+//!   0019), so a unit of work retried after a lost `COMMIT` reply
+//!   ([`ErrorKind::CommitUnknown`](lockstep_core::ErrorKind)) cannot write its events twice:
+//!   when every event id of an append is already stored in that stream, at consecutive versions
+//!   in the order given (and the expected version, if any, is the one before the first), the
+//!   append is a **replay**: nothing is written and it returns what the original append
+//!   returned (the version of its last event). Stored ids that are anything else — some stored
+//!   and some not, in another stream, at other positions, at another expected version — are
+//!   refused with [`ErrorKind::InvalidInput`] (not retryable; the transaction is aborted). An
+//!   id another transaction is storing right now in the same stream is waited for and, if it
+//!   commits, is a retryable [`ErrorKind::Conflict`]: the retry then replays or is refused
+//!   (stored meanwhile in another stream, it is refused at once: the retry's answer). An append
+//!   listing one id twice is refused before any SQL.
 //! - [`load`](lockstep_core::EventStore::load) reads a stream in version order (an index scan
 //!   of the unique index).
 //! - [`load_locked`](lockstep_core::EventStore::load_locked) locks and loads in **one
 //!   statement**, the SQL function `lockstep_lock_and_load` (it takes the advisory lock through
 //!   `lockstep_advisory_lock`, which checks the isolation level first, then loads in a fresh
-//!   READ COMMITTED snapshot; migrations `V3` and `V4`), under the store's
-//!   [`LockQueue`] (in-process queue, deadline, cancel on drop). Built from the process's
-//!   one [`PgDatabase`] ([`PgEventStore::new`]), the store shares that queue with the aggregate
-//!   lock built from the same handle, so that `load_locked` and the aggregate lock queue
-//!   together. Lock and load cost one round trip and one statement together, like
-//!   a plain load.
+//!   READ COMMITTED snapshot), under the store's [`LockQueue`] (in-process queue, deadline,
+//!   cancel on drop). Built from the process's one [`PgDatabase`] ([`PgEventStore::new`]), the
+//!   store shares that queue with the aggregate lock built from the same handle, so that
+//!   `load_locked` and the aggregate lock queue together. Lock and load cost one round trip and
+//!   one statement together, like a plain load.
 //!
 //! Every statement is sent with `query_typed` (no separate prepare round trip). Apply the
 //! schema first with [`PgDatabase::migrate`].
@@ -384,7 +383,7 @@ fn refuse_repeated_ids(ids: &[Uuid]) -> Result<()> {
 ///   → [`ErrorKind::Conflict`] with a [`VersionConflict`];
 /// - `wh_events_pkey` with the function's `DETAIL` `not_a_replay` → [`ErrorKind::InvalidInput`]
 ///   (not retryable): some of the event ids are stored, and this append is not a replay of the
-///   append that stored them (migration `V6`);
+///   append that stored them;
 /// - `wh_events_pkey` without it → a race lost on the primary key (another transaction stored
 ///   one of these ids while this one waited): [`ErrorKind::Conflict`], retryable — the retry
 ///   finds the ids stored and is a no-op replay or the refusal above;

@@ -2,7 +2,8 @@
 //! [`PerspectiveStore`] for every [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`],
 //! a borrowed `tokio_postgres::Transaction`).
 //!
-//! The schema and the protocol are in migration `V5` and `docs/adr/0006-perspective-store.md`:
+//! The schema is in `migrations/` (the baseline's tables, one file per SQL function in
+//! `migrations/functions/`), the protocol in `docs/adr/0006-perspective-store.md`:
 //!
 //! - tables `wh_perspectives` (registered names), `wh_perspective_events` (the work queue,
 //!   `(stream_id, perspective_name, event_id)`), `wh_perspective_states`,
@@ -143,19 +144,27 @@ SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
  LIMIT $3";
 
     /// Claims a pair (`$1` stream, `$2` perspective, `$3` max events, `$4` debounce window µs,
-    /// `$5` debounce cap µs): a header row (outcome, cursor columns, state), then for `apply`
-    /// the events. The V8 cursor columns (failed event, backoff, parking), which the claim
-    /// function of V7 does not return and does not change, are joined at the end.
+    /// `$5` debounce cap µs) through `lockstep_perspective_claim`: a header row (outcome, the
+    /// cursor columns, state), then for `apply` the events (the event columns), every row
+    /// ending with the database's clock. The function returns the cursor columns but the
+    /// failed event, backoff and parking, which it does not change: those are read from the
+    /// cursor row and selected right after the function's, so the row holds the cursor columns
+    /// as one block in the order of `cursor_columns!`.
     pub const CLAIM: &str = "\
-SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at, clock_timestamp()
+SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger_event_id,
+       c.rewind_flagged_at, c.rewind_first_flagged_at, c.error, c.failures, c.latest_snapshot,
+       c.stream_lock_instance_id, c.stream_lock_reason, c.stream_lock_expiry, c.stream_lock_epoch,
+       k.failed_event_id, k.retry_at, k.parked_at,
+       c.state, c.event_id, c.version, c.event_type, c.payload, c.recorded_at, clock_timestamp()
   FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
   LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
 
-    /// Claims a batch's pairs (see `lockstep_perspective_claim_pairs`, migration V16): `$1`
-    /// perspective names, `$2` their positions, `$3` pairs, `$4` events per pair, `$5` events,
-    /// `$6` scan, `$7` debounce window µs, `$8` debounce cap µs. Rows: `rewind` and `apply`
-    /// pairs in claim order (an `apply` row with its state, its work rows' ids, the state's
-    /// size and the walk's position before it), then one `position` per perspective.
+    /// Claims a batch's pairs (see `lockstep_perspective_claim_pairs`, in
+    /// `migrations/functions/lockstep_perspective_claim_pairs.sql`): `$1` perspective names,
+    /// `$2` their positions, `$3` pairs, `$4` events per pair, `$5` events, `$6` scan, `$7`
+    /// debounce window µs, `$8` debounce cap µs. Rows: `rewind` and `apply` pairs in claim
+    /// order (an `apply` row with its state, its work rows' ids, the state's size and the
+    /// walk's position before it), then one `position` per perspective.
     pub const CLAIM_PAIRS: &str =
         "SELECT * FROM lockstep_perspective_claim_pairs($1, $2, $3, $4, $5, $6, $7, $8)";
 
@@ -166,10 +175,10 @@ SELECT c.*, k.failed_event_id, k.retry_at, k.parked_at, clock_timestamp()
     /// clock (what the events' ages are measured against). An event is returned while the
     /// states and events before it and itself fit the byte bound, the batch's first always. An
     /// event counts its payload's decoded size (`payload_bytes`, stored by the append; for an
-    /// event stored before that column existed, its `jsonb` decompressed — not
-    /// `pg_column_size`, which is the compressed size of a large value). The range may hold
-    /// events that are not the pair's work (skipped, or enqueued since the claim): the caller
-    /// keeps only the work ids; their sizes count.
+    /// event written by other means, its `jsonb` decompressed — not `pg_column_size`, which is
+    /// the compressed size of a large value). The range may hold events that are not the pair's
+    /// work (skipped, or enqueued since the claim): the caller keeps only the work ids; their
+    /// sizes count.
     pub const CLAIM_EVENTS: &str = "\
 SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock_timestamp()
   FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.size,
@@ -186,7 +195,7 @@ SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock
  WHERE x.cum = x.size OR x.stb + x.cum <= $5
  ORDER BY x.o, x.event_id";
 
-    /// Commits a batch (see `lockstep_perspective_commit_batch`, migration V8).
+    /// Commits a batch (see `lockstep_perspective_commit_batch`).
     pub const COMMIT_BATCH: &str = "SELECT ord, outcome, revision, parked \
          FROM lockstep_perspective_commit_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
                                                 $12, $13, $14, $15, $16, $17, $18)";
@@ -239,7 +248,8 @@ SELECT p.perspective_name,
     /// deletes its work item and retries the pair. The count is 0 when it was not pending.
     /// The pair's cursor row is locked first (the `InitPlan` of `k` runs before the delete):
     /// a batch that has the pair claimed is waited for, so no work row of a claimed pair
-    /// disappears before its batch commits (V15's range delete counts on it).
+    /// disappears before its batch commits (`lockstep_perspective_commit_batch` deletes a
+    /// pair's applied work as the range from its first to its last id, and counts on it).
     pub const SKIP_EVENT: &str = "\
 WITH k AS (
     SELECT 1 FROM wh_perspective_cursors c
@@ -271,21 +281,22 @@ SELECT count(*) FROM w";
          FROM lockstep_perspective_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
     /// A fenced commit that also releases the fence's lease (see
-    /// `lockstep_perspective_commit_release`, migration V9): as [`COMMIT`], and `released`.
+    /// `lockstep_perspective_commit_release`): as [`COMMIT`], and `released`.
     pub const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
-    /// [`COMMIT_RELEASE`] that refuses by raising (SQLSTATE `LSREF`, migration V23), for a
-    /// statement sent with the transaction's `COMMIT`: the refusal turns it into a rollback.
+    /// [`COMMIT_RELEASE`] that refuses by raising (SQLSTATE `LSREF`; see
+    /// `lockstep_perspective_commit_release_or_refuse`), for a statement sent with the
+    /// transaction's `COMMIT`: the refusal turns it into a rollback.
     pub const COMMIT_RELEASE_OR_REFUSE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release_or_refuse($1, $2, $3, $4, $5, $6, $7, $8, $9, \
          $10, $11, $12)";
 
     /// What a rewind reads first, in one statement (`$1` stream, `$2` perspective, `$3` at most
-    /// this many events), through `lockstep_load_rewind` (migration V22): a header row (part 0:
-    /// the cursor columns, then the latest snapshot strictly before the request's trigger) and,
-    /// when the cursor has a request, the first events of the stream after that snapshot but the
-    /// pair's skipped ones (part 1), in event-id order. No row: no cursor. The function keeps
+    /// this many events), through `lockstep_load_rewind`: a header row (part 0: the cursor
+    /// columns, then the latest snapshot strictly before the request's trigger) and, when the
+    /// cursor has a request, the first events of the stream after that snapshot but the pair's
+    /// skipped ones (part 1), in event-id order. No row: no cursor. The function keeps
     /// its plans for the session and walks the stream's own range of `wh_events_stream_event`
     /// whatever the statistics say (ADR 0033); as a plain statement this was planned on every
     /// call, and with few streams in the table it read every later event of every stream.
@@ -301,8 +312,8 @@ SELECT count(*) FROM w";
     /// A page of the events a rewind replays (`$1` stream, `$2` perspective, `$3` at most this
     /// many events, `$4` after this event, from the first when NULL): the events but the pair's
     /// skipped ones, in event-id order, each with its payload's decoded size as in
-    /// [`LOAD_REWIND`]. Through `lockstep_rewind_page` (migrations V21 and V22), which pins the
-    /// plan to the stream's own range of `wh_events_stream_event`, read in order.
+    /// [`LOAD_REWIND`]. Through `lockstep_rewind_page`, which pins the plan to the stream's own
+    /// range of `wh_events_stream_event`, read in order.
     pub const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
 
     /// One pair's cursor.
@@ -409,8 +420,8 @@ UPDATE wh_perspective_cursors k
  WHERE k.stream_id = $1 AND k.perspective_name = $2
 RETURNING k.revision";
 
-    /// Records a failure (see `lockstep_perspective_record_failure`, migration V8): `$3` error,
-    /// `$4` event, `$5` backoff µs, `$6` park. Returns whether the pair is parked.
+    /// Records a failure (see `lockstep_perspective_record_failure`): `$3` error, `$4` event,
+    /// `$5` backoff µs, `$6` park. Returns whether the pair is parked.
     pub const RECORD_FAILURE: &str =
         "SELECT lockstep_perspective_record_failure($1, $2, $3, $4, $5, $6)";
 
@@ -432,20 +443,17 @@ DELETE FROM wh_perspective_cursors k WHERE k.stream_id = $1 AND k.perspective_na
 RETURNING 1";
 }
 
+/// How many cursor columns every read returns, in the order `decode_cursor` reads them (those
+/// of `cursor_columns!`).
+const CURSOR_COLUMNS: usize = 16;
 /// Where the cursor columns start in a claim's header row (after `outcome`).
 const CLAIM_CURSOR_AT: usize = 1;
 /// Where the state is in a claim's header row.
-const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + V7_CURSOR_COLUMNS;
+const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + CURSOR_COLUMNS;
 /// Where the event columns start in a claim's event rows.
 const CLAIM_EVENT_AT: usize = CLAIM_STATE_AT + 1;
-/// Where the V8 cursor columns, joined at the end, are in a claim's rows.
-const CLAIM_EXTRA_AT: usize = CLAIM_EVENT_AT + 5;
-/// Where the database's clock at the claim is in a claim's rows (after the V8 columns).
-const CLAIM_CLOCK_AT: usize = CLAIM_EXTRA_AT + 3;
-/// The cursor columns of V7 (the single claim's function returns these).
-const V7_CURSOR_COLUMNS: usize = 13;
-/// How many columns `cursor_columns!` has: V7's and V8's failed event, backoff and parking.
-const CURSOR_COLUMNS: usize = V7_CURSOR_COLUMNS + 3;
+/// Where the database's clock at the claim is in a claim's rows (after the event columns).
+const CLAIM_CLOCK_AT: usize = CLAIM_EVENT_AT + 5;
 /// A batch claim's pair rows: kind, stream, perspective, the cursor columns, the state, the
 /// work ids, the state's size, the walk's position before the pair.
 const BATCH_CURSOR_AT: usize = 3;
@@ -596,7 +604,7 @@ impl PgPerspectiveStore {
             .map(|row| {
                 let stream_id = StreamId::from_uuid(row.try_get(0).map_err(decode_error)?);
                 let name = stored_name(row.try_get(1).map_err(decode_error)?)?;
-                decode_cursor(row, 2, 2 + V7_CURSOR_COLUMNS, stream_id, &name)
+                decode_cursor(row, 2, stream_id, &name)
             })
             .collect()
     }
@@ -696,23 +704,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             Some("busy") => Ok(Claim::Busy),
             Some("idle") => Ok(Claim::Idle),
             Some("rewind") => Ok(Claim::Rewind {
-                cursor: decode_cursor(
-                    header,
-                    CLAIM_CURSOR_AT,
-                    CLAIM_EXTRA_AT,
-                    stream_id,
-                    perspective,
-                )?,
+                cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
             }),
             Some("apply") if event_rows.is_empty() => Ok(Claim::Idle),
             Some("apply") => Ok(Claim::Apply {
-                cursor: decode_cursor(
-                    header,
-                    CLAIM_CURSOR_AT,
-                    CLAIM_EXTRA_AT,
-                    stream_id,
-                    perspective,
-                )?,
+                cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
                 state: header.try_get(CLAIM_STATE_AT).map_err(decode_error)?,
                 events: event_rows
                     .iter()
@@ -905,7 +901,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             )
             .await
             .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
-        row.map(|row| decode_cursor(&row, 0, V7_CURSOR_COLUMNS, stream_id, perspective))
+        row.map(|row| decode_cursor(&row, 0, stream_id, perspective))
             .transpose()
     }
 
@@ -928,7 +924,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .map_err(|e| statement_error(e, "reading a perspective state"))?;
         row.map(|row| {
             Ok((
-                decode_cursor(&row, 0, V7_CURSOR_COLUMNS, stream_id, perspective)?,
+                decode_cursor(&row, 0, stream_id, perspective)?,
                 row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
             ))
         })
@@ -1121,7 +1117,7 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
                 let stream: Uuid = row.try_get(CURSOR_COLUMNS + 1).map_err(decode_error)?;
                 let stream_id = StreamId::from_uuid(stream);
                 Ok(StoredState::new(
-                    decode_cursor(row, 0, V7_CURSOR_COLUMNS, stream_id, perspective)?,
+                    decode_cursor(row, 0, stream_id, perspective)?,
                     row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
                 ))
             })
@@ -1392,12 +1388,11 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     }
 }
 
-/// The cursor columns of [`sql`]: V7's starting at `at`, V8's (failed event, backoff, parking)
-/// at `extra_at`.
+/// The cursor columns of [`sql`] (`CURSOR_COLUMNS` of them, in the order of `cursor_columns!`),
+/// starting at `at`.
 fn decode_cursor(
     row: &Row,
     at: usize,
-    extra_at: usize,
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> Result<Cursor> {
@@ -1431,9 +1426,9 @@ fn decode_cursor(
     cursor.failures = u32::try_from(failures)
         .map_err(|_| Error::new(ErrorKind::Backend, "a stored failure count is negative"))?;
     cursor.latest_snapshot = row.try_get(at + 8).map_err(decode_error)?;
-    cursor.failed_event_id = row.try_get(extra_at).map_err(decode_error)?;
-    cursor.retry_at = row.try_get(extra_at + 1).map_err(decode_error)?;
-    cursor.parked_at = row.try_get(extra_at + 2).map_err(decode_error)?;
+    cursor.failed_event_id = row.try_get(at + 13).map_err(decode_error)?;
+    cursor.retry_at = row.try_get(at + 14).map_err(decode_error)?;
+    cursor.parked_at = row.try_get(at + 15).map_err(decode_error)?;
     cursor.lease = CursorLease {
         holder: holder.map(InstanceId::from_uuid).transpose()?,
         reason: reason
@@ -1635,13 +1630,7 @@ fn decode_rewind_header(
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> Result<(Cursor, Option<Snapshot>)> {
-    let cursor = decode_cursor(
-        header,
-        LOAD_CURSOR_AT,
-        LOAD_CURSOR_AT + V7_CURSOR_COLUMNS,
-        stream_id,
-        perspective,
-    )?;
+    let cursor = decode_cursor(header, LOAD_CURSOR_AT, stream_id, perspective)?;
     let snapshot = match header
         .try_get::<_, Option<Uuid>>(LOAD_SNAPSHOT_AT)
         .map_err(decode_error)?
@@ -1798,11 +1787,27 @@ mod tests {
 
     #[test]
     fn the_claim_header_columns_line_up_with_the_function() {
-        // lockstep_perspective_claim: outcome, 13 cursor columns, state, 5 event columns; then
-        // the 3 joined V8 columns.
-        assert_eq!(CLAIM_STATE_AT, 14);
-        assert_eq!(CLAIM_EVENT_AT, 15);
-        assert_eq!(CLAIM_EXTRA_AT, 20);
+        // CLAIM: outcome, 13 cursor columns of lockstep_perspective_claim, then the cursor
+        // row's failed event, backoff and parking (16 cursor columns), state, 5 event columns,
+        // the clock.
+        assert_eq!(CLAIM_STATE_AT, 17);
+        assert_eq!(CLAIM_EVENT_AT, 18);
+        assert_eq!(CLAIM_CLOCK_AT, 23);
+        // The statement's select list puts them there (no column of it holds a comma).
+        let list = sql::CLAIM
+            .strip_prefix("SELECT ")
+            .and_then(|s| s.split("\n  FROM ").next())
+            .expect("a select list");
+        let columns: Vec<&str> = list.split(',').map(str::trim).collect();
+        assert_eq!(columns.len(), CLAIM_CLOCK_AT + 1);
+        assert_eq!(columns[CLAIM_CURSOR_AT], "c.last_event_id");
+        assert_eq!(
+            columns[CLAIM_CURSOR_AT + CURSOR_COLUMNS - 3..CLAIM_STATE_AT],
+            ["k.failed_event_id", "k.retry_at", "k.parked_at"]
+        );
+        assert_eq!(columns[CLAIM_STATE_AT], "c.state");
+        assert_eq!(columns[CLAIM_EVENT_AT], "c.event_id");
+        assert_eq!(columns[CLAIM_CLOCK_AT], "clock_timestamp()");
         // lockstep_perspective_claim_pairs: kind, stream, perspective, 16 cursor columns,
         // state, work ids, state size, walk position.
         assert_eq!(BATCH_STATE_AT, 19);

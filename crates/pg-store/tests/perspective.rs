@@ -297,6 +297,69 @@ async fn a_claim_refused_for_a_lease_leaves_the_row_to_the_keepalive() {
     claiming.rollback().await.expect("rollback");
 }
 
+/// A pair's claim returns its whole cursor, as a cursor read does: the failed event, the
+/// backoff and the parking too, which `lockstep_perspective_claim` leaves to the statement to
+/// read from the cursor row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_returns_the_pairs_failed_event_backoff_and_parking() {
+    use lockstep_core::PairFailure;
+    let f = fixture().await;
+    let p = name("Failed");
+    let stream = StreamId::new_v7();
+    let pair = Pair::new(stream, p.clone());
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    f.store
+        .register(&tx, std::slice::from_ref(&p))
+        .await
+        .expect("register");
+    f.events
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[event(1), event(2)],
+        )
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    let ids = stream_event_ids(&f, stream).await;
+
+    let tx = PgTransaction::begin(&f.pool).await.expect("begin");
+    let failure = PairFailure::new("the first event failed")
+        .at_event(Some(ids[0]))
+        .retry_after(Duration::from_secs(3600))
+        .park(true);
+    let parked = f
+        .store
+        .record_failure(&tx, &pair, &failure)
+        .await
+        .expect("record_failure");
+    assert!(parked);
+    let read = f
+        .store
+        .cursor(&tx, &pair)
+        .await
+        .expect("cursor")
+        .expect("a cursor");
+    let claim = f
+        .store
+        .claim(&tx, &pair, 10, RewindDebounce::NONE)
+        .await
+        .expect("claim");
+    let Claim::Apply { cursor, events, .. } = claim else {
+        panic!("expected events, got {claim:?}");
+    };
+    assert_eq!(events.len(), 2);
+    assert_eq!(cursor.failed_event_id, Some(ids[0]));
+    assert!(cursor.retry_at.is_some() && cursor.parked_at.is_some());
+    assert_eq!(
+        (cursor.failures, cursor.error.as_deref()),
+        (1, Some("the first event failed"))
+    );
+    assert_eq!(cursor, read);
+    tx.rollback().await.expect("rollback");
+}
+
 /// The store runs on a transaction the application manages itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {

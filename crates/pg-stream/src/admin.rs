@@ -157,8 +157,8 @@ fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<L
     } else {
         LeaseStatus::Expired
     };
-    // Informational only (V14): a start that cannot be read (an operator's `'infinity'`) lists
-    // as not recorded rather than making the whole lease unreadable.
+    // Informational only: a start that cannot be read (an operator's `'infinity'`) lists as not
+    // recorded rather than making the whole lease unreadable.
     let acquired_at = match row
         .try_get::<_, Option<time::OffsetDateTime>>("stream_lock_acquired_at")
     {

@@ -1,4 +1,4 @@
-//! The fleet of worker instances on PostgreSQL (`wh_worker_instances`, migration V10;
+//! The fleet of worker instances on PostgreSQL (`wh_worker_instances`;
 //! `docs/adr/0015-worker-fleet.md`): [`PgStreamLocker`]'s announce, the operators' listing (a
 //! row it cannot read is listed as unreadable, with its id, beside the others) and the
 //! operators' forget and prune of stale instances.

@@ -38,9 +38,9 @@
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run
 //!   [`lockstep_pg::migrate()`].
-//! - **The fleet** (`wh_worker_instances`, migration V10): announce, depart and list worker
-//!   instances; the keepalive of an announced instance renews its leases and marks it seen in
-//!   one statement ([`sql::KEEPALIVE`]).
+//! - **The fleet** (`wh_worker_instances`): announce, depart and list worker instances; the
+//!   keepalive of an announced instance renews its leases and marks it seen in one statement
+//!   ([`sql::KEEPALIVE`]).
 //! - **Observability** comes from one layer, not from the backend: wrap the locker, admin and
 //!   fence in `lockstep_observe::Observed` at the composition root for a span and metrics per
 //!   call (ADR 0018). What only this backend knows travels in the outcome — a takeover of an

@@ -26,8 +26,8 @@
 ///   (new holder, unlocked row, expired lease — even `$3`'s own) it increases by one.
 ///   `took_over` says whether an expired, uncleared lease was replaced; `reentered` whether `$3`
 ///   already held the lease, live (the same test that keeps the epoch). The same test keeps
-///   `stream_lock_acquired_at` and `stream_lock_acquired_epoch` (migration V14); a new epoch
-///   sets them to the statement's clock and to that epoch.
+///   `stream_lock_acquired_at` and `stream_lock_acquired_epoch`; a new epoch sets them to the
+///   statement's clock and to that epoch.
 /// - No row: the pair has no cursor. A row without `acquired_epoch`: denied, and the `holder`,
 ///   `reason`, `expiry`, `epoch` columns say by whom.
 pub const TRY_ACQUIRE: &str = "\
@@ -126,10 +126,10 @@ SELECT stream_lock_epoch
 
 /// Admin listing: every set lease (held or expired but uncleared), with the time left and the
 /// status computed on the database clock, when it was acquired (only when the start recorded is
-/// this epoch's: a lease whose epoch a binary before V14 began has none), ordered by stream then perspective (byte order, so it
-/// matches Rust's `str` ordering whatever the database collation). `time_left_us` is NULL for
-/// an infinite expiry (which the locker reports as a row it cannot read, not as an SQL error
-/// that hides which row it is).
+/// this epoch's; NULL otherwise), ordered by stream then perspective (byte order, so it matches
+/// Rust's `str` ordering whatever the database collation). `time_left_us` is NULL for an
+/// infinite expiry (which the locker reports as a row it cannot read, not as an SQL error that
+/// hides which row it is).
 pub const LIST_LEASES: &str = "\
 SELECT c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_reason,
        c.stream_lock_epoch, c.stream_lock_expiry,

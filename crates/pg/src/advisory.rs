@@ -2,8 +2,9 @@
 //! that waits for one (`lockstep-pg-advisory`'s `PgDistributedLock`, `lockstep-pg-store`'s
 //! `load_locked`): the in-process queue in front of the server's lock ([`LockQueue`]), the
 //! deadline, and cancel-on-drop. The protocol at the server — isolation check, `lock_timeout`
-//! for the wait — is the SQL function `lockstep_advisory_lock` of migration `V4`; the
-//! statements here only call it. Design: `docs/adr/0003-advisory-lock-design.md`.
+//! for the wait — is the SQL function `lockstep_advisory_lock`
+//! (`migrations/functions/lockstep_advisory_lock.sql`); the statements here only call it.
+//! Design: `docs/adr/0003-advisory-lock-design.md`.
 //!
 //! Waiting for a lock needs an owned [`PgTransaction`]: an abandoned wait is cancelled with a
 //! cancel request that can arrive late, after the statement ended, so the connection must not
@@ -381,7 +382,7 @@ pub fn check_isolation(refused: Option<&str>, key: &ResourceKey) -> Result<()> {
 
 /// A driver error of a lock statement, with its kind, through the helper every lockstep
 /// statement shares ([`crate::internal::statement_error`]): the server's message and SQLSTATE,
-/// and on a database without lockstep's schema (no `lockstep_advisory_lock`, migration V4)
+/// and on a database without lockstep's schema (no `lockstep_advisory_lock`)
 /// advice to run the migrations.
 #[doc(hidden)]
 pub fn lock_error(err: tokio_postgres::Error, key: &ResourceKey, doing: &str) -> Error {

@@ -15,10 +15,10 @@
 //!   cannot conflict because reserved versions are exclusive.
 //! - Every failed append aborts the transaction (as a failed statement does in PostgreSQL), and
 //!   so does dropping an append while it waits.
-//! - Appends are idempotent by event id, exactly like Postgres (migration `V6`): an append whose
-//!   event ids are all stored in that stream at consecutive versions in the order given (and
-//!   whose expected version, if any, is the one before the first) is a replay that writes
-//!   nothing and returns the version of its last event; other stored ids are
+//! - Appends are idempotent by event id, exactly like Postgres (`lockstep_append_events`): an
+//!   append whose event ids are all stored in that stream at consecutive versions in the order
+//!   given (and whose expected version, if any, is the one before the first) is a replay that
+//!   writes nothing and returns the version of its last event; other stored ids are
 //!   [`ErrorKind::InvalidInput`]; an id another open transaction staged is waited for, and is a
 //!   retryable [`ErrorKind::Conflict`] if that transaction commits. An append listing one id
 //!   twice is refused before anything happens.
@@ -135,10 +135,10 @@ impl InMemoryEventStore {
             .find(|e| e.event_id == id)
     }
 
-    /// Idempotency by event id, as Postgres does it (migration `V6`): `None` when none of the
-    /// ids is visible to `tx`; a replay's result when every one is stored in `stream_id` at
-    /// consecutive versions in the order given (and `expected` is the version before the
-    /// first); otherwise the refusal ([`ErrorKind::InvalidInput`]).
+    /// Idempotency by event id, as Postgres does it (`lockstep_append_events`): `None` when
+    /// none of the ids is visible to `tx`; a replay's result when every one is stored in
+    /// `stream_id` at consecutive versions in the order given (and `expected` is the version
+    /// before the first); otherwise the refusal ([`ErrorKind::InvalidInput`]).
     fn replay(
         state: &State,
         tx: u64,

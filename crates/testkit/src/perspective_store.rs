@@ -843,7 +843,8 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         // Rewind requests first, oldest first: a request on a pair without pending work is
         // in no work walk. Bounded by `pairs`, not by `scan`: only servable ones are looked at,
         // and no more of them than the batch has room for pairs — one another claim holds is
-        // not replaced by the next (Postgres's `LIMIT` on the candidates, V20).
+        // not replaced by the next (Postgres's `LIMIT` on the candidates, in
+        // `lockstep_perspective_claim_pairs`).
         let requested: Vec<Key> = {
             let now = self.now();
             let leased: HashSet<Key> = self

@@ -1,15 +1,15 @@
-//! The latency of one `claim_batch` (`lockstep_perspective_claim_batch`) against the length of
-//! the queue: a database with `--claim-small-streams` × `--claim-events-per-stream` work rows
-//! (100 × 100 = 10 000) and one with `--claim-large-streams` × the same (10 000 × 100 =
-//! 1 000 000) of the claimed perspective — the same events per pair, so every claim hands out
-//! the same work (64 pairs of 100 events) and only the queue's length differs. The events are
-//! appended before the perspective is registered (the registration enqueues the work), then
-//! `VACUUM ANALYZE`. Each claim runs in a transaction of its own that is rolled back (the queue
-//! stays as it is), with the worker's default limits, the positions carried from one claim to
-//! the next as the worker does; only the claim statement is timed. One untimed claim per queue
-//! first (plans, caches); then `--claims` per queue, alternating between the queues (the order
-//! swapped every claim), in `--claim-rounds` rounds: the ratio of the means per round, and
-//! their median.
+//! The latency of one `claim_batch` (two statements: `lockstep_perspective_claim_pairs` for the
+//! pairs and their work ids, then the pairs' events) against the length of the queue: a
+//! database with `--claim-small-streams` × `--claim-events-per-stream` work rows (100 × 100 =
+//! 10 000) and one with `--claim-large-streams` × the same (10 000 × 100 = 1 000 000) of the
+//! claimed perspective — the same events per pair, so every claim hands out the same work (64
+//! pairs of 100 events) and only the queue's length differs. The events are appended before the
+//! perspective is registered (the registration enqueues the work), then `VACUUM ANALYZE`. Each
+//! claim runs in a transaction of its own that is rolled back (the queue stays as it is), with
+//! the worker's default limits, the positions carried from one claim to the next as the worker
+//! does; only the claim's statements are timed. One untimed claim per queue first (plans,
+//! caches); then `--claims` per queue, alternating between the queues (the order swapped every
+//! claim), in `--claim-rounds` rounds: the ratio of the means per round, and their median.
 
 use std::time::Instant;
 
@@ -45,7 +45,7 @@ impl Claimer {
         })
     }
 
-    /// One claim, rolled back: its latency in ms (the claim statement only) and what it
+    /// One claim, rolled back: its latency in ms (the claim's statements only) and what it
     /// handed out.
     pub(super) async fn claim(&mut self) -> Result<(f64, ClaimedBatch)> {
         let store = PgPerspectiveStore::new();
@@ -273,7 +273,7 @@ async fn measure(queues: &mut [Queue], args: &Args) -> Result<(Vec<String>, f64)
         fmt_all(&ratios)
     ));
     lines.push(format!(
-        "Timed: the claim statement only (PerspectiveStore::claim_batch), each in a transaction \
+        "Timed: the claim's statements only (PerspectiveStore::claim_batch), each in a transaction \
          of its own, rolled back; the worker's default limits ({} pairs, {} events per pair, {} \
          events, scan {}); positions carried from one claim to the next; one untimed claim per \
          queue first; the two queues alternate, the order swapped every claim. Every claim \

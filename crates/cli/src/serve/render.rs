@@ -337,9 +337,8 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
                         escape(at),
                         l["held_s"].as_f64().unwrap_or(0.0)
                     ),
-                    None if l["error"].is_null() => "<span class=\"none\" title=\"acquired \
-                        before the lease start was recorded (migration V14)\">not \
-                        recorded</span>"
+                    None if l["error"].is_null() => "<span class=\"none\" title=\"the \
+                        lease's start is not recorded for its epoch\">not recorded</span>"
                         .to_owned(),
                     None => String::new(),
                 },

@@ -1,9 +1,10 @@
 //! The batch operations of [`PgPerspectiveStore`](super::PgPerspectiveStore): two statements
-//! claim a batch (`lockstep_perspective_claim_pairs`, migration V16, for the pairs and their
-//! work ids; `CLAIM_EVENTS` for their events, each pair's as one range of `wh_events`: ADR
-//! 0022 §2), one commits it (`lockstep_perspective_commit_batch`, its work rows deleted by
-//! range since V15: ADR 0022). Since V20 (ADR 0030) a pair that failed is handed out up to its
-//! failed event only, and a batch's failures are stored by one statement.
+//! claim a batch (`lockstep_perspective_claim_pairs`, in
+//! `migrations/functions/lockstep_perspective_claim_pairs.sql`, for the pairs and their work
+//! ids; `CLAIM_EVENTS` for their events, each pair's as one range of `wh_events`: ADR 0022 §2),
+//! one commits it (`lockstep_perspective_commit_batch`, its work rows deleted by range: ADR
+//! 0022). A pair that failed is handed out up to its failed event only (ADR 0030), and a
+//! batch's failures are stored by one statement.
 
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, ClaimedBatch, ClaimedPair, ClaimedWork, Error,
@@ -17,8 +18,8 @@ use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
 use super::{
-    BATCH_CURSOR_AT, BATCH_STATE_AT, BATCH_WORK_AT, V7_CURSOR_COLUMNS, backoff_micros, check_json,
-    count_param, decode_cursor, decode_error, fence_params, micros, sql,
+    BATCH_CURSOR_AT, BATCH_STATE_AT, BATCH_WORK_AT, backoff_micros, check_json, count_param,
+    decode_cursor, decode_error, fence_params, micros, sql,
 };
 
 /// The length of a column's value as it arrived, whatever its type: for `jsonb`, a version
@@ -320,13 +321,7 @@ fn pair_cursor(
     stream: StreamId,
     name: &PerspectiveName,
 ) -> Result<lockstep_core::Cursor> {
-    decode_cursor(
-        row,
-        BATCH_CURSOR_AT,
-        BATCH_CURSOR_AT + V7_CURSOR_COLUMNS,
-        stream,
-        name,
-    )
+    decode_cursor(row, BATCH_CURSOR_AT, stream, name)
 }
 
 /// `ids` in ascending order without repeats (borrowed when they are already).
@@ -400,8 +395,9 @@ pub(super) async fn commit<T: PgTransactionRef>(
                 let (holder, epoch) =
                     fence_params(commit.fence.as_ref(), pair.stream_id, &pair.perspective)?;
                 // In ascending order without repeats: the commit deletes a pair's applied
-                // work rows as the range from its first to its last id (V15), and a claim
-                // hands them out in that order already.
+                // work rows as the range from its first to its last id
+                // (`lockstep_perspective_commit_batch`), and a claim hands them out in that
+                // order already.
                 let ids = ascending(&commit.applied_events);
                 let len = i32::try_from(ids.len()).map_err(|_| {
                     Error::new(

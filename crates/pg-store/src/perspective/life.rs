@@ -1,5 +1,5 @@
-//! A perspective's life on PostgreSQL (migration `V11`, ADR 0016): retire, list the retired,
-//! rebuild, and the progress of rewinds. Each is one statement; the trait methods of
+//! A perspective's life on PostgreSQL (ADR 0016): retire, list the retired, rebuild, and the
+//! progress of rewinds. Each is one statement; the trait methods of
 //! [`PgPerspectiveStore`](super::PgPerspectiveStore) call these.
 
 use lockstep_core::perspective_store::check_progress_limit;
@@ -31,7 +31,7 @@ pub(super) mod sql {
          ORDER BY r.perspective_name COLLATE \"C\"";
 
     /// Requests a rewind from the start on every pair of `$1` (see
-    /// `lockstep_rebuild_perspective`, V11). NULL: not registered.
+    /// `lockstep_rebuild_perspective`). NULL: not registered.
     pub(super) const REBUILD: &str = "SELECT lockstep_rebuild_perspective($1)";
 
     /// Records a rewind's progress: `$1` stream, `$2` perspective, `$3` run, `$4` holder, `$5`
@@ -51,7 +51,7 @@ ON CONFLICT (stream_id, perspective_name) DO UPDATE
        updated_at = EXCLUDED.updated_at";
 
     /// Adds applied events (`$1` names, `$2` counts) to the catch-up rates, closing windows of
-    /// at least `$3` µs (see `lockstep_perspective_record_applied`, V11).
+    /// at least `$3` µs (see `lockstep_perspective_record_applied`).
     pub(super) const RECORD_APPLIED: &str =
         "SELECT lockstep_perspective_record_applied($1, $2, $3)";
 
