@@ -443,3 +443,62 @@ async fn runs_after_the_upgrade(db: &PgDatabase, admin: &tokio_postgres::Client)
         "the parked pair stays parked until an operator acts"
     );
 }
+
+/// A worker refuses a database a newer lockstep migrated with a breaking change, before it
+/// registers or takes any work, and says to upgrade the binary; the same worker starts once the
+/// schema is one it runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refuses_a_schema_it_was_not_built_for() {
+    use lockstep_pg::migrate::SchemaMismatch;
+    let test_db = test_database().await;
+    let db = PgDatabase::from_pool(test_db.pool(4));
+    db.migrate().await.expect("migrate");
+    db.pool()
+        .get()
+        .await
+        .expect("connection")
+        .batch_execute(APP_SCHEMA)
+        .await
+        .expect("the application's schema");
+    let admin = test_db.connect().await;
+    let newer = SCHEMA_VERSION + 1;
+    admin
+        .batch_execute(&format!(
+            "UPDATE lockstep_schema_version SET version = {newer}, last_breaking = {newer}"
+        ))
+        .await
+        .expect("a newer, breaking schema");
+
+    let refused = worker(&db);
+    let error =
+        tokio::spawn(async move { refused.run(lockstep_worker::CancellationToken::new()).await })
+            .await
+            .expect("task")
+            .expect_err("the worker refuses the schema");
+    assert!(
+        matches!(
+            SchemaMismatch::of(&error),
+            Some(SchemaMismatch::Newer { .. })
+        ),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("upgrade this binary"), "{error}");
+    let registered: i64 = admin
+        .query_one("SELECT count(*) FROM wh_perspectives", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(registered, 0, "nothing registered");
+
+    admin
+        .batch_execute(&format!(
+            "UPDATE lockstep_schema_version SET version = {newer}, last_breaking = 1"
+        ))
+        .await
+        .expect("a newer, compatible schema");
+    let accepted = worker(&db);
+    tokio::spawn(async move { accepted.register().await })
+        .await
+        .expect("task")
+        .expect("a compatible schema serves this build");
+}

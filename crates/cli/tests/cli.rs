@@ -989,7 +989,7 @@ async fn the_status_page_shows_a_lease_a_test_holds_in_a_real_browser() {
         dom.contains("data-action=\"rebuild\" data-perspective=\"Orders\""),
         "{dom}"
     );
-    // The purge lease's start, as the try-acquire recorded it (V14), and how long it is held.
+    // The purge lease's start, as the try-acquire recorded it, and how long it is held.
     assert!(!dom.contains("not recorded"), "{dom}");
     assert!(dom.contains(" s</small>") && dom.contains("held "), "{dom}");
     // The script refreshed the page in place (the server-rendered marker was replaced).
@@ -2326,9 +2326,9 @@ async fn the_pages_rebuild_action_needs_the_token_a_confirmation_and_requests_ev
     assert!(log.contains("(cross-origin request): refused"), "{log}");
 }
 
-/// Issue 21: the lease table gives every lease's start (recorded by the try-acquire, V14) and
-/// how long it is held, and a running rewind's progress. A lease acquired before V14 has no
-/// recorded start: a rewind's own report dates it, and otherwise the page says "not recorded".
+/// The lease table gives every lease's start (recorded by the try-acquire) and how long it is
+/// held, and a running rewind's progress. A lease whose start is not recorded for its epoch: a
+/// rewind's own report dates it, and otherwise the page says "not recorded".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_table_shows_every_leases_start_and_a_rewinds_progress() {
     let (_db, url, pool) = migrated().await;
@@ -2413,7 +2413,7 @@ async fn the_lease_table_shows_every_leases_start_and_a_rewinds_progress() {
     assert!(page.contains("2 of 3 events (66.7%)"), "{page}");
     assert!(!page.contains("not recorded"), "{page}");
 
-    // Leases taken before migration V14 recorded no start.
+    // Leases whose start is not recorded for their epoch.
     pool.get()
         .await
         .expect("connection")

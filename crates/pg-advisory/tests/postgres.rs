@@ -42,7 +42,7 @@ impl DistributedLockFixture for Fixture {
 async fn setup(pool_size: usize) -> (TestDatabase, Pool, PgDistributedLock) {
     let db = test_database().await;
     let pool = db.pool(pool_size);
-    // The lock statements call the SQL function of migration V4.
+    // The lock statements call the SQL function `lockstep_advisory_lock`.
     migrate(&pool).await.expect("migrate");
     let lock = PgDistributedLock::from_pool(pool.clone());
     (db, pool, lock)

@@ -467,10 +467,14 @@ const LOAD_SNAPSHOT_AT: usize = LOAD_CURSOR_AT + CURSOR_COLUMNS;
 const LOAD_EVENT_AT: usize = LOAD_SNAPSHOT_AT + 3;
 
 /// The PostgreSQL perspective store. Cheap to clone; holds no connection (every call runs on
-/// the transaction it is given). Apply the schema first with [`lockstep_pg::migrate()`].
+/// the transaction it is given). Apply the schema first with [`lockstep_pg::migrate()`]: its
+/// first registration (a worker's start) checks that this build runs on the database's schema
+/// ([`lockstep_pg::migrate::check_schema_on`]) and refuses it otherwise, saying what to do.
 #[derive(Debug, Clone)]
 pub struct PgPerspectiveStore {
     keep_snapshots: i32,
+    /// Set once a registration found a schema this build runs on (shared by clones).
+    schema_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// How long appends may queue behind a registration's or retirement's exclusive lock at a
     /// time, µs.
     change_queue_us: i64,
@@ -512,6 +516,7 @@ impl PgPerspectiveStore {
         PgPerspectiveStore {
             // A small constant: it fits.
             keep_snapshots: DEFAULT_KEEP_SNAPSHOTS as i32,
+            schema_checked: Default::default(),
             change_queue_us: 50_000,
             change_give_up_us: 5_000_000,
         }
@@ -612,6 +617,11 @@ impl PgPerspectiveStore {
 
 impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
     async fn register(&self, tx: &T, perspectives: &[PerspectiveName]) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if !self.schema_checked.load(Ordering::Acquire) {
+            lockstep_pg::migrate::check_schema_on(tx.executor()).await?;
+            self.schema_checked.store(true, Ordering::Release);
+        }
         let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
         tx.executor()
             .query_typed_one(

@@ -1,4 +1,4 @@
-//! The lean append of migration `V13` (ADR 0019) against a real PostgreSQL: the fan-out runs
+//! The lean append (`lockstep_append_events`, ADR 0019) against a real PostgreSQL: the fan-out runs
 //! only with a registered perspective, and ids stored in another stream while an append waited
 //! for them are refused. (Replays, refusals, expected versions and races in one stream are the
 //! event-store conformance suite's, in `postgres.rs`.)

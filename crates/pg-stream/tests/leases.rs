@@ -311,7 +311,7 @@ async fn a_lease_begun_without_recording_its_start_lists_none_not_an_older_one()
     };
     let first = acquire_by_anyone(&locker, stream, &perspective).await;
     let started = listed().await.acquired_at.expect("recorded");
-    // The release of the rewind's fenced commit (V9) clears the holder and keeps the start
+    // The release of the rewind's fenced commit clears the holder and keeps the start
     // columns; then an earlier release's try-acquire (no start columns) begins epoch 2.
     let old_binary = InstanceId::random();
     db.client()

@@ -51,6 +51,7 @@ use std::fmt;
 
 use deadpool_postgres::{Object, Pool};
 use lockstep_core::{Error, ErrorKind, Result, advisory_key};
+use tokio_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
 
 use crate::error::map_error;
@@ -241,10 +242,10 @@ pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
 }
 
 async fn migrate_locked(conn: &mut Object) -> Result<MigrationReport> {
-    if is_snapshot(conn).await? {
+    if is_snapshot(&***conn).await? {
         return Err(SchemaMismatch::Snapshot.into_error());
     }
-    if let Some(installed) = installed_schema(conn).await?
+    if let Some(installed) = installed_schema(&***conn).await?
         && installed.version > SCHEMA_VERSION
     {
         if installed.last_breaking > SCHEMA_VERSION {
@@ -446,7 +447,7 @@ fn quote_ident(name: &str) -> String {
 
 /// Whether the history table holds migrations of a development snapshot from before 0.1
 /// (whose first migration was not the baseline).
-async fn is_snapshot(conn: &tokio_postgres::Client) -> Result<bool> {
+async fn is_snapshot<C: GenericClient + Sync>(conn: &C) -> Result<bool> {
     if !table_exists(conn, MIGRATION_TABLE).await? {
         return Ok(false);
     }
@@ -463,7 +464,7 @@ async fn is_snapshot(conn: &tokio_postgres::Client) -> Result<bool> {
     Ok(row.get(0))
 }
 
-async fn table_exists(conn: &tokio_postgres::Client, table: &str) -> Result<bool> {
+async fn table_exists<C: GenericClient + Sync>(conn: &C, table: &str) -> Result<bool> {
     // `to_regclass` resolves the name on the search_path as refinery does; NULL when absent.
     let row = conn
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
@@ -473,7 +474,7 @@ async fn table_exists(conn: &tokio_postgres::Client, table: &str) -> Result<bool
 }
 
 /// The version row, when the table and the row exist.
-async fn installed_schema(conn: &tokio_postgres::Client) -> Result<Option<InstalledSchema>> {
+async fn installed_schema<C: GenericClient + Sync>(conn: &C) -> Result<Option<InstalledSchema>> {
     if !table_exists(conn, VERSION_TABLE).await? {
         return Ok(None);
     }
@@ -498,11 +499,11 @@ async fn installed_schema(conn: &tokio_postgres::Client) -> Result<Option<Instal
 /// upgrade the binary). One checkout and up to four short reads.
 pub async fn check_schema(pool: &Pool) -> Result<InstalledSchema> {
     let conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
-    check_schema_on(&conn).await
+    check_schema_on(&**conn).await
 }
 
 /// [`check_schema`] on a connection the caller holds (in a transaction or not): it only reads.
-pub async fn check_schema_on(conn: &tokio_postgres::Client) -> Result<InstalledSchema> {
+pub async fn check_schema_on<C: GenericClient + Sync>(conn: &C) -> Result<InstalledSchema> {
     if is_snapshot(conn).await? {
         return Err(SchemaMismatch::Snapshot.into_error());
     }
@@ -534,7 +535,7 @@ pub async fn check_schema_on(conn: &tokio_postgres::Client) -> Result<InstalledS
 }
 
 /// This build's function files whose installed text differs or is missing.
-async fn differing_functions(conn: &tokio_postgres::Client) -> Result<Vec<String>> {
+async fn differing_functions<C: GenericClient + Sync>(conn: &C) -> Result<Vec<String>> {
     Ok(function_states(conn)
         .await?
         .into_iter()
@@ -638,8 +639,9 @@ impl MigrationStatus {
 /// pending) and nothing is created or locked.
 pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
     let conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
+    let conn: &tokio_postgres::Client = &conn;
     let mut recorded: Vec<(i32, String, String, String)> = Vec::new();
-    if table_exists(&conn, MIGRATION_TABLE).await? {
+    if table_exists(conn, MIGRATION_TABLE).await? {
         let rows = conn
             .query(
                 &format!(
@@ -694,14 +696,14 @@ pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
     migrations.sort_by_key(|m| m.version);
     Ok(MigrationStatus {
         migrations,
-        functions: function_states(&conn).await?,
-        schema: installed_schema(&conn).await?,
-        snapshot: is_snapshot(&conn).await?,
+        functions: function_states(conn).await?,
+        schema: installed_schema(conn).await?,
+        snapshot: is_snapshot(conn).await?,
     })
 }
 
 /// Every function file and where it stands; then the recorded names this build lacks.
-async fn function_states(conn: &tokio_postgres::Client) -> Result<Vec<FunctionEntry>> {
+async fn function_states<C: GenericClient + Sync>(conn: &C) -> Result<Vec<FunctionEntry>> {
     let names: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.name).collect();
     if !table_exists(conn, FUNCTIONS_TABLE).await? {
         return Ok(names
