@@ -29,7 +29,7 @@
 -- some not, another stream, other positions, another expected version) is not_a_replay.
 --
 -- The common case costs three statements, the least that keeps both guarantees (idempotency
--- and the expected version; docs/adr/0019-lean-append.md measures the alternatives):
+-- and the expected version; docs/benchmarks.md, "ADR 0019", measures the alternatives):
 -- 1. the stream's version (a backward scan of the unique (stream_id, version) index);
 -- 2. the insert, with ON CONFLICT (event_id) DO NOTHING: the primary key tells whether an id is
 --    stored as part of the insert, with no probe and no subtransaction of its own. An id that

@@ -13,7 +13,7 @@
 -- gets a bitmap scan and a sort of the stream's whole rest, or the primary key with a filter
 -- on the stream through every later event of every stream; each page then reads everything
 -- after it, n² / page size rows for a replay of n events
--- (docs/adr/0033-rewind-reads-pinned-to-the-stream.md has the measurements). Hence:
+-- (docs/benchmarks.md, "ADR 0033", has the measurements). Hence:
 -- - The range is two row comparisons on (stream_id, event_id), and the order is (stream_id,
 --   event_id): only wh_events_stream_event can serve both bounds as index conditions and
 --   return the rows in that order. An equality on stream_id is left out on purpose: with it,
