@@ -1,4 +1,4 @@
-//! Issue 8, defect 4: on a database that was never migrated, the event store and the
+//! On a database that was never migrated, the event store and the
 //! perspective store say what is wrong and what to do (run `lockstep_pg::migrate`), with the
 //! database's own message and SQLSTATE, instead of a bare "backend error: appending to stream".
 
@@ -65,6 +65,21 @@ async fn the_stores_on_an_unmigrated_database_say_to_run_the_migrations() {
         .register(&tx, std::slice::from_ref(&name))
         .await
         .expect_err("no schema");
-    says_to_migrate("register", &err);
+    // A registration (a worker's start) checks the schema version first.
+    assert_eq!(
+        lockstep_pg::migrate::SchemaMismatch::of(&err),
+        Some(&lockstep_pg::migrate::SchemaMismatch::NotInstalled),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("lockstep_pg::migrate"), "{err}");
+    tx.rollback().await.expect("rollback");
+
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let pair = lockstep_core::Pair::new(stream, name);
+    let err = perspectives
+        .cursor(&tx, &pair)
+        .await
+        .expect_err("no schema");
+    says_to_migrate("cursor", &err);
     tx.rollback().await.expect("rollback");
 }
