@@ -23,7 +23,9 @@ use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::test_database;
 use lockstep_tests::{early_id, number_event};
-use lockstep_worker::{CancellationToken, PerspectiveWorker, ReadModels, WorkerOptions};
+use lockstep_worker::{
+    CancellationToken, PairErrorKind, PerspectiveWorker, ReadModels, WorkerOptions,
+};
 use uuid::Uuid;
 
 /// The application's schema: one row per event (its primary key refuses a second write; its
@@ -329,17 +331,20 @@ async fn a_failing_statement_fails_its_pair_alone_and_keeps_its_earlier_rows() {
 
     let cycles = Arc::clone(&worker);
     let failures = tokio::spawn(async move {
-        let mut failures = 0;
+        let mut failures = Vec::new();
         for _ in 0..10 {
             let report = cycles.run_once().await;
             assert!(report.errors.is_empty(), "{:?}", report.errors);
-            failures += report.failed;
+            assert_eq!(report.failed, report.failures.len(), "{report:?}");
+            failures.extend(report.failures);
         }
         failures
     })
     .await
     .expect("task");
-    assert_eq!(failures, 1, "one failure, then the pair backs off");
+    assert_eq!(failures.len(), 1, "one failure, then the pair backs off");
+    assert_eq!(failures[0].pair, Pair::new(poisoned, daily()));
+    assert_eq!(failures[0].error.kind(), PairErrorKind::Apply);
     for (i, stream) in healthy.iter().enumerate() {
         assert_eq!(seen(&pool, *stream).await, vec![i as i64, 1, 2]);
     }
@@ -359,6 +364,8 @@ async fn a_failing_statement_fails_its_pair_alone_and_keeps_its_earlier_rows() {
     assert_eq!(cursor.applied_count, 2);
     let error = cursor.error.expect("stored");
     assert!(error.contains("check constraint"), "{error}");
+    assert_eq!(error, failures[0].error.to_string());
+    assert_eq!(cursor.failed_event_id, failures[0].error.event_id());
     assert!(cursor.retry_at.is_some(), "backed off");
 }
 
@@ -408,6 +415,12 @@ async fn an_event_that_cannot_be_read_fails_its_table_pair_at_it() {
     );
     let error = cursor.error.expect("stored");
     assert!(error.contains("could not be read"), "{error}");
+    let failure = &report.failures[0];
+    assert_eq!(
+        (failure.error.kind(), failure.error.event_id()),
+        (PairErrorKind::UnreadableEvent, Some(unreadable))
+    );
+    assert_eq!(error, failure.error.to_string());
     assert!(cursor.retry_at.is_some(), "backed off");
 }
 
@@ -454,10 +467,24 @@ async fn a_rebuild_that_fails_at_an_event_stores_that_event() {
         .expect("task");
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     assert_eq!(report.failed, 2, "{report:?}");
-    for (stream, at, why) in [
-        (unreadable, bad_payload, "could not be read"),
-        (refused, thirteen, "check constraint"),
+    for (stream, at, why, kind) in [
+        (
+            unreadable,
+            bad_payload,
+            "could not be read",
+            PairErrorKind::UnreadableEvent,
+        ),
+        (refused, thirteen, "check constraint", PairErrorKind::Apply),
     ] {
+        let failure = report
+            .failures
+            .iter()
+            .find(|f| f.pair.stream_id == stream)
+            .expect("reported");
+        assert_eq!(
+            (failure.error.kind(), failure.error.event_id()),
+            (kind, Some(at))
+        );
         let tx = source.begin().await.expect("begin");
         let cursor = PgPerspectiveStore::new()
             .cursor(&tx, &Pair::new(stream, daily()))
@@ -469,6 +496,7 @@ async fn a_rebuild_that_fails_at_an_event_stores_that_event() {
         assert!(cursor.rewind.is_some(), "the request stays");
         let error = cursor.error.expect("stored");
         assert!(error.contains(why), "{error}");
+        assert_eq!(error, failure.error.to_string());
         let tx = source.begin().await.expect("begin");
         assert!(
             PgPerspectiveStore::new()

@@ -21,7 +21,9 @@ use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_tests::{NUMBERS, Numbers, early_id, number_event};
-use lockstep_worker::{CycleReport, Leased, PerspectiveWorker, PurgeOutcome, WorkerOptions};
+use lockstep_worker::{
+    CycleReport, Leased, PairErrorKind, PerspectiveWorker, PurgeOutcome, WorkerOptions,
+};
 
 type Worker = PerspectiveWorker<PgDatabase, PgPerspectiveStore>;
 
@@ -249,6 +251,10 @@ async fn a_failure_outside_apply_is_stored_on_the_pair() {
         "{error:?}"
     );
     assert_eq!(failures, 1);
+    // The report says what the cursor stores, typed.
+    let failure = &report.failures[0];
+    assert_eq!(failure.error.kind(), PairErrorKind::State, "{report:?}");
+    assert_eq!(error, Some(failure.error.to_string()));
 }
 
 /// An event whose stored payload does not decode (appended through the SQL function, which
@@ -294,6 +300,13 @@ async fn an_event_that_cannot_be_read_fails_its_pair_not_the_claim() {
             .is_some_and(|e| e.contains(&format!("event {unreadable} could not be read"))),
         "{error:?}"
     );
+    let failure = &report.failures[0];
+    assert_eq!(failure.pair.stream_id, bad);
+    assert_eq!(
+        (failure.error.kind(), failure.error.event_id()),
+        (PairErrorKind::UnreadableEvent, Some(unreadable))
+    );
+    assert_eq!(error, Some(failure.error.to_string()));
     use lockstep_core::PerspectiveStore as _;
     let tx = PgTransaction::begin(&s.pool).await.expect("begin");
     assert!(
@@ -818,6 +831,10 @@ async fn a_batch_that_outlives_the_idle_timeout_shrinks_until_it_commits() {
     let mut batch_failures = 0;
     for _ in 0..60 {
         let report = worker.run_once().await;
+        assert!(
+            report.errors.iter().all(|e| e.failed_batch() == Some(1)),
+            "only the batch's failures: {report:?}"
+        );
         batch_failures += report.errors.len();
         assert_eq!(report.failed, 0, "never the pair's failure: {report:?}");
         let applied: i64 = client
@@ -945,6 +962,12 @@ async fn a_pair_whose_batches_keep_failing_is_charged_while_other_work_commits()
         let failures: i32 = cursor(slow).await.get(0);
         if failures > 0 {
             assert!(report.failed >= 1, "{report:?}");
+            // Charged with its batch's commit failure: the store's.
+            assert!(
+                report.failures.iter().any(|f| f.pair.stream_id == slow
+                    && matches!(f.error.kind(), PairErrorKind::Store(_))),
+                "{report:?}"
+            );
             // The others were served meanwhile.
             for stream in &others {
                 let applied: i64 = cursor(*stream).await.get(1);

@@ -1159,7 +1159,7 @@ async fn command(
     let events = match events {
         Ok(events) => events,
         Err(e) => {
-            let _ = tx.rollback().await;
+            rollback(tx, "a load that failed").await;
             return Err(e);
         }
     };
@@ -1193,7 +1193,7 @@ async fn command(
         .append_at_commit(&tx, stream, expected, &[event])
         .await
     {
-        let _ = tx.rollback().await;
+        rollback(tx, "an append that failed").await;
         return Err(e);
     }
     let committed = tx.commit().await;
@@ -1219,6 +1219,17 @@ async fn command(
         Err(_) => {}
     }
     committed
+}
+
+/// Ends a command's transaction after its statement failed: that error is the one reported. A
+/// rollback that fails still ends the transaction (the connection is closed, and the server
+/// rolls back; nothing of it was committed), so its error is logged at `debug`. Awaited rather
+/// than left to the guard's drop, which rolls back in the background and may close the
+/// connection instead of pooling it.
+async fn rollback(tx: PgTransaction, what: &'static str) {
+    if let Err(err) = tx.rollback().await {
+        tracing::debug!(error = %err, transaction = what, "rolling back failed; the transaction ended all the same");
+    }
 }
 
 async fn seed(pool: &Pool, store: &PgEventStore, streams: &[Uuid], n: usize) -> Result<()> {

@@ -588,11 +588,11 @@ async fn drain(worker: &PgWorker, left: &WorkLeft, poll: Duration) -> Result<usi
             bail!("worker cycle failed: {error}");
         }
         if report.failed > 0 {
-            bail!(
-                "{} pairs failed, e.g. {}",
-                report.failed,
-                report.failures.first().map_or("?", String::as_str)
-            );
+            let example = report
+                .failures
+                .first()
+                .map_or_else(|| "?".to_owned(), ToString::to_string);
+            bail!("{} pairs failed, e.g. {example}", report.failed);
         }
         applied += report.applied;
         if report.pairs > 0 {

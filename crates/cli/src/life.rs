@@ -15,7 +15,6 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use lockstep_core::Transaction as _;
 use lockstep_core::{
     PerspectiveName, PerspectiveStore, Rebuild, RetireStates, Retired, TransactionSource,
 };
@@ -238,8 +237,8 @@ pub(crate) async fn retired(pool: &deadpool_postgres::Pool) -> Result<Vec<String
     let store = PgPerspectiveStore::new();
     let tx = db.begin().await.map_err(explain)?;
     let names = store.retired(&tx).await;
-    // Read only: the rollback cannot lose anything.
-    let _ = tx.rollback().await;
+    // Read only: a rollback that fails still ends it, and changes nothing.
+    crate::pg::rollback(tx, "a read of the retired perspectives").await;
     Ok(names
         .map_err(explain)?
         .into_iter()

@@ -379,20 +379,19 @@ async fn registered(
     name: &PerspectiveName,
 ) -> Result<bool> {
     let tx = source.begin().await.map_err(explain)?;
-    let registered = store.is_registered(&tx, name).await.map_err(explain)?;
-    let _ = tx.rollback().await;
-    Ok(registered)
+    let registered = store.is_registered(&tx, name).await;
+    // Read only: a rollback that fails still ends it, and changes nothing.
+    crate::pg::rollback(tx, "a read of the registered perspectives").await;
+    registered.map_err(explain)
 }
 
 /// The stream event `event` belongs to, if it is an event of the database behind `source`.
 async fn stream_of_event(source: &PgDatabase, event: Uuid) -> Result<Option<Uuid>> {
     let tx = source.begin().await.map_err(explain)?;
-    let stream = PgEventStore::new(source)
-        .stream_of_event(&tx, event)
-        .await
-        .map_err(explain)?;
-    let _ = tx.rollback().await;
-    Ok(stream.map(|s| s.as_uuid()))
+    let stream = PgEventStore::new(source).stream_of_event(&tx, event).await;
+    // Read only: a rollback that fails still ends it, and changes nothing.
+    crate::pg::rollback(tx, "a read of an event's stream").await;
+    Ok(stream.map_err(explain)?.map(|s| s.as_uuid()))
 }
 
 /// How long until `at` (on the database's clock, read against this machine's), as "12.3 s";
@@ -690,8 +689,8 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
         Ok::<_, lockstep_core::Error>((status, failing, progress, rates))
     }
     .await;
-    // Read only: the rollback cannot lose anything.
-    let _ = tx.rollback().await;
+    // Read only: a rollback that fails still ends it, and changes nothing.
+    crate::pg::rollback(tx, "a read of the perspectives' status").await;
     let (status, failing, progress, rates) = read.map_err(explain)?;
     let instances = crate::workers::instances(pool).await?;
     let mut rows: Vec<serde_json::Value> = status
@@ -893,7 +892,9 @@ pub(crate) async fn perspectives(
                     r
                 }
                 Err(e) => {
-                    let _ = tx.rollback().await;
+                    // The request's error is the one to report; a rollback that fails still
+                    // ends the transaction, and nothing of it is committed.
+                    crate::pg::rollback(tx, "a rewind request that failed").await;
                     return Err(explain(e));
                 }
             };
@@ -979,7 +980,9 @@ pub(crate) async fn perspectives(
             let committed = match purged {
                 Ok(()) => tx.commit().await,
                 Err(e) => {
-                    let _ = tx.rollback().await;
+                    // The purge's error is the one to report; a rollback that fails still ends
+                    // the transaction, and nothing of it is committed.
+                    crate::pg::rollback(tx, "a purge that failed").await;
                     Err(e)
                 }
             };
@@ -1111,7 +1114,8 @@ async fn parking(
                     .and_then(|c| c.failed_event_id),
             };
             let Some(event) = event else {
-                let _ = tx.rollback().await;
+                // Nothing was written: a rollback that fails still ends it.
+                crate::pg::rollback(tx, "a skip with no event to skip").await;
                 return Ok(outcome(
                     json,
                     false,

@@ -89,6 +89,24 @@ impl DbUrl {
     }
 }
 
+/// Rolls `tx` back where nothing depends on how the rollback went (`what` names the
+/// transaction in the log): a rollback that fails still ends the transaction (the connection is
+/// closed, and the server rolls back), so its error is logged at `debug`, not returned — except
+/// a `BEGIN` the server refused (`CommitUnknown`: the transaction's statements ran outside it),
+/// logged at `warn`. Awaited here rather than left to the guard's drop, which rolls back in the
+/// background and may close the connection instead of pooling it.
+pub(crate) async fn rollback<T: lockstep_core::Transaction>(tx: T, what: &'static str) {
+    match tx.rollback().await {
+        Ok(()) => {}
+        Err(err) if err.kind() == lockstep_core::ErrorKind::CommitUnknown => {
+            tracing::warn!(error = %err, transaction = what, "rolling back failed: its statements may have run outside a transaction");
+        }
+        Err(err) => {
+            tracing::debug!(error = %err, transaction = what, "rolling back failed; the transaction ended all the same");
+        }
+    }
+}
+
 /// Turns a lockstep error on a database that was never migrated into advice.
 pub(crate) fn explain(err: lockstep_core::Error) -> anyhow::Error {
     let text = format!("{err}");

@@ -46,7 +46,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use lockstep_core::{PerspectiveStore, Transaction as _, TransactionSource};
+use lockstep_core::{PerspectiveStore, TransactionSource};
 use lockstep_observe::Observed;
 use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;
@@ -412,8 +412,8 @@ async fn parked_rows(db: &PgDatabase) -> Result<Vec<Value>> {
     let parked = Observed::new(PgPerspectiveStore::new())
         .parked_pairs(&tx, &[], 100)
         .await;
-    // Read only: the rollback cannot lose anything.
-    let _ = tx.rollback().await;
+    // Read only: a rollback that fails still ends it, and changes nothing.
+    crate::pg::rollback(tx, "a read of the parked pairs").await;
     Ok(parked?.iter().map(parked_json).collect())
 }
 

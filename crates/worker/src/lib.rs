@@ -17,6 +17,9 @@
 //!   ([`coordinator`]).
 //! - [`ReadModels`] — typed reads of a perspective's states and waits until it has caught up
 //!   with an append, so a request handler reads its own write ([`reads`]).
+//! - [`PairError`] — why a pair failed, by kind ([`PairErrorKind`]: apply, panic, state, an
+//!   unreadable event, a lost lease, the store), as [`PairOutcome::Failed`] and
+//!   [`CycleReport::failures`] carry it; [`CycleError`] — an error of a cycle itself ([`error`]).
 //! - [`WorkerOptions`] — validated options ([`options`]); metric names and span fields in
 //!   [`telemetry`].
 //!
@@ -48,6 +51,7 @@
 //! ```
 
 pub mod coordinator;
+pub mod error;
 pub mod fleet;
 pub mod lease;
 pub mod life;
@@ -57,11 +61,14 @@ pub mod telemetry;
 pub mod worker;
 
 pub use coordinator::{ApplyCoordinator, PairGuard};
+pub use error::{CycleError, PairError, PairErrorKind};
 pub use fleet::InstanceIdentity;
 pub use lease::{HeldLease, LeaseKeeper, Leased};
 pub use options::WorkerOptions;
 pub use reads::{ReadModels, WaitError, WaitOptions};
-pub use worker::{CycleReport, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason};
+pub use worker::{
+    CycleReport, FailedPair, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason,
+};
 
 /// Re-exported: the worker's shutdown signal and the lost signal of a lease.
 pub use tokio_util::sync::CancellationToken;

@@ -85,7 +85,7 @@ where
     let rows = store
         .rewind_progress(&tx, perspectives, lockstep_core::MAX_PROGRESS_ROWS)
         .await;
-    // Read only: a failed rollback still ends it.
-    let _ = tx.rollback().await;
+    // Read only: a rollback that fails still ends it, and changes nothing.
+    crate::worker::rollback(tx, "a read of rewind progress").await;
     rows
 }

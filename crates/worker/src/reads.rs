@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use lockstep_core::{
     Error, ErrorKind, PendingThrough, Perspective, PerspectiveName, PerspectiveStore, Registration,
-    StreamId, Transaction, TransactionSource,
+    StreamId, TransactionSource,
 };
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -200,8 +200,8 @@ where
             .store
             .state(&tx, &Pair::new(stream_id, name.clone()))
             .await;
-        // Read only: a failed rollback changes nothing.
-        let _ = tx.rollback().await;
+        // Read only: a rollback that fails still ends it, and changes nothing.
+        crate::worker::rollback(tx, "a read of a perspective state").await;
         match read? {
             Some((_, Some(state))) => decode::<Pn>(&name, stream_id, state).map(Some),
             _ => Ok(None),
@@ -220,7 +220,8 @@ where
         let name = PerspectiveName::new(perspective.name())?;
         let tx = self.source.begin().await?;
         let read = self.store.states(&tx, &name, after, limit).await;
-        let _ = tx.rollback().await;
+        // Read only: a rollback that fails still ends it, and changes nothing.
+        crate::worker::rollback(tx, "a read of perspective states").await;
         read?
             .into_iter()
             .map(|stored| {
@@ -242,7 +243,8 @@ where
             .store
             .pending_through(&tx, perspective, stream_id, up_to)
             .await;
-        let _ = tx.rollback().await;
+        // Read only: a rollback that fails still ends it, and changes nothing.
+        crate::worker::rollback(tx, "a read of pending events").await;
         read
     }
 

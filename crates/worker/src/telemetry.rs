@@ -39,8 +39,10 @@
 //!
 //! Through `tracing`: a rewind started (`info`, with its trigger) and committed (`info`, events
 //! replayed, from a snapshot or not), a takeover of an expired lease (`info`), a pair failed
-//! (`warn`, with `parked` when it was parked), a lease lost (`warn`), a batch that failed after
-//! its claim (`warn`), a cycle error (`warn`).
+//! (`warn`, with its `kind` — a [`crate::PairErrorKind`] — and `parked` when it was parked), a
+//! rewind failed (`warn`, with its `kind`), a lease lost (`warn`), a batch that failed after its
+//! claim (`warn`), a cycle error (`warn`). A rollback whose outcome changes nothing and that
+//! fails is logged at `debug`.
 //!
 //! # Spans
 //!

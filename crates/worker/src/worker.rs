@@ -28,10 +28,10 @@
 //!   shutdown's grace timer; a replay checks the lost signal before every event, and a batch or
 //!   replay whose pair was abandoned (lease lost, shutdown past its grace) stops within one
 //!   event.
-//! - **Failures** are the pair's, never the worker's: the error is stored on the cursor with
-//!   the event it happened at, the rewind request and the work stay, a metric is counted, and
-//!   the pair backs off (`retry_at` on the cursor, doubling per failure: every instance waits
-//!   it out) while every other pair is served; after
+//! - **Failures** are the pair's, never the worker's: the error (a [`PairError`], by kind) is
+//!   stored on the cursor as text with the event it happened at, the rewind request and the
+//!   work stay, a metric is counted, and the pair backs off (`retry_at` on the cursor, doubling
+//!   per failure: every instance waits it out) while every other pair is served; after
 //!   [`WorkerOptions::park_after_failures`] failures in a row it is **parked** until an
 //!   operator retries it, skips its failing event or requests a rewind. A commit that loses the
 //!   cursor's compare-and-set (another applier moved it first) is no failure, on either path:
@@ -67,6 +67,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::coordinator::ApplyCoordinator;
+use crate::error::{CycleError, PairError};
 use crate::fleet::InstanceIdentity;
 use crate::lease::{HeldLease, LeaseKeeper};
 use crate::options::WorkerOptions;
@@ -90,10 +91,11 @@ pub enum PairOutcome {
     },
     /// Nothing was done now; the pair is looked at again in a later cycle.
     Skipped(SkipReason),
-    /// The pair failed; the error is stored on its cursor and it is retried after a backoff.
+    /// The pair failed; the error is stored on its cursor (its text, at its event) and the
+    /// pair is retried after a backoff.
     Failed {
         /// What went wrong.
-        error: String,
+        error: PairError,
     },
 }
 
@@ -144,10 +146,10 @@ pub struct CycleReport {
     pub skipped: usize,
     /// Pairs that failed.
     pub failed: usize,
-    /// Why they failed: `stream/perspective: error`, one per failed pair.
-    pub failures: Vec<String>,
-    /// Errors of the cycle itself (the store unreachable, …), as text.
-    pub errors: Vec<String>,
+    /// Why they failed, one per failed pair (`Display`: `stream/perspective: error`).
+    pub failures: Vec<FailedPair>,
+    /// Errors of the cycle itself (the store unreachable, a batch whose commit failed, …).
+    pub errors: Vec<CycleError>,
     /// Events applied by the normal path, per perspective (what the catch-up rate adds up).
     pub applied_by_perspective: std::collections::BTreeMap<PerspectiveName, usize>,
 }
@@ -181,9 +183,9 @@ impl CycleReport {
             Ok(PairOutcome::Skipped(_)) => self.skipped += 1,
             Ok(PairOutcome::Failed { error }) => {
                 self.failed += 1;
-                self.failures.push(format!("{pair}: {error}"));
+                self.failures.push(FailedPair::new(pair.clone(), error));
             }
-            Err(err) => self.errors.push(err.to_string()),
+            Err(err) => self.errors.push(CycleError::new(&err)),
         }
     }
 
@@ -200,6 +202,29 @@ impl CycleReport {
         for (name, n) in other.applied_by_perspective {
             *self.applied_by_perspective.entry(name).or_default() += n;
         }
+    }
+}
+
+/// A pair that failed in a cycle, and why: one of [`CycleReport::failures`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FailedPair {
+    /// The pair.
+    pub pair: Pair,
+    /// Why it failed (stored on its cursor).
+    pub error: PairError,
+}
+
+impl FailedPair {
+    /// `pair` failed with `error`.
+    pub(crate) fn new(pair: Pair, error: PairError) -> FailedPair {
+        FailedPair { pair, error }
+    }
+}
+
+impl std::fmt::Display for FailedPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.pair, self.error)
     }
 }
 
@@ -460,7 +485,7 @@ where
             let mut report = CycleReport::default();
             let work = async {
                 if let Err(err) = self.run_batch(&mut report).await {
-                    report.errors.push(err.to_string());
+                    report.errors.push(CycleError::new(&err));
                 }
             };
             match shutdown {
@@ -488,21 +513,20 @@ where
         report
     }
 
-    /// Stores a pair's failure on its cursor, at `event_id` when the failing event is known
-    /// (what `perspectives parked` shows and `skip` skips; `None` clears it), with its backoff
-    /// (`retry_at`: every instance waits it out) and, after `park_after_failures` in a row,
-    /// parked.
+    /// Stores a pair's failure on its cursor: its text, at its event when the failing event is
+    /// known (what `perspectives parked` shows and `skip` skips; `None` clears it), with its
+    /// backoff (`retry_at`: every instance waits it out) and, after `park_after_failures` in a
+    /// row, parked.
     async fn fail(
         &self,
         stream_id: StreamId,
         name: &PerspectiveName,
         failures_before: u32,
-        error: &str,
-        event_id: Option<Uuid>,
+        error: PairError,
     ) -> Result<PairOutcome> {
         let failures = failures_before.saturating_add(1);
-        let failure = PairFailure::new(error)
-            .at_event(event_id)
+        let failure = PairFailure::new(error.to_string())
+            .at_event(error.event_id())
             .retry_after(self.options.backoff(failures))
             .park(self.options.parks_after(failures));
         let tx = self.source.begin().await?;
@@ -514,9 +538,7 @@ where
         if parked {
             count(telemetry::PAIRS_PARKED, name.as_str(), 1);
         }
-        Ok(PairOutcome::Failed {
-            error: error.to_owned(),
-        })
+        Ok(PairOutcome::Failed { error })
     }
 
     /// Requests a rewind of a pair from `from` (from the start when `None`), e.g. after the
@@ -543,6 +565,25 @@ enum Kind<Tx> {
     Json(Arc<dyn DynPerspective>),
     /// Writes the application's tables in the worker's transaction ([`table`]).
     Table(Arc<dyn DynTablePerspective<Tx>>),
+}
+
+/// Rolls `tx` back where nothing depends on how the rollback went (`what` names the
+/// transaction in the log). A rollback that fails still ends the transaction (on Postgres the
+/// connection is closed, and the server rolls back), so its error is logged at `debug`, not
+/// returned — except a `BEGIN` the server refused ([`ErrorKind::CommitUnknown`]: the
+/// transaction's statements ran outside it), logged at `warn`. Awaited here rather than left to
+/// the guard's drop, which rolls back in the background and may close the connection instead of
+/// pooling it.
+pub(crate) async fn rollback<T: Transaction>(tx: T, what: &'static str) {
+    match tx.rollback().await {
+        Ok(()) => {}
+        Err(err) if err.kind() == ErrorKind::CommitUnknown => {
+            tracing::warn!(error = %err, transaction = what, "rolling back failed: its statements may have run outside a transaction");
+        }
+        Err(err) => {
+            tracing::debug!(error = %err, transaction = what, "rolling back failed; the transaction ended all the same");
+        }
+    }
 }
 
 /// Releases a lease, logging (not failing) when that does not work: it then expires.

@@ -19,7 +19,8 @@ use lockstep_testkit::{
     InMemoryPerspectiveStore, InMemoryStreamLocker,
 };
 use lockstep_worker::{
-    CancellationToken, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason, WorkerOptions,
+    CancellationToken, PairErrorKind, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason,
+    WorkerOptions,
 };
 use uuid::Uuid;
 
@@ -448,10 +449,24 @@ async fn a_failing_rewind_keeps_the_request_and_the_work_releases_the_lease_and_
         Some(late),
         "the request stays"
     );
-    assert!(
-        cursor.error.as_deref().unwrap_or("").contains("refused"),
-        "{cursor:?}"
+    // The report says what failed, typed; the cursor stores its text, at its event.
+    let [failure] = report.failures.as_slice() else {
+        panic!("one failure: {report:?}");
+    };
+    assert_eq!(failure.pair, Pair::new(bad, fold()));
+    assert_eq!(
+        (failure.error.kind(), failure.error.event_id()),
+        (PairErrorKind::Apply, Some(late))
     );
+    assert_eq!(failure.error.message(), "refused by the perspective");
+    assert_eq!(
+        failure.error.to_string(),
+        format!(
+            "the perspective failed during replay: apply failed on event {late}: refused by the perspective"
+        )
+    );
+    assert_eq!(cursor.error, Some(failure.error.to_string()));
+    assert_eq!(cursor.failed_event_id, Some(late));
     assert_eq!(cursor.failures, 1);
     assert!(cursor.lease.is_unlocked(), "released");
     assert_eq!(
@@ -579,6 +594,11 @@ async fn a_failure_outside_apply_is_stored_on_the_pair_and_backed_off() {
         report.errors
     );
     assert_eq!(report.failed, 1, "{report:?}");
+    assert_eq!(
+        report.failures[0].error.kind(),
+        PairErrorKind::State,
+        "{report:?}"
+    );
     let broken = PerspectiveName::new("Broken").expect("valid");
     let tx = world.db.begin_now();
     let cursor = world
@@ -601,6 +621,7 @@ async fn a_failure_outside_apply_is_stored_on_the_pair_and_backed_off() {
             .is_some_and(|e| e.contains("does not serialize")),
         "{cursor:?}"
     );
+    assert_eq!(cursor.error, Some(report.failures[0].error.to_string()));
     assert_eq!(pending.len(), 2, "nothing applied, nothing lost");
 
     // Backed off: the next cycle does not spend a claim on it.
@@ -624,6 +645,19 @@ async fn an_apply_that_errors_or_panics_on_one_pair_does_not_stop_the_others() {
     let report = worker.run_once().await;
     assert_eq!(report.failed, 2);
     assert_eq!(world.state(fine), vec![1, 2]);
+    let kind_of = |stream: StreamId| {
+        report
+            .failures
+            .iter()
+            .find(|f| f.pair.stream_id == stream)
+            .map(|f| f.error.kind())
+    };
+    assert_eq!(kind_of(erring), Some(PairErrorKind::Apply), "{report:?}");
+    assert_eq!(
+        kind_of(panicking),
+        Some(PairErrorKind::Panicked),
+        "{report:?}"
+    );
     let cursor = world.cursor(panicking).await;
     assert!(
         cursor.error.as_deref().unwrap_or("").contains("panicked"),
@@ -990,7 +1024,7 @@ async fn a_lease_lost_mid_rewind_stops_it_and_nothing_is_committed() {
     let (outcome, ()) = tokio::join!(rewind, operator);
     let outcome = outcome.expect("rewind");
     assert!(
-        matches!(outcome, PairOutcome::Failed { ref error } if error.contains("lease")),
+        matches!(outcome, PairOutcome::Failed { ref error } if error.kind() == PairErrorKind::LeaseLost),
         "{outcome:?}"
     );
     let after = world.cursor(stream).await;
@@ -1598,7 +1632,7 @@ async fn a_force_released_rewind_stops_within_an_event_of_learning_it() {
     });
     let took = started.elapsed();
     assert!(
-        matches!(outcome.expect("rewind"), PairOutcome::Failed { ref error } if error.contains("lease")),
+        matches!(outcome.expect("rewind"), PairOutcome::Failed { ref error } if error.kind() == PairErrorKind::LeaseLost),
     );
     // Learnt at the next renew (≤ 200 ms after the force-release), then at most one event.
     assert!(
@@ -1846,7 +1880,17 @@ async fn a_panic_commits_the_events_before_it_and_names_its_event() {
     let report = worker.run_once().await;
     assert_eq!((report.applied, report.failed), (2, 1), "{report:?}");
     assert_eq!(world.state(stream), vec![1, 2]);
+    let error = &report.failures[0].error;
+    assert_eq!(
+        (error.kind(), error.event_id(), error.message()),
+        (
+            PairErrorKind::Panicked,
+            Some(poison),
+            "the perspective panicked"
+        )
+    );
     let cursor = world.cursor(stream).await;
+    assert_eq!(cursor.error, Some(error.to_string()));
     assert_eq!(cursor.failed_event_id, Some(poison));
     assert_eq!(cursor.failures, 1);
     assert!(cursor.retry_at.is_some());
@@ -1877,8 +1921,15 @@ async fn a_panic_on_the_one_pair_path_is_stored_at_its_event() {
         .await
         .expect("task")
         .expect("process");
-    assert!(matches!(outcome, PairOutcome::Failed { .. }), "{outcome:?}");
+    let PairOutcome::Failed { error } = outcome else {
+        panic!("failed: {outcome:?}");
+    };
+    assert_eq!(
+        (error.kind(), error.event_id()),
+        (PairErrorKind::Panicked, Some(poison))
+    );
     let cursor = world.cursor(stream).await;
+    assert_eq!(cursor.error, Some(error.to_string()));
     assert_eq!(cursor.failed_event_id, Some(poison));
     assert_eq!(cursor.failures, 1);
 }

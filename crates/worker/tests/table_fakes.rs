@@ -17,7 +17,7 @@ use lockstep_testkit::{
     FakeDatabase, FakeTable, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
     InMemoryStreamLocker,
 };
-use lockstep_worker::{PairOutcome, PerspectiveWorker, PurgeOutcome, WorkerOptions};
+use lockstep_worker::{PairErrorKind, PairOutcome, PerspectiveWorker, PurgeOutcome, WorkerOptions};
 use uuid::Uuid;
 
 /// One row per event, keyed by (stream, event): an event applied twice would show as a count
@@ -223,6 +223,16 @@ async fn a_failing_event_fails_its_pair_alone_keeping_the_rows_before_it() {
         .await
         .expect("task");
     assert_eq!(report.failed, 1, "{report:?}");
+    let failure = &report.failures[0];
+    assert_eq!(failure.pair, Pair::new(poisoned, seen()));
+    assert_eq!(
+        (
+            failure.error.kind(),
+            failure.error.event_id(),
+            failure.error.message()
+        ),
+        (PairErrorKind::Apply, Some(ids[2]), "13 is refused")
+    );
     // The batch rolled back when the poisoned pair failed; the healthy pair is served by the
     // next cycle at the latest.
     world.drain().await;
@@ -234,14 +244,7 @@ async fn a_failing_event_fails_its_pair_alone_keeping_the_rows_before_it() {
     );
     let cursor = world.cursor(poisoned).await;
     assert_eq!(cursor.applied_count, 2);
-    assert!(
-        cursor
-            .error
-            .as_deref()
-            .is_some_and(|e| e.contains("13 is refused")),
-        "{:?}",
-        cursor.error
-    );
+    assert_eq!(cursor.error, Some(failure.error.to_string()));
     assert!(cursor.retry_at.is_some(), "backed off");
     assert_eq!(
         cursor.failed_event_id,
@@ -445,7 +448,19 @@ async fn a_rebuild_that_fails_at_an_event_stores_that_event() {
         .await
         .expect("task");
     assert_eq!(report.failed, 1, "{report:?}");
+    let error = &report.failures[0].error;
+    assert_eq!(
+        (error.kind(), error.event_id()),
+        (PairErrorKind::Apply, Some(ids[0]))
+    );
+    assert!(
+        error
+            .to_string()
+            .starts_with("the perspective failed during replay: apply failed on event"),
+        "{error}"
+    );
     let cursor = world.cursor(stream).await;
+    assert_eq!(cursor.error, Some(error.to_string()));
     assert!(cursor.rewind.is_some(), "the request stays: {cursor:?}");
     assert_eq!(
         cursor.failed_event_id,

@@ -359,7 +359,7 @@ async fn healthy_left(client: &tokio_postgres::Client, setup: &Setup) -> Result<
 /// each, and the side with failing pairs runs more cycles).
 async fn catch_up(db: &BenchDatabase, w: &PgWorker, setup: &Setup) -> Result<(Duration, usize)> {
     let client = db.client().await?;
-    let poisoned: HashSet<String> = setup.poisoned.iter().map(Uuid::to_string).collect();
+    let poisoned: HashSet<Uuid> = setup.poisoned.iter().copied().collect();
     let mut failed = 0;
     let mut last: Option<(i64, Instant)> = None;
     let mut elapsed = Duration::ZERO;
@@ -371,8 +371,7 @@ async fn catch_up(db: &BenchDatabase, w: &PgWorker, setup: &Setup) -> Result<(Du
             bail!("worker cycle failed: {error}");
         }
         for failure in &report.failures {
-            let stream = failure.split('/').next().unwrap_or_default();
-            if !poisoned.contains(stream) {
+            if !poisoned.contains(&failure.pair.stream_id.as_uuid()) {
                 bail!("a pair that is not poisoned failed: {failure}");
             }
         }

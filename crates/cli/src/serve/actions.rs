@@ -410,7 +410,9 @@ async fn run(shared: &Shared, action: &Action) -> lockstep_core::Result<(bool, S
             Ok(done)
         }
         Err(e) => {
-            let _ = tx.rollback().await;
+            // The action's error is the one to report; a rollback that fails still ends the
+            // transaction, and nothing of it is committed.
+            crate::pg::rollback(tx, "a status page action that failed").await;
             Err(e)
         }
     }

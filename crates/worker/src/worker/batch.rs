@@ -30,10 +30,10 @@ use lockstep_core::{
 };
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
-use super::{CycleReport, Kind, PerspectiveWorker, Probe, apply_guarded, probe};
+use super::{CycleReport, FailedPair, Kind, PerspectiveWorker, Probe, apply_guarded, probe};
 use crate::coordinator::PairGuard;
+use crate::error::{CycleError, PairError};
 use crate::telemetry::{self, StoreClock, count, observe};
 
 /// The deepest the batch shrinks: every limit halved this many times is 1.
@@ -48,12 +48,11 @@ pub(super) const SUSPECT_FOR: std::time::Duration = std::time::Duration::from_se
 enum Folded {
     /// Every event applied: the new state.
     All(serde_json::Value),
-    /// Applying failed at `event_id` (or outside any one event); `prefix` is the fold of the
-    /// events before it, when there were some.
+    /// Applying failed at the error's event (or outside any one event); `prefix` is the fold
+    /// of the events before it, when there were some.
     Failed {
         prefix: Option<(serde_json::Value, usize)>,
-        error: String,
-        event_id: Option<Uuid>,
+        error: PairError,
     },
     /// Stopped before the end: the batch was abandoned (shutdown past its grace).
     Stopped,
@@ -67,7 +66,7 @@ struct TableWork<Tx> {
     /// The pair's in-process apply lock, held until the batch's transaction has ended.
     guard: PairGuard,
     /// As [`Work::unreadable`].
-    unreadable: Option<(Uuid, String)>,
+    unreadable: Option<PairError>,
 }
 
 /// A claimed pair on its way through the batch.
@@ -78,9 +77,10 @@ struct Work {
     state: Option<serde_json::Value>,
     /// The pair's in-process apply lock, held until the batch's transaction has ended.
     guard: Option<PairGuard>,
-    /// The event after `events` that could not be read, and why ([`ClaimedWork::Unreadable`]):
-    /// the pair fails at it once `events` are folded.
-    unreadable: Option<(Uuid, String)>,
+    /// The event after `events` that could not be read ([`ClaimedWork::Unreadable`],
+    /// [`PairErrorKind::UnreadableEvent`](crate::PairErrorKind::UnreadableEvent)): the pair
+    /// fails at it once `events` are folded.
+    unreadable: Option<PairError>,
 }
 
 impl<S, P> PerspectiveWorker<S, P>
@@ -181,17 +181,18 @@ where
             guards.push(table.guard);
             let outcome =
                 super::table::apply_in(&*table.perspective, &tx, &table.events, &|| true).await;
-            if outcome.error.is_some() {
+            if let Some(error) = outcome.error {
                 // Its statement may have aborted the transaction: nothing of the batch is
                 // committed (the other pairs' work stays queued and is claimed again from
                 // where this claim started), and the failing pair is processed alone, which
-                // commits the events before the failure and stores it.
-                let _ = tx.rollback().await;
+                // commits the events before the failure and stores it. A rollback that fails
+                // ends the transaction all the same.
+                super::rollback(tx, "a batch a table perspective failed in").await;
                 drop(guards);
                 self.remember_positions(request.positions.clone());
                 let pair = table.cursor.pair();
                 count(telemetry::PAIRS_RETRIED, pair.perspective.as_str(), 1);
-                tracing::warn!(pair = %pair, error = ?outcome.error, "a table perspective failed in a batch; the batch rolled back and the pair is processed alone");
+                tracing::warn!(pair = %pair, error = %error, "a table perspective failed in a batch; the batch rolled back and the pair is processed alone");
                 let others = claimed.iter().filter(|p| **p != pair).count();
                 report.pairs += others;
                 report.skipped += others;
@@ -201,10 +202,12 @@ where
             }
             // An unreadable event after the applied ones fails the pair at it, with them.
             let committed = !table.events.is_empty();
-            let failure = table.unreadable.map(|(event_id, error)| {
-                self.pair_failure(&table.cursor, committed, error, Some(event_id))
-            });
+            let failure = table
+                .unreadable
+                .as_ref()
+                .map(|error| self.pair_failure(&table.cursor, committed, error));
             applied.push(Applied {
+                failure: table.unreadable,
                 from_apply: failure.is_none(),
                 events: table.events.len(),
                 oldest: table.events.iter().map(|e| e.recorded_at).min(),
@@ -265,7 +268,7 @@ where
                     events,
                     event_id,
                     error,
-                } => (state, events, Some((event_id, error))),
+                } => (state, events, Some(PairError::unreadable(event_id, error))),
                 ClaimedWork::Rewind => {
                     rewinds.push(cursor);
                     continue;
@@ -323,11 +326,9 @@ where
             let cursor = &work.cursor;
             let (commit_of, failure) = match folded {
                 Folded::All(state) => (Some((state, work.events.len())), None),
-                Folded::Failed {
-                    prefix,
-                    error,
-                    event_id,
-                } => (prefix, Some((error, event_id, work.unreadable.is_none()))),
+                Folded::Failed { prefix, error } => {
+                    (prefix, Some((error, work.unreadable.is_none())))
+                }
                 Folded::Stopped => {
                     report.pairs += 1;
                     report.skipped += 1;
@@ -343,8 +344,8 @@ where
                         Err(err) => (
                             None,
                             Some((
-                                format!("the new state cannot be stored: {err}"),
-                                work.events.get(n.saturating_sub(1)).map(|e| e.event_id),
+                                PairError::unstorable_state(&err)
+                                    .at(work.events.get(n.saturating_sub(1)).map(|e| e.event_id)),
                                 false,
                             )),
                         ),
@@ -355,11 +356,13 @@ where
             let n = commit_of.as_ref().map_or(0, |(_, n)| *n);
             let commit =
                 commit_of.map(|(state, n)| self.state_commit(cursor, state, &work.events[..n]));
-            let from_apply = failure.as_ref().is_some_and(|f| f.2);
-            let failure = failure.map(|(error, event_id, _)| {
-                self.pair_failure(cursor, commit.is_some(), error, event_id)
-            });
+            let from_apply = failure.as_ref().is_some_and(|f| f.1);
+            let error = failure.map(|(error, _)| error);
+            let failure = error
+                .as_ref()
+                .map(|error| self.pair_failure(cursor, commit.is_some(), error));
             applied.push(Applied {
+                failure: error,
                 from_apply,
                 events: n,
                 oldest: work.events[..n].iter().map(|e| e.recorded_at).min(),
@@ -370,23 +373,17 @@ where
         (entries, applied)
     }
 
-    /// A pair's failure at `event_id`, backed off and parked by its count: a commit in the same
-    /// entry (`committed`) clears the count — the pair made progress, and this is its first
-    /// failure at the new position.
-    fn pair_failure(
-        &self,
-        cursor: &Cursor,
-        committed: bool,
-        error: String,
-        event_id: Option<Uuid>,
-    ) -> PairFailure {
+    /// A pair's failure as stored (its text, at its event), backed off and parked by its
+    /// count: a commit in the same entry (`committed`) clears the count — the pair made
+    /// progress, and this is its first failure at the new position.
+    fn pair_failure(&self, cursor: &Cursor, committed: bool, error: &PairError) -> PairFailure {
         let failures = if committed {
             1
         } else {
             cursor.failures.saturating_add(1)
         };
-        PairFailure::new(error)
-            .at_event(event_id)
+        PairFailure::new(error.to_string())
+            .at_event(error.event_id())
             .retry_after(self.options.backoff(failures))
             .park(self.options.parks_after(failures))
     }
@@ -446,16 +443,16 @@ where
                 return;
             }
         };
-        if let Some(failure) = &entry.failure {
+        if let Some(error) = applied.failure {
             report.failed += 1;
-            report.failures.push(format!("{pair}: {}", failure.error));
             let metric = if applied.from_apply {
                 telemetry::APPLY_FAILURES
             } else {
                 telemetry::PAIR_FAILURES
             };
             count(metric, name, 1);
-            tracing::warn!(pair = %pair, error = %failure.error, parked, "a pair failed; stored on its cursor");
+            tracing::warn!(pair = %pair, error = %error, kind = %error.kind(), parked, "a pair failed; stored on its cursor");
+            report.failures.push(FailedPair::new(pair.clone(), error));
             if parked {
                 count(telemetry::PAIRS_PARKED, name, 1);
             }
@@ -521,10 +518,9 @@ where
             }
         }
         if !smallest || err.kind() == ErrorKind::Conflict {
-            report.errors.push(format!(
-                "a batch of {} pairs failed after its claim (the next ones are smaller): {err}",
-                claimed.len()
-            ));
+            report
+                .errors
+                .push(CycleError::batch_failed(claimed.len(), err));
             return;
         }
         for pair in claimed {
@@ -539,8 +535,7 @@ where
                     pair.stream_id,
                     &pair.perspective,
                     failures - 1,
-                    &err.to_string(),
-                    None,
+                    PairError::store(err),
                 )
                 .await
             {
@@ -552,14 +547,17 @@ where
 
     pub(super) async fn cursor_failures(&self, pair: &Pair) -> Result<u32> {
         let tx = self.source.begin().await?;
-        let cursor = self.store.cursor(&tx, pair).await?;
-        let _ = tx.rollback().await;
-        Ok(cursor.map_or(0, |c| c.failures))
+        let cursor = self.store.cursor(&tx, pair).await;
+        // Read only: a rollback that fails still ends it.
+        super::rollback(tx, "reading a cursor's failures").await;
+        Ok(cursor?.map_or(0, |c| c.failures))
     }
 }
 
 /// What one entry commits, for the report and the metrics.
 struct Applied {
+    /// The entry's failure (its [`BatchEntry::failure`] is what is stored of it).
+    failure: Option<PairError>,
     /// The entry's failure came from `apply` (else: from storing its state).
     from_apply: bool,
     events: usize,
@@ -581,10 +579,9 @@ async fn fold_off_runtime(work: Vec<Work>) -> Vec<(Work, Folded)> {
                 let folded = fold(&*w.perspective, w.state.take(), &w.events, &go_on);
                 // The events before an unreadable one folded: the pair fails at it with them.
                 let folded = match (folded, &w.unreadable) {
-                    (Folded::All(state), Some((event_id, error))) => Folded::Failed {
+                    (Folded::All(state), Some(error)) => Folded::Failed {
                         prefix: (!w.events.is_empty()).then_some((state, w.events.len())),
                         error: error.clone(),
-                        event_id: Some(*event_id),
                     },
                     (folded, _) => folded,
                 };
@@ -618,8 +615,7 @@ fn fold(
             Err(err) => {
                 return Folded::Failed {
                     prefix: None,
-                    error: err.to_string(),
-                    event_id: events.first().map(|e| e.event_id),
+                    error: PairError::state(&err).at(events.first().map(|e| e.event_id)),
                 };
             }
         },
@@ -630,7 +626,6 @@ fn fold(
         Ok(_) => return Folded::Stopped,
         Err(err) => err,
     };
-    let error = err.to_string();
     let at = match &err {
         ApplyError::Apply { event_id, .. }
         | ApplyError::Panicked {
@@ -642,8 +637,7 @@ fn fold(
             return match probe(p, state.clone(), events, go_on) {
                 Probe::Failed(i, before) => Folded::Failed {
                     prefix: (i > 0).then_some((before, i)),
-                    error,
-                    event_id: Some(events[i].event_id),
+                    error: PairError::perspective(err).at(Some(events[i].event_id)),
                 },
                 // It did not happen again: the one-at-a-time fold is the whole fold.
                 Probe::Clean(all) => Folded::All(all),
@@ -656,8 +650,7 @@ fn fold(
     let Some(at) = at else {
         return Folded::Failed {
             prefix: None,
-            error,
-            event_id: None,
+            error: PairError::perspective(err).at(None),
         };
     };
     let prefix = if at == 0 {
@@ -671,7 +664,6 @@ fn fold(
     };
     Folded::Failed {
         prefix,
-        error,
-        event_id: Some(events[at].event_id),
+        error: PairError::perspective(err).at(Some(events[at].event_id)),
     }
 }

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime};
+use crate::error::PairError;
 use crate::telemetry::{self, StoreClock, count, observe};
 
 impl<S, P> PerspectiveWorker<S, P>
@@ -65,10 +66,11 @@ where
             Ok(claimed) => claimed,
             Err(normal) => return Ok(normal),
         };
-        // From here on whatever fails is the pair's (issue 18): a state that does not serialize,
-        // a commit the server refuses, a lost commit — stored on its cursor and backed off like a
-        // failing `apply`, not a cycle error retried at full size every cycle. Only when even
-        // storing the failure fails is it the cycle's (the database itself is unavailable).
+        // From here on whatever fails is the pair's: a state that does not serialize, a commit
+        // the server refuses, a lost commit — stored on its cursor and backed off like a failing
+        // `apply`, not a cycle error retried at full size every cycle. Only when even storing
+        // the failure fails is it the cycle's (the database itself is unavailable): that error
+        // is returned.
         let failures = cursor.failures;
         match self
             .apply_claimed(tx, stream_id, name, p, cursor, state, events, &clock)
@@ -77,20 +79,17 @@ where
             Ok(normal) => Ok(normal),
             Err(err) => {
                 count(telemetry::PAIR_FAILURES, name.as_str(), 1);
-                tracing::warn!(error = %err, "processing the pair failed; stored on its cursor");
-                match self
-                    .fail(stream_id, name, failures, &err.to_string(), None)
+                tracing::warn!(error = %err, kind = %err.kind(), "processing the pair failed; stored on its cursor");
+                self.fail(stream_id, name, failures, err)
                     .await
-                {
-                    Ok(outcome) => Ok(Normal::Done(outcome)),
-                    Err(_) => Err(err),
-                }
+                    .map(Normal::Done)
             }
         }
     }
 
     /// The normal path after a claim returned events: fold them and commit. An `Err` is a
-    /// failure of the pair (the caller stores it); the transaction is ended on every path.
+    /// failure of the pair outside `apply` (the caller stores it); the transaction is ended on
+    /// every path.
     #[allow(clippy::too_many_arguments)]
     async fn apply_claimed(
         &self,
@@ -102,27 +101,37 @@ where
         state: Option<serde_json::Value>,
         events: Vec<RecordedEvent>,
         clock: &StoreClock,
-    ) -> Result<Normal> {
+    ) -> std::result::Result<Normal, PairError> {
+        // Every early return below drops the open guard, which rolls the transaction back.
         let state = match state {
             Some(state) => state,
-            None => p.initial_state()?,
+            None => p.initial_state().map_err(|e| PairError::state(&e))?,
         };
         // Off the runtime's threads; a dropped pair (shutdown past its grace) stops it.
-        let applied = apply_off_runtime(p, state, events, &CancellationToken::new()).await?;
+        let applied = apply_off_runtime(p, state, events, &CancellationToken::new())
+            .await
+            .map_err(|e| PairError::store(&e))?;
         let (state, events) = (applied.state, applied.events);
         if let Err(err) = applied.outcome {
             // Ended before the failure is stored on the same cursor row (by `fail`, in a
             // transaction of its own), so that one does not wait for this one's row lock.
-            let _ = tx.rollback().await;
+            // Nothing was written in it: a rollback that fails still ends it.
+            super::rollback(tx, "a pair whose apply failed").await;
             count(telemetry::APPLY_FAILURES, name.as_str(), 1);
             // The event it failed at: named by the error, or for a panic found by applying
             // the events again one at a time (a failed apply left `state` as it was before
             // them).
             let at = super::failed_at(p, state, events, &err, &CancellationToken::new()).await;
             return self
-                .fail(stream_id, name, cursor.failures, &err.to_string(), at)
+                .fail(
+                    stream_id,
+                    name,
+                    cursor.failures,
+                    PairError::perspective(err).at(at),
+                )
                 .await
-                .map(Normal::Done);
+                .map(Normal::Done)
+                .map_err(|e| PairError::store(&e));
         }
         let applied_count = cursor.applied_count + events.len() as u64;
         let every = self.options.snapshot_every;
@@ -138,11 +147,11 @@ where
             return match err.kind() {
                 // Another applier moved the cursor first: nothing lost, look again later.
                 ErrorKind::Conflict => Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy))),
-                _ => Err(err),
+                _ => Err(PairError::store(&err)),
             };
         }
         let revision = cursor.revision + 1;
-        tx.commit().await?;
+        tx.commit().await.map_err(|e| PairError::store(&e))?;
         count(
             telemetry::EVENTS_APPLIED,
             name.as_str(),

@@ -57,6 +57,7 @@ use super::{
     Kind, PairOutcome, PerspectiveWorker, SkipReason, apply_off_runtime_counting, failed_at,
     release,
 };
+use crate::error::PairError;
 use crate::lease::{HeldLease, Leased};
 use crate::telemetry::{self, count, observe};
 
@@ -191,16 +192,15 @@ where
                 }
                 Ok(Rewind::NothingToDo) => Ok(PairOutcome::Skipped(SkipReason::Idle)),
                 Ok(Rewind::LostRace) => Ok(PairOutcome::Skipped(SkipReason::Busy)),
-                Err(PairError {
-                    failures_before: failures,
-                    message: err,
-                    event_id,
+                Err(RewindFailure {
+                    failures_before,
+                    error,
                 }) => {
                     count(telemetry::REWIND_FAILURES, name.as_str(), 1);
-                    tracing::warn!(error = %err, "rewind failed; the request stays and is retried");
+                    tracing::warn!(error = %error, kind = %error.kind(), "rewind failed; the request stays and is retried");
                     // At the event it failed at, when it was one event's: what `perspectives
                     // parked` shows and `skip` skips (the rebuild then goes on without it).
-                    self.fail(stream_id, name, failures, &err, event_id).await
+                    self.fail(stream_id, name, failures_before, error).await
                 }
             }
         }
@@ -217,7 +217,7 @@ where
         p: &Arc<dyn DynPerspective>,
         lease: Option<&HeldLease>,
         read: Option<ReadOutcome<S::Tx>>,
-    ) -> (std::result::Result<Rewind, PairError>, bool) {
+    ) -> (std::result::Result<Rewind, RewindFailure>, bool) {
         match self
             .restore_and_replay(stream_id, name, p, lease, read)
             .await
@@ -239,7 +239,7 @@ where
             .source
             .begin()
             .await
-            .map_err(|e| PairError::new(0, e))?;
+            .map_err(|e| RewindFailure::store(0, &e))?;
         let loaded = self
             .store
             .load_rewind(&tx, pair, self.options.rewind_page)
@@ -255,7 +255,7 @@ where
         let kept = if short {
             Some((tx, Instant::now()))
         } else {
-            let _ = tx.rollback().await;
+            super::rollback(tx, "a rewind's read").await;
             None
         };
         match loaded {
@@ -264,7 +264,7 @@ where
                 // The pair's failures count towards its backoff and parking, as when the
                 // reads were separate and the cursor came first.
                 let failures = self.cursor_failures(pair).await.unwrap_or(0);
-                Err(PairError::new(failures, err))
+                Err(RewindFailure::store(failures, &err))
             }
         }
     }
@@ -278,7 +278,7 @@ where
         p: &Arc<dyn DynPerspective>,
         lease: Option<&HeldLease>,
         read: Option<ReadOutcome<S::Tx>>,
-    ) -> std::result::Result<Replayed<S::Tx>, PairError> {
+    ) -> std::result::Result<Replayed<S::Tx>, RewindFailure> {
         let never = CancellationToken::new();
         let lost = lease.map_or(&never, HeldLease::lost);
         let fence = lease.map(|l| l.id().clone());
@@ -287,11 +287,11 @@ where
         // The cursor, the snapshot and the first page of events, in one statement
         // (`load_rewind`): read already, or now.
         let (loaded, kept) = match read {
-            Some(_) if lost.is_cancelled() => return Err(PairError::new(0, lease_lost())),
+            Some(_) if lost.is_cancelled() => return Err(RewindFailure::lease_lost(0)),
             Some(read) => read?,
             None => tokio::select! {
                 biased;
-                () = lost.cancelled() => return Err(PairError::new(0, lease_lost())),
+                () = lost.cancelled() => return Err(RewindFailure::lease_lost(0)),
                 read = self.read_rewind(&pair) => read?,
             },
         };
@@ -309,7 +309,9 @@ where
         };
         let state = match state {
             Some(state) => state,
-            None => p.initial_state().map_err(|e| PairError::new(failures, e))?,
+            None => p
+                .initial_state()
+                .map_err(|e| RewindFailure::new(failures, PairError::state(&e)))?,
         };
         // Until the last page is read, the events to replay are estimated from the cursor:
         // what it applied after the snapshot (at least what was read).
@@ -322,13 +324,15 @@ where
         let first = Page {
             events: loaded.events,
             more: loaded.more,
-            unreadable: loaded.unreadable,
+            unreadable: loaded
+                .unreadable
+                .map(|(event_id, reason)| PairError::unreadable(event_id, reason)),
         };
         let replay = self.replay_pages(&pair, p, state, first, page, lost, &counts, failures);
         let progress = self.report_progress(stream_id, name, lease, &counts);
         let replayed = tokio::select! {
             biased;
-            () = lost.cancelled() => return Err(PairError::new(failures, lease_lost())),
+            () = lost.cancelled() => return Err(RewindFailure::lease_lost(failures)),
             replayed = replay => replayed?,
             () = progress => unreachable!("the progress report never ends by itself"),
         };
@@ -337,7 +341,8 @@ where
         let read = match kept {
             Some((tx, read_at)) if read_at.elapsed() <= SHORT_REPLAY_TIME => Some(tx),
             Some((tx, _)) => {
-                let _ = tx.rollback().await;
+                // Read only: a rollback that fails still ends it, and changes nothing.
+                super::rollback(tx, "a rewind's read").await;
                 None
             }
             None => None,
@@ -380,8 +385,9 @@ where
         lost: &CancellationToken,
         counts: &Arc<ReplayCounts>,
         failures: u32,
-    ) -> std::result::Result<ReplayedPages, PairError> {
-        let failed = |e: &dyn std::fmt::Display| PairError::new(failures, e);
+    ) -> std::result::Result<ReplayedPages, RewindFailure> {
+        let failed = |error: PairError| RewindFailure::new(failures, error);
+        let store = |e: &Error| RewindFailure::store(failures, e);
         let mut applied_ids = Vec::with_capacity(first.events.len());
         // The first page (read with the configured limits) may have been cut by its bytes too.
         let mut limits = page;
@@ -391,10 +397,7 @@ where
             let after = current.events.last().map(|e| e.event_id);
             let more = current.more;
             if more && after.is_none() {
-                return Err(failed(&Error::new(
-                    ErrorKind::Backend,
-                    "a rewind page was empty with more events after it",
-                )));
+                return Err(store(&empty_page()));
             }
             let unreadable = current.unreadable.take();
             let events = std::mem::take(&mut current.events);
@@ -414,16 +417,14 @@ where
                 }
             };
             let (applied, next) = tokio::join!(apply, next);
-            let applied = applied.map_err(|e| failed(&e))?;
+            let applied = applied.map_err(|e| store(&e))?;
             match applied.outcome {
                 Ok(n) if n == expected => {}
                 // Stopped before the end: only the lost signal stops a replay.
-                Ok(_) => return Err(failed(&lease_lost())),
+                Ok(_) => return Err(RewindFailure::lease_lost(failures)),
                 Err(e) => {
                     let at = failed_at(p, applied.state, applied.events, &e, lost).await;
-                    return Err(
-                        failed(&format!("the perspective failed during replay: {e}")).at(at),
-                    );
+                    return Err(failed(PairError::perspective(e).in_replay().at(at)));
                 }
             }
             state = applied.state;
@@ -431,13 +432,13 @@ where
             drop(applied.events);
             // The page ended at an event that could not be read (its stored payload does not
             // decode): the replay fails at it, as the normal path does.
-            if let Some((event_id, error)) = unreadable {
-                return Err(failed(&error).at(Some(event_id)));
+            if let Some(error) = unreadable {
+                return Err(failed(error));
             }
             match next {
                 None => break,
                 Some(next) => {
-                    let next = next.map_err(|e| failed(&e))?;
+                    let next = next.map_err(|e| store(&e))?;
                     limits.events =
                         next_page_events(limits.events, page.events, next.events.len(), next.more);
                     counts.read(next.events.len() as u64, next.more);
@@ -460,13 +461,15 @@ where
     ) -> Result<Page> {
         let tx = self.source.begin().await?;
         let page = self.store.rewind_events(&tx, pair, after, limits).await;
-        // Read only: a failed rollback still ends it, and changes nothing.
-        let _ = tx.rollback().await;
+        // Read only: a rollback that fails still ends it, and changes nothing.
+        super::rollback(tx, "a rewind's page").await;
         let page = page?;
         Ok(Page {
             events: page.events,
             more: page.more,
-            unreadable: page.unreadable,
+            unreadable: page
+                .unreadable
+                .map(|(event_id, reason)| PairError::unreadable(event_id, reason)),
         })
     }
 
@@ -513,7 +516,7 @@ where
         failures: u32,
         lease: Option<&HeldLease>,
         read: Option<S::Tx>,
-    ) -> (std::result::Result<Rewind, PairError>, bool) {
+    ) -> (std::result::Result<Rewind, RewindFailure>, bool) {
         if let Some(lease) = lease {
             // The lease is released right after this commit on every path: no renew from now
             // on, so none races the commit's own release.
@@ -545,7 +548,7 @@ where
             // Another applier moved the cursor first: nothing is lost, the pair is looked at
             // again later — the normal path's rule for the same conflict.
             Err(err) if err.kind() == ErrorKind::Conflict => (Ok(Rewind::LostRace), false),
-            Err(err) => (Err(PairError::new(failures, err)), false),
+            Err(err) => (Err(RewindFailure::store(failures, &err)), false),
         }
     }
 }
@@ -553,7 +556,7 @@ where
 /// A rewind's first read: what it loaded (`None`: no cursor) and the transaction kept for the
 /// commit with the time of the read; `Err` with the pair's failure count.
 type ReadOutcome<Tx> =
-    std::result::Result<(Option<lockstep_core::RewindLoad>, Option<(Tx, Instant)>), PairError>;
+    std::result::Result<(Option<lockstep_core::RewindLoad>, Option<(Tx, Instant)>), RewindFailure>;
 
 /// What [`PerspectiveWorker::restore_and_replay`] ends with.
 enum Replayed<Tx> {
@@ -581,8 +584,8 @@ pub(super) enum Rewind {
 struct Page {
     events: Vec<RecordedEvent>,
     more: bool,
-    /// The event after `events` that could not be read, and why (then `more` is false).
-    unreadable: Option<(uuid::Uuid, String)>,
+    /// The event after `events` that could not be read (then `more` is false).
+    unreadable: Option<PairError>,
 }
 
 /// What [`PerspectiveWorker::replay_pages`] ends with.
@@ -650,37 +653,38 @@ impl ReplayCounts {
     }
 }
 
-pub(super) fn lease_lost() -> String {
+/// The store handed out an empty page with more events after it (a store's defect).
+pub(super) fn empty_page() -> Error {
     Error::new(
-        ErrorKind::LeaseLost,
-        "the rewind lease was lost; the rewind was abandoned and nothing was committed",
+        ErrorKind::Backend,
+        "a rewind page was empty with more events after it",
     )
-    .to_string()
 }
 
-/// Why processing a pair failed: what to store on its cursor, the event it failed at when it
-/// was one event's, and the pair's failure count before this failure (what its backoff and
-/// parking are computed from).
+/// Why a rewind failed, with the pair's failure count before this failure (what its backoff
+/// and parking are computed from).
 #[derive(Debug)]
-pub(super) struct PairError {
+pub(super) struct RewindFailure {
     pub(super) failures_before: u32,
-    pub(super) message: String,
-    pub(super) event_id: Option<uuid::Uuid>,
+    pub(super) error: PairError,
 }
 
-impl PairError {
-    pub(super) fn new(failures_before: u32, error: impl std::fmt::Display) -> PairError {
-        PairError {
+impl RewindFailure {
+    pub(super) fn new(failures_before: u32, error: PairError) -> RewindFailure {
+        RewindFailure {
             failures_before,
-            message: error.to_string(),
-            event_id: None,
+            error,
         }
     }
 
-    /// The same, failed at `event_id`.
-    pub(super) fn at(mut self, event_id: Option<uuid::Uuid>) -> PairError {
-        self.event_id = event_id;
-        self
+    /// An error of the store ([`PairError::store`]).
+    pub(super) fn store(failures_before: u32, error: &Error) -> RewindFailure {
+        RewindFailure::new(failures_before, PairError::store(error))
+    }
+
+    /// The rewind's lease was lost ([`PairError::lease_lost`]).
+    pub(super) fn lease_lost(failures_before: u32) -> RewindFailure {
+        RewindFailure::new(failures_before, PairError::lease_lost())
     }
 }
 

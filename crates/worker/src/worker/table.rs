@@ -28,8 +28,9 @@ use lockstep_core::{
 use tokio_util::sync::CancellationToken;
 
 use super::pair::Normal;
-use super::rewind::{PairError, Rewind, lease_lost, next_page_events};
+use super::rewind::{Rewind, RewindFailure, empty_page, next_page_events};
 use super::{PairOutcome, PerspectiveWorker, SkipReason};
+use crate::error::PairError;
 use crate::lease::HeldLease;
 use crate::telemetry::{self, count};
 
@@ -131,9 +132,10 @@ where
         };
         let applied = apply_in(&**p, &tx, &events, &|| true).await;
         if let Some(error) = applied.error {
-            // The transaction may be aborted by the failed statement: end it, then commit the
-            // events before the failing one on their own.
-            let _ = tx.rollback().await;
+            // The transaction may be aborted by the failed statement: end it (a rollback that
+            // fails ends it all the same), then commit the events before the failing one on
+            // their own.
+            super::rollback(tx, "a table pair whose apply failed").await;
             count(telemetry::APPLY_FAILURES, name.as_str(), 1);
             tracing::warn!(error = %error, "a table perspective failed; stored on its cursor");
             let failures_before = match self
@@ -148,13 +150,13 @@ where
                     cursor.failures
                 }
             };
+            let at = events.get(applied.applied).map(|e| e.event_id);
             return self
                 .fail(
                     stream_id,
                     name,
                     failures_before,
-                    &error.to_string(),
-                    events.get(applied.applied).map(|e| e.event_id),
+                    PairError::perspective(error).at(at),
                 )
                 .await
                 .map(Normal::Done);
@@ -174,7 +176,7 @@ where
             Err(err) => {
                 count(telemetry::PAIR_FAILURES, name.as_str(), 1);
                 return match self
-                    .fail(stream_id, name, cursor.failures, &err.to_string(), None)
+                    .fail(stream_id, name, cursor.failures, PairError::store(&err))
                     .await
                 {
                     Ok(outcome) => Ok(Normal::Done(outcome)),
@@ -215,8 +217,10 @@ where
                 self.options.debounce(),
             )
             .await?;
+        // Where nothing is committed, a rollback that fails still ends the transaction: the
+        // claim's writes are gone either way.
         let Claim::Apply { cursor, events, .. } = claim else {
-            let _ = tx.rollback().await;
+            super::rollback(tx, "the claim of a table pair's events before a failure").await;
             return Ok(false);
         };
         // Only the very events that applied before: anything else (work changed meanwhile) is
@@ -227,13 +231,13 @@ where
                 .zip(prefix)
                 .all(|(a, b)| a.event_id == b.event_id);
         if !same {
-            let _ = tx.rollback().await;
+            super::rollback(tx, "the claim of a table pair's events before a failure").await;
             return Ok(false);
         }
         let applied = apply_in(&**p, &tx, &events, &|| true).await;
         if applied.error.is_some() {
             // Not deterministic: commit nothing; the failure is stored by the caller.
-            let _ = tx.rollback().await;
+            super::rollback(tx, "a table pair's events before a failure").await;
             return Ok(false);
         }
         let commit = table_commit(&cursor, &events);
@@ -255,25 +259,26 @@ where
         name: &PerspectiveName,
         p: &Arc<dyn DynTablePerspective<S::Tx>>,
         lease: Option<&HeldLease>,
-    ) -> (std::result::Result<Rewind, PairError>, bool) {
+    ) -> (std::result::Result<Rewind, RewindFailure>, bool) {
         let never = CancellationToken::new();
         let lost = lease.map_or(&never, HeldLease::lost);
         let tx = match self.source.begin().await {
             Ok(tx) => tx,
-            Err(err) => return (Err(PairError::new(0, err)), false),
+            Err(err) => return (Err(RewindFailure::store(0, &err)), false),
         };
         // Reset and replay, raced against the lost signal: lost, the transaction is dropped
         // (rolled back) and nothing is written.
         let replay = self.table_replay(&tx, stream_id, name, p, lease, lost);
         let prepared = tokio::select! {
             biased;
-            () = lost.cancelled() => Err(PairError::new(0, lease_lost())),
+            () = lost.cancelled() => Err(RewindFailure::lease_lost(0)),
             prepared = replay => prepared,
         };
         let (commit, failures) = match prepared {
             Ok(Some(prepared)) => prepared,
             Ok(None) => {
-                let _ = tx.rollback().await;
+                // Nothing was written (no rewind to do): a rollback that fails still ends it.
+                super::rollback(tx, "a table rewind with nothing to do").await;
                 return (Ok(Rewind::NothingToDo), false);
             }
             Err(err) => {
@@ -302,7 +307,7 @@ where
                 released,
             ),
             Err(err) if err.kind() == ErrorKind::Conflict => (Ok(Rewind::LostRace), false),
-            Err(err) => (Err(PairError::new(failures, err)), false),
+            Err(err) => (Err(RewindFailure::store(failures, &err)), false),
         }
     }
 
@@ -317,14 +322,14 @@ where
         p: &Arc<dyn DynTablePerspective<S::Tx>>,
         lease: Option<&HeldLease>,
         lost: &CancellationToken,
-    ) -> std::result::Result<Option<(StateCommit, u32)>, PairError> {
+    ) -> std::result::Result<Option<(StateCommit, u32)>, RewindFailure> {
         let pair = Pair::new(stream_id, name.clone());
         let page = self.options.rewind_page;
         let loaded = match self.store.load_rewind(tx, &pair, page).await {
             Ok(loaded) => loaded,
             Err(err) => {
                 let failures = self.cursor_failures(&pair).await.unwrap_or(0);
-                return Err(PairError::new(failures, err));
+                return Err(RewindFailure::store(failures, &err));
             }
         };
         let Some(loaded) = loaded else {
@@ -346,9 +351,10 @@ where
                 next_page_events(page.events, page.events, loaded.events.len(), loaded.more);
             (loaded.events, loaded.more, loaded.unreadable)
         };
+        let failed = |error: PairError| RewindFailure::new(failures, error);
         reset_in(&**p, tx, stream_id)
             .await
-            .map_err(|e| PairError::new(failures, e))?;
+            .map_err(|e| failed(PairError::perspective(e)))?;
         // Page by page, in the rewind's transaction (the table rows it writes and the cursor
         // commit together): one page of events held at a time.
         let mut applied_ids: Vec<uuid::Uuid> = Vec::new();
@@ -357,19 +363,16 @@ where
             let applied = apply_in(&**p, tx, &events, &|| !lost.is_cancelled()).await;
             if let Some(error) = applied.error {
                 // At the event it failed at: what `perspectives parked` shows and `skip` skips.
-                return Err(PairError::new(
-                    failures,
-                    format!("the perspective failed during replay: {error}"),
-                )
-                .at(events.get(applied.applied).map(|e| e.event_id)));
+                let at = events.get(applied.applied).map(|e| e.event_id);
+                return Err(failed(PairError::perspective(error).in_replay().at(at)));
             }
             if applied.applied < events.len() {
                 // Only the lost signal stops a replay.
-                return Err(PairError::new(failures, lease_lost()));
+                return Err(RewindFailure::lease_lost(failures));
             }
             // The page ended at an event that could not be read: the replay fails at it.
-            if let Some((event_id, error)) = unreadable.take() {
-                return Err(PairError::new(failures, error).at(Some(event_id)));
+            if let Some((event_id, reason)) = unreadable.take() {
+                return Err(failed(PairError::unreadable(event_id, reason)));
             }
             applied_ids.extend(events.iter().map(|e| e.event_id));
             after = events.last().map(|e| e.event_id).or(after);
@@ -380,14 +383,11 @@ where
                 .store
                 .rewind_events(tx, &pair, after, limits)
                 .await
-                .map_err(|e| PairError::new(failures, e))?;
+                .map_err(|e| RewindFailure::store(failures, &e))?;
             limits.events =
                 next_page_events(limits.events, page.events, next.events.len(), next.more);
             if next.events.is_empty() && next.more {
-                return Err(PairError::new(
-                    failures,
-                    "a rewind page was empty with more events after it",
-                ));
+                return Err(RewindFailure::store(failures, &empty_page()));
             }
             (events, more, unreadable) = (next.events, next.more, next.unreadable);
         }
