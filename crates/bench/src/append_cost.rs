@@ -1,4 +1,4 @@
-//! The plain write path against a plain insert (issue 22, ADR 0019), run by `aggregate` after
+//! The plain write path against a plain insert (ADR 0019), run by `aggregate` after
 //! its scenarios: line `append_server_us_vs_plain_insert`.
 //!
 //! Both sides are pgbench scripts of one statement per transaction (autocommit, `-M prepared`,

@@ -9,7 +9,7 @@
 //! cargo run --release -p lockstep-bench -- locker [--duration-secs 5] [--rounds 2]
 //! ```
 //!
-//! `reliability` is not a benchmark but the long run of issue 8's reliability suite (the
+//! `reliability` is not a benchmark but the long run of the reliability suite (the
 //! scenarios of `lockstep_tests::reliability`): a table of cases and failures per scenario,
 //! ending with the line `reliability violations=<n> lost=<n> duplicated=<n> panics=<n>
 //! cases=<n>`.

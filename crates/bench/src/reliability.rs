@@ -1,4 +1,4 @@
-//! `reliability`: the long run of issue 8's reliability suite.
+//! `reliability`: the long run of the reliability suite.
 //!
 //! Runs every scenario of [`lockstep_tests::reliability`] (`audit`, `faults`, `cancel`,
 //! `bad_input`, `model`, `workers`), long by default, each in a spawned task so that a scenario

@@ -1,5 +1,5 @@
 //! The fleet: which worker instances are running, what they run, and when they were last seen
-//! (issue 20, `docs/adr/0015-worker-fleet.md`).
+//! (`docs/adr/0015-worker-fleet.md`).
 //!
 //! An instance **announces** itself once when it starts ([`StreamLocker::announce`]: its
 //! [`InstanceId`] — the same id its stream leases are held by — a name, the host, the process

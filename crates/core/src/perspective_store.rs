@@ -2,7 +2,7 @@
 //! perspective worker runs on — on the caller's unit-of-work transaction `Tx`, like
 //! [`crate::EventStore`].
 //!
-//! # Model (the seed's, made precise)
+//! # Model (the stream-locking design's, made precise)
 //!
 //! - **Work.** Appending an event enqueues one work item per registered perspective for its
 //!   stream (Postgres: rows of `wh_perspective_events`, written by the append statement itself),
@@ -10,7 +10,8 @@
 //!   that already exists.
 //! - **Cursor** ([`Cursor`]), one per `(stream, perspective)` pair: the last applied event id, a
 //!   revision that increases with every committed state change, the rewind request, the last
-//!   error, and the stream lease (the seed's storage model; see [`crate::stream_lease`]).
+//!   error, and the stream lease (the storage model of the stream leases; see
+//!   [`crate::stream_lease`]).
 //! - **Order.** A pair applies events in event-id order. A pending event whose id sorts before
 //!   the cursor's last applied event is a **late arrival**: [`PerspectiveStore::claim`] then sets
 //!   a rewind request whose trigger is the earliest such id (an earlier trigger replaces a later
@@ -1176,7 +1177,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// none) with pending work or a rewind that `debounce` no longer holds back, skipping pairs
     /// under a live lease of another instance than `instance`. Oldest work first. Work of a
     /// registered perspective that the caller does not run is never listed, so it cannot hold
-    /// the head of the caller's queue (issue 18).
+    /// the head of the caller's queue.
     fn pending_pairs<'a>(
         &'a self,
         tx: &'a Tx,

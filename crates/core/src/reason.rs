@@ -6,7 +6,7 @@ use crate::error::{Error, Result, ValidationError};
 
 /// Why a stream lease is held.
 ///
-/// The standard reasons are the seed's; any other reason is a custom string of at most
+/// The standard reasons are the stream-locking design's; any other reason is a custom string of at most
 /// [`LockReason::MAX_CHARS`] characters (the `varchar(50)` column). A longer reason is an
 /// error, never truncated.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

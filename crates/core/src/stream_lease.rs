@@ -179,7 +179,7 @@ pub enum AcquireOutcome {
 }
 
 impl AcquireOutcome {
-    /// Whether the lease was acquired (the seed's `bool`: `false` for a denial, a busy row and
+    /// Whether the lease was acquired (the design's `bool`: `false` for a denial, a busy row and
     /// a missing cursor row alike).
     pub fn is_acquired(&self) -> bool {
         matches!(self, AcquireOutcome::Acquired(_))

@@ -786,7 +786,7 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         keys.extend(state.pairs.keys().cloned());
         let mut found: Vec<(OffsetDateTime, PendingPair)> = Vec::new();
         for key in keys {
-            // Only the perspectives the caller runs (issue 18): others never take its places.
+            // Only the perspectives the caller runs: others never take its places.
             if leased_by_others.contains(&key) || !perspectives.contains(&key.1) {
                 continue;
             }

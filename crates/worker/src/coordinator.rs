@@ -1,7 +1,7 @@
 //! [`ApplyCoordinator`]: serializes every apply path (normal, rewind, bootstrap, purge) of one
 //! `(stream, perspective)` pair inside one instance, with or without a stream locker.
 //!
-//! The seed's in-process `PerspectiveApplyCoordinator`: without it, a rewind racing a normal
+//! The in-process apply coordinator (the design's `PerspectiveApplyCoordinator`): without it, a rewind racing a normal
 //! apply of the same pair on one instance could commit a state computed before the other's
 //! commit (a lost update). Across instances the store's row lock and compare-and-set, and the
 //! stream lease, do that job; inside one instance this keyed async mutex makes the second task

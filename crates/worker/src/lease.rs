@@ -1,5 +1,5 @@
 //! The lease lifecycle as a library piece: [`LeaseKeeper`] keeps an instance's stream leases
-//! alive and [`HeldLease`] is one of them — the seed's "acquire, start keepalive, work, stop
+//! alive and [`HeldLease`] is one of them — the design's "acquire, start keepalive, work, stop
 //! keepalive, release in `finally`", made safe by construction.
 //!
 //! - **One keepalive per instance**, not per lease: every `keepalive_interval` (at a fixed rate)
@@ -228,7 +228,7 @@ impl LeaseKeeper {
     /// Tries to take the pair's lease for this instance (see [`StreamLocker::try_acquire`]); a
     /// held lease is kept alive from now on.
     ///
-    /// A lease this instance already holds live is *re-entered* (the seed's idempotent
+    /// A lease this instance already holds live is *re-entered* (the design's idempotent
     /// re-acquire): both `HeldLease`s then name one lease, and the first release ends it for
     /// both. Inside one instance, serialize work on a pair (the worker's
     /// [`crate::ApplyCoordinator`]) instead of relying on that; the worker treats a re-entered

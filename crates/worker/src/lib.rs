@@ -1,7 +1,7 @@
 //! # lockstep-worker
 //!
 //! The perspective worker: builds read models ("perspectives") from events on as many instances
-//! as you run, with the seed's rewind path (late-arriving event → restore snapshot → replay) and
+//! as you run, with the rewind path (late-arriving event → restore snapshot → replay) and
 //! bootstrap path under stream leases kept alive by a keepalive.
 //!
 //! - [`PerspectiveWorker`] — the engine: normal path, bootstrap, rewind, purge, graceful
@@ -25,7 +25,7 @@
 //!
 //! The worker is generic over the unit of work ([`lockstep_core::TransactionSource`]) and the
 //! store ([`lockstep_core::PerspectiveStore`]): the testkit's in-memory store and
-//! `lockstep-pg-store`'s Postgres store both fit. The stream locker is optional, as in the seed.
+//! `lockstep-pg-store`'s Postgres store both fit. The stream locker is optional.
 //!
 //! ```no_run
 //! # async fn demo<S, P>(source: S, store: P, locker: std::sync::Arc<dyn lockstep_core::StreamLocker>)

@@ -76,7 +76,7 @@ pub const APPLY_FAILURES: &str = "lockstep_worker_apply_failures_total";
 pub const PAIR_FAILURES: &str = "lockstep_worker_pair_failures_total";
 /// Pairs parked after too many failures in a row.
 pub const PAIRS_PARKED: &str = "lockstep_worker_pairs_parked_total";
-/// Batches whose commit failed after the claim (the batch shrinks: issue 18).
+/// Batches whose commit failed after the claim (the batch shrinks).
 pub const BATCH_FAILURES: &str = "lockstep_worker_batch_failures_total";
 /// Pairs per claimed batch.
 pub const BATCH_PAIRS: &str = "lockstep_worker_batch_pairs";

@@ -12,10 +12,10 @@
 //!   cursor + completed work (a compare-and-set on the cursor's revision per pair), with a
 //!   snapshot each time the applied count crosses a multiple of `snapshot_every`. Then
 //!   **bootstrap**: a pair that has applied events but no snapshot gets one, under a
-//!   `bootstrap` lease when it can be had and without one when not (the seed's graceful
+//!   `bootstrap` lease when it can be had and without one when not (graceful
 //!   degradation: the operation is idempotent and fenced by the cursor's revision); only a lease
 //!   it acquired is released.
-//! - **Rewind path** (a late arrival, or an operator's request), the seed's lifecycle: try the
+//! - **Rewind path** (a late arrival, or an operator's request), the lease lifecycle: try the
 //!   `rewind` lease (denied → skip the pair until a later cycle, its work untouched); keep it
 //!   alive ([`LeaseKeeper`]); restore the latest snapshot strictly before the trigger (or start
 //!   empty) and replay every event in order but the ones an operator skipped; commit fenced on
@@ -39,7 +39,7 @@
 //! - Where each path lives: [`batch`] (the cycles' normal path), `pair` (one pair now,
 //!   [`PerspectiveWorker::process_pair`]), `rewind`, `bootstrap` and `purge`; this file holds
 //!   the worker, its cycle, the failure bookkeeping and the blocking-pool helpers they share.
-//! - The locker is optional (`Option<Arc<dyn StreamLocker>>`, the seed's nullable dependency):
+//! - The locker is optional (`Option<Arc<dyn StreamLocker>>`, a nullable dependency):
 //!   without one, rewind, bootstrap and purge run unlocked; the coordinator still serializes
 //!   every apply path of a pair within the instance, and the store's compare-and-set still
 //!   refuses a commit computed from a state another instance has moved on from.

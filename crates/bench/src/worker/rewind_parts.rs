@@ -14,9 +14,8 @@
 //!    0034).
 //!
 //! Three round trips in all: `BEGIN` travels with the load (ADR 0024), so its step is the pool
-//! checkout only, and the `COMMIT` with the fenced commit (ADR 0034; four before it, seven
-//! before ADR 0023 and 0024, eleven before ADR 0012 §8). Each round also times the worker's
-//! own rewind of the same pair, back to back with the step-by-step one (the order swapped every
+//! checkout only, and the `COMMIT` with the fenced commit (ADR 0034). Each round also times the
+//! worker's own rewind of the same pair, back to back with the step-by-step one (the order swapped every
 //! round), so that the two are compared under the same conditions (the headline's snapshot
 //! rewinds each follow a full one). A bare round trip (`SELECT 1` on a pooled connection) is
 //! timed too, to say how much of the rewind is the round trips themselves. The request is

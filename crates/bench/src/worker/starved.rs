@@ -1,4 +1,4 @@
-//! Healthy pairs next to pairs that cannot be served (issue 18, ADR 0012): the time one worker
+//! Healthy pairs next to pairs that cannot be served (ADR 0012): the time one worker
 //! takes to catch up `--starved-streams` healthy streams (200 × 20 events) **with** pairs that
 //! fail and get parked on the way and work of a perspective no worker runs, ÷ the same catch-up
 //! **without** them.
@@ -26,8 +26,8 @@
 //! untouched. A failure of any pair but a poisoned one is an error. The sides alternate per
 //! round; the headline is the median of the per-round ratios. A last line says what the ratio
 //! is made of: the time the failing pairs add per failure stored while timed, as a share of a
-//! healthy pair's time alone, and the largest share that keeps the ratio at 1.2 (issue 18's
-//! goal).
+//! healthy pair's time alone, and the largest share that keeps the ratio at 1.2 (the goal in
+//! docs/benchmarks.md).
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -818,7 +818,7 @@ fn nested(depth: usize) -> serde_json::Value {
 
 /// The deepest payload a load can read back (127 levels of arrays and objects) is appended and
 /// read back unchanged, by `load` and `load_locked`; one level deeper is refused when the event
-/// is built, so it can never reach a stream and make it unloadable (issue 19, item 2).
+/// is built, so it can never reach a stream and make it unloadable.
 pub async fn the_deepest_readable_payload_round_trips_and_one_level_deeper_is_refused<
     F: EventStoreFixture,
 >(

@@ -1651,7 +1651,7 @@ pub async fn purge_empties_the_pair_and_keeps_its_lease<F: PerspectiveStoreFixtu
     assert!(snapshots(&*fixture, stream, &p).await.is_empty());
     let _ = fixture.locker().release(&lease.id).await.expect("release");
 
-    // The next event rebuilds the pair from the start of the stream (issue 19: applying just
+    // The next event rebuilds the pair from the start of the stream (applying just
     // the new event gave a state that is the fold of no prefix of the stream).
     append(&*fixture, stream, &[event(ids[2], 7)]).await;
     let tx = begin(fixture.source()).await;
@@ -1789,7 +1789,7 @@ fn nested(depth: usize) -> serde_json::Value {
 
 /// A state nested deeper than a claim can read back (128 levels of arrays and objects) is
 /// `InvalidInput` and writes nothing, instead of being stored and failing every later claim of
-/// the pair (issue 19, item 2); the deepest readable state (127 levels) is committed and read
+/// the pair; the deepest readable state (127 levels) is committed and read
 /// back unchanged.
 pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_writes_nothing<
     F: PerspectiveStoreFixture,
@@ -1871,7 +1871,7 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     );
 }
 
-// ---- Batches (issue 18) ----------------------------------------------------------------------
+// ---- Batches ---------------------------------------------------------------------------------
 
 /// Limits with these bounds, the default bytes, and a scan no case's database reaches (parked
 /// pairs of [`isolate`] count towards it).
@@ -3387,7 +3387,7 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
     assert!(none.is_empty());
 }
 
-// ---- Set-based batch commits and rewinds in fewer round trips (issue 18) ---------------------
+// ---- Set-based batch commits and rewinds in fewer round trips -------------------------------
 
 /// An event skipped between two pending ones is not handed out, however a store reads a
 /// pair's events (e.g. as one range of the stream from the first pending event to the last):

@@ -1,4 +1,5 @@
-//! The stream-locker conformance suite: the seed's lease semantics, case by case.
+//! The stream-locker conformance suite: the lease semantics of the stream-locking design, case
+//! by case.
 //!
 //! Every case uses fresh stream ids, so the suite can run against a shared database. Expiry is
 //! waited out with `tokio::time::sleep(lock_timeout + margin)`: on the in-memory locker with
@@ -157,7 +158,7 @@ pub async fn acquires_an_unlocked_cursor<F: StreamLockerFixture>(fixture: &F) {
     assert_eq!(after.epoch, lease.id.epoch);
 }
 
-/// A pair without a cursor row is never acquired (the seed's own test).
+/// A pair without a cursor row is never acquired.
 pub async fn missing_cursor_row_is_not_acquired<F: StreamLockerFixture>(fixture: &F) {
     let (stream, name) = (StreamId::new_v7(), name());
     let outcome = fixture

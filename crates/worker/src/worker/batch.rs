@@ -3,7 +3,7 @@
 //! `apply` folds them on tokio's blocking pool; one statement commits every pair that
 //! progressed and stores every failure ([`PerspectiveStore::commit_batch`]); then the pairs the
 //! claim marked for a rewind go down the rewind path. A pair's first snapshot is written by the
-//! batch commit itself (the bootstrap of the seed, fenced by the row lock the claim holds rather
+//! batch commit itself (the bootstrap, fenced by the row lock the claim holds rather
 //! than by a lease of its own: no extra round trips per new pair; ADR 0012).
 //!
 //! - **A failure is the pair's**: `apply` failing or panicking at an event, a state that does

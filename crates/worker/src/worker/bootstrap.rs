@@ -1,5 +1,5 @@
 //! Bootstrap: a pair that has applied events but no snapshot gets one, under a `bootstrap`
-//! lease when it can be had and without one when not (the seed's graceful degradation: the save
+//! lease when it can be had and without one when not (graceful degradation: the save
 //! is idempotent and fenced by the cursor's revision); only a lease it acquired is released.
 use lockstep_core::Pair;
 use lockstep_core::{
@@ -36,7 +36,7 @@ where
                     None
                 }
                 Ok(Leased::Acquired(lease)) => Some(lease),
-                // Graceful degradation (the seed): proceed without the lease; the save is
+                // Graceful degradation: proceed without the lease; the save is
                 // idempotent and refused if the cursor moved on.
                 Ok(Leased::Denied(_) | Leased::Busy | Leased::NoCursor) => None,
                 Err(err) => {

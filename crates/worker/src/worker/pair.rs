@@ -233,7 +233,7 @@ where
             _ => {
                 // Committed, not rolled back: a late arrival inside the debounce window is
                 // written by this claim, and the window only runs once it is stored (rolled
-                // back, every cycle found it anew and the pair never moved: issue 19).
+                // back, every cycle found it anew and the pair never moved).
                 tx.commit().await?;
                 Normal::Done(PairOutcome::Skipped(SkipReason::Idle))
             }

@@ -1,4 +1,4 @@
-//! Purge under a `purge` lease (the seed's reserved reason): the pair's state, snapshots and
+//! Purge under a `purge` lease (the reserved reason): the pair's state, snapshots and
 //! pending work are deleted and its cursor reset; a table perspective's rows for the stream are
 //! reset in the same transaction.
 use lockstep_core::Pair;
@@ -16,7 +16,7 @@ where
     S: TransactionSource,
     P: PerspectiveStore<S::Tx>,
 {
-    /// Purges a pair under a `purge` lease (the seed's reserved reason): its state, snapshots
+    /// Purges a pair under a `purge` lease (the reserved reason): its state, snapshots
     /// and pending work are deleted and its cursor reset (see
     /// [`PerspectiveStore::purge`]). Without a locker it runs unlocked.
     pub async fn purge(&self, stream_id: StreamId, name: &PerspectiveName) -> Result<PurgeOutcome> {

@@ -1,4 +1,4 @@
-//! The rewind path, the seed's lifecycle: try the `rewind` lease (denied → skip the pair until a
+//! The rewind path, the lease lifecycle: try the `rewind` lease (denied → skip the pair until a
 //! later cycle, its work untouched); keep it alive ([`crate::LeaseKeeper`]); restore the latest
 //! snapshot strictly before the trigger (or start empty) and replay every event in order but
 //! the ones an operator skipped; commit fenced on the lease, clearing the request and the
