@@ -1,6 +1,13 @@
 //! `locker`: `PgStreamLocker` against `pgbench` running the very statements the locker
 //! sends, in the same run, on the same database.
 //!
+//! The locker's SQL is private to `lockstep-pg-stream`, so the benchmark keeps no copy of it: it
+//! drives the locker through its public API once (try-acquire, renew, release on one row) and
+//! reads each statement back from the server, as that connection prepared it
+//! (`pg_prepared_statements`). pgbench runs those texts; their parameter types are checked
+//! against the variables the scripts bind, so a statement whose parameters change fails the
+//! run instead of timing something else.
+//!
 //! Set-up: a fresh database, the migrations, 10 000 cursor rows (one stream, perspectives
 //! `"1"` … `"10000"`: pgbench can draw integers but not UUIDs, and a decimal name is a valid
 //! perspective name, so both clients address rows the same way).
@@ -25,6 +32,7 @@
 //! over rounds of lockstep ops/s divided by pgbench ops/s in the same round; the headline ratio
 //! for a concurrency is the lower of the two workloads' ratios.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +43,7 @@ use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseEpoch, LeaseId, LockReason, PerspectiveName, StreamId,
     StreamLockOptions, StreamLocker,
 };
-use lockstep_pg_stream::{PgInterval, PgStreamLocker, sql};
+use lockstep_pg_stream::{PgInterval, PgStreamLocker};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -107,7 +115,15 @@ struct Setup {
     instance: InstanceId,
     names: Arc<Vec<PerspectiveName>>,
     options: StreamLockOptions,
+    statements: LockerStatements,
     work_dir: PathBuf,
+}
+
+/// The statements the locker sends for the two workloads, as the server received them.
+struct LockerStatements {
+    try_acquire: String,
+    renew: String,
+    release: String,
 }
 
 /// Runs the benchmark and prints its report.
@@ -201,15 +217,116 @@ async fn prepare(db: BenchDatabase, args: &Args, work_dir: PathBuf) -> Result<Se
     let names = (1..=args.rows)
         .map(|i| PerspectiveName::new(i.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
+    let instance = InstanceId::random();
+    // Long enough that no benchmark lease expires between two renews of a random row.
+    let options = StreamLockOptions::new(Duration::from_secs(3600), Duration::from_secs(1200))?;
+    let statements = locker_statements(&db, options, instance, &names[0]).await?;
     Ok(Setup {
         db,
         counter,
-        instance: InstanceId::random(),
+        instance,
         names: Arc::new(names),
-        // Long enough that no benchmark lease expires between two renews of a random row.
-        options: StreamLockOptions::new(Duration::from_secs(3600), Duration::from_secs(1200))?,
+        options,
+        statements,
         work_dir,
     })
+}
+
+/// Runs try-acquire, renew and release on `name`'s row through the locker's public API, on a
+/// pool of one connection, and reads what each call prepared on that connection from
+/// `pg_prepared_statements`: the texts pgbench runs. The row ends as it began, without a lease
+/// (its epoch one higher).
+async fn locker_statements(
+    db: &BenchDatabase,
+    options: StreamLockOptions,
+    instance: InstanceId,
+    name: &PerspectiveName,
+) -> Result<LockerStatements> {
+    let pool = db.pool(1)?;
+    let locker = PgStreamLocker::from_pool(pool.clone(), options);
+    let mut seen = HashSet::new();
+    prepared_since(&pool, &mut seen).await?;
+    let stream = StreamId::from_uuid(BENCH_STREAM);
+    let lease = match locker
+        .try_acquire(stream, name, instance, &LockReason::Rewind)
+        .await?
+    {
+        AcquireOutcome::Acquired(lease) => lease,
+        other => bail!("reading the locker's statements: try-acquire answered {other:?}"),
+    };
+    let try_acquire = only_statement(
+        "try_acquire",
+        prepared_since(&pool, &mut seen).await?,
+        &["uuid", "text", "uuid", "text", "interval"],
+    )?;
+    if !locker.renew(&lease.id).await?.is_renewed() {
+        bail!("reading the locker's statements: the renew lost the lease");
+    }
+    let renew = only_statement(
+        "renew",
+        prepared_since(&pool, &mut seen).await?,
+        &["uuid", "text", "uuid", "bigint", "interval"],
+    )?;
+    let _ = locker.release(&lease.id).await?;
+    let release = only_statement(
+        "release",
+        prepared_since(&pool, &mut seen).await?,
+        &["uuid", "text", "uuid", "bigint"],
+    )?;
+    drop(locker);
+    pool.close();
+    Ok(LockerStatements {
+        try_acquire,
+        renew,
+        release,
+    })
+}
+
+/// The statements prepared on the pool's one connection that are not in `seen` yet, with their
+/// parameter types; adds them to `seen`. (`query_typed` sends an unnamed statement, which
+/// `pg_prepared_statements` does not list, so this query never lists itself.)
+async fn prepared_since(
+    pool: &deadpool_postgres::Pool,
+    seen: &mut HashSet<String>,
+) -> Result<Vec<(String, Vec<String>)>> {
+    let client = pool.get().await?;
+    let rows = client
+        .query_typed(
+            "SELECT statement, parameter_types::text[] FROM pg_prepared_statements",
+            &[],
+        )
+        .await
+        .context("reading pg_prepared_statements")?;
+    let mut new = Vec::new();
+    for row in rows {
+        let statement: String = row.try_get(0)?;
+        if seen.insert(statement.clone()) {
+            new.push((statement, row.try_get(1)?));
+        }
+    }
+    Ok(new)
+}
+
+/// The one statement a call prepared, checked to take the parameter types pgbench binds.
+fn only_statement(
+    call: &str,
+    prepared: Vec<(String, Vec<String>)>,
+    types: &[&str],
+) -> Result<String> {
+    let [(statement, parameters)] = <[_; 1]>::try_from(prepared).map_err(|all| {
+        anyhow::anyhow!(
+            "the locker's {call} prepared {} statements, the benchmark expects one",
+            all.len()
+        )
+    })?;
+    if parameters != types {
+        bail!(
+            "the locker's {call} statement takes ({}), the pgbench script binds ({})",
+            parameters.join(", "),
+            types.join(", ")
+        );
+    }
+    Ok(statement)
 }
 
 async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
@@ -409,7 +526,8 @@ async fn run_locker(
             conns.push(pool.get().await?);
         }
         for conn in &conns {
-            for statement in [sql::TRY_ACQUIRE, sql::RELEASE, sql::RENEW] {
+            let s = &setup.statements;
+            for statement in [&s.try_acquire, &s.release, &s.renew] {
                 conn.prepare_cached(statement).await?;
             }
         }
@@ -511,17 +629,20 @@ async fn run_pgbench(
         Workload::AcquireRelease => format!(
             "{pick}{}\n\\gset out_\n{};\n",
             to_pgbench(
-                sql::TRY_ACQUIRE,
+                &setup.statements.try_acquire,
                 &["stream", "p", "instance", "reason", "timeout"]
             )?,
             to_pgbench(
-                sql::RELEASE,
+                &setup.statements.release,
                 &["stream", "p", "instance", "out_acquired_epoch"]
             )?,
         ),
         Workload::Renew => format!(
             "{pick}{};\n",
-            to_pgbench(sql::RENEW, &["stream", "p", "instance", "epoch", "timeout"])?
+            to_pgbench(
+                &setup.statements.renew,
+                &["stream", "p", "instance", "epoch", "timeout"]
+            )?
         ),
     };
     let defines = [

@@ -1,6 +1,6 @@
 //! Driving `pgbench` with the very statements a lockstep backend sends: scripts built from the
-//! backend's SQL constants (`$n` → `:variable`), run with `-M prepared`, and per-transaction
-//! logs (`-l`) read back into a latency histogram.
+//! statement texts (`$n` → `:variable`), run with `-M prepared`, and per-transaction logs (`-l`)
+//! read back into a latency histogram.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

@@ -83,8 +83,9 @@ use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
-/// The statements of [`PgPerspectiveStore`], one per operation.
-pub mod sql {
+/// The statements of [`PgPerspectiveStore`], one per operation. Private to this crate: they
+/// change with the schema, so they are no API.
+mod sql {
     /// The cursor columns every read returns, in the order `decode_cursor` reads them; the
     /// cursor row is `k`.
     macro_rules! cursor_columns {
@@ -100,20 +101,21 @@ pub mod sql {
     }
 
     /// Whether `$1` is registered: a row, or none.
-    pub const IS_REGISTERED: &str = "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1";
+    pub(super) const IS_REGISTERED: &str =
+        "SELECT 1 FROM wh_perspectives WHERE perspective_name = $1";
 
     /// Registers names (`$1 text[]`); returns how many were new (they catch up). Appends
     /// queue behind its exclusive lock for at most `$2` µs at a time, and it gives up after
     /// `$3` µs with 55P03 naming the transaction it waits for (see
     /// `lockstep_lock_perspectives_for_change`).
-    pub const REGISTER: &str = "SELECT lockstep_register_perspectives($1, \
+    pub(super) const REGISTER: &str = "SELECT lockstep_register_perspectives($1, \
          $2 * interval '1 microsecond', $3 * interval '1 microsecond')";
 
     /// Pairs of the perspectives `$5 text[]` with work, or with a rewind request whose debounce
     /// window (`$2` µs) has passed or that was first flagged at least `$4` µs ago (the cap), not
     /// under a live lease of another instance than `$1`; oldest work first, at most `$3`. A pair with a request inside its
     /// window is held back, work and all.
-    pub const PENDING_PAIRS: &str = "\
+    pub(super) const PENDING_PAIRS: &str = "\
 WITH n AS (SELECT clock_timestamp() AS now),
 work AS (
     SELECT w.stream_id, w.perspective_name, count(*) AS pending, min(w.enqueued_at) AS oldest
@@ -150,7 +152,7 @@ SELECT p.stream_id, p.perspective_name, coalesce(w.pending, 0),
     /// failed event, backoff and parking, which it does not change: those are read from the
     /// cursor row and selected right after the function's, so the row holds the cursor columns
     /// as one block in the order of `cursor_columns!`.
-    pub const CLAIM: &str = "\
+    pub(super) const CLAIM: &str = "\
 SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger_event_id,
        c.rewind_flagged_at, c.rewind_first_flagged_at, c.error, c.failures, c.latest_snapshot,
        c.stream_lock_instance_id, c.stream_lock_reason, c.stream_lock_expiry, c.stream_lock_epoch,
@@ -165,7 +167,7 @@ SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger
     /// debounce window µs, `$8` debounce cap µs. Rows: `rewind` and `apply` pairs in claim
     /// order (an `apply` row with its state, its work rows' ids, the state's size and the
     /// walk's position before it), then one `position` per perspective.
-    pub const CLAIM_PAIRS: &str =
+    pub(super) const CLAIM_PAIRS: &str =
         "SELECT * FROM lockstep_perspective_claim_pairs($1, $2, $3, $4, $5, $6, $7, $8)";
 
     /// The events of a batch's claimed pairs (`$1` streams, `$2` and `$3` the first and last
@@ -179,7 +181,7 @@ SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger
     /// the compressed size of a large value). The range may hold events that are not the pair's
     /// work (skipped, or enqueued since the claim): the caller keeps only the work ids; their
     /// sizes count.
-    pub const CLAIM_EVENTS: &str = "\
+    pub(super) const CLAIM_EVENTS: &str = "\
 SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock_timestamp()
   FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.size,
                sum(e.size) OVER (ORDER BY p.o, e.event_id ROWS UNBOUNDED PRECEDING) AS cum,
@@ -196,13 +198,13 @@ SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock
  ORDER BY x.o, x.event_id";
 
     /// Commits a batch (see `lockstep_perspective_commit_batch`).
-    pub const COMMIT_BATCH: &str = "SELECT ord, outcome, revision, parked \
+    pub(super) const COMMIT_BATCH: &str = "SELECT ord, outcome, revision, parked \
          FROM lockstep_perspective_commit_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
                                                 $12, $13, $14, $15, $16, $17, $18)";
 
     /// The parked pairs of the perspectives `$1` (all when empty), longest parked first, at
     /// most `$2`.
-    pub const PARKED_PAIRS: &str = concat!(
+    pub(super) const PARKED_PAIRS: &str = concat!(
         "SELECT k.stream_id, k.perspective_name, ",
         cursor_columns!(),
         " FROM wh_perspective_cursors k WHERE k.parked_at IS NOT NULL \
@@ -212,7 +214,7 @@ SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock
 
     /// Every registered perspective's pairs, work, oldest work's age (µs), rewinds, failing,
     /// backing-off and parked pairs.
-    pub const PERSPECTIVE_STATUS: &str = "\
+    pub(super) const PERSPECTIVE_STATUS: &str = "\
 SELECT p.perspective_name,
        (SELECT count(*) FROM wh_perspective_cursors k WHERE k.perspective_name = p.perspective_name),
        (SELECT count(*) FROM wh_perspective_events w WHERE w.perspective_name = p.perspective_name),
@@ -231,7 +233,7 @@ SELECT p.perspective_name,
 
     /// The failing pairs of the perspectives `$1` (all when empty), by perspective and stream,
     /// at most `$2`: an error and a failure count above 0 (a retried pair keeps its text).
-    pub const FAILING_PAIRS: &str = concat!(
+    pub(super) const FAILING_PAIRS: &str = concat!(
         "SELECT k.stream_id, k.perspective_name, ",
         cursor_columns!(),
         " FROM wh_perspective_cursors k WHERE k.error IS NOT NULL AND k.failures > 0 \
@@ -240,7 +242,7 @@ SELECT p.perspective_name,
     );
 
     /// Retries a pair: parking, backoff and failure count cleared. No row: no cursor.
-    pub const UNPARK: &str = "UPDATE wh_perspective_cursors k \
+    pub(super) const UNPARK: &str = "UPDATE wh_perspective_cursors k \
          SET parked_at = NULL, retry_at = NULL, failures = 0 \
          WHERE k.stream_id = $1 AND k.perspective_name = $2 RETURNING 1";
 
@@ -250,7 +252,7 @@ SELECT p.perspective_name,
     /// a batch that has the pair claimed is waited for, so no work row of a claimed pair
     /// disappears before its batch commits (`lockstep_perspective_commit_batch` deletes a
     /// pair's applied work as the range from its first to its last id, and counts on it).
-    pub const SKIP_EVENT: &str = "\
+    pub(super) const SKIP_EVENT: &str = "\
 WITH k AS (
     SELECT 1 FROM wh_perspective_cursors c
      WHERE c.stream_id = $1 AND c.perspective_name = $2
@@ -272,23 +274,23 @@ WITH k AS (
 SELECT count(*) FROM w";
 
     /// The events skipped for a pair, in event-id order.
-    pub const SKIPPED_EVENTS: &str = "SELECT x.event_id, x.reason, x.skipped_at \
+    pub(super) const SKIPPED_EVENTS: &str = "SELECT x.event_id, x.reason, x.skipped_at \
          FROM wh_perspective_skipped_events x \
          WHERE x.stream_id = $1 AND x.perspective_name = $2 ORDER BY x.event_id";
 
     /// Commits a state change (see `lockstep_perspective_commit`).
-    pub const COMMIT: &str = "SELECT outcome, revision \
+    pub(super) const COMMIT: &str = "SELECT outcome, revision \
          FROM lockstep_perspective_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
     /// A fenced commit that also releases the fence's lease (see
     /// `lockstep_perspective_commit_release`): as [`COMMIT`], and `released`.
-    pub const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
+    pub(super) const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
     /// [`COMMIT_RELEASE`] that refuses by raising (SQLSTATE `LSREF`; see
     /// `lockstep_perspective_commit_release_or_refuse`), for a statement sent with the
     /// transaction's `COMMIT`: the refusal turns it into a rollback.
-    pub const COMMIT_RELEASE_OR_REFUSE: &str = "SELECT outcome, revision, released \
+    pub(super) const COMMIT_RELEASE_OR_REFUSE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release_or_refuse($1, $2, $3, $4, $5, $6, $7, $8, $9, \
          $10, $11, $12)";
 
@@ -307,24 +309,24 @@ SELECT count(*) FROM w";
     /// and bytes and stops reading at the first that does not (which says that more follow).
     /// The byte bound is the store's, not the statement's: a running total in SQL (a window)
     /// cost a 100-event read 0.3–0.5 ms more (ADR 0031).
-    pub const LOAD_REWIND: &str = "SELECT * FROM lockstep_load_rewind($1, $2, $3)";
+    pub(super) const LOAD_REWIND: &str = "SELECT * FROM lockstep_load_rewind($1, $2, $3)";
 
     /// A page of the events a rewind replays (`$1` stream, `$2` perspective, `$3` at most this
     /// many events, `$4` after this event, from the first when NULL): the events but the pair's
     /// skipped ones, in event-id order, each with its payload's decoded size as in
     /// [`LOAD_REWIND`]. Through `lockstep_rewind_page`, which pins the plan to the stream's own
     /// range of `wh_events_stream_event`, read in order.
-    pub const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
+    pub(super) const REWIND_EVENTS: &str = "SELECT * FROM lockstep_rewind_page($1, $2, $4, $3)";
 
     /// One pair's cursor.
-    pub const CURSOR: &str = concat!(
+    pub(super) const CURSOR: &str = concat!(
         "SELECT ",
         cursor_columns!(),
         " FROM wh_perspective_cursors k WHERE k.stream_id = $1 AND k.perspective_name = $2"
     );
 
     /// One pair's cursor and state.
-    pub const STATE: &str = concat!(
+    pub(super) const STATE: &str = concat!(
         "SELECT ",
         cursor_columns!(),
         ", st.state FROM wh_perspective_cursors k \
@@ -335,7 +337,7 @@ SELECT count(*) FROM w";
 
     /// A page of one perspective's states in stream order (`$1` perspective, `$2` limit):
     /// pairs with a state only; the stream id is the last column.
-    pub const STATES_FIRST: &str = concat!(
+    pub(super) const STATES_FIRST: &str = concat!(
         "SELECT ",
         cursor_columns!(),
         ", st.state, k.stream_id FROM wh_perspective_cursors k \
@@ -346,7 +348,7 @@ SELECT count(*) FROM w";
 
     /// The next page, after stream `$3`. (Two statements rather than `$3 IS NULL OR …`, so
     /// that each is planned as an index range.)
-    pub const STATES_AFTER: &str = concat!(
+    pub(super) const STATES_AFTER: &str = concat!(
         "SELECT ",
         cursor_columns!(),
         ", st.state, k.stream_id FROM wh_perspective_cursors k \
@@ -360,7 +362,7 @@ SELECT count(*) FROM w";
     /// pairs holding either how many are parked and one failing pair's error; then whether
     /// the perspective is registered, retired (its states kept) or neither, and how many live
     /// worker instances announce it (live as the fleet listing counts them).
-    pub const PENDING_THROUGH: &str = "\
+    pub(super) const PENDING_THROUGH: &str = "\
         WITH w AS (SELECT w.stream_id FROM wh_perspective_events w \
                     WHERE w.perspective_name = $1 AND ($2::uuid IS NULL OR w.stream_id = $2) \
                       AND w.event_id <= $3), \
@@ -384,28 +386,28 @@ SELECT count(*) FROM w";
                    AND i.last_seen_at + i.stale_after > clock_timestamp())";
 
     /// The event ids of a pair's work, in event-id order.
-    pub const PENDING_EVENTS: &str = "SELECT w.event_id FROM wh_perspective_events w \
+    pub(super) const PENDING_EVENTS: &str = "SELECT w.event_id FROM wh_perspective_events w \
          WHERE w.stream_id = $1 AND w.perspective_name = $2 ORDER BY w.event_id";
 
     /// A stream's events after `$2` (all when NULL), in event-id order.
-    pub const STREAM_EVENTS: &str = "SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at \
+    pub(super) const STREAM_EVENTS: &str = "SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at \
          FROM wh_events e WHERE e.stream_id = $1 AND ($2::uuid IS NULL OR e.event_id > $2) \
          ORDER BY e.event_id";
 
     /// The latest snapshot strictly before `$3`.
-    pub const SNAPSHOT_BEFORE: &str = "SELECT s.event_id, s.state, s.applied_count \
+    pub(super) const SNAPSHOT_BEFORE: &str = "SELECT s.event_id, s.state, s.applied_count \
          FROM wh_perspective_snapshots s \
          WHERE s.stream_id = $1 AND s.perspective_name = $2 AND s.event_id < $3 \
          ORDER BY s.event_id DESC LIMIT 1";
 
     /// Bootstrap snapshot (see `lockstep_perspective_save_snapshot`).
-    pub const SAVE_SNAPSHOT: &str =
+    pub(super) const SAVE_SNAPSHOT: &str =
         "SELECT lockstep_perspective_save_snapshot($1, $2, $3, $4, $5, $6)";
 
     /// Sets the rewind request to `$3`, or moves it earlier; the window restarts when it
     /// moves. An operator's rewind is also a retry: parking, backoff and failure count are
     /// cleared. No row: no cursor.
-    pub const REQUEST_REWIND: &str = "\
+    pub(super) const REQUEST_REWIND: &str = "\
 WITH n AS (SELECT clock_timestamp() AS now)
 UPDATE wh_perspective_cursors k
    SET rewind_trigger_event_id = CASE WHEN k.rewind_trigger_event_id IS NULL OR $3 < k.rewind_trigger_event_id
@@ -422,18 +424,18 @@ RETURNING k.revision";
 
     /// Records a failure (see `lockstep_perspective_record_failure`): `$3` error, `$4` event,
     /// `$5` backoff µs, `$6` park. Returns whether the pair is parked.
-    pub const RECORD_FAILURE: &str =
+    pub(super) const RECORD_FAILURE: &str =
         "SELECT lockstep_perspective_record_failure($1, $2, $3, $4, $5, $6)";
 
     /// Purges a pair (see `lockstep_perspective_purge`).
-    pub const PURGE: &str = "SELECT lockstep_perspective_purge($1, $2, $3, $4)";
+    pub(super) const PURGE: &str = "SELECT lockstep_perspective_purge($1, $2, $3, $4)";
 
     /// Creates a cursor row; a row back means it was created.
-    pub const ENSURE_CURSOR: &str = "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) \
+    pub(super) const ENSURE_CURSOR: &str = "INSERT INTO wh_perspective_cursors (stream_id, perspective_name) \
          VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING 1";
 
     /// Deletes a cursor row with its state, snapshots and work; a row back means it existed.
-    pub const DELETE_CURSOR: &str = "\
+    pub(super) const DELETE_CURSOR: &str = "\
 WITH w AS (DELETE FROM wh_perspective_events x WHERE x.stream_id = $1 AND x.perspective_name = $2),
      sk AS (DELETE FROM wh_perspective_skipped_events x
              WHERE x.stream_id = $1 AND x.perspective_name = $2),

@@ -2,7 +2,7 @@
 //! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`], or a borrowed
 //! `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`, passed as `&tx`).
 //!
-//! Inside the caller's transaction, [`crate::sql::FENCE`] selects the cursor row where the
+//! Inside the caller's transaction, one statement selects the cursor row where the
 //! holder and epoch match and the lease is live on the database clock, `FOR NO KEY UPDATE`.
 //! No row means the lease was lost ([`ErrorKind::LeaseLost`]); the caller must roll back.
 //!

@@ -12,7 +12,8 @@
 //! - **One statement, one round trip** per try-acquire, renew, release and batched renew: an
 //!   atomic `UPDATE … WHERE` (for try-acquire, a CTE that also reports the current holder on
 //!   denial and tells "no cursor row" apart), sent as a prepared statement with bound
-//!   parameters. No read-then-write. The statements are in [`sql`].
+//!   parameters. No read-then-write. The statements are private to this crate (their design
+//!   is recorded in `docs/adr/0002-stream-lease-sql.md`).
 //! - **The database clock only**: expiry is `clock_timestamp() + lock_timeout` (the timeout
 //!   bound as an `interval` parameter) and is compared with `clock_timestamp()`; the clients'
 //!   clocks never matter.
@@ -39,8 +40,7 @@
 //!   error naming the row; a database without lockstep's schema says to run
 //!   [`lockstep_pg::migrate()`].
 //! - **The fleet** (`wh_worker_instances`): announce, depart and list worker instances; the
-//!   keepalive of an announced instance renews its leases and marks it seen in one statement
-//!   ([`sql::KEEPALIVE`]).
+//!   keepalive of an announced instance renews its leases and marks it seen in one statement.
 //! - **Observability** comes from one layer, not from the backend: wrap the locker, admin and
 //!   fence in `lockstep_observe::Observed` at the composition root for a span and metrics per
 //!   call (ADR 0018). What only this backend knows travels in the outcome — a takeover of an
@@ -99,7 +99,7 @@ pub mod fence;
 mod fleet;
 pub mod interval;
 pub mod locker;
-pub mod sql;
+mod sql;
 mod statement;
 
 pub use fleet::ForgetInstance;

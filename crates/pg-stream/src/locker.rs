@@ -1,8 +1,8 @@
 //! [`PgStreamLocker`]: the hot path (try-acquire, renew, release, batched renew) over a
 //! `deadpool_postgres` pool.
 //!
-//! Each call checks a connection out of the pool, runs exactly one prepared statement from
-//! [`crate::sql`] (one round trip) and returns the connection. The statements are prepared once
+//! Each call checks a connection out of the pool, runs exactly one prepared statement (one round
+//! trip) and returns the connection. The statements are prepared once
 //! per connection (`prepare_cached`). That block is one helper, `PgStreamLocker::run`.
 
 use std::collections::HashMap;

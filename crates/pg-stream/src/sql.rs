@@ -6,9 +6,8 @@
 //! bound as an `interval` parameter. A lease is *live* while `stream_lock_expiry >
 //! clock_timestamp()` and *expired* once `stream_lock_expiry <= clock_timestamp()`.
 //!
-//! The statements are public so that tools (the `lockstep-bench` benchmark drives `pgbench`
-//! with exactly these texts) and operators can run the very SQL the locker sends. Why they look
-//! the way they do is recorded in `docs/adr/0002-stream-lease-sql.md`.
+//! Private to this crate: the statements change with the schema, so they are no API. Why they
+//! look the way they do is recorded in `docs/adr/0002-stream-lease-sql.md`.
 
 /// Try-acquire: `$1` stream id (`uuid`), `$2` perspective (`text`), `$3` instance (`uuid`),
 /// `$4` reason (`text`, at most 50 characters), `$5` lock timeout (`interval`).
@@ -30,7 +29,7 @@
 ///   statement's clock and to that epoch.
 /// - No row: the pair has no cursor. A row without `acquired_epoch`: denied, and the `holder`,
 ///   `reason`, `expiry`, `epoch` columns say by whom.
-pub const TRY_ACQUIRE: &str = "\
+pub(crate) const TRY_ACQUIRE: &str = "\
 WITH cur AS MATERIALIZED (
     SELECT stream_id, perspective_name,
            stream_lock_instance_id AS holder, stream_lock_reason AS reason,
@@ -64,7 +63,7 @@ SELECT upd.acquired_epoch, upd.acquired_expiry, upd.took_over, upd.reentered,
 /// Renew: `$1` stream id, `$2` perspective, `$3` holder, `$4` epoch (`bigint`), `$5` lock
 /// timeout (`interval`). Extends only a live lease held by `$3` at `$4`; returns the new expiry,
 /// or no row when the lease is lost. Never resurrects an expired lease.
-pub const RENEW: &str = "\
+pub(crate) const RENEW: &str = "\
 UPDATE wh_perspective_cursors
    SET stream_lock_expiry = clock_timestamp() + $5::interval
  WHERE stream_id = $1::uuid AND perspective_name = $2::text
@@ -75,7 +74,7 @@ RETURNING stream_lock_expiry";
 /// Release: `$1` stream id, `$2` perspective, `$3` holder, `$4` epoch. Clears the lease when
 /// held by `$3` at `$4` (live or expired but uncleared); the epoch is kept. One row affected
 /// means released, none means not held.
-pub const RELEASE: &str = "\
+pub(crate) const RELEASE: &str = "\
 UPDATE wh_perspective_cursors
    SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
        stream_lock_acquired_at = NULL, stream_lock_acquired_epoch = NULL
@@ -91,7 +90,7 @@ UPDATE wh_perspective_cursors
 /// rows in the same order and cannot deadlock, whatever plan the `UPDATE` gets (a small batch
 /// plans as a nested loop in input order, a large one as a hash join over a sequential scan in
 /// physical order). The `UPDATE` then finds its rows already locked by this statement.
-pub const RENEW_MANY: &str = "\
+pub(crate) const RENEW_MANY: &str = "\
 WITH l AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bigint[])
                   AS l(stream_id, perspective_name, holder, epoch)
@@ -116,7 +115,7 @@ RETURNING c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_l
 /// perspective, `$3` holder, `$4` epoch. Returns a row only when the lease is live, held by
 /// `$3` at `$4`, and then keeps the row locked (`FOR NO KEY UPDATE`) until the transaction ends,
 /// so a takeover, renew, release or force-release waits for it.
-pub const FENCE: &str = "\
+pub(crate) const FENCE: &str = "\
 SELECT stream_lock_epoch
   FROM wh_perspective_cursors
  WHERE stream_id = $1::uuid AND perspective_name = $2::text
@@ -130,7 +129,7 @@ SELECT stream_lock_epoch
 /// Rust's `str` ordering whatever the database collation). `time_left_us` is NULL for an
 /// infinite expiry (which the locker reports as a row it cannot read, not as an SQL error that
 /// hides which row it is).
-pub const LIST_LEASES: &str = "\
+pub(crate) const LIST_LEASES: &str = "\
 SELECT c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock_reason,
        c.stream_lock_epoch, c.stream_lock_expiry,
        CASE WHEN c.stream_lock_acquired_epoch = c.stream_lock_epoch
@@ -144,14 +143,14 @@ SELECT c.stream_id, c.perspective_name, c.stream_lock_instance_id, c.stream_lock
  ORDER BY c.stream_id, c.perspective_name COLLATE \"C\"";
 
 /// Admin inspect: `$1` stream id, `$2` perspective. The lease columns of one cursor row.
-pub const INSPECT: &str = "\
+pub(crate) const INSPECT: &str = "\
 SELECT stream_lock_instance_id, stream_lock_reason, stream_lock_expiry, stream_lock_epoch
   FROM wh_perspective_cursors
  WHERE stream_id = $1::uuid AND perspective_name = $2::text";
 
 /// Admin force-release: `$1` stream id, `$2` perspective. Clears a set lease whoever holds it
 /// and increases the epoch, so the old holder's renew, release and fenced commits fail.
-pub const FORCE_RELEASE: &str = "\
+pub(crate) const FORCE_RELEASE: &str = "\
 UPDATE wh_perspective_cursors
    SET stream_lock_instance_id = NULL, stream_lock_reason = NULL, stream_lock_expiry = NULL,
        stream_lock_acquired_at = NULL, stream_lock_acquired_epoch = NULL,
@@ -164,7 +163,7 @@ UPDATE wh_perspective_cursors
 ///
 /// Like the batched renew, it locks its rows in key order first, so it cannot deadlock with a
 /// concurrent batched renew of the same instance.
-pub const RELEASE_ALL_HELD_BY: &str = "\
+pub(crate) const RELEASE_ALL_HELD_BY: &str = "\
 WITH locked AS MATERIALIZED (
     SELECT stream_id, perspective_name
       FROM wh_perspective_cursors
@@ -188,7 +187,7 @@ UPDATE wh_perspective_cursors c
 /// whether or not any lease is renewed. Only the instance itself updates its row (announce,
 /// keepalive, depart) besides the prune of rows stale for a day, so the extra row lock cannot
 /// make two keepalives wait for each other.
-pub const KEEPALIVE: &str = "\
+pub(crate) const KEEPALIVE: &str = "\
 WITH seen AS (
     UPDATE wh_worker_instances
        SET last_seen_at = clock_timestamp()
@@ -231,7 +230,7 @@ SELECT NULL, NULL, NULL, NULL, NULL, true FROM seen";
 /// `since_seen_us` and `stale_after_us` (the process that holds the id). No row when the
 /// conflicting row was committed after this statement's snapshot (it cannot be read here):
 /// run it again.
-pub const ANNOUNCE: &str = "\
+pub(crate) const ANNOUNCE: &str = "\
 WITH forgotten AS (
     DELETE FROM wh_worker_instances
      WHERE instance_id <> $1::uuid AND last_seen_at < clock_timestamp() - $8::interval
@@ -265,12 +264,12 @@ SELECT false, o.name, o.host, o.pid,
  WHERE o.instance_id = $1::uuid AND NOT EXISTS (SELECT 1 FROM announced)";
 
 /// Depart: `$1` instance. Deletes its announcement; one row affected means it was there.
-pub const DEPART: &str = "DELETE FROM wh_worker_instances WHERE instance_id = $1::uuid";
+pub(crate) const DEPART: &str = "DELETE FROM wh_worker_instances WHERE instance_id = $1::uuid";
 
 /// The fleet for operators: every announced instance with how long ago it was seen and whether
 /// it is live, on the database clock, ordered by name (byte order), then id. The durations are
 /// NULL for a time written by hand as `'infinity'` (reported as a row lockstep cannot read).
-pub const LIST_INSTANCES: &str = "\
+pub(crate) const LIST_INSTANCES: &str = "\
 SELECT w.instance_id, w.name, w.host, w.pid, w.version, w.perspectives, w.started_at,
        w.last_seen_at, w.token,
        floor(extract(epoch FROM w.stale_after) * 1000000)::bigint AS stale_after_us,
@@ -287,7 +286,7 @@ SELECT w.instance_id, w.name, w.host, w.pid, w.version, w.perspectives, w.starte
 /// one lockstep cannot read, and forgetting it is how an operator removes it). The row is
 /// locked first, so a keepalive that marks it seen meanwhile either comes first (and the
 /// instance is live: kept) or after (and finds it gone: the instance announces itself again).
-pub const FORGET_INSTANCE: &str = "\
+pub(crate) const FORGET_INSTANCE: &str = "\
 WITH target AS (
     SELECT w.instance_id,
            COALESCE(isfinite(w.last_seen_at)
@@ -307,7 +306,7 @@ SELECT t.live, EXISTS (SELECT 1 FROM forgotten) AS forgotten FROM target t";
 /// stale instance not seen for at least `$1` (on the database clock) and returns the id and
 /// name of each. A live instance is never deleted, nor a row whose `last_seen_at` is
 /// `'infinity'` (never stale).
-pub const FORGET_STALE_INSTANCES: &str = "\
+pub(crate) const FORGET_STALE_INSTANCES: &str = "\
 DELETE FROM wh_worker_instances w
  WHERE NOT (w.last_seen_at + w.stale_after > clock_timestamp())
    AND w.last_seen_at <= clock_timestamp() - $1::interval

@@ -41,6 +41,22 @@ use uuid::Uuid;
 use super::{PgWorker, fmt_all, median, verify_rewound};
 use crate::bench_db::BenchDatabase;
 
+/// The benchmark's own copy of the cursor read `PgPerspectiveStore::cursor` sends (the store's
+/// statements are private to `lockstep-pg-store`): one cursor row by its key, with the latest
+/// snapshot's id as a subquery. The planning-cost line times this text sent with `query_typed`
+/// against the same text prepared once; it measures what planning costs a statement of this
+/// shape, so it is not checked against the store's text (copy the store's again when the
+/// cursor's columns change).
+const CURSOR_READ: &str = "SELECT k.last_event_id, k.revision, k.applied_count, \
+     k.rewind_trigger_event_id, k.rewind_flagged_at, k.rewind_first_flagged_at, k.error, \
+     k.failures, \
+     (SELECT s.event_id FROM wh_perspective_snapshots s \
+       WHERE s.stream_id = k.stream_id AND s.perspective_name = k.perspective_name \
+       ORDER BY s.event_id DESC LIMIT 1), \
+     k.stream_lock_instance_id, k.stream_lock_reason::text, k.stream_lock_expiry, \
+     k.stream_lock_epoch, k.failed_event_id, k.retry_at, k.parked_at \
+     FROM wh_perspective_cursors k WHERE k.stream_id = $1 AND k.perspective_name = $2";
+
 /// The steps, in order: label and round trips.
 const STEPS: [(&str, usize); 5] = [
     ("acquire the rewind lease", 1),
@@ -176,13 +192,13 @@ pub(super) async fn run(
         }
     }
     verify_rewound(db, &name, &[stream]).await?;
-    // A bare round trip on a pooled connection; and the cursor read sent as the store sends
-    // it (query_typed: parsed and planned on every call) against the same statement prepared
-    // once, alternating — what planning costs a statement here.
+    // A bare round trip on a pooled connection; and a cursor read sent as the store sends its
+    // statements (query_typed: parsed and planned on every call) against the same statement
+    // prepared once, alternating — what planning costs a statement here.
     let (mut rtt, mut typed, mut prepared) = (Vec::new(), Vec::new(), Vec::new());
     {
         let client = pool.get().await?;
-        let cursor_sql = lockstep_pg_store::perspective::sql::CURSOR;
+        let cursor_sql = CURSOR_READ;
         let statement = client
             .prepare_typed(cursor_sql, &[Type::UUID, Type::TEXT])
             .await?;
