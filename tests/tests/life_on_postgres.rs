@@ -4,6 +4,7 @@
 //! running rewinds' progress is visible (one per instance, each with its holder) while they
 //! replay, and the catch-up rate is reported.
 
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -13,7 +14,7 @@ use lockstep_core::Transaction as _;
 use lockstep_core::TransactionSource as _;
 use lockstep_core::{
     ExpectedVersion, InstanceId, NewEvent, Perspective, PerspectiveName, PerspectiveRegistry,
-    PerspectiveStore, Rebuild, RecordedEvent, StreamId, StreamLockOptions, StreamLocker,
+    Rebuild, RecordedEvent, StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};

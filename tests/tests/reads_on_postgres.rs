@@ -5,14 +5,15 @@
 //! what is pending, a wait on a parked pair ends at once, and pages of states.
 
 use lockstep_core::Pair;
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::EventStore as _;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
-    ExpectedVersion, InstanceId, PairFailure, PerspectiveName, PerspectiveRegistry,
-    PerspectiveStore as _, StreamId, StreamLockOptions, StreamLocker, TransactionSource as _,
+    ExpectedVersion, InstanceId, PairFailure, PerspectiveName, PerspectiveRegistry, StreamId,
+    StreamLockOptions, StreamLocker, TransactionSource as _,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};

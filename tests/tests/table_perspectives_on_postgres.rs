@@ -8,15 +8,15 @@
 //! types, as a service runs its worker and its handlers.
 
 use lockstep_core::Pair;
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::EventStore as _;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
-    ExpectedVersion, InstanceId, NewEvent, PerspectiveName, PerspectiveRegistry,
-    PerspectiveStore as _, RecordedEvent, StreamId, StreamLockOptions, StreamLocker,
-    TablePerspective, TransactionSource as _,
+    ExpectedVersion, InstanceId, NewEvent, PerspectiveName, PerspectiveRegistry, RecordedEvent,
+    StreamId, StreamLockOptions, StreamLocker, TablePerspective, TransactionSource as _,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};

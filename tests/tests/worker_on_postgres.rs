@@ -6,6 +6,7 @@
 //! a purge is followed by a rebuild from the start, a long rewind replays page by page, and a
 //! release dropped while it waits for the cursor row still releases the lease.
 
+use lockstep_core::perspective_store::prelude::*;
 use lockstep_core::{PageLimits, Pair};
 use std::sync::Arc;
 use std::time::Duration;
@@ -141,7 +142,6 @@ fn late(n: i64) -> NewEvent {
 /// applied). "Absent" sorts before "Numbers" and its pairs are as old.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registered_perspective_the_worker_does_not_run_never_starves_its_own() {
-    use lockstep_core::PerspectiveStore as _;
     let s = setup(WorkerOptions::default().with_pairs_per_cycle(4)).await;
     let absent = PerspectiveName::new("Absent").expect("valid");
     let tx = PgTransaction::begin(&s.pool).await.expect("begin");
@@ -307,7 +307,7 @@ async fn an_event_that_cannot_be_read_fails_its_pair_not_the_claim() {
         (PairErrorKind::UnreadableEvent, Some(unreadable))
     );
     assert_eq!(error, Some(failure.error.to_string()));
-    use lockstep_core::PerspectiveStore as _;
+
     let tx = PgTransaction::begin(&s.pool).await.expect("begin");
     assert!(
         PgPerspectiveStore::new()
@@ -380,7 +380,7 @@ async fn a_rebuild_that_fails_at_an_event_parks_the_pair_at_that_event() {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     assert_eq!(parked, 3, "every failing pair parked");
-    use lockstep_core::PerspectiveStore as _;
+
     for (stream, id) in &bad {
         let row = client
             .query_one(
@@ -560,7 +560,6 @@ fn parking_options() -> WorkerOptions {
 
 impl Setup {
     async fn cursor(&self, stream: StreamId) -> lockstep_core::Cursor {
-        use lockstep_core::PerspectiveStore as _;
         let tx = PgTransaction::begin(&self.pool).await.expect("begin");
         let cursor = PgPerspectiveStore::new()
             .cursor(&tx, &Pair::new(stream, numbers_name()))
@@ -573,7 +572,6 @@ impl Setup {
 
     /// How many pairs are parked.
     async fn parked(&self) -> usize {
-        use lockstep_core::PerspectiveStore as _;
         let tx = PgTransaction::begin(&self.pool).await.expect("begin");
         let parked = PgPerspectiveStore::new()
             .parked_pairs(&tx, &[], 1000)
@@ -607,7 +605,6 @@ fn numbers_name() -> PerspectiveName {
 /// poison event are committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_pairs_are_parked_and_never_starve_the_healthy_ones() {
-    use lockstep_core::PerspectiveStore as _;
     let s = setup(parking_options()).await;
     let failing: Vec<StreamId> = (0..70).map(|_| StreamId::new_v7()).collect();
     for stream in &failing {
@@ -1125,7 +1122,7 @@ async fn the_lag_is_measured_on_the_databases_clock_when_it_is_behind() {
 /// not an hour and five.
 #[tokio::test]
 async fn rewind_progress_is_read_with_the_databases_clock() {
-    use lockstep_core::{PerspectiveStore as _, ProgressReport};
+    use lockstep_core::ProgressReport;
     let db = test_database().await;
     lockstep_pg::migrate(&db.pool(1)).await.expect("migrate");
     skew_database_clock(&db, -3600).await;

@@ -49,14 +49,14 @@ mod rewind_parts;
 mod server_cpu;
 mod starved;
 
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use lockstep_core::{
     ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective, PerspectiveName,
-    PerspectiveRegistry, PerspectiveStore, RecordedEvent, StreamId, StreamLockOptions,
-    StreamLocker,
+    PerspectiveRegistry, RecordedEvent, StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};

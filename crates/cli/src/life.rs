@@ -12,12 +12,11 @@
 //!   `live_workers`): a worker registers its perspectives when it starts, so the perspective
 //!   comes back as soon as one of them restarts, until they are deployed without it.
 
+use lockstep_core::perspective_store::prelude::*;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use lockstep_core::{
-    PerspectiveName, PerspectiveStore, Rebuild, RetireStates, Retired, TransactionSource,
-};
+use lockstep_core::{PerspectiveName, Rebuild, RetireStates, Retired, TransactionSource};
 use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;
 use serde_json::json;

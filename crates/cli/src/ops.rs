@@ -2,15 +2,15 @@
 //! Everything a script reads has `--json`.
 
 use lockstep_core::Pair;
+use lockstep_core::perspective_store::prelude::*;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use lockstep_core::{
-    ErrorKind, InstanceId, LeaseEntry, LeaseStatus, LockReason, PerspectiveName, PerspectiveStore,
-    ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
-    advisory_key,
+    ErrorKind, InstanceId, LeaseEntry, LeaseStatus, LockReason, PerspectiveName, ReleaseOutcome,
+    StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource, advisory_key,
 };
 use lockstep_pg::PgDatabase;
 use lockstep_pg::migrate::MIGRATION_LOCK_KEY;

@@ -33,6 +33,7 @@ mod actions;
 mod guard;
 mod render;
 
+use lockstep_core::perspective_store::prelude::*;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -46,7 +47,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use lockstep_core::{PerspectiveStore, TransactionSource};
+use lockstep_core::TransactionSource;
 use lockstep_observe::Observed;
 use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;

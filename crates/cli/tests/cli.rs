@@ -2,6 +2,7 @@
 //! purge, status, and the actionable errors. Postgres commands run against a database of the
 //! test's own.
 
+use lockstep_core::perspective_store::prelude::*;
 use std::os::unix::process::CommandExt as _;
 use std::process::{Command, Output};
 
@@ -9,8 +10,8 @@ use lockstep_core::EventStore as _;
 use lockstep_core::Pair;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
-    AcquireOutcome, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
-    PerspectiveStore, StreamId, StreamLockOptions, StreamLocker,
+    AcquireOutcome, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName, StreamId,
+    StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};

@@ -128,11 +128,12 @@ pub use options::StreamLockOptions;
 pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
-    ClaimedWork, Cursor, EventPage, MAX_PROGRESS_ROWS, MAX_STATES_PAGE, PageLimits, Pair,
-    PairFailure, PendingPair, PendingThrough, PerspectiveStatus, PerspectiveStore, ProgressReport,
+    ClaimedWork, Cursor, CursorRows, EventPage, MAX_PROGRESS_ROWS, MAX_STATES_PAGE, PageLimits,
+    Pair, PairFailure, PairWork, PendingPair, PendingThrough, PerspectiveAdmin,
+    PerspectiveLifecycle, PerspectiveReads, PerspectiveStatus, PerspectiveStore, ProgressReport,
     Rebuild, Registration, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress,
-    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, THROUGHPUT_WINDOW, Throughput,
-    check_progress_limit, check_states_page,
+    RewindReads, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
+    THROUGHPUT_WINDOW, Throughput, WorkQueue, check_progress_limit, check_states_page,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

@@ -13,15 +13,15 @@
 //!   error, and the stream lease (the storage model of the stream leases; see
 //!   [`crate::stream_lease`]).
 //! - **Order.** A pair applies events in event-id order. A pending event whose id sorts before
-//!   the cursor's last applied event is a **late arrival**: [`PerspectiveStore::claim`] then sets
+//!   the cursor's last applied event is a **late arrival**: [`PairWork::claim`] then sets
 //!   a rewind request whose trigger is the earliest such id (an earlier trigger replaces a later
 //!   one, never the reverse) and hands the pair to the rewind path instead of applying.
-//! - **Exclusive application.** [`PerspectiveStore::claim`] locks the pair's cursor row for the
+//! - **Exclusive application.** [`PairWork::claim`] locks the pair's cursor row for the
 //!   claiming transaction without waiting (`SKIP LOCKED`: a pair another transaction holds is
 //!   [`Claim::Busy`]), and refuses a pair under a live lease of any holder (normal application
 //!   pauses while a rewind, bootstrap or purge holds it; its work keeps queueing). The commit is
 //!   a compare-and-set on the cursor's revision, so two appliers can never both advance it.
-//! - **Commit** ([`PerspectiveStore::commit_state`]): in one transaction, save the state, advance
+//! - **Commit** ([`PairWork::commit_state`]): in one transaction, save the state, advance
 //!   the cursor, delete exactly the applied work items, optionally clear the rewind request and
 //!   save a snapshot, and — for work under a lease — check the lease's holder and epoch (the
 //!   fenced commit, [`crate::ErrorKind::LeaseLost`] otherwise).
@@ -59,7 +59,7 @@ pub struct RewindRequest {
 }
 
 /// How long a rewind request is held back so that a burst of late events costs one rewind, not
-/// many ([`PerspectiveStore::pending_pairs`] and [`PerspectiveStore::claim`] take it).
+/// many ([`CursorRows::pending_pairs`] and [`PairWork::claim`] take it).
 ///
 /// A flagged pair is held back — work and all — while **both** hold: no late event moved or
 /// confirmed the request for `window` (a sliding quiet period from
@@ -201,7 +201,7 @@ impl std::fmt::Display for Pair {
     }
 }
 
-/// How much one [`PerspectiveStore::claim_batch`] hands out. Every bound is at least 1.
+/// How much one [`WorkQueue::claim_batch`] hands out. Every bound is at least 1.
 ///
 /// The batch stops growing at the first bound reached; its first pair always gets at least one
 /// event, whatever its size, so that an event larger than `bytes` is still applied (alone).
@@ -280,8 +280,8 @@ impl BatchLimits {
     }
 }
 
-/// How much one read of a rewind's events takes ([`PerspectiveStore::load_rewind`],
-/// [`PerspectiveStore::rewind_events`]): events are taken in event-id order while fewer than
+/// How much one read of a rewind's events takes ([`RewindReads::load_rewind`],
+/// [`RewindReads::rewind_events`]): events are taken in event-id order while fewer than
 /// `events` are taken and their payloads' bytes stay within `bytes` — and the first event
 /// always, whatever its size (a rewind could never pass it otherwise). So a rewind holds a
 /// page of events at a time, whatever the length of the stream it replays.
@@ -358,7 +358,7 @@ impl PageLimits {
     }
 }
 
-/// A request for a batch of work ([`PerspectiveStore::claim_batch`]).
+/// A request for a batch of work ([`WorkQueue::claim_batch`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BatchClaim {
@@ -435,7 +435,7 @@ impl ClaimedPair {
     }
 }
 
-/// What [`PerspectiveStore::claim_batch`] handed out.
+/// What [`WorkQueue::claim_batch`] handed out.
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct ClaimedBatch {
@@ -451,7 +451,7 @@ pub struct ClaimedBatch {
     pub claimed_at: Option<OffsetDateTime>,
 }
 
-/// A pair's failure, as stored on its cursor ([`PerspectiveStore::record_failure`],
+/// A pair's failure, as stored on its cursor ([`WorkQueue::record_failure`],
 /// [`BatchEntry::failure`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -464,8 +464,8 @@ pub struct PairFailure {
     /// this).
     pub retry_after: Duration,
     /// Park the pair: no claim hands it out until an operator retries it
-    /// ([`PerspectiveStore::unpark`]), skips the failing event
-    /// ([`PerspectiveStore::skip_event`]) or requests a rewind.
+    /// ([`PerspectiveAdmin::unpark`]), skips the failing event
+    /// ([`PerspectiveAdmin::skip_event`]) or requests a rewind.
     pub park: bool,
 }
 
@@ -502,7 +502,7 @@ impl PairFailure {
     }
 }
 
-/// One pair's result in a batch commit ([`PerspectiveStore::commit_batch`]).
+/// One pair's result in a batch commit ([`WorkQueue::commit_batch`]).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct BatchEntry {
@@ -531,7 +531,7 @@ impl BatchEntry {
     }
 }
 
-/// What [`PerspectiveStore::commit_batch`] did with one entry, in the entries' order.
+/// What [`WorkQueue::commit_batch`] did with one entry, in the entries' order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BatchCommitted {
@@ -555,7 +555,7 @@ pub enum BatchCommitted {
     Refused(crate::ErrorKind),
 }
 
-/// An event an operator skipped for a pair ([`PerspectiveStore::skip_event`]): never applied to
+/// An event an operator skipped for a pair ([`PerspectiveAdmin::skip_event`]): never applied to
 /// the pair, not by later claims nor by rewinds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -577,7 +577,7 @@ impl SkippedEvent {
     /// Checks a skip reason before it is stored: at most [`SkippedEvent::MAX_REASON_CHARS`]
     /// characters, else [`ValidationError::TextTooLong`] (field `"skip reason"`), an
     /// [`crate::ErrorKind::InvalidInput`] error. Every store runs it before writing anything
-    /// ([`PerspectiveStore::skip_event`]).
+    /// ([`PerspectiveAdmin::skip_event`]).
     pub fn check_reason(reason: &str) -> Result<()> {
         // Counting stops just past the limit: a reason of megabytes costs no more to refuse.
         if reason.chars().nth(Self::MAX_REASON_CHARS).is_some() {
@@ -601,7 +601,7 @@ impl SkippedEvent {
     }
 }
 
-/// One registered perspective's work, as [`PerspectiveStore::perspective_status`] reports it.
+/// One registered perspective's work, as [`PerspectiveAdmin::perspective_status`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PerspectiveStatus {
@@ -617,7 +617,7 @@ pub struct PerspectiveStatus {
     /// Pairs with a rewind requested.
     pub rewinds_pending: u64,
     /// Pairs that failed since their last commit or retry (parked or not): a stored error and
-    /// a failure count above 0. A pair an operator retried ([`PerspectiveStore::unpark`]) keeps
+    /// a failure count above 0. A pair an operator retried ([`PerspectiveAdmin::unpark`]) keeps
     /// its error text but is not counted until it fails again.
     pub in_error: u64,
     /// Pairs waiting out their backoff (not parked).
@@ -642,7 +642,7 @@ impl PerspectiveStatus {
     }
 }
 
-/// One pair's stored state, as [`PerspectiveStore::states`] pages through them.
+/// One pair's stored state, as [`PerspectiveReads::states`] pages through them.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct StoredState {
@@ -652,7 +652,7 @@ pub struct StoredState {
     pub state: serde_json::Value,
 }
 
-/// The most states one [`PerspectiveStore::states`] page holds.
+/// The most states one [`PerspectiveReads::states`] page holds.
 pub const MAX_STATES_PAGE: usize = 10_000;
 
 /// Refuses a page size of 0 or above [`MAX_STATES_PAGE`] with
@@ -675,7 +675,7 @@ impl StoredState {
 }
 
 /// What stands between a read and every event up to a given one, as
-/// [`PerspectiveStore::pending_through`] reports it: the work of a pair (or of a whole
+/// [`PerspectiveReads::pending_through`] reports it: the work of a pair (or of a whole
 /// perspective) not applied yet among the events whose id is at most that one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -721,7 +721,7 @@ impl PendingThrough {
     }
 }
 
-/// A pair with something to do, as listed by [`PerspectiveStore::pending_pairs`].
+/// A pair with something to do, as listed by [`CursorRows::pending_pairs`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingPair {
     /// The stream.
@@ -734,7 +734,7 @@ pub struct PendingPair {
     pub rewind: bool,
 }
 
-/// What [`PerspectiveStore::claim`] found.
+/// What [`PairWork::claim`] found.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum Claim {
@@ -776,7 +776,7 @@ pub struct Snapshot {
     pub applied_count: u64,
 }
 
-/// One state change of a pair, committed by [`PerspectiveStore::commit_state`].
+/// One state change of a pair, committed by [`PairWork::commit_state`].
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct StateCommit {
@@ -834,7 +834,7 @@ impl StateCommit {
     }
 }
 
-/// What a rewind restores and replays, read at once ([`PerspectiveStore::load_rewind`]).
+/// What a rewind restores and replays, read at once ([`RewindReads::load_rewind`]).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct RewindLoad {
@@ -848,7 +848,7 @@ pub struct RewindLoad {
     /// pair.
     pub events: Vec<RecordedEvent>,
     /// Whether the stream has more such events after the last of `events`: the next pages come
-    /// from [`PerspectiveStore::rewind_events`].
+    /// from [`RewindReads::rewind_events`].
     pub more: bool,
     /// The event right after `events` when it could not be read (its stored payload does not
     /// decode, as for [`ClaimedWork::Unreadable`]), and why: the page ends before it and
@@ -876,7 +876,7 @@ impl RewindLoad {
     }
 }
 
-/// One page of a pair's events ([`PerspectiveStore::rewind_events`]).
+/// One page of a pair's events ([`RewindReads::rewind_events`]).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct EventPage {
@@ -900,7 +900,7 @@ impl EventPage {
     }
 }
 
-/// What [`PerspectiveStore::retire`] does with a retired perspective's cursors, states and
+/// What [`PerspectiveLifecycle::retire`] does with a retired perspective's cursors, states and
 /// snapshots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RetireStates {
@@ -912,7 +912,7 @@ pub enum RetireStates {
     Drop,
 }
 
-/// What [`PerspectiveStore::retire`] did.
+/// What [`PerspectiveLifecycle::retire`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Retired {
@@ -928,7 +928,7 @@ pub enum Retired {
     NotRegistered,
 }
 
-/// What [`PerspectiveStore::rebuild`] did.
+/// What [`PerspectiveLifecycle::rebuild`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Rebuild {
@@ -942,7 +942,7 @@ pub enum Rebuild {
     NotRegistered,
 }
 
-/// A rewind's progress as the worker reports it ([`PerspectiveStore::record_progress`]).
+/// A rewind's progress as the worker reports it ([`RewindReads::record_progress`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ProgressReport {
@@ -987,7 +987,7 @@ impl ProgressReport {
     }
 }
 
-/// Where a running rewind stands ([`PerspectiveStore::rewind_progress`]).
+/// Where a running rewind stands ([`PerspectiveAdmin::rewind_progress`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RewindProgress {
@@ -1036,7 +1036,7 @@ impl RewindProgress {
 }
 
 /// How a perspective catches up: events applied per second by every instance together
-/// ([`PerspectiveStore::throughput`]).
+/// ([`PerspectiveLifecycle::throughput`]).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct Throughput {
@@ -1082,10 +1082,10 @@ impl Throughput {
 /// The shortest window a catch-up rate is measured over (see [`Throughput`]).
 pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(10);
 
-/// The most [`PerspectiveStore::rewind_progress`] returns at once.
+/// The most [`PerspectiveAdmin::rewind_progress`] returns at once.
 pub const MAX_PROGRESS_ROWS: usize = 10_000;
 
-/// Checks a [`PerspectiveStore::rewind_progress`] limit: 1 to [`MAX_PROGRESS_ROWS`].
+/// Checks a [`PerspectiveAdmin::rewind_progress`] limit: 1 to [`MAX_PROGRESS_ROWS`].
 #[doc(hidden)]
 pub fn check_progress_limit(limit: usize) -> Result<()> {
     if limit == 0 || limit > MAX_PROGRESS_ROWS {
@@ -1123,15 +1123,8 @@ impl ProgressReport {
     }
 }
 
-fn unsupported<T>(what: &str) -> Result<T> {
-    Err(crate::Error::new(
-        crate::ErrorKind::Unsupported,
-        format!("this perspective store does not implement {what}"),
-    ))
-}
-
-/// The default [`PerspectiveStore::rewind_events`]: the stream's events after `after`
-/// ([`PerspectiveStore::stream_events`]) less the pair's skipped events, cut to `page`, a
+/// The default [`RewindReads::rewind_events`]: the stream's events after `after`
+/// ([`PerspectiveReads::stream_events`]) less the pair's skipped events, cut to `page`, a
 /// payload's bytes counted as its JSON text. Public for a store that overrides the method only
 /// to watch it (the testkit's in-memory store records what each call asked for).
 pub async fn rewind_page_from_stream<Tx, S>(
@@ -1143,7 +1136,7 @@ pub async fn rewind_page_from_stream<Tx, S>(
 ) -> Result<EventPage>
 where
     Tx: ?Sized + Sync,
-    S: PerspectiveStore<Tx> + ?Sized,
+    S: PerspectiveReads<Tx> + ?Sized,
 {
     page.validate()?;
     let mut events = store.stream_events(tx, pair.stream_id, after).await?;
@@ -1160,33 +1153,40 @@ where
 /// Retention of snapshots per pair.
 pub const DEFAULT_KEEP_SNAPSHOTS: usize = 3;
 
-/// The perspective worker's storage, on the unit-of-work transaction `Tx`.
+/// The perspective worker's storage, on the unit-of-work transaction `Tx`: the union of the
+/// capability traits [`WorkQueue`], [`PairWork`], [`PerspectiveReads`], [`RewindReads`],
+/// [`PerspectiveAdmin`] and [`PerspectiveLifecycle`], implemented for every type that
+/// implements all of them. A backend implements the capabilities; code that needs them all
+/// (the worker) takes this one bound. To call a concrete store's methods, bring the traits into
+/// scope: `use lockstep_core::perspective_store::prelude::*;`.
 ///
 /// Every method runs inside `tx` and takes effect when it commits. Reads see what other
 /// transactions committed before the call (READ COMMITTED).
-pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
-    /// Registers perspectives by name (idempotent). From then on every appended event gets
-    /// work for them, and events that already exist get work now (catch-up).
-    fn register<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspectives: &'a [PerspectiveName],
-    ) -> impl Future<Output = Result<()>> + Send + 'a;
+pub trait PerspectiveStore<Tx: ?Sized + Sync>:
+    WorkQueue<Tx>
+    + PairWork<Tx>
+    + PerspectiveReads<Tx>
+    + RewindReads<Tx>
+    + PerspectiveAdmin<Tx>
+    + PerspectiveLifecycle<Tx>
+{
+}
 
-    /// Up to `limit` pairs **of `perspectives`** (the ones the caller runs; an empty slice lists
-    /// none) with pending work or a rewind that `debounce` no longer holds back, skipping pairs
-    /// under a live lease of another instance than `instance`. Oldest work first. Work of a
-    /// registered perspective that the caller does not run is never listed, so it cannot hold
-    /// the head of the caller's queue.
-    fn pending_pairs<'a>(
-        &'a self,
-        tx: &'a Tx,
-        instance: InstanceId,
-        perspectives: &'a [PerspectiveName],
-        debounce: RewindDebounce,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a;
+impl<Tx: ?Sized + Sync, S> PerspectiveStore<Tx> for S where
+    S: WorkQueue<Tx>
+        + PairWork<Tx>
+        + PerspectiveReads<Tx>
+        + RewindReads<Tx>
+        + PerspectiveAdmin<Tx>
+        + PerspectiveLifecycle<Tx>
+{
+}
 
+/// The worker's queue of work: claim a batch of pairs with their events, commit the batch, record
+/// a pair's failure. What a worker's batch path calls on every cycle.
+///
+/// Every method runs inside `tx` and takes effect when it commits.
+pub trait WorkQueue<Tx: ?Sized + Sync>: Send + Sync {
     /// Claims a batch of work in one statement (see [`BatchClaim`], [`ClaimedBatch`]): up to
     /// `limits.pairs` pairs of the requested perspectives, each with its state and pending
     /// events (or marked for a rewind), within the limits.
@@ -1197,7 +1197,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// is skipped, never waited for), no live lease is on it, it is not backing off
     /// ([`Cursor::retry_at`] in the future) and not parked ([`Cursor::parked_at`]). A late
     /// arrival or a purged pair's new work becomes a rewind request as in
-    /// [`PerspectiveStore::claim`]; a request inside its debounce window holds the pair back.
+    /// [`PairWork::claim`]; a request inside its debounce window holds the pair back.
     /// At most `limits.scan` pairs are looked at: the cost of a claim does not grow with the
     /// length of the queue, nor with the number of pairs that cannot be served. A pair without
     /// a cursor row gets one. A pair that failed before ([`Cursor::failures`] above 0) at a
@@ -1211,8 +1211,8 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<ClaimedBatch>> + Send + 'a;
 
     /// Commits a batch in one statement: for each entry, its state change (as
-    /// [`PerspectiveStore::commit_state`], which clears the pair's error, backoff and parking)
-    /// and then its failure (as [`PerspectiveStore::record_failure`]). An entry whose state
+    /// [`PairWork::commit_state`], which clears the pair's error, backoff and parking)
+    /// and then its failure (as [`WorkQueue::record_failure`]). An entry whose state
     /// change is refused writes nothing and does not affect the others
     /// ([`BatchCommitted::Refused`]). Bad input in any entry (a state that cannot be stored, a
     /// commit of another pair) is [`crate::ErrorKind::InvalidInput`] and nothing is written.
@@ -1222,12 +1222,30 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         entries: &'a [BatchEntry],
     ) -> impl Future<Output = Result<Vec<BatchCommitted>>> + Send + 'a;
 
+    /// Records a failure of the pair: its error, the event it failed at, one more failure, the
+    /// backoff (`retry_at`), and parks it when `failure.park`. Returns whether the pair is now
+    /// parked. The rewind request and the pending work stay. Creates the cursor row if the
+    /// pair has none.
+    fn record_failure<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        failure: &'a PairFailure,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a;
+}
+
+/// Work on one pair: the one-pair claim, the state commits (plain, releasing the lease, and
+/// releasing and ending the transaction), snapshots and purges. What the worker's one-pair,
+/// bootstrap, rewind and purge paths call.
+///
+/// Every method runs inside `tx` and takes effect when it commits.
+pub trait PairWork<Tx: ?Sized + Sync>: Send + Sync {
     /// Claims a pair for normal application (see [`Claim`]); at most `max_events` events.
     /// An explicit claim of one pair does not wait for its backoff nor for its parking (an
     /// operator's "process this pair now").
     /// Creates the cursor row if the pair has none. A late arrival among the pending events
     /// becomes a rewind request (kept by committing `tx`). `debounce` as for
-    /// [`PerspectiveStore::pending_pairs`].
+    /// [`CursorRows::pending_pairs`].
     fn claim<'a>(
         &'a self,
         tx: &'a Tx,
@@ -1247,7 +1265,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// lease in the same statement (the protected work's last two steps as one). Returns the
     /// new revision and whether the lease was released with it; the release takes effect when
     /// `tx` commits. A refused commit releases nothing. The default commits
-    /// ([`PerspectiveStore::commit_state`]) and releases nothing (`false`): the caller then
+    /// ([`PairWork::commit_state`]) and releases nothing (`false`): the caller then
     /// releases the lease itself, as it would without this method.
     fn commit_state_releasing<'a>(
         &'a self,
@@ -1257,7 +1275,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         async move { Ok((self.commit_state(tx, commit).await?, false)) }
     }
 
-    /// [`PerspectiveStore::commit_state_releasing`], then commits `tx`: the last two steps of a
+    /// [`PairWork::commit_state_releasing`], then commits `tx`: the last two steps of a
     /// fenced rewind as one call, so that a store can send the state change with the
     /// transaction's commit (Postgres: one round trip instead of two). Returns the same as
     /// `commit_state_releasing`, once `tx` committed. A refused state change (a stale revision
@@ -1288,10 +1306,108 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         }
     }
 
+    /// Saves the pair's current state as a snapshot at its last applied event (bootstrap), if
+    /// the cursor is still at `expected_revision` and has applied events; keeps the last `keep`
+    /// snapshots. `Ok(false)` when there was nothing to do (moved on, nothing applied, or that
+    /// snapshot exists). `fence` as for [`StateCommit::fence`].
+    fn save_snapshot<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        expected_revision: i64,
+        fence: Option<&'a LeaseId>,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+    /// Purges the pair: deletes its state, snapshots and pending work, and resets its cursor
+    /// (no event applied, no rewind, no error; the revision increases and the lease stays).
+    /// Events appended later are applied to an empty state; to rebuild from every event,
+    /// request a rewind from the start instead. `fence` as for [`StateCommit::fence`].
+    fn purge<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        fence: Option<&'a LeaseId>,
+    ) -> impl Future<Output = Result<()>> + Send + 'a;
+}
+
+/// Reads of pairs and states: what read models, waits and operators read.
+///
+/// Every method runs inside `tx` and takes effect when it commits.
+pub trait PerspectiveReads<Tx: ?Sized + Sync>: Send + Sync {
+    /// The pair's cursor, if it has one.
+    fn cursor<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+    ) -> impl Future<Output = Result<Option<Cursor>>> + Send + 'a;
+
+    /// The pair's state and the cursor it belongs to (`None`: no cursor). The state is `None`
+    /// when nothing was applied yet.
+    fn state<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+    ) -> impl Future<Output = Result<Option<(Cursor, Option<serde_json::Value>)>>> + Send + 'a;
+
+    /// Up to `limit` stored states of `perspective` (pairs that have one), in stream-id order,
+    /// of the streams after `after` (from the first when `None`): pass the last stream of a page to get the next.
+    /// The stable way to read a JSON perspective's states across streams (the tables behind it
+    /// are the store's own). `limit` 0 or above 10 000 is [`crate::ErrorKind::InvalidInput`].
+    fn states<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<StoredState>>> + Send + 'a;
+
+    /// The event ids of the pair's pending work, in event-id order.
+    fn pending_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send + 'a;
+
+    /// Every event of `stream_id` after `after` (all when `None`), in event-id order.
+    fn stream_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        stream_id: StreamId,
+        after: Option<Uuid>,
+    ) -> impl Future<Output = Result<Vec<RecordedEvent>>> + Send + 'a;
+
+    /// The events skipped for the pair, in event-id order.
+    fn skipped_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+    ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a;
+
+    /// What `perspective` (one stream of it, with `stream_id`) has not applied yet of the events
+    /// whose id is at most `up_to` (event-id order, the order perspectives apply in): pending
+    /// work, rewinds requested from such an event, and whether the pairs holding it are parked
+    /// or failing; whether the perspective is registered at all, and how many live worker
+    /// instances run it. [`PendingThrough::is_caught_up`] is the "read your own write" test
+    /// after an append whose last event is `up_to` (its work is queued by the append itself),
+    /// for a registered perspective.
+    fn pending_through<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+    ) -> impl Future<Output = Result<PendingThrough>> + Send + 'a;
+}
+
+/// What a rewind reads and reports: its first page with the snapshot it starts from, the pages
+/// after it, and its progress.
+///
+/// Every method runs inside `tx` and takes effect when it commits.
+pub trait RewindReads<Tx: ?Sized + Sync>: PerspectiveReads<Tx> + Send + Sync {
     /// Everything a rewind of the pair reads first, at once ([`RewindLoad`]): the cursor, and
     /// when it has a rewind request the latest snapshot strictly before the trigger
-    /// ([`PerspectiveStore::snapshot_before`]) and the first `page` of the stream's events after
-    /// it less the pair's skipped events ([`PerspectiveStore::rewind_events`]). `None`: no
+    /// ([`RewindReads::snapshot_before`]) and the first `page` of the stream's events after
+    /// it less the pair's skipped events ([`RewindReads::rewind_events`]). `None`: no
     /// cursor. A bad `page` is [`crate::ErrorKind::InvalidInput`]. The default makes those
     /// calls one after another; a store can read them in one statement.
     fn load_rewind<'a>(
@@ -1321,7 +1437,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     /// (from the first when `None`), in event-id order, less the pair's skipped events, as
     /// many as fit `page`; [`EventPage::more`] when others follow. A bad `page` is
     /// [`crate::ErrorKind::InvalidInput`]. The default reads the stream
-    /// ([`PerspectiveStore::stream_events`]) and the skipped events and cuts the page, counting
+    /// ([`PerspectiveReads::stream_events`]) and the skipped events and cuts the page, counting
     /// a payload's bytes as its JSON text; a store should read only the page.
     fn rewind_events<'a>(
         &'a self,
@@ -1333,36 +1449,6 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         rewind_page_from_stream(self, tx, pair, after, page)
     }
 
-    /// The pair's cursor, if it has one.
-    fn cursor<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-    ) -> impl Future<Output = Result<Option<Cursor>>> + Send + 'a;
-
-    /// The pair's state and the cursor it belongs to (`None`: no cursor). The state is `None`
-    /// when nothing was applied yet.
-    fn state<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-    ) -> impl Future<Output = Result<Option<(Cursor, Option<serde_json::Value>)>>> + Send + 'a;
-
-    /// The event ids of the pair's pending work, in event-id order.
-    fn pending_events<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send + 'a;
-
-    /// Every event of `stream_id` after `after` (all when `None`), in event-id order.
-    fn stream_events<'a>(
-        &'a self,
-        tx: &'a Tx,
-        stream_id: StreamId,
-        after: Option<Uuid>,
-    ) -> impl Future<Output = Result<Vec<RecordedEvent>>> + Send + 'a;
-
     /// The latest snapshot of the pair strictly before `before`.
     fn snapshot_before<'a>(
         &'a self,
@@ -1371,75 +1457,21 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         before: Uuid,
     ) -> impl Future<Output = Result<Option<Snapshot>>> + Send + 'a;
 
-    /// Saves the pair's current state as a snapshot at its last applied event (bootstrap), if
-    /// the cursor is still at `expected_revision` and has applied events; keeps the last `keep`
-    /// snapshots. `Ok(false)` when there was nothing to do (moved on, nothing applied, or that
-    /// snapshot exists). `fence` as for [`StateCommit::fence`].
-    fn save_snapshot<'a>(
+    /// Records where a rewind stands (one row per pair, overwritten; a new
+    /// [`ProgressReport::run`] restarts its start time). Meant to be called at most about once
+    /// a second per rewinding pair. `replayed > to_replay` is [`crate::ErrorKind::InvalidInput`].
+    fn record_progress<'a>(
         &'a self,
         tx: &'a Tx,
-        pair: &'a Pair,
-        expected_revision: i64,
-        fence: Option<&'a LeaseId>,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a;
+        report: &'a ProgressReport,
+    ) -> impl Future<Output = Result<()>> + Send + 'a;
+}
 
-    /// Requests a rewind of the pair from `from` (from the start when `None`); a request with a
-    /// later trigger is moved earlier, never later. It is also a retry: a parked or backing-off
-    /// pair's parking, backoff and failure count are cleared (as by
-    /// [`PerspectiveStore::unpark`]), so the next batch serves it. `Ok(false)` when the pair has
-    /// no cursor.
-    fn request_rewind<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-        from: Option<Uuid>,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a;
-
-    /// Records a failure of the pair: its error, the event it failed at, one more failure, the
-    /// backoff (`retry_at`), and parks it when `failure.park`. Returns whether the pair is now
-    /// parked. The rewind request and the pending work stay. Creates the cursor row if the
-    /// pair has none.
-    fn record_failure<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-        failure: &'a PairFailure,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a;
-
-    /// Every registered perspective's work, by name (for operators: it counts the whole work
-    /// table, unlike a claim).
-    fn perspective_status<'a>(
-        &'a self,
-        tx: &'a Tx,
-    ) -> impl Future<Output = Result<Vec<PerspectiveStatus>>> + Send + 'a;
-
-    /// Up to `limit` stored states of `perspective` (pairs that have one), in stream-id order,
-    /// of the streams after `after` (from the first when `None`): pass the last stream of a page to get the next.
-    /// The stable way to read a JSON perspective's states across streams (the tables behind it
-    /// are the store's own). `limit` 0 or above 10 000 is [`crate::ErrorKind::InvalidInput`].
-    fn states<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspective: &'a PerspectiveName,
-        after: Option<StreamId>,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<StoredState>>> + Send + 'a;
-
-    /// What `perspective` (one stream of it, with `stream_id`) has not applied yet of the events
-    /// whose id is at most `up_to` (event-id order, the order perspectives apply in): pending
-    /// work, rewinds requested from such an event, and whether the pairs holding it are parked
-    /// or failing; whether the perspective is registered at all, and how many live worker
-    /// instances run it. [`PendingThrough::is_caught_up`] is the "read your own write" test
-    /// after an append whose last event is `up_to` (its work is queued by the append itself),
-    /// for a registered perspective.
-    fn pending_through<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspective: &'a PerspectiveName,
-        stream_id: Option<StreamId>,
-        up_to: Uuid,
-    ) -> impl Future<Output = Result<PendingThrough>> + Send + 'a;
-
+/// An operator's view and levers: failing and parked pairs, retries, skips, rewind requests,
+/// the status of every perspective's work and of running rewinds.
+///
+/// Every method runs inside `tx` and takes effect when it commits.
+pub trait PerspectiveAdmin<Tx: ?Sized + Sync>: Send + Sync {
     /// The cursors of the pairs of `perspectives` (all perspectives when empty) that failed
     /// since their last commit or retry (a stored error and a failure count above 0: see
     /// [`PerspectiveStatus::in_error`]), parked or not, by perspective and stream, at most
@@ -1470,7 +1502,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
     /// Skips one pending event of the pair for good: records it ([`SkippedEvent`], with
-    /// `reason`), deletes its work item and retries the pair ([`PerspectiveStore::unpark`]).
+    /// `reason`), deletes its work item and retries the pair ([`PerspectiveAdmin::unpark`]).
     /// A rewind of the pair leaves it out too. `Ok(false)`, with nothing changed, when the
     /// event is not pending work of the pair. A reason longer than
     /// [`SkippedEvent::MAX_REASON_CHARS`] is [`crate::ErrorKind::InvalidInput`]
@@ -1483,23 +1515,117 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         reason: &'a str,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
-    /// The events skipped for the pair, in event-id order.
-    fn skipped_events<'a>(
+    /// Requests a rewind of the pair from `from` (from the start when `None`); a request with a
+    /// later trigger is moved earlier, never later. It is also a retry: a parked or backing-off
+    /// pair's parking, backoff and failure count are cleared (as by
+    /// [`PerspectiveAdmin::unpark`]), so the next batch serves it. `Ok(false)` when the pair has
+    /// no cursor.
+    fn request_rewind<'a>(
         &'a self,
         tx: &'a Tx,
         pair: &'a Pair,
-    ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a;
+        from: Option<Uuid>,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a;
 
-    /// Purges the pair: deletes its state, snapshots and pending work, and resets its cursor
-    /// (no event applied, no rewind, no error; the revision increases and the lease stays).
-    /// Events appended later are applied to an empty state; to rebuild from every event,
-    /// request a rewind from the start instead. `fence` as for [`StateCommit::fence`].
-    fn purge<'a>(
+    /// Every registered perspective's work, by name (for operators: it counts the whole work
+    /// table, unlike a claim).
+    fn perspective_status<'a>(
         &'a self,
         tx: &'a Tx,
-        pair: &'a Pair,
-        fence: Option<&'a LeaseId>,
+    ) -> impl Future<Output = Result<Vec<PerspectiveStatus>>> + Send + 'a;
+
+    /// The current progress of the rewinds of `perspectives` (all when empty): reports of
+    /// pairs that still have a rewind request and, for a report made under a lease, whose lease
+    /// is still live with the same holder and epoch. By perspective and stream, at most `limit`
+    /// (0 or above [`MAX_PROGRESS_ROWS`] is [`crate::ErrorKind::InvalidInput`]).
+    fn rewind_progress<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<RewindProgress>>> + Send + 'a;
+}
+
+/// A perspective's life: registration (the worker's start), retirement, rebuild, and the
+/// catch-up rate every instance reports to.
+///
+/// Every method runs inside `tx` and takes effect when it commits.
+pub trait PerspectiveLifecycle<Tx: ?Sized + Sync>: Send + Sync {
+    /// Registers perspectives by name (idempotent). From then on every appended event gets
+    /// work for them, and events that already exist get work now (catch-up).
+    fn register<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspectives: &'a [PerspectiveName],
     ) -> impl Future<Output = Result<()>> + Send + 'a;
+
+    /// Retires `perspective`: appends enqueue no more work for it, its queued work is deleted,
+    /// and its cursors, states and snapshots are kept or deleted as `states` asks. A pair's
+    /// queued late arrival (work before its cursor) becomes a rewind request first when the
+    /// states are kept, so nothing is lost. [`PerspectiveLifecycle::register`] registers it again:
+    /// with kept states each pair continues from its cursor, and the events appended while it
+    /// was retired become its work (one before the cursor is a late arrival). Retiring a
+    /// perspective already retired with kept states is allowed (to drop them now).
+    /// [`Retired::NotRegistered`] otherwise. On Postgres the retirement waits for open
+    /// transactions that appended and holds new appends back until it commits.
+    fn retire<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        states: RetireStates,
+    ) -> impl Future<Output = Result<Retired>> + Send + 'a;
+
+    /// The perspectives retired with their states kept, by name.
+    fn retired<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<PerspectiveName>>> + Send + 'a;
+
+    /// Rebuilds `perspective` from the start: requests a rewind from the start on every pair
+    /// of it at once (as [`PerspectiveAdmin::request_rewind`] with `None` does for one, also a
+    /// retry of parked pairs). The workers of every instance serve the requests pair by pair
+    /// under their rewind leases; each pair's old state stays readable until its rewind
+    /// commits.
+    fn rebuild<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+    ) -> impl Future<Output = Result<Rebuild>> + Send + 'a;
+
+    /// Adds events applied (by this instance, since its last report) to each perspective's
+    /// catch-up rate ([`Throughput`]). Meant to be called at most about once a second per
+    /// instance; a count above `i64::MAX` is [`crate::ErrorKind::InvalidInput`].
+    fn record_applied<'a>(
+        &'a self,
+        tx: &'a Tx,
+        counts: &'a [(PerspectiveName, u64)],
+    ) -> impl Future<Output = Result<()>> + Send + 'a;
+
+    /// Every perspective's catch-up rate that was ever reported, by name.
+    fn throughput<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<Throughput>>> + Send + 'a;
+}
+
+/// Cursor rows made and removed directly, and the pending pairs listed without claiming them:
+/// for tests and tools, not part of [`PerspectiveStore`] (the worker needs none of them).
+///
+/// Every method runs inside `tx` and takes effect when it commits.
+pub trait CursorRows<Tx: ?Sized + Sync>: Send + Sync {
+    /// Up to `limit` pairs **of `perspectives`** (the ones the caller runs; an empty slice lists
+    /// none) with pending work or a rewind that `debounce` no longer holds back, skipping pairs
+    /// under a live lease of another instance than `instance`. Oldest work first. Work of a
+    /// registered perspective that the caller does not run is never listed, so it cannot hold
+    /// the head of the caller's queue.
+    fn pending_pairs<'a>(
+        &'a self,
+        tx: &'a Tx,
+        instance: InstanceId,
+        perspectives: &'a [PerspectiveName],
+        debounce: RewindDebounce,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a;
 
     /// Creates the pair's cursor row if it has none (so a lease can be taken on it).
     /// `Ok(true)` when it was created.
@@ -1516,95 +1642,6 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>: Send + Sync {
         tx: &'a Tx,
         pair: &'a Pair,
     ) -> impl Future<Output = Result<bool>> + Send + 'a;
-
-    /// Retires `perspective`: appends enqueue no more work for it, its queued work is deleted,
-    /// and its cursors, states and snapshots are kept or deleted as `states` asks. A pair's
-    /// queued late arrival (work before its cursor) becomes a rewind request first when the
-    /// states are kept, so nothing is lost. [`PerspectiveStore::register`] registers it again:
-    /// with kept states each pair continues from its cursor, and the events appended while it
-    /// was retired become its work (one before the cursor is a late arrival). Retiring a
-    /// perspective already retired with kept states is allowed (to drop them now).
-    /// [`Retired::NotRegistered`] otherwise. On Postgres the retirement waits for open
-    /// transactions that appended and holds new appends back until it commits.
-    fn retire<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspective: &'a PerspectiveName,
-        states: RetireStates,
-    ) -> impl Future<Output = Result<Retired>> + Send + 'a {
-        let _ = (tx, perspective, states);
-        async { unsupported("retire") }
-    }
-
-    /// The perspectives retired with their states kept, by name.
-    fn retired<'a>(
-        &'a self,
-        tx: &'a Tx,
-    ) -> impl Future<Output = Result<Vec<PerspectiveName>>> + Send + 'a {
-        let _ = tx;
-        async { unsupported("retired") }
-    }
-
-    /// Rebuilds `perspective` from the start: requests a rewind from the start on every pair
-    /// of it at once (as [`PerspectiveStore::request_rewind`] with `None` does for one, also a
-    /// retry of parked pairs). The workers of every instance serve the requests pair by pair
-    /// under their rewind leases; each pair's old state stays readable until its rewind
-    /// commits.
-    fn rebuild<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspective: &'a PerspectiveName,
-    ) -> impl Future<Output = Result<Rebuild>> + Send + 'a {
-        let _ = (tx, perspective);
-        async { unsupported("rebuild") }
-    }
-
-    /// Records where a rewind stands (one row per pair, overwritten; a new
-    /// [`ProgressReport::run`] restarts its start time). Meant to be called at most about once
-    /// a second per rewinding pair. `replayed > to_replay` is [`crate::ErrorKind::InvalidInput`].
-    fn record_progress<'a>(
-        &'a self,
-        tx: &'a Tx,
-        report: &'a ProgressReport,
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let _ = (tx, report);
-        async { unsupported("record_progress") }
-    }
-
-    /// The current progress of the rewinds of `perspectives` (all when empty): reports of
-    /// pairs that still have a rewind request and, for a report made under a lease, whose lease
-    /// is still live with the same holder and epoch. By perspective and stream, at most `limit`
-    /// (0 or above [`MAX_PROGRESS_ROWS`] is [`crate::ErrorKind::InvalidInput`]).
-    fn rewind_progress<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspectives: &'a [PerspectiveName],
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<RewindProgress>>> + Send + 'a {
-        let _ = (tx, perspectives, limit);
-        async { unsupported("rewind_progress") }
-    }
-
-    /// Adds events applied (by this instance, since its last report) to each perspective's
-    /// catch-up rate ([`Throughput`]). Meant to be called at most about once a second per
-    /// instance; a count above `i64::MAX` is [`crate::ErrorKind::InvalidInput`].
-    fn record_applied<'a>(
-        &'a self,
-        tx: &'a Tx,
-        counts: &'a [(PerspectiveName, u64)],
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let _ = (tx, counts);
-        async { unsupported("record_applied") }
-    }
-
-    /// Every perspective's catch-up rate that was ever reported, by name.
-    fn throughput<'a>(
-        &'a self,
-        tx: &'a Tx,
-    ) -> impl Future<Output = Result<Vec<Throughput>>> + Send + 'a {
-        let _ = tx;
-        async { unsupported("throughput") }
-    }
 }
 
 #[cfg(test)]
@@ -1629,4 +1666,13 @@ mod tests {
         let ten_megabytes = "x".repeat(10 << 20);
         assert!(SkippedEvent::check_reason(&ten_megabytes).is_err());
     }
+}
+
+/// The perspective store's capability traits, for code that calls a concrete store's methods:
+/// `use lockstep_core::perspective_store::prelude::*;`.
+pub mod prelude {
+    pub use super::{
+        CursorRows as _, PairWork as _, PerspectiveAdmin as _, PerspectiveLifecycle as _,
+        PerspectiveReads as _, PerspectiveStore, RewindReads as _, WorkQueue as _,
+    };
 }

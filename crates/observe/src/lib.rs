@@ -59,13 +59,17 @@ pub mod prometheus;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use lockstep_core::perspective_store::{
+    CursorRows, PairWork, PerspectiveAdmin, PerspectiveLifecycle, PerspectiveReads, RewindReads,
+    WorkQueue,
+};
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor,
     DistributedLock, EventPage, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId,
     LeaseInfo, LockReason, NewEvent, PageLimits, Pair, PairFailure, PendingPair, PerspectiveName,
-    PerspectiveStatus, PerspectiveStore, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey,
-    Result, RewindDebounce, RewindLoad, SkippedEvent, Snapshot, StateCommit, StreamId,
-    StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource, async_trait,
+    PerspectiveStatus, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
+    RewindDebounce, RewindLoad, SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
+    StreamLockOptions, StreamLocker, TransactionSource, async_trait,
 };
 use tracing::Instrument;
 use uuid::Uuid;
@@ -519,41 +523,7 @@ impl<T: TransactionSource> TransactionSource for Observed<T> {
     }
 }
 
-impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observed<T> {
-    fn register<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspectives: &'a [PerspectiveName],
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let span = tracing::info_span!(
-            "lockstep",
-            op = "register",
-            perspectives = perspectives.len()
-        );
-        observe(
-            "perspective_store",
-            "register",
-            span,
-            ok,
-            self.inner.register(tx, perspectives),
-        )
-    }
-
-    fn pending_pairs<'a>(
-        &'a self,
-        tx: &'a Tx,
-        instance: InstanceId,
-        perspectives: &'a [PerspectiveName],
-        debounce: RewindDebounce,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a {
-        let span = tracing::info_span!("lockstep", op = "pending_pairs", limit);
-        let call = self
-            .inner
-            .pending_pairs(tx, instance, perspectives, debounce, limit);
-        observe("perspective_store", "pending_pairs", span, ok, call)
-    }
-
+impl<Tx: ?Sized + Sync, T: WorkQueue<Tx>> WorkQueue<Tx> for Observed<T> {
     fn claim_batch<'a>(
         &'a self,
         tx: &'a Tx,
@@ -575,6 +545,19 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         observe("perspective_store", "commit_batch", span, ok, call)
     }
 
+    fn record_failure<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        failure: &'a PairFailure,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("record_failure", pair.stream_id, &pair.perspective);
+        let call = self.inner.record_failure(tx, pair, failure);
+        observe("perspective_store", "record_failure", span, ok, call)
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: PairWork<Tx>> PairWork<Tx> for Observed<T> {
     fn claim<'a>(
         &'a self,
         tx: &'a Tx,
@@ -645,29 +628,31 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         )
     }
 
-    fn load_rewind<'a>(
+    fn save_snapshot<'a>(
         &'a self,
         tx: &'a Tx,
         pair: &'a Pair,
-        page: PageLimits,
-    ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
-        let span = pair_span("load_rewind", pair.stream_id, &pair.perspective);
-        let call = self.inner.load_rewind(tx, pair, page);
-        observe("perspective_store", "load_rewind", span, ok, call)
+        expected_revision: i64,
+        fence: Option<&'a LeaseId>,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("save_snapshot", pair.stream_id, &pair.perspective);
+        let call = self.inner.save_snapshot(tx, pair, expected_revision, fence);
+        observe("perspective_store", "save_snapshot", span, ok, call)
     }
 
-    fn rewind_events<'a>(
+    fn purge<'a>(
         &'a self,
         tx: &'a Tx,
         pair: &'a Pair,
-        after: Option<Uuid>,
-        page: PageLimits,
-    ) -> impl Future<Output = Result<EventPage>> + Send + 'a {
-        let span = pair_span("rewind_events", pair.stream_id, &pair.perspective);
-        let call = self.inner.rewind_events(tx, pair, after, page);
-        observe("perspective_store", "rewind_events", span, ok, call)
+        fence: Option<&'a LeaseId>,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = pair_span("purge", pair.stream_id, &pair.perspective);
+        let call = self.inner.purge(tx, pair, fence);
+        observe("perspective_store", "purge", span, ok, call)
     }
+}
 
+impl<Tx: ?Sized + Sync, T: PerspectiveReads<Tx>> PerspectiveReads<Tx> for Observed<T> {
     fn cursor<'a>(
         &'a self,
         tx: &'a Tx,
@@ -710,60 +695,6 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         observe("perspective_store", "stream_events", span, ok, call)
     }
 
-    fn snapshot_before<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-        before: Uuid,
-    ) -> impl Future<Output = Result<Option<Snapshot>>> + Send + 'a {
-        let span = pair_span("snapshot_before", pair.stream_id, &pair.perspective);
-        let call = self.inner.snapshot_before(tx, pair, before);
-        observe("perspective_store", "snapshot_before", span, ok, call)
-    }
-
-    fn save_snapshot<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-        expected_revision: i64,
-        fence: Option<&'a LeaseId>,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("save_snapshot", pair.stream_id, &pair.perspective);
-        let call = self.inner.save_snapshot(tx, pair, expected_revision, fence);
-        observe("perspective_store", "save_snapshot", span, ok, call)
-    }
-
-    fn request_rewind<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-        from: Option<Uuid>,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("request_rewind", pair.stream_id, &pair.perspective);
-        let call = self.inner.request_rewind(tx, pair, from);
-        observe("perspective_store", "request_rewind", span, ok, call)
-    }
-
-    fn record_failure<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-        failure: &'a PairFailure,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("record_failure", pair.stream_id, &pair.perspective);
-        let call = self.inner.record_failure(tx, pair, failure);
-        observe("perspective_store", "record_failure", span, ok, call)
-    }
-
-    fn perspective_status<'a>(
-        &'a self,
-        tx: &'a Tx,
-    ) -> impl Future<Output = Result<Vec<PerspectiveStatus>>> + Send + 'a {
-        let span = tracing::info_span!("lockstep", op = "perspective_status");
-        let call = self.inner.perspective_status(tx);
-        observe("perspective_store", "perspective_status", span, ok, call)
-    }
-
     fn states<'a>(
         &'a self,
         tx: &'a Tx,
@@ -789,6 +720,84 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
             .inner
             .pending_through(tx, perspective, stream_id, up_to);
         observe("perspective_store", "pending_through", span, ok, call)
+    }
+
+    fn skipped_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+    ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a {
+        let span = pair_span("skipped_events", pair.stream_id, &pair.perspective);
+        let call = self.inner.skipped_events(tx, pair);
+        observe("perspective_store", "skipped_events", span, ok, call)
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: RewindReads<Tx>> RewindReads<Tx> for Observed<T> {
+    fn load_rewind<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        page: PageLimits,
+    ) -> impl Future<Output = Result<Option<RewindLoad>>> + Send + 'a {
+        let span = pair_span("load_rewind", pair.stream_id, &pair.perspective);
+        let call = self.inner.load_rewind(tx, pair, page);
+        observe("perspective_store", "load_rewind", span, ok, call)
+    }
+
+    fn rewind_events<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        after: Option<Uuid>,
+        page: PageLimits,
+    ) -> impl Future<Output = Result<EventPage>> + Send + 'a {
+        let span = pair_span("rewind_events", pair.stream_id, &pair.perspective);
+        let call = self.inner.rewind_events(tx, pair, after, page);
+        observe("perspective_store", "rewind_events", span, ok, call)
+    }
+
+    fn snapshot_before<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        before: Uuid,
+    ) -> impl Future<Output = Result<Option<Snapshot>>> + Send + 'a {
+        let span = pair_span("snapshot_before", pair.stream_id, &pair.perspective);
+        let call = self.inner.snapshot_before(tx, pair, before);
+        observe("perspective_store", "snapshot_before", span, ok, call)
+    }
+
+    fn record_progress<'a>(
+        &'a self,
+        tx: &'a Tx,
+        report: &'a lockstep_core::ProgressReport,
+    ) -> impl Future<Output = Result<()>> + Send + 'a {
+        let span = pair_span("record_progress", report.stream_id, &report.perspective);
+        let call = self.inner.record_progress(tx, report);
+        observe("perspective_store", "record_progress", span, ok, call)
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: PerspectiveAdmin<Tx>> PerspectiveAdmin<Tx> for Observed<T> {
+    fn request_rewind<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+        from: Option<Uuid>,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("request_rewind", pair.stream_id, &pair.perspective);
+        let call = self.inner.request_rewind(tx, pair, from);
+        observe("perspective_store", "request_rewind", span, ok, call)
+    }
+
+    fn perspective_status<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<Vec<PerspectiveStatus>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "perspective_status");
+        let call = self.inner.perspective_status(tx);
+        observe("perspective_store", "perspective_status", span, ok, call)
     }
 
     fn failing_pairs<'a>(
@@ -835,45 +844,36 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         observe("perspective_store", "skip_event", span, ok, call)
     }
 
-    fn skipped_events<'a>(
+    fn rewind_progress<'a>(
         &'a self,
         tx: &'a Tx,
-        pair: &'a Pair,
-    ) -> impl Future<Output = Result<Vec<SkippedEvent>>> + Send + 'a {
-        let span = pair_span("skipped_events", pair.stream_id, &pair.perspective);
-        let call = self.inner.skipped_events(tx, pair);
-        observe("perspective_store", "skipped_events", span, ok, call)
+        perspectives: &'a [PerspectiveName],
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<lockstep_core::RewindProgress>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "rewind_progress");
+        let call = self.inner.rewind_progress(tx, perspectives, limit);
+        observe("perspective_store", "rewind_progress", span, ok, call)
     }
+}
 
-    fn purge<'a>(
+impl<Tx: ?Sized + Sync, T: PerspectiveLifecycle<Tx>> PerspectiveLifecycle<Tx> for Observed<T> {
+    fn register<'a>(
         &'a self,
         tx: &'a Tx,
-        pair: &'a Pair,
-        fence: Option<&'a LeaseId>,
+        perspectives: &'a [PerspectiveName],
     ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let span = pair_span("purge", pair.stream_id, &pair.perspective);
-        let call = self.inner.purge(tx, pair, fence);
-        observe("perspective_store", "purge", span, ok, call)
-    }
-
-    fn ensure_cursor<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("ensure_cursor", pair.stream_id, &pair.perspective);
-        let call = self.inner.ensure_cursor(tx, pair);
-        observe("perspective_store", "ensure_cursor", span, ok, call)
-    }
-
-    fn delete_cursor<'a>(
-        &'a self,
-        tx: &'a Tx,
-        pair: &'a Pair,
-    ) -> impl Future<Output = Result<bool>> + Send + 'a {
-        let span = pair_span("delete_cursor", pair.stream_id, &pair.perspective);
-        let call = self.inner.delete_cursor(tx, pair);
-        observe("perspective_store", "delete_cursor", span, ok, call)
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "register",
+            perspectives = perspectives.len()
+        );
+        observe(
+            "perspective_store",
+            "register",
+            span,
+            ok,
+            self.inner.register(tx, perspectives),
+        )
     }
 
     fn retire<'a>(
@@ -911,27 +911,6 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
         observe("perspective_store", "rebuild", span, ok, call)
     }
 
-    fn record_progress<'a>(
-        &'a self,
-        tx: &'a Tx,
-        report: &'a lockstep_core::ProgressReport,
-    ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let span = pair_span("record_progress", report.stream_id, &report.perspective);
-        let call = self.inner.record_progress(tx, report);
-        observe("perspective_store", "record_progress", span, ok, call)
-    }
-
-    fn rewind_progress<'a>(
-        &'a self,
-        tx: &'a Tx,
-        perspectives: &'a [PerspectiveName],
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<lockstep_core::RewindProgress>>> + Send + 'a {
-        let span = tracing::info_span!("lockstep", op = "rewind_progress");
-        let call = self.inner.rewind_progress(tx, perspectives, limit);
-        observe("perspective_store", "rewind_progress", span, ok, call)
-    }
-
     fn record_applied<'a>(
         &'a self,
         tx: &'a Tx,
@@ -954,6 +933,43 @@ impl<Tx: ?Sized + Sync, T: PerspectiveStore<Tx>> PerspectiveStore<Tx> for Observ
             ok,
             self.inner.throughput(tx),
         )
+    }
+}
+
+impl<Tx: ?Sized + Sync, T: CursorRows<Tx>> CursorRows<Tx> for Observed<T> {
+    fn pending_pairs<'a>(
+        &'a self,
+        tx: &'a Tx,
+        instance: InstanceId,
+        perspectives: &'a [PerspectiveName],
+        debounce: RewindDebounce,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<PendingPair>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "pending_pairs", limit);
+        let call = self
+            .inner
+            .pending_pairs(tx, instance, perspectives, debounce, limit);
+        observe("perspective_store", "pending_pairs", span, ok, call)
+    }
+
+    fn ensure_cursor<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("ensure_cursor", pair.stream_id, &pair.perspective);
+        let call = self.inner.ensure_cursor(tx, pair);
+        observe("perspective_store", "ensure_cursor", span, ok, call)
+    }
+
+    fn delete_cursor<'a>(
+        &'a self,
+        tx: &'a Tx,
+        pair: &'a Pair,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = pair_span("delete_cursor", pair.stream_id, &pair.perspective);
+        let call = self.inner.delete_cursor(tx, pair);
+        observe("perspective_store", "delete_cursor", span, ok, call)
     }
 }
 

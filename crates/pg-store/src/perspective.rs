@@ -30,7 +30,7 @@
 //! ```no_run
 //! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
 //! use lockstep_core::{
-//!     Claim, Pair, PerspectiveName, PerspectiveStore, RewindDebounce, StateCommit, StreamId,
+//!     Claim, Pair, PerspectiveName, RewindDebounce, StateCommit, StreamId,
 //!     Transaction, TransactionSource,
 //! };
 //! use lockstep_pg_store::PgPerspectiveStore;
@@ -67,13 +67,17 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
+use lockstep_core::perspective_store::{
+    CursorRows, PairWork, PerspectiveAdmin, PerspectiveLifecycle, PerspectiveReads, RewindReads,
+    WorkQueue,
+};
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
     ErrorKind, EventPage, InstanceId, LeaseEpoch, LeaseId, LockReason, PageLimits, Pair,
-    PairFailure, PendingPair, PendingThrough, PerspectiveName, PerspectiveStatus, PerspectiveStore,
-    ProgressReport, Rebuild, RecordedEvent, Registration, Result, RetireStates, Retired,
-    RewindDebounce, RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit,
-    StoredState, StreamId, ValidationError,
+    PairFailure, PendingPair, PendingThrough, PerspectiveName, PerspectiveStatus, ProgressReport,
+    Rebuild, RecordedEvent, Registration, Result, RetireStates, Retired, RewindDebounce,
+    RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
+    StreamId, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -617,67 +621,41 @@ impl PgPerspectiveStore {
     }
 }
 
-impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
-    async fn register(&self, tx: &T, perspectives: &[PerspectiveName]) -> Result<()> {
-        use std::sync::atomic::Ordering;
-        if !self.schema_checked.load(Ordering::Acquire) {
-            lockstep_pg::migrate::check_schema_on(tx.executor()).await?;
-            self.schema_checked.store(true, Ordering::Release);
-        }
-        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
-        tx.executor()
-            .query_typed_one(
-                sql::REGISTER,
-                &[
-                    (&names, Type::TEXT_ARRAY),
-                    (&self.change_queue_us, Type::INT8),
-                    (&self.change_give_up_us, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "registering perspectives"))?;
-        Ok(())
-    }
-
-    async fn pending_pairs(
-        &self,
-        tx: &T,
-        instance: InstanceId,
-        perspectives: &[PerspectiveName],
-        debounce: RewindDebounce,
-        limit: usize,
-    ) -> Result<Vec<PendingPair>> {
-        let (window, max_delay) = (micros(debounce.window)?, micros(debounce.max_delay)?);
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
-        let rows = tx
+impl<T: PgTransactionRef> WorkQueue<T> for PgPerspectiveStore {
+    async fn record_failure(&self, tx: &T, pair: &Pair, failure: &PairFailure) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        // Text cannot hold U+0000; the message is diagnostics, so it is kept readable rather
+        // than refused (a failure must always be recordable).
+        let error = failure.error.replace('\0', "\u{FFFD}");
+        let retry_after = backoff_micros(failure.retry_after);
+        let row = tx
             .executor()
-            .query_typed(
-                sql::PENDING_PAIRS,
+            .query_typed_one(
+                sql::RECORD_FAILURE,
                 &[
-                    (&instance.as_uuid(), Type::UUID),
-                    (&window, Type::INT8),
-                    (&limit, Type::INT8),
-                    (&max_delay, Type::INT8),
-                    (&names, Type::TEXT_ARRAY),
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                    (&error, Type::TEXT),
+                    (&failure.event_id, Type::UUID),
+                    (&retry_after, Type::INT8),
+                    (&failure.park, Type::BOOL),
                 ],
             )
             .await
-            .map_err(|e| statement_error(e, "listing pending perspective pairs"))?;
-        rows.iter()
-            .map(|row| {
-                let name: String = row.try_get(1).map_err(decode_error)?;
-                let pending: i64 = row.try_get(2).map_err(decode_error)?;
-                Ok(PendingPair {
-                    stream_id: StreamId::from_uuid(row.try_get(0).map_err(decode_error)?),
-                    perspective: stored_name(name)?,
-                    pending: stored_count(pending)?,
-                    rewind: row.try_get(3).map_err(decode_error)?,
-                })
-            })
-            .collect()
+            .map_err(|e| statement_error(e, "recording a perspective failure"))?;
+        row.try_get(0).map_err(decode_error)
     }
 
+    async fn claim_batch(&self, tx: &T, request: &BatchClaim) -> Result<ClaimedBatch> {
+        batch::claim(tx, request).await
+    }
+
+    async fn commit_batch(&self, tx: &T, entries: &[BatchEntry]) -> Result<Vec<BatchCommitted>> {
+        batch::commit(tx, entries, self.keep_snapshots).await
+    }
+}
+
+impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
     async fn claim(
         &self,
         tx: &T,
@@ -798,6 +776,261 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         }
     }
 
+    async fn save_snapshot(
+        &self,
+        tx: &T,
+        pair: &Pair,
+        expected_revision: i64,
+        fence: Option<&LeaseId>,
+    ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
+        let row = tx
+            .executor()
+            .query_typed_one(
+                sql::SAVE_SNAPSHOT,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                    (&expected_revision, Type::INT8),
+                    (&self.keep_snapshots, Type::INT4),
+                    (&holder, Type::UUID),
+                    (&epoch, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "saving a perspective snapshot"))?;
+        let outcome: String = row.try_get(0).map_err(decode_error)?;
+        match outcome.as_str() {
+            "saved" => Ok(true),
+            "unchanged" => Ok(false),
+            "lease_lost" => Err(lease_lost()),
+            other => Err(Error::new(
+                ErrorKind::Backend,
+                format!("saving a snapshot returned an unknown outcome {other:?}"),
+            )),
+        }
+    }
+
+    async fn purge(&self, tx: &T, pair: &Pair, fence: Option<&LeaseId>) -> Result<()> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
+        let row = tx
+            .executor()
+            .query_typed_one(
+                sql::PURGE,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                    (&holder, Type::UUID),
+                    (&epoch, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "purging a perspective pair"))?;
+        let outcome: String = row.try_get(0).map_err(decode_error)?;
+        match outcome.as_str() {
+            "purged" | "no_cursor" => Ok(()),
+            "lease_lost" => Err(lease_lost()),
+            other => Err(Error::new(
+                ErrorKind::Backend,
+                format!("a purge returned an unknown outcome {other:?}"),
+            )),
+        }
+    }
+}
+
+impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
+    async fn cursor(&self, tx: &T, pair: &Pair) -> Result<Option<Cursor>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let row = tx
+            .executor()
+            .query_typed_opt(
+                sql::CURSOR,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
+        row.map(|row| decode_cursor(&row, 0, stream_id, perspective))
+            .transpose()
+    }
+
+    async fn state(
+        &self,
+        tx: &T,
+        pair: &Pair,
+    ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let row = tx
+            .executor()
+            .query_typed_opt(
+                sql::STATE,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading a perspective state"))?;
+        row.map(|row| {
+            Ok((
+                decode_cursor(&row, 0, stream_id, perspective)?,
+                row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
+            ))
+        })
+        .transpose()
+    }
+
+    async fn pending_events(&self, tx: &T, pair: &Pair) -> Result<Vec<Uuid>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let rows = tx
+            .executor()
+            .query_typed(
+                sql::PENDING_EVENTS,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading a pair's pending work"))?;
+        rows.iter()
+            .map(|row| row.try_get(0).map_err(decode_error))
+            .collect()
+    }
+
+    async fn stream_events(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        after: Option<Uuid>,
+    ) -> Result<Vec<RecordedEvent>> {
+        let rows = tx
+            .executor()
+            .query_typed(
+                sql::STREAM_EVENTS,
+                &[(&stream_id.as_uuid(), Type::UUID), (&after, Type::UUID)],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading a stream in event-id order"))?;
+        rows.iter()
+            .map(|row| crate::decode(row, 0, stream_id))
+            .collect()
+    }
+
+    async fn states(
+        &self,
+        tx: &T,
+        perspective: &PerspectiveName,
+        after: Option<StreamId>,
+        limit: usize,
+    ) -> Result<Vec<StoredState>> {
+        lockstep_core::check_states_page(limit)?;
+        // At most MAX_STATES_PAGE: fits an i64.
+        let limit = limit as i64;
+        let rows = match after {
+            None => {
+                tx.executor()
+                    .query_typed(
+                        sql::STATES_FIRST,
+                        &[(&perspective.as_str(), Type::TEXT), (&limit, Type::INT8)],
+                    )
+                    .await
+            }
+            Some(after) => {
+                tx.executor()
+                    .query_typed(
+                        sql::STATES_AFTER,
+                        &[
+                            (&perspective.as_str(), Type::TEXT),
+                            (&limit, Type::INT8),
+                            (&after.as_uuid(), Type::UUID),
+                        ],
+                    )
+                    .await
+            }
+        }
+        .map_err(|e| statement_error(e, "reading a page of perspective states"))?;
+        rows.iter()
+            .map(|row| {
+                let stream: Uuid = row.try_get(CURSOR_COLUMNS + 1).map_err(decode_error)?;
+                let stream_id = StreamId::from_uuid(stream);
+                Ok(StoredState::new(
+                    decode_cursor(row, 0, stream_id, perspective)?,
+                    row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn pending_through(
+        &self,
+        tx: &T,
+        perspective: &PerspectiveName,
+        stream_id: Option<StreamId>,
+        up_to: Uuid,
+    ) -> Result<PendingThrough> {
+        let stream = stream_id.map(|s| s.as_uuid());
+        let row = tx
+            .executor()
+            .query_typed_one(
+                sql::PENDING_THROUGH,
+                &[
+                    (&perspective.as_str(), Type::TEXT),
+                    (&stream, Type::UUID),
+                    (&up_to, Type::UUID),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading what a perspective has not applied yet"))?;
+        let count = |i: usize| -> Result<u64> {
+            let n: i64 = row.try_get(i).map_err(decode_error)?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        let mut pending = PendingThrough::default();
+        pending.events = count(0)?;
+        pending.rewinds = count(1)?;
+        pending.parked = count(2)?;
+        pending.error = row.try_get(3).map_err(decode_error)?;
+        let registration: &str = row.try_get(4).map_err(decode_error)?;
+        pending.registration = Some(match registration {
+            "registered" => Registration::Registered,
+            "retired" => Registration::Retired,
+            _ => Registration::NotRegistered,
+        });
+        pending.live_workers = Some(count(5)?);
+        Ok(pending)
+    }
+
+    async fn skipped_events(&self, tx: &T, pair: &Pair) -> Result<Vec<SkippedEvent>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        let rows = tx
+            .executor()
+            .query_typed(
+                sql::SKIPPED_EVENTS,
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "reading a pair's skipped events"))?;
+        rows.iter()
+            .map(|row| {
+                Ok(SkippedEvent::new(
+                    row.try_get(0).map_err(decode_error)?,
+                    row.try_get::<_, String>(1).map_err(decode_error)?,
+                    row.try_get(2).map_err(decode_error)?,
+                ))
+            })
+            .collect()
+    }
+}
+
+impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
     async fn load_rewind(
         &self,
         tx: &T,
@@ -900,86 +1133,6 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok(page)
     }
 
-    async fn cursor(&self, tx: &T, pair: &Pair) -> Result<Option<Cursor>> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::CURSOR,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
-        row.map(|row| decode_cursor(&row, 0, stream_id, perspective))
-            .transpose()
-    }
-
-    async fn state(
-        &self,
-        tx: &T,
-        pair: &Pair,
-    ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::STATE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading a perspective state"))?;
-        row.map(|row| {
-            Ok((
-                decode_cursor(&row, 0, stream_id, perspective)?,
-                row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
-            ))
-        })
-        .transpose()
-    }
-
-    async fn pending_events(&self, tx: &T, pair: &Pair) -> Result<Vec<Uuid>> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let rows = tx
-            .executor()
-            .query_typed(
-                sql::PENDING_EVENTS,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading a pair's pending work"))?;
-        rows.iter()
-            .map(|row| row.try_get(0).map_err(decode_error))
-            .collect()
-    }
-
-    async fn stream_events(
-        &self,
-        tx: &T,
-        stream_id: StreamId,
-        after: Option<Uuid>,
-    ) -> Result<Vec<RecordedEvent>> {
-        let rows = tx
-            .executor()
-            .query_typed(
-                sql::STREAM_EVENTS,
-                &[(&stream_id.as_uuid(), Type::UUID), (&after, Type::UUID)],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading a stream in event-id order"))?;
-        rows.iter()
-            .map(|row| crate::decode(row, 0, stream_id))
-            .collect()
-    }
-
     async fn snapshot_before(&self, tx: &T, pair: &Pair, before: Uuid) -> Result<Option<Snapshot>> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let row = tx
@@ -1005,42 +1158,12 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         .transpose()
     }
 
-    async fn save_snapshot(
-        &self,
-        tx: &T,
-        pair: &Pair,
-        expected_revision: i64,
-        fence: Option<&LeaseId>,
-    ) -> Result<bool> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::SAVE_SNAPSHOT,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&expected_revision, Type::INT8),
-                    (&self.keep_snapshots, Type::INT4),
-                    (&holder, Type::UUID),
-                    (&epoch, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "saving a perspective snapshot"))?;
-        let outcome: String = row.try_get(0).map_err(decode_error)?;
-        match outcome.as_str() {
-            "saved" => Ok(true),
-            "unchanged" => Ok(false),
-            "lease_lost" => Err(lease_lost()),
-            other => Err(Error::new(
-                ErrorKind::Backend,
-                format!("saving a snapshot returned an unknown outcome {other:?}"),
-            )),
-        }
+    async fn record_progress(&self, tx: &T, report: &ProgressReport) -> Result<()> {
+        life::record_progress(tx, report).await
     }
+}
 
+impl<T: PgTransactionRef> PerspectiveAdmin<T> for PgPerspectiveStore {
     async fn request_rewind(&self, tx: &T, pair: &Pair, from: Option<Uuid>) -> Result<bool> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let from = from.unwrap_or(Uuid::nil());
@@ -1057,122 +1180,6 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .await
             .map_err(|e| statement_error(e, "requesting a rewind"))?;
         Ok(row.is_some())
-    }
-
-    async fn record_failure(&self, tx: &T, pair: &Pair, failure: &PairFailure) -> Result<bool> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        // Text cannot hold U+0000; the message is diagnostics, so it is kept readable rather
-        // than refused (a failure must always be recordable).
-        let error = failure.error.replace('\0', "\u{FFFD}");
-        let retry_after = backoff_micros(failure.retry_after);
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::RECORD_FAILURE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&error, Type::TEXT),
-                    (&failure.event_id, Type::UUID),
-                    (&retry_after, Type::INT8),
-                    (&failure.park, Type::BOOL),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "recording a perspective failure"))?;
-        row.try_get(0).map_err(decode_error)
-    }
-
-    async fn claim_batch(&self, tx: &T, request: &BatchClaim) -> Result<ClaimedBatch> {
-        batch::claim(tx, request).await
-    }
-
-    async fn commit_batch(&self, tx: &T, entries: &[BatchEntry]) -> Result<Vec<BatchCommitted>> {
-        batch::commit(tx, entries, self.keep_snapshots).await
-    }
-
-    async fn states(
-        &self,
-        tx: &T,
-        perspective: &PerspectiveName,
-        after: Option<StreamId>,
-        limit: usize,
-    ) -> Result<Vec<StoredState>> {
-        lockstep_core::check_states_page(limit)?;
-        // At most MAX_STATES_PAGE: fits an i64.
-        let limit = limit as i64;
-        let rows = match after {
-            None => {
-                tx.executor()
-                    .query_typed(
-                        sql::STATES_FIRST,
-                        &[(&perspective.as_str(), Type::TEXT), (&limit, Type::INT8)],
-                    )
-                    .await
-            }
-            Some(after) => {
-                tx.executor()
-                    .query_typed(
-                        sql::STATES_AFTER,
-                        &[
-                            (&perspective.as_str(), Type::TEXT),
-                            (&limit, Type::INT8),
-                            (&after.as_uuid(), Type::UUID),
-                        ],
-                    )
-                    .await
-            }
-        }
-        .map_err(|e| statement_error(e, "reading a page of perspective states"))?;
-        rows.iter()
-            .map(|row| {
-                let stream: Uuid = row.try_get(CURSOR_COLUMNS + 1).map_err(decode_error)?;
-                let stream_id = StreamId::from_uuid(stream);
-                Ok(StoredState::new(
-                    decode_cursor(row, 0, stream_id, perspective)?,
-                    row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
-                ))
-            })
-            .collect()
-    }
-
-    async fn pending_through(
-        &self,
-        tx: &T,
-        perspective: &PerspectiveName,
-        stream_id: Option<StreamId>,
-        up_to: Uuid,
-    ) -> Result<PendingThrough> {
-        let stream = stream_id.map(|s| s.as_uuid());
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::PENDING_THROUGH,
-                &[
-                    (&perspective.as_str(), Type::TEXT),
-                    (&stream, Type::UUID),
-                    (&up_to, Type::UUID),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading what a perspective has not applied yet"))?;
-        let count = |i: usize| -> Result<u64> {
-            let n: i64 = row.try_get(i).map_err(decode_error)?;
-            Ok(u64::try_from(n).unwrap_or(0))
-        };
-        let mut pending = PendingThrough::default();
-        pending.events = count(0)?;
-        pending.rewinds = count(1)?;
-        pending.parked = count(2)?;
-        pending.error = row.try_get(3).map_err(decode_error)?;
-        let registration: &str = row.try_get(4).map_err(decode_error)?;
-        pending.registration = Some(match registration {
-            "registered" => Registration::Registered,
-            "retired" => Registration::Retired,
-            _ => Registration::NotRegistered,
-        });
-        pending.live_workers = Some(count(5)?);
-        Ok(pending)
     }
 
     async fn perspective_status(&self, tx: &T) -> Result<Vec<PerspectiveStatus>> {
@@ -1272,55 +1279,108 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
         Ok(skipped > 0)
     }
 
-    async fn skipped_events(&self, tx: &T, pair: &Pair) -> Result<Vec<SkippedEvent>> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+    async fn rewind_progress(
+        &self,
+        tx: &T,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<RewindProgress>> {
+        life::rewind_progress(tx, perspectives, limit).await
+    }
+}
+
+impl<T: PgTransactionRef> PerspectiveLifecycle<T> for PgPerspectiveStore {
+    async fn register(&self, tx: &T, perspectives: &[PerspectiveName]) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if !self.schema_checked.load(Ordering::Acquire) {
+            lockstep_pg::migrate::check_schema_on(tx.executor()).await?;
+            self.schema_checked.store(true, Ordering::Release);
+        }
+        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
+        tx.executor()
+            .query_typed_one(
+                sql::REGISTER,
+                &[
+                    (&names, Type::TEXT_ARRAY),
+                    (&self.change_queue_us, Type::INT8),
+                    (&self.change_give_up_us, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|e| statement_error(e, "registering perspectives"))?;
+        Ok(())
+    }
+
+    async fn retire(
+        &self,
+        tx: &T,
+        perspective: &PerspectiveName,
+        states: RetireStates,
+    ) -> Result<Retired> {
+        life::retire(
+            tx,
+            perspective,
+            states,
+            (self.change_queue_us, self.change_give_up_us),
+        )
+        .await
+    }
+
+    async fn retired(&self, tx: &T) -> Result<Vec<PerspectiveName>> {
+        life::retired(tx).await
+    }
+
+    async fn rebuild(&self, tx: &T, perspective: &PerspectiveName) -> Result<Rebuild> {
+        life::rebuild(tx, perspective).await
+    }
+
+    async fn record_applied(&self, tx: &T, counts: &[(PerspectiveName, u64)]) -> Result<()> {
+        life::record_applied(tx, counts).await
+    }
+
+    async fn throughput(&self, tx: &T) -> Result<Vec<lockstep_core::Throughput>> {
+        life::throughput(tx).await
+    }
+}
+
+impl<T: PgTransactionRef> CursorRows<T> for PgPerspectiveStore {
+    async fn pending_pairs(
+        &self,
+        tx: &T,
+        instance: InstanceId,
+        perspectives: &[PerspectiveName],
+        debounce: RewindDebounce,
+        limit: usize,
+    ) -> Result<Vec<PendingPair>> {
+        let (window, max_delay) = (micros(debounce.window)?, micros(debounce.max_delay)?);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
         let rows = tx
             .executor()
             .query_typed(
-                sql::SKIPPED_EVENTS,
+                sql::PENDING_PAIRS,
                 &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
+                    (&instance.as_uuid(), Type::UUID),
+                    (&window, Type::INT8),
+                    (&limit, Type::INT8),
+                    (&max_delay, Type::INT8),
+                    (&names, Type::TEXT_ARRAY),
                 ],
             )
             .await
-            .map_err(|e| statement_error(e, "reading a pair's skipped events"))?;
+            .map_err(|e| statement_error(e, "listing pending perspective pairs"))?;
         rows.iter()
             .map(|row| {
-                Ok(SkippedEvent::new(
-                    row.try_get(0).map_err(decode_error)?,
-                    row.try_get::<_, String>(1).map_err(decode_error)?,
-                    row.try_get(2).map_err(decode_error)?,
-                ))
+                let name: String = row.try_get(1).map_err(decode_error)?;
+                let pending: i64 = row.try_get(2).map_err(decode_error)?;
+                Ok(PendingPair {
+                    stream_id: StreamId::from_uuid(row.try_get(0).map_err(decode_error)?),
+                    perspective: stored_name(name)?,
+                    pending: stored_count(pending)?,
+                    rewind: row.try_get(3).map_err(decode_error)?,
+                })
             })
             .collect()
-    }
-
-    async fn purge(&self, tx: &T, pair: &Pair, fence: Option<&LeaseId>) -> Result<()> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::PURGE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&holder, Type::UUID),
-                    (&epoch, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "purging a perspective pair"))?;
-        let outcome: String = row.try_get(0).map_err(decode_error)?;
-        match outcome.as_str() {
-            "purged" | "no_cursor" => Ok(()),
-            "lease_lost" => Err(lease_lost()),
-            other => Err(Error::new(
-                ErrorKind::Backend,
-                format!("a purge returned an unknown outcome {other:?}"),
-            )),
-        }
     }
 
     async fn ensure_cursor(&self, tx: &T, pair: &Pair) -> Result<bool> {
@@ -1353,50 +1413,6 @@ impl<T: PgTransactionRef> PerspectiveStore<T> for PgPerspectiveStore {
             .await
             .map_err(|e| statement_error(e, "deleting a perspective cursor"))?;
         Ok(row.is_some())
-    }
-
-    async fn retire(
-        &self,
-        tx: &T,
-        perspective: &PerspectiveName,
-        states: RetireStates,
-    ) -> Result<Retired> {
-        life::retire(
-            tx,
-            perspective,
-            states,
-            (self.change_queue_us, self.change_give_up_us),
-        )
-        .await
-    }
-
-    async fn retired(&self, tx: &T) -> Result<Vec<PerspectiveName>> {
-        life::retired(tx).await
-    }
-
-    async fn rebuild(&self, tx: &T, perspective: &PerspectiveName) -> Result<Rebuild> {
-        life::rebuild(tx, perspective).await
-    }
-
-    async fn record_progress(&self, tx: &T, report: &ProgressReport) -> Result<()> {
-        life::record_progress(tx, report).await
-    }
-
-    async fn rewind_progress(
-        &self,
-        tx: &T,
-        perspectives: &[PerspectiveName],
-        limit: usize,
-    ) -> Result<Vec<RewindProgress>> {
-        life::rewind_progress(tx, perspectives, limit).await
-    }
-
-    async fn record_applied(&self, tx: &T, counts: &[(PerspectiveName, u64)]) -> Result<()> {
-        life::record_applied(tx, counts).await
-    }
-
-    async fn throughput(&self, tx: &T) -> Result<Vec<lockstep_core::Throughput>> {
-        life::throughput(tx).await
     }
 }
 
@@ -1829,8 +1845,8 @@ mod tests {
     #[allow(dead_code)]
     fn implemented_for_owned_and_borrowed_transactions<'t>()
     where
-        PgPerspectiveStore: PerspectiveStore<lockstep_pg::PgTransaction>
-            + PerspectiveStore<tokio_postgres::Transaction<'t>>,
+        PgPerspectiveStore: lockstep_core::PerspectiveStore<lockstep_pg::PgTransaction>
+            + lockstep_core::PerspectiveStore<tokio_postgres::Transaction<'t>>,
     {
     }
 }

@@ -5,12 +5,13 @@
 
 use lockstep_core::EventStore as _;
 use lockstep_core::Transaction as _;
+use lockstep_core::perspective_store::prelude::*;
 use lockstep_core::{PageLimits, Pair};
 use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, Claim, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName,
-    PerspectiveStore, RewindDebounce, StreamId, StreamLockOptions, StreamLocker,
+    RewindDebounce, StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};

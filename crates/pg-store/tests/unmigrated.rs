@@ -3,8 +3,9 @@
 //! database's own message and SQLSTATE, instead of a bare "backend error: appending to stream".
 
 use lockstep_core::Transaction as _;
+use lockstep_core::perspective_store::prelude::*;
 use lockstep_core::{
-    EventStore, ExpectedVersion, NewEvent, PerspectiveName, PerspectiveStore, ResourceKey, StreamId,
+    EventStore, ExpectedVersion, NewEvent, PerspectiveName, ResourceKey, StreamId,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};

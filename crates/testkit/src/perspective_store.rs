@@ -37,13 +37,17 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use lockstep_core::perspective_store::{
+    CursorRows, PairWork, PerspectiveAdmin, PerspectiveLifecycle, PerspectiveReads, RewindReads,
+    WorkQueue,
+};
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
     ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, EventPage, InstanceId,
     LeaseEpoch, LeaseFence, LeaseStatus, PageLimits, PairFailure, PendingPair, PendingThrough,
-    PerspectiveName, PerspectiveStatus, PerspectiveStore, ProgressReport, Rebuild, RecordedEvent,
-    Registration, ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress,
-    RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
+    PerspectiveName, PerspectiveStatus, ProgressReport, Rebuild, RecordedEvent, Registration,
+    ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress, RewindRequest,
+    SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
     perspective_store::{DEFAULT_KEEP_SNAPSHOTS, check_progress_limit},
 };
 use std::time::Duration;
@@ -745,81 +749,7 @@ fn check_state(state: &serde_json::Value) -> Result<()> {
     lockstep_core::json::check_storable(state, "perspective state")
 }
 
-impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
-    async fn register(&self, tx: &FakeTransaction, perspectives: &[PerspectiveName]) -> Result<()> {
-        tx.check_usable()?;
-        let mut state = self.lock_state();
-        self.stage(&mut state, tx)
-            .registered
-            .extend(perspectives.iter().cloned());
-        Ok(())
-    }
-
-    async fn pending_pairs(
-        &self,
-        tx: &FakeTransaction,
-        instance: InstanceId,
-        perspectives: &[PerspectiveName],
-        debounce: RewindDebounce,
-        limit: usize,
-    ) -> Result<Vec<PendingPair>> {
-        tx.check_usable()?;
-        let leased_by_others: HashSet<Key> = self
-            .locker
-            .list_leases()
-            .await?
-            .into_iter()
-            .filter(|l| l.status == LeaseStatus::Held && l.holder != instance)
-            .map(|l| (l.stream_id, l.perspective))
-            .collect();
-        let state = self.lock_state();
-        let mut registered: Vec<PerspectiveName> = state.registered.iter().cloned().collect();
-        if let Some(staged) = state.staged.get(&tx.id()) {
-            registered.extend(staged.registered.iter().cloned());
-        }
-        let mut keys: BTreeSet<Key> = self
-            .events
-            .streams()
-            .into_iter()
-            .flat_map(|s| registered.iter().map(move |p| (s, p.clone())))
-            .collect();
-        keys.extend(state.pairs.keys().cloned());
-        let mut found: Vec<(OffsetDateTime, PendingPair)> = Vec::new();
-        for key in keys {
-            // Only the perspectives the caller runs: others never take its places.
-            if leased_by_others.contains(&key) || !perspectives.contains(&key.1) {
-                continue;
-            }
-            let pending = self.pending(&state, tx, &key);
-            let pair = Self::read(&state, tx, &key).unwrap_or_default();
-            // A rewind inside its debounce window holds the whole pair back, work included.
-            if pair.rewind.is_some_and(|r| self.debounced(&r, debounce)) {
-                continue;
-            }
-            let rewind = pair.rewind.is_some();
-            if pending.is_empty() && !rewind {
-                continue;
-            }
-            let oldest = pending
-                .iter()
-                .map(|e| e.recorded_at)
-                .min()
-                .or(pair.rewind.map(|r| r.first_flagged_at))
-                .unwrap_or(OffsetDateTime::UNIX_EPOCH);
-            found.push((
-                oldest,
-                PendingPair {
-                    stream_id: key.0,
-                    perspective: key.1,
-                    pending: pending.len() as u64,
-                    rewind,
-                },
-            ));
-        }
-        found.sort_by_key(|(oldest, _)| *oldest);
-        Ok(found.into_iter().take(limit).map(|(_, p)| p).collect())
-    }
-
+impl WorkQueue<FakeTransaction> for InMemoryPerspectiveStore {
     async fn claim_batch(
         &self,
         tx: &FakeTransaction,
@@ -966,6 +896,20 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         result
     }
 
+    async fn record_failure(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+        failure: &PairFailure,
+    ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        self.fail(tx, &(stream_id, perspective.clone()), failure)
+            .await
+    }
+}
+
+impl PairWork<FakeTransaction> for InMemoryPerspectiveStore {
     async fn claim(
         &self,
         tx: &FakeTransaction,
@@ -1023,6 +967,72 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         self.commit_checked(tx, commit).await
     }
 
+    async fn save_snapshot(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+        expected_revision: i64,
+        fence: Option<&lockstep_core::LeaseId>,
+    ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        self.lock_row(tx, &key).await?;
+        self.fence(tx, fence).await?;
+        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Ok(false);
+        };
+        let (Some(at), Some(state)) = (pair.last_event_id, pair.state.clone()) else {
+            return Ok(false);
+        };
+        if pair.revision != expected_revision || pair.snapshots.contains_key(&at) {
+            return Ok(false);
+        }
+        pair.snapshots.insert(
+            at,
+            Snapshot {
+                event_id: at,
+                state,
+                applied_count: pair.applied_count,
+            },
+        );
+        while pair.snapshots.len() > DEFAULT_KEEP_SNAPSHOTS {
+            pair.snapshots.pop_first();
+        }
+        self.write(tx, key, pair);
+        Ok(true)
+    }
+
+    async fn purge(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+        fence: Option<&lockstep_core::LeaseId>,
+    ) -> Result<()> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        self.lock_row(tx, &key).await?;
+        self.fence(tx, fence).await?;
+        let pair = Self::read(&self.lock_state(), tx, &key).ok_or_else(|| Self::missing(&key))?;
+        let purged = Pair {
+            revision: pair.revision + 1,
+            purged: true,
+            skipped: pair.skipped,
+            ..Pair::default()
+        };
+        let all = self
+            .events
+            .committed(stream_id)
+            .into_iter()
+            .map(|e| e.event_id);
+        self.complete(tx, key.clone(), all);
+        self.write(tx, key, purged);
+        Ok(())
+    }
+}
+
+impl PerspectiveReads<FakeTransaction> for InMemoryPerspectiveStore {
     async fn cursor(
         &self,
         tx: &FakeTransaction,
@@ -1062,22 +1072,6 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             .collect())
     }
 
-    async fn rewind_events(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-        after: Option<Uuid>,
-        page: PageLimits,
-    ) -> Result<EventPage> {
-        // The trait's default read, recording what was asked for.
-        self.lock_state()
-            .rewind_pages
-            .entry((pair.stream_id, pair.perspective.clone()))
-            .or_default()
-            .push(page);
-        lockstep_core::perspective_store::rewind_page_from_stream(self, tx, pair, after, page).await
-    }
-
     async fn stream_events(
         &self,
         tx: &FakeTransaction,
@@ -1093,137 +1087,6 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
             .collect();
         events.sort_by_key(|e| e.event_id);
         Ok(events)
-    }
-
-    async fn snapshot_before(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-        before: Uuid,
-    ) -> Result<Option<Snapshot>> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        tx.check_usable()?;
-        let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
-        Ok(pair.and_then(|p| {
-            p.snapshots
-                .range(..before)
-                .next_back()
-                .map(|(_, s)| s.clone())
-        }))
-    }
-
-    async fn save_snapshot(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-        expected_revision: i64,
-        fence: Option<&lockstep_core::LeaseId>,
-    ) -> Result<bool> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        tx.check_usable()?;
-        let key = (stream_id, perspective.clone());
-        self.lock_row(tx, &key).await?;
-        self.fence(tx, fence).await?;
-        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
-            return Ok(false);
-        };
-        let (Some(at), Some(state)) = (pair.last_event_id, pair.state.clone()) else {
-            return Ok(false);
-        };
-        if pair.revision != expected_revision || pair.snapshots.contains_key(&at) {
-            return Ok(false);
-        }
-        pair.snapshots.insert(
-            at,
-            Snapshot {
-                event_id: at,
-                state,
-                applied_count: pair.applied_count,
-            },
-        );
-        while pair.snapshots.len() > DEFAULT_KEEP_SNAPSHOTS {
-            pair.snapshots.pop_first();
-        }
-        self.write(tx, key, pair);
-        Ok(true)
-    }
-
-    async fn request_rewind(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-        from: Option<Uuid>,
-    ) -> Result<bool> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        tx.check_usable()?;
-        let key = (stream_id, perspective.clone());
-        if Self::read(&self.lock_state(), tx, &key).is_none() {
-            return Ok(false);
-        }
-        self.lock_row(tx, &key).await?;
-        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
-            return Ok(false);
-        };
-        Self::flag(&mut pair, from.unwrap_or(Uuid::nil()), self.now());
-        // An operator's rewind is also a retry: a parked or backing-off pair is served.
-        pair.unpark();
-        self.write(tx, key, pair);
-        Ok(true)
-    }
-
-    async fn record_failure(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-        failure: &PairFailure,
-    ) -> Result<bool> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        tx.check_usable()?;
-        self.fail(tx, &(stream_id, perspective.clone()), failure)
-            .await
-    }
-
-    async fn perspective_status(&self, tx: &FakeTransaction) -> Result<Vec<PerspectiveStatus>> {
-        tx.check_usable()?;
-        let now = self.now();
-        let wall = OffsetDateTime::now_utc();
-        let state = self.lock_state();
-        let mut names: BTreeSet<PerspectiveName> = state.registered.clone();
-        if let Some(staged) = state.staged.get(&tx.id()) {
-            names.extend(staged.registered.iter().cloned());
-        }
-        let streams = self.events.streams();
-        let keys = Self::keys(&state, tx);
-        let mut out = Vec::with_capacity(names.len());
-        for name in names {
-            // Postgres gives every stream a cursor per registered perspective (the append, the
-            // registration's catch-up); ensure_cursor adds the others.
-            let mut pairs: BTreeSet<Key> = streams.iter().map(|s| (*s, name.clone())).collect();
-            pairs.extend(keys.iter().filter(|k| k.1 == name).cloned());
-            let mut status = PerspectiveStatus::new(name);
-            status.pairs = pairs.len() as u64;
-            let mut oldest: Option<OffsetDateTime> = None;
-            for key in &pairs {
-                let pending = self.pending(&state, tx, key);
-                status.pending_events += pending.len() as u64;
-                if let Some(first) = pending.iter().map(|e| e.recorded_at).min() {
-                    oldest = Some(oldest.map_or(first, |o| o.min(first)));
-                }
-                let Some(pair) = Self::read(&state, tx, key) else {
-                    continue;
-                };
-                status.rewinds_pending += u64::from(pair.rewind.is_some());
-                status.in_error += u64::from(pair.error.is_some() && pair.failures > 0);
-                status.parked += u64::from(pair.parked_at.is_some());
-                status.backing_off +=
-                    u64::from(pair.parked_at.is_none() && pair.retry_at.is_some_and(|at| at > now));
-            }
-            // Events carry the wall clock; a clock that went back is no wait.
-            status.oldest_pending_age =
-                oldest.map(|at| Duration::try_from(wall - at).unwrap_or(Duration::ZERO));
-            out.push(status);
-        }
-        Ok(out)
     }
 
     async fn states(
@@ -1311,6 +1174,149 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         });
         drop(state);
         out.live_workers = Some(self.locker.live_instances_running(perspective));
+        Ok(out)
+    }
+
+    async fn skipped_events(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+    ) -> Result<Vec<SkippedEvent>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
+        Ok(pair.map_or_else(Vec::new, |p| p.skipped.into_values().collect()))
+    }
+}
+
+impl RewindReads<FakeTransaction> for InMemoryPerspectiveStore {
+    async fn rewind_events(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+        after: Option<Uuid>,
+        page: PageLimits,
+    ) -> Result<EventPage> {
+        // The trait's default read, recording what was asked for.
+        self.lock_state()
+            .rewind_pages
+            .entry((pair.stream_id, pair.perspective.clone()))
+            .or_default()
+            .push(page);
+        lockstep_core::perspective_store::rewind_page_from_stream(self, tx, pair, after, page).await
+    }
+
+    async fn snapshot_before(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+        before: Uuid,
+    ) -> Result<Option<Snapshot>> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
+        Ok(pair.and_then(|p| {
+            p.snapshots
+                .range(..before)
+                .next_back()
+                .map(|(_, s)| s.clone())
+        }))
+    }
+
+    async fn record_progress(&self, tx: &FakeTransaction, report: &ProgressReport) -> Result<()> {
+        tx.check_usable()?;
+        report.validate()?;
+        let now = self.now();
+        let key = (report.stream_id, report.perspective.clone());
+        let mut state = self.lock_state();
+        let start = time::Duration::try_from(report.elapsed)
+            .ok()
+            .and_then(|d| now.checked_sub(d))
+            .unwrap_or(now);
+        let started_at = state
+            .progress
+            .get(&key)
+            .filter(|p| p.run == report.run)
+            .map_or(start, |p| p.started_at);
+        state.progress.insert(
+            key,
+            Progress {
+                run: report.run,
+                lease: report.lease.as_ref().map(|l| (l.holder, l.epoch)),
+                replayed: report.replayed,
+                to_replay: report.to_replay,
+                started_at,
+                updated_at: now,
+            },
+        );
+        Ok(())
+    }
+}
+
+impl PerspectiveAdmin<FakeTransaction> for InMemoryPerspectiveStore {
+    async fn request_rewind(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+        from: Option<Uuid>,
+    ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        if Self::read(&self.lock_state(), tx, &key).is_none() {
+            return Ok(false);
+        }
+        self.lock_row(tx, &key).await?;
+        let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
+            return Ok(false);
+        };
+        Self::flag(&mut pair, from.unwrap_or(Uuid::nil()), self.now());
+        // An operator's rewind is also a retry: a parked or backing-off pair is served.
+        pair.unpark();
+        self.write(tx, key, pair);
+        Ok(true)
+    }
+
+    async fn perspective_status(&self, tx: &FakeTransaction) -> Result<Vec<PerspectiveStatus>> {
+        tx.check_usable()?;
+        let now = self.now();
+        let wall = OffsetDateTime::now_utc();
+        let state = self.lock_state();
+        let mut names: BTreeSet<PerspectiveName> = state.registered.clone();
+        if let Some(staged) = state.staged.get(&tx.id()) {
+            names.extend(staged.registered.iter().cloned());
+        }
+        let streams = self.events.streams();
+        let keys = Self::keys(&state, tx);
+        let mut out = Vec::with_capacity(names.len());
+        for name in names {
+            // Postgres gives every stream a cursor per registered perspective (the append, the
+            // registration's catch-up); ensure_cursor adds the others.
+            let mut pairs: BTreeSet<Key> = streams.iter().map(|s| (*s, name.clone())).collect();
+            pairs.extend(keys.iter().filter(|k| k.1 == name).cloned());
+            let mut status = PerspectiveStatus::new(name);
+            status.pairs = pairs.len() as u64;
+            let mut oldest: Option<OffsetDateTime> = None;
+            for key in &pairs {
+                let pending = self.pending(&state, tx, key);
+                status.pending_events += pending.len() as u64;
+                if let Some(first) = pending.iter().map(|e| e.recorded_at).min() {
+                    oldest = Some(oldest.map_or(first, |o| o.min(first)));
+                }
+                let Some(pair) = Self::read(&state, tx, key) else {
+                    continue;
+                };
+                status.rewinds_pending += u64::from(pair.rewind.is_some());
+                status.in_error += u64::from(pair.error.is_some() && pair.failures > 0);
+                status.parked += u64::from(pair.parked_at.is_some());
+                status.backing_off +=
+                    u64::from(pair.parked_at.is_none() && pair.retry_at.is_some_and(|at| at > now));
+            }
+            // Events carry the wall clock; a clock that went back is no wait.
+            status.oldest_pending_age =
+                oldest.map(|at| Duration::try_from(wall - at).unwrap_or(Duration::ZERO));
+            out.push(status);
+        }
         Ok(out)
     }
 
@@ -1422,81 +1428,59 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         Ok(true)
     }
 
-    async fn skipped_events(
+    async fn rewind_progress(
         &self,
         tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-    ) -> Result<Vec<SkippedEvent>> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<RewindProgress>> {
         tx.check_usable()?;
-        let pair = Self::read(&self.lock_state(), tx, &(stream_id, perspective.clone()));
-        Ok(pair.map_or_else(Vec::new, |p| p.skipped.into_values().collect()))
-    }
-
-    async fn purge(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-        fence: Option<&lockstep_core::LeaseId>,
-    ) -> Result<()> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        tx.check_usable()?;
-        let key = (stream_id, perspective.clone());
-        self.lock_row(tx, &key).await?;
-        self.fence(tx, fence).await?;
-        let pair = Self::read(&self.lock_state(), tx, &key).ok_or_else(|| Self::missing(&key))?;
-        let purged = Pair {
-            revision: pair.revision + 1,
-            purged: true,
-            skipped: pair.skipped,
-            ..Pair::default()
+        check_progress_limit(limit)?;
+        let rows: BTreeMap<(PerspectiveName, StreamId), Progress> = {
+            let state = self.lock_state();
+            state
+                .progress
+                .iter()
+                .filter(|(k, _)| perspectives.is_empty() || perspectives.contains(&k.1))
+                .filter(|(k, _)| Self::read(&state, tx, k).is_some_and(|p| p.rewind.is_some()))
+                .map(|(k, p)| ((k.1.clone(), k.0), p.clone()))
+                .collect()
         };
-        let all = self
-            .events
-            .committed(stream_id)
-            .into_iter()
-            .map(|e| e.event_id);
-        self.complete(tx, key.clone(), all);
-        self.write(tx, key, purged);
+        let mut out = Vec::new();
+        for ((perspective, stream_id), p) in rows {
+            if out.len() == limit {
+                break;
+            }
+            if let Some((holder, epoch)) = p.lease {
+                let (lease, live) = self.lease(&(stream_id, perspective.clone())).await?;
+                if !(live && lease.holder == Some(holder) && lease.epoch == epoch) {
+                    continue;
+                }
+            }
+            let mut row = RewindProgress::new(
+                stream_id,
+                perspective,
+                p.replayed,
+                p.to_replay,
+                p.started_at,
+                p.updated_at,
+            );
+            row.holder = p.lease.map(|(h, _)| h);
+            row.read_at = Some(self.now());
+            out.push(row);
+        }
+        Ok(out)
+    }
+}
+
+impl PerspectiveLifecycle<FakeTransaction> for InMemoryPerspectiveStore {
+    async fn register(&self, tx: &FakeTransaction, perspectives: &[PerspectiveName]) -> Result<()> {
+        tx.check_usable()?;
+        let mut state = self.lock_state();
+        self.stage(&mut state, tx)
+            .registered
+            .extend(perspectives.iter().cloned());
         Ok(())
-    }
-
-    async fn ensure_cursor(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-    ) -> Result<bool> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        tx.check_usable()?;
-        Ok(self.create(tx, &(stream_id, perspective.clone())))
-    }
-
-    async fn delete_cursor(
-        &self,
-        tx: &FakeTransaction,
-        pair: &lockstep_core::Pair,
-    ) -> Result<bool> {
-        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        tx.check_usable()?;
-        let key = (stream_id, perspective.clone());
-        self.lock_row(tx, &key).await?;
-        let all = self
-            .events
-            .committed(stream_id)
-            .into_iter()
-            .map(|e| e.event_id);
-        self.complete(tx, key.clone(), all);
-        let existed = {
-            let mut state = self.lock_state();
-            let staged = state
-                .staged
-                .get_mut(&tx.id())
-                .and_then(|s| s.pairs.remove(&key))
-                .is_some();
-            state.pairs.remove(&key).is_some() || staged
-        };
-        self.locker.delete_cursor(stream_id, perspective);
-        Ok(existed)
     }
 
     async fn retire(
@@ -1599,79 +1583,6 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
         })
     }
 
-    async fn record_progress(&self, tx: &FakeTransaction, report: &ProgressReport) -> Result<()> {
-        tx.check_usable()?;
-        report.validate()?;
-        let now = self.now();
-        let key = (report.stream_id, report.perspective.clone());
-        let mut state = self.lock_state();
-        let start = time::Duration::try_from(report.elapsed)
-            .ok()
-            .and_then(|d| now.checked_sub(d))
-            .unwrap_or(now);
-        let started_at = state
-            .progress
-            .get(&key)
-            .filter(|p| p.run == report.run)
-            .map_or(start, |p| p.started_at);
-        state.progress.insert(
-            key,
-            Progress {
-                run: report.run,
-                lease: report.lease.as_ref().map(|l| (l.holder, l.epoch)),
-                replayed: report.replayed,
-                to_replay: report.to_replay,
-                started_at,
-                updated_at: now,
-            },
-        );
-        Ok(())
-    }
-
-    async fn rewind_progress(
-        &self,
-        tx: &FakeTransaction,
-        perspectives: &[PerspectiveName],
-        limit: usize,
-    ) -> Result<Vec<RewindProgress>> {
-        tx.check_usable()?;
-        check_progress_limit(limit)?;
-        let rows: BTreeMap<(PerspectiveName, StreamId), Progress> = {
-            let state = self.lock_state();
-            state
-                .progress
-                .iter()
-                .filter(|(k, _)| perspectives.is_empty() || perspectives.contains(&k.1))
-                .filter(|(k, _)| Self::read(&state, tx, k).is_some_and(|p| p.rewind.is_some()))
-                .map(|(k, p)| ((k.1.clone(), k.0), p.clone()))
-                .collect()
-        };
-        let mut out = Vec::new();
-        for ((perspective, stream_id), p) in rows {
-            if out.len() == limit {
-                break;
-            }
-            if let Some((holder, epoch)) = p.lease {
-                let (lease, live) = self.lease(&(stream_id, perspective.clone())).await?;
-                if !(live && lease.holder == Some(holder) && lease.epoch == epoch) {
-                    continue;
-                }
-            }
-            let mut row = RewindProgress::new(
-                stream_id,
-                perspective,
-                p.replayed,
-                p.to_replay,
-                p.started_at,
-                p.updated_at,
-            );
-            row.holder = p.lease.map(|(h, _)| h);
-            row.read_at = Some(self.now());
-            out.push(row);
-        }
-        Ok(out)
-    }
-
     async fn record_applied(
         &self,
         tx: &FakeTransaction,
@@ -1717,5 +1628,110 @@ impl PerspectiveStore<FakeTransaction> for InMemoryPerspectiveStore {
                 lockstep_core::Throughput::new(name.clone(), rate, *applied, *started)
             })
             .collect())
+    }
+}
+
+impl CursorRows<FakeTransaction> for InMemoryPerspectiveStore {
+    async fn pending_pairs(
+        &self,
+        tx: &FakeTransaction,
+        instance: InstanceId,
+        perspectives: &[PerspectiveName],
+        debounce: RewindDebounce,
+        limit: usize,
+    ) -> Result<Vec<PendingPair>> {
+        tx.check_usable()?;
+        let leased_by_others: HashSet<Key> = self
+            .locker
+            .list_leases()
+            .await?
+            .into_iter()
+            .filter(|l| l.status == LeaseStatus::Held && l.holder != instance)
+            .map(|l| (l.stream_id, l.perspective))
+            .collect();
+        let state = self.lock_state();
+        let mut registered: Vec<PerspectiveName> = state.registered.iter().cloned().collect();
+        if let Some(staged) = state.staged.get(&tx.id()) {
+            registered.extend(staged.registered.iter().cloned());
+        }
+        let mut keys: BTreeSet<Key> = self
+            .events
+            .streams()
+            .into_iter()
+            .flat_map(|s| registered.iter().map(move |p| (s, p.clone())))
+            .collect();
+        keys.extend(state.pairs.keys().cloned());
+        let mut found: Vec<(OffsetDateTime, PendingPair)> = Vec::new();
+        for key in keys {
+            // Only the perspectives the caller runs: others never take its places.
+            if leased_by_others.contains(&key) || !perspectives.contains(&key.1) {
+                continue;
+            }
+            let pending = self.pending(&state, tx, &key);
+            let pair = Self::read(&state, tx, &key).unwrap_or_default();
+            // A rewind inside its debounce window holds the whole pair back, work included.
+            if pair.rewind.is_some_and(|r| self.debounced(&r, debounce)) {
+                continue;
+            }
+            let rewind = pair.rewind.is_some();
+            if pending.is_empty() && !rewind {
+                continue;
+            }
+            let oldest = pending
+                .iter()
+                .map(|e| e.recorded_at)
+                .min()
+                .or(pair.rewind.map(|r| r.first_flagged_at))
+                .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+            found.push((
+                oldest,
+                PendingPair {
+                    stream_id: key.0,
+                    perspective: key.1,
+                    pending: pending.len() as u64,
+                    rewind,
+                },
+            ));
+        }
+        found.sort_by_key(|(oldest, _)| *oldest);
+        Ok(found.into_iter().take(limit).map(|(_, p)| p).collect())
+    }
+
+    async fn ensure_cursor(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+    ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        Ok(self.create(tx, &(stream_id, perspective.clone())))
+    }
+
+    async fn delete_cursor(
+        &self,
+        tx: &FakeTransaction,
+        pair: &lockstep_core::Pair,
+    ) -> Result<bool> {
+        let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
+        tx.check_usable()?;
+        let key = (stream_id, perspective.clone());
+        self.lock_row(tx, &key).await?;
+        let all = self
+            .events
+            .committed(stream_id)
+            .into_iter()
+            .map(|e| e.event_id);
+        self.complete(tx, key.clone(), all);
+        let existed = {
+            let mut state = self.lock_state();
+            let staged = state
+                .staged
+                .get_mut(&tx.id())
+                .and_then(|s| s.pairs.remove(&key))
+                .is_some();
+            state.pairs.remove(&key).is_some() || staged
+        };
+        self.locker.delete_cursor(stream_id, perspective);
+        Ok(existed)
     }
 }

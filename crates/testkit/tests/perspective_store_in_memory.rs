@@ -5,6 +5,7 @@
 use lockstep_core::Pair;
 use lockstep_core::StreamLockOptions;
 use lockstep_core::Transaction as _;
+use lockstep_core::perspective_store::prelude::*;
 use lockstep_testkit::conformance::perspective_store::Fixture;
 use lockstep_testkit::conformance::stream_locker::{SHORT_KEEPALIVE, SHORT_LOCK_TIMEOUT};
 use lockstep_testkit::{
@@ -33,9 +34,7 @@ lockstep_testkit::perspective_store_conformance! {
 /// A debounce past the calendar's end holds a flagged pair back instead of panicking.
 #[tokio::test(start_paused = true)]
 async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
-    use lockstep_core::{
-        Claim, InstanceId, PerspectiveName, PerspectiveStore, RewindDebounce, StreamId,
-    };
+    use lockstep_core::{Claim, InstanceId, PerspectiveName, RewindDebounce, StreamId};
     use std::time::Duration;
 
     const UNBOUNDED: RewindDebounce = RewindDebounce {
@@ -95,7 +94,7 @@ async fn an_unbounded_debounce_holds_the_pair_back_without_panicking() {
 async fn an_unbounded_backoff_is_clamped_without_panicking() {
     use lockstep_core::{
         BatchClaim, EventStore, ExpectedVersion, NewEvent, OffsetDateTime, PairFailure,
-        PerspectiveName, PerspectiveStore, StreamId,
+        PerspectiveName, StreamId,
     };
     use std::time::Duration;
 
@@ -152,7 +151,7 @@ async fn an_unbounded_backoff_is_clamped_without_panicking() {
 async fn a_batch_commit_that_fails_part_way_writes_no_entry() {
     use lockstep_core::{
         BatchEntry, ErrorKind, InstanceId, LockReason, Pair, PairFailure, PerspectiveName,
-        PerspectiveStore, StateCommit, StreamId, StreamLocker,
+        StateCommit, StreamId, StreamLocker,
     };
 
     let db = FakeDatabase::new();

@@ -3,6 +3,10 @@
 //! bootstrap, failures, purge, the coordinator and shutdown.
 
 use lockstep_core::Pair;
+use lockstep_core::perspective_store::{
+    CursorRows, PairWork, PerspectiveAdmin, PerspectiveLifecycle, PerspectiveReads, RewindReads,
+    WorkQueue,
+};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -10,9 +14,9 @@ use std::time::Duration;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent,
-    Perspective, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result,
-    RewindDebounce, Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions,
-    StreamLocker,
+    Perspective, PerspectiveName, PerspectiveRegistry, ProgressReport, Rebuild, RecordedEvent,
+    Result, RetireStates, Retired, RewindDebounce, RewindProgress, Snapshot, StateCommit, StreamId,
+    StreamLockAdmin, StreamLockOptions, StreamLocker, Throughput,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, FaultyStreamLocker, InMemoryEventStore,
@@ -772,20 +776,7 @@ struct Slow {
     loads: Arc<AtomicUsize>,
 }
 
-impl PerspectiveStore<FakeTransaction> for Slow {
-    async fn register(&self, tx: &FakeTransaction, p: &[PerspectiveName]) -> Result<()> {
-        self.inner.register(tx, p).await
-    }
-    async fn pending_pairs(
-        &self,
-        tx: &FakeTransaction,
-        i: InstanceId,
-        names: &[PerspectiveName],
-        d: RewindDebounce,
-        l: usize,
-    ) -> Result<Vec<lockstep_core::PendingPair>> {
-        self.inner.pending_pairs(tx, i, names, d, l).await
-    }
+impl WorkQueue<FakeTransaction> for Slow {
     async fn claim_batch(
         &self,
         tx: &FakeTransaction,
@@ -793,6 +784,7 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<lockstep_core::ClaimedBatch> {
         self.inner.claim_batch(tx, r).await
     }
+
     async fn commit_batch(
         &self,
         tx: &FakeTransaction,
@@ -800,6 +792,18 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Vec<lockstep_core::BatchCommitted>> {
         self.inner.commit_batch(tx, e).await
     }
+
+    async fn record_failure(
+        &self,
+        tx: &FakeTransaction,
+        pair: &Pair,
+        f: &lockstep_core::PairFailure,
+    ) -> Result<bool> {
+        self.inner.record_failure(tx, pair, f).await
+    }
+}
+
+impl PairWork<FakeTransaction> for Slow {
     async fn claim(
         &self,
         tx: &FakeTransaction,
@@ -809,12 +813,36 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Claim> {
         self.inner.claim(tx, pair, m, d).await
     }
+
     async fn commit_state(&self, tx: &FakeTransaction, c: &StateCommit) -> Result<i64> {
         self.inner.commit_state(tx, c).await
     }
+
+    async fn save_snapshot(
+        &self,
+        tx: &FakeTransaction,
+        pair: &Pair,
+        r: i64,
+        f: Option<&lockstep_core::LeaseId>,
+    ) -> Result<bool> {
+        self.inner.save_snapshot(tx, pair, r, f).await
+    }
+
+    async fn purge(
+        &self,
+        tx: &FakeTransaction,
+        pair: &Pair,
+        f: Option<&lockstep_core::LeaseId>,
+    ) -> Result<()> {
+        self.inner.purge(tx, pair, f).await
+    }
+}
+
+impl PerspectiveReads<FakeTransaction> for Slow {
     async fn cursor(&self, tx: &FakeTransaction, pair: &Pair) -> Result<Option<Cursor>> {
         self.inner.cursor(tx, pair).await
     }
+
     async fn state(
         &self,
         tx: &FakeTransaction,
@@ -822,9 +850,11 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
         self.inner.state(tx, pair).await
     }
+
     async fn pending_events(&self, tx: &FakeTransaction, pair: &Pair) -> Result<Vec<Uuid>> {
         self.inner.pending_events(tx, pair).await
     }
+
     async fn stream_events(
         &self,
         tx: &FakeTransaction,
@@ -835,45 +865,7 @@ impl PerspectiveStore<FakeTransaction> for Slow {
         tokio::time::sleep(self.delay).await;
         self.inner.stream_events(tx, s, a).await
     }
-    async fn snapshot_before(
-        &self,
-        tx: &FakeTransaction,
-        pair: &Pair,
-        b: Uuid,
-    ) -> Result<Option<Snapshot>> {
-        self.inner.snapshot_before(tx, pair, b).await
-    }
-    async fn save_snapshot(
-        &self,
-        tx: &FakeTransaction,
-        pair: &Pair,
-        r: i64,
-        f: Option<&lockstep_core::LeaseId>,
-    ) -> Result<bool> {
-        self.inner.save_snapshot(tx, pair, r, f).await
-    }
-    async fn request_rewind(
-        &self,
-        tx: &FakeTransaction,
-        pair: &Pair,
-        f: Option<Uuid>,
-    ) -> Result<bool> {
-        self.inner.request_rewind(tx, pair, f).await
-    }
-    async fn record_failure(
-        &self,
-        tx: &FakeTransaction,
-        pair: &Pair,
-        f: &lockstep_core::PairFailure,
-    ) -> Result<bool> {
-        self.inner.record_failure(tx, pair, f).await
-    }
-    async fn perspective_status(
-        &self,
-        tx: &FakeTransaction,
-    ) -> Result<Vec<lockstep_core::PerspectiveStatus>> {
-        self.inner.perspective_status(tx).await
-    }
+
     async fn states(
         &self,
         tx: &FakeTransaction,
@@ -883,6 +875,7 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Vec<lockstep_core::StoredState>> {
         self.inner.states(tx, p, after, limit).await
     }
+
     async fn pending_through(
         &self,
         tx: &FakeTransaction,
@@ -892,6 +885,57 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<lockstep_core::PendingThrough> {
         self.inner.pending_through(tx, p, s, up_to).await
     }
+
+    async fn skipped_events(
+        &self,
+        tx: &FakeTransaction,
+        pair: &Pair,
+    ) -> Result<Vec<lockstep_core::SkippedEvent>> {
+        self.inner.skipped_events(tx, pair).await
+    }
+}
+
+impl RewindReads<FakeTransaction> for Slow {
+    async fn record_progress(&self, tx: &FakeTransaction, report: &ProgressReport) -> Result<()> {
+        self.inner.record_progress(tx, report).await
+    }
+
+    async fn snapshot_before(
+        &self,
+        tx: &FakeTransaction,
+        pair: &Pair,
+        b: Uuid,
+    ) -> Result<Option<Snapshot>> {
+        self.inner.snapshot_before(tx, pair, b).await
+    }
+}
+
+impl PerspectiveAdmin<FakeTransaction> for Slow {
+    async fn rewind_progress(
+        &self,
+        tx: &FakeTransaction,
+        perspectives: &[PerspectiveName],
+        limit: usize,
+    ) -> Result<Vec<RewindProgress>> {
+        self.inner.rewind_progress(tx, perspectives, limit).await
+    }
+
+    async fn request_rewind(
+        &self,
+        tx: &FakeTransaction,
+        pair: &Pair,
+        f: Option<Uuid>,
+    ) -> Result<bool> {
+        self.inner.request_rewind(tx, pair, f).await
+    }
+
+    async fn perspective_status(
+        &self,
+        tx: &FakeTransaction,
+    ) -> Result<Vec<lockstep_core::PerspectiveStatus>> {
+        self.inner.perspective_status(tx).await
+    }
+
     async fn failing_pairs(
         &self,
         tx: &FakeTransaction,
@@ -900,6 +944,7 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Vec<Cursor>> {
         self.inner.failing_pairs(tx, names, l).await
     }
+
     async fn parked_pairs(
         &self,
         tx: &FakeTransaction,
@@ -908,9 +953,11 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<Vec<Cursor>> {
         self.inner.parked_pairs(tx, names, l).await
     }
+
     async fn unpark(&self, tx: &FakeTransaction, pair: &lockstep_core::Pair) -> Result<bool> {
         self.inner.unpark(tx, pair).await
     }
+
     async fn skip_event(
         &self,
         tx: &FakeTransaction,
@@ -920,24 +967,63 @@ impl PerspectiveStore<FakeTransaction> for Slow {
     ) -> Result<bool> {
         self.inner.skip_event(tx, pair, e, r).await
     }
-    async fn skipped_events(
+}
+
+impl PerspectiveLifecycle<FakeTransaction> for Slow {
+    async fn retire(
         &self,
         tx: &FakeTransaction,
-        pair: &Pair,
-    ) -> Result<Vec<lockstep_core::SkippedEvent>> {
-        self.inner.skipped_events(tx, pair).await
+        perspective: &PerspectiveName,
+        states: RetireStates,
+    ) -> Result<Retired> {
+        self.inner.retire(tx, perspective, states).await
     }
-    async fn purge(
+
+    async fn retired(&self, tx: &FakeTransaction) -> Result<Vec<PerspectiveName>> {
+        self.inner.retired(tx).await
+    }
+
+    async fn rebuild(
         &self,
         tx: &FakeTransaction,
-        pair: &Pair,
-        f: Option<&lockstep_core::LeaseId>,
+        perspective: &PerspectiveName,
+    ) -> Result<Rebuild> {
+        self.inner.rebuild(tx, perspective).await
+    }
+
+    async fn record_applied(
+        &self,
+        tx: &FakeTransaction,
+        counts: &[(PerspectiveName, u64)],
     ) -> Result<()> {
-        self.inner.purge(tx, pair, f).await
+        self.inner.record_applied(tx, counts).await
     }
+
+    async fn throughput(&self, tx: &FakeTransaction) -> Result<Vec<Throughput>> {
+        self.inner.throughput(tx).await
+    }
+
+    async fn register(&self, tx: &FakeTransaction, p: &[PerspectiveName]) -> Result<()> {
+        self.inner.register(tx, p).await
+    }
+}
+
+impl CursorRows<FakeTransaction> for Slow {
+    async fn pending_pairs(
+        &self,
+        tx: &FakeTransaction,
+        i: InstanceId,
+        names: &[PerspectiveName],
+        d: RewindDebounce,
+        l: usize,
+    ) -> Result<Vec<lockstep_core::PendingPair>> {
+        self.inner.pending_pairs(tx, i, names, d, l).await
+    }
+
     async fn ensure_cursor(&self, tx: &FakeTransaction, pair: &Pair) -> Result<bool> {
         self.inner.ensure_cursor(tx, pair).await
     }
+
     async fn delete_cursor(&self, tx: &FakeTransaction, pair: &Pair) -> Result<bool> {
         self.inner.delete_cursor(tx, pair).await
     }

@@ -4,6 +4,7 @@
 //! retired perspective leaves a running worker idle and unharmed. Every library entry point is
 //! called from inside `tokio::spawn` with concrete types, as a request handler would.
 
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -11,7 +12,7 @@ use std::time::Duration;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
     EventStore, ExpectedVersion, InstanceId, NewEvent, Perspective, PerspectiveName,
-    PerspectiveRegistry, PerspectiveStore, Rebuild, RecordedEvent, RetireStates, Retired, StreamId,
+    PerspectiveRegistry, Rebuild, RecordedEvent, RetireStates, Retired, StreamId,
     StreamLockOptions, StreamLocker,
 };
 use lockstep_testkit::{

@@ -5,14 +5,15 @@
 //! and bytes). Either way the rewound state is the fold of the stream
 //! in event-id order and the lease is released.
 
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lockstep_core::{
     EventStore, ExpectedVersion, InstanceId, NewEvent, PageLimits, Pair, Perspective,
-    PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent, Result, StreamId,
-    StreamLocker, Transaction as _, TransactionSource,
+    PerspectiveName, PerspectiveRegistry, RecordedEvent, Result, StreamId, StreamLocker,
+    Transaction as _, TransactionSource,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,

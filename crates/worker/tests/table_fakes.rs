@@ -6,12 +6,13 @@
 //! `tokio::spawn`, with the concrete fake types, as an application's test would.
 
 use lockstep_core::Pair;
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::Arc;
 
 use lockstep_core::Transaction as _;
 use lockstep_core::{
     EventStore, ExpectedVersion, InstanceId, NewEvent, PerspectiveName, PerspectiveRegistry,
-    PerspectiveStore, RecordedEvent, StreamId, StreamLockOptions, StreamLocker, TablePerspective,
+    RecordedEvent, StreamId, StreamLockOptions, StreamLocker, TablePerspective,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTable, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,

@@ -28,6 +28,7 @@
 //! The long run adds random durations and lengths around every bound (accepted exactly when
 //! within it, never a panic).
 
+use lockstep_core::perspective_store::prelude::*;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -37,9 +38,9 @@ use anyhow::Context as _;
 use deadpool_postgres::Pool;
 use lockstep_core::{
     AcquireOutcome, AggregateType, DistributedLock, Error, ErrorKind, EventStore, ExpectedVersion,
-    InstanceId, LeaseEpoch, LeaseId, LockReason, NewEvent, Pair, PerspectiveName, PerspectiveStore,
-    ResourceKey, RetryPolicy, SkippedEvent, StreamId, StreamLockAdmin, StreamLockOptions,
-    StreamLocker, ValidationError,
+    InstanceId, LeaseEpoch, LeaseId, LockReason, NewEvent, Pair, PerspectiveName, ResourceKey,
+    RetryPolicy, SkippedEvent, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    ValidationError,
 };
 use lockstep_pg::{LockQueue, PgTransaction};
 use lockstep_pg_advisory::PgDistributedLock;

@@ -11,12 +11,12 @@
 //! caches); then `--claims` per queue, alternating between the queues (the order swapped every
 //! claim), in `--claim-rounds` rounds: the ratio of the means per round, and their median.
 
+use lockstep_core::perspective_store::prelude::*;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 use lockstep_core::{
-    BatchClaim, BatchLimits, ClaimedBatch, ClaimedWork, PerspectiveName, PerspectiveStore,
-    StreamId, Transaction as _,
+    BatchClaim, BatchLimits, ClaimedBatch, ClaimedWork, PerspectiveName, StreamId, Transaction as _,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::PgPerspectiveStore;

@@ -23,13 +23,14 @@
 //! stream's fold.
 
 use lockstep_core::Pair;
+use lockstep_core::perspective_store::prelude::*;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use lockstep_core::{
-    AcquireOutcome, DynPerspective, InstanceId, LockReason, PerspectiveName, PerspectiveStore,
-    StateCommit, StreamId, StreamLockOptions, StreamLocker, Transaction as _,
+    AcquireOutcome, DynPerspective, InstanceId, LockReason, PerspectiveName, StateCommit, StreamId,
+    StreamLockOptions, StreamLocker, Transaction as _,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::PgPerspectiveStore;

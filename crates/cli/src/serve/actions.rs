@@ -18,6 +18,7 @@
 //!   cannot forge another).
 
 use lockstep_core::Pair;
+use lockstep_core::perspective_store::prelude::*;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,8 +28,8 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use lockstep_core::{
-    PerspectiveName, PerspectiveStore, Rebuild, ReleaseOutcome, StreamId, StreamLockAdmin,
-    StreamLockOptions, Transaction as _, TransactionSource,
+    PerspectiveName, Rebuild, ReleaseOutcome, StreamId, StreamLockAdmin, StreamLockOptions,
+    Transaction as _, TransactionSource,
 };
 use lockstep_observe::Observed;
 use lockstep_pg_store::PgPerspectiveStore;

@@ -27,8 +27,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockstep_core::CursorRows;
 use lockstep_core::json::MAX_DEPTH;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
+use lockstep_core::perspective_store::prelude::*;
 use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch,
     ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseEpoch, LeaseId,
@@ -50,7 +52,7 @@ pub trait PerspectiveStoreFixture: Send + Sync + 'static {
     /// The transaction source.
     type Source: TransactionSource<Tx = Self::Tx>;
     /// The store under test. It keeps [`DEFAULT_KEEP_SNAPSHOTS`] snapshots per pair.
-    type Store: PerspectiveStore<Self::Tx> + 'static;
+    type Store: PerspectiveStore<Self::Tx> + CursorRows<Self::Tx> + 'static;
     /// The event store whose appends feed the store's work queue.
     type Events: EventStore<Self::Tx> + 'static;
     /// A locker over the same cursor rows (a concrete type, or `dyn StreamLocker`).
@@ -106,7 +108,7 @@ impl<S, St, E, L> Fixture<S, St, E, L> {
 impl<S, St, E, L> PerspectiveStoreFixture for Fixture<S, St, E, L>
 where
     S: TransactionSource + 'static,
-    St: PerspectiveStore<S::Tx> + 'static,
+    St: PerspectiveStore<S::Tx> + CursorRows<S::Tx> + 'static,
     E: EventStore<S::Tx> + 'static,
     L: StreamLocker + StreamLockAdmin + 'static,
 {
