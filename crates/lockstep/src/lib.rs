@@ -159,6 +159,8 @@ pub mod prelude {
         RetryPolicy, Retryable, SessionLocks, StreamId, StreamLockAdmin, StreamLockOptions,
         StreamLocker, TablePerspective, Transaction, TransactionSource,
     };
+    // The perspective store's capability traits, so a concrete store's methods resolve.
+    pub use lockstep_core::perspective_store::prelude::*;
 
     #[cfg(feature = "tokio")]
     pub use lockstep_core::tokio_sleep;
