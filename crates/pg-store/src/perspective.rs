@@ -29,6 +29,7 @@
 //!
 //! ```no_run
 //! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
+//! use lockstep_core::perspective_store::prelude::*;
 //! use lockstep_core::{
 //!     Claim, Pair, PerspectiveName, RewindDebounce, StateCommit, StreamId,
 //!     Transaction, TransactionSource,
