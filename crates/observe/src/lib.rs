@@ -18,7 +18,7 @@
 //!
 //! Wrapped contracts: [`StreamLocker`], [`StreamLockAdmin`], [`LeaseFence`],
 //! [`DistributedLock`] (and so the aggregate write lock built on it), [`EventStore`],
-//! [`PerspectiveStore`] and [`TransactionSource`].
+//! [`PerspectiveStore`](lockstep_core::PerspectiveStore) and [`TransactionSource`].
 //!
 //! # Metrics
 //!

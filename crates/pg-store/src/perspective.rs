@@ -1,5 +1,5 @@
 //! The perspective store on PostgreSQL: [`PgPerspectiveStore`] implements
-//! [`PerspectiveStore`] for every [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`],
+//! [`PerspectiveStore`](lockstep_core::PerspectiveStore) for every [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`],
 //! a borrowed `tokio_postgres::Transaction`).
 //!
 //! The schema is in `migrations/` (the baseline's tables, one file per SQL function in
@@ -12,11 +12,11 @@
 //! - **fan-out with no extra round trip**: `lockstep_append_events`, the statement
 //!   [`PgEventStore`](crate::PgEventStore) appends with, also inserts one work row per
 //!   registered perspective and the pairs' cursor rows;
-//! - **one statement per operation**: [`claim`](PerspectiveStore::claim) is the SQL function
+//! - **one statement per operation**: [`claim`](lockstep_core::PairWork::claim) is the SQL function
 //!   `lockstep_perspective_claim` (lock the cursor row `FOR NO KEY UPDATE SKIP LOCKED` unless a
 //!   live lease is on it, detect late arrivals and write the rewind request, return the cursor,
 //!   the state and the pending events joined with `wh_events` in event-id order);
-//!   [`commit_state`](PerspectiveStore::commit_state) is `lockstep_perspective_commit` (fence,
+//!   [`commit_state`](lockstep_core::PairWork::commit_state) is `lockstep_perspective_commit` (fence,
 //!   compare-and-set on the revision, state upsert, delete the applied work, advance the cursor,
 //!   clear the rewind request conditionally, snapshot and prune). A refused commit (conflict,
 //!   lease lost) writes nothing and leaves the transaction usable.
@@ -537,8 +537,8 @@ impl PgPerspectiveStore {
     /// registered perspectives' table, by default: 5 s.
     pub const DEFAULT_GIVE_UP_AFTER: Duration = Duration::from_secs(5);
 
-    /// This store, with the bounds of the wait of [`register`](PerspectiveStore::register)
-    /// (when a name is new) and [`retire`](PerspectiveStore::retire) for their exclusive lock
+    /// This store, with the bounds of the wait of [`register`](lockstep_core::PerspectiveLifecycle::register)
+    /// (when a name is new) and [`retire`](lockstep_core::PerspectiveLifecycle::retire) for their exclusive lock
     /// on the registered perspectives, which every append holds a shared lock on until its
     /// transaction ends, and which every append queues behind while it is requested:
     ///

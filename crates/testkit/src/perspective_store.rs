@@ -7,22 +7,22 @@
 //!   appears exactly when the appender commits and a perspective registered later catches up,
 //!   as the Postgres fan-out does.
 //! - **Row locks.** Every write takes the pair's cursor-row lock for its transaction (waiting, like
-//!   an `UPDATE`); [`PerspectiveStore::claim`] and [`PerspectiveStore::claim_batch`] take it
+//!   an `UPDATE`); [`lockstep_core::PairWork::claim`] and [`lockstep_core::WorkQueue::claim_batch`] take it
 //!   without waiting (`SKIP LOCKED`). The key is the one the in-memory locker waits on, so a
 //!   lease write waits for a claiming transaction, as on Postgres.
-//! - **Batches.** [`PerspectiveStore::claim_batch`] serves the requested perspectives' rewind
+//! - **Batches.** [`lockstep_core::WorkQueue::claim_batch`] serves the requested perspectives' rewind
 //!   requests first (oldest `flagged_at` first, only servable ones, bounded by `pairs`), then
 //!   walks each perspective's pairs with work in stream order from its position, wrapping round
 //!   once; every pair of the walk counts towards `scan`. It skips pairs whose row is locked,
 //!   under a live lease, backing off or parked (checked before the row lock is taken, as a
 //!   `WHERE` would). Sizes are the JSON text's length (decoded sizes on Postgres too). A pair
 //!   whose state and first event do not fit the bytes left ends the batch without moving the
-//!   position past it. [`PerspectiveStore::commit_batch`] checks every entry first (an entry
+//!   position past it. [`lockstep_core::WorkQueue::commit_batch`] checks every entry first (an entry
 //!   needs a commit or a failure) and drops what it staged if an entry fails with anything but a
 //!   refusal (one statement on Postgres).
 //! - **Failures.** `retry_at` is the store clock plus the backoff, clamped to the calendar's end.
-//!   A successful commit, [`PerspectiveStore::unpark`], [`PerspectiveStore::skip_event`] and
-//!   [`PerspectiveStore::request_rewind`] clear the parking, the backoff and the failure count
+//!   A successful commit, [`lockstep_core::PerspectiveAdmin::unpark`], [`lockstep_core::PerspectiveAdmin::skip_event`] and
+//!   [`lockstep_core::PerspectiveAdmin::request_rewind`] clear the parking, the backoff and the failure count
 //!   (the commit also the error and the failed event). Skipped events are kept per pair: a
 //!   purge keeps them, deleting the cursor deletes them.
 //! - **Visibility.** Writes are staged per transaction and applied when it commits (an
@@ -201,7 +201,7 @@ impl InMemoryPerspectiveStore {
             .and_then(|p| p.state.clone())
     }
 
-    /// The page limits of every [`PerspectiveStore::rewind_events`] call for `pair`, in order
+    /// The page limits of every [`lockstep_core::RewindReads::rewind_events`] call for `pair`, in order
     /// (a rewind's first page included: the default `load_rewind` reads it with this call) —
     /// what a rewind asked for, for tests.
     pub fn rewind_page_requests(&self, pair: &lockstep_core::Pair) -> Vec<PageLimits> {
@@ -519,7 +519,7 @@ impl InMemoryPerspectiveStore {
         keys
     }
 
-    /// Tries to claim one pair for a batch (see [`PerspectiveStore::claim_batch`]).
+    /// Tries to claim one pair for a batch (see [`lockstep_core::WorkQueue::claim_batch`]).
     async fn take(
         &self,
         tx: &FakeTransaction,
@@ -681,7 +681,7 @@ impl InMemoryPerspectiveStore {
         Ok(parked)
     }
 
-    /// The entries of a batch commit, checked (see [`PerspectiveStore::commit_batch`]).
+    /// The entries of a batch commit, checked (see [`lockstep_core::WorkQueue::commit_batch`]).
     async fn commit_entries(
         &self,
         tx: &FakeTransaction,

@@ -39,7 +39,7 @@ use lockstep_core::{
 
 pub use crate::worker::PROGRESS_EVERY;
 
-/// Requests a rebuild of `perspective` from the start ([`PerspectiveStore::rebuild`]), in a
+/// Requests a rebuild of `perspective` from the start ([`lockstep_core::PerspectiveLifecycle::rebuild`]), in a
 /// transaction of its own.
 pub async fn rebuild<S, P>(source: &S, store: &P, perspective: &PerspectiveName) -> Result<Rebuild>
 where
@@ -52,7 +52,7 @@ where
     Ok(outcome)
 }
 
-/// Retires `perspective`, keeping or dropping its states ([`PerspectiveStore::retire`]), in a
+/// Retires `perspective`, keeping or dropping its states ([`lockstep_core::PerspectiveLifecycle::retire`]), in a
 /// transaction of its own.
 pub async fn retire<S, P>(
     source: &S,
@@ -71,7 +71,7 @@ where
 }
 
 /// The running rewinds' progress of `perspectives` (all when empty), at most
-/// [`lockstep_core::MAX_PROGRESS_ROWS`] ([`PerspectiveStore::rewind_progress`]).
+/// [`lockstep_core::MAX_PROGRESS_ROWS`] ([`lockstep_core::PerspectiveAdmin::rewind_progress`]).
 pub async fn rewind_progress<S, P>(
     source: &S,
     store: &P,

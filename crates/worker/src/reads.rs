@@ -3,8 +3,8 @@
 //!
 //! [`ReadModels`] wraps the application's transaction source and perspective store (the same
 //! ones the worker runs on, or clones of them) and reads through the store's contract
-//! ([`PerspectiveStore::state`], [`PerspectiveStore::states`],
-//! [`PerspectiveStore::pending_through`]), so it works on Postgres and on the testkit's fakes
+//! ([`lockstep_core::PerspectiveReads::state`], [`lockstep_core::PerspectiveReads::states`],
+//! [`lockstep_core::PerspectiveReads::pending_through`]), so it works on Postgres and on the testkit's fakes
 //! alike.
 //!
 //! - **Typed reads**: [`ReadModels::state`] decodes a JSON perspective's state into its

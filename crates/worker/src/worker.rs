@@ -1,9 +1,9 @@
 //! [`PerspectiveWorker`]: builds read models from events, on as many instances as you run.
 //!
 //! Each cycle claims a **batch** of this worker's share of the work in one statement
-//! ([`PerspectiveStore::claim_batch`]: only its own perspectives; never a pair another batch
+//! ([`lockstep_core::WorkQueue::claim_batch`]: only its own perspectives; never a pair another batch
 //! holds, under a live lease, backing off or parked), folds it, and commits it in one statement
-//! ([`PerspectiveStore::commit_batch`]) — see the [`batch`] module for the normal path. Up to
+//! ([`lockstep_core::WorkQueue::commit_batch`]) — see the [`batch`] module for the normal path. Up to
 //! [`WorkerOptions::concurrency`] batches are in flight at once; instances split the work the
 //! same way (the claims skip each other's rows). Every apply path of a pair runs under the
 //! in-process [`ApplyCoordinator`]:

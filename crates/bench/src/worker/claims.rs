@@ -273,7 +273,7 @@ async fn measure(queues: &mut [Queue], args: &Args) -> Result<(Vec<String>, f64)
         fmt_all(&ratios)
     ));
     lines.push(format!(
-        "Timed: the claim's statements only (PerspectiveStore::claim_batch), each in a transaction \
+        "Timed: the claim's statements only (lockstep_core::WorkQueue::claim_batch), each in a transaction \
          of its own, rolled back; the worker's default limits ({} pairs, {} events per pair, {} \
          events, scan {}); positions carried from one claim to the next; one untimed claim per \
          queue first; the two queues alternate, the order swapped every claim. Every claim \

@@ -1,7 +1,7 @@
 //! The normal path in batches: one claim statement hands out up to `pairs_per_cycle` pairs of
-//! this worker's perspectives with their states and events ([`PerspectiveStore::claim_batch`]);
+//! this worker's perspectives with their states and events ([`lockstep_core::WorkQueue::claim_batch`]);
 //! `apply` folds them on tokio's blocking pool; one statement commits every pair that
-//! progressed and stores every failure ([`PerspectiveStore::commit_batch`]); then the pairs the
+//! progressed and stores every failure ([`lockstep_core::WorkQueue::commit_batch`]); then the pairs the
 //! claim marked for a rewind go down the rewind path. A pair's first snapshot is written by the
 //! batch commit itself (the bootstrap, fenced by the row lock the claim holds rather
 //! than by a lease of its own: no extra round trips per new pair; ADR 0012).

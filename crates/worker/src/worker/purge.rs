@@ -18,7 +18,7 @@ where
 {
     /// Purges a pair under a `purge` lease (the reserved reason): its state, snapshots
     /// and pending work are deleted and its cursor reset (see
-    /// [`PerspectiveStore::purge`]). Without a locker it runs unlocked.
+    /// [`lockstep_core::PairWork::purge`]). Without a locker it runs unlocked.
     pub async fn purge(&self, stream_id: StreamId, name: &PerspectiveName) -> Result<PurgeOutcome> {
         let span = tracing::info_span!("purge", stream_id = %stream_id, perspective = %name, reason = "purge");
         async move {

@@ -1,5 +1,5 @@
 //! The catch-up rate: after each cycle the worker adds the events it applied per perspective
-//! to the store's rolling figure ([`PerspectiveStore::record_applied`]) — at most once per
+//! to the store's rolling figure ([`lockstep_core::PerspectiveLifecycle::record_applied`]) — at most once per
 //! [`REPORT_EVERY`], in a transaction of its own, and only when it applied something (an idle
 //! worker sends nothing). Counts that could not be reported are kept for the next report; a
 //! failed report is logged, never the cycle's error.

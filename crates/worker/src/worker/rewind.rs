@@ -11,7 +11,7 @@
 //! ends within [`SHORT_REPLAY_TIME`] of the read (a rewind from a recent snapshot): no
 //! `ROLLBACK` of the read, no second `BEGIN` — 3 round trips: the lease, the read (its `BEGIN`
 //! travels with it, ADR 0024), the fenced commit (the `COMMIT` travels with it,
-//! `PerspectiveStore::commit_state_releasing_and_end`, ADR 0034); 7 before. The commit's statement
+//! `lockstep_core::PairWork::commit_state_releasing_and_end`, ADR 0034); 7 before. The commit's statement
 //! takes its own snapshot either way (READ COMMITTED), so what it checks and writes is the
 //! same. A longer replay ends the read transaction first, so that no connection sits idle in a
 //! transaction while user code runs (an `idle_in_transaction_session_timeout` would fail it on
@@ -29,13 +29,13 @@
 //!
 //! **Pages.** The events to replay are read in pages ([`crate::WorkerOptions::rewind_page`]:
 //! events and bytes, the first event always): the first with the cursor and the snapshot, each
-//! next one ([`PerspectiveStore::rewind_events`]) in a read transaction of its own while the one
+//! next one ([`lockstep_core::RewindReads::rewind_events`]) in a read transaction of its own while the one
 //! before it is applied. A rewind holds at most two pages, whatever the stream's length (ADR
 //! 0031).
 //!
 //! **Progress.** While a replay runs, its progress (events replayed of events to replay, and
 //! since when) is recorded at most once per [`PROGRESS_EVERY`]
-//! ([`PerspectiveStore::record_progress`], a transaction of its own, never on the replay's
+//! ([`lockstep_core::RewindReads::record_progress`], a transaction of its own, never on the replay's
 //! path: the replay only bumps an atomic counter per event), and the gauges
 //! [`telemetry::REWINDS_RUNNING`] and [`telemetry::REWIND_EVENTS_REMAINING`] follow it. A
 //! replay shorter than that interval reports nothing. A report that fails is logged and
