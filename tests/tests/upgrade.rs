@@ -119,11 +119,8 @@ fn numbered(ns: std::ops::Range<i64>) -> Vec<NewEvent> {
     ns.map(number_event).collect()
 }
 
-/// Writes `tests/fixtures/schema-{SCHEMA_VERSION}.sql` from a database this build populates.
-/// Run once per released schema version; the file is never edited after.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "writes the fixture of a release; run by hand when a schema version is released"]
-async fn write_the_fixture_of_this_schema_version() {
+/// A new database with this build's schema and the application's table.
+async fn migrated_with_the_applications_table() -> (TestDatabase, PgDatabase) {
     let test_db = test_database().await;
     let db = PgDatabase::from_pool(test_db.pool(4));
     db.migrate().await.expect("migrate");
@@ -134,6 +131,15 @@ async fn write_the_fixture_of_this_schema_version() {
         .batch_execute(APP_SCHEMA)
         .await
         .expect("the application's schema");
+    (test_db, db)
+}
+
+/// Writes `tests/fixtures/schema-{SCHEMA_VERSION}.sql` from a database this build populates.
+/// Run once per released schema version; the file is never edited after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "writes the fixture of a release; run by hand when a schema version is released"]
+async fn write_the_fixture_of_this_schema_version() {
+    let (test_db, db) = migrated_with_the_applications_table().await;
     let worker = worker(&db);
     worker.register().await.expect("register");
 
@@ -450,16 +456,7 @@ async fn runs_after_the_upgrade(db: &PgDatabase, admin: &tokio_postgres::Client)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_refuses_a_schema_it_was_not_built_for() {
     use lockstep_pg::migrate::SchemaMismatch;
-    let test_db = test_database().await;
-    let db = PgDatabase::from_pool(test_db.pool(4));
-    db.migrate().await.expect("migrate");
-    db.pool()
-        .get()
-        .await
-        .expect("connection")
-        .batch_execute(APP_SCHEMA)
-        .await
-        .expect("the application's schema");
+    let (test_db, db) = migrated_with_the_applications_table().await;
     let admin = test_db.connect().await;
     let newer = SCHEMA_VERSION + 1;
     admin

@@ -132,6 +132,18 @@ pub struct InstalledSchema {
     pub installed_by: String,
 }
 
+impl InstalledSchema {
+    /// [`SchemaMismatch::Newer`] when a newer build installed this schema with a breaking change
+    /// after this build's [`SCHEMA_VERSION`].
+    fn breaks_this_build(&self) -> Option<SchemaMismatch> {
+        (self.last_breaking > SCHEMA_VERSION).then_some(SchemaMismatch::Newer {
+            database: self.version,
+            last_breaking: self.last_breaking,
+            build: SCHEMA_VERSION,
+        })
+    }
+}
+
 /// Why this build refuses a database ([`check_schema`], [`migrate`]). Carried by the
 /// [`Error`] (kind [`ErrorKind::Unsupported`]) as its [`Error::underlying`] cause; find it with
 /// [`SchemaMismatch::of`].
@@ -248,13 +260,8 @@ async fn migrate_locked(conn: &mut Object) -> Result<MigrationReport> {
     if let Some(installed) = installed_schema(&***conn).await?
         && installed.version > SCHEMA_VERSION
     {
-        if installed.last_breaking > SCHEMA_VERSION {
-            return Err(SchemaMismatch::Newer {
-                database: installed.version,
-                last_breaking: installed.last_breaking,
-                build: SCHEMA_VERSION,
-            }
-            .into_error());
+        if let Some(newer) = installed.breaks_this_build() {
+            return Err(newer.into_error());
         }
         // A newer build's schema that still serves this one: installing this build's
         // function files would downgrade it.
@@ -517,13 +524,8 @@ pub async fn check_schema_on<C: GenericClient + Sync>(conn: &C) -> Result<Instal
         }
         .into_error());
     }
-    if installed.last_breaking > SCHEMA_VERSION {
-        return Err(SchemaMismatch::Newer {
-            database: installed.version,
-            last_breaking: installed.last_breaking,
-            build: SCHEMA_VERSION,
-        }
-        .into_error());
+    if let Some(newer) = installed.breaks_this_build() {
+        return Err(newer.into_error());
     }
     if installed.version == SCHEMA_VERSION {
         let differ = differing_functions(conn).await?;
