@@ -312,8 +312,9 @@ async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<Str
         .await
         .map_err(|e| map_error(e, "comparing the function files with the installed ones"))?
         .iter()
-        .map(|row| row.get(0))
-        .collect();
+        .map(|row| row.try_get(0))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| map_error(e, "reading a function file's name"))?;
     let mut dropped = Vec::new();
     for name in &due {
         let Some(file) = FUNCTION_FILES.iter().find(|f| f.name == name) else {
@@ -372,8 +373,9 @@ async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<Str
         .await
         .map_err(|e| map_error(e, "listing the recorded function files"))?
         .iter()
-        .map(|row| row.get(0))
-        .collect();
+        .map(|row| row.try_get(0))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| map_error(e, "reading a recorded function file's name"))?;
     for name in &gone {
         dropped.extend(drop_functions(&tx, &overloads(&tx, name).await?).await?);
         tx.execute(&format!("DROP VIEW IF EXISTS {}", quote_ident(name)), &[])
@@ -418,18 +420,18 @@ async fn overloads(
     tx: &deadpool_postgres::Transaction<'_>,
     name: &str,
 ) -> Result<Vec<(String, String)>> {
-    Ok(tx
-        .query(
-            "SELECT p.oid::regprocedure::text, p.xmin::text FROM pg_proc p \
+    tx.query(
+        "SELECT p.oid::regprocedure::text, p.xmin::text FROM pg_proc p \
               WHERE p.proname = $1 AND p.pronamespace = current_schema()::regnamespace \
               ORDER BY 1",
-            &[&name],
-        )
-        .await
-        .map_err(|e| map_error(e, "listing a function's overloads"))?
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect())
+        &[&name],
+    )
+    .await
+    .map_err(|e| map_error(e, "listing a function's overloads"))?
+    .iter()
+    .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+    .collect::<std::result::Result<_, tokio_postgres::Error>>()
+    .map_err(|e| map_error(e, "reading a function's overloads"))
 }
 
 /// Drops the given functions; returns their signatures.
@@ -468,7 +470,8 @@ async fn is_snapshot<C: GenericClient + Sync>(conn: &C) -> Result<bool> {
         )
         .await
         .map_err(|e| map_error(e, "reading the migration history"))?;
-    Ok(row.get(0))
+    row.try_get(0)
+        .map_err(|e| map_error(e, "reading the migration history"))
 }
 
 async fn table_exists<C: GenericClient + Sync>(conn: &C, table: &str) -> Result<bool> {
@@ -477,7 +480,8 @@ async fn table_exists<C: GenericClient + Sync>(conn: &C, table: &str) -> Result<
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
         .await
         .map_err(|e| map_error(e, "looking for lockstep's schema"))?;
-    Ok(row.get(0))
+    row.try_get(0)
+        .map_err(|e| map_error(e, "looking for lockstep's schema"))
 }
 
 /// The version row, when the table and the row exist.
@@ -492,11 +496,15 @@ async fn installed_schema<C: GenericClient + Sync>(conn: &C) -> Result<Option<In
         )
         .await
         .map_err(|e| map_error(e, "reading the schema version"))?;
-    Ok(row.map(|row| InstalledSchema {
-        version: row.get(0),
-        last_breaking: row.get(1),
-        installed_by: row.get(2),
-    }))
+    let read = |e| map_error(e, "reading the schema version");
+    row.map(|row| {
+        Ok(InstalledSchema {
+            version: row.try_get(0).map_err(read)?,
+            last_breaking: row.try_get(1).map_err(read)?,
+            installed_by: row.try_get(2).map_err(read)?,
+        })
+    })
+    .transpose()
 }
 
 /// Whether this build can run on the database behind `pool`, read only: `Ok` with the
@@ -732,23 +740,27 @@ async fn function_states<C: GenericClient + Sync>(conn: &C) -> Result<Vec<Functi
         )
         .await
         .map_err(|e| map_error(e, "reading the applied function files"))?;
-    Ok(rows
-        .iter()
+    rows.iter()
         .map(|row| {
-            let (embedded, recorded, same, on): (bool, bool, bool, String) =
-                (row.get(1), row.get(2), row.get(3), row.get(4));
+            let read = |e| map_error(e, "reading an applied function file");
+            let (embedded, recorded, same, on): (bool, bool, bool, String) = (
+                row.try_get(1).map_err(read)?,
+                row.try_get(2).map_err(read)?,
+                row.try_get(3).map_err(read)?,
+                row.try_get(4).map_err(read)?,
+            );
             let state = match (embedded, recorded, same) {
                 (true, false, _) => MigrationState::Pending,
                 (true, true, true) => MigrationState::Applied { applied_on: on },
                 (true, true, false) => MigrationState::Changed { applied_on: on },
                 (false, _, _) => MigrationState::Unknown { applied_on: on },
             };
-            FunctionEntry {
-                name: row.get(0),
+            Ok(FunctionEntry {
+                name: row.try_get(0).map_err(read)?,
                 state,
-            }
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// Every embedded numbered migration, as (version, name), in order.

@@ -75,7 +75,11 @@ async fn a_database_without_the_schema_is_refused_until_migrated_then_accepted()
         (SCHEMA_VERSION, SCHEMA_LAST_BREAKING)
     );
     assert_eq!(installed.installed_by, env!("CARGO_PKG_VERSION"));
-    handle.ensure_schema().await.expect("remembered");
+    let remembered = handle.clone();
+    tokio::spawn(async move { remembered.ensure_schema().await })
+        .await
+        .expect("task")
+        .expect("remembered");
 }
 
 #[tokio::test]
