@@ -1143,8 +1143,7 @@ async fn rewind_progress_is_read_with_the_databases_clock() {
         .await
         .expect("request");
     let mut report = ProgressReport::new(
-        pair.stream_id,
-        pair.perspective.clone(),
+        Pair::new(pair.stream_id, pair.perspective.clone()),
         lockstep_core::Uuid::new_v4(),
         10,
         100,

@@ -159,7 +159,7 @@ pub(crate) fn progress_json(
     let secs = |d: time::Duration| d.as_seconds_f64().max(0.0);
     progress
         .iter()
-        .filter(|r| &r.perspective == perspective)
+        .filter(|r| &r.pair.perspective == perspective)
         .map(|r| {
             let now = r.read_at.unwrap_or_else(time::OffsetDateTime::now_utc);
             let percent = if r.to_replay == 0 {
@@ -168,7 +168,7 @@ pub(crate) fn progress_json(
                 r.replayed as f64 * 100.0 / r.to_replay as f64
             };
             json!({
-                "stream_id": r.stream_id.to_string(),
+                "stream_id": r.pair.stream_id.to_string(),
                 "holder": r.holder.map(|h| h.to_string()),
                 "replayed": r.replayed,
                 "to_replay": r.to_replay,

@@ -698,10 +698,10 @@ pub(crate) async fn status_rows(pool: &deadpool_postgres::Pool) -> Result<Vec<se
         .map(|p| {
             let in_error: Vec<_> = failing
                 .iter()
-                .filter(|c| c.perspective == p.perspective)
+                .filter(|c| c.pair.perspective == p.perspective)
                 .map(|c| {
                     json!({
-                        "stream_id": c.stream_id.to_string(),
+                        "stream_id": c.pair.stream_id.to_string(),
                         "error": c.error.clone().unwrap_or_default(),
                         "failures": c.failures,
                         "parked": c.parked_at.is_some(),
@@ -1018,8 +1018,8 @@ pub(crate) async fn perspectives(
 /// A parked pair as JSON (`perspectives parked --json`, the status page).
 pub(crate) fn parked_json(c: &lockstep_core::Cursor) -> serde_json::Value {
     json!({
-        "stream_id": c.stream_id.to_string(),
-        "perspective": c.perspective.as_str(),
+        "stream_id": c.pair.stream_id.to_string(),
+        "perspective": c.pair.perspective.as_str(),
         "failures": c.failures,
         "error": c.error,
         "failed_event_id": c.failed_event_id.map(|e| e.to_string()),
@@ -1061,8 +1061,8 @@ async fn parking(
                 for c in &parked {
                     say!(
                         "{}/{} parked after {} failures at event {}: {}",
-                        c.stream_id,
-                        c.perspective,
+                        c.pair.stream_id,
+                        c.pair.perspective,
                         c.failures,
                         c.failed_event_id
                             .map_or_else(|| "(none)".to_owned(), |e| e.to_string()),

@@ -2072,8 +2072,12 @@ async fn perspectives_rebuild_retire_and_rewind_progress() {
 
     // A worker's progress report, as the rewind path writes it.
     let tx = PgTransaction::begin(&pool).await.expect("begin");
-    let report =
-        lockstep_core::ProgressReport::new(first, name.clone(), uuid::Uuid::new_v4(), 1, 3);
+    let report = lockstep_core::ProgressReport::new(
+        lockstep_core::Pair::new(first, name.clone()),
+        uuid::Uuid::new_v4(),
+        1,
+        3,
+    );
     store.record_progress(&tx, &report).await.expect("progress");
     tx.commit().await.expect("commit");
     let status = lockstep_on(&url, &["perspectives", "status", "--json"]).await;
@@ -2360,8 +2364,12 @@ async fn the_lease_table_shows_every_leases_start_and_a_rewinds_progress() {
             .is_acquired()
     );
     // The rewinding worker's report: 2 of 3 events, 5 s into the run.
-    let mut report =
-        lockstep_core::ProgressReport::new(first, name.clone(), uuid::Uuid::new_v4(), 2, 3);
+    let mut report = lockstep_core::ProgressReport::new(
+        lockstep_core::Pair::new(first, name.clone()),
+        uuid::Uuid::new_v4(),
+        2,
+        3,
+    );
     report.lease = Some(lease.id.clone());
     report.elapsed = std::time::Duration::from_secs(5);
     let tx = PgTransaction::begin(&pool).await.expect("begin");

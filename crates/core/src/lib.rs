@@ -128,11 +128,11 @@ pub use options::StreamLockOptions;
 pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
-    ClaimedWork, Cursor, CursorRows, EventPage, MAX_PROGRESS_ROWS, MAX_STATES_PAGE, PageLimits,
-    Pair, PairFailure, PairWork, PendingPair, PendingThrough, PerspectiveAdmin,
+    ClaimedWork, Committed, Cursor, CursorRows, EventPage, MAX_PROGRESS_ROWS, MAX_STATES_PAGE,
+    PageLimits, Pair, PairFailure, PairWork, PendingPair, PendingThrough, PerspectiveAdmin,
     PerspectiveLifecycle, PerspectiveReads, PerspectiveStatus, PerspectiveStore, ProgressReport,
-    Rebuild, Registration, RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress,
-    RewindReads, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
+    Rebuild, Registration, Release, RetireStates, Retired, RewindDebounce, RewindLoad,
+    RewindProgress, RewindReads, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
     THROUGHPUT_WINDOW, Throughput, WorkQueue, check_progress_limit, check_states_page,
 };
 pub use reason::{CustomReason, LockReason};

@@ -21,7 +21,7 @@
 //!   [`Claim::Busy`]), and refuses a pair under a live lease of any holder (normal application
 //!   pauses while a rewind, bootstrap or purge holds it; its work keeps queueing). The commit is
 //!   a compare-and-set on the cursor's revision, so two appliers can never both advance it.
-//! - **Commit** ([`PairWork::commit_state`]): in one transaction, save the state, advance
+//! - **Commit** ([`PairWork::commit`]): in one transaction, save the state, advance
 //!   the cursor, delete exactly the applied work items, optionally clear the rewind request and
 //!   save a snapshot, and — for work under a lease — check the lease's holder and epoch (the
 //!   fenced commit, [`crate::ErrorKind::LeaseLost`] otherwise).
@@ -116,10 +116,8 @@ impl Default for RewindDebounce {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Cursor {
-    /// The stream.
-    pub stream_id: StreamId,
-    /// The perspective.
-    pub perspective: PerspectiveName,
+    /// The pair.
+    pub pair: Pair,
     /// The last event applied to the state (`None`: none yet).
     pub last_event_id: Option<Uuid>,
     /// Increases with every committed change of the state (the compare-and-set token).
@@ -149,18 +147,12 @@ pub struct Cursor {
 }
 
 impl Cursor {
-    /// The pair this cursor belongs to.
-    pub fn pair(&self) -> Pair {
-        Pair::new(self.stream_id, self.perspective.clone())
-    }
-
-    /// The cursor of a pair with nothing applied yet: no last event, revision 0, no applied
+    /// The cursor of `pair` with nothing applied yet: no last event, revision 0, no applied
     /// events, no rewind, no error, failures, backoff or parking, no snapshot and no lease
     /// ([`CursorLease::default`]).
-    pub fn new(stream_id: StreamId, perspective: PerspectiveName) -> Cursor {
+    pub fn new(pair: Pair) -> Cursor {
         Cursor {
-            stream_id,
-            perspective,
+            pair,
             last_event_id: None,
             revision: 0,
             applied_count: 0,
@@ -724,10 +716,8 @@ impl PendingThrough {
 /// A pair with something to do, as listed by [`CursorRows::pending_pairs`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingPair {
-    /// The stream.
-    pub stream_id: StreamId,
-    /// The perspective.
-    pub perspective: PerspectiveName,
+    /// The pair.
+    pub pair: Pair,
     /// Work items waiting.
     pub pending: u64,
     /// Whether a rewind is requested (and its debounce window has passed).
@@ -776,14 +766,12 @@ pub struct Snapshot {
     pub applied_count: u64,
 }
 
-/// One state change of a pair, committed by [`PairWork::commit_state`].
+/// One state change of a pair, committed by [`PairWork::commit`].
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct StateCommit {
-    /// The stream.
-    pub stream_id: StreamId,
-    /// The perspective.
-    pub perspective: PerspectiveName,
+    /// The pair.
+    pub pair: Pair,
     /// The cursor revision the new state was computed from; anything else is a
     /// [`crate::ErrorKind::Conflict`] and nothing is written.
     pub expected_revision: i64,
@@ -813,15 +801,9 @@ impl StateCommit {
     /// A commit of `state` to the pair, computed from the cursor at `expected_revision`; the
     /// rest is empty (no last event, no applied events or count, no rewind, no snapshot, no
     /// fence): set the fields that apply.
-    pub fn new(
-        stream_id: StreamId,
-        perspective: PerspectiveName,
-        expected_revision: i64,
-        state: serde_json::Value,
-    ) -> StateCommit {
+    pub fn new(pair: Pair, expected_revision: i64, state: serde_json::Value) -> StateCommit {
         StateCommit {
-            stream_id,
-            perspective,
+            pair,
             expected_revision,
             state,
             last_event_id: None,
@@ -831,6 +813,34 @@ impl StateCommit {
             snapshot: false,
             fence: None,
         }
+    }
+}
+
+/// Whether [`PairWork::commit`] also releases the lease the commit is fenced on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Release {
+    /// Keep the lease (the holder releases it, or goes on working under it).
+    #[default]
+    Keep,
+    /// Release the fence's lease in the same change, if the commit goes ahead: the protected
+    /// work's last two steps as one. Without a fence there is nothing to release.
+    Lease,
+}
+
+/// What [`PairWork::commit`] did, once its transaction committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Committed {
+    /// The cursor's new revision.
+    pub revision: i64,
+    /// Whether the fence's lease was released with the commit ([`Release::Lease`]).
+    pub released: bool,
+}
+
+impl Committed {
+    /// A commit that moved the cursor to `revision` and released the lease or not.
+    pub fn new(revision: i64, released: bool) -> Committed {
+        Committed { revision, released }
     }
 }
 
@@ -946,10 +956,8 @@ pub enum Rebuild {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ProgressReport {
-    /// The pair's stream.
-    pub stream_id: StreamId,
-    /// The pair's perspective.
-    pub perspective: PerspectiveName,
+    /// The pair.
+    pub pair: Pair,
     /// Names this rewind (chosen by the reporter, e.g. a random UUID): a report with another
     /// run restarts [`RewindProgress::started_at`].
     pub run: Uuid,
@@ -968,16 +976,9 @@ pub struct ProgressReport {
 impl ProgressReport {
     /// A report of `replayed` of `to_replay` events for the pair, in rewind `run`, without a
     /// lease.
-    pub fn new(
-        stream_id: StreamId,
-        perspective: PerspectiveName,
-        run: Uuid,
-        replayed: u64,
-        to_replay: u64,
-    ) -> ProgressReport {
+    pub fn new(pair: Pair, run: Uuid, replayed: u64, to_replay: u64) -> ProgressReport {
         ProgressReport {
-            stream_id,
-            perspective,
+            pair,
             run,
             lease: None,
             replayed,
@@ -991,10 +992,8 @@ impl ProgressReport {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RewindProgress {
-    /// The pair's stream.
-    pub stream_id: StreamId,
-    /// The pair's perspective.
-    pub perspective: PerspectiveName,
+    /// The pair.
+    pub pair: Pair,
     /// The instance that reported it, when the rewind runs under a lease.
     pub holder: Option<InstanceId>,
     /// Events replayed at the last report.
@@ -1015,16 +1014,14 @@ pub struct RewindProgress {
 impl RewindProgress {
     /// The progress of the pair's rewind, with no holder.
     pub fn new(
-        stream_id: StreamId,
-        perspective: PerspectiveName,
+        pair: Pair,
         replayed: u64,
         to_replay: u64,
         started_at: OffsetDateTime,
         updated_at: OffsetDateTime,
     ) -> RewindProgress {
         RewindProgress {
-            stream_id,
-            perspective,
+            pair,
             holder: None,
             replayed,
             to_replay,
@@ -1115,7 +1112,8 @@ impl ProgressReport {
             return bad(format!("progress: {} events to replay", self.to_replay));
         }
         if let Some(lease) = &self.lease
-            && (lease.stream_id != self.stream_id || lease.perspective != self.perspective)
+            && (lease.stream_id != self.pair.stream_id
+                || lease.perspective != self.pair.perspective)
         {
             return bad("progress: the lease is another pair's".to_owned());
         }
@@ -1211,7 +1209,7 @@ pub trait WorkQueue<Tx: ?Sized + Sync>: Send + Sync {
     ) -> impl Future<Output = Result<ClaimedBatch>> + Send + 'a;
 
     /// Commits a batch in one statement: for each entry, its state change (as
-    /// [`PairWork::commit_state`], which clears the pair's error, backoff and parking)
+    /// [`PairWork::commit`], which clears the pair's error, backoff and parking)
     /// and then its failure (as [`WorkQueue::record_failure`]). An entry whose state
     /// change is refused writes nothing and does not affect the others
     /// ([`BatchCommitted::Refused`]). Bad input in any entry (a state that cannot be stored, a
@@ -1254,57 +1252,26 @@ pub trait PairWork<Tx: ?Sized + Sync>: Send + Sync {
         debounce: RewindDebounce,
     ) -> impl Future<Output = Result<Claim>> + Send + 'a;
 
-    /// Commits a state change (see [`StateCommit`]). Returns the new revision.
-    fn commit_state<'a>(
-        &'a self,
-        tx: &'a Tx,
-        commit: &'a StateCommit,
-    ) -> impl Future<Output = Result<i64>> + Send + 'a;
-
-    /// Commits a state change fenced on `commit.fence` and, when it commits, releases that
-    /// lease in the same statement (the protected work's last two steps as one). Returns the
-    /// new revision and whether the lease was released with it; the release takes effect when
-    /// `tx` commits. A refused commit releases nothing. The default commits
-    /// ([`PairWork::commit_state`]) and releases nothing (`false`): the caller then
-    /// releases the lease itself, as it would without this method.
-    fn commit_state_releasing<'a>(
-        &'a self,
-        tx: &'a Tx,
-        commit: &'a StateCommit,
-    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a {
-        async move { Ok((self.commit_state(tx, commit).await?, false)) }
-    }
-
-    /// [`PairWork::commit_state_releasing`], then commits `tx`: the last two steps of a
-    /// fenced rewind as one call, so that a store can send the state change with the
-    /// transaction's commit (Postgres: one round trip instead of two). Returns the same as
-    /// `commit_state_releasing`, once `tx` committed. A refused state change (a stale revision
-    /// or a lost fence: [`crate::ErrorKind::Conflict`], [`crate::ErrorKind::LeaseLost`]) commits
-    /// nothing of `tx`, whatever else ran on it. A commit whose answer was lost is
-    /// [`crate::ErrorKind::CommitUnknown`], as from [`Transaction::commit`]. The default makes
-    /// the two calls one after the other (rolling `tx` back on a refusal).
-    fn commit_state_releasing_and_end<'a>(
+    /// Commits a state change (see [`StateCommit`]) as the last write of `tx`, and commits `tx`:
+    /// the state, the cursor and the work rows change together with everything else `tx` wrote
+    /// (a table perspective's rows, a claim's rewind request). With [`Release::Lease`] and a
+    /// fence, the fence's lease is released in the same change; a refused change releases
+    /// nothing.
+    ///
+    /// A refused change — a stale revision or a cursor that no longer exists
+    /// ([`crate::ErrorKind::Conflict`]), a lost fence ([`crate::ErrorKind::LeaseLost`]), a
+    /// state that cannot be stored ([`crate::ErrorKind::InvalidInput`]) — commits
+    /// nothing of `tx`. A commit whose answer was lost is [`crate::ErrorKind::CommitUnknown`],
+    /// as from [`Transaction::commit`]. Taking `tx` lets a store send the change with the
+    /// `COMMIT` (Postgres: one round trip for both).
+    fn commit<'a>(
         &'a self,
         tx: Tx,
         commit: &'a StateCommit,
-    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a
+        release: Release,
+    ) -> impl Future<Output = Result<Committed>> + Send + 'a
     where
-        Tx: Transaction,
-    {
-        async move {
-            match self.commit_state_releasing(&tx, commit).await {
-                Ok(done) => {
-                    tx.commit().await?;
-                    Ok(done)
-                }
-                Err(err) => {
-                    // The transaction ends either way; the refusal says why.
-                    let _ = tx.rollback().await;
-                    Err(err)
-                }
-            }
-        }
-    }
+        Tx: Transaction;
 
     /// Saves the pair's current state as a snapshot at its last applied event (bootstrap), if
     /// the cursor is still at `expected_revision` and has applied events; keeps the last `keep`

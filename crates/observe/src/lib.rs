@@ -43,7 +43,7 @@
 //! | `lease_fence` | `check_lease` |
 //! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
 //! | `event_store` | `load`, `load_locked`, `append` |
-//! | `perspective_store` | `claim_batch`, `commit_batch`, `claim`, `commit_state`, `pending_pairs`, `save_snapshot`, `purge`, `request_rewind`, `record_failure`, … (every method) |
+//! | `perspective_store` | `claim_batch`, `commit_batch`, `claim`, `commit`, `pending_pairs`, `save_snapshot`, `purge`, `request_rewind`, `record_failure`, … (every method) |
 //! | `transaction_source` | `begin` (commit and rollback are methods of the transaction guard, which the layer does not wrap: the contracts take the backend's own `Tx`) |
 //!
 //! # Spans
@@ -64,10 +64,10 @@ use lockstep_core::perspective_store::{
     WorkQueue,
 };
 use lockstep_core::{
-    AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor,
+    AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Committed, Cursor,
     DistributedLock, EventPage, EventStore, ExpectedVersion, InstanceId, LeaseFence, LeaseId,
     LeaseInfo, LockReason, NewEvent, PageLimits, Pair, PairFailure, PendingPair, PerspectiveName,
-    PerspectiveStatus, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
+    PerspectiveStatus, RecordedEvent, Release, ReleaseOutcome, RenewOutcome, ResourceKey, Result,
     RewindDebounce, RewindLoad, SkippedEvent, Snapshot, StateCommit, StreamId, StreamLockAdmin,
     StreamLockOptions, StreamLocker, TransactionSource, async_trait,
 };
@@ -570,62 +570,18 @@ impl<Tx: ?Sized + Sync, T: PairWork<Tx>> PairWork<Tx> for Observed<T> {
         observe("perspective_store", "claim", span, claim_label, call)
     }
 
-    fn commit_state<'a>(
-        &'a self,
-        tx: &'a Tx,
-        commit: &'a StateCommit,
-    ) -> impl Future<Output = Result<i64>> + Send + 'a {
-        let span = pair_span("commit_state", commit.stream_id, &commit.perspective);
-        observe(
-            "perspective_store",
-            "commit_state",
-            span,
-            ok,
-            self.inner.commit_state(tx, commit),
-        )
-    }
-
-    fn commit_state_releasing<'a>(
-        &'a self,
-        tx: &'a Tx,
-        commit: &'a StateCommit,
-    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a {
-        let span = pair_span(
-            "commit_state_releasing",
-            commit.stream_id,
-            &commit.perspective,
-        );
-        let call = self.inner.commit_state_releasing(tx, commit);
-        observe(
-            "perspective_store",
-            "commit_state_releasing",
-            span,
-            ok,
-            call,
-        )
-    }
-
-    fn commit_state_releasing_and_end<'a>(
+    fn commit<'a>(
         &'a self,
         tx: Tx,
         commit: &'a StateCommit,
-    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a
+        release: Release,
+    ) -> impl Future<Output = Result<Committed>> + Send + 'a
     where
         Tx: lockstep_core::Transaction,
     {
-        let span = pair_span(
-            "commit_state_releasing_and_end",
-            commit.stream_id,
-            &commit.perspective,
-        );
-        let call = self.inner.commit_state_releasing_and_end(tx, commit);
-        observe(
-            "perspective_store",
-            "commit_state_releasing_and_end",
-            span,
-            ok,
-            call,
-        )
+        let span = pair_span("commit", commit.pair.stream_id, &commit.pair.perspective);
+        let call = self.inner.commit(tx, commit, release);
+        observe("perspective_store", "commit", span, ok, call)
     }
 
     fn save_snapshot<'a>(
@@ -773,7 +729,11 @@ impl<Tx: ?Sized + Sync, T: RewindReads<Tx>> RewindReads<Tx> for Observed<T> {
         tx: &'a Tx,
         report: &'a lockstep_core::ProgressReport,
     ) -> impl Future<Output = Result<()>> + Send + 'a {
-        let span = pair_span("record_progress", report.stream_id, &report.perspective);
+        let span = pair_span(
+            "record_progress",
+            report.pair.stream_id,
+            &report.pair.perspective,
+        );
         let call = self.inner.record_progress(tx, report);
         observe("perspective_store", "record_progress", span, ok, call)
     }

@@ -16,10 +16,12 @@
 //!   `lockstep_perspective_claim` (lock the cursor row `FOR NO KEY UPDATE SKIP LOCKED` unless a
 //!   live lease is on it, detect late arrivals and write the rewind request, return the cursor,
 //!   the state and the pending events joined with `wh_events` in event-id order);
-//!   [`commit_state`](lockstep_core::PairWork::commit_state) is `lockstep_perspective_commit` (fence,
-//!   compare-and-set on the revision, state upsert, delete the applied work, advance the cursor,
-//!   clear the rewind request conditionally, snapshot and prune). A refused commit (conflict,
-//!   lease lost) writes nothing and leaves the transaction usable.
+//!   [`commit`](lockstep_core::PairWork::commit) is `lockstep_perspective_commit_release_or_refuse`
+//!   (fence, compare-and-set on the revision, state upsert, delete the applied work, advance the
+//!   cursor, clear the rewind request conditionally, snapshot and prune, release the lease),
+//!   sent in the same round trip as the transaction's `COMMIT`. A refused commit (conflict,
+//!   lease lost) raises, which turns the `COMMIT` into a rollback: nothing of the transaction
+//!   is committed.
 //!
 //! Every statement is sent with `query_typed` (parse, bind and execute in one round trip; the
 //! rewind's read with `query_typed_raw`, the same messages with its rows streamed), with
@@ -31,7 +33,7 @@
 //! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
 //! use lockstep_core::perspective_store::prelude::*;
 //! use lockstep_core::{
-//!     Claim, Pair, PerspectiveName, RewindDebounce, StateCommit, StreamId,
+//!     Claim, Pair, PerspectiveName, Release, RewindDebounce, StateCommit, StreamId,
 //!     Transaction, TransactionSource,
 //! };
 //! use lockstep_pg_store::PgPerspectiveStore;
@@ -46,18 +48,19 @@
 //! # let stream = StreamId::new_v7();
 //! let tx = db.begin().await?;
 //! let pair = Pair::new(stream, name.clone());
-//! if let Claim::Apply { cursor, state, events, .. } =
-//!     store.claim(&tx, &pair, 100, RewindDebounce::NONE).await?
-//! {
-//!     let new_state = serde_json::json!({ "seen": cursor.applied_count + events.len() as u64 });
-//! #   let _ = state;
-//!     let mut commit = StateCommit::new(stream, name.clone(), cursor.revision, new_state);
-//!     commit.last_event_id = events.last().map(|e| e.event_id);
-//!     commit.applied_count = cursor.applied_count + events.len() as u64;
-//!     commit.applied_events = events.iter().map(|e| e.event_id).collect();
-//!     store.commit_state(&tx, &commit).await?;
+//! match store.claim(&tx, &pair, 100, RewindDebounce::NONE).await? {
+//!     Claim::Apply { cursor, state, events, .. } => {
+//!         let seen = cursor.applied_count + events.len() as u64;
+//! #       let _ = state;
+//!         let mut commit = StateCommit::new(pair, cursor.revision, serde_json::json!({ "seen": seen }));
+//!         commit.last_event_id = events.last().map(|e| e.event_id);
+//!         commit.applied_count = seen;
+//!         commit.applied_events = events.iter().map(|e| e.event_id).collect();
+//!         // The state change and the COMMIT, in one round trip.
+//!         store.commit(tx, &commit, Release::Keep).await?;
+//!     }
+//!     _ => tx.commit().await?,
 //! }
-//! tx.commit().await?;
 //! # Ok(()) }
 //! ```
 
@@ -73,10 +76,10 @@ use lockstep_core::perspective_store::{
     WorkQueue,
 };
 use lockstep_core::{
-    BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Cursor, CursorLease, Error,
-    ErrorKind, EventPage, InstanceId, LeaseEpoch, LeaseId, LockReason, PageLimits, Pair,
+    BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Committed, Cursor, CursorLease,
+    Error, ErrorKind, EventPage, InstanceId, LeaseEpoch, LeaseId, LockReason, PageLimits, Pair,
     PairFailure, PendingPair, PendingThrough, PerspectiveName, PerspectiveStatus, ProgressReport,
-    Rebuild, RecordedEvent, Registration, Result, RetireStates, Retired, RewindDebounce,
+    Rebuild, RecordedEvent, Registration, Release, Result, RetireStates, Retired, RewindDebounce,
     RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
     StreamId, ValidationError,
 };
@@ -287,14 +290,10 @@ SELECT count(*) FROM w";
     pub(super) const COMMIT: &str = "SELECT outcome, revision \
          FROM lockstep_perspective_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
-    /// A fenced commit that also releases the fence's lease (see
-    /// `lockstep_perspective_commit_release`): as [`COMMIT`], and `released`.
-    pub(super) const COMMIT_RELEASE: &str = "SELECT outcome, revision, released \
-         FROM lockstep_perspective_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
-
-    /// [`COMMIT_RELEASE`] that refuses by raising (SQLSTATE `LSREF`; see
-    /// `lockstep_perspective_commit_release_or_refuse`), for a statement sent with the
-    /// transaction's `COMMIT`: the refusal turns it into a rollback.
+    /// A state change that also releases the fence's lease, if any, and refuses by raising
+    /// (SQLSTATE `LSREF`; see `lockstep_perspective_commit_release_or_refuse`): the statement
+    /// sent with the transaction's `COMMIT`, which a refusal turns into a rollback. As
+    /// [`COMMIT`], and `released`.
     pub(super) const COMMIT_RELEASE_OR_REFUSE: &str = "SELECT outcome, revision, released \
          FROM lockstep_perspective_commit_release_or_refuse($1, $2, $3, $4, $5, $6, $7, $8, $9, \
          $10, $11, $12)";
@@ -714,49 +713,43 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
         }
     }
 
-    async fn commit_state(&self, tx: &T, commit: &StateCommit) -> Result<i64> {
-        let row = self.send_commit(tx, commit, sql::COMMIT).await?;
-        commit_outcome(&row, commit)
-    }
-
-    async fn commit_state_releasing(&self, tx: &T, commit: &StateCommit) -> Result<(i64, bool)> {
-        if commit.fence.is_none() {
-            return Ok((self.commit_state(tx, commit).await?, false));
-        }
-        let row = self.send_commit(tx, commit, sql::COMMIT_RELEASE).await?;
-        let revision = commit_outcome(&row, commit)?;
-        let released: Option<bool> = row.try_get(2).map_err(decode_error)?;
-        Ok((revision, released.unwrap_or(false)))
-    }
-
     // Not an `async fn`: with the `where` clause, that form's future fails the higher-ranked
     // `Send` check of a worker spawned with the concrete types (examples/service).
     #[allow(clippy::manual_async_fn)]
-    fn commit_state_releasing_and_end<'a>(
+    fn commit<'a>(
         &'a self,
         tx: T,
         commit: &'a StateCommit,
-    ) -> impl Future<Output = Result<(i64, bool)>> + Send + 'a
+        release: Release,
+    ) -> impl Future<Output = Result<Committed>> + Send + 'a
     where
         T: lockstep_core::Transaction,
     {
         async move {
-            if commit.fence.is_none() {
-                // Nothing to release: the plain commit, then the transaction's (a refusal rolls
-                // it back, as the trait's default does).
-                return match self.commit_state(&tx, commit).await {
-                    Ok(revision) => {
-                        tx.commit().await?;
-                        Ok((revision, false))
-                    }
+            if release == Release::Keep && commit.fence.is_some() {
+                // A fenced change that keeps its lease: the statement whose refusal is a row,
+                // read before the COMMIT (two round trips; the worker's fenced commits all
+                // release).
+                let row = match self.send_commit(&tx, commit).await {
+                    Ok(row) => row,
                     Err(err) => {
-                        let _ = tx.rollback().await;
-                        Err(err)
+                        // Dropping the transaction rolls it back.
+                        drop(tx);
+                        return Err(err);
                     }
                 };
+                let revision = match commit_outcome(&row, commit) {
+                    Ok(revision) => revision,
+                    Err(refused) => {
+                        drop(tx);
+                        return Err(refused);
+                    }
+                };
+                tx.commit().await?;
+                return Ok(Committed::new(revision, false));
             }
-            // The fenced commit and the COMMIT in one round trip (ADR 0034): a refusal is an
-            // error at the server, which makes the COMMIT a rollback.
+            // The change and the COMMIT in one round trip: a refusal is an error at the server,
+            // which makes the COMMIT a rollback. Without a fence nothing is released.
             let params = CommitParams::new(commit, self.keep_snapshots)?;
             let params = params.as_params();
             let rows = tx
@@ -767,13 +760,12 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
             let row = rows.first().ok_or_else(|| {
                 Error::new(
                     ErrorKind::CommitUnknown,
-                    "a fenced commit committed without its row: whether it released the lease \
-                     is not known",
+                    "a state commit committed without its row: its revision is not known",
                 )
             })?;
             let revision = commit_outcome(row, commit)?;
             let released: Option<bool> = row.try_get(2).map_err(decode_error)?;
-            Ok((revision, released.unwrap_or(false)))
+            Ok(Committed::new(revision, released.unwrap_or(false)))
         }
     }
 
@@ -1375,8 +1367,10 @@ impl<T: PgTransactionRef> CursorRows<T> for PgPerspectiveStore {
                 let name: String = row.try_get(1).map_err(decode_error)?;
                 let pending: i64 = row.try_get(2).map_err(decode_error)?;
                 Ok(PendingPair {
-                    stream_id: StreamId::from_uuid(row.try_get(0).map_err(decode_error)?),
-                    perspective: stored_name(name)?,
+                    pair: Pair::new(
+                        StreamId::from_uuid(row.try_get(0).map_err(decode_error)?),
+                        stored_name(name)?,
+                    ),
                     pending: stored_count(pending)?,
                     rewind: row.try_get(3).map_err(decode_error)?,
                 })
@@ -1446,7 +1440,7 @@ fn decode_cursor(
     let failures: i32 = row.try_get(at + 7).map_err(decode_error)?;
     let holder: Option<Uuid> = row.try_get(at + 9).map_err(decode_error)?;
     let reason: Option<String> = row.try_get(at + 10).map_err(decode_error)?;
-    let mut cursor = Cursor::new(stream_id, perspective.clone());
+    let mut cursor = Cursor::new(Pair::new(stream_id, perspective.clone()));
     cursor.last_event_id = row.try_get(at).map_err(decode_error)?;
     cursor.revision = row.try_get(at + 1).map_err(decode_error)?;
     cursor.applied_count = stored_count(applied)?;
@@ -1496,17 +1490,11 @@ fn fence_params(
 }
 
 impl PgPerspectiveStore {
-    /// Sends a state change with `statement` (`COMMIT` or `COMMIT_RELEASE`: the same
-    /// parameters), after checking it; the row of outcome and revision (and more).
-    async fn send_commit<T: PgTransactionRef>(
-        &self,
-        tx: &T,
-        commit: &StateCommit,
-        statement: &str,
-    ) -> Result<Row> {
+    /// Sends a state change (`COMMIT`) after checking it: the row of outcome and revision.
+    async fn send_commit<T: PgTransactionRef>(&self, tx: &T, commit: &StateCommit) -> Result<Row> {
         let params = CommitParams::new(commit, self.keep_snapshots)?;
         tx.executor()
-            .query_typed_one(statement, &params.as_params())
+            .query_typed_one(sql::COMMIT, &params.as_params())
             .await
             .map_err(|e| statement_error(e, "committing a perspective state"))
     }
@@ -1527,12 +1515,15 @@ struct CommitParams<'c> {
 impl<'c> CommitParams<'c> {
     fn new(commit: &'c StateCommit, keep: i32) -> Result<CommitParams<'c>> {
         check_json(&commit.state)?;
-        let (holder, epoch) =
-            fence_params(commit.fence.as_ref(), commit.stream_id, &commit.perspective)?;
+        let (holder, epoch) = fence_params(
+            commit.fence.as_ref(),
+            commit.pair.stream_id,
+            &commit.pair.perspective,
+        )?;
         Ok(CommitParams {
             commit,
-            stream: commit.stream_id.as_uuid(),
-            perspective: commit.perspective.as_str(),
+            stream: commit.pair.stream_id.as_uuid(),
+            perspective: commit.pair.perspective.as_str(),
             applied_count: count_param(commit.applied_count)?,
             holder,
             epoch,
@@ -1589,8 +1580,8 @@ fn refusal(outcome: &str, found: Option<i64>, commit: &StateCommit) -> Error {
             ErrorKind::Conflict,
             format!(
                 "stream {} perspective {}: expected revision {}, the cursor is at {}",
-                commit.stream_id,
-                commit.perspective,
+                commit.pair.stream_id,
+                commit.pair.perspective,
                 commit.expected_revision,
                 found.map_or_else(|| "?".to_owned(), |r| r.to_string())
             ),
@@ -1599,7 +1590,7 @@ fn refusal(outcome: &str, found: Option<i64>, commit: &StateCommit) -> Error {
             ErrorKind::Conflict,
             format!(
                 "stream {} perspective {}: the cursor no longer exists",
-                commit.stream_id, commit.perspective
+                commit.pair.stream_id, commit.pair.perspective
             ),
         ),
         ("lease_lost", _) => lease_lost(),

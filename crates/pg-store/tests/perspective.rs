@@ -6,7 +6,7 @@
 use lockstep_core::EventStore as _;
 use lockstep_core::Transaction as _;
 use lockstep_core::perspective_store::prelude::*;
-use lockstep_core::{PageLimits, Pair};
+use lockstep_core::{PageLimits, Pair, Release};
 use std::time::Duration;
 
 use lockstep_core::{
@@ -435,8 +435,11 @@ async fn the_batch_and_admin_methods_run_inside_spawned_tasks() {
             panic!("expected events");
         };
         let cursor = claimed.cursor;
-        let mut commit =
-            StateCommit::new(stream, p.clone(), cursor.revision, serde_json::json!([1]));
+        let mut commit = StateCommit::new(
+            Pair::new(stream, p.clone()),
+            cursor.revision,
+            serde_json::json!([1]),
+        );
         commit.last_event_id = Some(events[0].event_id);
         commit.applied_count = 1;
         commit.applied_events = vec![events[0].event_id];
@@ -446,7 +449,11 @@ async fn the_batch_and_admin_methods_run_inside_spawned_tasks() {
         let outcomes = store
             .commit_batch(
                 &tx,
-                &[BatchEntry::new(cursor.pair(), Some(commit), Some(failure))],
+                &[BatchEntry::new(
+                    cursor.pair.clone(),
+                    Some(commit),
+                    Some(failure),
+                )],
             )
             .await
             .expect("commit_batch");
@@ -497,7 +504,7 @@ async fn the_batch_and_admin_methods_run_inside_spawned_tasks() {
 
 /// The rewind's store methods (ADR 0012 §8) from inside `tokio::spawn` with the concrete
 /// types: `load_rewind` reads the request, the snapshot and the events in one statement, and
-/// `commit_state_releasing` commits fenced on the lease and releases it.
+/// `commit` with `Release::Lease` commits fenced on the lease and releases it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rewind_methods_run_inside_spawned_tasks() {
     use lockstep_core::{StateCommit, TransactionSource as _};
@@ -547,8 +554,7 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
         assert!(loaded.snapshot.is_none());
         assert_eq!(loaded.events.len(), 2);
         let mut commit = StateCommit::new(
-            stream,
-            p.clone(),
+            Pair::new(stream, p.clone()),
             loaded.cursor.revision,
             serde_json::json!([1, 2]),
         );
@@ -559,11 +565,11 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
         commit.snapshot = true;
         commit.fence = Some(lease.id.clone());
         let tx: PgTransaction = db.begin().await.expect("begin");
-        let (revision, released) = store
-            .commit_state_releasing(&tx, &commit)
+        let committed = store
+            .commit(tx, &commit, Release::Lease)
             .await
-            .expect("commit_state_releasing");
-        tx.commit().await.expect("commit");
+            .expect("commit");
+        let (revision, released) = (committed.revision, committed.released);
         let renewed = locker.renew(&lease.id).await.expect("renew");
         (revision, released, renewed.is_renewed())
     });
@@ -573,8 +579,8 @@ async fn the_rewind_methods_run_inside_spawned_tasks() {
     assert!(!renewed, "the released lease cannot be renewed");
 }
 
-/// `commit_state_releasing_and_end` (ADR 0034) from inside `tokio::spawn` with the concrete
-/// types, as the worker calls it: the fenced commit sent with the `COMMIT` on the read's
+/// `commit` with `Release::Lease` from inside `tokio::spawn` with the concrete types, as the
+/// worker calls it: the fenced commit sent with the `COMMIT` on the read's
 /// transaction commits the state and releases the lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fenced_commit_with_the_commit_runs_inside_a_spawned_task() {
@@ -622,8 +628,7 @@ async fn the_fenced_commit_with_the_commit_runs_inside_a_spawned_task() {
             .expect("load_rewind")
             .expect("a cursor");
         let mut commit = StateCommit::new(
-            stream,
-            p2.clone(),
+            Pair::new(stream, p2.clone()),
             loaded.cursor.revision,
             serde_json::json!([1, 2]),
         );
@@ -633,10 +638,11 @@ async fn the_fenced_commit_with_the_commit_runs_inside_a_spawned_task() {
         commit.rewound_from = loaded.cursor.rewind.map(|r| r.trigger);
         commit.snapshot = true;
         commit.fence = Some(lease.id.clone());
-        let (revision, released) = store2
-            .commit_state_releasing_and_end(tx, &commit)
+        let committed = store2
+            .commit(tx, &commit, Release::Lease)
             .await
-            .expect("commit_state_releasing_and_end");
+            .expect("commit");
+        let (revision, released) = (committed.revision, committed.released);
         (revision, released, loaded.cursor.revision)
     });
     let (revision, released, before) = handler.await.expect("the spawned task");
@@ -750,21 +756,15 @@ async fn apply_range(
         Claim::Apply { cursor, .. } => cursor,
         other => panic!("expected work, got {other:?}"),
     };
-    let mut commit = StateCommit::new(
-        pair.stream_id,
-        pair.perspective.clone(),
-        cursor.revision,
-        serde_json::json!([]),
-    );
+    let mut commit = StateCommit::new(pair.clone(), cursor.revision, serde_json::json!([]));
     commit.last_event_id = Some(ids[upto - 1]);
     commit.applied_count = upto as u64;
     commit.applied_events = ids[done..upto].to_vec();
     commit.snapshot = snapshot;
     f.store
-        .commit_state(&tx, &commit)
+        .commit(tx, &commit, Release::Keep)
         .await
-        .expect("commit_state");
-    tx.commit().await.expect("commit");
+        .expect("commit");
 }
 
 /// A rewind's whole read on `tx`: the first read, then every next page (`page` each): what
@@ -1035,7 +1035,7 @@ async fn a_batch_stops_at_its_byte_bound_where_postgres_counts_it() {
                 .iter()
                 .map(|pair| match &pair.work {
                     ClaimedWork::Apply { events, .. } => (
-                        pair.cursor.stream_id,
+                        pair.cursor.pair.stream_id,
                         events.iter().map(|e| e.event_id).collect(),
                     ),
                     other => panic!("expected events, got {other:?}"),
@@ -1104,15 +1104,14 @@ async fn a_batch_counts_a_compressible_state_at_its_decoded_size() {
         panic!("expected work");
     };
     let big = serde_json::json!({ "body": "s".repeat(1 << 20) });
-    let mut commit = StateCommit::new(stream, p.clone(), cursor.revision, big);
+    let mut commit = StateCommit::new(Pair::new(stream, p.clone()), cursor.revision, big);
     commit.last_event_id = Some(ids[0]);
     commit.applied_count = 1;
     commit.applied_events = vec![ids[0]];
     f.store
-        .commit_state(&tx, &commit)
+        .commit(tx, &commit, Release::Keep)
         .await
-        .expect("commit_state");
-    tx.commit().await.expect("commit");
+        .expect("commit");
     let stored: i32 = f
         .pool
         .get()
@@ -1463,8 +1462,7 @@ async fn retire_beside_a_worker(held: HeldByWorker, states: lockstep_core::Retir
     assert_eq!(kind, "Lock", "the retirement waits for the worker's rows");
 
     let mut commit = StateCommit::new(
-        streams[1],
-        p.clone(),
+        Pair::new(streams[1], p.clone()),
         cursor.revision,
         serde_json::json!({ "applied": events.len() }),
     );
@@ -1482,21 +1480,21 @@ async fn retire_beside_a_worker(held: HeldByWorker, states: lockstep_core::Retir
                 .await
                 .expect("the batch's commit is no deadlock victim");
             assert!(matches!(outcomes[0], BatchCommitted::Committed { .. }));
+            worker
+                .commit()
+                .await
+                .expect("the worker's transaction commits");
         }
         Some(lease) => {
             commit.applied_count = events.len() as u64;
             commit.rewound_from = cursor.rewind.map(|r| r.trigger);
             commit.fence = Some(lease.id.clone());
             f.store
-                .commit_state_releasing(&worker, &commit)
+                .commit(worker, &commit, Release::Lease)
                 .await
-                .expect("the fenced commit is no deadlock victim");
+                .expect("the fenced commit is no deadlock victim, and commits");
         }
     }
-    worker
-        .commit()
-        .await
-        .expect("the worker's transaction commits");
     let outcome = retirement
         .await
         .expect("task")

@@ -35,6 +35,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lockstep_core::perspective_store::{
@@ -43,11 +44,12 @@ use lockstep_core::perspective_store::{
 };
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
-    ClaimedWork, Cursor, CursorLease, DistributedLock, Error, ErrorKind, EventPage, InstanceId,
-    LeaseEpoch, LeaseFence, LeaseStatus, PageLimits, PairFailure, PendingPair, PendingThrough,
-    PerspectiveName, PerspectiveStatus, ProgressReport, Rebuild, RecordedEvent, Registration,
-    ResourceKey, Result, RetireStates, Retired, RewindDebounce, RewindProgress, RewindRequest,
-    SkippedEvent, Snapshot, StateCommit, StoredState, StreamId, StreamLockAdmin,
+    ClaimedWork, Committed, Cursor, CursorLease, DistributedLock, Error, ErrorKind, EventPage,
+    InstanceId, LeaseEpoch, LeaseFence, LeaseStatus, PageLimits, PairFailure, PendingPair,
+    PendingThrough, PerspectiveName, PerspectiveStatus, ProgressReport, Rebuild, RecordedEvent,
+    Registration, Release, ResourceKey, Result, RetireStates, Retired, RewindDebounce,
+    RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId,
+    StreamLockAdmin,
     perspective_store::{DEFAULT_KEEP_SNAPSHOTS, check_progress_limit},
 };
 use std::time::Duration;
@@ -57,6 +59,8 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::event_store::InMemoryEventStore;
+use lockstep_core::Transaction as _;
+
 use crate::fake_lock::{FakeDatabase, FakeDistributedLock, FakeTransaction, TxEnd};
 use crate::stream_locker::InMemoryStreamLocker;
 
@@ -398,7 +402,7 @@ impl InMemoryPerspectiveStore {
     }
 
     fn cursor_of(key: &Key, pair: &Pair, lease: CursorLease) -> Cursor {
-        let mut cursor = Cursor::new(key.0, key.1.clone());
+        let mut cursor = Cursor::new(lockstep_core::Pair::new(key.0, key.1.clone()));
         cursor.last_event_id = pair.last_event_id;
         cursor.revision = pair.revision;
         cursor.applied_count = pair.applied_count;
@@ -611,7 +615,7 @@ impl InMemoryPerspectiveStore {
     /// A state change on a pair whose state was checked: a refusal (`Conflict`, `LeaseLost`)
     /// writes nothing.
     async fn commit_checked(&self, tx: &FakeTransaction, commit: &StateCommit) -> Result<i64> {
-        let key = (commit.stream_id, commit.perspective.clone());
+        let key = (commit.pair.stream_id, commit.pair.perspective.clone());
         self.lock_row(tx, &key).await?;
         self.fence(tx, commit.fence.as_ref()).await?;
         let Some(mut pair) = Self::read(&self.lock_state(), tx, &key) else {
@@ -868,13 +872,8 @@ impl WorkQueue<FakeTransaction> for InMemoryPerspectiveStore {
             };
             match &entry.commit {
                 Some(commit) => {
-                    if commit.stream_id != entry.pair.stream_id
-                        || commit.perspective != entry.pair.perspective
-                    {
-                        return bad(format!(
-                            "a commit of another pair ({}/{})",
-                            commit.stream_id, commit.perspective
-                        ));
+                    if commit.pair != entry.pair {
+                        return bad(format!("a commit of another pair ({})", commit.pair));
                     }
                     check_state(&commit.state)?;
                 }
@@ -961,10 +960,39 @@ impl PairWork<FakeTransaction> for InMemoryPerspectiveStore {
         })
     }
 
-    async fn commit_state(&self, tx: &FakeTransaction, commit: &StateCommit) -> Result<i64> {
-        tx.check_usable()?;
-        check_state(&commit.state)?;
-        self.commit_checked(tx, commit).await
+    async fn commit(
+        &self,
+        tx: FakeTransaction,
+        commit: &StateCommit,
+        release: Release,
+    ) -> Result<Committed> {
+        let changed = async {
+            tx.check_usable()?;
+            check_state(&commit.state)?;
+            self.commit_checked(&tx, commit).await
+        };
+        let revision = match changed.await {
+            Ok(revision) => revision,
+            Err(refused) => {
+                // Nothing of the transaction commits: dropping it rolls it back.
+                drop(tx);
+                return Err(refused);
+            }
+        };
+        let released = Arc::new(AtomicBool::new(false));
+        if let (Release::Lease, Some(lease)) = (release, commit.fence.clone()) {
+            // At the commit, before the row lock the fence took is let go: no other
+            // transaction sees the new state with the lease still held.
+            let locker = self.locker.clone();
+            let done = Arc::clone(&released);
+            tx.on_end(move |end| {
+                if end == TxEnd::Committed && locker.release_at_commit(&lease) {
+                    done.store(true, Ordering::Release);
+                }
+            });
+        }
+        tx.commit().await?;
+        Ok(Committed::new(revision, released.load(Ordering::Acquire)))
     }
 
     async fn save_snapshot(
@@ -1227,7 +1255,7 @@ impl RewindReads<FakeTransaction> for InMemoryPerspectiveStore {
         tx.check_usable()?;
         report.validate()?;
         let now = self.now();
-        let key = (report.stream_id, report.perspective.clone());
+        let key = (report.pair.stream_id, report.pair.perspective.clone());
         let mut state = self.lock_state();
         let start = time::Duration::try_from(report.elapsed)
             .ok()
@@ -1458,8 +1486,7 @@ impl PerspectiveAdmin<FakeTransaction> for InMemoryPerspectiveStore {
                 }
             }
             let mut row = RewindProgress::new(
-                stream_id,
-                perspective,
+                lockstep_core::Pair::new(stream_id, perspective),
                 p.replayed,
                 p.to_replay,
                 p.started_at,
@@ -1686,8 +1713,7 @@ impl CursorRows<FakeTransaction> for InMemoryPerspectiveStore {
             found.push((
                 oldest,
                 PendingPair {
-                    stream_id: key.0,
-                    perspective: key.1,
+                    pair: lockstep_core::Pair::new(key.0, key.1),
                     pending: pending.len() as u64,
                     rewind,
                 },

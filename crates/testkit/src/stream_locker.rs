@@ -194,6 +194,20 @@ impl InMemoryStreamLocker {
 
     /// How many live announced instances run `perspective` (live as
     /// [`StreamLockAdmin::list_instances`] says: seen within their lock timeout).
+    /// Clears `lease` if its holder still holds it at its epoch, expired or not (a fenced
+    /// commit that releases its lease, as it commits): whether it did. Synchronous, for a
+    /// transaction's end hook.
+    pub(crate) fn release_at_commit(&self, lease: &LeaseId) -> bool {
+        let mut rows = self.rows();
+        match rows.get_mut(&(lease.stream_id, lease.perspective.clone())) {
+            Some(row) if row.held_by(lease) => {
+                row.lease = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub(crate) fn live_instances_running(&self, perspective: &PerspectiveName) -> u64 {
         let now = Instant::now();
         self.instances()

@@ -177,7 +177,7 @@ async fn a_batch_commit_that_fails_part_way_writes_no_entry() {
         .expect("acquired");
 
     let tx = db.begin_now();
-    let mut change = StateCommit::new(fenced, name.clone(), 0, serde_json::json!({}));
+    let mut change = StateCommit::new(Pair::new(fenced, name.clone()), 0, serde_json::json!({}));
     change.fence = Some(lease.id.clone());
     let entries = [
         BatchEntry::new(

@@ -662,7 +662,7 @@ impl HeldLease {
     }
 
     /// Stops renewing the lease because the protected work's own commit is about to release it
-    /// ([`lockstep_core::PairWork::commit_state_releasing`]): from now on it is
+    /// ([`lockstep_core::PairWork::commit`] with [`lockstep_core::Release::Lease`]): from now on it is
     /// handled like a lease whose [`HeldLease::release`] is in flight. Follow with
     /// [`HeldLease::released_by_commit`] once that commit has committed and released it, else
     /// with [`HeldLease::release`] (or a drop).

@@ -225,7 +225,7 @@ where
         read?
             .into_iter()
             .map(|stored| {
-                let stream = stored.cursor.stream_id;
+                let stream = stored.cursor.pair.stream_id;
                 decode::<Pn>(&name, stream, stored.state).map(|state| (stream, state))
             })
             .collect()

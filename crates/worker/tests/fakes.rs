@@ -15,8 +15,8 @@ use lockstep_core::Transaction as _;
 use lockstep_core::{
     AcquireOutcome, Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent,
     Perspective, PerspectiveName, PerspectiveRegistry, ProgressReport, Rebuild, RecordedEvent,
-    Result, RetireStates, Retired, RewindDebounce, RewindProgress, Snapshot, StateCommit, StreamId,
-    StreamLockAdmin, StreamLockOptions, StreamLocker, Throughput,
+    Release, Result, RetireStates, Retired, RewindDebounce, RewindProgress, Snapshot, StateCommit,
+    StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, Throughput,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, FaultyStreamLocker, InMemoryEventStore,
@@ -714,16 +714,19 @@ async fn bootstrap_proceeds_without_the_lease_when_another_instance_holds_it() {
     else {
         panic!("expected work");
     };
-    let mut commit = StateCommit::new(stream, fold(), cursor.revision, serde_json::json!([1]));
+    let mut commit = StateCommit::new(
+        Pair::new(stream, fold()),
+        cursor.revision,
+        serde_json::json!([1]),
+    );
     commit.last_event_id = Some(events[0].event_id);
     commit.applied_count = 1;
     commit.applied_events = vec![events[0].event_id];
     world
         .store
-        .commit_state(&tx, &commit)
+        .commit(tx, &commit, Release::Keep)
         .await
-        .expect("commit state");
-    tx.commit().await.expect("commit");
+        .expect("commit");
     // … then another instance leases the pair and new work arrives for it.
     let other = InstanceId::random();
     let _held = world
@@ -814,8 +817,13 @@ impl PairWork<FakeTransaction> for Slow {
         self.inner.claim(tx, pair, m, d).await
     }
 
-    async fn commit_state(&self, tx: &FakeTransaction, c: &StateCommit) -> Result<i64> {
-        self.inner.commit_state(tx, c).await
+    async fn commit(
+        &self,
+        tx: FakeTransaction,
+        c: &StateCommit,
+        release: Release,
+    ) -> Result<lockstep_core::Committed> {
+        self.inner.commit(tx, c, release).await
     }
 
     async fn save_snapshot(

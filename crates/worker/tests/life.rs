@@ -188,7 +188,7 @@ async fn a_rebuild_rewinds_every_pair_serving_old_states_and_reporting_progress_
             .await
             .expect("task")
             .expect("progress");
-        if let Some(row) = rows.into_iter().find(|r| r.stream_id == first) {
+        if let Some(row) = rows.into_iter().find(|r| r.pair.stream_id == first) {
             seen = Some(row);
             break;
         }

@@ -76,16 +76,21 @@ fn check_batch(batch: &ClaimedBatch, per_pair: usize, max_pairs: usize) -> Resul
             events: claimed, ..
         } = &pair.work
         else {
-            bail!("a claim handed out {} for a rewind", pair.cursor.pair());
+            bail!(
+                "a claim handed out {} for a rewind",
+                pair.cursor.pair.clone()
+            );
         };
         let ordered = claimed.windows(2).all(|w| w[0].event_id < w[1].event_id);
-        let own = claimed.iter().all(|e| e.stream_id == pair.cursor.stream_id);
+        let own = claimed
+            .iter()
+            .all(|e| e.stream_id == pair.cursor.pair.stream_id);
         if !ordered || !own || claimed.is_empty() || (i < last && claimed.len() != per_pair) {
             bail!(
                 "a claim handed out {} events for {} (expected {per_pair} of its stream, in \
                  order)",
                 claimed.len(),
-                pair.cursor.pair()
+                pair.cursor.pair.clone()
             );
         }
         events += claimed.len();

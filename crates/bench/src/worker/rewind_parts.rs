@@ -10,8 +10,8 @@
 //! 3. the replay on tokio's blocking pool (`apply_while`);
 //! 4. on the same transaction (a short replay keeps it: ADR 0023), the fenced commit with a
 //!    new snapshot that also releases the lease, sent with the `COMMIT`
-//!    (`commit_state_releasing_and_end`, `lockstep_perspective_commit_release_or_refuse`: ADR
-//!    0034).
+//!    (`PairWork::commit` with `Release::Lease`, `lockstep_perspective_commit_release_or_refuse`:
+//!    ADR 0034).
 //!
 //! Three round trips in all: `BEGIN` travels with the load (ADR 0024), so its step is the pool
 //! checkout only, and the `COMMIT` with the fenced commit (ADR 0034). Each round also times the
@@ -22,8 +22,8 @@
 //! written before each rewind, outside the clock; every rewound state is checked against its
 //! stream's fold.
 
-use lockstep_core::Pair;
 use lockstep_core::perspective_store::prelude::*;
+use lockstep_core::{Pair, Release};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -173,16 +173,16 @@ pub(super) async fn run(
             }
             mark(&mut t, &mut at);
             // 4.
-            let mut commit = StateCommit::new(stream, name.clone(), revision, state);
+            let mut commit = StateCommit::new(Pair::new(stream, name.clone()), revision, state);
             commit.last_event_id = events.last().map(|e| e.event_id).or(Some(snapshot_id));
             commit.applied_count = snapshot_count + events.len() as u64;
             commit.applied_events = events.iter().map(|e| e.event_id).collect();
             commit.rewound_from = Some(request.trigger);
             commit.snapshot = true;
             commit.fence = Some(lease.id.clone());
-            let (_, released) = store.commit_state_releasing_and_end(tx, &commit).await?;
+            let committed = store.commit(tx, &commit, Release::Lease).await?;
             mark(&mut t, &mut at);
-            if !released {
+            if !committed.released {
                 bail!("the rewind lease was not released by the commit");
             }
             totals.push(started.elapsed().as_secs_f64() * 1000.0);

@@ -191,7 +191,7 @@ pub(super) async fn claim<T: PgTransactionRef>(
         if apply.events.is_empty() && apply.unreadable.is_none() {
             if let Some(at) = positions
                 .iter()
-                .position(|(p, _)| *p == apply.cursor.perspective)
+                .position(|(p, _)| *p == apply.cursor.pair.perspective)
                 && !went_back[at]
             {
                 went_back[at] = true;
@@ -233,7 +233,7 @@ async fn read_events<T: PgTransactionRef>(
     let mut state_bytes = Vec::with_capacity(applies.len());
     let mut total: i64 = 0;
     for apply in applies.iter() {
-        streams.push(apply.cursor.stream_id.as_uuid());
+        streams.push(apply.cursor.pair.stream_id.as_uuid());
         // Not empty: checked when the pair was decoded.
         first.push(apply.work.first().copied().unwrap_or_default());
         last.push(apply.work.last().copied().unwrap_or_default());
@@ -272,7 +272,7 @@ async fn read_events<T: PgTransactionRef>(
         if stopped[i] {
             continue;
         }
-        let event = match crate::decode(row, 1, apply.cursor.stream_id) {
+        let event = match crate::decode(row, 1, apply.cursor.pair.stream_id) {
             Ok(event) => event,
             Err(err) => {
                 // The id is read on its own: only the payload (or another column) is bad.
@@ -382,12 +382,14 @@ pub(super) async fn commit<T: PgTransactionRef>(
         perspectives.push(pair.perspective.as_str());
         match &entry.commit {
             Some(commit) => {
-                if commit.stream_id != pair.stream_id || commit.perspective != pair.perspective {
+                if commit.pair.stream_id != pair.stream_id
+                    || commit.pair.perspective != pair.perspective
+                {
                     return Err(Error::new(
                         ErrorKind::InvalidInput,
                         format!(
                             "batch entry {pair}: its state change is for {}/{}",
-                            commit.stream_id, commit.perspective
+                            commit.pair.stream_id, commit.pair.perspective
                         ),
                     ));
                 }

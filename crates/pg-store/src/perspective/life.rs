@@ -166,8 +166,8 @@ pub(super) async fn record_progress<T: PgTransactionRef>(
         .query_typed(
             sql::RECORD_PROGRESS,
             &[
-                (&report.stream_id.as_uuid(), Type::UUID),
-                (&report.perspective.as_str(), Type::TEXT),
+                (&report.pair.stream_id.as_uuid(), Type::UUID),
+                (&report.pair.perspective.as_str(), Type::TEXT),
                 (&report.run, Type::UUID),
                 (&holder, Type::UUID),
                 (&epoch, Type::INT8),
@@ -207,8 +207,7 @@ pub(super) async fn rewind_progress<T: PgTransactionRef>(
             let started_at: OffsetDateTime = row.try_get(5).map_err(decode_error)?;
             let updated_at: OffsetDateTime = row.try_get(6).map_err(decode_error)?;
             let mut progress = RewindProgress::new(
-                StreamId::from(stream),
-                stored_name(name)?,
+                lockstep_core::Pair::new(StreamId::from(stream), stored_name(name)?),
                 stored_count(replayed)?,
                 stored_count(to_replay)?,
                 started_at,

@@ -35,9 +35,9 @@ use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch,
     ClaimedWork, Cursor, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseEpoch, LeaseId,
     LockReason, NewEvent, PageLimits, Pair, PairFailure, PerspectiveName, PerspectiveStore,
-    ProgressReport, Rebuild, RecordedEvent, Registration, RetireStates, Retired, RewindDebounce,
-    RewindProgress, SkippedEvent, StateCommit, StreamId, StreamLease, StreamLockAdmin,
-    StreamLocker, TransactionSource, ValidationError,
+    ProgressReport, Rebuild, RecordedEvent, Registration, Release, RetireStates, Retired,
+    RewindDebounce, RewindProgress, SkippedEvent, StateCommit, StreamId, StreamLease,
+    StreamLockAdmin, StreamLocker, TransactionSource, ValidationError,
 };
 use uuid::Uuid;
 
@@ -252,8 +252,7 @@ async fn apply<F: PerspectiveStoreFixture>(
         panic!("expected events to apply");
     };
     let mut change = StateCommit::new(
-        stream,
-        name.clone(),
+        Pair::new(stream, name.clone()),
         cursor.revision,
         folded(state.as_ref(), &events),
     );
@@ -261,13 +260,12 @@ async fn apply<F: PerspectiveStoreFixture>(
     change.applied_count = cursor.applied_count + events.len() as u64;
     change.applied_events = events.iter().map(|e| e.event_id).collect();
     change.snapshot = snapshot;
-    let revision = fixture
+    fixture
         .store()
-        .commit_state(&tx, &change)
+        .commit(tx, &change, Release::Keep)
         .await
-        .expect("commit_state");
-    commit(tx).await.expect("commit");
-    revision
+        .expect("commit")
+        .revision
 }
 
 /// What `perspective` (one stream of it) has not applied of the events up to `up_to`.
@@ -312,15 +310,21 @@ async fn rewind<F: PerspectiveStoreFixture>(
         .pending_events(&tx, &lockstep_core::Pair::new(stream, name.clone()))
         .await
         .expect("pending_events");
-    let mut change = StateCommit::new(stream, name.clone(), cursor.revision, folded(None, &all));
+    let mut change = StateCommit::new(
+        Pair::new(stream, name.clone()),
+        cursor.revision,
+        folded(None, &all),
+    );
     change.last_event_id = all.last().map(|e| e.event_id);
     change.applied_count = all.len() as u64;
     change.applied_events = pending;
     change.rewound_from = Some(from);
     change.fence = fence;
-    let result = fixture.store().commit_state(&tx, &change).await;
-    commit(tx).await.expect("commit");
-    result
+    fixture
+        .store()
+        .commit(tx, &change, Release::Keep)
+        .await
+        .map(|c| c.revision)
 }
 
 /// The committed cursor of a pair.
@@ -394,7 +398,7 @@ async fn listed<F: PerspectiveStoreFixture>(
     rollback(tx).await;
     pairs
         .into_iter()
-        .find(|p| p.stream_id == stream && &p.perspective == name)
+        .find(|p| p.pair.stream_id == stream && &p.pair.perspective == name)
         .map(|p| (p.pending, p.rewind))
 }
 
@@ -635,16 +639,20 @@ pub async fn claim_returns_pending_events_after_the_cursor_in_event_id_order_up_
         (cursor.last_event_id, cursor.applied_count, state),
         (None, 0, None)
     );
-    let mut change = StateCommit::new(stream, p.clone(), cursor.revision, folded(None, &events));
+    let mut change = StateCommit::new(
+        Pair::new(stream, p.clone()),
+        cursor.revision,
+        folded(None, &events),
+    );
     change.last_event_id = Some(ids[2]);
     change.applied_count = 3;
     change.applied_events = event_ids(&events);
     fixture
         .store()
-        .commit_state(&tx, &change)
+        .commit(tx, &change, Release::Keep)
         .await
-        .expect("commit_state");
-    commit(tx).await.expect("commit");
+        .map(|c| c.revision)
+        .expect("commit");
 
     let tx = begin(fixture.source()).await;
     let Claim::Apply {
@@ -773,7 +781,7 @@ pub async fn a_leased_pair_is_held_back_while_its_events_keep_queueing<
 
 /// A commit saves the state, advances the cursor, increments the revision and deletes exactly
 /// the work items it names: a claimed event it does not name stays pending.
-pub async fn commit_state_saves_the_state_advances_the_cursor_and_deletes_exactly_the_applied_work<
+pub async fn a_commit_saves_the_state_advances_the_cursor_and_deletes_exactly_the_applied_work<
     F: PerspectiveStoreFixture,
 >(
     fixture: Arc<F>,
@@ -790,8 +798,7 @@ pub async fn commit_state_saves_the_state_advances_the_cursor_and_deletes_exactl
     };
     assert_eq!(events.len(), 3);
     let mut change = StateCommit::new(
-        stream,
-        p.clone(),
+        Pair::new(stream, p.clone()),
         cursor.revision,
         folded(None, &events[..2]),
     );
@@ -800,11 +807,11 @@ pub async fn commit_state_saves_the_state_advances_the_cursor_and_deletes_exactl
     change.applied_events = ids[..2].to_vec();
     let revision = fixture
         .store()
-        .commit_state(&tx, &change)
+        .commit(tx, &change, Release::Keep)
         .await
-        .expect("commit_state");
+        .map(|c| c.revision)
+        .expect("commit");
     assert_eq!(revision, cursor.revision + 1);
-    commit(tx).await.expect("commit");
 
     let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(after.last_event_id, Some(ids[1]));
@@ -833,8 +840,7 @@ pub async fn a_stale_expected_revision_is_a_conflict_that_writes_nothing<
 
     let tx = begin(fixture.source()).await;
     let mut change = StateCommit::new(
-        stream,
-        p.clone(),
+        Pair::new(stream, p.clone()),
         revision - 1,
         serde_json::json!({ "sum": 999 }),
     );
@@ -844,12 +850,12 @@ pub async fn a_stale_expected_revision_is_a_conflict_that_writes_nothing<
     change.snapshot = true;
     let err = fixture
         .store()
-        .commit_state(&tx, &change)
+        .commit(tx, &change, Release::Keep)
         .await
+        .map(|c| c.revision)
         .expect_err("stale revision");
     assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
     assert!(err.is_retryable());
-    commit(tx).await.expect("the transaction is still usable");
 
     let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
@@ -1115,7 +1121,13 @@ pub async fn pending_pairs_lists_only_the_perspectives_asked_for<F: PerspectiveS
                 .await
                 .expect("pending_pairs")
                 .into_iter()
-                .map(|p| (p.stream_id, p.perspective.as_str().to_owned(), p.rewind))
+                .map(|p| {
+                    (
+                        p.pair.stream_id,
+                        p.pair.perspective.as_str().to_owned(),
+                        p.rewind,
+                    )
+                })
                 .collect::<Vec<_>>()
         }
     };
@@ -1752,8 +1764,7 @@ pub async fn a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing<
         panic!("expected events to apply");
     };
     let mut change = StateCommit::new(
-        stream,
-        p.clone(),
+        Pair::new(stream, p.clone()),
         cursor.revision,
         serde_json::json!({ "note": "a\u{0}b" }),
     );
@@ -1763,11 +1774,11 @@ pub async fn a_state_jsonb_cannot_store_is_invalid_input_and_writes_nothing<
     change.snapshot = true;
     let err = fixture
         .store()
-        .commit_state(&tx, &change)
+        .commit(tx, &change, Release::Keep)
         .await
+        .map(|c| c.revision)
         .expect_err("refused");
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
-    commit(tx).await.expect("still usable");
     let (after, state) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
         (after.revision, after.last_event_id),
@@ -1803,7 +1814,7 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     let ids = ids(2);
     let stream = stream_with(&*fixture, &ids).await;
     let commit_of = |cursor: &Cursor, state: serde_json::Value, applied: &[Uuid]| {
-        let mut change = StateCommit::new(stream, p.clone(), cursor.revision, state);
+        let mut change = StateCommit::new(Pair::new(stream, p.clone()), cursor.revision, state);
         change.last_event_id = applied.last().copied();
         change.applied_count = cursor.applied_count + applied.len() as u64;
         change.applied_events = applied.to_vec();
@@ -1819,8 +1830,13 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     };
     let err = fixture
         .store()
-        .commit_state(&tx, &commit_of(&cursor, nested(MAX_DEPTH + 1), &ids[..1]))
+        .commit(
+            tx,
+            &commit_of(&cursor, nested(MAX_DEPTH + 1), &ids[..1]),
+            Release::Keep,
+        )
         .await
+        .map(|c| c.revision)
         .expect_err("refused");
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
     assert_eq!(
@@ -1830,7 +1846,6 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
             max: 127
         })
     );
-    commit(tx).await.expect("still usable");
     let (after, stored) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
         (after.revision, after.last_event_id),
@@ -1849,10 +1864,14 @@ pub async fn a_state_nested_deeper_than_a_claim_can_read_is_invalid_input_and_wr
     };
     fixture
         .store()
-        .commit_state(&tx, &commit_of(&cursor, deepest.clone(), &ids[..1]))
+        .commit(
+            tx,
+            &commit_of(&cursor, deepest.clone(), &ids[..1]),
+            Release::Keep,
+        )
         .await
+        .map(|c| c.revision)
         .expect("the deepest readable state");
-    commit(tx).await.expect("commit");
     let (_, stored) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(stored, Some(deepest.clone()));
     // The pair goes on: the next claim reads the state back.
@@ -1918,14 +1937,22 @@ fn work_of(batch: &ClaimedBatch) -> Vec<(StreamId, PerspectiveName, Option<Vec<U
                 ClaimedWork::Rewind => None,
                 other => panic!("unexpected work {other:?}"),
             };
-            (p.cursor.stream_id, p.cursor.perspective.clone(), events)
+            (
+                p.cursor.pair.stream_id,
+                p.cursor.pair.perspective.clone(),
+                events,
+            )
         })
         .collect()
 }
 
 /// The streams a batch claimed, in claim order.
 fn streams_of(batch: &ClaimedBatch) -> Vec<StreamId> {
-    batch.pairs.iter().map(|p| p.cursor.stream_id).collect()
+    batch
+        .pairs
+        .iter()
+        .map(|p| p.cursor.pair.stream_id)
+        .collect()
 }
 
 /// A claim of the batch in a transaction of its own, rolled back.
@@ -1959,11 +1986,7 @@ async fn isolate<F: PerspectiveStoreFixture>(fixture: &F, perspectives: &[Perspe
     for pair in foreign {
         fixture
             .store()
-            .record_failure(
-                &tx,
-                &lockstep_core::Pair::new(pair.stream_id, pair.perspective.clone()),
-                &park,
-            )
+            .record_failure(&tx, &pair.pair, &park)
             .await
             .expect("record_failure");
     }
@@ -2008,12 +2031,7 @@ fn commit_of(
     state: Option<&serde_json::Value>,
     events: &[RecordedEvent],
 ) -> StateCommit {
-    let mut change = StateCommit::new(
-        cursor.stream_id,
-        cursor.perspective.clone(),
-        cursor.revision,
-        folded(state, events),
-    );
+    let mut change = StateCommit::new(cursor.pair.clone(), cursor.revision, folded(state, events));
     change.last_event_id = events.last().map(|e| e.event_id);
     change.applied_count = cursor.applied_count + events.len() as u64;
     change.applied_events = event_ids(events);
@@ -2047,7 +2065,7 @@ pub async fn a_batch_claims_only_the_requested_perspectives_within_its_limits<
         expected,
         "a's pairs in stream order, then b's"
     );
-    assert!(batch.pairs.iter().all(|p| p.cursor.perspective != c));
+    assert!(batch.pairs.iter().all(|p| p.cursor.pair.perspective != c));
     let first = &batch.pairs[0];
     assert_eq!(first.cursor.revision, 0);
     assert!(
@@ -2080,7 +2098,7 @@ pub async fn a_batch_claims_only_the_requested_perspectives_within_its_limits<
     )
     .await;
     assert_eq!(batch.pairs.len(), 1, "c's own batch does claim c");
-    assert_eq!(batch.pairs[0].cursor.perspective, c);
+    assert_eq!(batch.pairs[0].cursor.pair.perspective, c);
 
     let tx = begin(fixture.source()).await;
     for bad in [limits(0, 1, 1), limits(1, 0, 1), limits(1, 1, 0)] {
@@ -2291,23 +2309,23 @@ pub async fn a_parked_pair_is_listed_and_only_claimed_again_after_unpark<
     rollback(tx).await;
     let listed = parked
         .iter()
-        .find(|c| c.stream_id == stream)
+        .find(|c| c.pair.stream_id == stream)
         .expect("listed");
-    assert_eq!(listed.perspective, p);
+    assert_eq!(listed.pair.perspective, p);
     assert_eq!(listed.error.as_deref(), Some("apply failed"));
     assert_eq!(listed.failures, 2);
     assert_eq!(listed.failed_event_id, Some(ids[0]));
     assert!(listed.parked_at.is_some() && listed.retry_at.is_some());
     assert!(
         all.iter()
-            .any(|c| c.stream_id == stream && c.perspective == p),
+            .any(|c| c.pair.stream_id == stream && c.pair.perspective == p),
         "all perspectives"
     );
     assert!(other.is_empty());
     assert!(
         parked
             .iter()
-            .all(|c| c.perspective == p && c.parked_at.is_some())
+            .all(|c| c.pair.perspective == p && c.parked_at.is_some())
     );
     assert!(
         parked.windows(2).all(|w| w[0].parked_at <= w[1].parked_at),
@@ -2364,7 +2382,10 @@ pub async fn a_parked_pair_is_listed_and_only_claimed_again_after_unpark<
             .find(|s| s.perspective == p)
             .map(|s| s.in_error);
         (
-            failing.iter().filter(|c| c.stream_id == stream).count(),
+            failing
+                .iter()
+                .filter(|c| c.pair.stream_id == stream)
+                .count(),
             in_error,
         )
     };
@@ -2529,8 +2550,8 @@ pub async fn commit_batch_commits_each_entry_and_refuses_a_stale_one_alone<
             panic!("expected events to apply");
         };
         let cursor = &claimed.cursor;
-        let pair = cursor.pair();
-        let stream = cursor.stream_id;
+        let pair = cursor.pair.clone();
+        let stream = cursor.pair.stream_id;
         let entry = if stream == ok.0 {
             BatchEntry::new(pair, Some(commit_of(cursor, state.as_ref(), events)), None)
         } else if stream == stale.0 {
@@ -2664,7 +2685,7 @@ pub async fn an_invalid_batch_entry_writes_nothing_of_any_entry<F: PerspectiveSt
                 panic!("expected events to apply");
             };
             (
-                c.cursor.pair(),
+                c.cursor.pair.clone(),
                 commit_of(&c.cursor, state.as_ref(), events),
             )
         })
@@ -2701,7 +2722,7 @@ pub async fn an_invalid_batch_entry_writes_nothing_of_any_entry<F: PerspectiveSt
     }
 }
 
-/// A successful commit — by `commit_state` or in a batch — clears the pair's error, failure
+/// A successful commit — by `commit` or in a batch — clears the pair's error, failure
 /// count, failed event, backoff and parking.
 pub async fn a_successful_commit_clears_the_error_the_backoff_and_the_parking<
     F: PerspectiveStoreFixture,
@@ -2737,13 +2758,16 @@ pub async fn a_successful_commit_clears_the_error_the_backoff_and_the_parking<
         if i == 0 {
             fixture
                 .store()
-                .commit_state(&tx, &change)
+                .commit(tx, &change, Release::Keep)
                 .await
-                .expect("commit_state");
+                .expect("commit");
         } else {
             let done = fixture
                 .store()
-                .commit_batch(&tx, &[BatchEntry::new(claimed.pair(), Some(change), None)])
+                .commit_batch(
+                    &tx,
+                    &[BatchEntry::new(claimed.pair.clone(), Some(change), None)],
+                )
                 .await
                 .expect("commit_batch");
             assert_eq!(
@@ -2753,8 +2777,8 @@ pub async fn a_successful_commit_clears_the_error_the_backoff_and_the_parking<
                     parked: false
                 }]
             );
+            commit(tx).await.expect("commit");
         }
-        commit(tx).await.expect("commit");
         let healed = cursor(&*fixture, *stream, &p).await.expect("cursor");
         assert_eq!(
             (healed.error, healed.failures, healed.failed_event_id),
@@ -2821,7 +2845,11 @@ pub async fn a_failed_pair_is_retried_up_to_its_failed_event<F: PerspectiveStore
         .store()
         .commit_batch(
             &tx,
-            &[BatchEntry::new(claimed.cursor.pair(), Some(change), None)],
+            &[BatchEntry::new(
+                claimed.cursor.pair.clone(),
+                Some(change),
+                None,
+            )],
         )
         .await
         .expect("commit_batch");
@@ -2869,7 +2897,7 @@ async fn commit_first_event_with<F: PerspectiveStoreFixture>(
         .commit_batch(
             &tx,
             &[BatchEntry::new(
-                claimed.cursor.pair(),
+                claimed.cursor.pair.clone(),
                 Some(prefix),
                 Some(failure),
             )],
@@ -3376,7 +3404,7 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
         .await
         .expect("failing_pairs");
     rollback(tx).await;
-    let mut listed: Vec<StreamId> = failing.iter().map(|c| c.stream_id).collect();
+    let mut listed: Vec<StreamId> = failing.iter().map(|c| c.pair.stream_id).collect();
     listed.sort();
     let mut expected = vec![streams[0], streams[1]];
     expected.sort();
@@ -3384,7 +3412,7 @@ pub async fn perspective_status_counts_work_failures_backoff_and_parking<
     assert!(
         failing
             .iter()
-            .all(|c| c.perspective == p && c.error.is_some())
+            .all(|c| c.pair.perspective == p && c.error.is_some())
     );
     assert!(none.is_empty());
 }
@@ -3440,7 +3468,7 @@ pub async fn an_event_skipped_between_pending_ones_is_not_handed_out<F: Perspect
         .commit_batch(
             &tx,
             &[BatchEntry::new(
-                batch.pairs[0].cursor.pair(),
+                batch.pairs[0].cursor.pair.clone(),
                 Some(change),
                 None,
             )],
@@ -3502,7 +3530,7 @@ pub async fn a_late_arrival_inside_a_claimed_range_survives_the_batch_commit<
                 panic!("expected events: {pair:?}");
             };
             let change = commit_of(&pair.cursor, state.as_ref(), events);
-            BatchEntry::new(pair.cursor.pair(), Some(change), None)
+            BatchEntry::new(pair.cursor.pair.clone(), Some(change), None)
         })
         .collect();
     let done = fixture
@@ -3538,12 +3566,12 @@ pub async fn a_late_arrival_inside_a_claimed_range_survives_the_batch_commit<
     );
 }
 
-/// A batch of plain entries commits each as `commit_state` would: exactly the applied work is
+/// A batch of plain entries commits each as `commit` would: exactly the applied work is
 /// deleted (a work row inside the applied range that the entry did not apply stays), a fenced
 /// entry under its live lease commits, an entry's snapshot is saved and only the newest
 /// [`DEFAULT_KEEP_SNAPSHOTS`] are kept, and of two entries for one pair the second, computed
 /// from the same revision, is refused alone.
-pub async fn a_batch_of_plain_entries_commits_each_as_commit_state_would<
+pub async fn a_batch_of_plain_entries_commits_each_as_a_single_commit_would<
     F: PerspectiveStoreFixture,
 >(
     fixture: Arc<F>,
@@ -3588,9 +3616,13 @@ pub async fn a_batch_of_plain_entries_commits_each_as_commit_state_would<
         } else if *stream == pruned.0 {
             change.snapshot = true;
         }
-        entries.push(BatchEntry::new(cursor.pair(), Some(change.clone()), None));
+        entries.push(BatchEntry::new(
+            cursor.pair.clone(),
+            Some(change.clone()),
+            None,
+        ));
         if *stream == twice.0 {
-            entries.push(BatchEntry::new(cursor.pair(), Some(change), None));
+            entries.push(BatchEntry::new(cursor.pair.clone(), Some(change), None));
         }
     }
     renew(&*fixture, &held).await;
@@ -4075,8 +4107,7 @@ fn sum_commit_up_to(
     fence: Option<LeaseId>,
 ) -> StateCommit {
     let mut change = StateCommit::new(
-        stream,
-        name.clone(),
+        Pair::new(stream, name.clone()),
         cursor.revision,
         serde_json::json!({ "sum": n }),
     );
@@ -4087,10 +4118,10 @@ fn sum_commit_up_to(
     change
 }
 
-/// `commit_state_releasing` commits like `commit_state` and, when it reports the lease
-/// released, the lease is gone once the transaction commits (a renew is refused; another
-/// instance acquires it at once); a refused commit, a rolled-back transaction or a store that
-/// reports `false` leaves the lease held. Without a fence nothing is released.
+/// `commit` with `Release::Lease` releases the fence's lease exactly when the change commits:
+/// afterwards a renew is refused and another instance acquires it at once, at a later epoch. A
+/// refused change (a stale revision, a fence that is not the live lease) leaves the lease held.
+/// Without a fence nothing is released; with `Release::Keep` the lease stays held.
 pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commits<
     F: PerspectiveStoreFixture,
 >(
@@ -4098,7 +4129,7 @@ pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commit
 ) {
     let p = name("CommitRelease");
     register(&*fixture, std::slice::from_ref(&p)).await;
-    let ids = ids(3);
+    let ids = ids(4);
     let stream = stream_with(&*fixture, &ids).await;
     let held = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
     let commit_for = |cursor: &Cursor, n: usize, fence: Option<LeaseId>| {
@@ -4110,12 +4141,11 @@ pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commit
     let mut stale = commit_for(&before, 1, Some(held.id.clone()));
     stale.expected_revision += 1;
     let tx = begin(fixture.source()).await;
-    let refused = fixture.store().commit_state_releasing(&tx, &stale).await;
+    let refused = fixture.store().commit(tx, &stale, Release::Lease).await;
     assert_eq!(
         refused.map_err(|e| e.kind()).err(),
         Some(ErrorKind::Conflict)
     );
-    rollback(tx).await;
     renew(&*fixture, &held).await;
 
     // Fenced on a lease that is not the live one (an earlier epoch, another holder): refused
@@ -4124,90 +4154,95 @@ pub async fn a_commit_releasing_its_fence_releases_the_lease_only_when_it_commit
         let tx = begin(fixture.source()).await;
         let refused = fixture
             .store()
-            .commit_state_releasing(&tx, &commit_for(&before, 1, Some(fence)))
+            .commit(tx, &commit_for(&before, 1, Some(fence)), Release::Lease)
             .await;
         assert_eq!(
             refused.map_err(|e| e.kind()).err(),
             Some(ErrorKind::LeaseLost)
         );
-        rollback(tx).await;
         renew(&*fixture, &held).await;
     }
     let now = cursor(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(now.revision, before.revision, "nothing written");
-
-    // Committed but rolled back: nothing written, the lease held.
-    let tx = begin(fixture.source()).await;
-    fixture
-        .store()
-        .commit_state_releasing(&tx, &commit_for(&before, 1, Some(held.id.clone())))
-        .await
-        .expect("commit_state_releasing");
-    rollback(tx).await;
-    renew(&*fixture, &held).await;
-    let now = cursor(&*fixture, stream, &p).await.expect("cursor");
-    assert_eq!(
-        (now.revision, now.last_event_id, now.applied_count),
-        (before.revision, before.last_event_id, before.applied_count)
-    );
     assert_eq!(pending(&*fixture, stream, &p).await, ids);
 
     // No fence: committed, nothing released.
     let tx = begin(fixture.source()).await;
-    let (revision, released) = fixture
+    let committed = fixture
         .store()
-        .commit_state_releasing(&tx, &commit_for(&before, 1, None))
+        .commit(tx, &commit_for(&before, 1, None), Release::Lease)
         .await
-        .expect("commit_state_releasing");
-    commit(tx).await.expect("commit");
-    assert_eq!((revision, released), (before.revision + 1, false));
+        .expect("commit");
+    assert_eq!(
+        (committed.revision, committed.released),
+        (before.revision + 1, false)
+    );
     renew(&*fixture, &held).await;
 
-    // Fenced on the live lease: committed, and released if the store says so.
+    // Fenced on the live lease, keeping it: committed, the lease still held.
     let before = cursor(&*fixture, stream, &p).await.expect("cursor");
     let tx = begin(fixture.source()).await;
-    let (revision, released) = fixture
+    let committed = fixture
         .store()
-        .commit_state_releasing(&tx, &commit_for(&before, 3, Some(held.id.clone())))
+        .commit(
+            tx,
+            &commit_for(&before, 2, Some(held.id.clone())),
+            Release::Keep,
+        )
         .await
-        .expect("commit_state_releasing");
-    commit(tx).await.expect("commit");
-    assert_eq!(revision, before.revision + 1);
+        .expect("commit");
+    assert_eq!(
+        (committed.revision, committed.released),
+        (before.revision + 1, false)
+    );
+    renew(&*fixture, &held).await;
+
+    // Fenced on the live lease, releasing it: committed and released.
+    let before = cursor(&*fixture, stream, &p).await.expect("cursor");
+    let tx = begin(fixture.source()).await;
+    let committed = fixture
+        .store()
+        .commit(
+            tx,
+            &commit_for(&before, 4, Some(held.id.clone())),
+            Release::Lease,
+        )
+        .await
+        .expect("commit");
+    assert_eq!(
+        (committed.revision, committed.released),
+        (before.revision + 1, true)
+    );
     let (after, stored) = state(&*fixture, stream, &p).await.expect("cursor");
     assert_eq!(
         (after.last_event_id, after.applied_count, stored),
-        (Some(ids[2]), 3, Some(serde_json::json!({ "sum": 3 })))
+        (Some(ids[3]), 4, Some(serde_json::json!({ "sum": 4 })))
     );
     assert!(pending(&*fixture, stream, &p).await.is_empty());
-    if released {
-        let renewed = fixture.locker().renew(&held.id).await.expect("renew");
-        assert!(
-            !renewed.is_renewed(),
-            "the lease was released by the commit"
-        );
-        match fixture
-            .locker()
-            .try_acquire(stream, &p, InstanceId::random(), &LockReason::Rewind)
-            .await
-            .expect("try_acquire")
-        {
-            AcquireOutcome::Acquired(next) => {
-                assert!(next.id.epoch > held.id.epoch, "a later epoch");
-                let _ = fixture.locker().release(&next.id).await.expect("release");
-            }
-            other => panic!("expected the released lease to be free, got {other:?}"),
+    let renewed = fixture.locker().renew(&held.id).await.expect("renew");
+    assert!(
+        !renewed.is_renewed(),
+        "the lease was released by the commit"
+    );
+    match fixture
+        .locker()
+        .try_acquire(stream, &p, InstanceId::random(), &LockReason::Rewind)
+        .await
+        .expect("try_acquire")
+    {
+        AcquireOutcome::Acquired(next) => {
+            assert!(next.id.epoch > held.id.epoch, "a later epoch");
+            let _ = fixture.locker().release(&next.id).await.expect("release");
         }
-    } else {
-        let done = fixture.locker().release(&held.id).await.expect("release");
-        assert!(done.is_released(), "not released by the commit: still held");
+        other => panic!("expected the released lease to be free, got {other:?}"),
     }
 }
 
-/// `commit_state_releasing_and_end` commits the state change and its transaction as one, or
-/// nothing: a refused change (a stale revision, a fence that is not the live lease) commits
-/// nothing of the transaction — not even another write made on it before — and keeps the lease
-/// held; an accepted one commits the state, the other write and (if the store says so) the
-/// lease's release. Without a fence nothing is released.
+/// `commit` commits the state change and its transaction as one, or nothing: a refused change
+/// (a stale revision, a fence that is not the live lease) commits nothing of the transaction —
+/// not even another write made on it before — and keeps the lease held; an accepted one commits
+/// the state, the other write and, with `Release::Lease`, the lease's release. Without a fence
+/// nothing is released.
 pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_nothing<
     F: PerspectiveStoreFixture,
 >(
@@ -4266,10 +4301,7 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
     );
     for (change, kind) in refusals {
         let tx = with_witness(fixture.clone(), witness).await;
-        let refused = fixture
-            .store()
-            .commit_state_releasing_and_end(tx, &change)
-            .await;
+        let refused = fixture.store().commit(tx, &change, Release::Lease).await;
         assert_eq!(refused.map_err(|e| e.kind()).err(), Some(kind));
         assert!(
             !requested(fixture.clone(), witness).await,
@@ -4283,12 +4315,15 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
 
     // No fence: committed with the other write, nothing released.
     let tx = with_witness(fixture.clone(), witness).await;
-    let (revision, released) = fixture
+    let committed = fixture
         .store()
-        .commit_state_releasing_and_end(tx, &commit_for(&before, 1, None))
+        .commit(tx, &commit_for(&before, 1, None), Release::Lease)
         .await
-        .expect("commit_state_releasing_and_end");
-    assert_eq!((revision, released), (before.revision + 1, false));
+        .expect("commit");
+    assert_eq!(
+        (committed.revision, committed.released),
+        (before.revision + 1, false)
+    );
     assert!(
         requested(fixture.clone(), witness).await,
         "the other write committed"
@@ -4299,12 +4334,19 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
     // says so.
     let before = cursor(&*fixture, stream, &p).await.expect("cursor");
     let tx = with_witness(fixture.clone(), fenced_witness).await;
-    let (revision, released) = fixture
+    let committed = fixture
         .store()
-        .commit_state_releasing_and_end(tx, &commit_for(&before, 3, Some(held.id.clone())))
+        .commit(
+            tx,
+            &commit_for(&before, 3, Some(held.id.clone())),
+            Release::Lease,
+        )
         .await
-        .expect("commit_state_releasing_and_end");
-    assert_eq!(revision, before.revision + 1);
+        .expect("commit");
+    assert_eq!(
+        (committed.revision, committed.released),
+        (before.revision + 1, true)
+    );
     assert!(
         requested(fixture.clone(), fenced_witness).await,
         "the other write committed with the fenced commit"
@@ -4316,15 +4358,10 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
     );
     assert!(pending(&*fixture, stream, &p).await.is_empty());
     let renewed = fixture.locker().renew(&held.id).await.expect("renew");
-    assert_eq!(
-        renewed.is_renewed(),
-        !released,
-        "the lease is released exactly when the store says so"
+    assert!(
+        !renewed.is_renewed(),
+        "the lease was released with the commit"
     );
-    if !released {
-        let done = fixture.locker().release(&held.id).await.expect("release");
-        assert!(done.is_released());
-    }
 }
 
 /// `states` pages through one perspective's stored states in stream-id order: only pairs that
@@ -4354,16 +4391,16 @@ pub async fn states_page_through_one_perspectives_states_in_stream_order<
     let first = store.states(&tx, &p, None, 2).await.expect("first page");
     let mine = |page: &[lockstep_core::StoredState]| -> Vec<StreamId> {
         page.iter()
-            .map(|s| s.cursor.stream_id)
+            .map(|s| s.cursor.pair.stream_id)
             .filter(|s| streams.contains(s))
             .collect()
     };
     // Other cases' streams (a shared database) may sort among ours; walk every page.
     let mut seen = mine(&first);
-    let mut after = first.last().map(|s| s.cursor.stream_id);
+    let mut after = first.last().map(|s| s.cursor.pair.stream_id);
     assert!(first.len() <= 2, "a page holds at most its limit");
     for stored in &first {
-        assert_eq!(stored.cursor.perspective, p);
+        assert_eq!(stored.cursor.pair.perspective, p);
     }
     while let Some(last) = after {
         let page = store
@@ -4372,13 +4409,16 @@ pub async fn states_page_through_one_perspectives_states_in_stream_order<
             .expect("next page");
         assert!(page.len() <= 2);
         assert!(
-            page.iter().all(|s| s.cursor.stream_id > last),
+            page.iter().all(|s| s.cursor.pair.stream_id > last),
             "a page starts after the stream it was asked to"
         );
         for stored in &page {
-            if let Some(i) = streams.iter().position(|s| *s == stored.cursor.stream_id) {
+            if let Some(i) = streams
+                .iter()
+                .position(|s| *s == stored.cursor.pair.stream_id)
+            {
                 let events = store
-                    .stream_events(&tx, stored.cursor.stream_id, None)
+                    .stream_events(&tx, stored.cursor.pair.stream_id, None)
                     .await
                     .expect("events");
                 assert_eq!(stored.state, folded(None, &events), "stream {i}'s state");
@@ -4386,7 +4426,7 @@ pub async fn states_page_through_one_perspectives_states_in_stream_order<
             }
         }
         seen.extend(mine(&page));
-        after = page.last().map(|s| s.cursor.stream_id);
+        after = page.last().map(|s| s.cursor.pair.stream_id);
     }
     assert_eq!(
         seen, streams,
@@ -4543,7 +4583,7 @@ macro_rules! __lockstep_perspective_store_cases {
             claim_creates_the_cursor_of_a_pair_that_has_none,
             a_second_claim_of_a_claimed_pair_is_busy_until_the_first_transaction_ends,
             a_leased_pair_is_held_back_while_its_events_keep_queueing,
-            commit_state_saves_the_state_advances_the_cursor_and_deletes_exactly_the_applied_work,
+            a_commit_saves_the_state_advances_the_cursor_and_deletes_exactly_the_applied_work,
             a_stale_expected_revision_is_a_conflict_that_writes_nothing,
             a_fenced_commit_by_the_lease_holder_is_written,
             a_fenced_commit_after_a_takeover_is_lease_lost_and_writes_nothing,
@@ -4584,7 +4624,7 @@ macro_rules! __lockstep_perspective_store_cases {
             skip_event_skips_a_pending_event_for_good_and_retries_the_pair,
             a_skip_reason_longer_than_the_limit_is_invalid_input_and_changes_nothing,
             perspective_status_counts_work_failures_backoff_and_parking,
-            a_batch_of_plain_entries_commits_each_as_commit_state_would,
+            a_batch_of_plain_entries_commits_each_as_a_single_commit_would,
             a_late_arrival_inside_a_claimed_range_survives_the_batch_commit,
             an_event_skipped_between_pending_ones_is_not_handed_out,
             load_rewind_reads_the_snapshot_before_the_trigger_and_the_events_after_it,
@@ -4902,7 +4942,7 @@ pub async fn rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_co
     request(&*fixture, stream, &p, None).await;
     let lease = lease(&*fixture, stream, &p, &LockReason::Rewind).await;
     let run = Uuid::new_v4();
-    let mut report = ProgressReport::new(stream, p.clone(), run, 1, 3);
+    let mut report = ProgressReport::new(Pair::new(stream, p.clone()), run, 1, 3);
     report.lease = Some(lease.id.clone());
     report.elapsed = Duration::from_secs(5);
     let store = fixture.store();
@@ -4913,7 +4953,7 @@ pub async fn rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_co
     let rows = progress_of(&*fixture, &p).await;
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(
-        (rows[0].stream_id, rows[0].replayed, rows[0].to_replay),
+        (rows[0].pair.stream_id, rows[0].replayed, rows[0].to_replay),
         (stream, 1, 3)
     );
     assert_eq!(rows[0].holder, Some(lease.id.holder));

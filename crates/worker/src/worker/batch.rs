@@ -165,8 +165,8 @@ where
         let (work, tables, rewinds) = self.sort_claimed(batch.pairs, report);
         let claimed: Vec<Pair> = work
             .iter()
-            .map(|w| w.cursor.pair())
-            .chain(tables.iter().map(|t| t.cursor.pair()))
+            .map(|w| w.cursor.pair.clone())
+            .chain(tables.iter().map(|t| t.cursor.pair.clone()))
             .collect();
         let mut folded = fold_off_runtime(work).await;
         // Kept until the commit has ended, so that no other path of this instance starts on a
@@ -190,7 +190,7 @@ where
                 super::rollback(tx, "a batch a table perspective failed in").await;
                 drop(guards);
                 self.remember_positions(request.positions.clone());
-                let pair = table.cursor.pair();
+                let pair = table.cursor.pair.clone();
                 count(telemetry::PAIRS_RETRIED, pair.perspective.as_str(), 1);
                 tracing::warn!(pair = %pair, error = %error, "a table perspective failed in a batch; the batch rolled back and the pair is processed alone");
                 let others = claimed.iter().filter(|p| **p != pair).count();
@@ -214,7 +214,7 @@ where
                 first_snapshot: false,
             });
             entries.push(BatchEntry::new(
-                table.cursor.pair(),
+                table.cursor.pair.clone(),
                 committed.then(|| super::table::table_commit(&table.cursor, &table.events)),
                 failure,
             ));
@@ -239,9 +239,12 @@ where
                 .await;
         }
         for cursor in rewinds {
-            match self.rewind(cursor.stream_id, &cursor.perspective).await {
-                Ok(outcome) => report.add(&cursor.pair(), Ok(outcome)),
-                Err(err) => report.add(&cursor.pair(), Err(err)),
+            match self
+                .rewind(cursor.pair.stream_id, &cursor.pair.perspective)
+                .await
+            {
+                Ok(outcome) => report.add(&cursor.pair.clone(), Ok(outcome)),
+                Err(err) => report.add(&cursor.pair.clone(), Err(err)),
             }
         }
         Ok(())
@@ -279,14 +282,14 @@ where
                 }
             };
             // Only this worker's perspectives are asked for.
-            let Some(kind) = self.kind(&cursor.perspective) else {
+            let Some(kind) = self.kind(&cursor.pair.perspective) else {
                 report.pairs += 1;
                 report.skipped += 1;
                 continue;
             };
             let Some(guard) = self
                 .coordinator
-                .try_lock(cursor.stream_id, &cursor.perspective)
+                .try_lock(cursor.pair.stream_id, &cursor.pair.perspective)
             else {
                 report.pairs += 1;
                 report.skipped += 1;
@@ -368,7 +371,7 @@ where
                 oldest: work.events[..n].iter().map(|e| e.recorded_at).min(),
                 first_snapshot: cursor.latest_snapshot.is_none() && commit.is_some(),
             });
-            entries.push(BatchEntry::new(cursor.pair(), commit, failure));
+            entries.push(BatchEntry::new(cursor.pair.clone(), commit, failure));
         }
         (entries, applied)
     }
@@ -396,12 +399,7 @@ where
     ) -> StateCommit {
         let applied_count = cursor.applied_count + events.len() as u64;
         let every = self.options.snapshot_every;
-        let mut commit = StateCommit::new(
-            cursor.stream_id,
-            cursor.perspective.clone(),
-            cursor.revision,
-            state,
-        );
+        let mut commit = StateCommit::new(cursor.pair.clone(), cursor.revision, state);
         commit.last_event_id = events.last().map(|e| e.event_id).or(cursor.last_event_id);
         commit.applied_count = applied_count;
         commit.applied_events = events.iter().map(|e| e.event_id).collect();

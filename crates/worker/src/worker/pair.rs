@@ -2,7 +2,7 @@
 //! handing over to the rewind path when the pair needs one. The cycles use the batch path
 //! ([`super::batch`]); this is the explicit "process this pair now" of an operator or a test,
 //! which does not wait for the pair's backoff nor for its parking.
-use lockstep_core::Pair;
+use lockstep_core::{Pair, Release};
 use std::sync::Arc;
 
 use lockstep_core::{
@@ -137,21 +137,21 @@ where
         let every = self.options.snapshot_every;
         let snapshot = applied_count / every > cursor.applied_count / every;
         let oldest = events.iter().map(|e| e.recorded_at).min();
-        let mut commit = StateCommit::new(stream_id, name.clone(), cursor.revision, state);
+        let mut commit =
+            StateCommit::new(Pair::new(stream_id, name.clone()), cursor.revision, state);
         commit.last_event_id = events.last().map(|e| e.event_id).or(cursor.last_event_id);
         commit.applied_count = applied_count;
         commit.applied_events = events.iter().map(|e| e.event_id).collect();
         commit.snapshot = snapshot;
-        if let Err(err) = self.store.commit_state(&tx, &commit).await {
-            drop(tx); // rolls back
-            return match err.kind() {
-                // Another applier moved the cursor first: nothing lost, look again later.
-                ErrorKind::Conflict => Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy))),
-                _ => Err(PairError::store(&err)),
-            };
-        }
-        let revision = cursor.revision + 1;
-        tx.commit().await.map_err(|e| PairError::store(&e))?;
+        // The state change and the transaction's commit as one (a refusal commits nothing).
+        let revision = match self.store.commit(tx, &commit, Release::Keep).await {
+            Ok(committed) => committed.revision,
+            // Another applier moved the cursor first: nothing lost, look again later.
+            Err(err) if err.kind() == ErrorKind::Conflict => {
+                return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
+            }
+            Err(err) => return Err(PairError::store(&err)),
+        };
         count(
             telemetry::EVENTS_APPLIED,
             name.as_str(),

@@ -10,8 +10,8 @@
 //! READ COMMITTED transaction when the replay is at most [`SHORT_REPLAY_EVENTS`] events and
 //! ends within [`SHORT_REPLAY_TIME`] of the read (a rewind from a recent snapshot): no
 //! `ROLLBACK` of the read, no second `BEGIN` — 3 round trips: the lease, the read (its `BEGIN`
-//! travels with it, ADR 0024), the fenced commit (the `COMMIT` travels with it,
-//! `lockstep_core::PairWork::commit_state_releasing_and_end`, ADR 0034); 7 before. The commit's statement
+//! travels with it, ADR 0024), the fenced commit (the `COMMIT` travels with it:
+//! `lockstep_core::PairWork::commit` with `Release::Lease`, ADR 0034). The commit's statement
 //! takes its own snapshot either way (READ COMMITTED), so what it checks and writes is the
 //! same. A longer replay ends the read transaction first, so that no connection sits idle in a
 //! transaction while user code runs (an `idle_in_transaction_session_timeout` would fail it on
@@ -40,7 +40,7 @@
 //! [`telemetry::REWINDS_RUNNING`] and [`telemetry::REWIND_EVENTS_REMAINING`] follow it. A
 //! replay shorter than that interval reports nothing. A report that fails is logged and
 //! skipped: progress never fails a rewind.
-use lockstep_core::Pair;
+use lockstep_core::{Pair, Release};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -348,7 +348,8 @@ where
             None => None,
         };
         let count = replayed.applied.len();
-        let mut commit = StateCommit::new(stream_id, name.clone(), revision, replayed.state);
+        let mut commit =
+            StateCommit::new(Pair::new(stream_id, name.clone()), revision, replayed.state);
         commit.last_event_id = replayed.applied.last().copied().or(base);
         commit.applied_count = base_count + count as u64;
         commit.applied_events = replayed.applied;
@@ -484,7 +485,12 @@ where
     ) {
         let began = Instant::now();
         let mut gauges = ProgressGauges::new(name);
-        let mut report = ProgressReport::new(stream_id, name.clone(), uuid::Uuid::new_v4(), 0, 0);
+        let mut report = ProgressReport::new(
+            Pair::new(stream_id, name.clone()),
+            uuid::Uuid::new_v4(),
+            0,
+            0,
+        );
         report.lease = lease.map(|l| l.id().clone());
         loop {
             tokio::time::sleep(PROGRESS_EVERY).await;
@@ -505,8 +511,8 @@ where
         }
     }
 
-    /// The commit, fenced on the lease, which it releases in the same statement when the store
-    /// can (`commit_state_releasing_and_end`): `true` when it did and the transaction committed. It
+    /// The commit, fenced on the lease, which it releases in the same change
+    /// ([`Release::Lease`]): `true` when it did and the transaction committed. It
     /// runs on `read`, the read's transaction, when the replay kept it (module docs), else on
     /// a new one.
     async fn commit_rewind(
@@ -529,12 +535,9 @@ where
                 Some(tx) => tx,
                 None => self.source.begin().await?,
             };
-            // The state change and the COMMIT together (one round trip on Postgres, ADR 0034).
-            let (_, released) = self
-                .store
-                .commit_state_releasing_and_end(tx, commit)
-                .await?;
-            Ok::<_, lockstep_core::Error>(released)
+            // The state change and the COMMIT together (one round trip on Postgres).
+            let committed = self.store.commit(tx, commit, Release::Lease).await?;
+            Ok::<_, lockstep_core::Error>(committed.released)
         }
         .await;
         match committed {

@@ -16,14 +16,14 @@
 //!   event of the stream but the skipped ones (checking the lost signal before each), and
 //!   commits fenced on the lease, releasing it; a lost lease drops the transaction (nothing
 //!   written).
-use lockstep_core::Pair;
+use lockstep_core::{Committed, Pair, Release};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use futures_util::FutureExt;
 use lockstep_core::{
     ApplyError, Claim, Cursor, DynTablePerspective, ErrorKind, PerspectiveName, PerspectiveStore,
-    RecordedEvent, Result, StateCommit, StreamId, Transaction, TransactionSource,
+    RecordedEvent, Result, StateCommit, StreamId, TransactionSource,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -98,8 +98,7 @@ async fn reset_in<Tx: Sync>(
 /// `null`, and no snapshot is taken (a rewind resets the rows and starts from the start).
 pub(super) fn table_commit(cursor: &Cursor, events: &[RecordedEvent]) -> StateCommit {
     let mut commit = StateCommit::new(
-        cursor.stream_id,
-        cursor.perspective.clone(),
+        cursor.pair.clone(),
         cursor.revision,
         serde_json::Value::Null,
     );
@@ -162,13 +161,9 @@ where
                 .map(Normal::Done);
         }
         let commit = table_commit(&cursor, &events);
-        let committed = async {
-            self.store.commit_state(&tx, &commit).await?;
-            tx.commit().await
-        }
-        .await;
+        let committed = self.store.commit(tx, &commit, Release::Keep).await;
         match committed {
-            Ok(()) => {}
+            Ok(_) => {}
             // Another applier moved the cursor first: nothing lost, look again later.
             Err(err) if err.kind() == ErrorKind::Conflict => {
                 return Ok(Normal::Done(PairOutcome::Skipped(SkipReason::Busy)));
@@ -241,8 +236,7 @@ where
             return Ok(false);
         }
         let commit = table_commit(&cursor, &events);
-        self.store.commit_state(&tx, &commit).await?;
-        tx.commit().await?;
+        self.store.commit(tx, &commit, Release::Keep).await?;
         count(
             telemetry::EVENTS_APPLIED,
             name.as_str(),
@@ -292,14 +286,9 @@ where
         }
         // Not raced against the lost signal, so that a commit the server accepted is never
         // reported as failed.
-        let committed = async {
-            let (_, released) = self.store.commit_state_releasing(&tx, &commit).await?;
-            tx.commit().await?;
-            Ok::<_, lockstep_core::Error>(released)
-        }
-        .await;
+        let committed = self.store.commit(tx, &commit, Release::Lease).await;
         match committed {
-            Ok(released) => (
+            Ok(Committed { released, .. }) => (
                 Ok(Rewind::Committed {
                     replayed: commit.applied_events.len(),
                     from_snapshot: false,
@@ -392,8 +381,7 @@ where
             (events, more, unreadable) = (next.events, next.more, next.unreadable);
         }
         let mut commit = StateCommit::new(
-            stream_id,
-            name.clone(),
+            Pair::new(stream_id, name.clone()),
             loaded.cursor.revision,
             serde_json::Value::Null,
         );
