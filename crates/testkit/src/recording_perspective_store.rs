@@ -359,6 +359,10 @@ fn found<T>(value: &Option<T>) -> Returned {
     Returned::Found(value.is_some())
 }
 
+#[expect(
+    clippy::ptr_arg,
+    reason = "a summary of a `Vec` result: it is called as `FnOnce(&Vec<T>)`"
+)]
 fn count<T>(items: &Vec<T>) -> Returned {
     Returned::Count(items.len())
 }

@@ -170,11 +170,11 @@ async fn the_recording_records_each_call_in_order_with_its_outcome() {
                 PerspectiveMethod::States,
             ]
         );
-        assert_eq!(calls[0].perspectives, [p.clone()]);
+        assert_eq!(calls[0].perspectives, std::slice::from_ref(&p));
         assert_eq!(calls[0].outcome, Ok(Returned::Done));
-        assert_eq!(calls[1].perspectives, [p.clone()]);
+        assert_eq!(calls[1].perspectives, std::slice::from_ref(&p));
         assert_eq!(calls[1].outcome, Ok(Returned::Pairs(vec![pair.clone()])));
-        assert_eq!(calls[2].pairs, [pair.clone()]);
+        assert_eq!(calls[2].pairs, std::slice::from_ref(&pair));
         assert!(
             matches!(&calls[2].outcome, Ok(Returned::Entries(done)) if done.len() == 1),
             "{:?}",
