@@ -3,8 +3,8 @@
 //! [`PerspectiveReads`], [`RewindReads`], [`PerspectiveAdmin`], [`PerspectiveLifecycle`],
 //! [`CursorRows`]) and remembers, in order, which method was called, on which pairs or
 //! perspectives, and what came back — a short summary of the value ([`Returned`]), or the
-//! [`ErrorKind`] of the error — so a test can assert on what a worker or an operator's tool
-//! asked of the store.
+//! [`ErrorKind`](lockstep_core::ErrorKind) of the error — so a test can assert on what a
+//! worker or an operator's tool asked of the store.
 //!
 //! It implements a capability exactly when the wrapped store does, so it wraps the in-memory
 //! store, a Postgres store, or any store that has only some of the capabilities. Wrapping a
@@ -23,7 +23,8 @@
 //! let db = FakeDatabase::new();
 //! let events = InMemoryEventStore::new();
 //! let locker = InMemoryStreamLocker::with_database(Default::default(), &db);
-//! let store = RecordingPerspectiveStore::new(InMemoryPerspectiveStore::new(&db, &events, &locker));
+//! let inner = InMemoryPerspectiveStore::new(&db, &events, &locker);
+//! let store = RecordingPerspectiveStore::new(inner);
 //! let pair = Pair::new(StreamId::new_v7(), PerspectiveName::new("P")?);
 //!
 //! let tx = db.begin_now();

@@ -80,7 +80,9 @@ mod faulty_conformance {
     lockstep_testkit::perspective_store_conformance! {
         #[tokio::test(start_paused = true)]
         fixture: faulty().0,
-        after_each: |f: &Faulty| assert!(f.source.is_idle(), "the case leaves no lock or waiter behind"),
+        after_each: |f: &Faulty| {
+            assert!(f.source.is_idle(), "the case leaves no lock or waiter behind");
+        },
     }
 }
 

@@ -9,7 +9,7 @@
 //! | [`rewind_reads`] | [`RewindReads`](lockstep_core::RewindReads) | `load_rewind`, rewind pages, a rewind's progress |
 //! | [`admin`] | [`PerspectiveAdmin`](lockstep_core::PerspectiveAdmin) | parking and `unpark`, skipped events, `perspective_status` |
 //! | [`lifecycle`] | [`PerspectiveLifecycle`](lockstep_core::PerspectiveLifecycle) | catch-up on registration, retire (keeping or dropping states), register again, rebuild, catch-up rates |
-//! | [`cursor_rows`] | [`CursorRows`](lockstep_core::CursorRows) | `pending_pairs`, `ensure_cursor`, `delete_cursor` |
+//! | [`cursor_rows`] | [`CursorRows`] | `pending_pairs`, `ensure_cursor`, `delete_cursor` |
 //!
 //! Every case is also reachable here (`perspective_store::CASE`), which is the path the macro
 //! and [`run_all`] use. The cases need the whole store ([`PerspectiveStoreFixture::Store`]):
