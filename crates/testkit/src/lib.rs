@@ -41,6 +41,15 @@
 //!   the next N appends with a conflict, add latency). The stream-locker wrappers also wrap the
 //!   admin view ([`StreamLockAdmin`](lockstep_core::StreamLockAdmin)) and the fence
 //!   ([`LeaseFence`](lockstep_core::LeaseFence)).
+//! - The same two for a perspective store, per capability trait (each implemented when the
+//!   wrapped store implements it, so they wrap the in-memory store, a Postgres store, or a
+//!   store with some of the capabilities): [`RecordingPerspectiveStore`] records each call's
+//!   [`PerspectiveMethod`], pairs, perspectives and a summary of what came back
+//!   ([`PerspectiveCall`], [`Returned`]); [`FaultyPerspectiveStore`], with its
+//!   [`PerspectiveStoreFaults`] handle, fails the next N calls of a method (batch claims and
+//!   commits, failure records, claims, the single-pair commits, rewind loads, state reads,
+//!   registrations, or any method by name), loses the reply of a commit that ends its
+//!   transaction, and adds latency.
 //! - `conformance` (feature `conformance`): the shared suites that the fakes and every
 //!   Postgres backend pass, with one macro per suite generating one test per case. Not
 //!   covered by semver.
@@ -57,10 +66,12 @@ pub mod event_store;
 pub mod fake_lock;
 pub mod fake_table;
 pub mod faults;
+pub mod faulty_perspective_store;
 pub mod perspective_store;
 #[cfg(feature = "pg-harness")]
 pub mod pg_harness;
 pub mod recording;
+pub mod recording_perspective_store;
 #[cfg(feature = "relay")]
 pub mod relay;
 pub mod stream_locker;
@@ -75,9 +86,13 @@ pub use faults::{
     DistributedLockFaults, EventStoreFaults, FaultyDistributedLock, FaultyEventStore,
     FaultyStreamLocker, StreamLockerFaults,
 };
+pub use faulty_perspective_store::{FaultyPerspectiveStore, PerspectiveStoreFaults};
 pub use perspective_store::InMemoryPerspectiveStore;
 pub use recording::{
     EventStoreCall, LockCall, LockMode, Outcome, RecordingDistributedLock, RecordingEventStore,
     RecordingStreamLocker, StreamLockCall,
+};
+pub use recording_perspective_store::{
+    ClaimKind, PerspectiveCall, PerspectiveMethod, RecordingPerspectiveStore, Returned,
 };
 pub use stream_locker::InMemoryStreamLocker;
