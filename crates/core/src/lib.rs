@@ -144,9 +144,9 @@ pub use perspective_store::{
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
-pub use retry::{RetryPolicy, Retryable};
 #[cfg(feature = "tokio")]
 pub use retry::tokio_sleep;
+pub use retry::{RetryPolicy, Retryable};
 pub use stream_lease::{
     AcquireOutcome, CursorLease, LeaseEntry, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId,
     LeaseInfo, LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin,

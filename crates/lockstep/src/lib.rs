@@ -28,7 +28,7 @@
 //! | `observe` | `lockstep-observe` | `lockstep::observe`: `Observed`, the metric names |
 //! | `prometheus` | `lockstep-observe` (its `prometheus`) | `lockstep::observe::prometheus::install`; implies `observe` |
 //! | `tokio` | `lockstep-core` (its `tokio`) | `lockstep::tokio_sleep`, the sleep between retries |
-//! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, … (for `[dev-dependencies]`) |
+//! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, …; [`testing`]: one test body on the fakes and (with `postgres`) on a fresh, migrated database — `Backend`, `on_fakes`, `on_postgres`, `fresh_database` (for `[dev-dependencies]`) |
 //! | `full` | all of the above but `testkit` | |
 //!
 //! The testkit's own features (`conformance`, `pg-harness`, `relay`) serve backend crates and
@@ -238,6 +238,9 @@ pub mod observe {
 
     pub use lockstep_observe::*;
 }
+
+#[cfg(feature = "testkit")]
+pub mod testing;
 
 #[cfg(feature = "testkit")]
 pub mod testkit {
