@@ -214,3 +214,19 @@ async fn a_fresh_database_is_migrated() {
     );
     tx.rollback().await.expect("rollback");
 }
+
+/// Begins a transaction and drops the stack it was given.
+async fn begins_and_drops_the_stack<B: Backend>(b: B) -> B::Tx {
+    b.source().begin().await.expect("begin")
+}
+
+/// The database lives until the body has finished, even when the body drops the stack it was
+/// given while one of its transactions is still open.
+#[tokio::test]
+async fn the_database_outlives_the_body_whatever_it_does_with_the_stack() {
+    on_postgres(|b| async move {
+        let tx = begins_and_drops_the_stack(b).await;
+        tx.rollback().await.expect("the database is still there");
+    })
+    .await;
+}

@@ -195,8 +195,10 @@ impl Backend for Postgres {
 }
 
 /// Runs `body` on a new [`Postgres`] stack, in a task of its own (`tokio::spawn`), and returns
-/// what it returned; the test's database is dropped afterwards. A panic in `body` fails the
-/// caller with its message. Call from a tokio runtime (a `#[tokio::test]`).
+/// what it returned; the test's database lives until the body has finished (whatever the body
+/// does with the stack it was given) and is dropped then — a transaction returned out of
+/// `body` has lost its connection. A panic in `body` fails the caller with its message. Call
+/// from a tokio runtime (a `#[tokio::test]`).
 ///
 /// # Panics
 ///
@@ -218,5 +220,11 @@ where
     Fut: Future + Send + 'static,
     Fut::Output: Send + 'static,
 {
-    spawned(body(Postgres::fresh().await)).await
+    let stack = Postgres::fresh().await;
+    // The body may hand the stack to a function that drops it while a transaction of the
+    // stack is still open; the database must outlive the whole body.
+    let keep = stack.clone();
+    let output = spawned(body(stack)).await;
+    drop(keep);
+    output
 }
