@@ -1,19 +1,21 @@
 //! The flash sale, written once and run on the testkit fakes and on a fresh PostgreSQL database
 //! (`lockstep::testing`): 32 concurrent writers reserve 4 units each of a SKU stocked with
-//! 100 — never oversold, every unit accounted for, in every mode — and fail-fast's typed busy
-//! answer while another writer holds the SKU.
+//! 100 — never oversold, every unit accounted for, in every mode and through the command
+//! combiner — and fail-fast's typed busy answer while another writer holds the SKU.
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep::testing::{Backend, Fakes, on_fakes, on_postgres};
+use lockstep_combiner::{CombineError, Combiner};
 use lockstep_core::TransactionSource as _;
 use lockstep_core::{AggregateWriteLock, EventStore, RetryPolicy, StreamId, Transaction as _};
 use lockstep_example_inventory::flash_sale;
 use lockstep_example_inventory::handler;
 use lockstep_example_inventory::{
-    InventoryError, LockMode, ReserveStock, ReserveStockHandler, STOCK_ITEM,
+    InventoryError, LockMode, Reserve, ReserveStock, ReserveStockHandler, STOCK_ITEM,
+    StockItemDecider,
 };
 use uuid::Uuid;
 
@@ -147,4 +149,57 @@ async fn fail_fast_answers_busy_while_another_writer_holds_the_sku_on_the_fakes(
 #[tokio::test]
 async fn fail_fast_answers_busy_while_another_writer_holds_the_sku_on_postgres() {
     on_postgres(fail_fast_answers_busy_while_another_writer_holds_the_sku).await;
+}
+
+/// The combined mode: 32 buyers of 4 units of a SKU stocked with 100, through the command
+/// combiner — 25 reserved, 7 told "sold out", never oversold.
+async fn thirty_two_buyers_through_the_combiner_never_oversell<B: Backend>(b: B) {
+    let store = b.event_store();
+    let sku = Uuid::now_v7();
+    handler::stock_new_item(b.source(), &store, sku, 100)
+        .await
+        .expect("stock");
+    let combiner = Combiner::new(
+        b.source().clone(),
+        store.clone(),
+        StockItemDecider::default(),
+    );
+    let buyers: Vec<_> = (0..32)
+        .map(|_| {
+            let c = combiner.clone();
+            tokio::spawn(async move {
+                c.submit(
+                    sku,
+                    Reserve {
+                        quantity: 4,
+                        reservation_id: Uuid::now_v7(),
+                    },
+                )
+                .await
+            })
+        })
+        .collect();
+    let (mut ok, mut sold_out) = (0, 0);
+    for buyer in buyers {
+        match buyer.await.expect("task") {
+            Ok(_) => ok += 1,
+            Err(CombineError::Rejected(InventoryError::InsufficientStock { .. })) => sold_out += 1,
+            Err(other) => panic!("a buyer failed on {}: {other:?}", B::NAME),
+        }
+    }
+    assert_eq!((ok, sold_out), (25, 7), "on {}", B::NAME);
+    let item = handler::load_item(b.source(), &store, sku)
+        .await
+        .expect("load");
+    assert_eq!((item.reserved(), item.available()), (100, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_buyers_through_the_combiner_never_oversell_on_the_fakes() {
+    on_fakes(thirty_two_buyers_through_the_combiner_never_oversell).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_buyers_through_the_combiner_never_oversell_on_postgres() {
+    on_postgres(thirty_two_buyers_through_the_combiner_never_oversell).await;
 }
