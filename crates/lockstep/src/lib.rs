@@ -31,8 +31,10 @@
 //! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, …; [`testing`]: one test body on the fakes and (with `postgres`) on a fresh, migrated database — `Backend`, `on_fakes`, `on_postgres`, `fresh_database` (for `[dev-dependencies]`) |
 //! | `full` | all of the above but `testkit` | |
 //!
-//! The testkit's own features (`conformance`, `pg-harness`, `relay`) serve backend crates and
-//! lockstep's own tests: depend on `lockstep-testkit` directly for them.
+//! With `testkit` and `postgres` both on, the testkit's `pg-harness` is on too: [`testing`]
+//! creates a database per test. The testkit's other features (`conformance`, `relay`,
+//! `testcontainers`) serve backend crates and lockstep's own tests: depend on
+//! `lockstep-testkit` directly for them.
 //!
 //! ## Module layout: nothing is ambiguous
 //!
