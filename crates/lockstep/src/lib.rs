@@ -28,10 +28,10 @@
 //! | `observe` | `lockstep-observe` | `lockstep::observe`: `Observed`, the metric names |
 //! | `prometheus` | `lockstep-observe` (its `prometheus`) | `lockstep::observe::prometheus::install`; implies `observe` |
 //! | `tokio` | `lockstep-core` (its `tokio`) | `lockstep::tokio_sleep`, the sleep between retries |
-//! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, …; [`testing`]: one test body on the fakes and (with `postgres`) on a fresh, migrated database — `Backend`, `on_fakes`, `on_postgres`, `fresh_database` (for `[dev-dependencies]`) |
+//! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, …; `lockstep::testing`: one test body on the fakes and (with `postgres`) on a fresh, migrated database — `Backend`, `on_fakes`, `on_postgres`, `fresh_database` (for `[dev-dependencies]`) |
 //! | `full` | all of the above but `testkit` | |
 //!
-//! With `testkit` and `postgres` both on, the testkit's `pg-harness` is on too: [`testing`]
+//! With `testkit` and `postgres` both on, the testkit's `pg-harness` is on too: `lockstep::testing`
 //! creates a database per test. The testkit's other features (`conformance`, `relay`,
 //! `testcontainers`) serve backend crates and lockstep's own tests: depend on
 //! `lockstep-testkit` directly for them.

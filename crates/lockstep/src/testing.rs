@@ -8,12 +8,12 @@
 //!
 //! - [`Fakes`]: the testkit's in-memory fakes, all on one `FakeDatabase` (so a deadlock that
 //!   spans them is reported, and every lock goes with its transaction);
-//! - [`Postgres`] (with `postgres`): a database of its own, created for the test on the server
+//! - `Postgres` (with `postgres`): a database of its own, created for the test on the server
 //!   of `DATABASE_URL` or the local one (`lockstep_testkit::pg_harness`), migrated, one
 //!   `PgDatabase` on it and every Postgres backend built from that handle. The database is
 //!   dropped after the test.
 //!
-//! [`on_fakes`] and [`on_postgres`] build a stack, run the body **in a task of its own**
+//! [`on_fakes`] and `on_postgres` build a stack, run the body **in a task of its own**
 //! (`tokio::spawn`: the body's future must be `Send` for the stack's concrete types, as a web
 //! handler's is) and return what it returned; a panic in the body fails the test with the
 //! body's own message. One `#[tokio::test]` per stack:
@@ -67,7 +67,7 @@
 //! Why two calls and not one: a Rust closure cannot be generic, so one value cannot be called
 //! with a `Fakes` and then with a `Postgres`; a generic `async fn` can be named twice.
 //!
-//! [`fresh_database`] is the Postgres half on its own: a migrated `PgDatabase` on a database of
+//! `fresh_database` (with `postgres`) is the Postgres half on its own: a migrated `PgDatabase` on a database of
 //! the test's own, for tests that build their stack themselves.
 //!
 //! Like the testkit it is built on, this module is test support: its functions panic (failing
@@ -89,7 +89,8 @@ pub use fakes::{Fakes, on_fakes};
 pub use postgres::{FreshDatabase, Postgres, fresh_database, fresh_database_with, on_postgres};
 
 /// One backend stack: what an application wires at its composition root, by type, on one
-/// transaction type. Implemented by [`Fakes`] and [`Postgres`]; see the [module docs](self).
+/// transaction type. Implemented by [`Fakes`] and, with `postgres`, `Postgres`; see the
+/// [module docs](self).
 ///
 /// Every backend the methods return is built from the stack's one transaction source, so they
 /// share its transactions (and, on Postgres, its lock queue). A stack is cheap to clone: the
