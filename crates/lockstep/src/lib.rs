@@ -1,17 +1,17 @@
 //! # lockstep
 //!
 //! Safe multi-instance event sourcing on PostgreSQL — stream leases, per-aggregate write locks,
-//! a perspective worker — in one dependency. This crate holds no code of its own: it re-exports
-//! lockstep's split crates, each behind a feature, so an application names one crate and one
-//! line in its manifest:
+//! a perspective worker — in one dependency. This crate re-exports lockstep's split crates, each
+//! behind a feature, so an application names one crate and one line in its manifest; its only
+//! code is test support, `lockstep::testing` (feature `testkit`):
 //!
 //! ```toml
 //! [dependencies]
 //! lockstep = { version = "0.1", features = ["postgres", "worker"] }
 //!
 //! [dev-dependencies]
-//! # the in-memory fakes for the application's own tests
-//! lockstep = { version = "0.1", features = ["testkit"] }
+//! # the in-memory fakes and `lockstep::testing` for the application's own tests
+//! lockstep = { version = "0.1", features = ["postgres", "testkit"] }
 //! ```
 //!
 //! The split crates stay published: a domain crate that only needs the contracts may depend on
