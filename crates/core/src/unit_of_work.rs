@@ -258,6 +258,7 @@ mod tests {
     struct Log {
         ended: Mutex<Vec<(u32, &'static str)>>,
         fail_commit: Mutex<Option<ErrorKind>>,
+        fail_begin: Mutex<Option<ErrorKind>>,
     }
 
     /// Records how each transaction ended.
@@ -274,6 +275,10 @@ mod tests {
 
         fn fail_next_commit(&self, kind: ErrorKind) {
             *self.log.fail_commit.lock().expect("lock") = Some(kind);
+        }
+
+        fn fail_next_begin(&self, kind: ErrorKind) {
+            *self.log.fail_begin.lock().expect("lock") = Some(kind);
         }
     }
 
@@ -324,6 +329,9 @@ mod tests {
         type Tx = RecordedTx;
 
         async fn begin(&self) -> Result<RecordedTx> {
+            if let Some(kind) = self.log.fail_begin.lock().expect("lock").take() {
+                return Err(Error::new(kind, "begin failed"));
+            }
             Ok(RecordedTx {
                 id: self.next.fetch_add(1, Ordering::SeqCst) + 1,
                 log: Arc::clone(&self.log),
@@ -492,5 +500,25 @@ mod tests {
             |tx, _| Box::pin(async move { Ok(tx.id) }),
         ));
         assert_eq!(out.expect("second attempt commits"), 2);
+    }
+
+    #[test]
+    fn a_retryable_begin_failure_is_retried_and_another_is_returned_at_once() {
+        let source = Recorder::default();
+        source.fail_next_begin(ErrorKind::ConnectionLost);
+        let out: Result<u32, Error> = block_on(source.transaction_with_retry(
+            &RetryPolicy::default(),
+            no_retry_sleep,
+            |tx, attempt| Box::pin(async move { Ok(tx.id * 10 + attempt) }),
+        ));
+        assert_eq!(out.expect("the second attempt begins"), 12);
+        source.fail_next_begin(ErrorKind::InvalidInput);
+        let out: Result<u32, AppError> = block_on(source.transaction_with_retry(
+            &RetryPolicy::default(),
+            no_retry_sleep,
+            |tx, _| Box::pin(async move { Ok(tx.id) }),
+        ));
+        assert_eq!(out, Err(AppError::Store(ErrorKind::InvalidInput)));
+        assert_eq!(source.ended(), vec![(1, "commit")]);
     }
 }
