@@ -55,7 +55,9 @@
 //! Contracts:
 //! - [`TransactionSource`] / [`Transaction`] — where transactions come from and the guard that
 //!   ends them (commit, rollback, or rollback on drop); [`TransactionSource::transaction`] and
-//!   [`TransactionSource::transaction_with_retry`] run a unit of work ([`unit_of_work`]).
+//!   [`TransactionSource::transaction_with_retry`] run a unit of work ([`unit_of_work`]),
+//!   retried under a [`RetryPolicy`] when it fails with a [`Retryable`] error ([`retry`]);
+//!   their closures return a [`BoxFuture`] ([`future`]).
 //! - [`AggregateWriteLock`] / [`DistributedAggregateWriteLock`] — the pessimistic
 //!   per-aggregate write lock `relay:aggregate:{type}:{id}` ([`aggregate_lock`]), over any
 //!   [`DistributedLock`]; [`SessionLocks`] / [`SessionLockGuard`] for session-scoped locks
@@ -72,11 +74,12 @@
 //!   ([`fleet`]).
 //! - [`Perspective`] / [`PerspectiveStore`] — read models and their storage ([`perspective`],
 //!   [`perspective_store`]); [`TablePerspective`] — read models in the application's own tables,
-//!   written in the worker's transaction ([`table_perspective`]).
+//!   written in the worker's transaction ([`table_perspective`]); both fail with an
+//!   [`ApplyError`] ([`apply_error`]).
 //!
 //! Values, validated at construction: [`InstanceId`], [`StreamId`], [`PerspectiveName`],
 //! [`LockReason`], [`AggregateType`], [`ResourceKey`], [`StreamLockOptions`], and
-//! [`RetryPolicy`] ([`retry`]).
+//! [`RetryPolicy`].
 //!
 //! Errors: every constructor and operation returns one [`Error`], with an [`ErrorKind`] to
 //! branch on ([`ErrorKind::is_retryable`]) and, for refused input, the typed
@@ -91,11 +94,13 @@
 //! ```
 
 pub mod aggregate_lock;
+pub mod apply_error;
 pub mod decider;
 pub mod distributed_lock;
 pub mod error;
 pub mod event_store;
 pub mod fleet;
+pub mod future;
 pub mod ids;
 pub mod json;
 pub mod options;
@@ -113,6 +118,7 @@ pub use aggregate_lock::{
     AGGREGATE_KEY_PREFIX, AggregateWriteLock, AsAggregateType, DistributedAggregateWriteLock,
     aggregate_key, canonical_order,
 };
+pub use apply_error::ApplyError;
 pub use decider::Decider;
 pub use distributed_lock::{DistributedLock, SessionLockGuard, SessionLocks};
 pub use error::{BoxError, Error, ErrorKind, Result, ValidationError};
@@ -123,9 +129,10 @@ pub use fleet::{
     FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceInUse, InstanceState,
     KeepaliveOutcome, UnreadableInstance, WorkerInstance, instance_in_use,
 };
+pub use future::BoxFuture;
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};
 pub use options::StreamLockOptions;
-pub use perspective::{ApplyError, DynPerspective, Perspective, PerspectiveRegistry};
+pub use perspective::{DynPerspective, Perspective, PerspectiveRegistry};
 pub use perspective_store::{
     BatchClaim, BatchCommitted, BatchEntry, BatchLimits, Claim, ClaimedBatch, ClaimedPair,
     ClaimedWork, Committed, Cursor, CursorRows, EventPage, MAX_PROGRESS_ROWS, MAX_STATES_PAGE,
@@ -137,16 +144,16 @@ pub use perspective_store::{
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
-pub use retry::RetryPolicy;
 #[cfg(feature = "tokio")]
 pub use retry::tokio_sleep;
+pub use retry::{RetryPolicy, Retryable};
 pub use stream_lease::{
     AcquireOutcome, CursorLease, LeaseEntry, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId,
     LeaseInfo, LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin,
     StreamLocker, UnreadableLease,
 };
 pub use table_perspective::{DynTablePerspective, TablePerspective};
-pub use unit_of_work::{BoxFuture, Retryable, Transaction, TransactionSource};
+pub use unit_of_work::{Transaction, TransactionSource};
 
 /// Re-exported so implementors and users name the same versions.
 pub use async_trait::async_trait;

@@ -44,6 +44,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::apply_error::ApplyError;
 use crate::error::{Error, ErrorKind, Result};
 use crate::event_store::RecordedEvent;
 use crate::ids::PerspectiveName;
@@ -180,60 +181,6 @@ impl<P: Perspective> DynPerspective for P {
         Ok(applied)
     }
 }
-
-/// Why a perspective could not apply events to a pair's state.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ApplyError {
-    /// `apply` failed on this event.
-    Apply {
-        /// The event that failed.
-        event_id: uuid::Uuid,
-        /// The perspective's error, as text.
-        detail: String,
-    },
-    /// The stored state does not deserialize into the perspective's state type (the type
-    /// changed incompatibly: request a rewind from the start), or the new state does not
-    /// serialize.
-    State {
-        /// The serde error, as text.
-        detail: String,
-    },
-    /// A table perspective's `reset` failed (before a rewind's replay, or in a purge).
-    Reset {
-        /// The perspective's error, as text.
-        detail: String,
-    },
-    /// `apply` panicked on this event (caught by the worker).
-    Panicked {
-        /// The event being applied, when known.
-        event_id: Option<uuid::Uuid>,
-        /// The panic message, when it was a string.
-        detail: String,
-    },
-}
-
-impl fmt::Display for ApplyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ApplyError::Apply { event_id, detail } => {
-                write!(f, "apply failed on event {event_id}: {detail}")
-            }
-            ApplyError::State { detail } => write!(f, "state (de)serialization failed: {detail}"),
-            ApplyError::Reset { detail } => write!(f, "reset failed: {detail}"),
-            ApplyError::Panicked {
-                event_id: Some(id),
-                detail,
-            } => write!(f, "apply panicked on event {id}: {detail}"),
-            ApplyError::Panicked {
-                event_id: None,
-                detail,
-            } => write!(f, "apply panicked: {detail}"),
-        }
-    }
-}
-
-impl std::error::Error for ApplyError {}
 
 /// A table perspective by its name, as [`PerspectiveRegistry::tables`] lists them.
 pub type NamedTable<Tx> = (PerspectiveName, Arc<dyn DynTablePerspective<Tx>>);

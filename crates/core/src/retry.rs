@@ -44,8 +44,24 @@ use std::hash::{BuildHasher, RandomState};
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use crate::error::Result;
-use crate::unit_of_work::{BoxFuture, Retryable};
+use crate::error::{Error, Result};
+use crate::future::BoxFuture;
+
+/// Whether an error is worth running the whole unit of work again.
+///
+/// Implemented by [`Error`] ([`Error::is_retryable`]); implement it for an application error
+/// type that wraps [`Error`] to use it with [`RetryPolicy::run`] and
+/// [`TransactionSource::transaction_with_retry`](crate::TransactionSource::transaction_with_retry).
+pub trait Retryable {
+    /// Whether a new attempt, in a new transaction, may succeed.
+    fn is_retryable(&self) -> bool;
+}
+
+impl Retryable for Error {
+    fn is_retryable(&self) -> bool {
+        Error::is_retryable(self)
+    }
+}
 
 /// How often and how patiently to retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,7 +198,7 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use super::*;
-    use crate::error::{Error, ErrorKind};
+    use crate::error::ErrorKind;
 
     fn policy(attempts: u32) -> RetryPolicy {
         RetryPolicy::new(

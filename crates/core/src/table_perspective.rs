@@ -56,10 +56,10 @@
 
 use std::future::Future;
 
+use crate::apply_error::ApplyError;
 use crate::event_store::RecordedEvent;
+use crate::future::BoxFuture;
 use crate::ids::StreamId;
-use crate::perspective::ApplyError;
-use crate::unit_of_work::BoxFuture;
 
 /// A read model that writes the application's own tables, in the worker's transaction `Tx`;
 /// see the [module docs](self).

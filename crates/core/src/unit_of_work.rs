@@ -40,32 +40,12 @@
 //! retryable: the transaction is rolled back and the answer is returned at once.
 
 use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::retry::RetryPolicy;
-
-/// A boxed, `Send` future borrowing for `'a`: what the runners' closures and the runners
-/// themselves return (the same type as `futures::future::BoxFuture`).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// Whether an error is worth running the whole unit of work again.
-///
-/// Implemented by [`Error`] ([`Error::is_retryable`]); implement it for an application error
-/// type that wraps [`Error`] to use it with [`TransactionSource::transaction_with_retry`] and
-/// [`RetryPolicy::run`].
-pub trait Retryable {
-    /// Whether a new attempt, in a new transaction, may succeed.
-    fn is_retryable(&self) -> bool;
-}
-
-impl Retryable for Error {
-    fn is_retryable(&self) -> bool {
-        Error::is_retryable(self)
-    }
-}
+use crate::future::BoxFuture;
+use crate::retry::{RetryPolicy, Retryable};
 
 /// An open transaction, as a guard: end it with [`Transaction::commit`] or
 /// [`Transaction::rollback`]; **dropping it open rolls it back**.
@@ -156,7 +136,7 @@ pub trait TransactionSource: Send + Sync {
         &'a self,
         policy: &RetryPolicy,
         sleep: Sl,
-        mut work: F,
+        work: F,
     ) -> BoxFuture<'a, Result<T, E>>
     where
         T: Send + 'a,
@@ -166,31 +146,26 @@ pub trait TransactionSource: Send + Sync {
         SlFut: Future<Output = ()> + Send,
     {
         let policy = *policy;
-        let mut sleep = sleep;
         Box::pin(async move {
-            let mut attempt = 1;
-            loop {
-                let outcome = match self.begin().await {
-                    Ok(tx) => {
-                        let tx = Arc::new(tx);
-                        let outcome = work(Arc::clone(&tx), attempt).await;
+            // The attempts run one after another, so the lock is never contended; it lets each
+            // attempt's future call `work` after its `begin` without borrowing the closure
+            // that `RetryPolicy::run` calls. A poisoned lock only follows a panic in `work`,
+            // which unwound through this future already.
+            let work = Mutex::new(work);
+            let work = &work;
+            policy
+                .run(sleep, move |attempt| {
+                    Box::pin(async move {
+                        let tx = Arc::new(self.begin().await?);
+                        let unit = {
+                            let mut work = work.lock().unwrap_or_else(PoisonError::into_inner);
+                            (*work)(Arc::clone(&tx), attempt)
+                        };
+                        let outcome = unit.await;
                         finish(tx, outcome).await
-                    }
-                    Err(err) => Err(E::from(err)),
-                };
-                match outcome {
-                    Ok(value) => return Ok(value),
-                    Err(err) => match policy.retry_after(attempt, &err) {
-                        Some(delay) => {
-                            if !delay.is_zero() {
-                                sleep(delay).await;
-                            }
-                            attempt += 1;
-                        }
-                        None => return Err(err),
-                    },
-                }
-            }
+                    })
+                })
+                .await
         })
     }
 }
@@ -283,6 +258,7 @@ mod tests {
     struct Log {
         ended: Mutex<Vec<(u32, &'static str)>>,
         fail_commit: Mutex<Option<ErrorKind>>,
+        fail_begin: Mutex<Option<ErrorKind>>,
     }
 
     /// Records how each transaction ended.
@@ -299,6 +275,10 @@ mod tests {
 
         fn fail_next_commit(&self, kind: ErrorKind) {
             *self.log.fail_commit.lock().expect("lock") = Some(kind);
+        }
+
+        fn fail_next_begin(&self, kind: ErrorKind) {
+            *self.log.fail_begin.lock().expect("lock") = Some(kind);
         }
     }
 
@@ -349,6 +329,9 @@ mod tests {
         type Tx = RecordedTx;
 
         async fn begin(&self) -> Result<RecordedTx> {
+            if let Some(kind) = self.log.fail_begin.lock().expect("lock").take() {
+                return Err(Error::new(kind, "begin failed"));
+            }
             Ok(RecordedTx {
                 id: self.next.fetch_add(1, Ordering::SeqCst) + 1,
                 log: Arc::clone(&self.log),
@@ -517,5 +500,25 @@ mod tests {
             |tx, _| Box::pin(async move { Ok(tx.id) }),
         ));
         assert_eq!(out.expect("second attempt commits"), 2);
+    }
+
+    #[test]
+    fn a_retryable_begin_failure_is_retried_and_another_is_returned_at_once() {
+        let source = Recorder::default();
+        source.fail_next_begin(ErrorKind::ConnectionLost);
+        let out: Result<u32, Error> = block_on(source.transaction_with_retry(
+            &RetryPolicy::default(),
+            no_retry_sleep,
+            |tx, attempt| Box::pin(async move { Ok(tx.id * 10 + attempt) }),
+        ));
+        assert_eq!(out.expect("the second attempt begins"), 12);
+        source.fail_next_begin(ErrorKind::InvalidInput);
+        let out: Result<u32, AppError> = block_on(source.transaction_with_retry(
+            &RetryPolicy::default(),
+            no_retry_sleep,
+            |tx, _| Box::pin(async move { Ok(tx.id) }),
+        ));
+        assert_eq!(out, Err(AppError::Store(ErrorKind::InvalidInput)));
+        assert_eq!(source.ended(), vec![(1, "commit")]);
     }
 }

@@ -1,17 +1,17 @@
 //! # lockstep
 //!
 //! Safe multi-instance event sourcing on PostgreSQL — stream leases, per-aggregate write locks,
-//! a perspective worker — in one dependency. This crate holds no code of its own: it re-exports
-//! lockstep's split crates, each behind a feature, so an application names one crate and one
-//! line in its manifest:
+//! a perspective worker — in one dependency. This crate re-exports lockstep's split crates, each
+//! behind a feature, so an application names one crate and one line in its manifest; its only
+//! code is test support, `lockstep::testing` (feature `testkit`):
 //!
 //! ```toml
 //! [dependencies]
 //! lockstep = { version = "0.1", features = ["postgres", "worker"] }
 //!
 //! [dev-dependencies]
-//! # the in-memory fakes for the application's own tests
-//! lockstep = { version = "0.1", features = ["testkit"] }
+//! # the in-memory fakes and `lockstep::testing` for the application's own tests
+//! lockstep = { version = "0.1", features = ["postgres", "testkit"] }
 //! ```
 //!
 //! The split crates stay published: a domain crate that only needs the contracts may depend on
@@ -28,11 +28,13 @@
 //! | `observe` | `lockstep-observe` | `lockstep::observe`: `Observed`, the metric names |
 //! | `prometheus` | `lockstep-observe` (its `prometheus`) | `lockstep::observe::prometheus::install`; implies `observe` |
 //! | `tokio` | `lockstep-core` (its `tokio`) | `lockstep::tokio_sleep`, the sleep between retries |
-//! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, … (for `[dev-dependencies]`) |
+//! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, …; `lockstep::testing`: one test body on the fakes and (with `postgres`) on a fresh, migrated database — `Backend`, `on_fakes`, `on_postgres`, `fresh_database` (for `[dev-dependencies]`) |
 //! | `full` | all of the above but `testkit` | |
 //!
-//! The testkit's own features (`conformance`, `pg-harness`, `relay`) serve backend crates and
-//! lockstep's own tests: depend on `lockstep-testkit` directly for them.
+//! With `testkit` and `postgres` both on, the testkit's `pg-harness` is on too: `lockstep::testing`
+//! creates a database per test. The testkit's other features (`conformance`, `relay`,
+//! `testcontainers`) serve backend crates and lockstep's own tests: depend on
+//! `lockstep-testkit` directly for them.
 //!
 //! ## Module layout: nothing is ambiguous
 //!
@@ -238,6 +240,9 @@ pub mod observe {
 
     pub use lockstep_observe::*;
 }
+
+#[cfg(feature = "testkit")]
+pub mod testing;
 
 #[cfg(feature = "testkit")]
 pub mod testkit {

@@ -1,19 +1,21 @@
 //! Every way of running a unit of work, called the way an application calls it: from inside
 //! `tokio::spawn`, with the concrete types of the fakes and of PostgreSQL (issue 17: with the
 //! old closure runner, generic over the closure's future type, these did not compile —
-//! "one type is more general than the other"). Generic test code would prove `Send` from its
-//! bounds and hide exactly that, so each call below is made in non-generic code.
+//! "one type is more general than the other"). The forms are awaited in the body that
+//! `lockstep::testing` spawns with each stack's concrete types, so the compiler proves the
+//! body's future — every form's future in it — `Send` for `Fakes` and for `Postgres`, not
+//! from generic bounds (a `tokio::spawn` inside generic code would prove it from the bounds
+//! and hide exactly that).
 
+use lockstep::testing::{Backend, Fakes, fresh_database_with, on_fakes, on_postgres};
 use lockstep_core::{
-    AggregateWriteLock, DistributedAggregateWriteLock, Error, EventStore, ExpectedVersion,
-    NewEvent, RetryPolicy, StreamId, Transaction, TransactionSource, tokio_sleep,
+    AggregateWriteLock, Error, EventStore, ExpectedVersion, NewEvent, RetryPolicy, StreamId,
+    Transaction, TransactionSource, tokio_sleep,
 };
-use lockstep_example_inventory::{LockMode, ReserveStock, handler, wiring};
+use lockstep_example_inventory::{LockMode, ReserveStock, ReserveStockHandler, handler};
 use lockstep_pg::PgDatabase;
-use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::pg_harness::test_database;
-use lockstep_testkit::{FakeDatabase, FakeDistributedLock, InMemoryEventStore};
 use uuid::Uuid;
 
 /// The README's domain function: the guard form.
@@ -108,95 +110,50 @@ where
         .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_unit_of_work_form_runs_in_a_spawned_task_on_the_fakes() {
-    type Lock = DistributedAggregateWriteLock<FakeDistributedLock>;
-    let db = FakeDatabase::new();
-    let lock: Lock = DistributedAggregateWriteLock::new(FakeDistributedLock::new(&db));
-    let store = InMemoryEventStore::new();
+/// Every form in turn on one SKU (versions 1 to 4), then the sample's handler in `mode` on
+/// another, as the issue spawned it.
+async fn every_unit_of_work_form<B: Backend>(b: B, mode: LockMode) {
+    let (db, lock, store) = (b.source(), b.aggregate_lock(), b.event_store());
     let sku = Uuid::now_v7();
 
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("guard form"), 1);
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve_in_runner(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("runner"), 2);
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve_with_retry(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("retrying runner"), (3, 1));
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve_with_policy(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("retry policy"), 4);
+    let v = reserve(db, &lock, &store, sku).await;
+    assert_eq!(v.expect("guard form"), 1);
+    let v = reserve_in_runner(db, &lock, &store, sku).await;
+    assert_eq!(v.expect("runner"), 2);
+    let v = reserve_with_retry(db, &lock, &store, sku).await;
+    assert_eq!(v.expect("retrying runner"), (3, 1));
+    let v = reserve_with_policy(db, &lock, &store, sku).await;
+    assert_eq!(v.expect("retry policy"), 4);
 
-    // The sample's handler, as the issue spawned it.
     let other = Uuid::now_v7();
-    handler::stock_new_item(&db, &store, other, 10)
+    handler::stock_new_item(db, &store, other, 10)
         .await
         .expect("stock");
-    let reserve_stock = wiring::fake_handler(&db, &store, LockMode::Pessimistic);
-    let d = db.clone();
-    let done = tokio::spawn(async move {
-        let cmd = ReserveStock {
-            sku: other,
-            quantity: 3,
-            reservation_id: Uuid::now_v7(),
-        };
-        reserve_stock.handle(&d, &cmd).await
-    })
-    .await
-    .expect("no panic")
-    .expect("reserved");
+    let reserve_stock = ReserveStockHandler::new(lock, store, mode);
+    let cmd = ReserveStock {
+        sku: other,
+        quantity: 3,
+        reservation_id: Uuid::now_v7(),
+    };
+    let done = reserve_stock.handle(db, &cmd).await.expect("reserved");
     assert_eq!((done.available, done.attempts), (7, 1));
-    assert!(
-        db.held_keys().is_empty(),
-        "every lock went with its transaction"
-    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_unit_of_work_form_runs_in_a_spawned_task_on_the_fakes() {
+    on_fakes(|b: Fakes| async move {
+        every_unit_of_work_form(b.clone(), LockMode::Pessimistic).await;
+        assert!(
+            b.database().held_keys().is_empty(),
+            "every lock went with its transaction"
+        );
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_unit_of_work_form_runs_in_a_spawned_task_on_postgres() {
-    let test_db = test_database().await;
-    let db = PgDatabase::builder()
-        .pool(test_db.pool(4))
-        .build()
-        .expect("handle");
-    db.migrate().await.expect("migrate");
-    let lock = PgDistributedLock::new(&db).aggregate_write_lock();
-    let store = PgEventStore::new(&db);
-    let sku = Uuid::now_v7();
-
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("guard form"), 1);
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve_in_runner(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("runner"), 2);
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve_with_retry(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("retrying runner"), (3, 1));
-    let (d, l, s) = (db.clone(), lock.clone(), store.clone());
-    let v = tokio::spawn(async move { reserve_with_policy(&d, &l, &s, sku).await }).await;
-    assert_eq!(v.expect("no panic").expect("retry policy"), 4);
-
-    let other = Uuid::now_v7();
-    handler::stock_new_item(&db, &store, other, 10)
-        .await
-        .expect("stock");
-    let reserve_stock = wiring::postgres_handler(&db, LockMode::PessimisticPipelined);
-    let d = db.clone();
-    let done = tokio::spawn(async move {
-        let cmd = ReserveStock {
-            sku: other,
-            quantity: 3,
-            reservation_id: Uuid::now_v7(),
-        };
-        reserve_stock.handle(&d, &cmd).await
-    })
-    .await
-    .expect("no panic")
-    .expect("reserved");
-    assert_eq!((done.available, done.attempts), (7, 1));
+    on_postgres(|b| every_unit_of_work_form(b, LockMode::PessimisticPipelined)).await;
 }
 
 /// The handle's own async entry points (build from a config, migrate, check out, begin), each
@@ -233,9 +190,7 @@ async fn the_handle_s_entry_points_run_in_spawned_tasks() {
 /// is rolled back in the background and pooled again, outside any transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guard_dropped_in_a_spawned_task_rolls_back() {
-    let test_db = test_database().await;
-    let db = PgDatabase::from_pool(test_db.pool(1));
-    db.migrate().await.expect("migrate");
+    let db = fresh_database_with(|handle| handle.max_connections(1)).await;
     let store = PgEventStore::new(&db);
     let stream = StreamId::new_v7();
     let (d, s) = (db.clone(), store.clone());

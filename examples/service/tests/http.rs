@@ -2,7 +2,10 @@
 //! on one account, each on axum's spawned tasks, each a unit of work under the account's write
 //! lock. Deposits all count, withdrawals never overdraw, every request gets its answer; the daily
 //! statement (a table perspective kept by the worker beside the routes) shows every command once
-//! when read after the caller's own last write.
+//! when read after the caller's own last write. Each runs in the task `lockstep::testing`
+//! spawns for it, on a fresh migrated database or on a fake one; the service is wired by its
+//! own composition root (`wiring`), which is not generic so that axum checks each handler for
+//! the concrete types.
 
 use std::net::SocketAddr;
 
@@ -12,10 +15,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
+use lockstep::testing::{Fakes, Postgres, on_fakes, on_postgres};
 use lockstep_example_service::{serve, wiring};
-use lockstep_pg::PgDatabase;
-use lockstep_testkit::FakeDatabase;
-use lockstep_testkit::pg_harness::test_database;
 use lockstep_worker::CancellationToken;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -252,30 +253,33 @@ async fn concurrent_requests_on_one_account(router: Router) {
         .expect("a graceful stop");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_requests_on_one_account_on_postgres() {
-    let test_db = test_database().await;
-    let db = PgDatabase::builder()
-        .pool(test_db.pool(8))
-        .build()
-        .expect("handle");
-    db.migrate().await.expect("migrate");
-    let shutdown = CancellationToken::new();
-    let service = wiring::postgres_service(&db, shutdown.clone())
-        .await
-        .expect("service");
+/// The service's routes and worker, checked over HTTP, then stopped.
+async fn concurrent_requests_on_one_account_then_stop(
+    service: lockstep_core::Result<wiring::Service>,
+    shutdown: CancellationToken,
+) {
+    let service = service.expect("service");
     concurrent_requests_on_one_account(service.router).await;
     shutdown.cancel();
     service.worker.await.expect("worker task").expect("worker");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_on_one_account_on_postgres() {
+    on_postgres(|b: Postgres| async move {
+        let shutdown = CancellationToken::new();
+        let service = wiring::postgres_service(b.database(), shutdown.clone()).await;
+        concurrent_requests_on_one_account_then_stop(service, shutdown).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_on_one_account_in_memory() {
-    let shutdown = CancellationToken::new();
-    let service = wiring::in_memory_service(&FakeDatabase::new(), shutdown.clone())
-        .await
-        .expect("service");
-    concurrent_requests_on_one_account(service.router).await;
-    shutdown.cancel();
-    service.worker.await.expect("worker task").expect("worker");
+    on_fakes(|b: Fakes| async move {
+        let shutdown = CancellationToken::new();
+        let service = wiring::in_memory_service(b.database(), shutdown.clone()).await;
+        concurrent_requests_on_one_account_then_stop(service, shutdown).await;
+    })
+    .await;
 }
