@@ -31,8 +31,8 @@ impl Fleet for PgStreamLocker {
         self.announce_instance(announcement).await
     }
 
-    /// One statement ([`sql::KEEPALIVE`]): the batched renew, and the instance's row marked
-    /// seen when it carries `token`.
+    /// One statement: the batched renew, and the instance's row marked seen when it carries
+    /// `token`.
     async fn keepalive(
         &self,
         instance: InstanceId,
