@@ -26,7 +26,7 @@ use anyhow::Context;
 use async_trait::async_trait;
 use clap::Parser;
 use lockstep_core::{
-    AcquireOutcome, InstanceId, LeaseId, LockReason, PerspectiveName, PerspectiveRegistry,
+    AcquireOutcome, Fleet, InstanceId, LeaseId, LockReason, PerspectiveName, PerspectiveRegistry,
     ReleaseOutcome, RenewOutcome, StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::PgDatabase;
@@ -101,9 +101,12 @@ impl StreamLocker for Announcing {
     async fn renew_many(&self, leases: &[LeaseId]) -> lockstep_core::Result<Vec<RenewOutcome>> {
         self.inner.renew_many(leases).await
     }
+}
 
-    // The fleet (ADR 0015): forwarded, so the process is listed by `lockstep workers` and a
-    // killed one goes stale.
+// The fleet (ADR 0015): forwarded, so the process is listed by `lockstep workers` and a killed
+// one goes stale.
+#[async_trait]
+impl Fleet for Announcing {
     async fn announce(
         &self,
         announcement: &lockstep_core::InstanceAnnouncement,
@@ -114,13 +117,18 @@ impl StreamLocker for Announcing {
     async fn keepalive(
         &self,
         instance: InstanceId,
+        token: lockstep_core::Uuid,
         leases: &[LeaseId],
     ) -> lockstep_core::Result<lockstep_core::KeepaliveOutcome> {
-        self.inner.keepalive(instance, leases).await
+        self.inner.keepalive(instance, token, leases).await
     }
 
-    async fn depart(&self, instance: InstanceId) -> lockstep_core::Result<bool> {
-        self.inner.depart(instance).await
+    async fn depart(
+        &self,
+        instance: InstanceId,
+        token: lockstep_core::Uuid,
+    ) -> lockstep_core::Result<bool> {
+        self.inner.depart(instance, token).await
     }
 }
 
@@ -151,7 +159,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let mut registry = PerspectiveRegistry::new();
     registry.register(Numbers::slowed(Duration::from_millis(sleep_ms)))?;
-    let locker: Arc<dyn StreamLocker> = Arc::new(Announcing {
+    let fleet: Arc<dyn Fleet> = Arc::new(Announcing {
         inner: PgStreamLocker::from_pool(pool.clone(), lock_options),
     });
     let options = WorkerOptions::default()
@@ -164,8 +172,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         registry,
         options,
         instance,
-        Some(locker),
-    )?;
+        None,
+    )?
+    .with_fleet(fleet);
     // The handlers exist before `ready` is printed: a SIGTERM sent right after it must stop the
     // worker gracefully, not kill it with the default action.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

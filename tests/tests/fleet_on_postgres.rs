@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
-    InstanceId, InstanceState, PerspectiveName, PerspectiveRegistry, StreamLockAdmin,
-    StreamLockOptions, StreamLocker, WorkerInstance,
+    FleetAdmin, InstanceId, InstanceState, PerspectiveName, PerspectiveRegistry, StreamLockOptions,
+    WorkerInstance,
 };
 use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;
@@ -35,9 +35,10 @@ fn worker(
         registry,
         WorkerOptions::default(),
         instance,
-        Some(Arc::new(PgStreamLocker::from_pool(pool.clone(), options())) as Arc<dyn StreamLocker>),
+        None,
     )
     .expect("worker")
+    .with_fleet(Arc::new(PgStreamLocker::from_pool(pool.clone(), options())))
     .with_identity(
         InstanceIdentity::detect()
             .with_name(name)

@@ -12,8 +12,8 @@ use std::time::Duration;
 use lockstep_core::EventStore as _;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
-    ExpectedVersion, InstanceId, PairFailure, PerspectiveName, PerspectiveRegistry, StreamId,
-    StreamLockOptions, StreamLocker, TransactionSource as _,
+    ExpectedVersion, Fleet as _, InstanceId, PairFailure, PerspectiveName, PerspectiveRegistry,
+    StreamId, StreamLockOptions, TransactionSource as _,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
@@ -57,9 +57,10 @@ async fn a_handler_reads_its_own_write_after_waiting_for_the_worker() {
         registry,
         WorkerOptions::default(),
         InstanceId::random(),
-        Some(Arc::new(locker) as Arc<dyn StreamLocker>),
+        None,
     )
-    .expect("worker");
+    .expect("worker")
+    .with_fleet(Arc::new(locker));
     worker.register().await.expect("register");
     let shutdown = CancellationToken::new();
     let running = tokio::spawn({

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Result;
-use lockstep_core::{InstanceEntry, InstanceId, StreamLockAdmin, WorkerInstance};
+use lockstep_core::{FleetAdmin, InstanceEntry, InstanceId, WorkerInstance};
 use lockstep_pg_stream::ForgetInstance;
 use serde_json::{Value, json};
 use uuid::Uuid;

@@ -10,8 +10,8 @@ use lockstep_core::EventStore as _;
 use lockstep_core::Pair;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
-    AcquireOutcome, ExpectedVersion, InstanceId, LockReason, NewEvent, PerspectiveName, StreamId,
-    StreamLockOptions, StreamLocker,
+    AcquireOutcome, ExpectedVersion, Fleet as _, InstanceId, LockReason, NewEvent, PerspectiveName,
+    StreamId, StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
@@ -1877,7 +1877,7 @@ async fn status_check_fails_on_lag_and_pairs_in_error() {
 /// once that instance is stale; the page shows the workers, escaped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_lists_the_fleet_and_status_flags_perspectives_no_live_worker_runs() {
-    use lockstep_core::{InstanceAnnouncement, StreamLockAdmin};
+    use lockstep_core::{Fleet, FleetAdmin, InstanceAnnouncement};
     let (_db, url, pool) = migrated().await;
     let name = PerspectiveName::new("Ledger").expect("valid");
     let stream = StreamId::new_v7();

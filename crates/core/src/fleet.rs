@@ -1,34 +1,36 @@
 //! The fleet: which worker instances are running, what they run, and when they were last seen
 //! (`docs/adr/0015-worker-fleet.md`).
 //!
-//! An instance **announces** itself once when it starts ([`StreamLocker::announce`]: its
+//! The fleet is a capability of its own, beside the stream leases: a backend that keeps one
+//! implements [`Fleet`] (the instance's side) and [`FleetAdmin`] (the operators' listing).
+//! `Fleet` extends [`StreamLocker`], because the keepalive that says "alive" is the keepalive
+//! that renews the instance's leases, in one call.
+//!
+//! An instance **announces** itself once when it starts ([`Fleet::announce`]: its
 //! [`InstanceId`] — the same id its stream leases are held by — a name, the host, the process
-//! id, a version and the perspectives it runs). From then on the keepalive it already runs for
-//! its leases also says it is alive ([`StreamLocker::keepalive`]: one call per keepalive
-//! interval that renews the leases *and* refreshes the instance's `last_seen_at`), and a clean
-//! stop **departs** ([`StreamLocker::depart`]). An instance that dies without departing is
-//! listed as [`InstanceState::Stale`] once it has not been seen for its `stale_after` (the lock
-//! timeout of its locker: by then its leases have expired too), and forgotten by the next
-//! announce of any instance after [`FORGET_STALE_AFTER`].
+//! id, a version, the perspectives it runs and the token of the process). From then on the
+//! keepalive it already runs for its leases also says it is alive ([`Fleet::keepalive`]: one
+//! call per keepalive interval that renews the leases *and* refreshes the instance's
+//! `last_seen_at`, for the announcement of the same token only), and a clean stop **departs**
+//! ([`Fleet::depart`]). An instance that dies without departing is listed as
+//! [`InstanceState::Stale`] once it has not been seen for its `stale_after` (the lock timeout
+//! of its locker: by then its leases have expired too), and forgotten by the next announce of
+//! any instance after [`FORGET_STALE_AFTER`].
 //!
-//! The operator's listing is [`StreamLockAdmin::list_instances`]. Both the in-memory locker of
-//! the testkit and the PostgreSQL locker implement all of it and pass one conformance suite.
-//!
-//! [`StreamLocker::announce`]: crate::StreamLocker::announce
-//! [`StreamLocker::keepalive`]: crate::StreamLocker::keepalive
-//! [`StreamLocker::depart`]: crate::StreamLocker::depart
-//! [`StreamLockAdmin::list_instances`]: crate::StreamLockAdmin::list_instances
+//! The operator's listing is [`FleetAdmin::list_instances`]. Both the in-memory locker of the
+//! testkit and the PostgreSQL locker implement all of it and pass one conformance suite.
 
 use std::fmt;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::error::{Error, ErrorKind, Result, ValidationError};
 use crate::ids::{InstanceId, PerspectiveName};
-use crate::stream_lease::RenewOutcome;
+use crate::stream_lease::{LeaseId, RenewOutcome, StreamLockAdmin, StreamLocker};
 
 /// How long an instance may go unseen before any instance's announce forgets it (one day): long
 /// enough for an operator to see that an instance died, short enough that instances replaced
@@ -56,7 +58,9 @@ pub struct InstanceAnnouncement {
     /// ([`InstanceAnnouncement::with_token`]). An instance id names one running instance: an
     /// announce of an id whose announcement is live and carries another token is refused
     /// ([`InstanceInUse`]); the same token (a re-announce of the same process) replaces it.
-    /// The nil UUID when listed from a row announced without one.
+    /// The keepalive and the depart carry it too, so a process whose id was taken over by
+    /// another cannot mark the new owner's announcement seen nor remove it. The nil UUID when
+    /// listed from a row announced without one.
     pub token: Uuid,
 }
 
@@ -204,14 +208,17 @@ fn checked_text(field: &'static str, value: String) -> Result<String> {
     Ok(value)
 }
 
-/// What one [`StreamLocker::keepalive`](crate::StreamLocker::keepalive) call did.
+/// What one [`Fleet::keepalive`] call did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct KeepaliveOutcome {
     /// The leases' renewals, in the order they were given.
     pub renewed: Vec<RenewOutcome>,
-    /// Whether the instance's announcement was found and marked seen. `false`: it is not
-    /// announced (never, or it was forgotten or removed meanwhile) — announce it again.
+    /// Whether the instance's announcement, made with the keepalive's token, was found and
+    /// marked seen. `false`: this process's announcement is not there — never made, forgotten
+    /// or removed meanwhile (announce it again), or the id was taken over by another process
+    /// (another token; announcing again is then refused with [`InstanceInUse`]). Nothing of
+    /// the fleet changed.
     pub seen: bool,
 }
 
@@ -321,13 +328,77 @@ impl UnreadableInstance {
     }
 }
 
-/// One row of [`StreamLockAdmin::list_instance_entries`](crate::StreamLockAdmin::list_instance_entries).
+/// One row of [`FleetAdmin::list_instance_entries`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum InstanceEntry {
     /// An instance, read.
     Instance(WorkerInstance),
     /// A row that cannot be read.
     Unreadable(UnreadableInstance),
+}
+
+/// The instance's side of the fleet: announce, keepalive, depart. A stream locker that keeps a
+/// fleet of worker instances implements it; one that does not simply does not (a worker given
+/// only a [`StreamLocker`] runs unannounced).
+///
+/// Object safe: the worker holds an `Option<Arc<dyn Fleet>>`, and takes its leases through the
+/// same object (`Arc<dyn Fleet>` converts to `Arc<dyn StreamLocker>`).
+#[async_trait]
+pub trait Fleet: StreamLocker {
+    /// Announces a worker instance: inserts it, or replaces what the same process
+    /// ([`InstanceAnnouncement::token`]) announced before under this id (its `started_at` is
+    /// kept), seen now, stale after this locker's lock timeout. An id announced by another
+    /// process (another token) is taken over once that announcement is stale (a new
+    /// `started_at`); while it is live the announce is refused with [`ErrorKind::Conflict`]
+    /// and [`InstanceInUse`] naming the other process, and nothing changes: an instance id
+    /// names one running process. Instances not seen for [`FORGET_STALE_AFTER`] are forgotten
+    /// on the way.
+    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()>;
+
+    /// The keepalive of an announced instance: renews `leases` (as
+    /// [`StreamLocker::renew_many`], outcomes in the order of `leases`, each fenced by its
+    /// holder and epoch) and marks `instance` seen if its announcement carries `token`, **in
+    /// one call** (one statement on Postgres), so that saying "alive" costs no statement of its
+    /// own. `leases` may be empty (the instance holds none right now).
+    ///
+    /// An announcement of another token (the id was taken over by another process while this
+    /// one was not seen) is left as it is, and [`KeepaliveOutcome::seen`] is `false`, as for an
+    /// instance that is not announced.
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        token: Uuid,
+        leases: &[LeaseId],
+    ) -> Result<KeepaliveOutcome>;
+
+    /// Removes `instance`'s announcement if it carries `token` (a clean stop); `Ok(false)` when
+    /// there was none, or when another process (another token) holds the id now.
+    async fn depart(&self, instance: InstanceId, token: Uuid) -> Result<bool>;
+}
+
+/// The operators' side of the fleet: the listing of announced instances.
+#[async_trait]
+pub trait FleetAdmin: StreamLockAdmin {
+    /// Every announced worker instance, live or stale (on the backend's clock), ordered by
+    /// name, then id. Fails if one of them cannot be read; an operator's view that must show
+    /// the others wants [`FleetAdmin::list_instance_entries`].
+    async fn list_instances(&self) -> Result<Vec<WorkerInstance>>;
+
+    /// Like [`FleetAdmin::list_instances`], but a row that cannot be read is an
+    /// [`InstanceEntry::Unreadable`] entry, in its place and with its id, instead of failing the
+    /// whole listing (it still fails when the listing itself cannot be read).
+    ///
+    /// The default lists [`FleetAdmin::list_instances`] as [`InstanceEntry::Instance`] entries:
+    /// right for a backend that cannot hold an unreadable row (the in-memory fake cannot); the
+    /// PostgreSQL locker overrides it, and wrappers forward it.
+    async fn list_instance_entries(&self) -> Result<Vec<InstanceEntry>> {
+        Ok(self
+            .list_instances()
+            .await?
+            .into_iter()
+            .map(InstanceEntry::Instance)
+            .collect())
+    }
 }
 
 #[cfg(test)]
@@ -375,5 +446,12 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(ok.perspectives, vec![b, a]);
+    }
+
+    // Compile-time check that the worker can keep these behind `dyn`, and take its leases
+    // through the fleet.
+    #[allow(dead_code)]
+    fn object_safe(fleet: std::sync::Arc<dyn Fleet>, _: &dyn FleetAdmin) {
+        let _: std::sync::Arc<dyn StreamLocker> = fleet;
     }
 }

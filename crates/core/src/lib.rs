@@ -69,7 +69,9 @@
 //! - [`StreamLocker`] / [`StreamLockAdmin`] / [`LeaseFence`] — leases per `(stream,
 //!   perspective)` for rewind, bootstrap and purge: [`AcquireOutcome`], [`StreamLease`],
 //!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`], [`LeaseEntry`]
-//!   ([`stream_lease`]); the fleet of worker instances announced through the same locker:
+//!   ([`stream_lease`]).
+//! - [`Fleet`] / [`FleetAdmin`] — the fleet of worker instances, a capability of a stream
+//!   locker (the keepalive renews the leases and marks the instance seen in one call):
 //!   [`InstanceAnnouncement`], [`KeepaliveOutcome`], [`WorkerInstance`], [`InstanceEntry`]
 //!   ([`fleet`]).
 //! - [`Perspective`] / [`PerspectiveStore`] — read models and their storage ([`perspective`],
@@ -126,8 +128,8 @@ pub use event_store::{
     EventStore, ExpectedVersion, NewEvent, RecordedEvent, VersionConflict, version_conflict,
 };
 pub use fleet::{
-    FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceInUse, InstanceState,
-    KeepaliveOutcome, UnreadableInstance, WorkerInstance, instance_in_use,
+    FORGET_STALE_AFTER, Fleet, FleetAdmin, InstanceAnnouncement, InstanceEntry, InstanceInUse,
+    InstanceState, KeepaliveOutcome, UnreadableInstance, WorkerInstance, instance_in_use,
 };
 pub use future::BoxFuture;
 pub use ids::{AggregateType, InstanceId, PerspectiveName, StreamId};

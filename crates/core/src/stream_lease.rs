@@ -34,7 +34,6 @@ use async_trait::async_trait;
 use time::OffsetDateTime;
 
 use crate::error::Result;
-use crate::fleet::{InstanceAnnouncement, InstanceEntry, KeepaliveOutcome, WorkerInstance};
 use crate::ids::{InstanceId, PerspectiveName, StreamId};
 use crate::options::StreamLockOptions;
 use crate::reason::LockReason;
@@ -281,52 +280,6 @@ pub trait StreamLocker: Send + Sync {
         }
         Ok(outcomes)
     }
-
-    /// Announces a worker instance ([`crate::fleet`]): inserts it, or replaces what the same
-    /// process ([`InstanceAnnouncement::token`]) announced before under this id (its
-    /// `started_at` is kept), seen now, stale after this locker's lock timeout. An id announced
-    /// by another process (another token) is taken over once that announcement is stale (a new
-    /// `started_at`); while it is live the announce is refused with
-    /// [`ErrorKind::Conflict`](crate::ErrorKind::Conflict) and [`crate::InstanceInUse`] naming
-    /// the other process, and nothing changes: an instance id names one running process.
-    /// Instances not seen for [`crate::FORGET_STALE_AFTER`] are forgotten on the way.
-    ///
-    /// The default is [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported): a backend
-    /// without a fleet (the worker then runs unannounced).
-    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()> {
-        let _ = announcement;
-        Err(fleet_unsupported())
-    }
-
-    /// The keepalive of an announced instance: renews `leases` (as
-    /// [`StreamLocker::renew_many`], outcomes in the order of `leases`) and marks `instance`
-    /// seen, **in one call** (one statement on Postgres), so that saying "alive" costs no
-    /// statement of its own. `leases` may be empty (the instance holds none right now).
-    ///
-    /// The default renews and reports the instance not seen (a backend without a fleet).
-    async fn keepalive(
-        &self,
-        instance: InstanceId,
-        leases: &[LeaseId],
-    ) -> Result<KeepaliveOutcome> {
-        let _ = instance;
-        Ok(KeepaliveOutcome::new(self.renew_many(leases).await?, false))
-    }
-
-    /// Removes `instance`'s announcement (a clean stop); `Ok(false)` when there was none.
-    ///
-    /// The default is [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported).
-    async fn depart(&self, instance: InstanceId) -> Result<bool> {
-        let _ = instance;
-        Err(fleet_unsupported())
-    }
-}
-
-fn fleet_unsupported() -> crate::Error {
-    crate::Error::new(
-        crate::ErrorKind::Unsupported,
-        "this stream locker keeps no fleet of worker instances",
-    )
 }
 
 /// The lease columns of one cursor row, as stored.
@@ -495,31 +448,6 @@ pub trait StreamLockAdmin: Send + Sync {
 
     /// Clears every lease `instance` holds (for shutdown); returns how many were cleared.
     async fn release_all_held_by(&self, instance: InstanceId) -> Result<u64>;
-
-    /// Every announced worker instance ([`crate::fleet`]), live or stale (on the backend's
-    /// clock), ordered by name, then id.
-    ///
-    /// The default is [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported): a backend
-    /// without a fleet.
-    async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
-        Err(fleet_unsupported())
-    }
-
-    /// Like [`StreamLockAdmin::list_instances`], but a row that cannot be read is an
-    /// [`InstanceEntry::Unreadable`] entry, in its place and with its id, instead of failing the
-    /// whole listing (it still fails when the listing itself cannot be read).
-    ///
-    /// The default lists [`StreamLockAdmin::list_instances`] as [`InstanceEntry::Instance`]
-    /// entries: right for a backend that cannot hold an unreadable row (the in-memory fake
-    /// cannot); the PostgreSQL locker overrides it, and wrappers forward it.
-    async fn list_instance_entries(&self) -> Result<Vec<InstanceEntry>> {
-        Ok(self
-            .list_instances()
-            .await?
-            .into_iter()
-            .map(InstanceEntry::Instance)
-            .collect())
-    }
 }
 
 /// The fenced commit: work protected by a lease checks, inside its own transaction `Tx`, that the

@@ -91,7 +91,7 @@
 //! ```
 //!
 //! With `worker` too: a perspective worker on the same handle, its rewinds under stream leases
-//! of the Postgres locker:
+//! of the Postgres locker, which also keeps the fleet the worker announces itself in:
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -117,16 +117,16 @@
 //! # async fn demo(db: PgDatabase, shutdown: CancellationToken) -> lockstep::Result<()> {
 //! let mut registry = PerspectiveRegistry::new();
 //! registry.register(Reservations)?;
-//! let locker: Arc<dyn StreamLocker> =
-//!     Arc::new(PgStreamLocker::new(&db, StreamLockOptions::default()));
+//! let fleet: Arc<dyn Fleet> = Arc::new(PgStreamLocker::new(&db, StreamLockOptions::default()));
 //! let worker = PerspectiveWorker::new(
 //!     db.clone(),
 //!     PgPerspectiveStore::new(),
 //!     registry,
 //!     WorkerOptions::default(),
 //!     InstanceId::process(),
-//!     Some(locker),
-//! )?;
+//!     None, // the leases go through the fleet
+//! )?
+//! .with_fleet(fleet);
 //! worker.run(shutdown).await?; // until shutdown.cancel()
 //! # Ok(()) }
 //! ```
@@ -156,10 +156,10 @@ pub mod prelude {
 
     pub use lockstep_core::{
         AcquireOutcome, AggregateType, AggregateWriteLock, Decider, DistributedAggregateWriteLock,
-        DistributedLock, EventStore, ExpectedVersion, InstanceId, LeaseFence, LockReason, NewEvent,
-        Perspective, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent,
-        RetryPolicy, Retryable, SessionLocks, StreamId, StreamLockAdmin, StreamLockOptions,
-        StreamLocker, TablePerspective, Transaction, TransactionSource,
+        DistributedLock, EventStore, ExpectedVersion, Fleet, FleetAdmin, InstanceId, LeaseFence,
+        LockReason, NewEvent, Perspective, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
+        RecordedEvent, RetryPolicy, Retryable, SessionLocks, StreamId, StreamLockAdmin,
+        StreamLockOptions, StreamLocker, TablePerspective, Transaction, TransactionSource,
     };
     // The perspective store's capability traits, so a concrete store's methods resolve.
     pub use lockstep_core::perspective_store::prelude::*;

@@ -17,6 +17,7 @@
 //! ```
 //!
 //! Wrapped contracts: [`StreamLocker`], [`StreamLockAdmin`], [`LeaseFence`],
+//! [`Fleet`](lockstep_core::Fleet), [`FleetAdmin`](lockstep_core::FleetAdmin),
 //! [`DistributedLock`] (and so the aggregate write lock built on it), [`EventStore`],
 //! [`PerspectiveStore`](lockstep_core::PerspectiveStore) and [`TransactionSource`].
 //!
@@ -38,8 +39,10 @@
 //!
 //! | `contract` | `op` |
 //! |---|---|
-//! | `stream_locker` | `try_acquire`, `renew`, `release`, `renew_many`, `announce`, `keepalive`, `depart` |
-//! | `stream_lock_admin` | `list_leases`, `list_lease_entries`, `inspect`, `force_release`, `release_all_held_by`, `list_instances`, `list_instance_entries` |
+//! | `stream_locker` | `try_acquire`, `renew`, `release`, `renew_many` |
+//! | `stream_lock_admin` | `list_leases`, `list_lease_entries`, `inspect`, `force_release`, `release_all_held_by` |
+//! | `fleet` | `announce`, `keepalive`, `depart` |
+//! | `fleet_admin` | `list_instances`, `list_instance_entries` |
 //! | `lease_fence` | `check_lease` |
 //! | `distributed_lock` | `acquire_for_transaction`, `try_acquire_for_transaction` |
 //! | `event_store` | `load`, `load_locked`, `append` |
@@ -294,34 +297,6 @@ impl<T: StreamLocker> StreamLocker for Observed<T> {
         )
         .await
     }
-
-    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
-        let span =
-            tracing::info_span!("lockstep", op = "announce", instance = %announcement.instance);
-        let call = self.inner.announce(announcement);
-        observe("stream_locker", "announce", span, ok, call).await
-    }
-
-    async fn keepalive(
-        &self,
-        instance: InstanceId,
-        leases: &[LeaseId],
-    ) -> Result<lockstep_core::KeepaliveOutcome> {
-        let span = tracing::info_span!(
-            "lockstep",
-            op = "keepalive",
-            instance = %instance,
-            leases = leases.len()
-        );
-        let call = self.inner.keepalive(instance, leases);
-        observe("stream_locker", "keepalive", span, ok, call).await
-    }
-
-    async fn depart(&self, instance: InstanceId) -> Result<bool> {
-        let span = tracing::info_span!("lockstep", op = "depart", instance = %instance);
-        let call = self.inner.depart(instance);
-        observe("stream_locker", "depart", span, ok, call).await
-    }
 }
 
 #[async_trait]
@@ -383,16 +358,52 @@ impl<T: StreamLockAdmin> StreamLockAdmin for Observed<T> {
         let call = self.inner.release_all_held_by(instance);
         observe("stream_lock_admin", "release_all_held_by", span, ok, call).await
     }
+}
+
+#[async_trait]
+impl<T: lockstep_core::Fleet> lockstep_core::Fleet for Observed<T> {
+    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
+        let span =
+            tracing::info_span!("lockstep", op = "announce", instance = %announcement.instance);
+        let call = self.inner.announce(announcement);
+        observe("fleet", "announce", span, ok, call).await
+    }
+
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        token: lockstep_core::Uuid,
+        leases: &[LeaseId],
+    ) -> Result<lockstep_core::KeepaliveOutcome> {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "keepalive",
+            instance = %instance,
+            leases = leases.len()
+        );
+        let call = self.inner.keepalive(instance, token, leases);
+        observe("fleet", "keepalive", span, ok, call).await
+    }
+
+    async fn depart(&self, instance: InstanceId, token: lockstep_core::Uuid) -> Result<bool> {
+        let span = tracing::info_span!("lockstep", op = "depart", instance = %instance);
+        let call = self.inner.depart(instance, token);
+        observe("fleet", "depart", span, ok, call).await
+    }
+}
+
+#[async_trait]
+impl<T: lockstep_core::FleetAdmin> lockstep_core::FleetAdmin for Observed<T> {
     async fn list_instances(&self) -> Result<Vec<lockstep_core::WorkerInstance>> {
         let span = tracing::info_span!("lockstep", op = "list_instances");
         let call = self.inner.list_instances();
-        observe("stream_lock_admin", "list_instances", span, ok, call).await
+        observe("fleet_admin", "list_instances", span, ok, call).await
     }
 
     async fn list_instance_entries(&self) -> Result<Vec<lockstep_core::InstanceEntry>> {
         let span = tracing::info_span!("lockstep", op = "list_instance_entries");
         let call = self.inner.list_instance_entries();
-        observe("stream_lock_admin", "list_instance_entries", span, ok, call).await
+        observe("fleet_admin", "list_instance_entries", span, ok, call).await
     }
 }
 

@@ -10,9 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lockstep_core::{
-    CursorLease, InstanceEntry, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo,
-    LeaseStatus, PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin,
-    UnreadableLease, WorkerInstance,
+    CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo, LeaseStatus,
+    PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
 };
 use tokio_postgres::Row;
 
@@ -22,17 +21,6 @@ use crate::statement::{RowName, column};
 
 #[async_trait]
 impl StreamLockAdmin for PgStreamLocker {
-    async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
-        self.instances().await
-    }
-
-    /// One entry per row: a row that cannot be read (an operator's `'infinity'` time, a nil id,
-    /// a blank name, a perspective name that does not validate) is
-    /// [`InstanceEntry::Unreadable`] with its id.
-    async fn list_instance_entries(&self) -> Result<Vec<InstanceEntry>> {
-        self.instance_entries().await
-    }
-
     async fn list_leases(&self) -> Result<Vec<LeaseInfo>> {
         let rows: Vec<Row> = self
             .run(sql::LIST_LEASES, &[], "listing stream leases")

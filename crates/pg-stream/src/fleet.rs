@@ -1,16 +1,19 @@
 //! The fleet of worker instances on PostgreSQL (`wh_worker_instances`;
-//! `docs/adr/0015-worker-fleet.md`): [`PgStreamLocker`]'s announce, the operators' listing (a
-//! row it cannot read is listed as unreadable, with its id, beside the others) and the
-//! operators' forget and prune of stale instances.
+//! `docs/adr/0015-worker-fleet.md`): [`PgStreamLocker`]'s [`Fleet`] (announce, keepalive,
+//! depart), its [`FleetAdmin`] (the operators' listing: a row it cannot read is listed as
+//! unreadable, with its id, beside the others) and the operators' forget and prune of stale
+//! instances.
 //! The keepalive that marks an instance seen is the locker's batched renew with one more CTE
-//! ([`sql::KEEPALIVE`]), so an announced instance costs no statement of its own per interval.
+//! ([`sql::KEEPALIVE`]), so an announced instance costs no statement of its own per interval;
+//! that CTE and the depart touch the instance's row only when it carries the caller's token.
 
 use std::time::Duration;
 
+use async_trait::async_trait;
 use lockstep_core::{
-    Error, ErrorKind, FORGET_STALE_AFTER, InstanceAnnouncement, InstanceEntry, InstanceId,
-    InstanceInUse, InstanceState, PerspectiveName, Result, StreamLocker, UnreadableInstance,
-    WorkerInstance,
+    Error, ErrorKind, FORGET_STALE_AFTER, Fleet, FleetAdmin, InstanceAnnouncement, InstanceEntry,
+    InstanceId, InstanceInUse, InstanceState, KeepaliveOutcome, LeaseId, PerspectiveName, Result,
+    StreamLocker, UnreadableInstance, WorkerInstance,
 };
 use time::OffsetDateTime;
 use tokio_postgres::Row;
@@ -18,12 +21,83 @@ use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use crate::interval::PgInterval;
-use crate::locker::{PgStreamLocker, stored_holder, stored_name};
+use crate::locker::{PgStreamLocker, lease_arrays, renew_outcomes, stored_holder, stored_name};
 use crate::sql;
 use crate::statement::{RowName, column};
 
+#[async_trait]
+impl Fleet for PgStreamLocker {
+    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()> {
+        self.announce_instance(announcement).await
+    }
+
+    /// One statement: the batched renew, and the instance's row marked seen when it carries
+    /// `token`.
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        token: Uuid,
+        leases: &[LeaseId],
+    ) -> Result<KeepaliveOutcome> {
+        let (streams, perspectives, holders, epochs) = lease_arrays(leases);
+        let rows: Vec<Row> = self
+            .run(
+                sql::KEEPALIVE,
+                &[
+                    &streams,
+                    &perspectives,
+                    &holders,
+                    &epochs,
+                    &self.timeout,
+                    &instance.as_uuid(),
+                    &token,
+                ],
+                "renewing stream leases and marking the instance seen",
+            )
+            .await?;
+        let mut seen = false;
+        let mut renewed = Vec::with_capacity(rows.len());
+        for row in rows {
+            if column::<bool, _>(&row, "seen", RowName::Listed)? {
+                seen = true;
+            } else {
+                renewed.push(row);
+            }
+        }
+        Ok(KeepaliveOutcome::new(
+            renew_outcomes(leases, &renewed)?,
+            seen,
+        ))
+    }
+
+    async fn depart(&self, instance: InstanceId, token: Uuid) -> Result<bool> {
+        let deleted: u64 = self
+            .run(
+                sql::DEPART,
+                &[&instance.as_uuid(), &token],
+                "removing a worker instance's announcement",
+            )
+            .await?;
+        Ok(deleted > 0)
+    }
+}
+
+#[async_trait]
+impl FleetAdmin for PgStreamLocker {
+    async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
+        self.instances().await
+    }
+
+    /// One entry per row: a row that cannot be read (an operator's `'infinity'` time, a nil id,
+    /// a blank name, a perspective name that does not validate) is
+    /// [`InstanceEntry::Unreadable`] with its id.
+    async fn list_instance_entries(&self) -> Result<Vec<InstanceEntry>> {
+        self.instance_entries().await
+    }
+}
+
 impl PgStreamLocker {
-    /// [`StreamLocker::announce`]: one statement (run once more in the rare case that the
+    /// [`Fleet::announce`]: one statement (run once more in the rare case that the
     /// row it conflicts with was committed after the statement's snapshot and could not be
     /// read by it). A live row of another process is [`InstanceInUse`], nothing written.
     pub(crate) async fn announce_instance(&self, a: &InstanceAnnouncement) -> Result<()> {
@@ -75,8 +149,7 @@ impl PgStreamLocker {
         ))
     }
 
-    /// [`StreamLockAdmin::list_instances`](lockstep_core::StreamLockAdmin::list_instances): one
-    /// statement.
+    /// [`FleetAdmin::list_instances`]: one statement.
     pub(crate) async fn instances(&self) -> Result<Vec<WorkerInstance>> {
         let rows: Vec<Row> = self
             .run(sql::LIST_INSTANCES, &[], "listing worker instances")
@@ -84,8 +157,7 @@ impl PgStreamLocker {
         rows.iter().map(listed_instance).collect()
     }
 
-    /// [`StreamLockAdmin::list_instance_entries`](lockstep_core::StreamLockAdmin::list_instance_entries):
-    /// one statement; a row that cannot be read is [`InstanceEntry::Unreadable`] with its id,
+    /// [`FleetAdmin::list_instance_entries`]: one statement; a row that cannot be read is [`InstanceEntry::Unreadable`] with its id,
     /// and only a row whose id cannot be read fails the listing.
     pub(crate) async fn instance_entries(&self) -> Result<Vec<InstanceEntry>> {
         let rows: Vec<Row> = self

@@ -10,9 +10,9 @@ use std::collections::HashMap;
 use async_trait::async_trait;
 use deadpool_postgres::Pool;
 use lockstep_core::{
-    AcquireOutcome, Error, ErrorKind, InstanceAnnouncement, InstanceId, KeepaliveOutcome,
-    LeaseEpoch, LeaseHolder, LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome,
-    Result, StreamId, StreamLease, StreamLockOptions, StreamLocker,
+    AcquireOutcome, Error, ErrorKind, InstanceId, LeaseEpoch, LeaseHolder, LeaseId, LockReason,
+    PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
+    StreamLockOptions, StreamLocker,
 };
 use lockstep_pg::{LockQueue, PgDatabase};
 use time::OffsetDateTime;
@@ -35,7 +35,7 @@ use crate::statement::{RowName, column, statement_error};
 pub struct PgStreamLocker {
     pub(crate) pool: Pool,
     options: StreamLockOptions,
-    timeout: PgInterval,
+    pub(crate) timeout: PgInterval,
     // Only its cancel requests are used (their TLS connector).
     pub(crate) cancel: LockQueue,
 }
@@ -286,61 +286,11 @@ impl StreamLocker for PgStreamLocker {
             .await?;
         renew_outcomes(leases, &rows)
     }
-
-    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()> {
-        self.announce_instance(announcement).await
-    }
-
-    async fn keepalive(
-        &self,
-        instance: InstanceId,
-        leases: &[LeaseId],
-    ) -> Result<KeepaliveOutcome> {
-        let (streams, perspectives, holders, epochs) = lease_arrays(leases);
-        let rows: Vec<Row> = self
-            .run(
-                sql::KEEPALIVE,
-                &[
-                    &streams,
-                    &perspectives,
-                    &holders,
-                    &epochs,
-                    &self.timeout,
-                    &instance.as_uuid(),
-                ],
-                "renewing stream leases and marking the instance seen",
-            )
-            .await?;
-        let mut seen = false;
-        let mut renewed = Vec::with_capacity(rows.len());
-        for row in rows {
-            if column::<bool, _>(&row, "seen", RowName::Listed)? {
-                seen = true;
-            } else {
-                renewed.push(row);
-            }
-        }
-        Ok(KeepaliveOutcome::new(
-            renew_outcomes(leases, &renewed)?,
-            seen,
-        ))
-    }
-
-    async fn depart(&self, instance: InstanceId) -> Result<bool> {
-        let deleted: u64 = self
-            .run(
-                sql::DEPART,
-                &[&instance.as_uuid()],
-                "removing a worker instance's announcement",
-            )
-            .await?;
-        Ok(deleted > 0)
-    }
 }
 
 /// The batched renew's parameters: the leases sorted by pair (the statement itself locks rows
 /// in key order, whatever the plan), as four arrays.
-fn lease_arrays(leases: &[LeaseId]) -> (Vec<Uuid>, Vec<&str>, Vec<Uuid>, Vec<i64>) {
+pub(crate) fn lease_arrays(leases: &[LeaseId]) -> (Vec<Uuid>, Vec<&str>, Vec<Uuid>, Vec<i64>) {
     let mut order: Vec<&LeaseId> = leases.iter().collect();
     order.sort_by(|a, b| {
         (a.stream_id, a.perspective.as_str()).cmp(&(b.stream_id, b.perspective.as_str()))
@@ -355,7 +305,7 @@ fn lease_arrays(leases: &[LeaseId]) -> (Vec<Uuid>, Vec<&str>, Vec<Uuid>, Vec<i64
 
 /// The outcomes of a batched renew of `leases`, in their order, from the rows it renewed
 /// (stream, perspective, holder, epoch, expiry).
-fn renew_outcomes(leases: &[LeaseId], rows: &[Row]) -> Result<Vec<RenewOutcome>> {
+pub(crate) fn renew_outcomes(leases: &[LeaseId], rows: &[Row]) -> Result<Vec<RenewOutcome>> {
     // Keyed by the whole lease id, so a lease listed twice is reported twice.
     let renewed: HashMap<(Uuid, String, Uuid, i64), OffsetDateTime> = rows
         .iter()

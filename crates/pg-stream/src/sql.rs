@@ -180,8 +180,10 @@ UPDATE wh_perspective_cursors c
 
 /// The keepalive of an announced instance (`docs/adr/0015-worker-fleet.md`): the batched renew
 /// ([`RENEW_MANY`], same `$1`–`$5`, the arrays may be empty) and, in the same statement, the
-/// instance `$6` (`uuid`) marked seen. One row per renewed lease (`seen` false), then one row
-/// with `seen` true when the instance's row was found (none when it is not announced).
+/// instance `$6` (`uuid`) marked seen if its row carries the token `$7` (`uuid`) of the process
+/// that sends the keepalive. One row per renewed lease (`seen` false), then one row with `seen`
+/// true when the instance's row was found with that token (none when it is not announced, or
+/// another process took the id over: that row is left as it is).
 ///
 /// A data-modifying CTE always runs to its end, read or not, so the instance is marked seen
 /// whether or not any lease is renewed. Only the instance itself updates its row (announce,
@@ -191,7 +193,7 @@ pub(crate) const KEEPALIVE: &str = "\
 WITH seen AS (
     UPDATE wh_worker_instances
        SET last_seen_at = clock_timestamp()
-     WHERE instance_id = $6::uuid
+     WHERE instance_id = $6::uuid AND token = $7::uuid
     RETURNING instance_id
 ), l AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::bigint[])
@@ -263,8 +265,11 @@ SELECT false, o.name, o.host, o.pid,
   FROM wh_worker_instances o
  WHERE o.instance_id = $1::uuid AND NOT EXISTS (SELECT 1 FROM announced)";
 
-/// Depart: `$1` instance. Deletes its announcement; one row affected means it was there.
-pub(crate) const DEPART: &str = "DELETE FROM wh_worker_instances WHERE instance_id = $1::uuid";
+/// Depart: `$1` instance, `$2` the departing process's token. Deletes its announcement if it
+/// carries that token (another process's is left as it is); one row affected means it was
+/// there.
+pub(crate) const DEPART: &str =
+    "DELETE FROM wh_worker_instances WHERE instance_id = $1::uuid AND token = $2::uuid";
 
 /// The fleet for operators: every announced instance with how long ago it was seen and whether
 /// it is live, on the database clock, ordered by name (byte order), then id. The durations are

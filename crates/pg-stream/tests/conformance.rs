@@ -1,4 +1,5 @@
-//! The testkit's stream-locker and lease-fence conformance suites, run against PostgreSQL: the
+//! The testkit's stream-locker (with the fleet's cases) and lease-fence conformance suites, run
+//! against PostgreSQL: the
 //! same cases the in-memory locker passes, one test per case, each on a database of its own.
 
 mod common;
@@ -8,7 +9,7 @@ use lockstep_core::{PerspectiveName, StreamId};
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::conformance::lease_fence::LeaseFenceFixture;
-use lockstep_testkit::conformance::stream_locker::StreamLockerFixture;
+use lockstep_testkit::conformance::stream_locker::{FleetFixture, StreamLockerFixture};
 
 /// A locker with a 400 ms lock timeout (keepalive 100 ms) on a database of the test's own.
 struct PgFixture {
@@ -31,6 +32,20 @@ impl StreamLockerFixture for PgFixture {
 
     async fn create_cursor(&self, stream_id: StreamId, perspective: &PerspectiveName) {
         create_cursor(&self.db.pool, stream_id, perspective).await;
+    }
+}
+
+/// The locker keeps the fleet too.
+impl FleetFixture for PgFixture {
+    type Fleet = PgStreamLocker;
+    type FleetAdmin = PgStreamLocker;
+
+    fn fleet(&self) -> &PgStreamLocker {
+        &self.locker
+    }
+
+    fn fleet_admin(&self) -> &PgStreamLocker {
+        &self.locker
     }
 }
 
@@ -60,6 +75,15 @@ mod stream_locker {
     use super::*;
 
     lockstep_testkit::stream_locker_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture().await,
+    }
+}
+
+mod fleet {
+    use super::*;
+
+    lockstep_testkit::fleet_conformance! {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         fixture: fixture().await,
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{Db, long_options};
 use lockstep_core::{
-    InstanceAnnouncement, InstanceEntry, InstanceId, PerspectiveName, StreamLockAdmin, StreamLocker,
+    Fleet, FleetAdmin, InstanceAnnouncement, InstanceEntry, InstanceId, PerspectiveName,
 };
 use lockstep_pg_stream::{ForgetInstance, PgStreamLocker};
 

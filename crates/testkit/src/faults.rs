@@ -35,9 +35,10 @@ use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, CursorLease, DistributedLock, Error, ErrorKind, EventStore, ExpectedVersion,
-    InstanceId, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo, LockReason, NewEvent,
-    PerspectiveName, RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId,
-    StreamLockAdmin, StreamLockOptions, StreamLocker, VersionConflict, async_trait,
+    Fleet, FleetAdmin, InstanceId, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo,
+    LockReason, NewEvent, PerspectiveName, RecordedEvent, ReleaseOutcome, RenewOutcome,
+    ResourceKey, Result, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, Uuid,
+    VersionConflict, async_trait,
 };
 use time::OffsetDateTime;
 
@@ -226,7 +227,7 @@ impl StreamLockerFaults {
     }
 
     /// The next `n` admin calls ([`StreamLockAdmin`]: list, inspect, force-release,
-    /// release-all) fail with an error of `kind` and change nothing.
+    /// release-all; [`FleetAdmin`]: list instances) fail with an error of `kind` and change nothing.
     pub fn fail_next_admin_calls(&self, n: u32, kind: ErrorKind) {
         self.controls.with(|f| f.fail_admin_calls = Some((n, kind)));
     }
@@ -242,8 +243,8 @@ impl StreamLockerFaults {
     }
 }
 
-/// A [`StreamLocker`] (and, when the wrapped locker is one, a [`StreamLockAdmin`] and a
-/// [`LeaseFence`]) that injects the faults its [`StreamLockerFaults`] handle asks for.
+/// A [`StreamLocker`] (and, when the wrapped locker is one, a [`StreamLockAdmin`], a
+/// [`LeaseFence`], a [`Fleet`] and a [`FleetAdmin`]) that injects the faults its [`StreamLockerFaults`] handle asks for.
 #[derive(Debug, Clone)]
 pub struct FaultyStreamLocker<L> {
     inner: L,
@@ -359,28 +360,6 @@ impl<L: StreamLocker> StreamLocker for FaultyStreamLocker<L> {
         }
         Ok(outcomes)
     }
-
-    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
-        self.faults.controls.delay().await;
-        self.inner.announce(announcement).await
-    }
-
-    /// One renew each (the per-renew faults apply), then the inner keepalive with no lease to
-    /// mark the instance seen.
-    async fn keepalive(
-        &self,
-        instance: InstanceId,
-        leases: &[LeaseId],
-    ) -> Result<lockstep_core::KeepaliveOutcome> {
-        let renewed = self.renew_many(leases).await?;
-        let seen = self.inner.keepalive(instance, &[]).await?.seen;
-        Ok(lockstep_core::KeepaliveOutcome::new(renewed, seen))
-    }
-
-    async fn depart(&self, instance: InstanceId) -> Result<bool> {
-        self.faults.controls.delay().await;
-        self.inner.depart(instance).await
-    }
 }
 
 /// Admin calls pass through unless [`StreamLockerFaults::fail_next_admin_calls`] fails them.
@@ -418,6 +397,40 @@ impl<L: StreamLockAdmin> StreamLockAdmin for FaultyStreamLocker<L> {
         self.admin_fault("release_all_held_by").await?;
         self.inner.release_all_held_by(instance).await
     }
+}
+
+/// The fleet's calls, when the wrapped locker keeps one: the latency applies; a keepalive's
+/// renewals take the renew faults.
+#[async_trait]
+impl<L: Fleet> Fleet for FaultyStreamLocker<L> {
+    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
+        self.faults.controls.delay().await;
+        self.inner.announce(announcement).await
+    }
+
+    /// One renew each (the per-renew faults apply), then the inner keepalive with no lease to
+    /// mark the instance seen.
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        token: Uuid,
+        leases: &[LeaseId],
+    ) -> Result<lockstep_core::KeepaliveOutcome> {
+        let renewed = self.renew_many(leases).await?;
+        let seen = self.inner.keepalive(instance, token, &[]).await?.seen;
+        Ok(lockstep_core::KeepaliveOutcome::new(renewed, seen))
+    }
+
+    async fn depart(&self, instance: InstanceId, token: Uuid) -> Result<bool> {
+        self.faults.controls.delay().await;
+        self.inner.depart(instance, token).await
+    }
+}
+
+/// The fleet's listing passes through unless [`StreamLockerFaults::fail_next_admin_calls`]
+/// fails it.
+#[async_trait]
+impl<L: FleetAdmin> FleetAdmin for FaultyStreamLocker<L> {
     async fn list_instances(&self) -> Result<Vec<lockstep_core::WorkerInstance>> {
         self.admin_fault("list_instances").await?;
         self.inner.list_instances().await

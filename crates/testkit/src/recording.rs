@@ -24,10 +24,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, CursorLease, DistributedLock, ErrorKind, EventStore, ExpectedVersion,
-    InstanceId, LeaseFence, LeaseId, LeaseInfo, LockReason, NewEvent, PerspectiveName,
+    AcquireOutcome, CursorLease, DistributedLock, ErrorKind, EventStore, ExpectedVersion, Fleet,
+    FleetAdmin, InstanceId, LeaseFence, LeaseId, LeaseInfo, LockReason, NewEvent, PerspectiveName,
     RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId, StreamLockAdmin,
-    StreamLockOptions, StreamLocker, async_trait,
+    StreamLockOptions, StreamLocker, Uuid, async_trait,
 };
 
 /// What a recorded call returned: its value, or the kind of its error.
@@ -101,26 +101,26 @@ pub enum StreamLockCall {
         /// What came back: how many leases were cleared.
         outcome: Outcome<u64>,
     },
-    /// `announce` (the fleet).
+    /// `announce` ([`Fleet`]).
     Announce {
         /// What was announced.
         announcement: lockstep_core::InstanceAnnouncement,
         /// What came back.
         outcome: Outcome<()>,
     },
-    /// `depart` (the fleet).
+    /// `depart` ([`Fleet`]).
     Depart {
         /// The instance departing.
         instance: InstanceId,
         /// What came back: whether it was announced.
         outcome: Outcome<bool>,
     },
-    /// `list_instances` ([`StreamLockAdmin`]).
+    /// `list_instances` ([`FleetAdmin`]).
     ListInstances {
         /// What came back.
         outcome: Outcome<Vec<lockstep_core::WorkerInstance>>,
     },
-    /// `list_instance_entries` ([`StreamLockAdmin`]).
+    /// `list_instance_entries` ([`FleetAdmin`]).
     ListInstanceEntries {
         /// What came back.
         outcome: Outcome<Vec<lockstep_core::InstanceEntry>>,
@@ -131,9 +131,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Records every call to the wrapped [`StreamLocker`], and to its [`StreamLockAdmin`] and
-/// [`LeaseFence`] when it is one (as the in-memory and Postgres lockers are). Clones share the
-/// record.
+/// Records every call to the wrapped [`StreamLocker`], and to its [`StreamLockAdmin`],
+/// [`LeaseFence`], [`Fleet`] and [`FleetAdmin`] when it is one (as the in-memory and Postgres
+/// lockers are). Clones share the record.
 #[derive(Debug, Clone)]
 pub struct RecordingStreamLocker<L> {
     inner: L,
@@ -280,45 +280,6 @@ impl<L: StreamLocker> StreamLocker for RecordingStreamLocker<L> {
         }
         result
     }
-
-    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
-        let result = self.inner.announce(announcement).await;
-        self.record(StreamLockCall::Announce {
-            announcement: announcement.clone(),
-            outcome: outcome(&result),
-        });
-        result
-    }
-
-    /// Forwarded; each lease's renewal is recorded as a [`StreamLockCall::Renew`], as for
-    /// `renew_many`.
-    async fn keepalive(
-        &self,
-        instance: InstanceId,
-        leases: &[LeaseId],
-    ) -> Result<lockstep_core::KeepaliveOutcome> {
-        let result = self.inner.keepalive(instance, leases).await;
-        for (i, lease) in leases.iter().enumerate() {
-            let outcome = match &result {
-                Ok(done) => done.renewed.get(i).copied().ok_or(ErrorKind::Backend),
-                Err(e) => Err(e.kind()),
-            };
-            self.record(StreamLockCall::Renew {
-                lease: lease.clone(),
-                outcome,
-            });
-        }
-        result
-    }
-
-    async fn depart(&self, instance: InstanceId) -> Result<bool> {
-        let result = self.inner.depart(instance).await;
-        self.record(StreamLockCall::Depart {
-            instance,
-            outcome: outcome(&result),
-        });
-        result
-    }
 }
 
 #[async_trait]
@@ -367,6 +328,54 @@ impl<L: StreamLockAdmin> StreamLockAdmin for RecordingStreamLocker<L> {
         });
         result
     }
+}
+
+/// The fleet's calls, when the wrapped locker keeps one.
+#[async_trait]
+impl<L: Fleet> Fleet for RecordingStreamLocker<L> {
+    async fn announce(&self, announcement: &lockstep_core::InstanceAnnouncement) -> Result<()> {
+        let result = self.inner.announce(announcement).await;
+        self.record(StreamLockCall::Announce {
+            announcement: announcement.clone(),
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    /// Forwarded; each lease's renewal is recorded as a [`StreamLockCall::Renew`], as for
+    /// `renew_many`.
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        token: Uuid,
+        leases: &[LeaseId],
+    ) -> Result<lockstep_core::KeepaliveOutcome> {
+        let result = self.inner.keepalive(instance, token, leases).await;
+        for (i, lease) in leases.iter().enumerate() {
+            let outcome = match &result {
+                Ok(done) => done.renewed.get(i).copied().ok_or(ErrorKind::Backend),
+                Err(e) => Err(e.kind()),
+            };
+            self.record(StreamLockCall::Renew {
+                lease: lease.clone(),
+                outcome,
+            });
+        }
+        result
+    }
+
+    async fn depart(&self, instance: InstanceId, token: Uuid) -> Result<bool> {
+        let result = self.inner.depart(instance, token).await;
+        self.record(StreamLockCall::Depart {
+            instance,
+            outcome: outcome(&result),
+        });
+        result
+    }
+}
+
+#[async_trait]
+impl<L: FleetAdmin> FleetAdmin for RecordingStreamLocker<L> {
     async fn list_instances(&self) -> Result<Vec<lockstep_core::WorkerInstance>> {
         let result = self.inner.list_instances().await;
         self.record(StreamLockCall::ListInstances {

@@ -31,10 +31,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lockstep_core::{
-    AcquireOutcome, CursorLease, Error, ErrorKind, InstanceAnnouncement, InstanceId, InstanceState,
-    KeepaliveOutcome, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId, LeaseInfo, LeaseStatus,
-    LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId,
-    StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker, WorkerInstance, async_trait,
+    AcquireOutcome, CursorLease, Error, ErrorKind, Fleet, FleetAdmin, InstanceAnnouncement,
+    InstanceId, InstanceState, KeepaliveOutcome, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId,
+    LeaseInfo, LeaseStatus, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, ResourceKey,
+    Result, StreamId, StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker, Uuid,
+    WorkerInstance, async_trait,
 };
 use time::OffsetDateTime;
 use tokio::time::Instant;
@@ -192,8 +193,6 @@ impl InMemoryStreamLocker {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// How many live announced instances run `perspective` (live as
-    /// [`StreamLockAdmin::list_instances`] says: seen within their lock timeout).
     /// Clears `lease` if its holder still holds it at its epoch, expired or not (a fenced
     /// commit that releases its lease, as it commits): whether it did. Synchronous, for a
     /// transaction's end hook.
@@ -208,6 +207,8 @@ impl InMemoryStreamLocker {
         }
     }
 
+    /// How many live announced instances run `perspective` (live as
+    /// [`FleetAdmin::list_instances`] says: seen within their lock timeout).
     pub(crate) fn live_instances_running(&self, perspective: &PerspectiveName) -> u64 {
         let now = Instant::now();
         self.instances()
@@ -323,69 +324,6 @@ impl StreamLocker for InMemoryStreamLocker {
             _ => Ok(ReleaseOutcome::NotHeld),
         }
     }
-
-    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()> {
-        let now = Instant::now();
-        let mut instances = self.instances();
-        instances.retain(|id, i| {
-            *id == announcement.instance
-                || now.saturating_duration_since(i.seen) <= lockstep_core::FORGET_STALE_AFTER
-        });
-        // An id names one process: another process's live announcement is not replaced; its
-        // stale one is taken over as a new start.
-        let started = match instances.get(&announcement.instance) {
-            None => now,
-            Some(i) if i.announcement.token == announcement.token => i.started,
-            Some(i) => {
-                let since_seen = now.saturating_duration_since(i.seen);
-                // As listed: live while `last_seen_at + stale_after > now`.
-                if since_seen < i.stale_after {
-                    let other = &i.announcement;
-                    return Err(lockstep_core::InstanceInUse::new(
-                        other.instance,
-                        other.name.clone(),
-                        other.host.clone(),
-                        other.pid,
-                        since_seen,
-                        i.stale_after,
-                    )
-                    .into_error());
-                }
-                now
-            }
-        };
-        instances.insert(
-            announcement.instance,
-            Announced {
-                announcement: announcement.clone(),
-                started,
-                seen: now,
-                stale_after: self.options.lock_timeout(),
-            },
-        );
-        Ok(())
-    }
-
-    async fn keepalive(
-        &self,
-        instance: InstanceId,
-        leases: &[LeaseId],
-    ) -> Result<KeepaliveOutcome> {
-        let renewed = self.renew_many(leases).await?;
-        let now = Instant::now();
-        let seen = match self.instances().get_mut(&instance) {
-            Some(announced) => {
-                announced.seen = now;
-                true
-            }
-            None => false,
-        };
-        Ok(KeepaliveOutcome::new(renewed, seen))
-    }
-
-    async fn depart(&self, instance: InstanceId) -> Result<bool> {
-        Ok(self.instances().remove(&instance).is_some())
-    }
 }
 
 /// `list_lease_entries` is the default (every entry a lease): the fake's rows hold typed values,
@@ -475,7 +413,88 @@ impl StreamLockAdmin for InMemoryStreamLocker {
         }
         Ok(released)
     }
+}
 
+/// The fleet as the PostgreSQL locker keeps it, on the same clock as the leases.
+#[async_trait]
+impl Fleet for InMemoryStreamLocker {
+    async fn announce(&self, announcement: &InstanceAnnouncement) -> Result<()> {
+        let now = Instant::now();
+        let mut instances = self.instances();
+        instances.retain(|id, i| {
+            *id == announcement.instance
+                || now.saturating_duration_since(i.seen) <= lockstep_core::FORGET_STALE_AFTER
+        });
+        // An id names one process: another process's live announcement is not replaced; its
+        // stale one is taken over as a new start.
+        let started = match instances.get(&announcement.instance) {
+            None => now,
+            Some(i) if i.announcement.token == announcement.token => i.started,
+            Some(i) => {
+                let since_seen = now.saturating_duration_since(i.seen);
+                // As listed: live while `last_seen_at + stale_after > now`.
+                if since_seen < i.stale_after {
+                    let other = &i.announcement;
+                    return Err(lockstep_core::InstanceInUse::new(
+                        other.instance,
+                        other.name.clone(),
+                        other.host.clone(),
+                        other.pid,
+                        since_seen,
+                        i.stale_after,
+                    )
+                    .into_error());
+                }
+                now
+            }
+        };
+        instances.insert(
+            announcement.instance,
+            Announced {
+                announcement: announcement.clone(),
+                started,
+                seen: now,
+                stale_after: self.options.lock_timeout(),
+            },
+        );
+        Ok(())
+    }
+
+    async fn keepalive(
+        &self,
+        instance: InstanceId,
+        token: Uuid,
+        leases: &[LeaseId],
+    ) -> Result<KeepaliveOutcome> {
+        let renewed = self.renew_many(leases).await?;
+        let now = Instant::now();
+        // Only this process's announcement: a process whose id was taken over by another
+        // (another token) leaves the new owner's row as it is.
+        let seen = match self.instances().get_mut(&instance) {
+            Some(announced) if announced.announcement.token == token => {
+                announced.seen = now;
+                true
+            }
+            _ => false,
+        };
+        Ok(KeepaliveOutcome::new(renewed, seen))
+    }
+
+    async fn depart(&self, instance: InstanceId, token: Uuid) -> Result<bool> {
+        let mut instances = self.instances();
+        match instances.get(&instance) {
+            Some(announced) if announced.announcement.token == token => {
+                instances.remove(&instance);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+}
+
+/// `list_instance_entries` is the default (every entry an instance): the fake holds typed values.
+#[async_trait]
+impl FleetAdmin for InMemoryStreamLocker {
     async fn list_instances(&self) -> Result<Vec<WorkerInstance>> {
         let now = Instant::now();
         let mut listed: Vec<WorkerInstance> = self

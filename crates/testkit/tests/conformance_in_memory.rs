@@ -39,6 +39,26 @@ mod stream_locker_with_short_options {
     }
 }
 
+mod fleet_with_default_options {
+    use super::*;
+
+    lockstep_testkit::fleet_conformance! {
+        #[tokio::test(start_paused = true)]
+        fixture: InMemoryStreamLocker::new(StreamLockOptions::default()),
+    }
+}
+
+mod fleet_with_short_options {
+    use super::*;
+
+    lockstep_testkit::fleet_conformance! {
+        #[tokio::test(start_paused = true)]
+        fixture: InMemoryStreamLocker::new(
+            StreamLockOptions::new(SHORT_LOCK_TIMEOUT, SHORT_KEEPALIVE).expect("valid options"),
+        ),
+    }
+}
+
 mod distributed_lock {
     use super::*;
 
@@ -89,10 +109,9 @@ mod session_lock {
 #[tokio::test(start_paused = true)]
 async fn run_all_runs_every_case_of_every_suite_in_one_test() {
     let db = FakeDatabase::new();
-    lockstep_testkit::conformance::stream_locker::run_all(&InMemoryStreamLocker::new(
-        StreamLockOptions::default(),
-    ))
-    .await;
+    let locker = InMemoryStreamLocker::new(StreamLockOptions::default());
+    lockstep_testkit::conformance::stream_locker::run_all(&locker).await;
+    lockstep_testkit::conformance::stream_locker::run_all_fleet(&locker).await;
     let lock = Arc::new(FakeDistributedLock::new(&db));
     lockstep_testkit::conformance::distributed_lock::run_all(Arc::clone(&lock)).await;
     lockstep_testkit::conformance::session_lock::run_all(lock).await;

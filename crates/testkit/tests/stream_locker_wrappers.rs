@@ -8,11 +8,11 @@ use std::future::Future;
 use std::time::Duration;
 
 use lockstep_core::{
-    ErrorKind, InstanceId, LeaseFence, LockReason, PerspectiveName, ReleaseOutcome, StreamId,
-    StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    ErrorKind, Fleet, InstanceId, LeaseFence, LockReason, PerspectiveName, ReleaseOutcome,
+    StreamId, StreamLease, StreamLockAdmin, StreamLockOptions, StreamLocker,
 };
 use lockstep_testkit::conformance::lease_fence::LeaseFenceFixture;
-use lockstep_testkit::conformance::stream_locker::StreamLockerFixture;
+use lockstep_testkit::conformance::stream_locker::{FleetFixture, StreamLockerFixture};
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, FaultyStreamLocker, InMemoryStreamLocker, RecordingStreamLocker,
     StreamLockCall, StreamLockerFaults,
@@ -61,6 +61,20 @@ impl StreamLockerFixture for Wrapped {
     }
 }
 
+/// The fleet behind `dyn`, as the worker holds it; its admin view concrete.
+impl FleetFixture for Wrapped {
+    type Fleet = dyn Fleet;
+    type FleetAdmin = Stack;
+
+    fn fleet(&self) -> &(dyn Fleet + 'static) {
+        &self.stack
+    }
+
+    fn fleet_admin(&self) -> &Stack {
+        &self.stack
+    }
+}
+
 impl LeaseFenceFixture for Wrapped {
     type Tx = FakeTransaction;
     type Source = FakeDatabase;
@@ -85,6 +99,18 @@ mod the_wrappers_without_faults_pass_the_stream_locker_suite {
             let calls = fixture.stack.calls();
             assert!(!calls.is_empty(), "every call goes through the recording wrapper");
             assert!(fixture.stack.lease_checks().is_empty(), "the suite does not fence");
+        },
+    }
+}
+
+mod the_wrappers_without_faults_pass_the_fleet_suite {
+    use super::*;
+
+    lockstep_testkit::fleet_conformance! {
+        #[tokio::test(start_paused = true)]
+        fixture: wrapped(),
+        after_each: |fixture: &Wrapped| {
+            assert!(!fixture.stack.calls().is_empty(), "every call goes through the recording wrapper");
         },
     }
 }

@@ -2,12 +2,15 @@
 //! `docs/adr/0015-worker-fleet.md`): [`InstanceIdentity`], given to
 //! [`PerspectiveWorker::with_identity`](crate::PerspectiveWorker::with_identity) or detected.
 //!
-//! A worker with a stream locker announces itself when [`run`](crate::PerspectiveWorker::run)
-//! starts (its instance id, this identity and the perspectives it runs), says it is alive with
-//! the keepalive its [`LeaseKeeper`](crate::LeaseKeeper) already sends once per interval (the
-//! same statement renews its leases and marks it seen), and departs when `run` ends. A worker
-//! that is dropped or killed without stopping leaves its announcement to go stale after the
-//! locker's lock timeout. A worker without a locker has no keepalive and is not announced.
+//! A worker given a fleet ([`PerspectiveWorker::with_fleet`](crate::PerspectiveWorker::with_fleet):
+//! a stream locker that keeps one, as the Postgres and in-memory lockers do) announces itself
+//! when [`run`](crate::PerspectiveWorker::run) starts (its instance id, this identity and the
+//! perspectives it runs), says it is alive with the keepalive its
+//! [`LeaseKeeper`](crate::LeaseKeeper) already sends once per interval (the same statement
+//! renews its leases and marks it seen, if the announcement still carries this process's
+//! token), and departs when `run` ends. A worker that is dropped or killed without stopping
+//! leaves its announcement to go stale after the locker's lock timeout. A worker without a
+//! fleet is not announced.
 //!
 //! An instance id names one running process: a worker whose id is announced, live, by another
 //! process (another [`InstanceIdentity::token`]) refuses to start — `run` returns the

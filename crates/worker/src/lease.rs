@@ -57,9 +57,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, Error, ErrorKind, InstanceAnnouncement, InstanceId, LeaseHolder, LeaseId,
-    LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
-    StreamLocker,
+    AcquireOutcome, Error, ErrorKind, Fleet, InstanceAnnouncement, InstanceId, LeaseHolder,
+    LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId,
+    StreamLease, StreamLocker,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -88,6 +88,9 @@ impl Entry {
 
 struct Shared {
     locker: Arc<dyn StreamLocker>,
+    /// The same object as `locker`, as a fleet, when the keeper was started in one
+    /// ([`LeaseKeeper::start_in_fleet`]): what it announces, keeps alive and departs through.
+    fleet: Option<Arc<dyn Fleet>>,
     instance: InstanceId,
     entries: Mutex<HashMap<u64, Entry>>,
     next: std::sync::atomic::AtomicU64,
@@ -193,11 +196,30 @@ pub enum Leased {
 
 impl LeaseKeeper {
     /// Starts the keepalive task for leases of `instance` taken through `locker` (on the
-    /// current tokio runtime).
+    /// current tokio runtime). The instance is not announced: see
+    /// [`LeaseKeeper::start_in_fleet`].
     pub fn start(locker: Arc<dyn StreamLocker>, instance: InstanceId) -> LeaseKeeper {
+        LeaseKeeper::started(locker, None, instance)
+    }
+
+    /// Starts the keepalive task for leases of `instance` taken through `fleet` (on the
+    /// current tokio runtime), which can then announce the instance
+    /// ([`LeaseKeeper::announce`]): a fleet is a stream locker whose keepalive also marks the
+    /// instance seen.
+    pub fn start_in_fleet(fleet: Arc<dyn Fleet>, instance: InstanceId) -> LeaseKeeper {
+        let locker: Arc<dyn StreamLocker> = Arc::clone(&fleet) as Arc<dyn StreamLocker>;
+        LeaseKeeper::started(locker, Some(fleet), instance)
+    }
+
+    fn started(
+        locker: Arc<dyn StreamLocker>,
+        fleet: Option<Arc<dyn Fleet>>,
+        instance: InstanceId,
+    ) -> LeaseKeeper {
         let stop = CancellationToken::new();
         let shared = Arc::new(Shared {
             locker,
+            fleet,
             instance,
             entries: Mutex::default(),
             next: std::sync::atomic::AtomicU64::new(1),
@@ -223,6 +245,12 @@ impl LeaseKeeper {
     /// The locker the leases are taken through.
     pub fn locker(&self) -> &Arc<dyn StreamLocker> {
         &self.shared.locker
+    }
+
+    /// The same locker as a fleet, when the keeper was started in one
+    /// ([`LeaseKeeper::start_in_fleet`]).
+    pub fn fleet(&self) -> Option<&Arc<dyn Fleet>> {
+        self.shared.fleet.as_ref()
     }
 
     /// Tries to take the pair's lease for this instance (see [`StreamLocker::try_acquire`]); a
@@ -291,20 +319,26 @@ impl LeaseKeeper {
         self.shared.entries().values().filter(|e| e.kept()).count()
     }
 
-    /// Announces the instance to the fleet ([`StreamLocker::announce`]; see
+    /// Announces the instance to the fleet ([`Fleet::announce`]; see
     /// [`lockstep_core::fleet`]): from now on each keepalive interval sends one
-    /// [`StreamLocker::keepalive`] (which renews the leases held, if any, and marks the instance
-    /// seen) — even while no lease is held — and [`LeaseKeeper::shutdown`] departs. A keepalive
-    /// that finds the announcement gone (removed by an operator, forgotten after a long
-    /// partition) announces again.
+    /// [`Fleet::keepalive`] with the announcement's token (which renews the leases held, if
+    /// any, and marks the instance seen) — even while no lease is held — and
+    /// [`LeaseKeeper::shutdown`] departs. A keepalive that finds the announcement gone
+    /// (removed by an operator, forgotten after a long partition) announces again.
     ///
     /// An announcement of another instance than the keeper's is
-    /// [`ErrorKind::InvalidInput`]; a locker without a
-    /// fleet answers [`ErrorKind::Unsupported`] and the
-    /// keeper goes on unannounced. An instance id announced, live, by another process is
-    /// [`ErrorKind::Conflict`] ([`lockstep_core::InstanceInUse`]), and the keeper stays
-    /// unannounced.
+    /// [`ErrorKind::InvalidInput`]; a keeper started without a fleet ([`LeaseKeeper::start`])
+    /// cannot announce: [`ErrorKind::Unsupported`], nothing sent. An instance id announced,
+    /// live, by another process is [`ErrorKind::Conflict`] ([`lockstep_core::InstanceInUse`]),
+    /// and the keeper stays unannounced.
     pub async fn announce(&self, announcement: InstanceAnnouncement) -> Result<()> {
+        let Some(fleet) = &self.shared.fleet else {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "this lease keeper was started with a stream locker, not a fleet \
+                 (LeaseKeeper::start_in_fleet), so it cannot announce the instance",
+            ));
+        };
         if announcement.instance != self.shared.instance {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -314,7 +348,7 @@ impl LeaseKeeper {
                 ),
             ));
         }
-        self.shared.locker.announce(&announcement).await?;
+        fleet.announce(&announcement).await?;
         *self
             .shared
             .announced
@@ -392,9 +426,10 @@ impl LeaseKeeper {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
-        if announced.is_some() {
-            // A failure leaves the announcement to go stale (the keepalive has stopped).
-            match self.shared.locker.depart(self.shared.instance).await {
+        if let (Some(announced), Some(fleet)) = (announced, &self.shared.fleet) {
+            // A failure leaves the announcement to go stale (the keepalive has stopped). The
+            // token: an announcement another process took over is not this one's to remove.
+            match fleet.depart(self.shared.instance, announced.token).await {
                 Ok(_) => tracing::debug!(instance = %self.shared.instance, "instance departed"),
                 Err(err) => {
                     tracing::warn!(error = %err, instance = %self.shared.instance, "departing from the fleet failed; the instance will show as stale");
@@ -462,7 +497,9 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
             .map(|(k, e)| (*k, e.id.clone()))
             .collect();
         // An announced instance says it is alive every interval, with or without leases.
-        let announced = shared.announced();
+        let announced = shared
+            .announced()
+            .and_then(|a| Some((a, Arc::clone(shared.fleet.as_ref()?))));
         if held.is_empty() && announced.is_none() {
             continue;
         }
@@ -475,9 +512,8 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
         // instance seen.
         let call = async {
             match &announced {
-                Some(_) => shared
-                    .locker
-                    .keepalive(shared.instance, &ids)
+                Some((announcement, fleet)) => fleet
+                    .keepalive(shared.instance, announcement.token, &ids)
                     .await
                     .map(|k| (k.renewed, Some(k.seen))),
                 None => shared.locker.renew_many(&ids).await.map(|r| (r, None)),
@@ -538,8 +574,8 @@ async fn keepalive(shared: Weak<Shared>, stop: CancellationToken) {
         }
         // The announcement is gone (an operator removed it, or it was forgotten after a long
         // partition): announce again, bounded like the renew.
-        if let (Some(false), Some(announcement)) = (seen, announced) {
-            let again = tokio::time::timeout(interval, shared.locker.announce(&announcement));
+        if let (Some(false), Some((announcement, fleet))) = (seen, announced) {
+            let again = tokio::time::timeout(interval, fleet.announce(&announcement));
             match watch_deadlines(&weak, &stop, &tracked, again).await {
                 None => return,
                 Some(Ok(Ok(()))) => {

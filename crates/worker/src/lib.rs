@@ -10,8 +10,8 @@
 //!   per instance (`renew_many`), a lost signal as a cancellation token, the fence for the
 //!   protected commit, release on finish or drop ([`lease`]). Applications that rebuild a read
 //!   model of their own use it too.
-//! - [`InstanceIdentity`] — how an instance names itself in the fleet: a worker with a locker
-//!   announces itself when it runs, is kept alive by the keepalive it already sends, and departs
+//! - [`InstanceIdentity`] — how an instance names itself in the fleet: a worker given a fleet
+//!   ([`PerspectiveWorker::with_fleet`]) announces itself when it runs, is kept alive by the keepalive it already sends, and departs
 //!   when it stops ([`fleet`]).
 //! - [`ApplyCoordinator`] — serializes every apply path of a pair inside one instance
 //!   ([`coordinator`]).
@@ -25,10 +25,13 @@
 //!
 //! The worker is generic over the unit of work ([`lockstep_core::TransactionSource`]) and the
 //! store ([`lockstep_core::PerspectiveStore`]): the testkit's in-memory store and
-//! `lockstep-pg-store`'s Postgres store both fit. The stream locker is optional.
+//! `lockstep-pg-store`'s Postgres store both fit. The stream locker is optional, and so is the
+//! fleet: a locker that keeps one ([`lockstep_core::Fleet`], as the Postgres and in-memory
+//! lockers do), given with [`PerspectiveWorker::with_fleet`], through which the worker takes its
+//! leases and announces itself.
 //!
 //! ```no_run
-//! # async fn demo<S, P>(source: S, store: P, locker: std::sync::Arc<dyn lockstep_core::StreamLocker>)
+//! # async fn demo<S, P>(source: S, store: P, fleet: std::sync::Arc<dyn lockstep_core::Fleet>)
 //! # -> lockstep_core::Result<()>
 //! # where S: lockstep_core::TransactionSource, P: lockstep_core::PerspectiveStore<S::Tx> {
 //! use lockstep_core::{InstanceId, PerspectiveRegistry};
@@ -43,8 +46,9 @@
 //! let mut registry = PerspectiveRegistry::new();
 //! registry.register(Orders)?;
 //! let worker = PerspectiveWorker::new(
-//!     source, store, registry, WorkerOptions::default(), InstanceId::process(), Some(locker),
-//! )?;
+//!     source, store, registry, WorkerOptions::default(), InstanceId::process(), None,
+//! )?
+//! .with_fleet(fleet);
 //! let shutdown = tokio_util::sync::CancellationToken::new();
 //! worker.run(shutdown).await?; // until shutdown.cancel()
 //! # Ok(()) }

@@ -42,7 +42,10 @@
 //! - The locker is optional (`Option<Arc<dyn StreamLocker>>`, a nullable dependency):
 //!   without one, rewind, bootstrap and purge run unlocked; the coordinator still serializes
 //!   every apply path of a pair within the instance, and the store's compare-and-set still
-//!   refuses a commit computed from a state another instance has moved on from.
+//!   refuses a commit computed from a state another instance has moved on from. The fleet is
+//!   optional too ([`PerspectiveWorker::with_fleet`]): a locker that keeps one, through which
+//!   the worker then takes its leases and announces itself; without it, the worker runs
+//!   unannounced.
 
 pub mod batch;
 mod bootstrap;
@@ -59,9 +62,9 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
 use lockstep_core::{
-    ApplyError, DynPerspective, DynTablePerspective, Error, ErrorKind, InstanceId, LeaseHolder,
-    Pair, PairFailure, PerspectiveName, PerspectiveRegistry, PerspectiveStore, RecordedEvent,
-    Result, StreamId, StreamLocker, Transaction, TransactionSource,
+    ApplyError, DynPerspective, DynTablePerspective, Error, ErrorKind, Fleet, InstanceId,
+    LeaseHolder, Pair, PairFailure, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
+    RecordedEvent, Result, StreamId, StreamLocker, Transaction, TransactionSource,
 };
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -272,7 +275,8 @@ where
 {
     /// A worker for `registry`'s perspectives, on transactions from `source` and the store
     /// `store`, as `instance`. With a `locker`, rewind, bootstrap and purge run under stream
-    /// leases kept alive by a [`LeaseKeeper`] (started here: call within a tokio runtime).
+    /// leases kept alive by a [`LeaseKeeper`] (started here: call within a tokio runtime). The
+    /// worker runs unannounced unless given a fleet ([`PerspectiveWorker::with_fleet`]).
     /// Invalid options are [`ErrorKind::InvalidInput`], and so is a registry with a table
     /// perspective registered for another transaction type than `S::Tx`.
     pub fn new(
@@ -334,21 +338,44 @@ where
         &self.identity
     }
 
-    /// Announces the instance to the fleet through its locker's keeper (see [`crate::fleet`]):
-    /// what [`PerspectiveWorker::run`] does first. `Ok(false)` without a locker, or when the
-    /// locker keeps no fleet; a failure is the error.
+    /// The same worker, in `fleet`: it takes its stream leases through `fleet` (in place of
+    /// the locker given to [`PerspectiveWorker::new`], if any: a fleet is a stream locker whose
+    /// keepalive also marks the instance seen, in one call), announces itself when
+    /// [`run`](Self::run) starts, says it is alive with every keepalive and departs when `run`
+    /// ends (see [`crate::fleet`]). Starts a new [`LeaseKeeper`]: call within a tokio runtime,
+    /// before the worker takes any lease.
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use lockstep_core::{Fleet, InstanceId, PerspectiveRegistry, PerspectiveStore, TransactionSource};
+    /// # use lockstep_worker::{PerspectiveWorker, WorkerOptions};
+    /// # fn demo<S: TransactionSource, P: PerspectiveStore<S::Tx>>(
+    /// #     source: S, store: P, registry: PerspectiveRegistry, fleet: Arc<dyn Fleet>,
+    /// # ) -> lockstep_core::Result<()> {
+    /// let worker = PerspectiveWorker::new(
+    ///     source, store, registry, WorkerOptions::default(), InstanceId::process(), None,
+    /// )?
+    /// .with_fleet(fleet);
+    /// # let _ = worker; Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_fleet(mut self, fleet: Arc<dyn Fleet>) -> Self {
+        self.keeper = Some(LeaseKeeper::start_in_fleet(fleet, self.instance));
+        self
+    }
+
+    /// Announces the instance to the fleet through its keeper (see [`crate::fleet`]): what
+    /// [`PerspectiveWorker::run`] does first. `Ok(false)` without a fleet
+    /// ([`PerspectiveWorker::with_fleet`]); a failure is the error.
     pub async fn announce(&self) -> Result<bool> {
-        let Some(keeper) = &self.keeper else {
+        let Some(keeper) = self.keeper.as_ref().filter(|k| k.fleet().is_some()) else {
             return Ok(false);
         };
         let announcement = self
             .identity
             .announcement(self.instance, self.registry.names())?;
-        match keeper.announce(announcement).await {
-            Ok(()) => Ok(true),
-            Err(err) if err.kind() == ErrorKind::Unsupported => Ok(false),
-            Err(err) => Err(err),
-        }
+        keeper.announce(announcement).await?;
+        Ok(true)
     }
 
     /// The instance this worker runs as.
@@ -385,7 +412,7 @@ where
         tx.commit().await
     }
 
-    /// Runs until `shutdown` fires: announces the instance to the fleet (with a locker), then
+    /// Runs until `shutdown` fires: announces the instance to the fleet (with a fleet), then
     /// registers (a retryable failure is tried again every `poll_interval`: a registration may
     /// give up waiting for an append left open) and cycles,
     /// sleeping `poll_interval` after a cycle that found nothing. On shutdown it stops
@@ -404,7 +431,7 @@ where
             Ok(true) => {
                 tracing::info!(instance = %self.instance, name = self.identity.name(), "worker instance announced")
             }
-            Ok(false) => tracing::debug!("worker instance not announced (no locker, or no fleet)"),
+            Ok(false) => tracing::debug!("worker instance not announced (no fleet)"),
             Err(err) if lockstep_core::instance_in_use(&err).is_some() => {
                 tracing::error!(error = %err, "the worker's instance id is in use by another process; not starting");
                 return Err(err);

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use lockstep_core::Transaction as _;
 use lockstep_core::{
-    AcquireOutcome, Claim, Cursor, EventStore, ExpectedVersion, InstanceId, LockReason, NewEvent,
-    Perspective, PerspectiveName, PerspectiveRegistry, ProgressReport, Rebuild, RecordedEvent,
-    Release, Result, RetireStates, Retired, RewindDebounce, RewindProgress, Snapshot, StateCommit,
-    StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, Throughput,
+    AcquireOutcome, Claim, Cursor, EventStore, ExpectedVersion, Fleet as _, InstanceId, LockReason,
+    NewEvent, Perspective, PerspectiveName, PerspectiveRegistry, ProgressReport, Rebuild,
+    RecordedEvent, Release, Result, RetireStates, Retired, RewindDebounce, RewindProgress,
+    Snapshot, StateCommit, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, Throughput,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTransaction, FaultyStreamLocker, InMemoryEventStore,

@@ -1,15 +1,18 @@
-//! The fleet on the fakes, with paused time (issue 20, item 5): a worker with a locker announces
-//! itself when it runs (with its perspectives and identity), its keeper's keepalive marks it
-//! seen with **one call per interval** whether or not it holds leases, a clean stop departs, and
-//! a worker dropped without stopping goes stale after the lock timeout. Every entry point is
-//! called from inside `tokio::spawn` with concrete types.
+//! The fleet on the fakes, with paused time: a worker given a fleet announces itself when it
+//! runs (with its perspectives and identity), its keeper's keepalive marks it seen with **one
+//! call per interval** whether or not it holds leases, a clean stop departs, and a worker
+//! dropped without stopping goes stale after the lock timeout. A worker with a locker but no
+//! fleet runs unannounced. A process whose instance id another process took over neither
+//! marks the new owner seen nor removes it. Every entry point is called from inside
+//! `tokio::spawn` with concrete types.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_core::{
-    InstanceId, InstanceState, LockReason, Perspective, PerspectiveName, PerspectiveRegistry,
-    RecordedEvent, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, WorkerInstance,
+    ErrorKind, Fleet, FleetAdmin, InstanceAnnouncement, InstanceId, InstanceState, LockReason,
+    Perspective, PerspectiveName, PerspectiveRegistry, RecordedEvent, StreamId, StreamLockOptions,
+    StreamLocker, Uuid, WorkerInstance,
 };
 use lockstep_testkit::{
     FakeDatabase, InMemoryEventStore, InMemoryPerspectiveStore, InMemoryStreamLocker,
@@ -42,7 +45,12 @@ fn options() -> StreamLockOptions {
 
 type Worker = PerspectiveWorker<FakeDatabase, InMemoryPerspectiveStore>;
 
-fn worker(locker: &InMemoryStreamLocker, db: &FakeDatabase, instance: InstanceId) -> Worker {
+/// A worker with the locker as its stream locker only: leases, no fleet.
+fn unannounced_worker(
+    locker: &InMemoryStreamLocker,
+    db: &FakeDatabase,
+    instance: InstanceId,
+) -> Worker {
     let events = InMemoryEventStore::new();
     let store = InMemoryPerspectiveStore::new(db, &events, locker);
     let mut registry = PerspectiveRegistry::new();
@@ -56,12 +64,18 @@ fn worker(locker: &InMemoryStreamLocker, db: &FakeDatabase, instance: InstanceId
         Some(Arc::new(locker.clone()) as Arc<dyn StreamLocker>),
     )
     .expect("worker")
-    .with_identity(
-        InstanceIdentity::detect()
-            .with_name("count-worker-0")
-            .with_version("9.9.9"),
-    )
-    .expect("identity")
+}
+
+/// A worker in the locker's fleet.
+fn worker(locker: &InMemoryStreamLocker, db: &FakeDatabase, instance: InstanceId) -> Worker {
+    unannounced_worker(locker, db, instance)
+        .with_fleet(Arc::new(locker.clone()))
+        .with_identity(
+            InstanceIdentity::detect()
+                .with_name("count-worker-0")
+                .with_version("9.9.9"),
+        )
+        .expect("identity")
 }
 
 async fn listed(locker: &InMemoryStreamLocker, instance: InstanceId) -> Option<WorkerInstance> {
@@ -151,7 +165,7 @@ async fn a_worker_dropped_without_stopping_goes_stale_after_the_lock_timeout() {
 async fn an_announced_keeper_sends_one_keepalive_per_interval_with_or_without_leases() {
     let locker = InMemoryStreamLocker::new(options());
     let me = InstanceId::random();
-    let keeper = LeaseKeeper::start(Arc::new(locker.clone()), me);
+    let keeper = LeaseKeeper::start_in_fleet(Arc::new(locker.clone()), me);
     let announcement = InstanceIdentity::detect()
         .announcement(me, Vec::new())
         .expect("valid");
@@ -187,7 +201,12 @@ async fn an_announced_keeper_sends_one_keepalive_per_interval_with_or_without_le
     );
     assert!(lease.release().await.expect("release").is_released());
     // An operator removed the announcement: the next keepalive announces again.
-    assert!(locker.depart(me).await.expect("depart"));
+    assert!(
+        locker
+            .depart(me, InstanceAnnouncement::process_token())
+            .await
+            .expect("depart")
+    );
     until(&locker, me, "announced again", |i| i.is_some()).await;
     let stopping = keeper.clone();
     tokio::spawn(async move { stopping.shutdown().await })
@@ -201,7 +220,7 @@ async fn an_announced_keeper_sends_one_keepalive_per_interval_with_or_without_le
 #[tokio::test(start_paused = true)]
 async fn an_announcement_of_another_instance_is_refused() {
     let locker = InMemoryStreamLocker::new(options());
-    let keeper = LeaseKeeper::start(Arc::new(locker.clone()), InstanceId::random());
+    let keeper = LeaseKeeper::start_in_fleet(Arc::new(locker.clone()), InstanceId::random());
     let other = InstanceIdentity::detect()
         .announcement(InstanceId::random(), Vec::new())
         .expect("valid");
@@ -294,4 +313,101 @@ async fn a_second_worker_with_a_running_instance_id_refuses_to_start_until_the_f
         .await
         .expect("the second worker's task")
         .expect("run");
+}
+
+/// A worker given a stream locker but no fleet takes its leases and runs, unannounced: nothing
+/// is listed, its keeper renews with `renew_many` and sends nothing while it holds no lease.
+#[tokio::test(start_paused = true)]
+async fn a_worker_without_a_fleet_runs_unannounced() {
+    let (locker, db) = (InMemoryStreamLocker::new(options()), FakeDatabase::new());
+    let me = InstanceId::random();
+    let worker = Arc::new(unannounced_worker(&locker, &db, me));
+    let announced = tokio::spawn({
+        let worker = Arc::clone(&worker);
+        async move { worker.announce().await }
+    })
+    .await
+    .expect("task")
+    .expect("announce");
+    assert!(!announced, "no fleet, nothing announced");
+    let keeper = worker.keeper().expect("a keeper");
+    assert!(keeper.fleet().is_none());
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (worker, shutdown) = (Arc::clone(&worker), shutdown.clone());
+        async move { worker.run(shutdown).await }
+    });
+    tokio::time::sleep(KEEPALIVE * 3).await;
+    assert_eq!(listed(&locker, me).await, None);
+    assert_eq!(keeper.renew_calls(), 0, "no lease held, nothing to renew");
+    shutdown.cancel();
+    running.await.expect("the worker task").expect("run");
+}
+
+/// A keeper started with a stream locker, not a fleet, cannot announce.
+#[tokio::test(start_paused = true)]
+async fn a_keeper_without_a_fleet_refuses_to_announce() {
+    let locker = InMemoryStreamLocker::new(options());
+    let me = InstanceId::random();
+    let keeper = LeaseKeeper::start(Arc::new(locker.clone()), me);
+    let announcement = InstanceIdentity::detect()
+        .announcement(me, Vec::new())
+        .expect("valid");
+    let err = tokio::spawn(async move { keeper.announce(announcement).await })
+        .await
+        .expect("task")
+        .expect_err("refused");
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(locker.list_instances().await.expect("list").is_empty());
+}
+
+/// The keepalive carries the announcement's token: once another process holds the instance id
+/// (here an operator removed this process's announcement and the other one announced before
+/// this one's keepalive came), the keeper's keepalives do not mark the other process seen —
+/// they report it not seen, the keeper's announce again is refused — and its shutdown does not
+/// remove the other process's announcement.
+#[tokio::test(start_paused = true)]
+async fn a_keeper_whose_id_was_taken_over_neither_marks_the_new_owner_seen_nor_removes_it() {
+    let locker = InMemoryStreamLocker::new(options());
+    let me = InstanceId::random();
+    let keeper = LeaseKeeper::start_in_fleet(Arc::new(locker.clone()), me);
+    let ours = InstanceIdentity::detect()
+        .announcement(me, Vec::new())
+        .expect("valid");
+    let announcing = keeper.clone();
+    tokio::spawn(async move { announcing.announce(ours).await })
+        .await
+        .expect("task")
+        .expect("announce");
+    assert!(
+        locker
+            .depart(me, InstanceAnnouncement::process_token())
+            .await
+            .expect("depart")
+    );
+    let theirs = InstanceIdentity::detect()
+        .with_name("the-other-process")
+        .with_token(Uuid::new_v4())
+        .announcement(me, Vec::new())
+        .expect("valid");
+    locker.announce(&theirs).await.expect("the other announces");
+    let taken = listed(&locker, me).await.expect("listed");
+    tokio::time::sleep(KEEPALIVE * 3 + KEEPALIVE / 2).await;
+    assert_eq!(keeper.renew_calls(), 3, "the keepalive went on");
+    let after = listed(&locker, me).await.expect("listed");
+    assert_eq!(
+        (&after.announcement, after.last_seen_at),
+        (&theirs, taken.last_seen_at),
+        "the other process's announcement is not marked seen"
+    );
+    let stopping = keeper.clone();
+    tokio::spawn(async move { stopping.shutdown().await })
+        .await
+        .expect("task")
+        .expect("shutdown");
+    assert_eq!(
+        listed(&locker, me).await.map(|i| i.announcement),
+        Some(theirs),
+        "the shutdown does not remove the other process's announcement"
+    );
 }

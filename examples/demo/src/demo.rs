@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use lockstep_combiner::{CombineError, Combiner};
 use lockstep_core::{
-    AggregateWriteLock, DistributedAggregateWriteLock, EventStore, ExpectedVersion, InstanceId,
-    LeaseStatus, NewEvent, PerspectiveRegistry, PerspectiveStore, StreamId, StreamLockAdmin,
-    StreamLockOptions, StreamLocker, TransactionSource,
+    AggregateWriteLock, DistributedAggregateWriteLock, EventStore, ExpectedVersion, Fleet,
+    InstanceId, LeaseStatus, NewEvent, PerspectiveRegistry, PerspectiveStore, StreamId,
+    StreamLockAdmin, StreamLockOptions, StreamLocker, TransactionSource,
 };
 use lockstep_example_inventory::handler::{self, LockMode, ReserveStock, ReserveStockHandler};
 use lockstep_example_inventory::{InventoryError, Reserve, StockItemDecider, wiring};
@@ -95,8 +95,8 @@ async fn in_memory() -> Result<()> {
         locker: Arc::new(locker.clone()),
         admin: Arc::new(locker),
         fork: Box::new(move || {
-            let locker: Arc<dyn StreamLocker> = Arc::new(fork_locker.clone());
-            Ok((fork_db.clone(), locker))
+            let fleet: Arc<dyn Fleet> = Arc::new(fork_locker.clone());
+            Ok((fork_db.clone(), fleet))
         }),
     };
     perspectives(&stack, &mut checks).await?;
@@ -166,11 +166,11 @@ async fn postgres_demo(url: &DbUrl) -> Result<()> {
         admin: locker,
         fork: Box::new(move || {
             let db = fork_url.handle_lazy(4)?;
-            let locker: Arc<dyn StreamLocker> = Arc::new(lockstep_pg_stream::PgStreamLocker::new(
+            let fleet: Arc<dyn Fleet> = Arc::new(lockstep_pg_stream::PgStreamLocker::new(
                 &db,
                 demo_lock_options()?,
             ));
-            Ok((db, locker))
+            Ok((db, fleet))
         }),
     };
     perspectives(&stack, &mut checks).await?;
@@ -415,7 +415,8 @@ struct Stack<S, P, E> {
     source: S,
     store: P,
     events: E,
-    locker: Arc<dyn StreamLocker>,
+    /// The stream locker, which keeps the fleet too: the instances announce themselves.
+    locker: Arc<dyn Fleet>,
     admin: Arc<dyn StreamLockAdmin>,
     /// A transaction source and locker of their own, for the instance that runs on a runtime
     /// of its own (on Postgres: its own pool, so that its stall never blocks a connection the
@@ -423,7 +424,7 @@ struct Stack<S, P, E> {
     fork: Fork<S>,
 }
 
-type Fork<S> = Box<dyn Fn() -> Result<(S, Arc<dyn StreamLocker>)>>;
+type Fork<S> = Box<dyn Fn() -> Result<(S, Arc<dyn Fleet>)>>;
 
 /// One worker instance, driven in a loop that can be paused and stopped.
 struct Instance {
@@ -455,7 +456,7 @@ impl Instance {
 /// A stream locker whose every call waits while `stalled` is set: the lease calls of an
 /// instance that is frozen (a long GC pause, SIGSTOP, a VM migration), resumed when it thaws.
 struct Frozen {
-    inner: Arc<dyn StreamLocker>,
+    inner: Arc<dyn Fleet>,
     stalled: Arc<AtomicBool>,
 }
 
@@ -509,9 +510,11 @@ impl StreamLocker for Frozen {
         self.thawed().await;
         self.inner.renew_many(leases).await
     }
+}
 
-    // The fleet calls freeze too (a frozen process neither renews nor says it is alive), and
-    // they must reach the inner locker: the defaults would run C unannounced.
+/// The fleet calls freeze too: a frozen process neither renews nor says it is alive.
+#[lockstep_core::async_trait]
+impl Fleet for Frozen {
     async fn announce(
         &self,
         announcement: &lockstep_core::InstanceAnnouncement,
@@ -523,15 +526,20 @@ impl StreamLocker for Frozen {
     async fn keepalive(
         &self,
         instance: InstanceId,
+        token: lockstep_core::Uuid,
         leases: &[lockstep_core::LeaseId],
     ) -> lockstep_core::Result<lockstep_core::KeepaliveOutcome> {
         self.thawed().await;
-        self.inner.keepalive(instance, leases).await
+        self.inner.keepalive(instance, token, leases).await
     }
 
-    async fn depart(&self, instance: InstanceId) -> lockstep_core::Result<bool> {
+    async fn depart(
+        &self,
+        instance: InstanceId,
+        token: lockstep_core::Uuid,
+    ) -> lockstep_core::Result<bool> {
         self.thawed().await;
-        self.inner.depart(instance).await
+        self.inner.depart(instance, token).await
     }
 }
 
@@ -600,7 +608,7 @@ async fn drive<S, P>(
 
 fn worker_for<S, P>(
     source: S,
-    locker: Arc<dyn StreamLocker>,
+    fleet: Arc<dyn Fleet>,
     store: P,
     ledger: &Ledger,
     id: InstanceId,
@@ -614,14 +622,7 @@ where
     let options = WorkerOptions::default()
         .with_poll_interval(Duration::from_millis(20))
         .with_snapshot_every(50);
-    Ok(PerspectiveWorker::new(
-        source,
-        store,
-        registry,
-        options,
-        id,
-        Some(locker),
-    )?)
+    Ok(PerspectiveWorker::new(source, store, registry, options, id, None)?.with_fleet(fleet))
 }
 
 async fn perspectives<S, P, E>(stack: &Stack<S, P, E>, checks: &mut Checks) -> Result<()>
@@ -675,7 +676,7 @@ where
             // A stall freezes C's lease calls too, as a paused process would: `apply` runs
             // off the runtime's threads, so a stalled `apply` alone no longer stops the
             // keepalive.
-            let locker: Arc<dyn StreamLocker> = Arc::new(Frozen {
+            let locker: Arc<dyn Fleet> = Arc::new(Frozen {
                 inner: locker,
                 stalled: Arc::clone(&ledger_c.stalled),
             });

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use axum::Router;
 use axum::routing::get;
 use clap::Args;
-use lockstep_core::{InstanceId, PerspectiveRegistry, StreamLockOptions, StreamLocker};
+use lockstep_core::{Fleet, InstanceId, PerspectiveRegistry, StreamLockOptions};
 use lockstep_pg_store::PgPerspectiveStore;
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_worker::{CancellationToken, PerspectiveWorker, WorkerOptions};
@@ -86,15 +86,18 @@ pub(crate) async fn run(url: &DbUrl, args: WorkerArgs) -> Result<ExitCode> {
     registry.register(ledger)?;
     // The one telemetry layer, wired here at the composition root: a span and metrics per call
     // of the locker and the store (the backends report none of their own).
-    let locker: Arc<dyn StreamLocker> = Arc::new(Observed::new(PgStreamLocker::new(&db, options)));
+    // The locker keeps the fleet too: the worker takes its leases through it and announces
+    // itself.
+    let fleet: Arc<dyn Fleet> = Arc::new(Observed::new(PgStreamLocker::new(&db, options)));
     let worker = PerspectiveWorker::new(
         db.clone(),
         Observed::new(PgPerspectiveStore::new()),
         registry,
         WorkerOptions::default(),
         instance,
-        Some(locker),
-    )?;
+        None,
+    )?
+    .with_fleet(fleet);
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
     tokio::spawn(async move {

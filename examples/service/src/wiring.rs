@@ -9,8 +9,8 @@ use std::sync::Arc;
 use axum::Router;
 use axum::routing::{get, post};
 use lockstep_core::{
-    DistributedAggregateWriteLock, InstanceId, PerspectiveRegistry, RetryPolicy, StreamLockOptions,
-    StreamLocker, Transaction as _, TransactionSource as _,
+    DistributedAggregateWriteLock, Fleet, InstanceId, PerspectiveRegistry, RetryPolicy,
+    StreamLockOptions, Transaction as _, TransactionSource as _,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_advisory::{PgAggregateWriteLock, PgDistributedLock};
@@ -65,16 +65,18 @@ pub async fn postgres_service(
 
     let mut registry = PerspectiveRegistry::new();
     registry.register_table::<PgTransaction, _>(DailyStatement::default())?;
-    let locker: Arc<dyn StreamLocker> =
-        Arc::new(PgStreamLocker::new(db, StreamLockOptions::default()));
+    // The locker keeps the fleet too: the worker takes its leases through it and announces
+    // itself (`lockstep workers` lists it; a wait that times out says whether one runs).
+    let fleet: Arc<dyn Fleet> = Arc::new(PgStreamLocker::new(db, StreamLockOptions::default()));
     let worker = PerspectiveWorker::new(
         db.clone(),
         PgPerspectiveStore::new(),
         registry,
         WorkerOptions::default(),
         InstanceId::process(),
-        Some(locker),
-    )?;
+        None,
+    )?
+    .with_fleet(fleet);
     // Registered before the first request: every command's event then queues its work.
     worker.register().await?;
     let worker = tokio::spawn(async move { worker.run(shutdown).await });
@@ -130,8 +132,9 @@ pub async fn in_memory_service(
         registry,
         WorkerOptions::default(),
         InstanceId::process(),
-        Some(Arc::new(locker) as Arc<dyn StreamLocker>),
-    )?;
+        None,
+    )?
+    .with_fleet(Arc::new(locker));
     worker.register().await?;
     let worker = tokio::spawn(async move { worker.run(shutdown).await });
 

@@ -16,6 +16,7 @@
 //! | suite | fixture trait | macro |
 //! |---|---|---|
 //! | [`stream_locker`] | [`StreamLockerFixture`](stream_locker::StreamLockerFixture) | [`stream_locker_conformance!`](crate::stream_locker_conformance) |
+//! | [`stream_locker`], the fleet's cases | [`FleetFixture`](stream_locker::FleetFixture) | [`fleet_conformance!`](crate::fleet_conformance) |
 //! | [`lease_fence`] | [`LeaseFenceFixture`](lease_fence::LeaseFenceFixture) | [`lease_fence_conformance!`](crate::lease_fence_conformance) |
 //! | [`distributed_lock`] | [`DistributedLockFixture`](distributed_lock::DistributedLockFixture) | [`distributed_lock_conformance!`](crate::distributed_lock_conformance) |
 //! | [`session_lock`] | [`SessionLockFixture`](session_lock::SessionLockFixture) | [`session_lock_conformance!`](crate::session_lock_conformance) |

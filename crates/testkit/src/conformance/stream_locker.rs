@@ -1,5 +1,6 @@
 //! The stream-locker conformance suite: the lease semantics of the stream-locking design, case
-//! by case.
+//! by case; and the fleet's cases, for a locker that keeps a fleet of worker instances
+//! ([`Fleet`], [`FleetAdmin`]).
 //!
 //! Every case uses fresh stream ids, so the suite can run against a shared database. Expiry is
 //! waited out with `tokio::time::sleep(lock_timeout + margin)`: on the in-memory locker with
@@ -7,14 +8,16 @@
 //! ([`SHORT_LOCK_TIMEOUT`]).
 //!
 //! Run it with [`stream_locker_conformance!`](crate::stream_locker_conformance) (one test per
-//! case), or call the cases or [`run_all`] yourself.
+//! case), or call the cases or [`run_all`] yourself; the fleet's cases with
+//! [`fleet_conformance!`](crate::fleet_conformance) or [`run_all_fleet`], on a
+//! [`FleetFixture`].
 
 use std::future::Future;
 use std::time::Duration;
 
 use lockstep_core::{
-    AcquireOutcome, ErrorKind, InstanceAnnouncement, InstanceId, InstanceState, LeaseId,
-    LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLease,
+    AcquireOutcome, ErrorKind, Fleet, FleetAdmin, InstanceAnnouncement, InstanceId, InstanceState,
+    LeaseId, LockReason, PerspectiveName, ReleaseOutcome, RenewOutcome, StreamId, StreamLease,
     StreamLockAdmin, StreamLocker, Uuid, WorkerInstance, instance_in_use,
 };
 
@@ -46,6 +49,36 @@ pub trait StreamLockerFixture: Send + Sync + 'static {
         stream_id: StreamId,
         perspective: &PerspectiveName,
     ) -> impl Future<Output = ()> + Send;
+}
+
+/// What the fleet's cases need beyond a [`StreamLockerFixture`]: the locker as a [`Fleet`] and
+/// its admin view as a [`FleetAdmin`], over the same storage (normally the locker itself; the
+/// fleet's keepalive renews leases taken through [`StreamLockerFixture::locker`]).
+pub trait FleetFixture: StreamLockerFixture {
+    /// The fleet under test (a concrete type, or `dyn Fleet`).
+    type Fleet: Fleet + ?Sized;
+    /// The fleet's admin view over the same storage.
+    type FleetAdmin: FleetAdmin + ?Sized;
+
+    /// The fleet under test.
+    fn fleet(&self) -> &Self::Fleet;
+
+    /// The fleet's admin view.
+    fn fleet_admin(&self) -> &Self::FleetAdmin;
+}
+
+/// The in-memory locker is its own fixture.
+impl FleetFixture for InMemoryStreamLocker {
+    type Fleet = InMemoryStreamLocker;
+    type FleetAdmin = InMemoryStreamLocker;
+
+    fn fleet(&self) -> &InMemoryStreamLocker {
+        self
+    }
+
+    fn fleet_admin(&self) -> &InMemoryStreamLocker {
+        self
+    }
 }
 
 /// The in-memory locker is its own fixture.
@@ -607,6 +640,12 @@ pub async fn a_listed_lease_says_when_it_was_acquired<F: StreamLockerFixture>(fi
     );
 }
 
+/// The token [`announcement`] announces with (this process's).
+fn token() -> Uuid {
+    InstanceAnnouncement::process_token()
+}
+
+/// The announcement of `instance` running `perspectives`, by this process ([`token`]).
 fn announcement(instance: InstanceId, perspectives: &[&str]) -> InstanceAnnouncement {
     InstanceAnnouncement::new(
         instance,
@@ -622,12 +661,9 @@ fn announcement(instance: InstanceId, perspectives: &[&str]) -> InstanceAnnounce
     .expect("valid announcement")
 }
 
-async fn listed<F: StreamLockerFixture>(
-    fixture: &F,
-    instance: InstanceId,
-) -> Option<WorkerInstance> {
+async fn listed<F: FleetFixture>(fixture: &F, instance: InstanceId) -> Option<WorkerInstance> {
     fixture
-        .admin()
+        .fleet_admin()
         .list_instances()
         .await
         .expect("list_instances")
@@ -637,14 +673,12 @@ async fn listed<F: StreamLockerFixture>(
 
 /// An announced instance is listed live, with everything it announced, stale after the lock
 /// timeout.
-pub async fn an_announced_instance_is_listed_live_with_what_it_runs<F: StreamLockerFixture>(
-    fixture: &F,
-) {
+pub async fn an_announced_instance_is_listed_live_with_what_it_runs<F: FleetFixture>(fixture: &F) {
     let me = InstanceId::random();
     let announced = announcement(me, &["B", "A"]);
     assert_eq!(listed(fixture, me).await, None);
     fixture
-        .locker()
+        .fleet()
         .announce(&announced)
         .await
         .expect("announce");
@@ -665,14 +699,12 @@ pub async fn an_announced_instance_is_listed_live_with_what_it_runs<F: StreamLoc
 }
 
 /// Announcing again replaces what the instance announced, keeping when it started.
-pub async fn announcing_again_replaces_the_announcement_and_keeps_started_at<
-    F: StreamLockerFixture,
->(
+pub async fn announcing_again_replaces_the_announcement_and_keeps_started_at<F: FleetFixture>(
     fixture: &F,
 ) {
     let me = InstanceId::random();
     fixture
-        .locker()
+        .fleet()
         .announce(&announcement(me, &["A"]))
         .await
         .expect("announce");
@@ -680,7 +712,7 @@ pub async fn announcing_again_replaces_the_announcement_and_keeps_started_at<
     tokio::time::sleep(fixture.locker().options().keepalive_interval()).await;
     let again = announcement(me, &["C"]);
     fixture
-        .locker()
+        .fleet()
         .announce(&again)
         .await
         .expect("announce again");
@@ -691,12 +723,10 @@ pub async fn announcing_again_replaces_the_announcement_and_keeps_started_at<
 }
 
 /// The keepalive of an announced instance renews its leases and marks it seen, in one call.
-pub async fn keepalive_renews_the_leases_and_marks_the_instance_seen<F: StreamLockerFixture>(
-    fixture: &F,
-) {
+pub async fn keepalive_renews_the_leases_and_marks_the_instance_seen<F: FleetFixture>(fixture: &F) {
     let me = InstanceId::random();
     fixture
-        .locker()
+        .fleet()
         .announce(&announcement(me, &["A"]))
         .await
         .expect("announce");
@@ -705,8 +735,8 @@ pub async fn keepalive_renews_the_leases_and_marks_the_instance_seen<F: StreamLo
     let before = listed(fixture, me).await.expect("listed");
     tokio::time::sleep(fixture.locker().options().keepalive_interval()).await;
     let done = fixture
-        .locker()
-        .keepalive(me, std::slice::from_ref(&lease.id))
+        .fleet()
+        .keepalive(me, token(), std::slice::from_ref(&lease.id))
         .await
         .expect("keepalive");
     assert!(done.seen);
@@ -722,20 +752,20 @@ pub async fn keepalive_renews_the_leases_and_marks_the_instance_seen<F: StreamLo
     );
     // With no lease held, the keepalive still marks the instance seen.
     let idle = fixture
-        .locker()
-        .keepalive(me, &[])
+        .fleet()
+        .keepalive(me, token(), &[])
         .await
         .expect("keepalive");
     assert!(idle.seen && idle.renewed.is_empty());
 }
 
 /// The keepalive of an instance that is not announced renews its leases and says so.
-pub async fn keepalive_of_an_unannounced_instance_is_not_seen<F: StreamLockerFixture>(fixture: &F) {
+pub async fn keepalive_of_an_unannounced_instance_is_not_seen<F: FleetFixture>(fixture: &F) {
     let (stream, name, lease) = leased(fixture).await;
     let _ = (stream, name);
     let done = fixture
-        .locker()
-        .keepalive(lease.id.holder, std::slice::from_ref(&lease.id))
+        .fleet()
+        .keepalive(lease.id.holder, token(), std::slice::from_ref(&lease.id))
         .await
         .expect("keepalive");
     assert!(!done.seen);
@@ -744,12 +774,10 @@ pub async fn keepalive_of_an_unannounced_instance_is_not_seen<F: StreamLockerFix
 }
 
 /// An instance not seen for its `stale_after` is listed stale, and live again once seen.
-pub async fn an_instance_not_seen_for_its_stale_after_is_stale<F: StreamLockerFixture>(
-    fixture: &F,
-) {
+pub async fn an_instance_not_seen_for_its_stale_after_is_stale<F: FleetFixture>(fixture: &F) {
     let me = InstanceId::random();
     fixture
-        .locker()
+        .fleet()
         .announce(&announcement(me, &["A"]))
         .await
         .expect("announce");
@@ -761,8 +789,8 @@ pub async fn an_instance_not_seen_for_its_stale_after_is_stale<F: StreamLockerFi
     assert!(stale.since_seen >= stale.stale_after);
     assert!(
         fixture
-            .locker()
-            .keepalive(me, &[])
+            .fleet()
+            .keepalive(me, token(), &[])
             .await
             .expect("keepalive")
             .seen
@@ -789,7 +817,7 @@ fn second_process(instance: InstanceId) -> InstanceAnnouncement {
 
 /// Announces `announcement`, which must be refused as an id another process runs, naming it
 /// (`name`, `host`, `pid`), with nothing changed.
-async fn refused_as_in_use<F: StreamLockerFixture>(
+async fn refused_as_in_use<F: FleetFixture>(
     fixture: &F,
     announcement: &InstanceAnnouncement,
     (name, host, pid): (&str, &str, u32),
@@ -799,7 +827,7 @@ async fn refused_as_in_use<F: StreamLockerFixture>(
         .await
         .expect("the other process is listed");
     let err = fixture
-        .locker()
+        .fleet()
         .announce(announcement)
         .await
         .expect_err("an id announced live by another process is refused");
@@ -833,24 +861,38 @@ async fn refused_as_in_use<F: StreamLockerFixture>(
 /// and changes nothing. The first process announcing again (its keepalive does when its row
 /// went missing) is fine; once it departs, the second process can announce.
 pub async fn an_id_announced_live_by_another_process_is_refused_until_it_departs<
-    F: StreamLockerFixture,
+    F: FleetFixture,
 >(
     fixture: &F,
 ) {
     let me = InstanceId::random();
     let first = announcement(me, &["A"]);
     let second = second_process(me);
-    fixture.locker().announce(&first).await.expect("announce");
+    fixture.fleet().announce(&first).await.expect("announce");
     refused_as_in_use(fixture, &second, (&first.name, "conformance-host", 4242)).await;
     fixture
-        .locker()
+        .fleet()
         .announce(&first)
         .await
         .expect("the same process announces again");
     refused_as_in_use(fixture, &second, (&first.name, "conformance-host", 4242)).await;
-    assert!(fixture.locker().depart(me).await.expect("depart"));
+    assert!(
+        !fixture
+            .fleet()
+            .depart(me, second.token)
+            .await
+            .expect("depart of another process"),
+        "a depart with another token removes nothing"
+    );
+    assert!(
+        fixture
+            .fleet()
+            .depart(me, first.token)
+            .await
+            .expect("depart")
+    );
     fixture
-        .locker()
+        .fleet()
         .announce(&second)
         .await
         .expect("the id is free once the first process departed");
@@ -860,12 +902,10 @@ pub async fn an_id_announced_live_by_another_process_is_refused_until_it_departs
 
 /// A stale announcement of another process is taken over (a new start), and from then on the
 /// first process is the other one: its announce is refused, naming the second.
-pub async fn a_stale_announcement_of_another_process_is_taken_over<F: StreamLockerFixture>(
-    fixture: &F,
-) {
+pub async fn a_stale_announcement_of_another_process_is_taken_over<F: FleetFixture>(fixture: &F) {
     let me = InstanceId::random();
     let first = announcement(me, &["A"]);
-    fixture.locker().announce(&first).await.expect("announce");
+    fixture.fleet().announce(&first).await.expect("announce");
     let started = listed(fixture, me).await.expect("listed").started_at;
     wait_past_expiry(fixture).await;
     assert_eq!(
@@ -874,7 +914,7 @@ pub async fn a_stale_announcement_of_another_process_is_taken_over<F: StreamLock
     );
     let second = second_process(me);
     fixture
-        .locker()
+        .fleet()
         .announce(&second)
         .await
         .expect("a stale announcement is taken over");
@@ -890,30 +930,106 @@ pub async fn a_stale_announcement_of_another_process_is_taken_over<F: StreamLock
 }
 
 /// Departing removes the announcement; departing again finds nothing.
-pub async fn depart_removes_the_instance<F: StreamLockerFixture>(fixture: &F) {
+pub async fn depart_removes_the_instance<F: FleetFixture>(fixture: &F) {
     let (me, other) = (InstanceId::random(), InstanceId::random());
     for id in [me, other] {
         fixture
-            .locker()
+            .fleet()
             .announce(&announcement(id, &["A"]))
             .await
             .expect("announce");
     }
-    assert!(fixture.locker().depart(me).await.expect("depart"));
+    assert!(fixture.fleet().depart(me, token()).await.expect("depart"));
     assert_eq!(listed(fixture, me).await, None);
     assert!(
         listed(fixture, other).await.is_some(),
         "only that instance departs"
     );
-    assert!(!fixture.locker().depart(me).await.expect("depart again"));
     assert!(
         !fixture
-            .locker()
-            .keepalive(me, &[])
+            .fleet()
+            .depart(me, token())
+            .await
+            .expect("depart again")
+    );
+    assert!(
+        !fixture
+            .fleet()
+            .keepalive(me, token(), &[])
             .await
             .expect("keepalive")
             .seen
     );
+}
+
+/// The keepalive carries the announcement's token: a process whose id was taken over by
+/// another (it was not seen for its `stale_after`, and a second process announced the id)
+/// renews nothing it lost and does not mark the new owner seen — its keepalive reports
+/// `seen == false` and every lease `Lost`, and leaves the new owner's announcement and leases
+/// as they are; nor does its depart remove the new owner's announcement.
+pub async fn a_keepalive_after_a_takeover_does_not_mark_the_new_owner_seen<F: FleetFixture>(
+    fixture: &F,
+) {
+    let me = InstanceId::random();
+    let first = announcement(me, &["A"]);
+    fixture.fleet().announce(&first).await.expect("announce");
+    let (stream, name) = fresh_cursor(fixture).await;
+    let ours = acquire(fixture, stream, &name, me, &LockReason::Rewind).await;
+    wait_past_expiry(fixture).await;
+    let second = second_process(me);
+    fixture
+        .fleet()
+        .announce(&second)
+        .await
+        .expect("a stale announcement is taken over");
+    let theirs = acquire(fixture, stream, &name, me, &LockReason::Rewind).await;
+    assert!(
+        theirs.id.epoch > ours.id.epoch,
+        "a takeover of an expired lease"
+    );
+    let taken = listed(fixture, me).await.expect("listed");
+    // Some time on the backend's clock, so that a keepalive that marked the row seen would
+    // show in `last_seen_at`.
+    tokio::time::sleep(fixture.locker().options().keepalive_interval()).await;
+    let done = fixture
+        .fleet()
+        .keepalive(me, first.token, std::slice::from_ref(&ours.id))
+        .await
+        .expect("keepalive");
+    assert!(
+        !done.seen,
+        "the first process's keepalive does not see the second's announcement"
+    );
+    assert_eq!(done.renewed, vec![RenewOutcome::Lost]);
+    let after = listed(fixture, me).await.expect("still listed");
+    assert_eq!(
+        (&after.announcement, after.last_seen_at, after.started_at),
+        (&second, taken.last_seen_at, taken.started_at),
+        "the new owner's announcement is left as it was"
+    );
+    let lease = state(fixture, stream, &name).await;
+    assert_eq!(
+        (lease.epoch, lease.expires_at),
+        (theirs.id.epoch, Some(theirs.expires_at)),
+        "the new owner's lease is left as it was"
+    );
+    assert!(
+        !fixture
+            .fleet()
+            .depart(me, first.token)
+            .await
+            .expect("depart"),
+        "the first process's depart removes nothing"
+    );
+    assert!(listed(fixture, me).await.is_some());
+    let theirs_kept = fixture
+        .fleet()
+        .keepalive(me, second.token, std::slice::from_ref(&theirs.id))
+        .await
+        .expect("keepalive");
+    assert!(theirs_kept.seen && theirs_kept.renewed[0].is_renewed());
+    let seen = listed(fixture, me).await.expect("listed");
+    assert!(seen.last_seen_at > taken.last_seen_at, "{seen:?}");
 }
 
 /// Runs every case, in order, in one test. Prefer
@@ -948,6 +1064,21 @@ macro_rules! __lockstep_stream_locker_cases {
             release_all_clears_only_that_instances_leases,
             list_shows_held_and_expired_leases,
             a_listed_lease_says_when_it_was_acquired,
+        ] }
+    };
+}
+
+/// Runs every case of the fleet, in order, in one test. Prefer
+/// [`fleet_conformance!`](crate::fleet_conformance): a test per case.
+pub async fn run_all_fleet<F: FleetFixture>(fixture: &F) {
+    crate::__lockstep_fleet_cases!(__lockstep_conformance_run_all! { by_ref fixture });
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lockstep_fleet_cases {
+    ($then:ident ! { $($args:tt)* }) => {
+        $crate::$then! { $($args)* cases: [
             an_announced_instance_is_listed_live_with_what_it_runs,
             announcing_again_replaces_the_announcement_and_keeps_started_at,
             keepalive_renews_the_leases_and_marks_the_instance_seen,
@@ -956,6 +1087,7 @@ macro_rules! __lockstep_stream_locker_cases {
             depart_removes_the_instance,
             an_id_announced_live_by_another_process_is_refused_until_it_departs,
             a_stale_announcement_of_another_process_is_taken_over,
+            a_keepalive_after_a_takeover_does_not_mark_the_new_owner_seen,
         ] }
     };
 }
@@ -1000,5 +1132,39 @@ macro_rules! stream_locker_conformance {
     };
     (fixture: $($rest:tt)*) => {
         $crate::stream_locker_conformance! { #[::tokio::test] fixture: $($rest)* }
+    };
+}
+
+/// Expands to one test per case of the fleet's part of the [stream-locker conformance
+/// suite](crate::conformance::stream_locker) (announce, keepalive, depart and the listing), each
+/// on a fixture of its own: a [`FleetFixture`](crate::conformance::stream_locker::FleetFixture).
+/// Takes the same arguments as [`stream_locker_conformance!`](crate::stream_locker_conformance).
+/// Not covered by semver (see [`conformance`](crate::conformance)).
+///
+/// ```
+/// mod in_memory {
+///     use lockstep_core::StreamLockOptions;
+///     use lockstep_testkit::InMemoryStreamLocker;
+///
+///     lockstep_testkit::fleet_conformance! {
+///         #[tokio::test(start_paused = true)]
+///         fixture: InMemoryStreamLocker::new(StreamLockOptions::default()),
+///     }
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! fleet_conformance {
+    ($(#[$attr:meta])+ fixture: $fixture:expr $(, after_each: $after:expr)? $(,)?) => {
+        $crate::__lockstep_fleet_cases!(__lockstep_conformance_tests! {
+            suite: stream_locker,
+            pass: by_ref,
+            attrs: [$(#[$attr])+],
+            fixture: $fixture,
+            after_each: [$($after)?],
+        });
+    };
+    (fixture: $($rest:tt)*) => {
+        $crate::fleet_conformance! { #[::tokio::test] fixture: $($rest)* }
     };
 }
