@@ -1,5 +1,5 @@
 //! The command runner on the testkit's fakes: the shared suite (every command handled from
-//! inside `tokio::spawn` with the concrete fake types), plus a lost `COMMIT` reply.
+//! inside `tokio::spawn` with the concrete fake types).
 
 mod suite;
 
