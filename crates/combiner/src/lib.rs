@@ -169,16 +169,41 @@ impl CombinerOptions {
     }
 }
 
-/// A committed command: where its events went.
+/// A committed command: where its events went, and — from [`Combiner::submit_with_state`] —
+/// the aggregate's state right after them (`S`; `()` from [`Combiner::submit`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Accepted {
+pub struct Accepted<S = ()> {
     last_version: u64,
     event_ids: Vec<Uuid>,
     batch_commands: usize,
     attempts: u32,
+    state: S,
 }
 
-impl Accepted {
+impl<S> Accepted<S> {
+    /// The aggregate's state right after this command's events: the state the batch's next
+    /// command was decided on (`()` unless the command came from
+    /// [`Combiner::submit_with_state`]).
+    pub fn state(&self) -> &S {
+        &self.state
+    }
+
+    /// The state, by value (see [`Accepted::state`]).
+    pub fn into_state(self) -> S {
+        self.state
+    }
+
+    /// The same answer with the state `f` makes of this one's.
+    fn map_state<T>(self, f: impl FnOnce(S) -> T) -> Accepted<T> {
+        Accepted {
+            last_version: self.last_version,
+            event_ids: self.event_ids,
+            batch_commands: self.batch_commands,
+            attempts: self.attempts,
+            state: f(self.state),
+        }
+    }
+
     /// The stream's version right after this command's events (the version of its last event;
     /// for a command that decided no events, the version its decision saw).
     pub fn last_version(&self) -> u64 {
@@ -290,14 +315,28 @@ impl<E: fmt::Debug + fmt::Display> std::error::Error for CombineError<E> {
 /// A submission's answer.
 pub type Answer<D> = Result<Accepted, CombineError<<D as Decider>::Error>>;
 
+/// The answer of a [`Combiner::submit_with_state`]: with the state after the command.
+pub type StateAnswer<D> =
+    Result<Accepted<<D as Decider>::State>, CombineError<<D as Decider>::Error>>;
+
+/// What a queued command is answered on: the state after it when its submission asked for it.
+type RawAnswer<D> =
+    Result<Accepted<Option<<D as Decider>::State>>, CombineError<<D as Decider>::Error>>;
+
+/// Copies a state for the answer of a submission that asked for it (`Clone::clone`, taken
+/// where the state is known to be `Clone`).
+type CloneState<D> = fn(&<D as Decider>::State) -> <D as Decider>::State;
+
 /// One queued command.
 struct Pending<D: Decider> {
     /// Its place in its aggregate's queue (the order of the `submit` calls).
     seq: u64,
     command: D::Command,
-    reply: oneshot::Sender<Answer<D>>,
+    reply: oneshot::Sender<RawAnswer<D>>,
     /// The ids its events got in the batch's latest attempt.
     event_ids: Vec<Uuid>,
+    /// Set when the submission wants the state after the command in its answer.
+    clone_state: Option<CloneState<D>>,
 }
 
 /// What one aggregate's queue holds: its open commands by sequence number, so that the next
@@ -325,7 +364,12 @@ impl<D: Decider> AggregateQueue<D> {
     }
 
     /// Queues a command at the back, returning its sequence number.
-    fn push_back(&self, command: D::Command, reply: oneshot::Sender<Answer<D>>) -> u64 {
+    fn push_back(
+        &self,
+        command: D::Command,
+        reply: oneshot::Sender<RawAnswer<D>>,
+        clone_state: Option<CloneState<D>>,
+    ) -> u64 {
         let mut state = self.lock();
         let seq = state.next_seq;
         state.next_seq += 1;
@@ -336,6 +380,7 @@ impl<D: Decider> AggregateQueue<D> {
                 command,
                 reply,
                 event_ids: Vec::new(),
+                clone_state,
             },
         );
         seq
@@ -496,6 +541,28 @@ where
     /// its batch takes the command removes the command. Without a tokio runtime the answer is
     /// [`CombineError::Failed`] ([`ErrorKind::Unsupported`]) and nothing is queued.
     pub fn submit(&self, id: Uuid, command: D::Command) -> Submission<D> {
+        self.enqueue(id, command, None)
+    }
+
+    /// [`Combiner::submit`], answered with the aggregate's state right after the command
+    /// ([`Accepted::state`]) — the state its batch's next command is decided on, copied for
+    /// the answer (one `clone` per command that asks). A handler that must answer "the balance
+    /// after the withdrawal" needs no second load.
+    pub fn submit_with_state(&self, id: Uuid, command: D::Command) -> SubmissionWithState<D>
+    where
+        D::State: Clone,
+    {
+        SubmissionWithState {
+            submission: self.enqueue(id, command, Some(<D::State as Clone>::clone)),
+        }
+    }
+
+    fn enqueue(
+        &self,
+        id: Uuid,
+        command: D::Command,
+        clone_state: Option<CloneState<D>>,
+    ) -> Submission<D> {
         let (reply, answer) = oneshot::channel();
         let runtime = match tokio::runtime::Handle::try_current() {
             Ok(runtime) => runtime,
@@ -529,7 +596,7 @@ where
             };
             // Under the map's lock: the aggregate's task, once it saw the queue empty, removes
             // it under this lock, so the command is in a queue that a task serves.
-            let seq = queue.push_back(command, reply);
+            let seq = queue.push_back(command, reply, clone_state);
             (queue, seq, start)
         };
         if start {
@@ -567,7 +634,7 @@ struct Queued<D: Decider> {
 /// the command from the queue (in O(log n), holding up no other aggregate); dropped later, the command is committed with its batch (unless
 /// the batch is retried: a retry leaves it out).
 pub struct Submission<D: Decider> {
-    answer: oneshot::Receiver<Answer<D>>,
+    answer: oneshot::Receiver<RawAnswer<D>>,
     queued: Option<Queued<D>>,
 }
 
@@ -583,7 +650,58 @@ impl<D: Decider> Future for Submission<D> {
     type Output = Answer<D>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer<D>> {
-        let this = &mut *self;
+        self.poll_raw(cx)
+            .map(|answer| answer.map(|accepted| accepted.map_state(drop)))
+    }
+}
+
+/// The answer of one [`Combiner::submit_with_state`]: a [`Submission`] whose [`Accepted`]
+/// carries the state after the command. Dropping it works as dropping a [`Submission`].
+pub struct SubmissionWithState<D: Decider> {
+    submission: Submission<D>,
+}
+
+impl<D: Decider> fmt::Debug for SubmissionWithState<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SubmissionWithState")
+            .field("aggregate", &self.submission.queued.as_ref().map(|q| q.id))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Decider> Future for SubmissionWithState<D> {
+    type Output = StateAnswer<D>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<StateAnswer<D>> {
+        self.submission.poll_raw(cx).map(|answer| {
+            let Accepted {
+                last_version,
+                event_ids,
+                batch_commands,
+                attempts,
+                state,
+            } = answer?;
+            // Every command submitted with its state is answered with it (see `decide_batch`).
+            let state = state.ok_or_else(|| {
+                CombineError::Failed(Error::new(
+                    ErrorKind::Backend,
+                    "the combiner answered an accepted command without its state",
+                ))
+            })?;
+            Ok(Accepted {
+                last_version,
+                event_ids,
+                batch_commands,
+                attempts,
+                state,
+            })
+        })
+    }
+}
+
+impl<D: Decider> Submission<D> {
+    fn poll_raw(&mut self, cx: &mut Context<'_>) -> Poll<RawAnswer<D>> {
+        let this = self;
         match Pin::new(&mut this.answer).poll(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(answer) => {
@@ -679,8 +797,12 @@ async fn run_aggregate<Src, St, D>(
 }
 
 /// What one command's decision came to in an attempt.
-enum Decision<E> {
-    Accepted { last_version: u64 },
+enum Decision<S, E> {
+    /// `state`: the state after the command, when its submission asked for it.
+    Accepted {
+        last_version: u64,
+        state: Option<S>,
+    },
     Rejected(E),
     Invalid(Error),
 }
@@ -707,11 +829,15 @@ where
                 let batch_commands = taken.len();
                 for (pending, decision) in taken.into_iter().zip(decisions) {
                     let answer = match decision {
-                        Decision::Accepted { last_version } => Ok(Accepted {
+                        Decision::Accepted {
+                            last_version,
+                            state,
+                        } => Ok(Accepted {
                             last_version,
                             event_ids: pending.event_ids,
                             batch_commands,
                             attempts: attempt,
+                            state,
                         }),
                         Decision::Rejected(e) => Err(CombineError::Rejected(e)),
                         Decision::Invalid(e) => Err(CombineError::Failed(e)),
@@ -790,7 +916,7 @@ async fn attempt_batch<Src, St, D>(
     id: Uuid,
     taken: &mut Vec<Pending<D>>,
     max: usize,
-) -> Result<Vec<Decision<D::Error>>, Error>
+) -> Result<Vec<Decision<D::State, D::Error>>, Error>
 where
     Src: TransactionSource,
     St: EventStore<Src::Tx>,
@@ -822,7 +948,7 @@ async fn decide_batch<Src, St, D>(
     id: Uuid,
     taken: &mut Vec<Pending<D>>,
     max: usize,
-) -> Result<Vec<Decision<D::Error>>, Error>
+) -> Result<Vec<Decision<D::State, D::Error>>, Error>
 where
     Src: TransactionSource,
     St: EventStore<Src::Tx>,
@@ -885,12 +1011,16 @@ where
                         queue.put_back(back);
                         break;
                     }
+                    // The copy for the answer is the decider's code too (its state's `clone`).
+                    let clone_state = next.clone_state;
                     let evolved = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        decided
+                        let after = decided
                             .iter()
-                            .fold(current, |after, event| decider.evolve(after, event))
+                            .fold(current, |after, event| decider.evolve(after, event));
+                        let answered = clone_state.map(|clone| clone(&after));
+                        (after, answered)
                     }));
-                    let after = match evolved {
+                    let (after, answered) = match evolved {
                         Ok(after) => after,
                         Err(panic) => {
                             let error =
@@ -908,6 +1038,7 @@ where
                     state = Some(after);
                     decisions.push(Decision::Accepted {
                         last_version: base + events.len() as u64,
+                        state: answered,
                     });
                     taken.push(next);
                     continue;

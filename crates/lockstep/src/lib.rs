@@ -25,6 +25,7 @@
 //! | `postgres` | `lockstep-pg`, `lockstep-pg-advisory`, `lockstep-pg-store`, `lockstep-pg-stream` | `lockstep::postgres`: `PgDatabase`, `migrate`, `PgTransaction`, `PgDistributedLock`, `PgAggregateWriteLock`, `PgEventStore`, `PgPerspectiveStore`, `PgStreamLocker`, … |
 //! | `worker` | `lockstep-worker` | `lockstep::worker`: `PerspectiveWorker`, `WorkerOptions`, `ReadModels`, `LeaseKeeper`, … |
 //! | `combiner` | `lockstep-combiner` | `lockstep::combiner`: `Combiner`, `CombinerOptions`, `CombineError`, … |
+//! | `command` | `lockstep-command` | `lockstep::command`: `CommandRunner`, `Mode`, `RunnerOptions`, `Handled`, `CommandError` |
 //! | `observe` | `lockstep-observe` | `lockstep::observe`: `Observed`, the metric names |
 //! | `prometheus` | `lockstep-observe` (its `prometheus`) | `lockstep::observe::prometheus::install`; implies `observe` |
 //! | `tokio` | `lockstep-core` (its `tokio`) | `lockstep::tokio_sleep`, the sleep between retries |
@@ -181,6 +182,9 @@ pub mod prelude {
     #[cfg(feature = "combiner")]
     pub use crate::combiner::{CombineError, Combiner, CombinerOptions};
 
+    #[cfg(feature = "command")]
+    pub use crate::command::{CommandError, CommandRunner, Mode, RunnerOptions};
+
     #[cfg(feature = "observe")]
     pub use crate::observe::Observed;
 
@@ -230,6 +234,15 @@ pub mod combiner {
     //! `lockstep-combiner` — [`Combiner`], [`CombinerOptions`], [`CombineError`].
 
     pub use lockstep_combiner::*;
+}
+
+#[cfg(feature = "command")]
+pub mod command {
+    //! The command runner (feature `command`): every name of `lockstep-command` —
+    //! [`CommandRunner`] runs a decider's commands in the [`Mode`] its [`RunnerOptions`] name
+    //! (optimistic, locked or combined) and answers [`Handled`] or a [`CommandError`].
+
+    pub use lockstep_command::*;
 }
 
 #[cfg(feature = "observe")]

@@ -2,14 +2,16 @@
 //! against `lockstep-core` only — generic over the unit of work, the aggregate write lock and
 //! the event store — so the same handlers run on PostgreSQL and on the testkit fakes.
 //!
-//! Every command is one unit of work: take the account's write lock
-//! (`relay:aggregate:Account:{id}`), load, decide, append with the expected version (the
-//! optimistic check stays on), commit. Writers of one account queue on the lock instead of
-//! racing; a retryable failure (a deadlock, a lost connection) runs the whole unit again.
+//! Every command is one unit of work, run by `lockstep-command`'s runner in its locked mode: take
+//! the account's write lock (`relay:aggregate:Account:{id}`), load, decide, append with the
+//! expected version (the optimistic check stays on), commit. Writers of one account queue on the
+//! lock instead of racing; a retryable failure (a deadlock, a lost connection) runs the whole
+//! unit again.
 
+use lockstep_command::{CommandError, CommandRunner, Mode, RunnerOptions};
 use lockstep_core::{
-    AggregateWriteLock, Error, EventStore, ExpectedVersion, NewEvent, RecordedEvent, RetryPolicy,
-    Retryable, StreamId, Transaction, TransactionSource, tokio_sleep,
+    AggregateType, Decider, Error, ErrorKind, EventStore, NewEvent, RecordedEvent, RetryPolicy,
+    Retryable, StreamId, Transaction, TransactionSource,
 };
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -163,66 +165,126 @@ pub struct Receipt {
     pub event_id: Uuid,
 }
 
-/// The command handlers over a lock and a store (generic: the composition root picks them).
+/// The account as a [`Decider`]: `decide` is [`Account`]'s, `evolve` applies an event, and the
+/// events are stored as their JSON.
 #[derive(Debug, Clone)]
-pub struct Accounts<L, E> {
-    lock: L,
-    store: E,
-    retry: RetryPolicy,
+pub struct AccountDecider {
+    ty: AggregateType,
 }
 
-impl<L, E> Accounts<L, E> {
-    /// Handlers over `lock` and `store`, retrying retryable failures with `retry`.
-    pub fn new(lock: L, store: E, retry: RetryPolicy) -> Self {
-        Accounts { lock, store, retry }
+impl Default for AccountDecider {
+    fn default() -> Self {
+        AccountDecider {
+            // ACCOUNT is a valid aggregate type (not blank, no ':').
+            ty: AggregateType::new(ACCOUNT).unwrap_or_else(|e| unreachable!("{e}")),
+        }
+    }
+}
+
+impl Decider for AccountDecider {
+    type State = Account;
+    type Command = Command;
+    type Event = AccountEvent;
+    type Error = AccountError;
+
+    fn aggregate_type(&self) -> &AggregateType {
+        &self.ty
     }
 
-    /// Runs `command` on `account` as whole units of work, retried under the retry policy
-    /// ([`TransactionSource::transaction_with_retry`]): lock, load, decide, append, commit.
-    pub async fn execute<S>(
+    fn initial_state(&self, _id: Uuid) -> Account {
+        Account::default()
+    }
+
+    async fn decide(
         &self,
-        source: &S,
-        account: Uuid,
-        command: Command,
-    ) -> Result<Receipt, AccountError>
-    where
-        S: TransactionSource,
-        L: AggregateWriteLock<S::Tx>,
-        E: EventStore<S::Tx>,
-    {
-        let stream = StreamId::from_uuid(account);
-        source
-            .transaction_with_retry(&self.retry, tokio_sleep, |tx, attempt| {
-                Box::pin(async move {
-                    self.lock.acquire(&*tx, ACCOUNT, account).await?;
-                    let history = self.store.load(&*tx, stream).await?;
-                    let mut state = Account::from_events(&history)?;
-                    let event = state.decide(command)?;
-                    let expected = ExpectedVersion::Exact(state.version);
-                    let new_event = event.to_new_event()?;
-                    let event_id = new_event.event_id();
-                    let version = self
-                        .store
-                        .append(&*tx, stream, expected, &[new_event])
-                        .await?;
-                    state.apply(event)?;
-                    Ok(Receipt {
-                        balance: state.balance,
-                        version,
-                        attempts: attempt,
-                        event_id,
-                    })
-                })
-            })
-            .await
+        account: &Account,
+        command: &Command,
+    ) -> Result<Vec<AccountEvent>, AccountError> {
+        Ok(vec![account.decide(*command)?])
+    }
+
+    fn evolve(&self, mut account: Account, event: &AccountEvent) -> Account {
+        // `decide` refused every event that would overflow the balance, and `fold` (below)
+        // checks stored ones, so this cannot fail; a failure would leave the account as it was.
+        let _ = account.apply(*event);
+        account
+    }
+
+    fn encode(&self, event: &AccountEvent) -> lockstep_core::Result<NewEvent> {
+        event.to_new_event().map_err(|e| match e {
+            AccountError::Store(e) => e,
+            other => Error::new(ErrorKind::InvalidInput, other.to_string()),
+        })
+    }
+
+    fn decode(&self, event: &RecordedEvent) -> lockstep_core::Result<AccountEvent> {
+        serde_json::from_value(event.payload.clone()).map_err(|e| {
+            Error::new(
+                ErrorKind::Backend,
+                format!("event {} is not an account event: {e}", event.event_id),
+            )
+        })
+    }
+
+    fn fold(&self, _id: Uuid, events: &[RecordedEvent]) -> lockstep_core::Result<Account> {
+        Account::from_events(events).map_err(|e| match e {
+            AccountError::Store(e) => e,
+            other => Error::new(ErrorKind::Backend, other.to_string()),
+        })
+    }
+}
+
+/// The command handlers: a [`CommandRunner`] of the account, under the account's write lock
+/// ([`Mode::Locked`]: `relay:aggregate:Account:{id}` first, then the load; switching the
+/// aggregate to another mode is this one value), and the store for reads.
+#[derive(Debug, Clone)]
+pub struct Accounts<S: TransactionSource, E> {
+    runner: CommandRunner<S, E, AccountDecider>,
+    store: E,
+}
+
+impl<S, E> Accounts<S, E>
+where
+    S: TransactionSource + 'static,
+    E: EventStore<S::Tx> + Clone + 'static,
+{
+    /// Handlers on `source` and `store`, retrying retryable failures with `retry`.
+    pub fn new(source: S, store: E, retry: RetryPolicy) -> Self {
+        let options = RunnerOptions::new(Mode::Locked).retry(retry);
+        Accounts {
+            runner: CommandRunner::with_options(
+                source,
+                store.clone(),
+                AccountDecider::default(),
+                options,
+            ),
+            store,
+        }
+    }
+
+    /// Runs `command` on `account` as whole units of work, retried under the retry policy:
+    /// lock, load, decide, append, commit.
+    pub async fn execute(&self, account: Uuid, command: Command) -> Result<Receipt, AccountError> {
+        match self.runner.handle(account, command).await {
+            Ok(done) => Ok(Receipt {
+                balance: done.state().balance,
+                version: done.version(),
+                attempts: done.attempts(),
+                // A command decides exactly one event.
+                event_id: done.event_ids().first().copied().unwrap_or_default(),
+            }),
+            Err(CommandError::Rejected(refused)) => Err(refused),
+            Err(CommandError::Failed(e)) => Err(AccountError::Store(e)),
+            Err(CommandError::CommitUnknown { error, .. }) => Err(AccountError::Store(*error)),
+            Err(other) => Err(AccountError::Store(Error::new(
+                other.kind().unwrap_or(ErrorKind::Backend),
+                other.to_string(),
+            ))),
+        }
     }
 
     /// The committed state of `account` (a read-only transaction, rolled back).
-    pub async fn balance<S>(&self, source: &S, account: Uuid) -> Result<Account, AccountError>
-    where
-        S: TransactionSource,
-        E: EventStore<S::Tx>,
-    {
+    pub async fn balance(&self, source: &S, account: Uuid) -> Result<Account, AccountError> {
         let tx = source.begin().await?;
         let events = self.store.load(&tx, StreamId::from_uuid(account)).await?;
         tx.rollback().await?;

@@ -17,44 +17,41 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use lockstep_core::{AggregateWriteLock, EventStore, TransactionSource};
+use lockstep_core::{EventStore, TransactionSource};
 use uuid::Uuid;
 
 use crate::account::{Account, AccountError, Accounts, Command, Receipt};
 
 /// What every handler shares: the transaction source and the command handlers.
 #[derive(Debug)]
-pub struct App<S, L, E> {
-    /// Where units of work come from.
+pub struct App<S: TransactionSource, E> {
+    /// Where units of work come from (for reads; the command handlers hold their own).
     pub source: S,
     /// The command handlers.
-    pub accounts: Accounts<L, E>,
+    pub accounts: Accounts<S, E>,
 }
 
 /// `POST /accounts/{id}/commands`.
-pub async fn execute<S, L, E>(
-    State(app): State<Arc<App<S, L, E>>>,
+pub async fn execute<S, E>(
+    State(app): State<Arc<App<S, E>>>,
     Path(account): Path<Uuid>,
     Json(command): Json<Command>,
 ) -> Result<Json<Receipt>, ApiError>
 where
-    S: TransactionSource,
-    L: AggregateWriteLock<S::Tx>,
-    E: EventStore<S::Tx>,
+    S: TransactionSource + 'static,
+    E: EventStore<S::Tx> + Clone + 'static,
 {
-    Ok(Json(
-        app.accounts.execute(&app.source, account, command).await?,
-    ))
+    Ok(Json(app.accounts.execute(account, command).await?))
 }
 
 /// `GET /accounts/{id}`.
-pub async fn balance<S, L, E>(
-    State(app): State<Arc<App<S, L, E>>>,
+pub async fn balance<S, E>(
+    State(app): State<Arc<App<S, E>>>,
     Path(account): Path<Uuid>,
 ) -> Result<Json<Account>, ApiError>
 where
-    S: TransactionSource,
-    E: EventStore<S::Tx>,
+    S: TransactionSource + 'static,
+    E: EventStore<S::Tx> + Clone + 'static,
 {
     Ok(Json(app.accounts.balance(&app.source, account).await?))
 }

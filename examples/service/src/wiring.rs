@@ -9,16 +9,15 @@ use std::sync::Arc;
 use axum::Router;
 use axum::routing::{get, post};
 use lockstep_core::{
-    DistributedAggregateWriteLock, Fleet, InstanceId, PerspectiveRegistry, RetryPolicy,
-    StreamLockOptions, Transaction as _, TransactionSource as _,
+    Fleet, InstanceId, PerspectiveRegistry, RetryPolicy, StreamLockOptions, Transaction as _,
+    TransactionSource as _,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
-use lockstep_pg_advisory::{PgAggregateWriteLock, PgDistributedLock};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::{
-    FakeDatabase, FakeDistributedLock, FakeTransaction, InMemoryEventStore,
-    InMemoryPerspectiveStore, InMemoryStreamLocker,
+    FakeDatabase, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
+    InMemoryStreamLocker,
 };
 use lockstep_worker::{CancellationToken, PerspectiveWorker, ReadModels, WorkerOptions};
 use tokio::task::JoinHandle;
@@ -31,11 +30,10 @@ use crate::statement::{
 };
 
 /// The stack on PostgreSQL.
-pub type PgApp = App<PgDatabase, PgAggregateWriteLock, PgEventStore>;
+pub type PgApp = App<PgDatabase, PgEventStore>;
 
 /// The stack on the testkit fakes.
-pub type InMemoryApp =
-    App<FakeDatabase, DistributedAggregateWriteLock<FakeDistributedLock>, InMemoryEventStore>;
+pub type InMemoryApp = App<FakeDatabase, InMemoryEventStore>;
 
 /// The routes, and the worker task keeping the read model (it ends when the shutdown token
 /// given to the constructor fires; await it after the server has stopped).
@@ -83,11 +81,7 @@ pub async fn postgres_service(
 
     let app: Arc<PgApp> = Arc::new(App {
         source: db.clone(),
-        accounts: Accounts::new(
-            PgDistributedLock::new(db).aggregate_write_lock(),
-            PgEventStore::new(db),
-            RetryPolicy::default(),
-        ),
+        accounts: Accounts::new(db.clone(), PgEventStore::new(db), RetryPolicy::default()),
     });
     let statement = Arc::new(PgStatement {
         db: db.clone(),
@@ -96,12 +90,9 @@ pub async fn postgres_service(
     let router = Router::new()
         .route(
             "/accounts/{id}/commands",
-            post(execute::<PgDatabase, PgAggregateWriteLock, PgEventStore>),
+            post(execute::<PgDatabase, PgEventStore>),
         )
-        .route(
-            "/accounts/{id}",
-            get(balance::<PgDatabase, PgAggregateWriteLock, PgEventStore>),
-        )
+        .route("/accounts/{id}", get(balance::<PgDatabase, PgEventStore>))
         .with_state(app)
         .merge(
             Router::new()
@@ -119,7 +110,6 @@ pub async fn in_memory_service(
     db: &FakeDatabase,
     shutdown: CancellationToken,
 ) -> lockstep_core::Result<Service> {
-    type Lock = DistributedAggregateWriteLock<FakeDistributedLock>;
     let events = InMemoryEventStore::new();
     let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), db);
     let store = InMemoryPerspectiveStore::new(db, &events, &locker);
@@ -140,11 +130,7 @@ pub async fn in_memory_service(
 
     let app: Arc<InMemoryApp> = Arc::new(App {
         source: db.clone(),
-        accounts: Accounts::new(
-            DistributedAggregateWriteLock::new(FakeDistributedLock::new(db)),
-            events,
-            RetryPolicy::default(),
-        ),
+        accounts: Accounts::new(db.clone(), events, RetryPolicy::default()),
     });
     let statement = Arc::new(InMemoryStatement {
         statement,
@@ -155,11 +141,11 @@ pub async fn in_memory_service(
     let router = Router::new()
         .route(
             "/accounts/{id}/commands",
-            post(execute::<FakeDatabase, Lock, InMemoryEventStore>),
+            post(execute::<FakeDatabase, InMemoryEventStore>),
         )
         .route(
             "/accounts/{id}",
-            get(balance::<FakeDatabase, Lock, InMemoryEventStore>),
+            get(balance::<FakeDatabase, InMemoryEventStore>),
         )
         .with_state(app)
         .merge(

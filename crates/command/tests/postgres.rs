@@ -1,0 +1,43 @@
+//! The command runner on PostgreSQL (a database per test): the shared suite, every command
+//! handled from inside `tokio::spawn` with the concrete Postgres types (`PgDatabase`,
+//! `PgEventStore`, the advisory write lock behind `load_locked`).
+
+mod suite;
+
+use std::sync::Arc;
+
+use lockstep_pg::PgDatabase;
+use lockstep_pg_store::PgEventStore;
+use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+
+use suite::Backend;
+
+struct Postgres {
+    db: PgDatabase,
+    // Dropped last: dropping it drops the database.
+    _test_db: Arc<TestDatabase>,
+}
+
+impl Postgres {
+    async fn new() -> Postgres {
+        let test_db = test_database().await;
+        test_db.skip_wal_flush().await.expect("synchronous_commit");
+        let db = PgDatabase::from_pool(test_db.pool(8));
+        db.migrate().await.expect("migrate");
+        Postgres {
+            db,
+            _test_db: Arc::new(test_db),
+        }
+    }
+}
+
+impl Backend for Postgres {
+    type Src = PgDatabase;
+    type Store = PgEventStore;
+
+    fn process(&self) -> (PgDatabase, PgEventStore) {
+        (self.db.clone(), PgEventStore::new(&self.db))
+    }
+}
+
+runner_suite!(Postgres::new().await);
