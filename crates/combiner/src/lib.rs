@@ -929,8 +929,8 @@ where
             Ok(decisions)
         }
         Err(error) => {
-            // The attempt's error is the one to report; a failed rollback still ends it.
-            let _ = tx.rollback().await;
+            // The attempt's error is the one to report: dropping the transaction rolls it back.
+            drop(tx);
             Err(error)
         }
     }

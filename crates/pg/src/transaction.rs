@@ -91,8 +91,9 @@ pub trait PgTransactionRef: Send + Sync {
                     } else {
                         map_error(e)
                     };
-                    // The transaction ends either way; its statement's error says why.
-                    let _ = self.rollback().await;
+                    // The transaction ends either way (dropping it rolls it back); its
+                    // statement's error says why.
+                    drop(self);
                     return Err(err);
                 }
             };
