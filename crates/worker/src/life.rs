@@ -27,7 +27,7 @@
 //!     println!("{pairs} pairs will be rebuilt");
 //! }
 //! for p in lockstep_worker::life::rewind_progress(&db, &store, &[name]).await? {
-//!     println!("{}: {} of {}", p.stream_id, p.replayed, p.to_replay);
+//!     println!("{}: {} of {}", p.pair, p.replayed, p.to_replay);
 //! }
 //! # Ok(()) }
 //! ```
