@@ -319,3 +319,62 @@ async fn a_fenced_unit_of_work_is_rolled_back_when_the_fence_reports_the_lease_l
         .expect("the holder commits once the fence passes");
     assert!(db.is_idle());
 }
+
+/// An admin view whose whole listing fails but whose entry listing answers, as the Postgres
+/// locker does when one row cannot be read.
+struct EntriesOnly;
+
+#[lockstep_core::async_trait]
+impl StreamLockAdmin for EntriesOnly {
+    async fn list_leases(&self) -> lockstep_core::Result<Vec<lockstep_core::LeaseInfo>> {
+        Err(lockstep_core::Error::new(
+            ErrorKind::Backend,
+            "a lease row cannot be read",
+        ))
+    }
+
+    async fn list_lease_entries(&self) -> lockstep_core::Result<Vec<lockstep_core::LeaseEntry>> {
+        Ok(Vec::new())
+    }
+
+    async fn inspect(
+        &self,
+        _stream_id: StreamId,
+        _perspective: &PerspectiveName,
+    ) -> lockstep_core::Result<Option<lockstep_core::CursorLease>> {
+        Ok(None)
+    }
+
+    async fn force_release(
+        &self,
+        _stream_id: StreamId,
+        _perspective: &PerspectiveName,
+    ) -> lockstep_core::Result<ReleaseOutcome> {
+        Ok(ReleaseOutcome::NotHeld)
+    }
+
+    async fn release_all_held_by(&self, _instance: InstanceId) -> lockstep_core::Result<u64> {
+        Ok(0)
+    }
+}
+
+/// The recording and the faulty wrapper forward `list_lease_entries` to the wrapped view (the
+/// default would list through `list_leases` and fail on the row it cannot read), and the
+/// recording records it.
+#[tokio::test]
+async fn the_wrappers_forward_the_entry_listing() {
+    let task = tokio::spawn(async {
+        let (faulty, _faults) = FaultyStreamLocker::new(EntriesOnly);
+        let recording = RecordingStreamLocker::new(faulty);
+        let entries = recording
+            .list_lease_entries()
+            .await
+            .expect("the wrapped view's entry listing");
+        assert!(entries.is_empty());
+        assert!(matches!(
+            recording.calls().as_slice(),
+            [StreamLockCall::ListLeaseEntries { outcome: Ok(listed) }] if listed.is_empty()
+        ));
+    });
+    task.await.expect("the task ran");
+}
