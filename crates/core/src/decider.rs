@@ -51,6 +51,7 @@ use uuid::Uuid;
 use crate::error::Result;
 use crate::event_store::{NewEvent, RecordedEvent};
 use crate::ids::AggregateType;
+use crate::snapshot::SnapshotPolicy;
 
 /// An aggregate as a decider: its type, its initial state, `decide`, `evolve`, and the mapping
 /// of its events to and from the store. See the [module docs](self).
@@ -89,6 +90,12 @@ pub trait Decider: Send + Sync {
     /// A stored event read back. An event that does not read back (a corrupt or foreign
     /// stream) is an error of the implementor's choice of kind; it fails the whole load.
     fn decode(&self, event: &RecordedEvent) -> Result<Self::Event>;
+
+    /// Whether, when and how the state is snapshotted (see [`crate::snapshot`]). The default,
+    /// `None`: never; every command folds the whole stream. A runner asks once per command.
+    fn snapshots(&self) -> Option<SnapshotPolicy<Self::State>> {
+        None
+    }
 
     /// Folds a loaded stream: [`Decider::initial_state`], then [`Decider::evolve`] with every
     /// event read back by [`Decider::decode`].

@@ -286,6 +286,13 @@ pub enum ValidationError {
         /// Which id.
         field: &'static str,
     },
+    /// An event's schema version was 0 or above [`crate::NewEvent::MAX_SCHEMA_VERSION`] (or a
+    /// stored one was out of that range).
+    #[error("schema version {version} is out of range: versions run from 1 to 2147483647")]
+    SchemaVersionOutOfRange {
+        /// The version given.
+        version: u64,
+    },
     /// A duration option was below its lower bound (it would be truncated by the backend).
     #[error("{field} must be at least {min:?}")]
     DurationTooShort {

@@ -107,7 +107,8 @@ impl fmt::Display for ExpectedVersion {
     }
 }
 
-/// An event to append: its id, type name and JSON payload.
+/// An event to append: its id, type name, JSON payload and the schema version of the payload's
+/// shape (1 unless set with [`NewEvent::with_schema_version`]; see [`crate::upcast`]).
 ///
 /// The id is a fresh UUIDv7 unless the caller chooses one ([`NewEvent::with_id`]: imported
 /// history, offline clients, replication). Perspectives apply a stream's events in event-id
@@ -119,9 +120,13 @@ pub struct NewEvent {
     event_id: Uuid,
     event_type: String,
     payload: serde_json::Value,
+    schema_version: u32,
 }
 
 impl NewEvent {
+    /// The highest schema version an event can carry (it is stored as a Postgres `integer`).
+    pub const MAX_SCHEMA_VERSION: u32 = i32::MAX as u32;
+
     /// The longest event type accepted, in characters.
     pub const MAX_TYPE_CHARS: usize = 200;
 
@@ -144,6 +149,7 @@ impl NewEvent {
                 event_id: Uuid::now_v7(),
                 event_type,
                 payload,
+                schema_version: 1,
             }),
             Err(err) => {
                 // A refused payload may be nested far deeper than it may be stored (built in
@@ -190,9 +196,29 @@ impl NewEvent {
         Ok(self)
     }
 
+    /// Marks the payload as having the shape of schema `version` of its event type (from 1, the
+    /// default). Readers whose [`crate::Upcasters`] know a newer shape lift it on the way out;
+    /// the stored payload is never rewritten. 0 and versions above
+    /// [`NewEvent::MAX_SCHEMA_VERSION`] are refused ([`ValidationError::SchemaVersionOutOfRange`]).
+    pub fn with_schema_version(mut self, version: u32) -> Result<NewEvent> {
+        if version == 0 || version > Self::MAX_SCHEMA_VERSION {
+            return Err(ValidationError::SchemaVersionOutOfRange {
+                version: u64::from(version),
+            }
+            .into());
+        }
+        self.schema_version = version;
+        Ok(self)
+    }
+
     /// The event's id.
     pub fn event_id(&self) -> Uuid {
         self.event_id
+    }
+
+    /// The schema version of the payload's shape (1 unless set).
+    pub fn schema_version(&self) -> u32 {
+        self.schema_version
     }
 
     /// The event's type name.
@@ -222,6 +248,10 @@ pub struct RecordedEvent {
     pub payload: serde_json::Value,
     /// When it was recorded (the backend's clock; Postgres: `clock_timestamp()` at insert).
     pub recorded_at: OffsetDateTime,
+    /// The schema version of `payload`'s shape: as appended ([`NewEvent::schema_version`]), or
+    /// the version the reader's [`crate::Upcasters`] lifted it to. Stores read events back
+    /// through their upcasters, so domain code sees the current shape of every type.
+    pub schema_version: u32,
 }
 
 /// The details of an [`ErrorKind::Conflict`] from [`EventStore::append`], kept as the error's

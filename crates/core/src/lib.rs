@@ -65,7 +65,12 @@
 //! - [`Decider`] — an aggregate as `decide(state, command)` and `evolve(state, event)`, what
 //!   the command combiner (`lockstep-combiner`) runs ([`decider`]).
 //! - [`EventStore`] — append with an [`ExpectedVersion`] ([`VersionConflict`] on a conflict),
-//!   load in order; [`NewEvent`] in, [`RecordedEvent`] out ([`event_store`]).
+//!   load in order; [`NewEvent`] in, [`RecordedEvent`] out ([`event_store`]); every event
+//!   carries the schema version of its payload, and [`Upcasters`] lift old shapes as they are
+//!   read ([`upcast`]).
+//! - [`SnapshotStore`] — aggregate snapshots beside the events: the latest
+//!   [`AggregateSnapshot`] and the events after it in one load, for a decider that declares a
+//!   [`SnapshotPolicy`] ([`snapshot`]).
 //! - [`StreamLocker`] / [`StreamLockAdmin`] / [`LeaseFence`] — leases per `(stream,
 //!   perspective)` for rewind, bootstrap and purge: [`AcquireOutcome`], [`StreamLease`],
 //!   [`LeaseId`], [`RenewOutcome`], [`ReleaseOutcome`], [`LeaseInfo`], [`LeaseEntry`]
@@ -111,10 +116,12 @@ pub mod perspective_store;
 pub mod reason;
 pub mod resource_key;
 pub mod retry;
+pub mod snapshot;
 pub mod stream_lease;
 pub mod table_perspective;
 mod text;
 pub mod unit_of_work;
+pub mod upcast;
 
 pub use aggregate_lock::{
     AGGREGATE_KEY_PREFIX, AggregateWriteLock, AsAggregateType, DistributedAggregateWriteLock,
@@ -149,6 +156,9 @@ pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
 #[cfg(feature = "tokio")]
 pub use retry::tokio_sleep;
 pub use retry::{RetryPolicy, Retryable};
+pub use snapshot::{
+    AggregateSnapshot, LoadedStream, LockFirst, SnapshotKey, SnapshotPolicy, SnapshotStore,
+};
 pub use stream_lease::{
     AcquireOutcome, CursorLease, LeaseEntry, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId,
     LeaseInfo, LeaseStatus, ReleaseOutcome, RenewOutcome, StreamLease, StreamLockAdmin,
@@ -156,6 +166,7 @@ pub use stream_lease::{
 };
 pub use table_perspective::{DynTablePerspective, TablePerspective};
 pub use unit_of_work::{Transaction, TransactionSource};
+pub use upcast::Upcasters;
 
 /// Re-exported so implementors and users name the same versions.
 pub use async_trait::async_trait;

@@ -371,6 +371,7 @@ mod tests {
             event_type: "Added".into(),
             payload: serde_json::json!(n),
             recorded_at: OffsetDateTime::UNIX_EPOCH,
+            schema_version: 1,
         }
     }
 

@@ -294,6 +294,7 @@ fn decode(row: &tokio_postgres::Row, offset: usize, stream_id: StreamId) -> Resu
         recorded_at: row
             .try_get::<_, OffsetDateTime>(offset + 4)
             .map_err(decode_error)?,
+        schema_version: 1,
     })
 }
 

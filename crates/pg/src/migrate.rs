@@ -67,13 +67,13 @@ mod embedded {
 
 /// The schema version this build installs and runs on. A release that changes any file of
 /// `migrations/` raises it by one (`docs/adr/0039-schema-files.md`).
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// The newest schema version that older builds cannot run on: the version of the last breaking
 /// change (a function's signature or result, a column an older build reads or writes). A
 /// database at schema version `v` serves every build whose [`SCHEMA_VERSION`] is at least the
 /// `last_breaking` it records and at most `v`.
-pub const SCHEMA_LAST_BREAKING: i32 = 1;
+pub const SCHEMA_LAST_BREAKING: i32 = 2;
 
 /// The table in which refinery records the applied numbered migrations (under a name of
 /// lockstep's own instead of refinery's default `refinery_schema_history`).

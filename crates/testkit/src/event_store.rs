@@ -318,6 +318,7 @@ impl InMemoryEventStore {
                         event_type: event.event_type().to_owned(),
                         payload: event.payload().clone(),
                         recorded_at: now,
+                        schema_version: event.schema_version(),
                     });
                 }
                 Ok(Attempt::Done(base + events.len() as u64))

@@ -203,6 +203,7 @@ mod tests {
             event_type: event.event_type().into(),
             payload: serde_json::to_value(event).expect("json"),
             recorded_at: lockstep_core::OffsetDateTime::UNIX_EPOCH,
+            schema_version: 1,
         }
     }
 
