@@ -9,8 +9,9 @@
 //! command still gets its own answer: its events' versions, or its own business error with
 //! nothing appended for it (ADR 0013).
 //!
-//! Built only on the `lockstep-core` contracts ([`TransactionSource`], [`EventStore`] with
-//! [`EventStore::load_locked`] and [`EventStore::append_at_commit`], [`Decider`]), so it runs on
+//! Built only on the `lockstep-core` contracts ([`TransactionSource`], [`SnapshotStore`] (an
+//! [`EventStore`](lockstep_core::EventStore) with the aggregate snapshots a decider may keep),
+//! [`Decider`]), so it runs on
 //! the testkit's fakes and on PostgreSQL alike. Other processes still serialize on the
 //! aggregate's write lock `relay:aggregate:{type}:{id}` (the pessimistic path's lock), and the
 //! optimistic version check stays on underneath.
@@ -92,8 +93,9 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt as _;
 use lockstep_core::{
-    Decider, Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RetryPolicy, Retryable,
-    StreamId, Transaction, TransactionSource, aggregate_key,
+    Decider, Error, ErrorKind, ExpectedVersion, LockFirst, NewEvent, RetryPolicy, Retryable,
+    SnapshotStore, StreamId, Transaction, TransactionSource, aggregate_key, load_aggregate,
+    save_snapshot_if_due,
 };
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -496,7 +498,7 @@ impl<Src, St, D: Decider> fmt::Debug for Combiner<Src, St, D> {
 impl<Src, St, D> Combiner<Src, St, D>
 where
     Src: TransactionSource + 'static,
-    St: EventStore<Src::Tx> + 'static,
+    St: SnapshotStore<Src::Tx> + 'static,
     D: Decider + 'static,
     D::Command: 'static,
     D::Error: 'static,
@@ -768,7 +770,7 @@ async fn run_aggregate<Src, St, D>(
     mut guard: TaskGuard<D>,
 ) where
     Src: TransactionSource,
-    St: EventStore<Src::Tx>,
+    St: SnapshotStore<Src::Tx>,
     D: Decider,
 {
     let mut alone = 0usize;
@@ -818,7 +820,7 @@ async fn run_batch<Src, St, D>(
 ) -> Option<usize>
 where
     Src: TransactionSource,
-    St: EventStore<Src::Tx>,
+    St: SnapshotStore<Src::Tx>,
     D: Decider,
 {
     let mut taken: Vec<Pending<D>> = Vec::new();
@@ -919,7 +921,7 @@ async fn attempt_batch<Src, St, D>(
 ) -> Result<Vec<Decision<D::State, D::Error>>, Error>
 where
     Src: TransactionSource,
-    St: EventStore<Src::Tx>,
+    St: SnapshotStore<Src::Tx>,
     D: Decider,
 {
     let tx = inner.source.begin().await?;
@@ -951,22 +953,25 @@ async fn decide_batch<Src, St, D>(
 ) -> Result<Vec<Decision<D::State, D::Error>>, Error>
 where
     Src: TransactionSource,
-    St: EventStore<Src::Tx>,
+    St: SnapshotStore<Src::Tx>,
     D: Decider,
 {
     let options = &inner.options;
     let decider = &inner.decider;
     let stream = StreamId::from_uuid(id);
     let key = aggregate_key(decider.aggregate_type(), id);
-    let loaded = inner
-        .store
-        .load_locked(tx, stream, &key, options.lock_timeout)
-        .await?;
-    let base = loaded.len() as u64;
-    let folded = std::panic::catch_unwind(AssertUnwindSafe(|| decider.fold(id, &loaded)))
+    let lock = LockFirst {
+        key: &key,
+        timeout: options.lock_timeout,
+    };
+    // From the latest snapshot when the decider keeps them; folding is the decider's code.
+    let loaded = AssertUnwindSafe(load_aggregate(decider, &inner.store, tx, id, Some(lock)))
+        .catch_unwind()
+        .await
         .map_err(|panic| panicked("folding the aggregate's stream", &*panic))??;
-    let mut state = Some(folded);
-    drop(loaded);
+    let base = loaded.version;
+    let folded_before = loaded.folded;
+    let mut state = Some(loaded.state);
     let started = Instant::now();
 
     let mut replay = std::mem::take(taken).into_iter();
@@ -1051,6 +1056,16 @@ where
     }
     // Commands of an earlier attempt that no longer fit lead the next batch.
     queue.put_back(replay.collect());
+    if let Some(state) = &state {
+        // Before the append, the last write: the snapshot commits with the batch or not at all.
+        let version = base + events.len() as u64;
+        let folded = folded_before + events.len() as u64;
+        let save = save_snapshot_if_due(decider, &inner.store, tx, id, version, folded, state);
+        AssertUnwindSafe(save)
+            .catch_unwind()
+            .await
+            .map_err(|panic| panicked("encoding the aggregate's snapshot", &*panic))??;
+    }
     if !events.is_empty() {
         inner
             .store

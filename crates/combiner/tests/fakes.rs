@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use lockstep_combiner::{CombineError, Combiner};
 use lockstep_core::{
-    Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent, ResourceKey, Result,
-    StreamId, Transaction, TransactionSource, Uuid,
+    AggregateSnapshot, AggregateType, Error, ErrorKind, EventStore, ExpectedVersion, LoadedStream,
+    LockFirst, NewEvent, RecordedEvent, ResourceKey, Result, SnapshotKey, SnapshotStore, StreamId,
+    Transaction, TransactionSource, Uuid,
 };
 use lockstep_testkit::{FakeDatabase, FakeTransaction, InMemoryEventStore};
 
@@ -96,6 +97,37 @@ impl EventStore<LossyTx> for LossyStore {
     ) -> Result<()> {
         self.0
             .append_at_commit(&tx.tx, stream_id, expected, events)
+            .await
+    }
+}
+
+impl SnapshotStore<LossyTx> for LossyStore {
+    async fn load_from_snapshot(
+        &self,
+        tx: &LossyTx,
+        key: &SnapshotKey,
+        lock: Option<LockFirst<'_>>,
+    ) -> Result<LoadedStream> {
+        self.0.load_from_snapshot(&tx.tx, key, lock).await
+    }
+
+    async fn save_snapshot(
+        &self,
+        tx: &LossyTx,
+        key: &SnapshotKey,
+        snapshot: &AggregateSnapshot,
+    ) -> Result<bool> {
+        self.0.save_snapshot(&tx.tx, key, snapshot).await
+    }
+
+    async fn delete_snapshots(
+        &self,
+        tx: &LossyTx,
+        aggregate_type: &AggregateType,
+        below_schema_version: Option<u32>,
+    ) -> Result<u64> {
+        self.0
+            .delete_snapshots(&tx.tx, aggregate_type, below_schema_version)
             .await
     }
 }

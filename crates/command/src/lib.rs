@@ -9,7 +9,7 @@
 //!   a version conflict (another writer appended first) runs the whole unit of work again,
 //!   loading anew, under the [`RetryPolicy`].
 //! - [`Mode::Locked`]: the aggregate's write lock `relay:aggregate:{type}:{id}` first, in the
-//!   transaction, then the load ([`EventStore::load_locked`]): writers of one aggregate queue
+//!   transaction, then the load ([`lockstep_core::EventStore::load_locked`]): writers of one aggregate queue
 //!   instead of racing. The version check stays on underneath.
 //! - [`Mode::Combined`]: through the command combiner (`lockstep-combiner`): commands of one
 //!   aggregate queue in the process and are decided in turn, one batch per lock and commit.
@@ -92,8 +92,9 @@ use std::time::Duration;
 
 use lockstep_combiner::{CombineError, Combiner, CombinerOptions};
 use lockstep_core::{
-    AggregateType, Decider, Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RetryPolicy,
-    Retryable, StreamId, TransactionSource, aggregate_key, tokio_sleep,
+    AggregateType, Decider, Error, ErrorKind, ExpectedVersion, LockFirst, NewEvent, RetryPolicy,
+    Retryable, SnapshotStore, StreamId, TransactionSource, aggregate_key, load_aggregate,
+    save_snapshot_if_due, tokio_sleep,
 };
 use uuid::Uuid;
 
@@ -368,7 +369,7 @@ impl<Src, St, D: Decider> CommandRunner<Src, St, D> {
 impl<Src, St, D> CommandRunner<Src, St, D>
 where
     Src: TransactionSource + 'static,
-    St: EventStore<Src::Tx> + Clone + 'static,
+    St: SnapshotStore<Src::Tx> + Clone + 'static,
     D: Decider + 'static,
     D::Command: 'static,
     D::Error: 'static,
@@ -519,17 +520,14 @@ where
     ) -> Result<(Handled<D::State>, Vec<Uuid>), CommandError<D::Error>> {
         let store = &self.inner.store;
         let stream = StreamId::from_uuid(id);
-        let loaded = if locked {
-            let key = aggregate_key(decider.aggregate_type(), id);
-            store
-                .load_locked(tx, stream, &key, self.inner.options.lock_timeout.0)
-                .await?
-        } else {
-            store.load(tx, stream).await?
-        };
-        let base = loaded.last().map_or(0, |event| event.version);
-        let state = decider.fold(id, &loaded)?;
-        drop(loaded);
+        let key = aggregate_key(decider.aggregate_type(), id);
+        let lock = locked.then_some(LockFirst {
+            key: &key,
+            timeout: self.inner.options.lock_timeout.0,
+        });
+        let loaded = load_aggregate(decider, store, tx, id, lock).await?;
+        let base = loaded.version;
+        let state = loaded.state;
         let events = decider
             .decide(&state, command)
             .await
@@ -539,6 +537,13 @@ where
             .map(|event| decider.encode(event))
             .collect::<Result<Vec<NewEvent>, Error>>()?;
         let event_ids: Vec<Uuid> = encoded.iter().map(NewEvent::event_id).collect();
+        let state = events
+            .iter()
+            .fold(state, |state, event| decider.evolve(state, event));
+        let version = base + encoded.len() as u64;
+        // Before the append: that is the last write when the runner commits right after.
+        let folded = loaded.folded + encoded.len() as u64;
+        save_snapshot_if_due(decider, store, tx, id, version, folded, &state).await?;
         if !encoded.is_empty() {
             let expected = ExpectedVersion::Exact(base);
             if last_write {
@@ -549,12 +554,9 @@ where
                 store.append(tx, stream, expected, &encoded).await?;
             }
         }
-        let state = events
-            .iter()
-            .fold(state, |state, event| decider.evolve(state, event));
         let handled = Handled {
             state,
-            version: base + encoded.len() as u64,
+            version,
             event_ids: event_ids.clone(),
             attempts: 1,
         };

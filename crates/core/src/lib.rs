@@ -157,7 +157,8 @@ pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};
 pub use retry::tokio_sleep;
 pub use retry::{RetryPolicy, Retryable};
 pub use snapshot::{
-    AggregateSnapshot, LoadedStream, LockFirst, SnapshotKey, SnapshotPolicy, SnapshotStore,
+    AggregateSnapshot, LoadedAggregate, LoadedStream, LockFirst, SnapshotKey, SnapshotPolicy,
+    SnapshotStore, load_aggregate, save_snapshot_if_due,
 };
 pub use stream_lease::{
     AcquireOutcome, CursorLease, LeaseEntry, LeaseEpoch, LeaseFence, LeaseHolder, LeaseId,

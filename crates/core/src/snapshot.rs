@@ -29,6 +29,9 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use uuid::Uuid;
+
+use crate::decider::Decider;
 use crate::error::{Error, ErrorKind, Result, ValidationError};
 use crate::event_store::{EventStore, NewEvent, RecordedEvent};
 use crate::ids::{AggregateType, StreamId};
@@ -271,6 +274,103 @@ pub fn check_snapshot(snapshot: &AggregateSnapshot) -> Result<()> {
     crate::json::check_storable(&snapshot.state, "snapshot state")
 }
 
+/// An aggregate's state as a runner loads it for a decision ([`load_aggregate`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedAggregate<S> {
+    /// The state through `version`.
+    pub state: S,
+    /// The stream's version the state is the fold of (0: no event).
+    pub version: u64,
+    /// How many events were folded since the latest snapshot (every event when none was
+    /// used): what [`SnapshotPolicy::is_due`] is asked with, plus the decision's own events.
+    pub folded: u64,
+}
+
+/// Loads aggregate `id` (stream `StreamId::from_uuid(id)`) for a decision, as the command
+/// runner and the combiner do: with `lock` first when given, then — when the decider declares
+/// a [`SnapshotPolicy`] — its latest snapshot and the events after it, folded onto the
+/// snapshot's state; otherwise the whole stream folded from [`Decider::initial_state`]. A
+/// snapshot the policy cannot decode (its state changed shape without a new schema version)
+/// is not used: the whole stream is folded instead, and the next save replaces it.
+pub async fn load_aggregate<Tx, St, D>(
+    decider: &D,
+    store: &St,
+    tx: &Tx,
+    id: Uuid,
+    lock: Option<LockFirst<'_>>,
+) -> Result<LoadedAggregate<D::State>>
+where
+    Tx: ?Sized + Sync,
+    St: SnapshotStore<Tx>,
+    D: Decider,
+{
+    let stream = StreamId::from_uuid(id);
+    let whole = |events: Vec<RecordedEvent>| -> Result<LoadedAggregate<D::State>> {
+        Ok(LoadedAggregate {
+            version: events.last().map_or(0, |e| e.version),
+            folded: events.len() as u64,
+            state: decider.fold(id, &events)?,
+        })
+    };
+    let Some(policy) = decider.snapshots() else {
+        let events = match lock {
+            Some(LockFirst { key, timeout }) => store.load_locked(tx, stream, key, timeout).await?,
+            None => store.load(tx, stream).await?,
+        };
+        return whole(events);
+    };
+    let key = policy.key(decider.aggregate_type(), stream)?;
+    let loaded = store.load_from_snapshot(tx, &key, lock).await?;
+    let version = loaded.version();
+    let Some(snapshot) = loaded.snapshot else {
+        return whole(loaded.events);
+    };
+    match policy.decode(snapshot.state) {
+        Ok(state) => Ok(LoadedAggregate {
+            state: loaded.events.iter().try_fold(state, |state, event| {
+                Ok::<_, Error>(decider.evolve(state, &decider.decode(event)?))
+            })?,
+            version,
+            folded: loaded.events.len() as u64,
+        }),
+        // The lock (if any) is held already: a plain load sees the same stream.
+        Err(_) => whole(store.load(tx, stream).await?),
+    }
+}
+
+/// Saves `state` — aggregate `id`'s state through `version`, `folded` events after the latest
+/// snapshot — on `tx` when the decider's [`SnapshotPolicy`] says it is due; `true` when a
+/// snapshot was stored. Call it before the transaction's last write
+/// ([`EventStore::append_at_commit`]): the snapshot then commits with the events it folds, or
+/// not at all. A state the policy cannot encode fails with its error.
+pub async fn save_snapshot_if_due<Tx, St, D>(
+    decider: &D,
+    store: &St,
+    tx: &Tx,
+    id: Uuid,
+    version: u64,
+    folded: u64,
+    state: &D::State,
+) -> Result<bool>
+where
+    Tx: ?Sized + Sync,
+    St: SnapshotStore<Tx>,
+    D: Decider,
+{
+    let Some(policy) = decider.snapshots() else {
+        return Ok(false);
+    };
+    if version == 0 || !policy.is_due(folded) {
+        return Ok(false);
+    }
+    let key = policy.key(decider.aggregate_type(), StreamId::from_uuid(id))?;
+    let snapshot = AggregateSnapshot {
+        version,
+        state: policy.encode(state)?,
+    };
+    store.save_snapshot(tx, &key, &snapshot).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,24 +386,24 @@ mod tests {
         assert_eq!(policy.every(), 100);
         assert!(!policy.is_due(99));
         assert!(policy.is_due(100));
-        let stored = policy.encode(&Balance { cents: 5 }).unwrap();
-        assert_eq!(policy.decode(stored).unwrap(), Balance { cents: 5 });
-        let err = policy.decode(serde_json::json!("no")).unwrap_err();
+        let stored = policy.encode(&Balance { cents: 5 }).expect("valid");
+        assert_eq!(policy.decode(stored).expect("valid"), Balance { cents: 5 });
+        let err = policy.decode(serde_json::json!("no")).expect_err("refused");
         assert_eq!(err.kind(), ErrorKind::InvalidInput);
         assert!(SnapshotPolicy::<Balance>::json(0).is_due(1));
-        let ty = AggregateType::new("Account").unwrap();
-        let key = policy.key(&ty, StreamId::new_v7()).unwrap();
+        let ty = AggregateType::new("Account").expect("valid");
+        let key = policy.key(&ty, StreamId::new_v7()).expect("valid");
         assert_eq!(key.schema_version(), 3);
     }
 
     #[test]
     fn keys_and_snapshots_out_of_range_are_refused() {
-        let ty = AggregateType::new("Account").unwrap();
+        let ty = AggregateType::new("Account").expect("valid");
         for bad in [0, NewEvent::MAX_SCHEMA_VERSION + 1] {
             let err = SnapshotPolicy::<Balance>::json(1)
                 .schema_version(bad)
                 .key(&ty, StreamId::new_v7())
-                .unwrap_err();
+                .expect_err("refused");
             assert!(matches!(
                 err.validation(),
                 Some(ValidationError::SchemaVersionOutOfRange { .. })
@@ -314,7 +414,7 @@ mod tests {
                 version,
                 state: serde_json::json!({}),
             })
-            .unwrap_err();
+            .expect_err("refused");
             assert_eq!(err.kind(), ErrorKind::InvalidInput);
         }
         let nul = AggregateSnapshot {
@@ -322,7 +422,7 @@ mod tests {
             state: serde_json::json!("a\u{0}b"),
         };
         assert_eq!(
-            check_snapshot(&nul).unwrap_err().kind(),
+            check_snapshot(&nul).expect_err("refused").kind(),
             ErrorKind::InvalidInput
         );
     }

@@ -190,18 +190,18 @@ mod tests {
             .with("Deposited", 1, |p| {
                 Ok(json!({ "amount": p["amount"], "v": 2 }))
             })
-            .unwrap()
+            .expect("valid")
             .with("Deposited", 2, |p| {
                 Ok(json!({ "amount": { "value": p["amount"], "currency": "EUR" }, "v": 3 }))
             })
-            .unwrap()
+            .expect("valid")
     }
 
     #[test]
     fn an_old_event_is_lifted_through_every_version_in_turn() {
         let read = chain()
             .upcast(stored("Deposited", 1, json!({ "amount": 5 })))
-            .unwrap();
+            .expect("valid");
         assert_eq!(read.schema_version, 3);
         assert_eq!(
             read.payload,
@@ -209,7 +209,7 @@ mod tests {
         );
         let from_two = chain()
             .upcast(stored("Deposited", 2, json!({ "amount": 7 })))
-            .unwrap();
+            .expect("valid");
         assert_eq!(from_two.schema_version, 3);
         assert_eq!(from_two.payload["amount"]["value"], 7);
         assert_eq!(chain().version_read("Deposited", 1), 3);
@@ -223,19 +223,22 @@ mod tests {
             stored("Deposited", 9, json!({ "x": 1 })),
             stored("Withdrawn", 1, json!({ "amount": 1 })),
         ] {
-            assert_eq!(chain().upcast(event.clone()).unwrap(), event);
+            assert_eq!(chain().upcast(event.clone()).expect("valid"), event);
         }
         let event = stored("Deposited", 1, json!({ "amount": 1 }));
-        assert_eq!(Upcasters::new().upcast(event.clone()).unwrap(), event);
+        assert_eq!(
+            Upcasters::new().upcast(event.clone()).expect("valid"),
+            event
+        );
     }
 
     #[test]
     fn a_failing_upcaster_is_an_error_of_that_event() {
         let upcasters = Upcasters::new()
             .with("Deposited", 1, |_| Err("no amount".into()))
-            .unwrap();
+            .expect("valid");
         let event = stored("Deposited", 1, json!({}));
-        let err = upcasters.upcast(event.clone()).unwrap_err();
+        let err = upcasters.upcast(event.clone()).expect_err("refused");
         assert_eq!(err.kind(), ErrorKind::InvalidInput);
         assert!(
             err.to_string().contains(&event.event_id.to_string()),
@@ -252,12 +255,12 @@ mod tests {
     fn bad_registrations_are_refused() {
         let ok = |p| Ok(p);
         for err in [
-            Upcasters::new().with(" ", 1, ok).unwrap_err(),
-            Upcasters::new().with("A", 0, ok).unwrap_err(),
+            Upcasters::new().with(" ", 1, ok).expect_err("refused"),
+            Upcasters::new().with("A", 0, ok).expect_err("refused"),
             Upcasters::new()
                 .with("A", NewEvent::MAX_SCHEMA_VERSION, ok)
-                .unwrap_err(),
-            chain().with("Deposited", 2, ok).unwrap_err(),
+                .expect_err("refused"),
+            chain().with("Deposited", 2, ok).expect_err("refused"),
         ] {
             assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
         }
@@ -269,18 +272,18 @@ mod tests {
 
     #[test]
     fn schema_versions_of_new_events_are_checked() {
-        let event = NewEvent::new("A", json!({})).unwrap();
+        let event = NewEvent::new("A", json!({})).expect("valid");
         assert_eq!(event.schema_version(), 1);
         assert_eq!(
             event
                 .clone()
                 .with_schema_version(4)
-                .unwrap()
+                .expect("valid")
                 .schema_version(),
             4
         );
         for bad in [0, NewEvent::MAX_SCHEMA_VERSION + 1] {
-            let err = event.clone().with_schema_version(bad).unwrap_err();
+            let err = event.clone().with_schema_version(bad).expect_err("refused");
             assert_eq!(
                 err.validation(),
                 Some(&ValidationError::SchemaVersionOutOfRange {

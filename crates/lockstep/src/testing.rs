@@ -2,7 +2,7 @@
 //! Postgres half with `postgres` too).
 //!
 //! An application's domain code is generic over the contracts (a [`TransactionSource`], an
-//! [`AggregateWriteLock`], an [`EventStore`], …). Its tests are written the same way, once,
+//! [`AggregateWriteLock`], an [`EventStore`](lockstep_core::EventStore), …). Its tests are written the same way, once,
 //! over a [`Backend`]: the stack an application wires, named by associated types. Two stacks
 //! implement it:
 //!
@@ -76,8 +76,8 @@
 use std::future::Future;
 
 use lockstep_core::{
-    AggregateWriteLock, DistributedLock, EventStore, LeaseFence, PerspectiveStore, StreamLockAdmin,
-    StreamLocker, Transaction, TransactionSource,
+    AggregateWriteLock, DistributedLock, LeaseFence, PerspectiveStore, SnapshotStore,
+    StreamLockAdmin, StreamLocker, Transaction, TransactionSource,
 };
 
 mod fakes;
@@ -108,7 +108,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// The per-aggregate write lock, over [`Backend::DistributedLock`].
     type AggregateLock: AggregateWriteLock<Self::Tx> + Clone + 'static;
     /// The event store.
-    type EventStore: EventStore<Self::Tx> + Clone + 'static;
+    type EventStore: SnapshotStore<Self::Tx> + Clone + 'static;
     /// The perspective store a worker and its read models run on.
     type PerspectiveStore: PerspectiveStore<Self::Tx> + Clone + 'static;
     /// Stream leases, their admin view and the fenced commit (hand it to a worker as

@@ -79,6 +79,7 @@
 //! ```
 
 pub mod perspective;
+mod snapshot;
 
 pub use perspective::PgPerspectiveStore;
 

@@ -74,6 +74,16 @@ mod event_store_suite_without_the_local_queue {
     }
 }
 
+/// The snapshot-store conformance suite, one test per case.
+mod snapshot_store_suite {
+    use super::*;
+
+    lockstep_testkit::snapshot_store_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(PgEventStore::with_queue(LockQueue::new())).await,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_runs_on_a_borrowed_tokio_postgres_transaction() {
     let (db, _pool) = migrated(1).await;

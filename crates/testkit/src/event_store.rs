@@ -78,6 +78,8 @@ struct State {
 
 struct Inner {
     state: Mutex<State>,
+    /// The aggregate snapshots ([`crate::snapshot_store`]).
+    snapshots: Mutex<crate::snapshot_store::Snapshots>,
     /// The database whose transactions this store serves (bound by the first one it sees).
     database: OnceLock<FakeDatabase>,
 }
@@ -110,6 +112,7 @@ impl InMemoryEventStore {
         InMemoryEventStore {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
+                snapshots: Mutex::default(),
                 database: OnceLock::new(),
             }),
         }
@@ -195,9 +198,16 @@ impl InMemoryEventStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    pub(crate) fn snapshots(&self) -> MutexGuard<'_, crate::snapshot_store::Snapshots> {
+        self.inner
+            .snapshots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Refuses transactions that are not usable or belong to another database than the first
     /// one this store saw.
-    fn check(&self, tx: &FakeTransaction) -> Result<()> {
+    pub(crate) fn check(&self, tx: &FakeTransaction) -> Result<()> {
         let bound = self.inner.database.get_or_init(|| tx.database().clone());
         if !bound.same(tx.database()) {
             return Err(Error::new(

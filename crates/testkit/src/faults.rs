@@ -40,6 +40,9 @@ use lockstep_core::{
     ResourceKey, Result, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, Uuid,
     VersionConflict, async_trait,
 };
+use lockstep_core::{
+    AggregateSnapshot, AggregateType, LoadedStream, LockFirst, SnapshotKey, SnapshotStore,
+};
 use time::OffsetDateTime;
 
 /// A countdown of calls that fail with an error of one kind.
@@ -565,8 +568,8 @@ pub struct EventStoreFaults {
 }
 
 impl EventStoreFaults {
-    /// The next `n` loads (`load` or `load_locked`, which then takes no lock) fail with an
-    /// error of `kind`.
+    /// The next `n` loads (`load`, `load_locked` or `load_from_snapshot`, which then take no
+    /// lock) fail with an error of `kind`.
     pub fn fail_next_loads(&self, n: u32, kind: ErrorKind) {
         self.controls.with(|f| f.fail_loads = Some((n, kind)));
     }
@@ -721,6 +724,61 @@ where
             .await?;
         self.inner
             .append_at_commit(tx, stream_id, expected, events)
+            .await
+    }
+}
+
+/// `load_from_snapshot` is a load: the load faults apply to it, and with a lock the lock faults
+/// too, as to `load_locked`; saving and deleting snapshots are passed on (latency applies).
+impl<Tx, S> SnapshotStore<Tx> for FaultyEventStore<S>
+where
+    Tx: ?Sized + Sync,
+    S: SnapshotStore<Tx>,
+{
+    async fn load_from_snapshot(
+        &self,
+        tx: &Tx,
+        key: &SnapshotKey,
+        lock: Option<LockFirst<'_>>,
+    ) -> Result<LoadedStream> {
+        self.faults.controls.delay().await;
+        let locked = lock.is_some();
+        let (fail_load, (deny, fail_lock)) =
+            self.faults
+                .controls
+                .with(|f| match take_kind(&mut f.fail_loads) {
+                    Some(kind) => (Some(kind), (false, None)),
+                    None if locked => (None, f.locks.next()),
+                    None => (None, (false, None)),
+                });
+        if let Some(kind) = fail_load.or(fail_lock) {
+            return Err(injected(kind, "load_from_snapshot"));
+        }
+        if deny {
+            return Err(injected(ErrorKind::LockTimeout, "load_from_snapshot"));
+        }
+        self.inner.load_from_snapshot(tx, key, lock).await
+    }
+
+    async fn save_snapshot(
+        &self,
+        tx: &Tx,
+        key: &SnapshotKey,
+        snapshot: &AggregateSnapshot,
+    ) -> Result<bool> {
+        self.faults.controls.delay().await;
+        self.inner.save_snapshot(tx, key, snapshot).await
+    }
+
+    async fn delete_snapshots(
+        &self,
+        tx: &Tx,
+        aggregate_type: &AggregateType,
+        below_schema_version: Option<u32>,
+    ) -> Result<u64> {
+        self.faults.controls.delay().await;
+        self.inner
+            .delete_snapshots(tx, aggregate_type, below_schema_version)
             .await
     }
 }

@@ -74,6 +74,7 @@ pub mod recording;
 pub mod recording_perspective_store;
 #[cfg(feature = "relay")]
 pub mod relay;
+pub mod snapshot_store;
 pub mod stream_locker;
 
 pub use event_store::InMemoryEventStore;

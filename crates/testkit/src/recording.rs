@@ -29,6 +29,9 @@ use lockstep_core::{
     RecordedEvent, ReleaseOutcome, RenewOutcome, ResourceKey, Result, StreamId, StreamLockAdmin,
     StreamLockOptions, StreamLocker, Uuid, async_trait,
 };
+use lockstep_core::{
+    AggregateSnapshot, AggregateType, LoadedStream, LockFirst, SnapshotKey, SnapshotStore,
+};
 
 /// What a recorded call returned: its value, or the kind of its error.
 pub type Outcome<T> = std::result::Result<T, ErrorKind>;
@@ -555,6 +558,30 @@ pub enum EventStoreCall {
         /// What came back.
         outcome: Outcome<()>,
     },
+    /// `load_from_snapshot`.
+    LoadFromSnapshot {
+        /// Stream loaded.
+        stream_id: StreamId,
+        /// The snapshot's aggregate type and state schema version.
+        key: SnapshotKey,
+        /// Key locked first, if any.
+        lock: Option<ResourceKey>,
+        /// The version of the snapshot found, if any (when the load succeeded).
+        snapshot_version: Option<u64>,
+        /// The stream's version it saw.
+        outcome: Outcome<u64>,
+    },
+    /// `save_snapshot`.
+    SaveSnapshot {
+        /// Stream of the snapshot.
+        stream_id: StreamId,
+        /// The snapshot's aggregate type and state schema version.
+        key: SnapshotKey,
+        /// The version saved.
+        version: u64,
+        /// Whether it was stored.
+        outcome: Outcome<bool>,
+    },
 }
 
 impl EventStoreCall {
@@ -564,18 +591,25 @@ impl EventStoreCall {
             EventStoreCall::Load { stream_id, .. }
             | EventStoreCall::LoadLocked { stream_id, .. }
             | EventStoreCall::Append { stream_id, .. }
-            | EventStoreCall::AppendAtCommit { stream_id, .. } => *stream_id,
+            | EventStoreCall::AppendAtCommit { stream_id, .. }
+            | EventStoreCall::LoadFromSnapshot { stream_id, .. }
+            | EventStoreCall::SaveSnapshot { stream_id, .. } => *stream_id,
         }
     }
 
     /// What came back (for `append_at_commit`, whose version is known only at commit, `Ok(0)`
-    /// when it was accepted).
+    /// when it was accepted; for `save_snapshot`, the version saved when it succeeded, stored
+    /// or not).
     pub fn outcome(&self) -> Outcome<u64> {
         match self {
             EventStoreCall::Load { outcome, .. }
             | EventStoreCall::LoadLocked { outcome, .. }
-            | EventStoreCall::Append { outcome, .. } => *outcome,
+            | EventStoreCall::Append { outcome, .. }
+            | EventStoreCall::LoadFromSnapshot { outcome, .. } => *outcome,
             EventStoreCall::AppendAtCommit { outcome, .. } => outcome.map(|()| 0),
+            EventStoreCall::SaveSnapshot {
+                outcome, version, ..
+            } => outcome.map(|_| *version),
         }
     }
 }
@@ -715,5 +749,63 @@ where
             outcome: outcome(&result),
         });
         result
+    }
+}
+
+/// Records `load_from_snapshot` and `save_snapshot`; `delete_snapshots` (an operator's call) is
+/// passed on without a record.
+impl<Tx, S> SnapshotStore<Tx> for RecordingEventStore<S>
+where
+    Tx: ?Sized + Sync,
+    S: SnapshotStore<Tx>,
+{
+    async fn load_from_snapshot(
+        &self,
+        tx: &Tx,
+        key: &SnapshotKey,
+        lock: Option<LockFirst<'_>>,
+    ) -> Result<LoadedStream> {
+        let result = self.inner.load_from_snapshot(tx, key, lock).await;
+        self.record(EventStoreCall::LoadFromSnapshot {
+            stream_id: key.stream_id(),
+            key: key.clone(),
+            lock: lock.map(|l| l.key.clone()),
+            snapshot_version: result
+                .as_ref()
+                .ok()
+                .and_then(|l| l.snapshot.as_ref().map(|s| s.version)),
+            outcome: result
+                .as_ref()
+                .map(LoadedStream::version)
+                .map_err(|e| e.kind()),
+        });
+        result
+    }
+
+    async fn save_snapshot(
+        &self,
+        tx: &Tx,
+        key: &SnapshotKey,
+        snapshot: &AggregateSnapshot,
+    ) -> Result<bool> {
+        let result = self.inner.save_snapshot(tx, key, snapshot).await;
+        self.record(EventStoreCall::SaveSnapshot {
+            stream_id: key.stream_id(),
+            key: key.clone(),
+            version: snapshot.version,
+            outcome: outcome(&result),
+        });
+        result
+    }
+
+    async fn delete_snapshots(
+        &self,
+        tx: &Tx,
+        aggregate_type: &AggregateType,
+        below_schema_version: Option<u32>,
+    ) -> Result<u64> {
+        self.inner
+            .delete_snapshots(tx, aggregate_type, below_schema_version)
+            .await
     }
 }

@@ -30,6 +30,28 @@ mod suite {
     }
 }
 
+mod snapshot_suite {
+    use super::*;
+
+    lockstep_testkit::snapshot_store_conformance! {
+        #[tokio::test(start_paused = true)]
+        fixture: fixture(),
+        after_each: |fixture: &InMemory| {
+            assert!(fixture.source.held_keys().is_empty(), "no lock outlives its transaction");
+            assert!(fixture.source.is_idle(), "no lock or waiting save is left behind");
+        },
+    }
+}
+
+mod snapshot_suite_on_real_time_and_threads {
+    use super::*;
+
+    lockstep_testkit::snapshot_store_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(),
+    }
+}
+
 mod suite_on_real_time_and_threads {
     use super::*;
 

@@ -336,7 +336,7 @@ async fn combined_sale<S, St>(
 ) -> Result<SaleReport>
 where
     S: TransactionSource + 'static,
-    St: EventStore<S::Tx> + 'static,
+    St: lockstep_core::SnapshotStore<S::Tx> + 'static,
 {
     let sku = Uuid::now_v7();
     handler::stock_new_item(source, store, sku, STOCK)

@@ -50,7 +50,7 @@ pub fn postgres_combiner(db: &PgDatabase) -> Combiner<PgDatabase, PgEventStore, 
 /// fake transactions: the in-memory one, or a wrapper of it).
 pub fn fake_combiner<S>(db: &FakeDatabase, store: S) -> Combiner<FakeDatabase, S, StockItemDecider>
 where
-    S: lockstep_core::EventStore<lockstep_testkit::FakeTransaction> + 'static,
+    S: lockstep_core::SnapshotStore<lockstep_testkit::FakeTransaction> + 'static,
 {
     Combiner::new(db.clone(), store, StockItemDecider::default())
 }

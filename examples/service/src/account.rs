@@ -10,8 +10,8 @@
 
 use lockstep_command::{CommandError, CommandRunner, Mode, RunnerOptions};
 use lockstep_core::{
-    AggregateType, Decider, Error, ErrorKind, EventStore, NewEvent, RecordedEvent, RetryPolicy,
-    Retryable, StreamId, Transaction, TransactionSource,
+    AggregateType, Decider, Error, ErrorKind, NewEvent, RecordedEvent, RetryPolicy, Retryable,
+    SnapshotStore, StreamId, Transaction, TransactionSource,
 };
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -246,7 +246,7 @@ pub struct Accounts<S: TransactionSource, E> {
 impl<S, E> Accounts<S, E>
 where
     S: TransactionSource + 'static,
-    E: EventStore<S::Tx> + Clone + 'static,
+    E: SnapshotStore<S::Tx> + Clone + 'static,
 {
     /// Handlers on `source` and `store`, retrying retryable failures with `retry`.
     pub fn new(source: S, store: E, retry: RetryPolicy) -> Self {

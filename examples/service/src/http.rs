@@ -17,7 +17,7 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use lockstep_core::{EventStore, TransactionSource};
+use lockstep_core::{SnapshotStore, TransactionSource};
 use uuid::Uuid;
 
 use crate::account::{Account, AccountError, Accounts, Command, Receipt};
@@ -39,7 +39,7 @@ pub async fn execute<S, E>(
 ) -> Result<Json<Receipt>, ApiError>
 where
     S: TransactionSource + 'static,
-    E: EventStore<S::Tx> + Clone + 'static,
+    E: SnapshotStore<S::Tx> + Clone + 'static,
 {
     Ok(Json(app.accounts.execute(account, command).await?))
 }
@@ -51,7 +51,7 @@ pub async fn balance<S, E>(
 ) -> Result<Json<Account>, ApiError>
 where
     S: TransactionSource + 'static,
-    E: EventStore<S::Tx> + Clone + 'static,
+    E: SnapshotStore<S::Tx> + Clone + 'static,
 {
     Ok(Json(app.accounts.balance(&app.source, account).await?))
 }

@@ -15,8 +15,8 @@ use std::time::Duration;
 use lockstep_combiner::{Accepted, CombineError, Combiner, CombinerOptions};
 use lockstep_core::serde_json::json;
 use lockstep_core::{
-    AggregateType, Decider, Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent,
-    Result, RetryPolicy, StreamId, Transaction, TransactionSource, Uuid,
+    AggregateType, Decider, Error, ErrorKind, ExpectedVersion, NewEvent, RecordedEvent, Result,
+    RetryPolicy, SnapshotStore, StreamId, Transaction, TransactionSource, Uuid,
 };
 use lockstep_testkit::FaultyEventStore;
 use tokio::sync::{Semaphore, mpsc};
@@ -233,7 +233,7 @@ impl Decider for Shop {
 /// handle on the same database ("another process"), and a way to lose the next `COMMIT` reply.
 pub trait Backend {
     type Src: TransactionSource + Clone + 'static;
-    type Store: EventStore<<Self::Src as TransactionSource>::Tx> + Clone + 'static;
+    type Store: SnapshotStore<<Self::Src as TransactionSource>::Tx> + Clone + 'static;
 
     fn process(&self) -> (Self::Src, Self::Store);
     fn another_process(&self) -> (Self::Src, Self::Store);
@@ -275,7 +275,7 @@ fn gated(qty: u32, tag: u32) -> Cmd {
 pub async fn stream<Src, St>(src: &Src, store: &St, id: Uuid) -> Vec<RecordedEvent>
 where
     Src: TransactionSource,
-    St: EventStore<Src::Tx>,
+    St: SnapshotStore<Src::Tx>,
 {
     let tx = src.begin().await.expect("begin");
     let events = store
@@ -290,7 +290,7 @@ where
 pub async fn reserved_tags<Src, St>(src: &Src, store: &St, id: Uuid) -> Vec<u64>
 where
     Src: TransactionSource,
-    St: EventStore<Src::Tx>,
+    St: SnapshotStore<Src::Tx>,
 {
     stream(src, store, id)
         .await
@@ -303,7 +303,7 @@ where
 async fn stocked<Src, St>(c: &Combiner<Src, St, Shop>, id: Uuid, n: u32) -> Accepted
 where
     Src: TransactionSource + 'static,
-    St: EventStore<Src::Tx> + 'static,
+    St: SnapshotStore<Src::Tx> + 'static,
 {
     c.submit(id, Cmd::Stock(n)).await.expect("stocked")
 }
@@ -532,7 +532,7 @@ pub async fn a_panicking_decider_fails_only_the_command_it_was_deciding<B: Backe
 async fn foreign_append<Src, St>(src: &Src, store: &St, id: Uuid, expected: u64, qty: u32)
 where
     Src: TransactionSource,
-    St: EventStore<Src::Tx>,
+    St: SnapshotStore<Src::Tx>,
 {
     let tx = src.begin().await.expect("begin");
     let event = NewEvent::new("Reserved", json!({ "qty": qty, "tag": 99 })).expect("event");

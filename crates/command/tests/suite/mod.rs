@@ -16,7 +16,7 @@ use lockstep_command::{CommandError, CommandRunner, Mode, RunnerOptions};
 use lockstep_core::serde_json::json;
 use lockstep_core::{
     AggregateType, Decider, EventStore, ExpectedVersion, NewEvent, RecordedEvent, Result,
-    RetryPolicy, StreamId, Transaction, TransactionSource, Uuid,
+    RetryPolicy, SnapshotStore, StreamId, Transaction, TransactionSource, Uuid,
 };
 use tokio::sync::{Semaphore, mpsc};
 
@@ -126,7 +126,7 @@ impl Decider for Counter {
 /// A backend: how "the process" reaches the database.
 pub trait Backend: Send + Sync + 'static {
     type Src: TransactionSource + Clone + 'static;
-    type Store: EventStore<<Self::Src as TransactionSource>::Tx> + Clone + 'static;
+    type Store: SnapshotStore<<Self::Src as TransactionSource>::Tx> + Clone + 'static;
 
     fn process(&self) -> (Self::Src, Self::Store);
 }
@@ -337,6 +337,181 @@ pub async fn a_refusal_in_handle_in_leaves_the_transaction_usable<B: Backend>(ba
     assert_eq!(committed(&backend, other).await.len(), 1);
 }
 
+/// A tally that keeps snapshots every four events, counting how many events it decodes.
+pub struct Tally {
+    ty: AggregateType,
+    schema_version: u32,
+    pub decoded: Arc<AtomicU32>,
+}
+
+impl Tally {
+    pub fn new(schema_version: u32) -> Tally {
+        Tally {
+            ty: AggregateType::new("Tally").expect("valid"),
+            schema_version,
+            decoded: Arc::default(),
+        }
+    }
+}
+
+fn tally_state(count: &u64) -> Result<lockstep_core::serde_json::Value> {
+    Ok(json!({ "count": count }))
+}
+
+#[expect(
+    clippy::needless_pass_by_value,
+    reason = "a policy's decode owns the state (serde consumes it)"
+)]
+fn tally_from(state: lockstep_core::serde_json::Value) -> Result<u64> {
+    state["count"].as_u64().ok_or_else(|| {
+        lockstep_core::Error::new(lockstep_core::ErrorKind::InvalidInput, "not a tally")
+    })
+}
+
+impl Decider for Tally {
+    type State = u64;
+    type Command = ();
+    type Event = ();
+    type Error = std::convert::Infallible;
+
+    fn aggregate_type(&self) -> &AggregateType {
+        &self.ty
+    }
+
+    fn initial_state(&self, _id: Uuid) -> u64 {
+        0
+    }
+
+    async fn decide(&self, _: &u64, _: &()) -> std::result::Result<Vec<()>, Self::Error> {
+        Ok(vec![()])
+    }
+
+    fn evolve(&self, count: u64, _: &()) -> u64 {
+        count + 1
+    }
+
+    fn encode(&self, _: &()) -> Result<NewEvent> {
+        NewEvent::new("Tallied", json!({}))
+    }
+
+    fn decode(&self, _: &RecordedEvent) -> Result<()> {
+        self.decoded.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn snapshots(&self) -> Option<lockstep_core::SnapshotPolicy<u64>> {
+        Some(
+            lockstep_core::SnapshotPolicy::new(4, tally_state, tally_from)
+                .schema_version(self.schema_version),
+        )
+    }
+}
+
+/// The snapshot of tally `id` under `schema_version`, as committed.
+pub async fn tally_snapshot<B: Backend>(
+    backend: &B,
+    id: Uuid,
+    schema_version: u32,
+) -> Option<lockstep_core::AggregateSnapshot> {
+    let (src, store) = backend.process();
+    let key = lockstep_core::SnapshotKey::new(
+        AggregateType::new("Tally").expect("valid"),
+        StreamId::from_uuid(id),
+        schema_version,
+    )
+    .expect("key");
+    let tx = src.begin().await.expect("begin");
+    let loaded = store
+        .load_from_snapshot(&tx, &key, None)
+        .await
+        .expect("load");
+    let _ = tx.rollback().await;
+    loaded.snapshot
+}
+
+/// A decider with a snapshot policy: in every mode, from inside `tokio::spawn`, the runner
+/// saves the state every four events, in the command's transaction, and a command loads the
+/// latest snapshot and decodes only the events after it; every answer is still the exact
+/// count.
+pub async fn snapshots_are_saved_and_loads_start_from_them<B: Backend>(backend: B) {
+    for mode in MODES {
+        let (src, store) = backend.process();
+        let tally = Tally::new(1);
+        let decoded = Arc::clone(&tally.decoded);
+        let runner = CommandRunner::with_options(src, store, tally, RunnerOptions::new(mode));
+        let id = Uuid::now_v7();
+        let answers = tokio::spawn(async move {
+            let mut answers = Vec::new();
+            for _ in 0..10 {
+                let before = decoded.load(Ordering::SeqCst);
+                let done = runner.handle(id, ()).await.expect("handled");
+                answers.push((
+                    *done.state(),
+                    done.version(),
+                    decoded.load(Ordering::SeqCst) - before,
+                ));
+            }
+            answers
+        })
+        .await
+        .expect("task");
+        for (n, (state, version, decodes)) in (1..).zip(answers) {
+            assert_eq!((state, version), (n, n), "{mode:?}");
+            assert!(
+                decodes < 4,
+                "{mode:?}: command {n} decoded {decodes} events; the snapshot is at most 3 behind"
+            );
+        }
+        let snapshot = tally_snapshot(&backend, id, 1).await.expect("a snapshot");
+        assert_eq!(snapshot.version, 8, "{mode:?}: saved at 4, then at 8");
+        assert_eq!(snapshot.state, json!({ "count": 8 }), "{mode:?}");
+        assert_eq!(committed(&backend, id).await.len(), 10, "{mode:?}");
+    }
+}
+
+/// Snapshots of another state schema version are not read, and one the decider cannot decode
+/// is not used: the whole stream is folded and the answer stays exact; the next save
+/// replaces the bad snapshot.
+pub async fn other_and_unreadable_snapshots_are_not_used<B: Backend>(backend: B) {
+    for mode in MODES {
+        let id = Uuid::now_v7();
+        let (src, store) = backend.process();
+        let old = CommandRunner::new(src, store, Tally::new(1), mode);
+        for _ in 0..5 {
+            old.handle(id, ()).await.expect("handled");
+        }
+        // A wrong state under schema 1 (as if the state's shape had changed): schema 2 must
+        // not read it. And a state schema 2 cannot decode.
+        let (src, store) = backend.process();
+        let stream = StreamId::from_uuid(id);
+        let ty = AggregateType::new("Tally").expect("valid");
+        let tx = src.begin().await.expect("begin");
+        for (schema, state) in [(1, json!({ "count": 1000 })), (2, json!("not a tally"))] {
+            let key = lockstep_core::SnapshotKey::new(ty.clone(), stream, schema).expect("key");
+            let bad = lockstep_core::AggregateSnapshot { version: 4, state };
+            store
+                .delete_snapshots(&tx, &ty, None)
+                .await
+                .expect("delete");
+            let _ = store.save_snapshot(&tx, &key, &bad).await.expect("save");
+        }
+        tx.commit().await.expect("commit");
+        let (src, store) = backend.process();
+        let new = CommandRunner::new(src, store, Tally::new(2), mode);
+        let done = tokio::spawn(async move { new.handle(id, ()).await })
+            .await
+            .expect("task")
+            .expect("handled");
+        assert_eq!((*done.state(), done.version()), (6, 6), "{mode:?}");
+        let replaced = tally_snapshot(&backend, id, 2).await.expect("saved anew");
+        assert_eq!(
+            replaced.version, 6,
+            "{mode:?}: the whole stream was folded and saved"
+        );
+        assert_eq!(replaced.state, json!({ "count": 6 }), "{mode:?}");
+    }
+}
+
 /// The suite as `#[tokio::test]`s, each on a backend of its own.
 #[macro_export]
 macro_rules! runner_suite {
@@ -364,6 +539,16 @@ macro_rules! runner_suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_refusal_in_handle_in_leaves_the_transaction_usable() {
             suite::a_refusal_in_handle_in_leaves_the_transaction_usable($backend).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn snapshots_are_saved_and_loads_start_from_them_in_any_mode() {
+            suite::snapshots_are_saved_and_loads_start_from_them($backend).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn other_and_unreadable_snapshots_are_not_used_in_any_mode() {
+            suite::other_and_unreadable_snapshots_are_not_used($backend).await;
         }
     };
 }

@@ -31,8 +31,9 @@ pub const FUNCTION_FILES: &[FunctionFile] = function_files![
     "lockstep_advisory_locks",
     "lockstep_advisory_lock",
     "lockstep_lock_and_load",
-    // Event streams.
+    // Event streams and aggregate snapshots.
     "lockstep_append_events",
+    "lockstep_load_from_snapshot",
     // Registering, retiring and rebuilding perspectives.
     "lockstep_lock_perspectives_for_change",
     "lockstep_register_perspectives",

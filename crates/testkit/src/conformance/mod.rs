@@ -21,6 +21,7 @@
 //! | [`distributed_lock`] | [`DistributedLockFixture`](distributed_lock::DistributedLockFixture) | [`distributed_lock_conformance!`](crate::distributed_lock_conformance) |
 //! | [`session_lock`] | [`SessionLockFixture`](session_lock::SessionLockFixture) | [`session_lock_conformance!`](crate::session_lock_conformance) |
 //! | [`event_store`] | [`EventStoreFixture`](event_store::EventStoreFixture) | [`event_store_conformance!`](crate::event_store_conformance) |
+//! | [`snapshot_store`] | [`EventStoreFixture`](event_store::EventStoreFixture) (a store that is also a `SnapshotStore`) | [`snapshot_store_conformance!`](crate::snapshot_store_conformance) |
 //!
 //! The fixture traits share one shape: associated types for what is under test (and for the
 //! transactions and their [`TransactionSource`], where the contract is transaction-bound),
@@ -50,6 +51,7 @@ pub mod event_store;
 pub mod lease_fence;
 pub mod perspective_store;
 pub mod session_lock;
+pub mod snapshot_store;
 pub mod stream_locker;
 
 use lockstep_core::{Result, Transaction, TransactionSource};
