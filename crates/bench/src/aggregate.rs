@@ -78,16 +78,19 @@ use anyhow::{Context, Result};
 use deadpool_postgres::Pool;
 use hdrhistogram::Histogram;
 use lockstep_combiner::Combiner;
+use lockstep_command::{CommandRunner, RunnerOptions};
 use lockstep_core::{
     AggregateType, Decider, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent,
     RetryPolicy, StreamId, aggregate_key,
 };
-use lockstep_pg::{PgDatabase, PgTransaction};
+use lockstep_pg::{LockQueue, PgDatabase, PgTransaction};
 use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
 use lockstep_testkit::pg_harness::server_address;
 use lockstep_testkit::relay::Relay;
 use uuid::Uuid;
+
+mod runner;
 
 use crate::append_cost;
 use crate::bench_db::{BenchDatabase, admin_url};
@@ -157,6 +160,17 @@ pub(crate) struct Args {
     /// Append vs plain insert: passes, alternating which side goes first (ABBA); 0 skips it.
     #[arg(long, default_value_t = 4)]
     append_passes: usize,
+    /// The command runner against the hand-written paths (module `runner`): rounds per
+    /// scenario and mode, alternating which side goes first; 0 skips it.
+    #[arg(long, default_value_t = 3)]
+    runner_rounds: usize,
+    /// Aggregate snapshots (module `runner`): rounds, alternating which side goes first; 0
+    /// skips it.
+    #[arg(long, default_value_t = 4)]
+    snapshot_rounds: usize,
+    /// Aggregate snapshots: timed commands per side and round.
+    #[arg(long, default_value_t = 50)]
+    snapshot_block: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,6 +197,14 @@ impl Mode {
             Mode::Combined => "combined",
         }
     }
+}
+
+/// Who runs a scenario's commands: the benchmark's own unit of work (and the combiner), or
+/// the command runner in the matching mode (`runner` module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    Handwritten,
+    Runner,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,6 +300,8 @@ struct Setup {
     hold: Duration,
     /// `--random-event-ids`.
     random_ids: bool,
+    /// Who runs the commands.
+    via: Via,
 }
 
 const AGGREGATE: &str = "BenchItem";
@@ -376,6 +400,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                         retry,
                         hold,
                         random_ids: args.random_event_ids,
+                        via: Via::Handwritten,
                     };
                     warm_up(&pool, writers).await?;
                     if peer && mode == Mode::Pessimistic {
@@ -428,6 +453,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                     retry,
                     hold,
                     random_ids: args.random_event_ids,
+                    via: Via::Handwritten,
                 };
                 // Warm the pool up (connection start-up is not a command's round trip).
                 warm_up(&rt_pool, writers).await?;
@@ -565,12 +591,39 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
         headline.append_vs_plain_insert = cost.ratio();
     }
     std::fs::remove_dir_all(&work_dir).ok();
+    let mut runner_lines = Vec::new();
+    if args.runner_rounds > 0 {
+        let base = Setup {
+            store: PgEventStore::with_queue(LockQueue::new()),
+            retry,
+            hold,
+            random_ids: false,
+            via: Via::Handwritten,
+        };
+        runner_lines.extend(
+            runner::runner_vs_handwritten(
+                db,
+                &base,
+                args.seed_events,
+                args.commits,
+                args.runner_rounds,
+            )
+            .await?,
+        );
+    }
+    if args.snapshot_rounds > 0 {
+        runner_lines
+            .extend(runner::snapshots(db, args.snapshot_rounds, args.snapshot_block.max(1)).await?);
+    }
     for table in &headline.tables {
         println!();
         print!("{table}");
     }
     println!();
     headline.print();
+    for line in runner_lines {
+        println!("{line}");
+    }
     Ok(())
 }
 
@@ -839,6 +892,7 @@ async fn scenario(
     seed_events: usize,
     commits: usize,
 ) -> Result<Outcome> {
+    let via = setup.via;
     let streams: Vec<Uuid> = match heat {
         Heat::Hot => vec![Uuid::now_v7()],
         Heat::Cold => (0..writers).map(|_| Uuid::now_v7()).collect(),
@@ -850,25 +904,35 @@ async fn scenario(
     let conflicts = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let holds = Arc::new(Holds::default());
-    let combiner = (mode == Mode::Combined).then(|| {
+    let decider = || BenchDecider {
+        ty: AggregateType::new(AGGREGATE).unwrap_or_else(|e| unreachable!("{e}")),
+        hold: setup.hold,
+        holds: Arc::clone(&holds),
+    };
+    let runner = (via == Via::Runner).then(|| {
         let db = PgDatabase::from_pool(pool.clone());
         let store = PgEventStore::new(&db);
-        Combiner::new(
-            db,
-            store,
-            BenchDecider {
-                ty: AggregateType::new(AGGREGATE).unwrap_or_else(|e| unreachable!("{e}")),
-                hold: setup.hold,
-                holds: Arc::clone(&holds),
-            },
-        )
+        let mode = match mode {
+            Mode::Optimistic => lockstep_command::Mode::Optimistic,
+            Mode::Pessimistic => lockstep_command::Mode::Locked,
+            Mode::Combined => lockstep_command::Mode::Combined,
+        };
+        let options = RunnerOptions::new(mode)
+            .retry(setup.retry)
+            .lock_timeout(None);
+        CommandRunner::with_options(db, store, decider(), options)
+    });
+    let combiner = (via == Via::Handwritten && mode == Mode::Combined).then(|| {
+        let db = PgDatabase::from_pool(pool.clone());
+        let store = PgEventStore::new(&db);
+        Combiner::new(db, store, decider())
     });
     let started = Instant::now();
     let tasks: Vec<_> = (0..writers)
         .map(|w| {
             let sku = streams[w % streams.len()];
             let (pool, setup) = (pool.clone(), setup.clone());
-            let combiner = combiner.clone();
+            let (combiner, runner) = (combiner.clone(), runner.clone());
             let retry = setup.retry;
             let (committed, attempts, conflicts, failed, holds) = (
                 Arc::clone(&committed),
@@ -882,8 +946,21 @@ async fn scenario(
                     (new_histogram(), new_histogram(), new_histogram());
                 while committed.load(Ordering::Relaxed) < commits {
                     let t0 = Instant::now();
-                    let result = match &combiner {
-                        Some(combiner) => {
+                    let result = match (&combiner, &runner) {
+                        (_, Some(runner)) => match runner.handle(sku, ()).await {
+                            Ok(done) => {
+                                attempts.fetch_add(u64::from(done.attempts()), Ordering::Relaxed);
+                                Ok(())
+                            }
+                            Err(e) => {
+                                attempts.fetch_add(1, Ordering::Relaxed);
+                                if e.kind() == Some(ErrorKind::Conflict) {
+                                    conflicts.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Err(())
+                            }
+                        },
+                        (Some(combiner), None) => {
                             attempts.fetch_add(1, Ordering::Relaxed);
                             match combiner.submit(sku, ()).await {
                                 Ok(_) => Ok(()),
@@ -895,7 +972,7 @@ async fn scenario(
                                 }
                             }
                         }
-                        None => retry
+                        (None, None) => retry
                             .run(tokio::time::sleep, |_| {
                                 attempts.fetch_add(1, Ordering::Relaxed);
                                 Box::pin(command(&pool, &setup, sku, mode, &conflicts, &holds))
