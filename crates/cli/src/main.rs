@@ -2,7 +2,7 @@
 //!
 //! The operator's command for a PostgreSQL database that lockstep runs on: apply the schema
 //! (and see which migrations are applied), see and force-release stream leases, see advisory
-//! locks, list the worker instances, see how far each perspective lags and check it, request a rewind, purge a pair, deal
+//! locks, delete aggregate snapshots no build reads, list the worker instances, see how far each perspective lags and check it, request a rewind, purge a pair, deal
 //! with parked pairs, serve a status page and metrics. `lockstep --help` lists the commands with
 //! their exit codes.
 //!
@@ -16,6 +16,7 @@ mod life;
 mod ops;
 mod pg;
 mod serve;
+mod snapshots;
 mod workers;
 
 use std::process::ExitCode;
@@ -75,6 +76,10 @@ enum Command {
     /// Perspectives: status (and --check), rewind, rebuild, retire, purge, parked, retry, skip.
     #[command(subcommand, after_help = EXIT_CODES)]
     Perspectives(ops::PerspectivesCommand),
+    /// Aggregate snapshots: `drop` deletes those of an aggregate type that no build reads any
+    /// more (a cache: no answer changes).
+    #[command(subcommand, after_help = EXIT_CODES)]
+    Snapshots(snapshots::SnapshotsCommand),
     /// The worker instances (the fleet): without a subcommand, lists them (id, name, host, pid,
     /// version, perspectives, started, last seen, leases held, live, stale or unreadable);
     /// `forget` and `prune` remove instances that died.
@@ -219,6 +224,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Migrate { status: true } => ops::migration_status(&require(url)?, json).await,
         Command::Locks(cmd) => ops::locks(&require(url)?, cmd, json).await,
         Command::Perspectives(cmd) => ops::perspectives(&require(url)?, cmd, json).await,
+        Command::Snapshots(cmd) => snapshots::run(&require(url)?, cmd, json).await,
         Command::Workers { command } => {
             workers::run(&require(url)?, command.unwrap_or_default(), json).await
         }

@@ -204,6 +204,7 @@ async fn every_bad_argument_exits_2_with_a_clear_message_and_changes_nothing() {
             count("wh_perspectives").await,
             count("wh_perspective_cursors").await,
             count("wh_perspective_events").await,
+            count("wh_aggregate_snapshots").await,
         )
     };
     let before = snapshot().await;
@@ -234,6 +235,15 @@ async fn every_bad_argument_exits_2_with_a_clear_message_and_changes_nothing() {
             vec!["perspectives", "purge", &stream, &long],
             "perspective name",
         ),
+        (
+            vec!["snapshots", "drop", "Stock:Item", "--all"],
+            "aggregate type",
+        ),
+        (vec!["snapshots", "drop", "StockItem"], "--below-schema"),
+        (
+            vec!["snapshots", "drop", "StockItem", "--below-schema", "0"],
+            "--below-schema",
+        ),
         (vec!["serve", "--addr", "nonsense"], "--addr"),
         (vec!["serve", "--addr", "127.0.0.1:99999"], "--addr"),
     ];
@@ -257,6 +267,74 @@ async fn every_bad_argument_exits_2_with_a_clear_message_and_changes_nothing() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("DATABASE_URL"), "{}", text(&out));
     assert_eq!(snapshot().await, before, "nothing changed");
+}
+
+/// `snapshots drop` deletes one aggregate type's snapshots below a state schema version, then
+/// all of them, and no other type's; `--json` says how many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_drop_deletes_below_a_schema_version_or_all() {
+    use lockstep_core::{
+        AggregateSnapshot, AggregateType, ExpectedVersion, NewEvent, SnapshotKey, SnapshotStore,
+    };
+    let (_db, url, pool) = migrated().await;
+    let db = lockstep_pg::PgDatabase::from_pool(pool.clone());
+    let store = PgEventStore::new(&db);
+    let stream = StreamId::new_v7();
+    let (stock, other) = (
+        AggregateType::new("StockItem").expect("type"),
+        AggregateType::new("Order").expect("type"),
+    );
+    let tx = PgTransaction::begin(&pool).await.expect("begin");
+    let event = NewEvent::new("Stocked", serde_json::json!({})).expect("event");
+    store
+        .append(&tx, stream, ExpectedVersion::NoStream, &[event])
+        .await
+        .expect("append");
+    for (ty, schema) in [(&stock, 1), (&stock, 2), (&stock, 3), (&other, 1)] {
+        let key = SnapshotKey::new(ty.clone(), stream, schema).expect("key");
+        let snapshot = AggregateSnapshot {
+            version: 1,
+            state: serde_json::json!({ "units": 1 }),
+        };
+        store
+            .save_snapshot(&tx, &key, &snapshot)
+            .await
+            .expect("save");
+    }
+    tx.commit().await.expect("commit");
+    let count = || async {
+        let client = pool.get().await.expect("connection");
+        client
+            .query_one("SELECT count(*) FROM wh_aggregate_snapshots", &[])
+            .await
+            .expect("count")
+            .get::<_, i64>(0)
+    };
+    let out = lockstep_on(
+        &url,
+        &[
+            "snapshots",
+            "drop",
+            "StockItem",
+            "--below-schema",
+            "3",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(report["deleted"], 2, "{report}");
+    assert_eq!(report["aggregate_type"], "StockItem");
+    assert_eq!(count().await, 2);
+    let out = lockstep_on(&url, &["snapshots", "drop", "StockItem", "--all"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("deleted 1 snapshots of StockItem"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(count().await, 1, "the other type's snapshot stays");
 }
 
 /// Issue 19, defect 9: a purge of a pair whose cursor row another transaction holds right now
