@@ -162,6 +162,45 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION public.lockstep_load_from_snapshot(p_key bigint, p_lock_timeout text, p_stream_id uuid, p_aggregate_type text, p_schema_version integer) RETURNS TABLE(refused_isolation text, snapshot_state jsonb, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, schema_version integer)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    refused text;
+BEGIN
+    IF p_key IS NOT NULL THEN
+        SELECT l.refused_isolation INTO refused
+        FROM lockstep_advisory_lock(p_key, false, true, p_lock_timeout) l;
+        IF refused IS NOT NULL THEN
+            refused_isolation := refused;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+    END IF;
+    -- A new statement, so a new snapshot: taken after the lock was granted.
+    RETURN QUERY
+        WITH snap AS (
+            SELECT s.version, s.state
+            FROM wh_aggregate_snapshots s
+            WHERE s.stream_id = p_stream_id
+              AND s.aggregate_type = p_aggregate_type
+              AND s.schema_version = p_schema_version
+              AND EXISTS (SELECT 1 FROM wh_events e
+                          WHERE e.stream_id = p_stream_id AND e.version = s.version)
+        )
+        SELECT NULL::text, snap.state, NULL::uuid, snap.version, NULL::text, NULL::jsonb,
+               NULL::timestamptz, NULL::integer
+        FROM snap
+        UNION ALL
+        SELECT NULL::text, NULL::jsonb, e.event_id, e.version, e.event_type, e.payload,
+               e.recorded_at, e.schema_version
+        FROM wh_events e
+        WHERE e.stream_id = p_stream_id
+          AND e.version > coalesce((SELECT snap.version FROM snap), 0)
+        ORDER BY 4, 3 NULLS FIRST;
+END
+$$;
+
 CREATE FUNCTION public.lockstep_load_rewind(p_stream uuid, p_perspective text, p_limit bigint) RETURNS TABLE(part integer, last_event_id uuid, revision bigint, applied_count bigint, rewind_trigger_event_id uuid, rewind_flagged_at timestamp with time zone, rewind_first_flagged_at timestamp with time zone, error text, failures integer, latest_snapshot_id uuid, stream_lock_instance_id uuid, stream_lock_reason text, stream_lock_expiry timestamp with time zone, stream_lock_epoch bigint, failed_event_id uuid, retry_at timestamp with time zone, parked_at timestamp with time zone, snapshot_event_id uuid, snapshot_state jsonb, snapshot_applied_count bigint, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, payload_bytes bigint)
     LANGUAGE plpgsql STABLE
     SET plan_cache_mode TO 'force_generic_plan'
@@ -1584,6 +1623,18 @@ CREATE TABLE public.lockstep_schema_version (
     CONSTRAINT lockstep_schema_version_positive CHECK ((version >= 1))
 );
 
+CREATE TABLE public.wh_aggregate_snapshots (
+    stream_id uuid NOT NULL,
+    aggregate_type text NOT NULL,
+    schema_version integer NOT NULL,
+    version bigint NOT NULL,
+    state jsonb NOT NULL,
+    saved_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT wh_aggregate_snapshots_aggregate_type_check CHECK ((btrim(aggregate_type) <> ''::text)),
+    CONSTRAINT wh_aggregate_snapshots_schema_version_check CHECK ((schema_version >= 1)),
+    CONSTRAINT wh_aggregate_snapshots_version_check CHECK ((version >= 1))
+);
+
 CREATE TABLE public.wh_events (
     event_id uuid NOT NULL,
     stream_id uuid NOT NULL,
@@ -1592,7 +1643,9 @@ CREATE TABLE public.wh_events (
     payload jsonb NOT NULL,
     recorded_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     payload_bytes bigint,
+    schema_version integer DEFAULT 1 NOT NULL,
     CONSTRAINT wh_events_event_type_check CHECK ((btrim(event_type) <> ''::text)),
+    CONSTRAINT wh_events_schema_version_check CHECK ((schema_version >= 1)),
     CONSTRAINT wh_events_version_check CHECK ((version >= 1))
 );
 
@@ -1692,6 +1745,9 @@ ALTER TABLE ONLY public.lockstep_schema_history
 ALTER TABLE ONLY public.lockstep_schema_version
     ADD CONSTRAINT lockstep_schema_version_pkey PRIMARY KEY (only_row);
 
+ALTER TABLE ONLY public.wh_aggregate_snapshots
+    ADD CONSTRAINT wh_aggregate_snapshots_pkey PRIMARY KEY (stream_id, aggregate_type, schema_version);
+
 ALTER TABLE ONLY public.wh_events
     ADD CONSTRAINT wh_events_pkey PRIMARY KEY (event_id);
 
@@ -1727,6 +1783,8 @@ ALTER TABLE ONLY public.wh_retired_perspectives
 
 ALTER TABLE ONLY public.wh_worker_instances
     ADD CONSTRAINT wh_worker_instances_pkey PRIMARY KEY (instance_id);
+
+CREATE INDEX wh_aggregate_snapshots_type ON public.wh_aggregate_snapshots USING btree (aggregate_type, schema_version);
 
 CREATE INDEX wh_events_stream_event ON public.wh_events USING btree (stream_id, event_id);
 

@@ -13,6 +13,7 @@
 //! For the fixture of this build's own schema version, `migrate()` must change nothing: a
 //! schema file changed without raising `SCHEMA_VERSION` fails here.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -228,31 +229,51 @@ async fn restore(db: &TestDatabase, dump: &str) {
 }
 
 /// A digest of every row of every table of the database, by table.
-async fn contents(client: &tokio_postgres::Client) -> Vec<(String, i64, String)> {
-    let tables: Vec<String> = client
-        .query(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() \
-              ORDER BY tablename",
-            &[],
-        )
-        .await
-        .expect("tables")
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+async fn contents(
+    client: &tokio_postgres::Client,
+    columns: &BTreeMap<String, Vec<String>>,
+) -> Vec<(String, i64, String)> {
     let mut out = Vec::new();
-    for table in tables {
+    for (table, columns) in columns {
+        let row_of = format!(
+            "row({})::text",
+            columns
+                .iter()
+                .map(|c| format!("t.\"{c}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         let row = client
             .query_one(
                 &format!(
-                    "SELECT count(*), coalesce(md5(string_agg(t::text, ',' ORDER BY t::text)), '') \
+                    "SELECT count(*), coalesce(md5(string_agg({row_of}, ',' ORDER BY {row_of})), '') \
                        FROM \"{table}\" t"
                 ),
                 &[],
             )
             .await
             .expect("digest");
-        out.push((table, row.get(0), row.get(1)));
+        out.push((table.clone(), row.get(0), row.get(1)));
+    }
+    out
+}
+
+/// Every table of the schema and its columns, in order.
+async fn columns_of(client: &tokio_postgres::Client) -> BTreeMap<String, Vec<String>> {
+    let rows = client
+        .query(
+            "SELECT c.table_name::text, c.column_name::text \
+               FROM information_schema.columns c \
+               JOIN pg_tables t ON t.tablename = c.table_name AND t.schemaname = c.table_schema \
+              WHERE c.table_schema = current_schema() \
+              ORDER BY c.table_name, c.ordinal_position",
+            &[],
+        )
+        .await
+        .expect("columns");
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for row in rows {
+        out.entry(row.get(0)).or_default().push(row.get(1));
     }
     out
 }
@@ -275,7 +296,8 @@ async fn every_released_schema_upgrades_with_its_data_intact_and_runs() {
         let test_db = test_database().await;
         restore(&test_db, &dump).await;
         let admin = test_db.connect().await;
-        let before = contents(&admin).await;
+        let columns_before = columns_of(&admin).await;
+        let before = contents(&admin, &columns_before).await;
         let db = PgDatabase::from_pool(test_db.pool(4));
         let migrating = db.clone();
         let report = tokio::spawn(async move { migrating.migrate().await })
@@ -290,7 +312,24 @@ async fn every_released_schema_upgrades_with_its_data_intact_and_runs() {
                  SCHEMA_VERSION (docs/adr/0039-schema-files.md)"
             );
         }
-        let after = contents(&admin).await;
+        // The data of the tables and columns the old schema had is unchanged; what the
+        // migration added (tables, defaulted columns) is checked below and by the run.
+        let after = contents(&admin, &columns_before).await;
+        let columns_after = columns_of(&admin).await;
+        for table in columns_after
+            .keys()
+            .filter(|t| !columns_before.contains_key(*t))
+        {
+            let rows: i64 = admin
+                .query_one(&format!("SELECT count(*) FROM \"{table}\""), &[])
+                .await
+                .expect("count")
+                .get(0);
+            assert_eq!(
+                rows, 0,
+                "version {version}: the new table {table} is not empty"
+            );
+        }
         let unchanged = |table: &str| !table.starts_with("lockstep_schema_");
         assert_eq!(
             before
