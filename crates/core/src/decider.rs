@@ -93,6 +93,9 @@ pub trait Decider: Send + Sync {
 
     /// Whether, when and how the state is snapshotted (see [`crate::snapshot`]). The default,
     /// `None`: never; every command folds the whole stream. A runner asks once per command.
+    /// With a snapshot, the events after it are folded onto the snapshot's state with
+    /// [`Decider::decode`] and [`Decider::evolve`] (an override of [`Decider::fold`] folds
+    /// whole streams only).
     fn snapshots(&self) -> Option<SnapshotPolicy<Self::State>> {
         None
     }

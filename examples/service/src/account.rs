@@ -11,7 +11,7 @@
 use lockstep_command::{CommandError, CommandRunner, Mode, RunnerOptions};
 use lockstep_core::{
     AggregateType, Decider, Error, ErrorKind, NewEvent, RecordedEvent, RetryPolicy, Retryable,
-    SnapshotStore, StreamId, Transaction, TransactionSource,
+    SnapshotPolicy, SnapshotStore, StreamId, Transaction, TransactionSource,
 };
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -51,7 +51,7 @@ impl AccountEvent {
 }
 
 /// An account's state: its balance and the version it was loaded at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Account {
     /// Cents.
     pub balance: u64,
@@ -224,6 +224,12 @@ impl Decider for AccountDecider {
                 format!("event {} is not an account event: {e}", event.event_id),
             )
         })
+    }
+
+    /// A hot account (the house) grows by thousands of events: its state is saved every 100,
+    /// and a command folds at most the hundred after the latest snapshot.
+    fn snapshots(&self) -> Option<SnapshotPolicy<Account>> {
+        Some(SnapshotPolicy::json(100))
     }
 
     fn fold(&self, _id: Uuid, events: &[RecordedEvent]) -> lockstep_core::Result<Account> {
