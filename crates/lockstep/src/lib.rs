@@ -159,8 +159,9 @@ pub mod prelude {
         AcquireOutcome, AggregateType, AggregateWriteLock, Decider, DistributedAggregateWriteLock,
         DistributedLock, EventStore, ExpectedVersion, Fleet, FleetAdmin, InstanceId, LeaseFence,
         LockReason, NewEvent, Perspective, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
-        RecordedEvent, RetryPolicy, Retryable, SessionLocks, StreamId, StreamLockAdmin,
-        StreamLockOptions, StreamLocker, TablePerspective, Transaction, TransactionSource,
+        RecordedEvent, RetryPolicy, Retryable, SessionLocks, SnapshotPolicy, SnapshotStore,
+        StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TablePerspective, Transaction,
+        TransactionSource, Upcasters,
     };
     // The perspective store's capability traits, so a concrete store's methods resolve.
     pub use lockstep_core::perspective_store::prelude::*;
