@@ -20,6 +20,10 @@ impl Backend for Fakes {
     fn process(&self) -> (FakeDatabase, InMemoryEventStore) {
         (self.db.clone(), self.store.clone())
     }
+
+    fn lose_next_commit_reply(&self) {
+        self.db.lose_next_commit_replies(1);
+    }
 }
 
 runner_suite!(Fakes::default());

@@ -162,6 +162,9 @@ struct DbInner {
     table: Mutex<LockTable>,
     released: Notify,
     next_id: AtomicU64,
+    /// Commits still to commit and then report a lost reply
+    /// ([`FakeDatabase::lose_next_commit_replies`]).
+    lose_commit_replies: AtomicU64,
 }
 
 /// The shared state of the fakes: one fake "server". Cheap to clone (clones share state).
@@ -202,6 +205,7 @@ impl FakeDatabase {
                 table: Mutex::new(LockTable::default()),
                 released: Notify::new(),
                 next_id: AtomicU64::new(1),
+                lose_commit_replies: AtomicU64::new(0),
             }),
         }
     }
@@ -245,6 +249,22 @@ impl FakeDatabase {
             .values()
             .filter(|w| w.key.as_ref() == Some(key))
             .count()
+    }
+
+    /// The next `n` transactions of this database that commit do commit, and then report
+    /// [`ErrorKind::CommitUnknown`], as when the connection is lost after `COMMIT` was sent:
+    /// to drive a caller's handling of an unknown commit (which must not retry blindly). A
+    /// commit that fails (an aborted transaction, a held-back write) is not counted.
+    pub fn lose_next_commit_replies(&self, n: u64) {
+        self.inner.lose_commit_replies.store(n, Ordering::SeqCst);
+    }
+
+    /// Whether this commit's reply is to be lost (counting it down).
+    fn loses_commit_reply(&self) -> bool {
+        self.inner
+            .lose_commit_replies
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
     }
 
     /// How many statements of any fake on this database wait right now for a lock, a row or a
@@ -572,6 +592,12 @@ impl lockstep_core::Transaction for FakeTransaction {
             ));
         }
         self.end(TxEnd::Committed);
+        if self.db.loses_commit_reply() {
+            return Err(Error::new(
+                ErrorKind::CommitUnknown,
+                "the connection was lost after COMMIT was sent (FakeDatabase::lose_next_commit_replies)",
+            ));
+        }
         Ok(())
     }
 

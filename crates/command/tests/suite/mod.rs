@@ -129,6 +129,9 @@ pub trait Backend: Send + Sync + 'static {
     type Store: SnapshotStore<<Self::Src as TransactionSource>::Tx> + Clone + 'static;
 
     fn process(&self) -> (Self::Src, Self::Store);
+
+    /// The next `COMMIT` of the process's connections commits, and its reply is lost.
+    fn lose_next_commit_reply(&self);
 }
 
 pub type Runner<B> = CommandRunner<<B as Backend>::Src, <B as Backend>::Store, Counter>;
@@ -337,6 +340,37 @@ pub async fn a_refusal_in_handle_in_leaves_the_transaction_usable<B: Backend>(ba
     assert_eq!(committed(&backend, other).await.len(), 1);
 }
 
+/// A lost `COMMIT` reply is `CommitUnknown` with the ids of the command's events, in every
+/// mode, and is not retried: the events are in the stream once.
+pub async fn a_lost_commit_reply_is_commit_unknown_and_not_retried<B: Backend>(backend: B) {
+    for mode in MODES {
+        let (runner, _handle) = runner(&backend, mode);
+        let id = Uuid::now_v7();
+        // A first command opens the connection (its `BEGIN` and statements are not cut).
+        runner.handle(id, Cmd::Add).await.expect("handled");
+        backend.lose_next_commit_reply();
+        let lost = tokio::spawn(async move { runner.handle(id, Cmd::Add).await })
+            .await
+            .expect("task");
+        let Err(CommandError::CommitUnknown { error, event_ids }) = lost else {
+            panic!("{mode:?}: expected CommitUnknown, got {lost:?}");
+        };
+        assert_eq!(
+            error.kind(),
+            lockstep_core::ErrorKind::CommitUnknown,
+            "{mode:?}"
+        );
+        assert_eq!(event_ids.len(), 1, "{mode:?}");
+        let events = committed(&backend, id).await;
+        let ids: Vec<Uuid> = events.iter().map(|e| e.event_id).collect();
+        assert_eq!(ids.len(), 2, "{mode:?}: committed once, not retried");
+        assert_eq!(
+            ids[1], event_ids[0],
+            "{mode:?}: the ids of what was committed"
+        );
+    }
+}
+
 /// A tally that keeps snapshots every four events, counting how many events it decodes.
 pub struct Tally {
     ty: AggregateType,
@@ -539,6 +573,11 @@ macro_rules! runner_suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_refusal_in_handle_in_leaves_the_transaction_usable() {
             suite::a_refusal_in_handle_in_leaves_the_transaction_usable($backend).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_lost_commit_reply_is_commit_unknown_and_not_retried_in_any_mode() {
+            suite::a_lost_commit_reply_is_commit_unknown_and_not_retried($backend).await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
