@@ -116,7 +116,10 @@ async fn folds_current_shapes_and_parks_at_an_event_an_upcaster_fails_on<S, P, E
         if state == Some(serde_json::json!([1, 2, 3])) {
             break;
         }
-        assert!(cycles < CYCLES, "not folded after {CYCLES} cycles: {state:?}");
+        assert!(
+            cycles < CYCLES,
+            "not folded after {CYCLES} cycles: {state:?}"
+        );
         let report = worker.run_once().await;
         assert!(report.failures.is_empty(), "{:?}", report.failures);
         assert!(report.errors.is_empty(), "{:?}", report.errors);
@@ -139,7 +142,14 @@ async fn folds_current_shapes_and_parks_at_an_event_an_upcaster_fails_on<S, P, E
     };
     assert_eq!(error.kind(), PairErrorKind::UnreadableEvent);
     assert_eq!(error.event_id(), Some(bad_alone));
-    assert_parked_at(&source, &store, &Pair::new(alone, name.clone()), bad_alone, 20).await;
+    assert_parked_at(
+        &source,
+        &store,
+        &Pair::new(alone, name.clone()),
+        bad_alone,
+        20,
+    )
+    .await;
 
     // Through the batches: the same.
     let batched = StreamId::new_v7();
@@ -207,7 +217,11 @@ where
     let tx = source.begin().await.expect("begin");
     let pending = store.pending_events(&tx, pair).await.expect("pending");
     tx.rollback().await.expect("rollback");
-    assert_eq!(pending.first(), Some(&bad), "the work from the event on stays");
+    assert_eq!(
+        pending.first(),
+        Some(&bad),
+        "the work from the event on stays"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -216,7 +230,8 @@ async fn on_the_fakes() {
         let db = FakeDatabase::new();
         let events = InMemoryEventStore::new();
         let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), &db);
-        let store = InMemoryPerspectiveStore::new(&db, &events, &locker).with_upcasters(upcasters());
+        let store =
+            InMemoryPerspectiveStore::new(&db, &events, &locker).with_upcasters(upcasters());
         folds_current_shapes_and_parks_at_an_event_an_upcaster_fails_on(db, store, events).await;
     })
     .await

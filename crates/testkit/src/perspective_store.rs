@@ -1303,9 +1303,10 @@ impl RewindReads<FakeTransaction> for InMemoryPerspectiveStore {
             upcasters: Upcasters::new(),
             ..self.clone()
         };
-        let page =
-            lockstep_core::perspective_store::rewind_page_from_stream(&stored, tx, pair, after, page)
-                .await?;
+        let page = lockstep_core::perspective_store::rewind_page_from_stream(
+            &stored, tx, pair, after, page,
+        )
+        .await?;
         Ok(match self.upcast(page.events) {
             (events, None) => EventPage::new(events, page.more),
             (events, Some(unreadable)) => {

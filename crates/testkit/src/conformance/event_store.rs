@@ -1010,7 +1010,10 @@ pub async fn a_failing_upcaster_fails_the_load_and_changes_nothing<F: EventStore
             &tx,
             stream,
             ExpectedVersion::NoStream,
-            &[deposited(serde_json::json!({ "amount": 1 }), 1), bad.clone()],
+            &[
+                deposited(serde_json::json!({ "amount": 1 }), 1),
+                bad.clone(),
+            ],
         )
         .await
         .expect("append");
@@ -1018,9 +1021,15 @@ pub async fn a_failing_upcaster_fails_the_load_and_changes_nothing<F: EventStore
 
     let upcasting = fixture.store_with_upcasters(deposited_upcasters());
     let tx = begin(fixture.source()).await;
-    let err = upcasting.load(&tx, stream).await.expect_err("an upcaster fails");
+    let err = upcasting
+        .load(&tx, stream)
+        .await
+        .expect_err("an upcaster fails");
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
-    assert!(err.to_string().contains(&bad.event_id().to_string()), "{err}");
+    assert!(
+        err.to_string().contains(&bad.event_id().to_string()),
+        "{err}"
+    );
     let err = upcasting
         .load_locked(&tx, stream, &fresh_key(), Some(Duration::from_secs(30)))
         .await

@@ -7,8 +7,7 @@ use std::sync::Arc;
 
 use lockstep_core::{
     BatchCommitted, BatchEntry, Claim, DynPerspective, ErrorKind, PerspectiveName,
-    PerspectiveStore, RecordedEvent, Result, StateCommit, StreamId, Transaction,
-    TransactionSource,
+    PerspectiveStore, RecordedEvent, Result, StateCommit, StreamId, Transaction, TransactionSource,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;

@@ -261,7 +261,11 @@ async fn counted_stream<F: PerspectiveStoreFixture>(
 fn assert_counted(events: &[RecordedEvent], ids: &[Uuid], first: i64) {
     assert_eq!(event_ids(events), ids);
     for (i, e) in events.iter().enumerate() {
-        assert_eq!(e.payload, serde_json::json!({ "n": first + i as i64 }), "{e:?}");
+        assert_eq!(
+            e.payload,
+            serde_json::json!({ "n": first + i as i64 }),
+            "{e:?}"
+        );
         assert_eq!(e.schema_version, 2, "{e:?}");
     }
 }

@@ -442,7 +442,9 @@ pub async fn rewind_reads_hand_out_upcast_events_up_to_one_an_upcaster_fails_on<
         .expect("rewind_events");
     assert_counted(&next.events, &ids[2..3], 3);
     assert!(!next.more);
-    let (event_id, error) = next.unreadable.expect("the page ends at the unreadable event");
+    let (event_id, error) = next
+        .unreadable
+        .expect("the page ends at the unreadable event");
     assert_eq!(event_id, ids[3]);
     assert!(error.contains(&ids[3].to_string()), "{error}");
     let whole = upcasting

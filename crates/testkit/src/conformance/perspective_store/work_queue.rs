@@ -26,9 +26,10 @@ use uuid::Uuid;
 
 use super::{
     ALL_EVENTS, ALL_PAIRS, HOUR, PerspectiveStoreFixture, append, apply, assert_counted, claim,
-    claim_batch, commit_of, counted_stream, counted_upcasters, cursor, ensure_cursor, event, event_ids, fail, from_start, ids, isolate, lease,
-    limits, listed, name, peek_batch, pending, register, renew, request, rewind, snapshots, state,
-    stream_with, trigger, trigger_after_claim, work_of,
+    claim_batch, commit_of, counted_stream, counted_upcasters, cursor, ensure_cursor, event,
+    event_ids, fail, from_start, ids, isolate, lease, limits, listed, name, peek_batch, pending,
+    register, renew, request, rewind, snapshots, state, stream_with, trigger, trigger_after_claim,
+    work_of,
 };
 use crate::conformance::{begin, commit, rollback};
 
