@@ -25,6 +25,10 @@
 //!   [`lockstep_core::PerspectiveAdmin::request_rewind`] clear the parking, the backoff and the failure count
 //!   (the commit also the error and the failed event). Skipped events are kept per pair: a
 //!   purge keeps them, deleting the cursor deletes them.
+//! - **Upcasting.** Every event handed out (claims, batches, rewind pages, stream reads) goes
+//!   through the store's upcasters ([`InMemoryPerspectiveStore::with_upcasters`]); the byte
+//!   bounds count the payloads as stored, as on Postgres. The first event an upcaster fails on
+//!   is unreadable: the answer ends before it, with its id and why.
 //! - **Visibility.** Writes are staged per transaction and applied when it commits (an
 //!   [`FakeTransaction::on_end`] hook); a transaction reads its own staged writes.
 //!
