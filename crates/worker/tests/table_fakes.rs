@@ -101,8 +101,7 @@ impl World {
         let db = FakeDatabase::new();
         let events = InMemoryEventStore::new();
         let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), &db);
-        let store =
-            InMemoryPerspectiveStore::new(&db, &events, &locker).with_upcasters(upcasters);
+        let store = InMemoryPerspectiveStore::new(&db, &events, &locker).with_upcasters(upcasters);
         let seen = Seen::default();
         let mut registry = PerspectiveRegistry::new();
         registry
