@@ -60,7 +60,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION public.lockstep_append_events(p_stream_id uuid, p_expected bigint, p_event_ids uuid[], p_types text[], p_payloads jsonb[]) RETURNS bigint
+CREATE FUNCTION public.lockstep_append_events(p_stream_id uuid, p_expected bigint, p_event_ids uuid[], p_types text[], p_payloads jsonb[], p_schema_versions integer[] DEFAULT NULL::integer[]) RETURNS bigint
     LANGUAGE plpgsql
     AS $$
 DECLARE
@@ -77,10 +77,12 @@ BEGIN
     SELECT coalesce(max(version), 0) INTO current_version
     FROM wh_events WHERE stream_id = p_stream_id;
     IF p_expected IS NULL OR p_expected = current_version THEN
-        INSERT INTO wh_events (event_id, stream_id, version, event_type, payload, payload_bytes)
+        INSERT INTO wh_events (event_id, stream_id, version, event_type, payload, payload_bytes,
+                               schema_version)
         SELECT e.event_id, p_stream_id, current_version + e.ord, e.event_type, e.payload,
-               pg_column_size(e.payload)
-        FROM unnest(p_event_ids, p_types, p_payloads) WITH ORDINALITY AS e(event_id, event_type, payload, ord)
+               pg_column_size(e.payload), coalesce(e.schema_version, 1)
+        FROM unnest(p_event_ids, p_types, p_payloads, p_schema_versions)
+             WITH ORDINALITY AS e(event_id, event_type, payload, schema_version, ord)
         ON CONFLICT (event_id) DO NOTHING;
         GET DIAGNOSTICS inserted = ROW_COUNT;
         -- Every event stored: the fan-out, when some perspective is registered.
@@ -201,7 +203,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION public.lockstep_load_rewind(p_stream uuid, p_perspective text, p_limit bigint) RETURNS TABLE(part integer, last_event_id uuid, revision bigint, applied_count bigint, rewind_trigger_event_id uuid, rewind_flagged_at timestamp with time zone, rewind_first_flagged_at timestamp with time zone, error text, failures integer, latest_snapshot_id uuid, stream_lock_instance_id uuid, stream_lock_reason text, stream_lock_expiry timestamp with time zone, stream_lock_epoch bigint, failed_event_id uuid, retry_at timestamp with time zone, parked_at timestamp with time zone, snapshot_event_id uuid, snapshot_state jsonb, snapshot_applied_count bigint, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, payload_bytes bigint)
+CREATE FUNCTION public.lockstep_load_rewind(p_stream uuid, p_perspective text, p_limit bigint) RETURNS TABLE(part integer, last_event_id uuid, revision bigint, applied_count bigint, rewind_trigger_event_id uuid, rewind_flagged_at timestamp with time zone, rewind_first_flagged_at timestamp with time zone, error text, failures integer, latest_snapshot_id uuid, stream_lock_instance_id uuid, stream_lock_reason text, stream_lock_expiry timestamp with time zone, stream_lock_epoch bigint, failed_event_id uuid, retry_at timestamp with time zone, parked_at timestamp with time zone, snapshot_event_id uuid, snapshot_state jsonb, snapshot_applied_count bigint, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, schema_version integer, payload_bytes bigint)
     LANGUAGE plpgsql STABLE
     SET plan_cache_mode TO 'force_generic_plan'
     SET enable_sort TO 'off'
@@ -259,7 +261,7 @@ BEGIN
            NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text,
            NULL::timestamptz, NULL::bigint, NULL::uuid, NULL::timestamptz, NULL::timestamptz,
            NULL::uuid, NULL::jsonb, NULL::bigint,
-           e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+           e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.schema_version,
            coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}'))::bigint
       FROM wh_events e
      WHERE (e.stream_id, e.event_id)
@@ -274,7 +276,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION public.lockstep_lock_and_load(p_key bigint, p_lock_timeout text, p_stream_id uuid) RETURNS TABLE(refused_isolation text, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone)
+CREATE FUNCTION public.lockstep_lock_and_load(p_key bigint, p_lock_timeout text, p_stream_id uuid) RETURNS TABLE(refused_isolation text, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, schema_version integer)
     LANGUAGE plpgsql
     AS $$
 DECLARE
@@ -289,7 +291,8 @@ BEGIN
     END IF;
     -- A new statement, so a new snapshot: taken after the lock was granted.
     RETURN QUERY
-        SELECT NULL::text, e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+        SELECT NULL::text, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+               e.schema_version
         FROM wh_events e
         WHERE e.stream_id = p_stream_id
         ORDER BY e.version;
@@ -397,7 +400,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION public.lockstep_perspective_claim(p_stream_id uuid, p_perspective text, p_max_events bigint, p_debounce_us bigint, p_debounce_max_us bigint) RETURNS TABLE(outcome text, last_event_id uuid, revision bigint, applied_count bigint, rewind_trigger_event_id uuid, rewind_flagged_at timestamp with time zone, rewind_first_flagged_at timestamp with time zone, error text, failures integer, latest_snapshot uuid, stream_lock_instance_id uuid, stream_lock_reason text, stream_lock_expiry timestamp with time zone, stream_lock_epoch bigint, state jsonb, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone)
+CREATE FUNCTION public.lockstep_perspective_claim(p_stream_id uuid, p_perspective text, p_max_events bigint, p_debounce_us bigint, p_debounce_max_us bigint) RETURNS TABLE(outcome text, last_event_id uuid, revision bigint, applied_count bigint, rewind_trigger_event_id uuid, rewind_flagged_at timestamp with time zone, rewind_first_flagged_at timestamp with time zone, error text, failures integer, latest_snapshot uuid, stream_lock_instance_id uuid, stream_lock_reason text, stream_lock_expiry timestamp with time zone, stream_lock_epoch bigint, state jsonb, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, schema_version integer)
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
@@ -522,7 +525,7 @@ BEGIN
         SELECT NULL::text, NULL::uuid, NULL::bigint, NULL::bigint, NULL::uuid, NULL::timestamptz,
                NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text,
                NULL::timestamptz, NULL::bigint, NULL::jsonb,
-               e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+               e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.schema_version
           FROM wh_perspective_events w
           JOIN wh_events e ON e.event_id = w.event_id AND e.stream_id = w.stream_id
          WHERE w.stream_id = p_stream_id AND w.perspective_name = p_perspective
@@ -1552,7 +1555,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION public.lockstep_rewind_page(p_stream uuid, p_perspective text, p_after uuid, p_limit bigint) RETURNS TABLE(event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, payload_bytes bigint)
+CREATE FUNCTION public.lockstep_rewind_page(p_stream uuid, p_perspective text, p_after uuid, p_limit bigint) RETURNS TABLE(event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, schema_version integer, payload_bytes bigint)
     LANGUAGE plpgsql STABLE
     SET plan_cache_mode TO 'force_generic_plan'
     SET enable_sort TO 'off'
@@ -1566,7 +1569,7 @@ BEGIN
     -- which the IS DISTINCT FROM condition leaves out, so that a NULL and an id make the same
     -- range of the index, and one generic plan serves both.
     RETURN QUERY
-    SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+    SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.schema_version,
            coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}'))::bigint
       FROM wh_events e
      WHERE (e.stream_id, e.event_id)

@@ -8,6 +8,9 @@
 -- p_event_ids, p_types, p_payloads
 --               the events in order, one element each. The ids are chosen by the caller
 --               (UUIDv7); they make the append idempotent.
+-- p_schema_versions
+--               the schema version of each payload's shape, one element per event; NULL: all
+--               1. A replay does not compare them (the ids decide).
 --
 -- Every conflict is unique_violation (23505), the error a lost race on a unique index gives
 -- anyway, so that every conflict aborts the transaction alike; the constraint and the DETAIL
@@ -53,7 +56,8 @@ CREATE OR REPLACE FUNCTION lockstep_append_events(
     p_expected  bigint,
     p_event_ids uuid[],
     p_types     text[],
-    p_payloads  jsonb[]
+    p_payloads  jsonb[],
+    p_schema_versions integer[] DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -70,10 +74,12 @@ BEGIN
     SELECT coalesce(max(version), 0) INTO current_version
     FROM wh_events WHERE stream_id = p_stream_id;
     IF p_expected IS NULL OR p_expected = current_version THEN
-        INSERT INTO wh_events (event_id, stream_id, version, event_type, payload, payload_bytes)
+        INSERT INTO wh_events (event_id, stream_id, version, event_type, payload, payload_bytes,
+                               schema_version)
         SELECT e.event_id, p_stream_id, current_version + e.ord, e.event_type, e.payload,
-               pg_column_size(e.payload)
-        FROM unnest(p_event_ids, p_types, p_payloads) WITH ORDINALITY AS e(event_id, event_type, payload, ord)
+               pg_column_size(e.payload), coalesce(e.schema_version, 1)
+        FROM unnest(p_event_ids, p_types, p_payloads, p_schema_versions)
+             WITH ORDINALITY AS e(event_id, event_type, payload, schema_version, ord)
         ON CONFLICT (event_id) DO NOTHING;
         GET DIAGNOSTICS inserted = ROW_COUNT;
         -- Every event stored: the fan-out, when some perspective is registered.

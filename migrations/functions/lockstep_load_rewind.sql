@@ -52,6 +52,7 @@ CREATE OR REPLACE FUNCTION lockstep_load_rewind(
     event_type              text,
     payload                 jsonb,
     recorded_at             timestamptz,
+    schema_version          integer,
     payload_bytes           bigint
 )
 LANGUAGE plpgsql STABLE
@@ -111,7 +112,7 @@ BEGIN
            NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text,
            NULL::timestamptz, NULL::bigint, NULL::uuid, NULL::timestamptz, NULL::timestamptz,
            NULL::uuid, NULL::jsonb, NULL::bigint,
-           e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+           e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.schema_version,
            coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}'))::bigint
       FROM wh_events e
      WHERE (e.stream_id, e.event_id)

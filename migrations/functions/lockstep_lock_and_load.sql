@@ -24,7 +24,8 @@ CREATE OR REPLACE FUNCTION lockstep_lock_and_load(
     version           bigint,
     event_type        text,
     payload           jsonb,
-    recorded_at       timestamptz
+    recorded_at       timestamptz,
+    schema_version    integer
 )
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -39,7 +40,8 @@ BEGIN
     END IF;
     -- A new statement, so a new snapshot: taken after the lock was granted.
     RETURN QUERY
-        SELECT NULL::text, e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+        SELECT NULL::text, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+               e.schema_version
         FROM wh_events e
         WHERE e.stream_id = p_stream_id
         ORDER BY e.version;

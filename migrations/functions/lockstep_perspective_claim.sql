@@ -49,7 +49,8 @@ CREATE OR REPLACE FUNCTION lockstep_perspective_claim(
     version                 bigint,
     event_type              text,
     payload                 jsonb,
-    recorded_at             timestamptz
+    recorded_at             timestamptz,
+    schema_version          integer
 )
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
@@ -174,7 +175,7 @@ BEGIN
         SELECT NULL::text, NULL::uuid, NULL::bigint, NULL::bigint, NULL::uuid, NULL::timestamptz,
                NULL::timestamptz, NULL::text, NULL::integer, NULL::uuid, NULL::uuid, NULL::text,
                NULL::timestamptz, NULL::bigint, NULL::jsonb,
-               e.event_id, e.version, e.event_type, e.payload, e.recorded_at
+               e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.schema_version
           FROM wh_perspective_events w
           JOIN wh_events e ON e.event_id = w.event_id AND e.stream_id = w.stream_id
          WHERE w.stream_id = p_stream_id AND w.perspective_name = p_perspective

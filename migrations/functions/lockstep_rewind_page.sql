@@ -1,6 +1,6 @@
 -- A page of the events a rewind replays: the first p_limit events of the stream p_stream after
 -- the event p_after (from the first when NULL), in event-id order, less the events skipped for
--- the pair (p_stream, p_perspective), each with its payload's decoded size (payload_bytes; for
+-- the pair (p_stream, p_perspective), each with its payload's schema version and decoded size (payload_bytes; for
 -- a row written without it, the size of its jsonb decompressed: `#> '{}'` hands back the whole
 -- value, nothing is rendered). Called by lockstep-pg-store's rewind_events (REWIND_EVENTS) for
 -- each page after the first, which lockstep_load_rewind reads with the cursor. The store asks
@@ -41,6 +41,7 @@ CREATE OR REPLACE FUNCTION lockstep_rewind_page(
     event_type   text,
     payload      jsonb,
     recorded_at  timestamptz,
+    schema_version integer,
     payload_bytes bigint
 )
 LANGUAGE plpgsql STABLE
@@ -56,7 +57,7 @@ BEGIN
     -- which the IS DISTINCT FROM condition leaves out, so that a NULL and an id make the same
     -- range of the index, and one generic plan serves both.
     RETURN QUERY
-    SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+    SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.schema_version,
            coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}'))::bigint
       FROM wh_events e
      WHERE (e.stream_id, e.event_id)

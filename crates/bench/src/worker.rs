@@ -38,6 +38,8 @@
 //!   the list state of the catch-up (the state itself grows with the stream). Then the rewind
 //!   from the snapshot step by step (`rewind_parts`: the worker's store and locker calls, each
 //!   timed) to show where its time goes.
+//! - **upcast** (`upcast`): the catch-up with one upcaster lifting every event against the same
+//!   catch-up without, sides alternating, in one run (`catchup_upcast_vs_plain`).
 //! - **keepalive**: one `LeaseKeeper` holding `--leases` leases (1 000) for several keepalive
 //!   intervals; statements per interval counted by the server (`pg_stat_database` transaction
 //!   deltas of a run with `--keepalive-intervals` intervals minus a run with none: acquires,
@@ -48,6 +50,7 @@ mod io_bound;
 mod rewind_parts;
 mod server_cpu;
 mod starved;
+mod upcast;
 
 use lockstep_core::perspective_store::prelude::*;
 use std::sync::Arc;
@@ -164,11 +167,22 @@ pub(crate) struct Args {
     /// Rounds of the starvation measurement (with and without, order alternating).
     #[arg(long, default_value_t = 5)]
     starved_rounds: usize,
+    /// Streams of the catch-up with an upcaster.
+    #[arg(long, default_value_t = 500)]
+    upcast_streams: usize,
+    /// Events per stream of the catch-up with an upcaster.
+    #[arg(long, default_value_t = 100)]
+    upcast_events_per_stream: usize,
+    /// Rounds of the catch-up with an upcaster (both sides once per round, the first side
+    /// alternating).
+    #[arg(long, default_value_t = 6)]
+    upcast_rounds: usize,
     /// Sections to run, comma-separated (default: all). The key=value lines of the others
     /// are not printed.
     #[arg(long, value_delimiter = ',', value_enum,
           default_values_t = vec![Section::CatchUp, Section::IoBound, Section::Claims,
-                                  Section::Starved, Section::Rewind, Section::Keepalive])]
+                                  Section::Starved, Section::Rewind, Section::Keepalive,
+                                  Section::Upcast])]
     only: Vec<Section>,
     /// `plan_cache_mode` of the benchmark databases: `auto` (default: the server's setting
     /// is left alone), or `force_custom_plan` / `force_generic_plan` to see how the store's
@@ -197,6 +211,8 @@ pub(crate) enum Section {
     Rewind,
     /// Keepalive statements per interval.
     Keepalive,
+    /// Catch-up with one upcaster lifting every event against the same without.
+    Upcast,
 }
 
 /// The catch-up's perspective: the list of the events' numbers, in the order applied (the SQL
@@ -261,6 +277,9 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         || args.starved_events_per_stream == 0
         || args.starved_rounds == 0
         || args.starved_poison_at >= args.starved_events_per_stream
+        || args.upcast_streams == 0
+        || args.upcast_events_per_stream == 0
+        || args.upcast_rounds == 0
         || args.only.is_empty()
     {
         bail!(
@@ -334,8 +353,14 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         lines.push(String::new());
         keys.push(format!("rewind_snapshot_vs_full={rewind_ratio:.4}"));
     }
+    if wants(Section::Upcast) {
+        let (upcast_lines, ratio) = upcast::run(&url, &args).await?;
+        lines.extend(upcast_lines);
+        lines.push(String::new());
+        keys.push(format!("catchup_upcast_vs_plain={ratio:.3}"));
+    }
     // The existing lines first, in their old order, then the ones added with batches.
-    const ORDER: [&str; 11] = [
+    const ORDER: [&str; 12] = [
         "catchup_events_per_s",
         "catchup_vs_sql_floor",
         "catchup_2_vs_1",
@@ -347,6 +372,7 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         "claim_ms_1m_vs_10k",
         "starved_vs_clean",
         "share_max_vs_min",
+        "catchup_upcast_vs_plain",
     ];
     keys.sort_by_key(|k| {
         ORDER
@@ -530,6 +556,17 @@ fn worker_on(
     perspectives: &[Arc<dyn lockstep_core::DynPerspective>],
     lock: StreamLockOptions,
 ) -> Result<PgWorker> {
+    worker_with_store(pool, options, perspectives, lock, PgPerspectiveStore::new())
+}
+
+/// [`worker_on`] with `store` (a store reading through upcasters).
+fn worker_with_store(
+    pool: deadpool_postgres::Pool,
+    options: WorkerOptions,
+    perspectives: &[Arc<dyn lockstep_core::DynPerspective>],
+    lock: StreamLockOptions,
+    store: PgPerspectiveStore,
+) -> Result<PgWorker> {
     let mut registry = PerspectiveRegistry::new();
     for p in perspectives {
         registry.register_dyn(Arc::clone(p))?;
@@ -537,7 +574,7 @@ fn worker_on(
     let locker: Arc<dyn StreamLocker> = Arc::new(PgStreamLocker::from_pool(pool.clone(), lock));
     Ok(PerspectiveWorker::new(
         PgDatabase::from_pool(pool),
-        PgPerspectiveStore::new(),
+        store,
         registry,
         options,
         InstanceId::random(),

@@ -393,7 +393,8 @@ pub enum ClaimedWork {
     Rewind,
     /// Pending events after the cursor of which one, `event_id`, could not be read (its stored
     /// payload does not decode — a number out of range, nesting too deep — written by SQL
-    /// that bypassed the event store's checks): `events` are the pending events before it, in
+    /// that bypassed the event store's checks — or an upcaster failed on it,
+    /// [`crate::upcast`]): `events` are the pending events before it, in
     /// event-id order (possibly none). The pair fails at `event_id`, as if `apply` had failed
     /// on it: the events before it are applied and committed with the failure, which is stored
     /// on the cursor, backed off and parked like any other, so that an operator can skip the
@@ -740,6 +741,23 @@ pub enum Claim {
         /// The store's clock when the claim read them (`None`: the store does not say), as
         /// [`ClaimedBatch::claimed_at`].
         claimed_at: Option<OffsetDateTime>,
+    },
+    /// Pending events after the cursor of which one, `event_id`, could not be read (its payload
+    /// does not decode, or an upcaster failed on it): `events` are the pending events before
+    /// it, in event-id order (possibly none), as for [`ClaimedWork::Unreadable`]. The pair
+    /// fails at `event_id`: the events before it are applied and committed with the failure.
+    /// The cursor row stays locked by the claiming transaction until it ends.
+    Unreadable {
+        /// The cursor as locked.
+        cursor: Cursor,
+        /// The current state (`None`: nothing applied yet).
+        state: Option<serde_json::Value>,
+        /// The events before the unreadable one.
+        events: Vec<RecordedEvent>,
+        /// The event that could not be read.
+        event_id: Uuid,
+        /// Why it could not be read.
+        error: String,
     },
     /// The pair needs a rewind (requested before, or a late arrival found now — the request is
     /// then written in the claiming transaction: commit it). Nothing else was claimed.

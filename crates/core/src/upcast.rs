@@ -154,6 +154,12 @@ impl Upcasters {
     }
 }
 
+// The registry is never changed after it is built (clones share it read-only) and its functions
+// are `Fn + Sync`, so a panic inside one leaves nothing half-updated that a later read could
+// observe: a store holding it stays as unwind-safe as it was without it.
+impl std::panic::UnwindSafe for Upcasters {}
+impl std::panic::RefUnwindSafe for Upcasters {}
+
 impl fmt::Debug for Upcasters {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut list = f.debug_map();

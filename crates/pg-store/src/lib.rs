@@ -16,7 +16,11 @@
 //! - Storage: table `wh_events` (the baseline schema in `migrations/`): `event_id uuid` primary
 //!   key (the id the caller's [`NewEvent`] carries: a fresh UUIDv7 unless chosen with
 //!   `with_id`), `stream_id`, `version bigint`, `event_type`, `payload jsonb`, `recorded_at
-//!   timestamptz DEFAULT clock_timestamp()`, and **`UNIQUE (stream_id, version)`**.
+//!   timestamptz DEFAULT clock_timestamp()`, `schema_version integer` (the shape of the
+//!   payload, [`NewEvent::with_schema_version`]), and **`UNIQUE (stream_id, version)`**.
+//! - Every read of an event goes through the store's [`Upcasters`]
+//!   ([`PgEventStore::with_upcasters`]; none by default): a stored payload is never rewritten,
+//!   it is lifted to the current shape of its type as it is read.
 //! - [`append`](lockstep_core::EventStore::append) calls the SQL function
 //!   `lockstep_append_events` (one statement, one round trip): it reads the stream's version,
 //!   checks the expected version and inserts the events with the next versions, then enqueues
@@ -87,7 +91,7 @@ use std::time::Duration;
 
 use lockstep_core::{
     Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent, ResourceKey, Result,
-    StreamId, VersionConflict,
+    StreamId, Upcasters, VersionConflict,
 };
 use lockstep_pg::internal::{self, check_isolation};
 use lockstep_pg::{LockQueue, PgDatabase, PgTransaction, PgTransactionRef, WriteAtCommit};
@@ -96,13 +100,13 @@ use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
 use uuid::Uuid;
 
-const LOAD: &str = "SELECT event_id, version, event_type, payload, recorded_at \
+const LOAD: &str = "SELECT event_id, version, event_type, payload, recorded_at, schema_version \
      FROM wh_events WHERE stream_id = $1 ORDER BY version";
 
-const LOCK_AND_LOAD: &str = "SELECT refused_isolation, event_id, version, event_type, payload, recorded_at \
-     FROM lockstep_lock_and_load($1, $2, $3)";
+const LOCK_AND_LOAD: &str = "SELECT refused_isolation, event_id, version, event_type, payload, \
+     recorded_at, schema_version FROM lockstep_lock_and_load($1, $2, $3)";
 
-const APPEND: &str = "SELECT lockstep_append_events($1, $2, $3, $4, $5)";
+const APPEND: &str = "SELECT lockstep_append_events($1, $2, $3, $4, $5, $6)";
 
 /// The stream of one event (`$1`), by the primary key.
 const STREAM_OF_EVENT: &str = "SELECT stream_id FROM wh_events WHERE event_id = $1";
@@ -123,6 +127,7 @@ const EVENT_ID_CONSTRAINT: &str = "wh_events_pkey";
 #[derive(Debug, Clone)]
 pub struct PgEventStore {
     queue: LockQueue,
+    upcasters: Upcasters,
 }
 
 impl PgEventStore {
@@ -139,7 +144,22 @@ impl PgEventStore {
     pub fn with_queue(queue: impl Into<LockQueue>) -> PgEventStore {
         PgEventStore {
             queue: queue.into(),
+            upcasters: Upcasters::new(),
         }
+    }
+
+    /// This store, reading every event through `upcasters` ([`lockstep_core::upcast`]): its
+    /// loads hand out each event in the current shape of its type. An upcaster that fails
+    /// fails the load with [`ErrorKind::InvalidInput`]. None by default: events are read as
+    /// stored.
+    pub fn with_upcasters(mut self, upcasters: Upcasters) -> PgEventStore {
+        self.upcasters = upcasters;
+        self
+    }
+
+    /// The upcasters every read goes through.
+    pub fn upcasters(&self) -> &Upcasters {
+        &self.upcasters
     }
 
     /// The queue [`EventStore::load_locked`] waits in.
@@ -160,7 +180,9 @@ impl PgEventStore {
             .query_typed(LOAD, &[(&stream_id.as_uuid(), Type::UUID)])
             .await
             .map_err(|e| statement_error(e, "loading stream", stream_id))?;
-        rows.iter().map(|row| decode(row, 0, stream_id)).collect()
+        rows.iter()
+            .map(|row| decode(row, 0, stream_id, &self.upcasters))
+            .collect()
     }
 
     /// The stream that the event `event_id` belongs to, `None` when this database has no such
@@ -213,6 +235,7 @@ impl PgEventStore {
                 .bind(append.ids, Type::UUID_ARRAY)
                 .bind(append.types, Type::TEXT_ARRAY)
                 .bind(append.payloads, Type::JSONB_ARRAY)
+                .bind(append.schema_versions, Type::INT4_ARRAY)
                 .map_error(move |e| append_error(e, stream_id, expected)),
         );
         Ok(())
@@ -227,6 +250,8 @@ struct AppendCall {
     ids: Vec<Uuid>,
     types: Vec<String>,
     payloads: Vec<serde_json::Value>,
+    /// `None` when every event is at schema version 1 (the function's default).
+    schema_versions: Option<Vec<i32>>,
 }
 
 impl AppendCall {
@@ -256,6 +281,13 @@ impl AppendCall {
             ids,
             types: events.iter().map(|e| e.event_type().to_owned()).collect(),
             payloads: events.iter().map(|e| e.payload().clone()).collect(),
+            schema_versions: events.iter().any(|e| e.schema_version() != 1).then(|| {
+                // At most NewEvent::MAX_SCHEMA_VERSION: fits an i32.
+                events
+                    .iter()
+                    .map(|e| i32::try_from(e.schema_version()).unwrap_or(i32::MAX))
+                    .collect()
+            }),
         })
     }
 
@@ -270,6 +302,7 @@ impl AppendCall {
                     (&self.ids, Type::UUID_ARRAY),
                     (&self.types, Type::TEXT_ARRAY),
                     (&self.payloads, Type::JSONB_ARRAY),
+                    (&self.schema_versions, Type::INT4_ARRAY),
                 ],
             )
             .await
@@ -280,10 +313,18 @@ impl AppendCall {
     }
 }
 
-/// An event row whose columns start at `offset`: id, version, type, payload, recorded_at.
-fn decode(row: &tokio_postgres::Row, offset: usize, stream_id: StreamId) -> Result<RecordedEvent> {
+/// An event row whose columns start at `offset` (id, version, type, payload, recorded_at,
+/// schema_version), in the current shape of its type: lifted by `upcasters`, whose failure is
+/// the error of this event ([`ErrorKind::InvalidInput`]).
+fn decode(
+    row: &tokio_postgres::Row,
+    offset: usize,
+    stream_id: StreamId,
+    upcasters: &Upcasters,
+) -> Result<RecordedEvent> {
     let version: i64 = row.try_get(offset + 1).map_err(decode_error)?;
-    Ok(RecordedEvent {
+    let schema_version: i32 = row.try_get(offset + 5).map_err(decode_error)?;
+    let stored = RecordedEvent {
         event_id: row.try_get::<_, Uuid>(offset).map_err(decode_error)?,
         stream_id,
         version: u64::try_from(version)
@@ -295,8 +336,10 @@ fn decode(row: &tokio_postgres::Row, offset: usize, stream_id: StreamId) -> Resu
         recorded_at: row
             .try_get::<_, OffsetDateTime>(offset + 4)
             .map_err(decode_error)?,
-        schema_version: 1,
-    })
+        schema_version: u32::try_from(schema_version)
+            .map_err(|_| Error::new(ErrorKind::Backend, "stored schema version is negative"))?,
+    };
+    upcasters.upcast(stored)
 }
 
 impl EventStore<PgTransaction> for PgEventStore {
@@ -329,7 +372,9 @@ impl EventStore<PgTransaction> for PgEventStore {
             if let Some(first) = rows.first() {
                 check_isolation(first.try_get(0).map_err(decode_error)?, key)?;
             }
-            rows.iter().map(|row| decode(row, 1, stream_id)).collect()
+            rows.iter()
+                .map(|row| decode(row, 1, stream_id, &self.upcasters))
+                .collect()
         })
         .await
     }

@@ -81,7 +81,7 @@ use lockstep_core::{
     PairFailure, PendingPair, PendingThrough, PerspectiveName, PerspectiveStatus, ProgressReport,
     Rebuild, RecordedEvent, Registration, Release, Result, RetireStates, Retired, RewindDebounce,
     RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
-    StreamId, ValidationError,
+    StreamId, Upcasters, ValidationError,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -165,7 +165,8 @@ SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger
        c.rewind_flagged_at, c.rewind_first_flagged_at, c.error, c.failures, c.latest_snapshot,
        c.stream_lock_instance_id, c.stream_lock_reason, c.stream_lock_expiry, c.stream_lock_epoch,
        k.failed_event_id, k.retry_at, k.parked_at,
-       c.state, c.event_id, c.version, c.event_type, c.payload, c.recorded_at, clock_timestamp()
+       c.state, c.event_id, c.version, c.event_type, c.payload, c.recorded_at, c.schema_version,
+       clock_timestamp()
   FROM lockstep_perspective_claim($1, $2, $3, $4, $5) c
   LEFT JOIN wh_perspective_cursors k ON k.stream_id = $1 AND k.perspective_name = $2";
 
@@ -190,15 +191,17 @@ SELECT c.outcome, c.last_event_id, c.revision, c.applied_count, c.rewind_trigger
     /// work (skipped, or enqueued since the claim): the caller keeps only the work ids; their
     /// sizes count.
     pub(super) const CLAIM_EVENTS: &str = "\
-SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, clock_timestamp()
-  FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at, e.size,
+SELECT x.o, x.event_id, x.version, x.event_type, x.payload, x.recorded_at, x.schema_version,
+       clock_timestamp()
+  FROM (SELECT p.o, e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
+               e.schema_version, e.size,
                sum(e.size) OVER (ORDER BY p.o, e.event_id ROWS UNBOUNDED PRECEDING) AS cum,
                p.stb
           FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::int8[])
                WITH ORDINALITY AS p(sid, lo, hi, stb, o)
          CROSS JOIN LATERAL (
                SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at,
-                      coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}')) AS size
+                      e.schema_version, coalesce(e.payload_bytes, pg_column_size(e.payload #> '{}')) AS size
                  FROM wh_events e
                 WHERE e.stream_id = p.sid AND e.event_id >= p.lo AND e.event_id <= p.hi
                 ORDER BY e.event_id) e) x
@@ -394,8 +397,8 @@ SELECT count(*) FROM w";
          WHERE w.stream_id = $1 AND w.perspective_name = $2 ORDER BY w.event_id";
 
     /// A stream's events after `$2` (all when NULL), in event-id order.
-    pub(super) const STREAM_EVENTS: &str = "SELECT e.event_id, e.version, e.event_type, e.payload, e.recorded_at \
-         FROM wh_events e WHERE e.stream_id = $1 AND ($2::uuid IS NULL OR e.event_id > $2) \
+    pub(super) const STREAM_EVENTS: &str = "SELECT e.event_id, e.version, e.event_type, e.payload, \
+         e.recorded_at, e.schema_version FROM wh_events e WHERE e.stream_id = $1 AND ($2::uuid IS NULL OR e.event_id > $2) \
          ORDER BY e.event_id";
 
     /// The latest snapshot strictly before `$3`.
@@ -459,7 +462,7 @@ const CLAIM_STATE_AT: usize = CLAIM_CURSOR_AT + CURSOR_COLUMNS;
 /// Where the event columns start in a claim's event rows.
 const CLAIM_EVENT_AT: usize = CLAIM_STATE_AT + 1;
 /// Where the database's clock at the claim is in a claim's rows (after the event columns).
-const CLAIM_CLOCK_AT: usize = CLAIM_EVENT_AT + 5;
+const CLAIM_CLOCK_AT: usize = CLAIM_EVENT_AT + 6;
 /// A batch claim's pair rows: kind, stream, perspective, the cursor columns, the state, the
 /// work ids, the state's size, the walk's position before the pair.
 const BATCH_CURSOR_AT: usize = 3;
@@ -479,6 +482,8 @@ const LOAD_EVENT_AT: usize = LOAD_SNAPSHOT_AT + 3;
 #[derive(Debug, Clone)]
 pub struct PgPerspectiveStore {
     keep_snapshots: i32,
+    /// What every event read goes through.
+    upcasters: Upcasters,
     /// Set once a registration found a schema this build runs on (shared by clones).
     schema_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// How long appends may queue behind a registration's or retirement's exclusive lock at a
@@ -522,6 +527,7 @@ impl PgPerspectiveStore {
         PgPerspectiveStore {
             // A small constant: it fits.
             keep_snapshots: DEFAULT_KEEP_SNAPSHOTS as i32,
+            upcasters: Upcasters::new(),
             schema_checked: Default::default(),
             change_queue_us: 50_000,
             change_give_up_us: 5_000_000,
@@ -583,6 +589,23 @@ impl PgPerspectiveStore {
                 "keep_snapshots must be between 1 and 2147483647",
             )),
         }
+    }
+
+    /// This store, reading every event through `upcasters` ([`lockstep_core::upcast`]): claims,
+    /// batches, rewind loads and pages, and stream reads hand out each event in the current
+    /// shape of its type. An event an upcaster fails on is unreadable where the store has that
+    /// answer ([`ClaimedWork::Unreadable`](lockstep_core::ClaimedWork::Unreadable),
+    /// [`Claim::Unreadable`], [`RewindLoad::unreadable`], [`EventPage::unreadable`]): the
+    /// worker parks the pair at it; a stream read fails with [`ErrorKind::InvalidInput`].
+    /// None by default: events are read as stored.
+    pub fn with_upcasters(mut self, upcasters: Upcasters) -> PgPerspectiveStore {
+        self.upcasters = upcasters;
+        self
+    }
+
+    /// The upcasters every event read goes through.
+    pub fn upcasters(&self) -> &Upcasters {
+        &self.upcasters
     }
 
     /// How many snapshots per pair are kept.
@@ -647,7 +670,7 @@ impl<T: PgTransactionRef> WorkQueue<T> for PgPerspectiveStore {
     }
 
     async fn claim_batch(&self, tx: &T, request: &BatchClaim) -> Result<ClaimedBatch> {
-        batch::claim(tx, request).await
+        batch::claim(tx, request, &self.upcasters).await
     }
 
     async fn commit_batch(&self, tx: &T, entries: &[BatchEntry]) -> Result<Vec<BatchCommitted>> {
@@ -697,15 +720,36 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
                 cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
             }),
             Some("apply") if event_rows.is_empty() => Ok(Claim::Idle),
-            Some("apply") => Ok(Claim::Apply {
-                cursor: decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?,
-                state: header.try_get(CLAIM_STATE_AT).map_err(decode_error)?,
-                events: event_rows
-                    .iter()
-                    .map(|row| crate::decode(row, CLAIM_EVENT_AT, stream_id))
-                    .collect::<Result<_>>()?,
-                claimed_at: Some(header.try_get(CLAIM_CLOCK_AT).map_err(decode_error)?),
-            }),
+            Some("apply") => {
+                let cursor = decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?;
+                let state = header.try_get(CLAIM_STATE_AT).map_err(decode_error)?;
+                let mut events = Vec::with_capacity(event_rows.len());
+                for row in event_rows {
+                    match crate::decode(row, CLAIM_EVENT_AT, stream_id, &self.upcasters) {
+                        Ok(event) => events.push(event),
+                        // The pair fails at this event, after the ones before it.
+                        Err(err) => {
+                            // The id is read on its own: only the payload (or another column)
+                            // is bad.
+                            let event_id: Uuid =
+                                row.try_get(CLAIM_EVENT_AT).map_err(decode_error)?;
+                            return Ok(Claim::Unreadable {
+                                cursor,
+                                state,
+                                events,
+                                event_id,
+                                error: batch::unreadable_message(event_id, &err),
+                            });
+                        }
+                    }
+                }
+                Ok(Claim::Apply {
+                    cursor,
+                    state,
+                    events,
+                    claimed_at: Some(header.try_get(CLAIM_CLOCK_AT).map_err(decode_error)?),
+                })
+            }
             other => Err(Error::new(
                 ErrorKind::Backend,
                 format!("a claim returned an unknown outcome {other:?}"),
@@ -910,7 +954,7 @@ impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
             .await
             .map_err(|e| statement_error(e, "reading a stream in event-id order"))?;
         rows.iter()
-            .map(|row| crate::decode(row, 0, stream_id))
+            .map(|row| crate::decode(row, 0, stream_id, &self.upcasters))
             .collect()
     }
 
@@ -1066,7 +1110,9 @@ impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
             let part: i32 = row.try_get(0).map_err(decode_error)?;
             if part == 0 && header.is_none() {
                 header = Some(decode_rewind_header(&row, stream_id, perspective)?);
-            } else if !events.take(&row, LOAD_EVENT_AT, stream_id)? && header.is_some() {
+            } else if !events.take(&row, LOAD_EVENT_AT, stream_id, &self.upcasters)?
+                && header.is_some()
+            {
                 break;
             }
         }
@@ -1116,7 +1162,7 @@ impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
             .await
             .map_err(|e| statement_error(e, DOING))?
         {
-            if !events.take(&row, 0, stream_id)? {
+            if !events.take(&row, 0, stream_id, &self.upcasters)? {
                 break;
             }
         }
@@ -1703,18 +1749,19 @@ impl PageCut {
     /// fits: `Ok(false)` when the page is full, and no more rows are to be read. Rows out of
     /// event-id order are an error (the statement orders them), never a page cut wrongly. An
     /// event that does not decode (a payload written by SQL that bypassed the event store's
-    /// checks) ends the page before it, recorded as unreadable: the rewind fails at that
-    /// event, which an operator can skip, rather than at no event.
+    /// checks) or that an upcaster fails on ends the page before it, recorded as unreadable:
+    /// the rewind fails at that event, which an operator can skip, rather than at no event.
     fn take(
         &mut self,
         row: &tokio_postgres::Row,
         offset: usize,
         stream_id: StreamId,
+        upcasters: &Upcasters,
     ) -> Result<bool> {
         if self.more || self.unreadable.is_some() {
             return Ok(false);
         }
-        let size: Option<i64> = row.try_get(offset + 5).map_err(decode_error)?;
+        let size: Option<i64> = row.try_get(offset + 6).map_err(decode_error)?;
         let bytes = self
             .bytes
             .saturating_add(size.and_then(|n| u64::try_from(n).ok()).unwrap_or(0));
@@ -1724,7 +1771,7 @@ impl PageCut {
             self.more = true;
             return Ok(false);
         }
-        let event = match crate::decode(row, offset, stream_id) {
+        let event = match crate::decode(row, offset, stream_id, upcasters) {
             Ok(event) => event,
             Err(err) => {
                 // The id is read on its own: only the payload (or another column) is bad.
@@ -1808,11 +1855,11 @@ mod tests {
     #[test]
     fn the_claim_header_columns_line_up_with_the_function() {
         // CLAIM: outcome, 13 cursor columns of lockstep_perspective_claim, then the cursor
-        // row's failed event, backoff and parking (16 cursor columns), state, 5 event columns,
+        // row's failed event, backoff and parking (16 cursor columns), state, 6 event columns,
         // the clock.
         assert_eq!(CLAIM_STATE_AT, 17);
         assert_eq!(CLAIM_EVENT_AT, 18);
-        assert_eq!(CLAIM_CLOCK_AT, 23);
+        assert_eq!(CLAIM_CLOCK_AT, 24);
         // The statement's select list puts them there (no column of it holds a comma).
         let list = sql::CLAIM
             .strip_prefix("SELECT ")

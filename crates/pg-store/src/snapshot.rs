@@ -182,7 +182,7 @@ impl PgEventStore {
             }
         }
         loaded.events = rows
-            .map(|row| crate::decode(row, EVENT_AT, key.stream_id()))
+            .map(|row| crate::decode(row, EVENT_AT, key.stream_id(), &self.upcasters))
             .collect::<Result<_>>()?;
         Ok(loaded)
     }

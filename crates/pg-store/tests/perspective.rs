@@ -46,6 +46,10 @@ impl PerspectiveStoreFixture for PgFixture {
         &self.store
     }
 
+    fn store_with_upcasters(&self, upcasters: lockstep_core::Upcasters) -> PgPerspectiveStore {
+        self.store.clone().with_upcasters(upcasters)
+    }
+
     fn events(&self) -> &PgEventStore {
         &self.events
     }

@@ -25,6 +25,10 @@ impl EventStoreFixture for Fixture {
         &self.store
     }
 
+    fn store_with_upcasters(&self, upcasters: lockstep_core::Upcasters) -> PgEventStore {
+        self.store.clone().with_upcasters(upcasters)
+    }
+
     fn source(&self) -> &PgDatabase {
         &self.source
     }

@@ -55,7 +55,7 @@ use std::time::Duration;
 
 use lockstep_core::{
     DistributedLock, Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent,
-    ResourceKey, Result, StreamId, VersionConflict,
+    ResourceKey, Result, StreamId, Upcasters, VersionConflict,
 };
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -88,6 +88,8 @@ struct Inner {
 #[derive(Clone)]
 pub struct InMemoryEventStore {
     inner: Arc<Inner>,
+    /// What every load goes through (this handle's; clones made after share them).
+    upcasters: Upcasters,
 }
 
 impl fmt::Debug for InMemoryEventStore {
@@ -115,10 +117,26 @@ impl InMemoryEventStore {
                 snapshots: Mutex::default(),
                 database: OnceLock::new(),
             }),
+            upcasters: Upcasters::new(),
         }
     }
 
-    /// Every committed event of `stream_id`, outside any transaction (for assertions).
+    /// This store (the same events: a clone's), reading every event through `upcasters`, as
+    /// `lockstep-pg-store`'s `PgEventStore::with_upcasters`: its loads hand out each event in
+    /// the current shape of its type, and an upcaster that fails fails the load with
+    /// [`ErrorKind::InvalidInput`]. None by default: events are read as stored.
+    pub fn with_upcasters(mut self, upcasters: Upcasters) -> InMemoryEventStore {
+        self.upcasters = upcasters;
+        self
+    }
+
+    /// The upcasters every load goes through.
+    pub fn upcasters(&self) -> &Upcasters {
+        &self.upcasters
+    }
+
+    /// Every committed event of `stream_id` as stored (not upcast), outside any transaction
+    /// (for assertions).
     pub fn committed(&self, stream_id: StreamId) -> Vec<RecordedEvent> {
         self.state()
             .committed
@@ -374,8 +392,11 @@ impl InMemoryEventStore {
 impl EventStore<FakeTransaction> for InMemoryEventStore {
     async fn load(&self, tx: &FakeTransaction, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
         self.check(tx)?;
-        let state = self.state();
-        Ok(Self::visible(&state, tx.id(), stream_id))
+        let visible = Self::visible(&self.state(), tx.id(), stream_id);
+        visible
+            .into_iter()
+            .map(|event| self.upcasters.upcast(event))
+            .collect()
     }
 
     async fn load_locked(

@@ -25,6 +25,10 @@
 //!   [`lockstep_core::PerspectiveAdmin::request_rewind`] clear the parking, the backoff and the failure count
 //!   (the commit also the error and the failed event). Skipped events are kept per pair: a
 //!   purge keeps them, deleting the cursor deletes them.
+//! - **Upcasting.** Every event handed out (claims, batches, rewind pages, stream reads) goes
+//!   through the store's upcasters ([`InMemoryPerspectiveStore::with_upcasters`]); the byte
+//!   bounds count the payloads as stored, as on Postgres. The first event an upcaster fails on
+//!   is unreadable: the answer ends before it, with its id and why.
 //! - **Visibility.** Writes are staged per transaction and applied when it commits (an
 //!   [`FakeTransaction::on_end`] hook); a transaction reads its own staged writes.
 //!
@@ -49,7 +53,7 @@ use lockstep_core::{
     PendingThrough, PerspectiveName, PerspectiveStatus, ProgressReport, Rebuild, RecordedEvent,
     Registration, Release, ResourceKey, Result, RetireStates, Retired, RewindDebounce,
     RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId,
-    StreamLockAdmin,
+    StreamLockAdmin, Upcasters,
     perspective_store::{DEFAULT_KEEP_SNAPSHOTS, check_progress_limit},
 };
 use std::time::Duration;
@@ -148,6 +152,8 @@ struct State {
 pub struct InMemoryPerspectiveStore {
     state: Arc<Mutex<State>>,
     events: InMemoryEventStore,
+    /// What every event handed out goes through.
+    upcasters: Upcasters,
     locker: InMemoryStreamLocker,
     rows: FakeDistributedLock,
     origin: Instant,
@@ -176,11 +182,43 @@ impl InMemoryPerspectiveStore {
         InMemoryPerspectiveStore {
             state: Arc::default(),
             events: events.clone(),
+            upcasters: Upcasters::new(),
             locker: locker.clone(),
             rows: FakeDistributedLock::new(db),
             origin: Instant::now(),
             origin_wall: OffsetDateTime::now_utc(),
         }
+    }
+
+    /// This store (the same state: a clone's), reading every event it hands out through
+    /// `upcasters`, as `lockstep-pg-store`'s `PgPerspectiveStore::with_upcasters`: claims,
+    /// batches, rewind pages and stream reads give each event in the current shape of its
+    /// type; an event an upcaster fails on is unreadable where the answer has room for it
+    /// ([`ClaimedWork::Unreadable`], [`Claim::Unreadable`], [`EventPage::unreadable`]), and
+    /// fails a stream read with [`ErrorKind::InvalidInput`]. None by default. The event store
+    /// it was built over keeps its own (its loads are its own reads).
+    pub fn with_upcasters(mut self, upcasters: Upcasters) -> InMemoryPerspectiveStore {
+        self.upcasters = upcasters;
+        self
+    }
+
+    /// The upcasters every event handed out goes through.
+    pub fn upcasters(&self) -> &Upcasters {
+        &self.upcasters
+    }
+
+    /// `events` upcast in order, up to the first an upcaster fails on: that event's id and
+    /// why, as the Postgres store words it.
+    fn upcast(&self, events: Vec<RecordedEvent>) -> (Vec<RecordedEvent>, Option<(Uuid, String)>) {
+        let mut read = Vec::with_capacity(events.len());
+        for event in events {
+            let event_id = event.event_id;
+            match self.upcasters.upcast(event) {
+                Ok(event) => read.push(event),
+                Err(err) => return (read, Some((event_id, unreadable_message(event_id, &err)))),
+            }
+        }
+        (read, None)
     }
 
     /// The event store the work is derived from.
@@ -603,13 +641,19 @@ impl InMemoryPerspectiveStore {
             events.push(event);
         }
         let cursor = Self::cursor_of(key, &pair, lease);
-        Ok(Taken::Claimed(Box::new(ClaimedPair::new(
-            cursor,
-            ClaimedWork::Apply {
+        let work = match self.upcast(events) {
+            (events, None) => ClaimedWork::Apply {
                 state: pair.state,
                 events,
             },
-        ))))
+            (events, Some((event_id, error))) => ClaimedWork::Unreadable {
+                state: pair.state,
+                events,
+                event_id,
+                error,
+            },
+        };
+        Ok(Taken::Claimed(Box::new(ClaimedPair::new(cursor, work))))
     }
 
     /// A state change on a pair whose state was checked: a refusal (`Conflict`, `LeaseLost`)
@@ -732,6 +776,19 @@ enum Taken {
     Passed,
     /// Its state and first event do not fit the bytes left: the batch is full.
     NoRoom,
+}
+
+/// What is stored on the cursor for an event that could not be read: the error with its
+/// causes, as the Postgres store words it.
+fn unreadable_message(id: Uuid, err: &Error) -> String {
+    let mut message = format!("event {id} could not be read: {err}");
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
 }
 
 /// The size the byte bound counts for a value: its JSON text.
@@ -951,12 +1008,22 @@ impl PairWork<FakeTransaction> for InMemoryPerspectiveStore {
             return Ok(Claim::Idle);
         }
         let events: Vec<RecordedEvent> = pending.into_iter().take(max_events).collect();
-        Ok(Claim::Apply {
-            cursor: Self::cursor_of(&key, &pair, lease),
-            state: pair.state,
-            events,
-            // The clock the event store writes `recorded_at` with.
-            claimed_at: Some(OffsetDateTime::now_utc()),
+        let cursor = Self::cursor_of(&key, &pair, lease);
+        Ok(match self.upcast(events) {
+            (events, None) => Claim::Apply {
+                cursor,
+                state: pair.state,
+                events,
+                // The clock the event store writes `recorded_at` with.
+                claimed_at: Some(OffsetDateTime::now_utc()),
+            },
+            (events, Some((event_id, error))) => Claim::Unreadable {
+                cursor,
+                state: pair.state,
+                events,
+                event_id,
+                error,
+            },
         })
     }
 
@@ -1114,7 +1181,10 @@ impl PerspectiveReads<FakeTransaction> for InMemoryPerspectiveStore {
             .filter(|e| after.is_none_or(|a| e.event_id > a))
             .collect();
         events.sort_by_key(|e| e.event_id);
-        Ok(events)
+        events
+            .into_iter()
+            .map(|event| self.upcasters.upcast(event))
+            .collect()
     }
 
     async fn states(
@@ -1225,13 +1295,30 @@ impl RewindReads<FakeTransaction> for InMemoryPerspectiveStore {
         after: Option<Uuid>,
         page: PageLimits,
     ) -> Result<EventPage> {
-        // The trait's default read, recording what was asked for.
+        // The trait's default read on the events as stored (their sizes are the stored
+        // payloads', as on Postgres), recording what was asked for; then the page's events
+        // are upcast, and the first an upcaster fails on ends it.
         self.lock_state()
             .rewind_pages
             .entry((pair.stream_id, pair.perspective.clone()))
             .or_default()
             .push(page);
-        lockstep_core::perspective_store::rewind_page_from_stream(self, tx, pair, after, page).await
+        let stored = InMemoryPerspectiveStore {
+            upcasters: Upcasters::new(),
+            ..self.clone()
+        };
+        let page = lockstep_core::perspective_store::rewind_page_from_stream(
+            &stored, tx, pair, after, page,
+        )
+        .await?;
+        Ok(match self.upcast(page.events) {
+            (events, None) => EventPage::new(events, page.more),
+            (events, Some(unreadable)) => {
+                let mut cut = EventPage::new(events, false);
+                cut.unreadable = Some(unreadable);
+                cut
+            }
+        })
     }
 
     async fn snapshot_before(

@@ -50,7 +50,8 @@ pub enum PairErrorKind {
     State,
     /// A table perspective's `reset` failed or panicked (before a rewind's replay).
     Reset,
-    /// An event could not be read (its stored payload does not decode);
+    /// An event could not be read (its stored payload does not decode, or an upcaster failed
+    /// on it: `lockstep_core::upcast`);
     /// [`PairError::event_id`] is that event, [`PairError::message`] why.
     UnreadableEvent,
     /// The pair's lease was lost (it expired and was taken over, or was force-released), so the

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use lockstep_core::Transaction as _;
 use lockstep_core::{
     EventStore, ExpectedVersion, InstanceId, NewEvent, PerspectiveName, PerspectiveRegistry,
-    RecordedEvent, StreamId, StreamLockOptions, StreamLocker, TablePerspective,
+    RecordedEvent, StreamId, StreamLockOptions, StreamLocker, TablePerspective, Upcasters,
 };
 use lockstep_testkit::{
     FakeDatabase, FakeTable, FakeTransaction, InMemoryEventStore, InMemoryPerspectiveStore,
@@ -93,10 +93,15 @@ impl World {
     }
 
     async fn with_options(options: WorkerOptions) -> World {
+        World::with_store(options, Upcasters::new()).await
+    }
+
+    /// A world whose perspective store reads through `upcasters`.
+    async fn with_store(options: WorkerOptions, upcasters: Upcasters) -> World {
         let db = FakeDatabase::new();
         let events = InMemoryEventStore::new();
         let locker = InMemoryStreamLocker::with_database(StreamLockOptions::default(), &db);
-        let store = InMemoryPerspectiveStore::new(&db, &events, &locker);
+        let store = InMemoryPerspectiveStore::new(&db, &events, &locker).with_upcasters(upcasters);
         let seen = Seen::default();
         let mut registry = PerspectiveRegistry::new();
         registry
@@ -482,4 +487,74 @@ async fn a_rebuild_that_fails_at_an_event_stores_that_event() {
     world.drain().await;
     assert_eq!(world.rows_in_event_order(stream), once(&[1, 2, 3]));
     assert!(world.cursor(stream).await.rewind.is_none());
+}
+
+/// Version 1 of `Numbered` was `{"n": n}`; version 2 is the bare number that `Seen` reads. The
+/// upcaster fails on a version 1 payload without a whole number.
+fn unwrapping_upcasters() -> Upcasters {
+    Upcasters::new()
+        .with("Numbered", 1, |payload| {
+            let n = payload["n"].as_i64().ok_or("no whole number")?;
+            Ok(serde_json::json!(n))
+        })
+        .expect("one upcaster")
+}
+
+/// A stream of a version 1 event (`n`), one the upcaster fails on, and a version 2 event;
+/// returns their ids.
+async fn old_bad_new(world: &World, stream: StreamId, n: i64) -> Vec<Uuid> {
+    let events = vec![
+        NewEvent::new("Numbered", serde_json::json!({ "n": n })).expect("version 1"),
+        NewEvent::new("Numbered", serde_json::json!({ "n": "many" })).expect("version 1"),
+        NewEvent::new("Numbered", serde_json::json!(n + 1))
+            .and_then(|e| e.with_schema_version(2))
+            .expect("version 2"),
+    ];
+    let ids = events.iter().map(NewEvent::event_id).collect();
+    let tx = world.db.begin_now();
+    world
+        .events
+        .append(&tx, stream, ExpectedVersion::Any, &events)
+        .await
+        .expect("append");
+    tx.commit().await.expect("commit");
+    ids
+}
+
+#[tokio::test]
+async fn an_event_an_upcaster_fails_on_parks_its_table_pair_after_the_rows_before_it() {
+    let options = WorkerOptions::default().with_park_after_failures(Some(1));
+    let world = World::with_store(options, unwrapping_upcasters()).await;
+    // One pair now (the one-pair claim).
+    let alone = StreamId::new_v7();
+    let ids = old_bad_new(&world, alone, 4).await;
+    let worker = Arc::clone(&world.worker);
+    let outcome = tokio::spawn(async move { worker.process_pair(alone, &seen()).await })
+        .await
+        .expect("task")
+        .expect("process_pair");
+    let PairOutcome::Failed { error } = outcome else {
+        panic!("expected a failure at the unreadable event, got {outcome:?}");
+    };
+    assert_eq!(
+        (error.kind(), error.event_id()),
+        (PairErrorKind::UnreadableEvent, Some(ids[1]))
+    );
+    assert_eq!(world.seen.of(alone), once(&[4]), "the row before it");
+    let cursor = world.cursor(alone).await;
+    assert_eq!(cursor.applied_count, 1);
+    assert_eq!(cursor.failed_event_id, Some(ids[1]));
+    assert!(cursor.parked_at.is_some(), "parked");
+
+    // Through a batch: the same.
+    let batched = StreamId::new_v7();
+    let ids = old_bad_new(&world, batched, 7).await;
+    world.drain().await;
+    assert_eq!(world.seen.of(batched), once(&[7]), "the row before it");
+    let cursor = world.cursor(batched).await;
+    assert_eq!(cursor.applied_count, 1);
+    assert_eq!(cursor.failed_event_id, Some(ids[1]));
+    assert!(cursor.parked_at.is_some(), "parked");
+    let error = cursor.error.unwrap_or_default();
+    assert!(error.contains("could not be upcast"), "{error}");
 }

@@ -8,7 +8,7 @@
 
 use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, ClaimedBatch, ClaimedPair, ClaimedWork, Error,
-    ErrorKind, PerspectiveName, RecordedEvent, Result, StreamId,
+    ErrorKind, PerspectiveName, RecordedEvent, Result, StreamId, Upcasters,
 };
 use lockstep_pg::PgTransactionRef;
 use lockstep_pg::internal::statement_error;
@@ -70,6 +70,7 @@ enum Claimed {
 pub(super) async fn claim<T: PgTransactionRef>(
     tx: &T,
     request: &BatchClaim,
+    upcasters: &Upcasters,
 ) -> Result<ClaimedBatch> {
     let limits = &request.limits;
     limits.validate()?;
@@ -170,7 +171,7 @@ pub(super) async fn claim<T: PgTransactionRef>(
     let claimed_at = if applies.is_empty() {
         None
     } else {
-        read_events(tx, &mut applies, bytes).await?
+        read_events(tx, &mut applies, bytes, upcasters).await?
     };
     // A pair the byte bound left out entirely is not in this batch: its perspective's walk
     // goes back to just before the first such pair, so that the next claim starts with it.
@@ -226,6 +227,7 @@ async fn read_events<T: PgTransactionRef>(
     tx: &T,
     applies: &mut [Apply],
     bytes: i64,
+    upcasters: &Upcasters,
 ) -> Result<Option<time::OffsetDateTime>> {
     let mut streams = Vec::with_capacity(applies.len());
     let mut first = Vec::with_capacity(applies.len());
@@ -255,7 +257,7 @@ async fn read_events<T: PgTransactionRef>(
         .await
         .map_err(|e| statement_error(e, "reading a claimed batch's events"))?;
     let claimed_at = match rows.first() {
-        Some(row) => Some(row.try_get(6).map_err(decode_error)?),
+        Some(row) => Some(row.try_get(7).map_err(decode_error)?),
         None => None,
     };
     // How far each pair's work ids have been matched; a pair stops at its first gap.
@@ -272,7 +274,7 @@ async fn read_events<T: PgTransactionRef>(
         if stopped[i] {
             continue;
         }
-        let event = match crate::decode(row, 1, apply.cursor.pair.stream_id) {
+        let event = match crate::decode(row, 1, apply.cursor.pair.stream_id, upcasters) {
             Ok(event) => event,
             Err(err) => {
                 // The id is read on its own: only the payload (or another column) is bad.

@@ -1,6 +1,7 @@
 //! The event-store conformance suite: versions, expected-version checks, transaction
 //! visibility, concurrent appends of one version, aborted transactions, idempotent appends by
-//! event id, lock-first loads, the last append held back until commit (`append_at_commit`).
+//! event id, lock-first loads, the last append held back until commit (`append_at_commit`),
+//! schema versions stored with the events and upcasters applied on every load.
 //!
 //! Every case uses fresh stream ids and lock keys, so the suite can run against a shared
 //! database. No case asserts on timing: a concurrent writer is spawned and the suite waits for
@@ -15,10 +16,10 @@ use std::time::Duration;
 
 use lockstep_core::{
     ErrorKind, EventStore, ExpectedVersion, NewEvent, ResourceKey, StreamId, Transaction,
-    TransactionSource, ValidationError, version_conflict,
+    TransactionSource, Upcasters, ValidationError, version_conflict,
 };
 
-use super::{begin, commit, rollback, until_waiting};
+use super::{Upcasting, begin, commit, rollback, until_waiting};
 
 /// What the suite needs from a backend: the store under test and owned transactions of the
 /// type it runs on.
@@ -32,6 +33,10 @@ pub trait EventStoreFixture: Send + Sync + 'static {
 
     /// The store under test.
     fn store(&self) -> &Self::Store;
+
+    /// The store under test over the same storage, reading every event through `upcasters`
+    /// (the upcasting cases append with [`store`](Self::store) and load with this one).
+    fn store_with_upcasters(&self, upcasters: Upcasters) -> Self::Store;
 
     /// Where the suite's transactions come from (each on its own connection, for a database
     /// backend). Committing a transaction aborted by a failed append must fail with
@@ -81,7 +86,7 @@ impl<S, St> Fixture<S, St> {
 impl<S, St> EventStoreFixture for Fixture<S, St>
 where
     S: TransactionSource + ShowsWaits + Sync + 'static,
-    St: EventStore<S::Tx> + 'static,
+    St: EventStore<S::Tx> + Upcasting + 'static,
 {
     type Tx = S::Tx;
     type Store = St;
@@ -89,6 +94,10 @@ where
 
     fn store(&self) -> &St {
         &self.store
+    }
+
+    fn store_with_upcasters(&self, upcasters: Upcasters) -> St {
+        self.store.upcasting(upcasters)
     }
 
     fn source(&self) -> &S {
@@ -867,6 +876,182 @@ pub async fn the_deepest_readable_payload_round_trips_and_one_level_deeper_is_re
     }
 }
 
+/// Version 1 of `Deposited` is `{"amount": n}`, version 2 `{"amount": {"value": n}}`; the
+/// upcaster fails on a payload without a whole amount.
+fn deposited_upcasters() -> Upcasters {
+    Upcasters::new()
+        .with("Deposited", 1, |payload| {
+            let amount = payload["amount"].as_i64().ok_or("no whole amount")?;
+            Ok(serde_json::json!({ "amount": { "value": amount } }))
+        })
+        .expect("one upcaster")
+}
+
+fn deposited(payload: serde_json::Value, schema_version: u32) -> NewEvent {
+    NewEvent::new("Deposited", payload)
+        .expect("event")
+        .with_schema_version(schema_version)
+        .expect("a schema version")
+}
+
+/// The schema version of each event is stored by `append` and by `append_at_commit`, and loads
+/// (plain and lock-first) hand it back with the payload as stored when no upcaster applies.
+pub async fn a_schema_version_round_trips_through_append_and_load<F: EventStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let stream = StreamId::new_v7();
+    let tx = begin(fixture.source()).await;
+    let first = [
+        deposited(serde_json::json!({ "amount": 1 }), 1),
+        deposited(serde_json::json!({ "amount": 2 }), 3),
+        event("Other", 3).with_schema_version(7).expect("version"),
+    ];
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::NoStream, &first)
+        .await
+        .expect("append");
+    let held = [deposited(serde_json::json!({ "amount": 4 }), 2)];
+    fixture
+        .store()
+        .append_at_commit(&tx, stream, ExpectedVersion::Exact(3), &held)
+        .await
+        .expect("append_at_commit");
+    commit(tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    let loaded = fixture.store().load(&tx, stream).await.expect("load");
+    let locked = fixture
+        .store()
+        .load_locked(&tx, stream, &fresh_key(), Some(Duration::from_secs(30)))
+        .await
+        .expect("load_locked");
+    rollback(tx).await;
+    for events in [loaded, locked] {
+        let read: Vec<(u64, u32, serde_json::Value)> = events
+            .iter()
+            .map(|e| (e.version, e.schema_version, e.payload.clone()))
+            .collect();
+        let appended: Vec<(u64, u32, serde_json::Value)> = first
+            .iter()
+            .chain(&held)
+            .zip(1..)
+            .map(|(e, v)| (v, e.schema_version(), e.payload().clone()))
+            .collect();
+        assert_eq!(read, appended);
+    }
+}
+
+/// A store reading through upcasters loads every event in the current shape of its type: an
+/// event of an older version lifted (its `schema_version` the version it was lifted to), a
+/// current one and another type as stored. The same events through the plain store are as
+/// stored: nothing was rewritten.
+pub async fn a_store_with_upcasters_loads_lifted_payloads<F: EventStoreFixture>(fixture: Arc<F>) {
+    let stream = StreamId::new_v7();
+    let tx = begin(fixture.source()).await;
+    let stored = [
+        deposited(serde_json::json!({ "amount": 5 }), 1),
+        deposited(serde_json::json!({ "amount": { "value": 7 } }), 2),
+        event("Other", 3),
+    ];
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::NoStream, &stored)
+        .await
+        .expect("append");
+    commit(tx).await.expect("commit");
+
+    let upcasting = fixture.store_with_upcasters(deposited_upcasters());
+    let tx = begin(fixture.source()).await;
+    let loaded = upcasting.load(&tx, stream).await.expect("load");
+    let locked = upcasting
+        .load_locked(&tx, stream, &fresh_key(), Some(Duration::from_secs(30)))
+        .await
+        .expect("load_locked");
+    let plain = fixture.store().load(&tx, stream).await.expect("load");
+    rollback(tx).await;
+    for events in [loaded, locked] {
+        let read: Vec<(u32, serde_json::Value)> = events
+            .iter()
+            .map(|e| (e.schema_version, e.payload.clone()))
+            .collect();
+        assert_eq!(
+            read,
+            [
+                (2, serde_json::json!({ "amount": { "value": 5 } })),
+                (2, serde_json::json!({ "amount": { "value": 7 } })),
+                (1, stored[2].payload().clone()),
+            ]
+        );
+    }
+    let as_stored: Vec<(u32, serde_json::Value)> = plain
+        .iter()
+        .map(|e| (e.schema_version, e.payload.clone()))
+        .collect();
+    let appended: Vec<(u32, serde_json::Value)> = stored
+        .iter()
+        .map(|e| (e.schema_version(), e.payload().clone()))
+        .collect();
+    assert_eq!(as_stored, appended);
+}
+
+/// An upcaster that fails fails the load (plain and lock-first) with `InvalidInput` naming the
+/// event, and changes nothing: the transaction stays usable, and the event is stored as it
+/// was.
+pub async fn a_failing_upcaster_fails_the_load_and_changes_nothing<F: EventStoreFixture>(
+    fixture: Arc<F>,
+) {
+    let stream = StreamId::new_v7();
+    let bad = deposited(serde_json::json!({ "amount": "lots" }), 1);
+    let tx = begin(fixture.source()).await;
+    fixture
+        .store()
+        .append(
+            &tx,
+            stream,
+            ExpectedVersion::NoStream,
+            &[
+                deposited(serde_json::json!({ "amount": 1 }), 1),
+                bad.clone(),
+            ],
+        )
+        .await
+        .expect("append");
+    commit(tx).await.expect("commit");
+
+    let upcasting = fixture.store_with_upcasters(deposited_upcasters());
+    let tx = begin(fixture.source()).await;
+    let err = upcasting
+        .load(&tx, stream)
+        .await
+        .expect_err("an upcaster fails");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(
+        err.to_string().contains(&bad.event_id().to_string()),
+        "{err}"
+    );
+    let err = upcasting
+        .load_locked(&tx, stream, &fresh_key(), Some(Duration::from_secs(30)))
+        .await
+        .expect_err("an upcaster fails");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    // The transaction is usable: it appends and commits.
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::Exact(2), &[event("After", 3)])
+        .await
+        .expect("the transaction is usable");
+    commit(tx).await.expect("commit");
+
+    let tx = begin(fixture.source()).await;
+    let stored = fixture.store().load(&tx, stream).await.expect("load");
+    rollback(tx).await;
+    assert_eq!(stored.len(), 3);
+    assert_eq!(stored[1].event_id, bad.event_id());
+    assert_eq!(&stored[1].payload, bad.payload());
+    assert_eq!(stored[1].schema_version, 1);
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`event_store_conformance!`](crate::event_store_conformance): a test per case.
 pub async fn run_all<F: EventStoreFixture>(fixture: Arc<F>) {
@@ -894,6 +1079,9 @@ macro_rules! __lockstep_event_store_cases {
             append_at_commit_refuses_bad_input_at_once,
             a_unit_of_work_retries_a_conflicting_append_at_commit,
             the_deepest_readable_payload_round_trips_and_one_level_deeper_is_refused,
+            a_schema_version_round_trips_through_append_and_load,
+            a_store_with_upcasters_loads_lifted_payloads,
+            a_failing_upcaster_fails_the_load_and_changes_nothing,
         ] }
     };
 }

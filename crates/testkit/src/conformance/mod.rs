@@ -54,7 +54,57 @@ pub mod session_lock;
 pub mod snapshot_store;
 pub mod stream_locker;
 
-use lockstep_core::{Result, Transaction, TransactionSource};
+use lockstep_core::{Result, Transaction, TransactionSource, Upcasters};
+
+/// A store that can be had reading through upcasters, over the same storage: how the generic
+/// fixtures ([`event_store::Fixture`], [`perspective_store::Fixture`]) build the store of the
+/// upcasting cases. A backend's own fixture implements
+/// [`EventStoreFixture::store_with_upcasters`](event_store::EventStoreFixture::store_with_upcasters)
+/// (and the perspective-store one) directly, with its store's `with_upcasters`.
+pub trait Upcasting: Sized {
+    /// This store's storage, read through `upcasters`.
+    fn upcasting(&self, upcasters: Upcasters) -> Self;
+}
+
+impl Upcasting for crate::InMemoryEventStore {
+    fn upcasting(&self, upcasters: Upcasters) -> Self {
+        self.clone().with_upcasters(upcasters)
+    }
+}
+
+impl Upcasting for crate::InMemoryPerspectiveStore {
+    fn upcasting(&self, upcasters: Upcasters) -> Self {
+        self.clone().with_upcasters(upcasters)
+    }
+}
+
+/// A fresh recording of the inner store read through the upcasters.
+impl<S: Upcasting> Upcasting for crate::RecordingEventStore<S> {
+    fn upcasting(&self, upcasters: Upcasters) -> Self {
+        crate::RecordingEventStore::new(self.inner().upcasting(upcasters))
+    }
+}
+
+/// The inner store read through the upcasters, with faults of its own (none armed).
+impl<S: Upcasting> Upcasting for crate::FaultyEventStore<S> {
+    fn upcasting(&self, upcasters: Upcasters) -> Self {
+        crate::FaultyEventStore::new(self.inner().upcasting(upcasters)).0
+    }
+}
+
+/// A fresh recording of the inner store read through the upcasters.
+impl<S: Upcasting> Upcasting for crate::RecordingPerspectiveStore<S> {
+    fn upcasting(&self, upcasters: Upcasters) -> Self {
+        crate::RecordingPerspectiveStore::new(self.inner().upcasting(upcasters))
+    }
+}
+
+/// The inner store read through the upcasters, with faults of its own (none armed).
+impl<S: Upcasting> Upcasting for crate::FaultyPerspectiveStore<S> {
+    fn upcasting(&self, upcasters: Upcasters) -> Self {
+        crate::FaultyPerspectiveStore::new(self.inner().upcasting(upcasters)).0
+    }
+}
 
 /// Begins a transaction for a case; a backend that cannot begin fails the case.
 async fn begin<S: TransactionSource>(source: &S) -> S::Tx {

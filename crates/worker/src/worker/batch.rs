@@ -379,7 +379,12 @@ where
     /// A pair's failure as stored (its text, at its event), backed off and parked by its
     /// count: a commit in the same entry (`committed`) clears the count — the pair made
     /// progress, and this is its first failure at the new position.
-    fn pair_failure(&self, cursor: &Cursor, committed: bool, error: &PairError) -> PairFailure {
+    pub(super) fn pair_failure(
+        &self,
+        cursor: &Cursor,
+        committed: bool,
+        error: &PairError,
+    ) -> PairFailure {
         let failures = if committed {
             1
         } else {

@@ -6,8 +6,8 @@ use lockstep_core::{Pair, Release};
 use std::sync::Arc;
 
 use lockstep_core::{
-    Claim, DynPerspective, ErrorKind, PerspectiveName, PerspectiveStore, RecordedEvent, Result,
-    StateCommit, StreamId, Transaction, TransactionSource,
+    BatchCommitted, BatchEntry, Claim, DynPerspective, ErrorKind, PerspectiveName,
+    PerspectiveStore, RecordedEvent, Result, StateCommit, StreamId, Transaction, TransactionSource,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -62,18 +62,24 @@ where
     ) -> Result<Normal> {
         // Every `?` below drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let (tx, cursor, state, events, clock) = match self.claim_one(tx, stream_id, name).await? {
+        let claimed = match self.claim_one(tx, stream_id, name).await? {
             Ok(claimed) => claimed,
             Err(normal) => return Ok(normal),
         };
+        let cursor = claimed.cursor;
         // From here on whatever fails is the pair's: a state that does not serialize, a commit
         // the server refuses, a lost commit — stored on its cursor and backed off like a failing
         // `apply`, not a cycle error retried at full size every cycle. Only when even storing
         // the failure fails is it the cycle's (the database itself is unavailable): that error
         // is returned.
         let failures = cursor.failures;
+        let fold = Fold {
+            state: claimed.state,
+            events: claimed.events,
+            unreadable: claimed.unreadable,
+        };
         match self
-            .apply_claimed(tx, stream_id, name, p, cursor, state, events, &clock)
+            .apply_claimed(claimed.tx, stream_id, name, p, cursor, fold, &claimed.clock)
             .await
         {
             Ok(normal) => Ok(normal),
@@ -87,9 +93,10 @@ where
         }
     }
 
-    /// The normal path after a claim returned events: fold them and commit. An `Err` is a
-    /// failure of the pair outside `apply` (the caller stores it); the transaction is ended on
-    /// every path.
+    /// The normal path after a claim returned events: fold them and commit (with the failure
+    /// at an unreadable event after them, if the claim stopped at one). An `Err` is a failure
+    /// of the pair outside `apply` (the caller stores it); the transaction is ended on every
+    /// path.
     #[allow(clippy::too_many_arguments)]
     async fn apply_claimed(
         &self,
@@ -98,10 +105,14 @@ where
         name: &PerspectiveName,
         p: &Arc<dyn DynPerspective>,
         cursor: lockstep_core::Cursor,
-        state: Option<serde_json::Value>,
-        events: Vec<RecordedEvent>,
+        fold: Fold,
         clock: &StoreClock,
     ) -> std::result::Result<Normal, PairError> {
+        let Fold {
+            state,
+            events,
+            unreadable,
+        } = fold;
         // Every early return below drops the open guard, which rolls the transaction back.
         let state = match state {
             Some(state) => state,
@@ -143,6 +154,16 @@ where
         commit.applied_count = applied_count;
         commit.applied_events = events.iter().map(|e| e.event_id).collect();
         commit.snapshot = snapshot;
+        if let Some(error) = unreadable {
+            // The events before it with the failure at it, as a batch does (the pair's first
+            // snapshot with them, fenced by the claim's row lock).
+            commit.snapshot |= cursor.latest_snapshot.is_none();
+            let commit = (!events.is_empty()).then_some(commit);
+            return self
+                .commit_failing(tx, &cursor, commit, error, oldest, clock)
+                .await
+                .map(Normal::Done);
+        }
         // The state change and the transaction's commit as one (a refusal commits nothing).
         let revision = match self.store.commit(tx, &commit, Release::Keep).await {
             Ok(committed) => committed.revision,
@@ -177,16 +198,27 @@ where
 /// What a one-pair claim handed out: the still open transaction with the cursor, state and
 /// events to apply, or how the normal path ends without applying (the claim's transaction
 /// then already ended).
-pub(super) type Claimed<Tx> = std::result::Result<
-    (
-        Tx,
-        lockstep_core::Cursor,
-        Option<serde_json::Value>,
-        Vec<RecordedEvent>,
-        StoreClock,
-    ),
-    Normal,
->;
+pub(super) type Claimed<Tx> = std::result::Result<ClaimedOne<Tx>, Normal>;
+
+/// A pair claimed alone, its transaction still open.
+pub(super) struct ClaimedOne<Tx> {
+    pub(super) tx: Tx,
+    pub(super) cursor: lockstep_core::Cursor,
+    pub(super) state: Option<serde_json::Value>,
+    /// The events to apply, in event-id order.
+    pub(super) events: Vec<RecordedEvent>,
+    /// The event after `events` that could not be read ([`Claim::Unreadable`]): the pair fails
+    /// at it once `events` are applied.
+    pub(super) unreadable: Option<PairError>,
+    pub(super) clock: StoreClock,
+}
+
+/// What the normal path folds: the state, the events, and the unreadable event after them.
+struct Fold {
+    state: Option<serde_json::Value>,
+    events: Vec<RecordedEvent>,
+    unreadable: Option<PairError>,
+}
 
 impl<S, P> PerspectiveWorker<S, P>
 where
@@ -218,8 +250,30 @@ where
                 events,
                 claimed_at,
             } => {
-                let clock = StoreClock::new(claimed_at);
-                return Ok(Ok((tx, cursor, state, events, clock)));
+                return Ok(Ok(ClaimedOne {
+                    tx,
+                    cursor,
+                    state,
+                    events,
+                    unreadable: None,
+                    clock: StoreClock::new(claimed_at),
+                }));
+            }
+            Claim::Unreadable {
+                cursor,
+                state,
+                events,
+                event_id,
+                error,
+            } => {
+                return Ok(Ok(ClaimedOne {
+                    tx,
+                    cursor,
+                    state,
+                    events,
+                    unreadable: Some(PairError::unreadable(event_id, error)),
+                    clock: StoreClock::new(None),
+                }));
             }
             Claim::Rewind { .. } => {
                 // Keep a rewind request the claim may have just written.
@@ -239,6 +293,54 @@ where
             }
         };
         Ok(Err(normal))
+    }
+
+    /// Commits, in the claim's transaction `tx`, the state change of the events before an
+    /// unreadable one (`None`: there were none) with the pair's failure at it: one entry of a
+    /// batch commit, as the batch path stores it. The failure is the pair's outcome. `Err`:
+    /// the store failed (nothing was committed).
+    pub(super) async fn commit_failing(
+        &self,
+        tx: S::Tx,
+        cursor: &lockstep_core::Cursor,
+        commit: Option<StateCommit>,
+        error: PairError,
+        oldest: Option<time::OffsetDateTime>,
+        clock: &StoreClock,
+    ) -> std::result::Result<PairOutcome, PairError> {
+        let name = cursor.pair.perspective.as_str();
+        let events = commit.as_ref().map_or(0, |c| c.applied_events.len());
+        let failure = self.pair_failure(cursor, commit.is_some(), &error);
+        let entry = BatchEntry::new(cursor.pair.clone(), commit, Some(failure));
+        // An error drops the open guard, which rolls the transaction back.
+        let outcomes = async {
+            let outcomes = self
+                .store
+                .commit_batch(&tx, std::slice::from_ref(&entry))
+                .await?;
+            tx.commit().await?;
+            Ok::<_, lockstep_core::Error>(outcomes)
+        }
+        .await
+        .map_err(|e| PairError::store(&e))?;
+        let parked = match outcomes.first() {
+            Some(BatchCommitted::Committed { parked, .. }) => {
+                count(telemetry::EVENTS_APPLIED, name, events as u64);
+                if let Some(oldest) = oldest {
+                    observe(telemetry::LAG_SECONDS, name, clock.age_seconds(oldest));
+                }
+                *parked
+            }
+            Some(BatchCommitted::FailureRecorded { parked }) => *parked,
+            // Another applier moved the cursor first: nothing lost, look again later.
+            _ => return Ok(PairOutcome::Skipped(SkipReason::Busy)),
+        };
+        count(telemetry::PAIR_FAILURES, name, 1);
+        if parked {
+            count(telemetry::PAIRS_PARKED, name, 1);
+        }
+        tracing::warn!(pair = %cursor.pair, error = %error, parked, "a pair failed at an event it cannot read; stored on its cursor");
+        Ok(PairOutcome::Failed { error })
     }
 }
 

@@ -125,10 +125,11 @@ where
     ) -> Result<Normal> {
         // Every `?` drops the open guard, which rolls the transaction back.
         let tx = self.source.begin().await?;
-        let (tx, cursor, _, events, _) = match self.claim_one(tx, stream_id, name).await? {
+        let claimed = match self.claim_one(tx, stream_id, name).await? {
             Ok(claimed) => claimed,
             Err(normal) => return Ok(normal),
         };
+        let (tx, cursor, events) = (claimed.tx, claimed.cursor, claimed.events);
         let applied = apply_in(&**p, &tx, &events, &|| true).await;
         if let Some(error) = applied.error {
             // The transaction may be aborted by the failed statement: end it (a rollback that
@@ -161,6 +162,23 @@ where
                 .map(Normal::Done);
         }
         let commit = table_commit(&cursor, &events);
+        if let Some(error) = claimed.unreadable {
+            // The events before it, with the failure at it, in this transaction.
+            let commit = (!events.is_empty()).then_some(commit);
+            let oldest = events.iter().map(|e| e.recorded_at).min();
+            return match self
+                .commit_failing(tx, &cursor, commit, error, oldest, &claimed.clock)
+                .await
+            {
+                Ok(outcome) => Ok(Normal::Done(outcome)),
+                Err(err) => {
+                    count(telemetry::PAIR_FAILURES, name.as_str(), 1);
+                    self.fail(stream_id, name, cursor.failures, err)
+                        .await
+                        .map(Normal::Done)
+                }
+            };
+        }
         let committed = self.store.commit(tx, &commit, Release::Keep).await;
         match committed {
             Ok(_) => {}

@@ -54,7 +54,7 @@ use lockstep_core::{
     AcquireOutcome, BatchClaim, BatchLimits, Claim, ClaimedBatch, ClaimedWork, Cursor, EventStore,
     ExpectedVersion, InstanceId, LeaseId, LockReason, NewEvent, Pair, PairFailure, PerspectiveName,
     PerspectiveStore, RecordedEvent, Release, RetireStates, Retired, RewindDebounce, StateCommit,
-    StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource,
+    StreamId, StreamLease, StreamLockAdmin, StreamLocker, TransactionSource, Upcasters,
 };
 use uuid::Uuid;
 
@@ -84,6 +84,11 @@ pub trait PerspectiveStoreFixture: Send + Sync + 'static {
 
     /// The store under test.
     fn store(&self) -> &Self::Store;
+
+    /// The store under test over the same storage, reading every event it hands out through
+    /// `upcasters` (the upcasting cases set up with [`store`](Self::store) and read with this
+    /// one).
+    fn store_with_upcasters(&self, upcasters: Upcasters) -> Self::Store;
 
     /// The event store to append with.
     fn events(&self) -> &Self::Events;
@@ -127,7 +132,7 @@ impl<S, St, E, L> Fixture<S, St, E, L> {
 impl<S, St, E, L> PerspectiveStoreFixture for Fixture<S, St, E, L>
 where
     S: TransactionSource + 'static,
-    St: PerspectiveStore<S::Tx> + CursorRows<S::Tx> + 'static,
+    St: PerspectiveStore<S::Tx> + CursorRows<S::Tx> + super::Upcasting + 'static,
     E: EventStore<S::Tx> + 'static,
     L: StreamLocker + StreamLockAdmin + 'static,
 {
@@ -144,6 +149,10 @@ where
 
     fn store(&self) -> &St {
         &self.store
+    }
+
+    fn store_with_upcasters(&self, upcasters: Upcasters) -> St {
+        self.store.upcasting(upcasters)
     }
 
     fn events(&self) -> &E {
@@ -189,6 +198,76 @@ fn event(id: Uuid, n: i64) -> NewEvent {
         .expect("event")
         .with_id(id)
         .expect("a chosen id")
+}
+
+/// The upcasters of the upcasting cases: version 1 of `Counted` is `{"count": n}`, version 2
+/// `{"n": n}` (what [`folded`] reads). The upcaster renames the field, and fails on a payload
+/// without a whole count.
+fn counted_upcasters() -> Upcasters {
+    Upcasters::new()
+        .with("Counted", 1, |payload| {
+            let n = payload["count"].as_i64().ok_or("no whole count")?;
+            Ok(serde_json::json!({ "n": n }))
+        })
+        .expect("one upcaster")
+}
+
+/// A `Counted` event with the caller-chosen `id`: of version 1 (`{"count": n}`) or 2
+/// (`{"n": n}`), read as `{"n": n}` through [`counted_upcasters`].
+fn counted(id: Uuid, n: i64, schema_version: u32) -> NewEvent {
+    let payload = match schema_version {
+        1 => serde_json::json!({ "count": n }),
+        _ => serde_json::json!({ "n": n }),
+    };
+    NewEvent::new("Counted", payload)
+        .expect("event")
+        .with_id(id)
+        .expect("a chosen id")
+        .with_schema_version(schema_version)
+        .expect("a schema version")
+}
+
+/// A `Counted` event of version 1 that [`counted_upcasters`] fails on.
+fn uncountable(id: Uuid) -> NewEvent {
+    NewEvent::new("Counted", serde_json::json!({ "count": "many" }))
+        .expect("event")
+        .with_id(id)
+        .expect("a chosen id")
+}
+
+/// A fresh stream of `Counted` events: for each id its version (1 or 2; 0 for one the
+/// upcaster fails on), `n` its position from 1.
+async fn counted_stream<F: PerspectiveStoreFixture>(
+    fixture: &F,
+    ids: &[Uuid],
+    versions: &[u32],
+) -> StreamId {
+    let stream = StreamId::new_v7();
+    let events: Vec<NewEvent> = ids
+        .iter()
+        .zip(versions)
+        .enumerate()
+        .map(|(i, (id, v))| match v {
+            0 => uncountable(*id),
+            v => counted(*id, i as i64 + 1, *v),
+        })
+        .collect();
+    append(fixture, stream, &events).await;
+    stream
+}
+
+/// Asserts that `events` are the `Counted` events `ids` read through [`counted_upcasters`]:
+/// `{"n": position}` at version 2, `position` counted from `first`.
+fn assert_counted(events: &[RecordedEvent], ids: &[Uuid], first: i64) {
+    assert_eq!(event_ids(events), ids);
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(
+            e.payload,
+            serde_json::json!({ "n": first + i as i64 }),
+            "{e:?}"
+        );
+        assert_eq!(e.schema_version, 2, "{e:?}");
+    }
 }
 
 /// What a state folding `events` onto `state` holds (`{"sum": …}`).
@@ -735,6 +814,9 @@ macro_rules! __lockstep_perspective_store_cases {
             a_rebuild_requests_a_rewind_from_the_start_on_every_pair_and_keeps_the_old_states,
             rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_commits,
             applied_events_add_up_in_the_perspectives_catch_up_window,
+            a_claim_hands_out_upcast_events_and_stops_at_one_an_upcaster_fails_on,
+            a_batch_hands_out_upcast_events_and_a_pair_unreadable_at_the_failing_event,
+            rewind_reads_hand_out_upcast_events_up_to_one_an_upcaster_fails_on,
         ] }
     };
 }

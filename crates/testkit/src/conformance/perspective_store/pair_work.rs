@@ -28,9 +28,10 @@ use lockstep_core::{
 use uuid::Uuid;
 
 use super::{
-    ALL_EVENTS, HOUR, PerspectiveStoreFixture, append, apply, claim, claim_and_commit, cursor,
-    ensure_cursor, event, event_ids, folded, ids, lease, listed, name, pending, register, renew,
-    request, rewind, snapshots, state, stream_with, trigger, trigger_after_claim,
+    ALL_EVENTS, HOUR, PerspectiveStoreFixture, append, apply, assert_counted, claim,
+    claim_and_commit, counted_stream, counted_upcasters, cursor, ensure_cursor, event, event_ids,
+    folded, ids, lease, listed, name, pending, register, renew, request, rewind, snapshots, state,
+    stream_with, trigger, trigger_after_claim,
 };
 use crate::conformance::{begin, commit, rollback};
 
@@ -1384,4 +1385,65 @@ pub async fn a_fenced_commit_that_ends_its_transaction_commits_all_of_it_or_noth
         !renewed.is_renewed(),
         "the lease was released with the commit"
     );
+}
+
+/// A claim through upcasters hands out the pending events in their current shape (version 1
+/// lifted, version 2 as stored), and stops at the first event an upcaster fails on:
+/// `Claim::Unreadable` at it, with the events before it. A claim whose limit ends before that
+/// event is a plain `Apply`. The plain store hands every event out as stored.
+pub async fn a_claim_hands_out_upcast_events_and_stops_at_one_an_upcaster_fails_on<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("UpcastClaim");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(5);
+    let stream = counted_stream(&*fixture, &ids, &[1, 2, 1, 0, 2]).await;
+    let upcasting = fixture.store_with_upcasters(counted_upcasters());
+    let pair = Pair::new(stream, p.clone());
+
+    let tx = begin(fixture.source()).await;
+    let claimed = upcasting
+        .claim(&tx, &pair, ALL_EVENTS, RewindDebounce::NONE)
+        .await
+        .expect("claim");
+    rollback(tx).await;
+    let Claim::Unreadable {
+        cursor,
+        state,
+        events,
+        event_id,
+        error,
+    } = claimed
+    else {
+        panic!("expected the claim to stop at the unreadable event, got {claimed:?}");
+    };
+    assert_eq!(cursor.pair, pair);
+    assert_eq!(state, None);
+    assert_counted(&events, &ids[..3], 1);
+    assert_eq!(event_id, ids[3]);
+    assert!(error.contains(&ids[3].to_string()), "{error}");
+
+    let tx = begin(fixture.source()).await;
+    let claimed = upcasting
+        .claim(&tx, &pair, 3, RewindDebounce::NONE)
+        .await
+        .expect("claim");
+    rollback(tx).await;
+    match claimed {
+        Claim::Apply { events, .. } => assert_counted(&events, &ids[..3], 1),
+        other => panic!("expected the three events before the unreadable one, got {other:?}"),
+    }
+
+    let tx = begin(fixture.source()).await;
+    let claimed = claim(&*fixture, &tx, stream, &p, ALL_EVENTS, RewindDebounce::NONE).await;
+    rollback(tx).await;
+    let Claim::Apply { events, .. } = claimed else {
+        panic!("the plain store reads every event: {claimed:?}");
+    };
+    assert_eq!(event_ids(&events), ids);
+    let versions: Vec<u32> = events.iter().map(|e| e.schema_version).collect();
+    assert_eq!(versions, [1, 2, 1, 1, 2]);
+    assert_eq!(events[0].payload, serde_json::json!({ "count": 1 }));
 }

@@ -15,8 +15,9 @@ use lockstep_core::{
 use uuid::Uuid;
 
 use super::{
-    ALL_EVENTS, PerspectiveStoreFixture, append, apply, cursor, event, event_ids, ids, lease, name,
-    register, renew, request, rewind, stream_with,
+    ALL_EVENTS, PerspectiveStoreFixture, append, apply, assert_counted, counted_stream,
+    counted_upcasters, cursor, event, event_ids, ids, lease, name, register, renew, request,
+    rewind, stream_with,
 };
 use crate::conformance::{begin, commit, rollback};
 
@@ -401,4 +402,58 @@ pub async fn rewind_progress_is_listed_while_the_rewind_runs_and_not_after_it_co
         progress_of(&*fixture, &p).await.is_empty(),
         "a committed rewind is no longer in progress"
     );
+}
+
+/// A rewind's reads through upcasters hand out the events in their current shape, page by
+/// page, up to the first event an upcaster fails on: the page (of `load_rewind` or
+/// `rewind_events`) ends before it, names it as unreadable, and says that none follow.
+pub async fn rewind_reads_hand_out_upcast_events_up_to_one_an_upcaster_fails_on<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("UpcastRewind");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    let ids = ids(5);
+    let stream = counted_stream(&*fixture, &ids, &[1, 2, 1, 0, 2]).await;
+    // Applied as stored by the plain store, then rewound from the start.
+    apply(&*fixture, stream, &p, ALL_EVENTS, false).await;
+    request(&*fixture, stream, &p, None).await;
+    let upcasting = fixture.store_with_upcasters(counted_upcasters());
+    let pair = Pair::new(stream, p.clone());
+    let pages = |events: usize| {
+        let mut page = PageLimits::default();
+        page.events = events;
+        page
+    };
+
+    let tx = begin(fixture.source()).await;
+    let first = upcasting
+        .load_rewind(&tx, &pair, pages(2))
+        .await
+        .expect("load_rewind")
+        .expect("a cursor");
+    assert_counted(&first.events, &ids[..2], 1);
+    assert!(first.more);
+    assert_eq!(first.unreadable, None);
+    let next = upcasting
+        .rewind_events(&tx, &pair, Some(ids[1]), pages(10))
+        .await
+        .expect("rewind_events");
+    assert_counted(&next.events, &ids[2..3], 3);
+    assert!(!next.more);
+    let (event_id, error) = next
+        .unreadable
+        .expect("the page ends at the unreadable event");
+    assert_eq!(event_id, ids[3]);
+    assert!(error.contains(&ids[3].to_string()), "{error}");
+    let whole = upcasting
+        .load_rewind(&tx, &pair, pages(10))
+        .await
+        .expect("load_rewind")
+        .expect("a cursor");
+    rollback(tx).await;
+    assert_counted(&whole.events, &ids[..3], 1);
+    assert!(!whole.more);
+    assert_eq!(whole.unreadable.map(|(id, _)| id), Some(ids[3]));
 }

@@ -25,10 +25,11 @@ use lockstep_core::{
 use uuid::Uuid;
 
 use super::{
-    ALL_EVENTS, ALL_PAIRS, HOUR, PerspectiveStoreFixture, append, apply, claim, claim_batch,
-    commit_of, cursor, ensure_cursor, event, event_ids, fail, from_start, ids, isolate, lease,
-    limits, listed, name, peek_batch, pending, register, renew, request, rewind, snapshots, state,
-    stream_with, trigger, trigger_after_claim, work_of,
+    ALL_EVENTS, ALL_PAIRS, HOUR, PerspectiveStoreFixture, append, apply, assert_counted, claim,
+    claim_batch, commit_of, counted_stream, counted_upcasters, cursor, ensure_cursor, event,
+    event_ids, fail, from_start, ids, isolate, lease, limits, listed, name, peek_batch, pending,
+    register, renew, request, rewind, snapshots, state, stream_with, trigger, trigger_after_claim,
+    work_of,
 };
 use crate::conformance::{begin, commit, rollback};
 
@@ -1422,4 +1423,52 @@ pub async fn the_byte_bounds_count_payloads_decoded_not_as_stored<F: Perspective
         (ids[..1].to_vec(), true)
     );
     rollback(tx).await;
+}
+
+/// A batch claimed through upcasters hands out every pair's events in their current shape; a
+/// pair with an event an upcaster fails on is `ClaimedWork::Unreadable` at that event, with
+/// the events before it, and the other pairs are not affected.
+pub async fn a_batch_hands_out_upcast_events_and_a_pair_unreadable_at_the_failing_event<
+    F: PerspectiveStoreFixture,
+>(
+    fixture: Arc<F>,
+) {
+    let p = name("UpcastBatch");
+    register(&*fixture, std::slice::from_ref(&p)).await;
+    isolate(&*fixture, std::slice::from_ref(&p)).await;
+    let (good_ids, bad_ids) = (ids(3), ids(3));
+    let good = counted_stream(&*fixture, &good_ids, &[1, 2, 1]).await;
+    let bad = counted_stream(&*fixture, &bad_ids, &[2, 0, 1]).await;
+    let upcasting = fixture.store_with_upcasters(counted_upcasters());
+    let mut request = BatchClaim::new(&[]);
+    request.positions = from_start(std::slice::from_ref(&p));
+    request.limits = limits(10, 100, 1000);
+    let tx = begin(fixture.source()).await;
+    let batch = upcasting
+        .claim_batch(&tx, &request)
+        .await
+        .expect("claim_batch");
+    rollback(tx).await;
+    assert_eq!(batch.pairs.len(), 2, "{batch:?}");
+    for pair in &batch.pairs {
+        match (&pair.work, pair.cursor.pair.stream_id) {
+            (ClaimedWork::Apply { events, .. }, stream) if stream == good => {
+                assert_counted(events, &good_ids, 1);
+            }
+            (
+                ClaimedWork::Unreadable {
+                    events,
+                    event_id,
+                    error,
+                    ..
+                },
+                stream,
+            ) if stream == bad => {
+                assert_counted(events, &bad_ids[..1], 1);
+                assert_eq!(*event_id, bad_ids[1]);
+                assert!(error.contains(&bad_ids[1].to_string()), "{error}");
+            }
+            other => panic!("unexpected pair {other:?}"),
+        }
+    }
 }
