@@ -214,6 +214,7 @@ fn claim_label(c: &Claim) -> &'static str {
         Claim::Apply { .. } => "apply",
         Claim::Rewind { .. } => "rewind",
         Claim::Busy => "busy",
+        Claim::Unreadable { .. } => "unreadable",
         _ => "idle",
     }
 }

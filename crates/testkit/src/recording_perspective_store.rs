@@ -197,6 +197,11 @@ pub enum ClaimKind {
     Idle,
     /// [`Claim::Busy`].
     Busy,
+    /// [`Claim::Unreadable`], with how many events before the unreadable one.
+    Unreadable {
+        /// Events handed out before it.
+        events: usize,
+    },
     /// A kind of claim this version of the testkit does not know.
     Other,
 }
@@ -374,6 +379,9 @@ fn claim_kind(claim: &Claim) -> Returned {
         Claim::Rewind { .. } => ClaimKind::Rewind,
         Claim::Idle => ClaimKind::Idle,
         Claim::Busy => ClaimKind::Busy,
+        Claim::Unreadable { events, .. } => ClaimKind::Unreadable {
+            events: events.len(),
+        },
         _ => ClaimKind::Other,
     })
 }
