@@ -3,156 +3,35 @@
 
 mod suite;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use lockstep_combiner::{CombineError, Combiner};
-use lockstep_core::{
-    AggregateSnapshot, AggregateType, Error, ErrorKind, EventStore, ExpectedVersion, LoadedStream,
-    LockFirst, NewEvent, RecordedEvent, ResourceKey, Result, SnapshotKey, SnapshotStore, StreamId,
-    Transaction, TransactionSource, Uuid,
-};
-use lockstep_testkit::{FakeDatabase, FakeTransaction, InMemoryEventStore};
+use lockstep_core::{ErrorKind, Uuid};
+use lockstep_testkit::{FakeDatabase, InMemoryEventStore};
 
 use suite::{Backend, Cmd, Shop};
-
-/// The fake database, whose next commit can be told to lose its reply (it commits, then
-/// reports [`ErrorKind::CommitUnknown`], as a connection lost after `COMMIT` was sent).
-#[derive(Clone, Default)]
-struct LossyDatabase {
-    db: FakeDatabase,
-    lose_next: Arc<AtomicBool>,
-}
-
-struct LossyTx {
-    tx: FakeTransaction,
-    lose_next: Arc<AtomicBool>,
-}
-
-impl Transaction for LossyTx {
-    async fn commit(self) -> Result<()> {
-        let lose = self.lose_next.swap(false, Ordering::SeqCst);
-        self.tx.commit().await?;
-        if lose {
-            return Err(Error::new(
-                ErrorKind::CommitUnknown,
-                "the connection was lost after COMMIT was sent",
-            ));
-        }
-        Ok(())
-    }
-
-    async fn rollback(self) -> Result<()> {
-        self.tx.rollback().await
-    }
-}
-
-impl TransactionSource for LossyDatabase {
-    type Tx = LossyTx;
-
-    async fn begin(&self) -> Result<LossyTx> {
-        Ok(LossyTx {
-            tx: self.db.begin().await?,
-            lose_next: Arc::clone(&self.lose_next),
-        })
-    }
-}
-
-/// The in-memory store on [`LossyTx`] (delegating to the fake transaction inside).
-#[derive(Clone, Default)]
-struct LossyStore(InMemoryEventStore);
-
-impl EventStore<LossyTx> for LossyStore {
-    async fn load(&self, tx: &LossyTx, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
-        self.0.load(&tx.tx, stream_id).await
-    }
-
-    async fn load_locked(
-        &self,
-        tx: &LossyTx,
-        stream_id: StreamId,
-        key: &ResourceKey,
-        timeout: Option<Duration>,
-    ) -> Result<Vec<RecordedEvent>> {
-        self.0.load_locked(&tx.tx, stream_id, key, timeout).await
-    }
-
-    async fn append(
-        &self,
-        tx: &LossyTx,
-        stream_id: StreamId,
-        expected: ExpectedVersion,
-        events: &[NewEvent],
-    ) -> Result<u64> {
-        self.0.append(&tx.tx, stream_id, expected, events).await
-    }
-
-    async fn append_at_commit(
-        &self,
-        tx: &LossyTx,
-        stream_id: StreamId,
-        expected: ExpectedVersion,
-        events: &[NewEvent],
-    ) -> Result<()> {
-        self.0
-            .append_at_commit(&tx.tx, stream_id, expected, events)
-            .await
-    }
-}
-
-impl SnapshotStore<LossyTx> for LossyStore {
-    async fn load_from_snapshot(
-        &self,
-        tx: &LossyTx,
-        key: &SnapshotKey,
-        lock: Option<LockFirst<'_>>,
-    ) -> Result<LoadedStream> {
-        self.0.load_from_snapshot(&tx.tx, key, lock).await
-    }
-
-    async fn save_snapshot(
-        &self,
-        tx: &LossyTx,
-        key: &SnapshotKey,
-        snapshot: &AggregateSnapshot,
-    ) -> Result<bool> {
-        self.0.save_snapshot(&tx.tx, key, snapshot).await
-    }
-
-    async fn delete_snapshots(
-        &self,
-        tx: &LossyTx,
-        aggregate_type: &AggregateType,
-        below_schema_version: Option<u32>,
-    ) -> Result<u64> {
-        self.0
-            .delete_snapshots(&tx.tx, aggregate_type, below_schema_version)
-            .await
-    }
-}
 
 /// One fake database and store; "another process" is a second combiner on the same ones.
 #[derive(Default)]
 struct Fakes {
-    db: LossyDatabase,
-    store: LossyStore,
+    db: FakeDatabase,
+    store: InMemoryEventStore,
 }
 
 impl Backend for Fakes {
-    type Src = LossyDatabase;
-    type Store = LossyStore;
+    type Src = FakeDatabase;
+    type Store = InMemoryEventStore;
 
-    fn process(&self) -> (LossyDatabase, LossyStore) {
+    fn process(&self) -> (FakeDatabase, InMemoryEventStore) {
         (self.db.clone(), self.store.clone())
     }
 
-    fn another_process(&self) -> (LossyDatabase, LossyStore) {
+    fn another_process(&self) -> (FakeDatabase, InMemoryEventStore) {
         self.process()
     }
 
     fn lose_next_commit_reply(&self) {
-        self.db.lose_next.store(true, Ordering::SeqCst);
+        self.db.lose_next_commit_replies(1);
     }
 }
 

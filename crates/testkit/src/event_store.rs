@@ -263,6 +263,15 @@ impl InMemoryEventStore {
         });
     }
 
+    /// The events of `stream_id` that `tx` sees, as stored (not upcast).
+    pub(crate) fn visible_as_stored(
+        &self,
+        tx: &FakeTransaction,
+        stream_id: StreamId,
+    ) -> Vec<RecordedEvent> {
+        Self::visible(&self.state(), tx.id(), stream_id)
+    }
+
     fn visible(state: &State, tx: u64, stream_id: StreamId) -> Vec<RecordedEvent> {
         let mut events = state.committed.get(&stream_id).cloned().unwrap_or_default();
         if let Some(staged) = state.staged.get(&tx) {

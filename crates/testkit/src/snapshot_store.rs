@@ -8,15 +8,16 @@
 //!   transaction saving the same key waits for the first (in the database's wait graph, so a
 //!   cycle is a deadlock), then compares with what it committed.
 //! - A load returns the visible snapshot (the transaction's own staged one, else the committed
-//!   one) and the events after it, read as [`EventStore::load`] reads them; a snapshot past the
-//!   stream's last event is ignored. With a lock, the lock is taken first, as
+//!   one) and the events after it, through the store's upcasters as [`EventStore::load`] reads
+//!   them (the events before the snapshot are not read); a snapshot past the stream's last
+//!   event is ignored. With a lock, the lock is taken first, as
 //!   [`EventStore::load_locked`] takes it.
 
 use std::collections::{HashMap, HashSet};
 
 use lockstep_core::snapshot::check_snapshot;
 use lockstep_core::{
-    AggregateSnapshot, AggregateType, DistributedLock, EventStore, LoadedStream, LockFirst, Result,
+    AggregateSnapshot, AggregateType, DistributedLock, LoadedStream, LockFirst, Result,
     SnapshotKey, SnapshotStore,
 };
 
@@ -91,7 +92,8 @@ impl SnapshotStore<FakeTransaction> for InMemoryEventStore {
                 .acquire_for_transaction(tx, lock_key, timeout)
                 .await?;
         }
-        let mut events = self.load(tx, key.stream_id()).await?;
+        // As stored; only the events after the snapshot are read (and upcast), as on Postgres.
+        let mut events = self.visible_as_stored(tx, key.stream_id());
         let snapshot = self
             .snapshots()
             .visible(tx.id(), key)
@@ -100,6 +102,10 @@ impl SnapshotStore<FakeTransaction> for InMemoryEventStore {
         if let Some(snapshot) = &snapshot {
             events.retain(|e| e.version > snapshot.version);
         }
+        let events = events
+            .into_iter()
+            .map(|event| self.upcasters().upcast(event))
+            .collect::<Result<_>>()?;
         Ok(LoadedStream { snapshot, events })
     }
 

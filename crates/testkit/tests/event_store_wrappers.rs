@@ -326,3 +326,24 @@ mod the_wrappers_without_faults_pass_the_event_store_suite {
         },
     }
 }
+
+/// The wrappers without faults pass the snapshot-store suite, and record its snapshot calls.
+mod the_wrappers_without_faults_pass_the_snapshot_store_suite {
+    use super::*;
+
+    lockstep_testkit::snapshot_store_conformance! {
+        #[tokio::test(start_paused = true)]
+        fixture: wrapped(),
+        after_each: |fixture: &Wrapped| {
+            assert!(
+                fixture.store.calls().iter().any(|c| matches!(
+                    c,
+                    lockstep_testkit::EventStoreCall::LoadFromSnapshot { .. }
+                        | lockstep_testkit::EventStoreCall::SaveSnapshot { .. }
+                )),
+                "snapshot calls are recorded"
+            );
+            assert!(fixture.source.held_keys().is_empty());
+        },
+    }
+}

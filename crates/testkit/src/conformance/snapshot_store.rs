@@ -474,6 +474,59 @@ where
     );
 }
 
+/// A load from a snapshot reads the events after it through the store's upcasters, and only
+/// those: an upcaster that fails on an event the snapshot already folds fails nothing, one
+/// that fails on an event after it fails the load with [`ErrorKind::InvalidInput`].
+pub async fn a_load_from_a_snapshot_upcasts_only_the_events_after_it<F>(fixture: Arc<F>)
+where
+    F: EventStoreFixture,
+    F::Store: SnapshotStore<F::Tx>,
+{
+    let (ty, stream) = (fresh_type(), StreamId::new_v7());
+    let k = key(&ty, stream, 1);
+    let tx = begin(fixture.source()).await;
+    let old = NewEvent::new("Old", json!({ "n": 1 })).expect("event");
+    let counted = NewEvent::new("Counted", json!({ "i": 2 })).expect("event");
+    fixture
+        .store()
+        .append(&tx, stream, ExpectedVersion::NoStream, &[old, counted])
+        .await
+        .expect("append");
+    fixture
+        .store()
+        .save_snapshot(&tx, &k, &snapshot(1))
+        .await
+        .expect("save");
+    commit(tx).await.expect("commit");
+    let upcasters = lockstep_core::Upcasters::new()
+        .with("Old", 1, |_| Err("no longer readable".into()))
+        .expect("upcaster")
+        .with("Counted", 1, |mut payload| {
+            payload["lifted"] = json!(true);
+            Ok(payload)
+        })
+        .expect("upcaster");
+    let upcasting = fixture.store_with_upcasters(upcasters);
+    let tx = begin(fixture.source()).await;
+    let loaded = upcasting
+        .load_from_snapshot(&tx, &k, None)
+        .await
+        .expect("the failing event is before the snapshot");
+    assert_eq!(loaded.snapshot, Some(snapshot(1)));
+    assert_eq!(versions(&loaded), [2]);
+    assert_eq!(loaded.events[0].payload["lifted"], true);
+    assert_eq!(loaded.events[0].schema_version, 2);
+    rollback(tx).await;
+    let other = key(&ty, stream, 2);
+    let tx = begin(fixture.source()).await;
+    let err = upcasting
+        .load_from_snapshot(&tx, &other, None)
+        .await
+        .expect_err("without a snapshot the failing event is read");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    rollback(tx).await;
+}
+
 /// Runs every case, in order, in one test. Prefer
 /// [`snapshot_store_conformance!`](crate::snapshot_store_conformance): a test per case.
 pub async fn run_all<F>(fixture: Arc<F>)
@@ -499,6 +552,7 @@ macro_rules! __lockstep_snapshot_store_cases {
             a_locked_load_waits_for_the_holder_and_sees_its_commit,
             a_concurrent_save_waits_for_the_first,
             delete_snapshots_by_type_and_schema_version,
+            a_load_from_a_snapshot_upcasts_only_the_events_after_it,
         ] }
     };
 }
