@@ -8,10 +8,10 @@
 //!   transaction saving the same key waits for the first (in the database's wait graph, so a
 //!   cycle is a deadlock), then compares with what it committed.
 //! - A load returns the visible snapshot (the transaction's own staged one, else the committed
-//!   one) and the events after it, through the store's upcasters as [`EventStore::load`] reads
-//!   them (the events before the snapshot are not read); a snapshot past the stream's last
-//!   event is ignored. With a lock, the lock is taken first, as
-//!   [`EventStore::load_locked`] takes it.
+//!   one) and the events after it, read through the store's upcasters as a load reads them
+//!   (the events before the snapshot are not read); a snapshot past the stream's last event is
+//!   ignored. With a lock, the lock is taken first, as
+//!   [`EventStore::load_locked`](lockstep_core::EventStore::load_locked) takes it.
 
 use std::collections::{HashMap, HashSet};
 
