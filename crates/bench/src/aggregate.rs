@@ -908,6 +908,7 @@ async fn scenario(
         ty: AggregateType::new(AGGREGATE).unwrap_or_else(|e| unreachable!("{e}")),
         hold: setup.hold,
         holds: Arc::clone(&holds),
+        snapshot_every: None,
     };
     let runner = (via == Via::Runner).then(|| {
         let db = PgDatabase::from_pool(pool.clone());
@@ -1353,6 +1354,8 @@ struct BenchDecider {
     ty: AggregateType,
     hold: Duration,
     holds: Arc<Holds>,
+    /// A snapshot every this many events (`None`: never; module `runner`).
+    snapshot_every: Option<u32>,
 }
 
 impl Decider for BenchDecider {
@@ -1393,5 +1396,8 @@ impl Decider for BenchDecider {
             .get("quantity")
             .and_then(|q| q.as_u64())
             .unwrap_or(0))
+    }
+    fn snapshots(&self) -> Option<lockstep_core::SnapshotPolicy<u64>> {
+        self.snapshot_every.map(lockstep_core::SnapshotPolicy::json)
     }
 }

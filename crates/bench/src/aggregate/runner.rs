@@ -27,10 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use deadpool_postgres::Pool;
 use lockstep_command::{CommandRunner, Mode as RunnerMode, RunnerOptions};
-use lockstep_core::{
-    AggregateType, Decider, ExpectedVersion, NewEvent, RecordedEvent, SnapshotPolicy, StreamId,
-    Transaction as _,
-};
+use lockstep_core::{AggregateType, ExpectedVersion, NewEvent, StreamId, Transaction as _};
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
@@ -95,59 +92,16 @@ pub(super) async fn runner_vs_handwritten(
     Ok(lines)
 }
 
-/// The benchmark's decider with a snapshot every `every` events (`None`: never).
-struct Snapshotting {
-    inner: BenchDecider,
-    every: Option<u32>,
-}
-
-impl Decider for Snapshotting {
-    type State = u64;
-    type Command = ();
-    type Event = u64;
-    type Error = std::convert::Infallible;
-
-    fn aggregate_type(&self) -> &AggregateType {
-        self.inner.aggregate_type()
-    }
-
-    fn initial_state(&self, id: Uuid) -> u64 {
-        self.inner.initial_state(id)
-    }
-
-    async fn decide(&self, state: &u64, command: &()) -> Result<Vec<u64>, Self::Error> {
-        self.inner.decide(state, command).await
-    }
-
-    fn evolve(&self, state: u64, event: &u64) -> u64 {
-        self.inner.evolve(state, event)
-    }
-
-    fn encode(&self, event: &u64) -> lockstep_core::Result<NewEvent> {
-        self.inner.encode(event)
-    }
-
-    fn decode(&self, event: &RecordedEvent) -> lockstep_core::Result<u64> {
-        self.inner.decode(event)
-    }
-
-    fn snapshots(&self) -> Option<SnapshotPolicy<u64>> {
-        self.every.map(SnapshotPolicy::json)
-    }
-}
-
-type Runner = CommandRunner<PgDatabase, PgEventStore, Snapshotting>;
+type Runner = CommandRunner<PgDatabase, PgEventStore, BenchDecider>;
 
 fn locked_runner(pool: &Pool, every: Option<u32>) -> Runner {
     let db = PgDatabase::from_pool(pool.clone());
     let store = PgEventStore::new(&db);
-    let decider = Snapshotting {
-        inner: BenchDecider {
-            ty: AggregateType::new("SnapshotItem").unwrap_or_else(|e| unreachable!("{e}")),
-            hold: Duration::ZERO,
-            holds: Arc::new(Holds::default()),
-        },
-        every,
+    let decider = BenchDecider {
+        ty: AggregateType::new("SnapshotItem").unwrap_or_else(|e| unreachable!("{e}")),
+        hold: Duration::ZERO,
+        holds: Arc::new(Holds::default()),
+        snapshot_every: every,
     };
     CommandRunner::with_options(db, store, decider, RunnerOptions::new(RunnerMode::Locked))
 }
