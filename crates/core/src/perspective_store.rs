@@ -39,7 +39,7 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::error::{Result, ValidationError};
+use crate::error::{Error, Result, ValidationError};
 use crate::event_store::RecordedEvent;
 use crate::ids::{InstanceId, PerspectiveName, StreamId};
 use crate::stream_lease::{CursorLease, LeaseId};
@@ -1099,6 +1099,21 @@ pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(10);
 
 /// The most [`PerspectiveAdmin::rewind_progress`] returns at once.
 pub const MAX_PROGRESS_ROWS: usize = 10_000;
+
+/// What a store records on a cursor for an event it could not read
+/// ([`ClaimedWork::Unreadable`], [`Claim::Unreadable`], [`RewindLoad::unreadable`]): the error
+/// and its causes, so that every backend words it alike (an upcaster's or the driver's error
+/// says what is wrong with the payload).
+pub fn unreadable_event_message(event_id: Uuid, err: &Error) -> String {
+    let mut message = format!("event {event_id} could not be read: {err}");
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
 
 /// Checks a [`PerspectiveAdmin::rewind_progress`] limit: 1 to [`MAX_PROGRESS_ROWS`].
 #[doc(hidden)]

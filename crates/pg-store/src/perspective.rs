@@ -738,7 +738,9 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
                                 state,
                                 events,
                                 event_id,
-                                error: batch::unreadable_message(event_id, &err),
+                                error: lockstep_core::perspective_store::unreadable_event_message(
+                                    event_id, &err,
+                                ),
                             });
                         }
                     }
@@ -1776,7 +1778,10 @@ impl PageCut {
             Err(err) => {
                 // The id is read on its own: only the payload (or another column) is bad.
                 let id: Uuid = row.try_get(offset).map_err(decode_error)?;
-                self.unreadable = Some((id, batch::unreadable_message(id, &err)));
+                self.unreadable = Some((
+                    id,
+                    lockstep_core::perspective_store::unreadable_event_message(id, &err),
+                ));
                 return Ok(false);
             }
         };

@@ -215,7 +215,17 @@ impl InMemoryPerspectiveStore {
             let event_id = event.event_id;
             match self.upcasters.upcast(event) {
                 Ok(event) => read.push(event),
-                Err(err) => return (read, Some((event_id, unreadable_message(event_id, &err)))),
+                Err(err) => {
+                    return (
+                        read,
+                        Some((
+                            event_id,
+                            lockstep_core::perspective_store::unreadable_event_message(
+                                event_id, &err,
+                            ),
+                        )),
+                    );
+                }
             }
         }
         (read, None)
@@ -776,19 +786,6 @@ enum Taken {
     Passed,
     /// Its state and first event do not fit the bytes left: the batch is full.
     NoRoom,
-}
-
-/// What is stored on the cursor for an event that could not be read: the error with its
-/// causes, as the Postgres store words it.
-fn unreadable_message(id: Uuid, err: &Error) -> String {
-    let mut message = format!("event {id} could not be read: {err}");
-    let mut source = std::error::Error::source(err);
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
 }
 
 /// The size the byte bound counts for a value: its JSON text.

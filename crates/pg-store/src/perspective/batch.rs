@@ -281,7 +281,10 @@ async fn read_events<T: PgTransactionRef>(
                 let id: Uuid = row.try_get(1).map_err(decode_error)?;
                 match apply.work.get(matched[i]) {
                     Some(next) if *next == id => {
-                        apply.unreadable = Some((id, unreadable_message(id, &err)));
+                        apply.unreadable = Some((
+                            id,
+                            lockstep_core::perspective_store::unreadable_event_message(id, &err),
+                        ));
                         stopped[i] = true;
                     }
                     // Not the pair's work (skipped, or enqueued after the claim).
@@ -303,19 +306,6 @@ async fn read_events<T: PgTransactionRef>(
         }
     }
     Ok(claimed_at)
-}
-
-/// What is stored on the cursor for an event that could not be read: the error with its
-/// causes (the driver's decoding error says what is wrong with the payload).
-pub(super) fn unreadable_message(id: Uuid, err: &Error) -> String {
-    let mut message = format!("event {id} could not be read: {err}");
-    let mut source = std::error::Error::source(err);
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
 }
 
 fn pair_cursor(
