@@ -105,6 +105,80 @@ impl Perspective for Numbers {
     }
 }
 
+/// The name of [`NumberRows`].
+pub const NUMBER_ROWS: &str = "NumberRows";
+
+/// The application's table [`NumberRows`] writes: one row per applied event (the primary key
+/// refuses a second write of one event).
+pub const NUMBER_ROWS_TABLE: &str = "CREATE TABLE IF NOT EXISTS number_rows (
+    event_id uuid PRIMARY KEY,
+    stream_id uuid NOT NULL,
+    n bigint NOT NULL
+)";
+
+/// A table perspective beside [`Numbers`]: each event's `n` as a row of the application's table
+/// `number_rows` ([`NUMBER_ROWS_TABLE`]), written with SQL in the worker's transaction; a reset
+/// deletes the stream's rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NumberRows;
+
+impl lockstep_core::TablePerspective<lockstep_pg::PgTransaction> for NumberRows {
+    type Error = tokio_postgres::Error;
+
+    fn name(&self) -> &str {
+        NUMBER_ROWS
+    }
+
+    async fn apply(
+        &self,
+        tx: &lockstep_pg::PgTransaction,
+        event: &RecordedEvent,
+    ) -> Result<(), tokio_postgres::Error> {
+        let n = event.payload["n"].as_i64().unwrap_or(i64::MIN);
+        tx.client()
+            .execute(
+                "INSERT INTO number_rows (event_id, stream_id, n) VALUES ($1, $2, $3)",
+                &[&event.event_id, &event.stream_id.as_uuid(), &n],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn reset(
+        &self,
+        tx: &lockstep_pg::PgTransaction,
+        stream_id: lockstep_core::StreamId,
+    ) -> Result<(), tokio_postgres::Error> {
+        tx.client()
+            .execute(
+                "DELETE FROM number_rows WHERE stream_id = $1",
+                &[&stream_id.as_uuid()],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// Every stream's rows of `number_rows`, their `n` in event-id order.
+pub async fn number_rows(
+    client: &tokio_postgres::Client,
+) -> anyhow::Result<BTreeMap<Uuid, Vec<i64>>> {
+    let rows = client
+        .query(
+            "SELECT stream_id, n FROM number_rows ORDER BY stream_id, event_id",
+            &[],
+        )
+        .await?;
+    let mut states: BTreeMap<Uuid, Vec<i64>> = BTreeMap::new();
+    for row in rows {
+        states
+            .entry(row.try_get(0)?)
+            .or_default()
+            .push(row.try_get(1)?);
+    }
+    Ok(states)
+}
+
 /// An event carrying the number `n` ([`Numbers`] folds it), with a fresh UUIDv7 id.
 pub fn number_event(n: i64) -> NewEvent {
     match NewEvent::new("Numbered", serde_json::json!({ "n": n })) {

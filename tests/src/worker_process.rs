@@ -6,11 +6,12 @@
 //! ```text
 //! lockstep-test-worker --database-url postgres://postgres@127.0.0.1:5432/db \
 //!     --instance 0192… [--lock-timeout-ms 2000] [--keepalive-ms 500] [--poll-ms 50] \
-//!     [--rewind-debounce-ms 0]
+//!     [--rewind-debounce-ms 0] [--table-rows]
 //! ```
 //!
 //! It runs the [`Numbers`] perspective, slowed down by `LOCKSTEP_TEST_APPLY_SLEEP_MS`
-//! milliseconds per applied event when that is set. It prints `ready instance=<id>` once
+//! milliseconds per applied event when that is set, and with `--table-rows` the
+//! [`NumberRows`] table perspective too. It prints `ready instance=<id>` once
 //! registered, and `lease rewind stream=<id> perspective=<name> epoch=<n> instance=<id>` each
 //! time it acquires a `rewind` lease. It stops gracefully on SIGTERM or Ctrl-C (releasing its
 //! leases) and prints `stopped instance=<id>`; `kill -9` is the crash the tests are about.
@@ -21,7 +22,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{APPLY_SLEEP_ENV, Numbers};
+use crate::{APPLY_SLEEP_ENV, NumberRows, Numbers};
 use anyhow::Context;
 use async_trait::async_trait;
 use clap::Parser;
@@ -56,6 +57,9 @@ pub struct Args {
     /// The worker's `rewind_debounce` (0: none).
     #[arg(long, default_value_t = 0)]
     pub rewind_debounce_ms: u64,
+    /// Also run the [`NumberRows`] table perspective (its table must exist).
+    #[arg(long)]
+    pub table_rows: bool,
 }
 
 /// Announces every `rewind` lease it acquires on standard output, then behaves exactly like the
@@ -159,6 +163,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let mut registry = PerspectiveRegistry::new();
     registry.register(Numbers::slowed(Duration::from_millis(sleep_ms)))?;
+    if args.table_rows {
+        registry.register_table::<lockstep_pg::PgTransaction, _>(NumberRows)?;
+    }
     let fleet: Arc<dyn Fleet> = Arc::new(Announcing {
         inner: PgStreamLocker::from_pool(pool.clone(), lock_options),
     });

@@ -30,6 +30,10 @@ pub(crate) fn kind_of_sqlstate(code: &SqlState) -> ErrorKind {
         // admin_shutdown, crash_shutdown, cannot_connect_now, idle-session/idle-in-transaction
         // timeouts end the connection
         "57P01" | "57P02" | "57P03" | "57P05" | "25P03" => ErrorKind::ConnectionLost,
+        // read_only_sql_transaction: the connection reached a server that cannot write — a
+        // standby, or a primary demoted by a failover. The connection is discarded like a lost
+        // one, and the next (through `target_session_attrs=read-write`) finds the primary.
+        "25006" => ErrorKind::ConnectionLost,
         c if c.starts_with("08") => ErrorKind::ConnectionLost, // connection_exception class
         _ => ErrorKind::Backend,
     }
@@ -170,6 +174,11 @@ mod tests {
         assert_eq!(
             kind_of_sqlstate(&SqlState::CONNECTION_FAILURE),
             ErrorKind::ConnectionLost
+        );
+        assert_eq!(
+            kind_of_sqlstate(&SqlState::READ_ONLY_SQL_TRANSACTION),
+            ErrorKind::ConnectionLost,
+            "a write on a standby or a demoted primary: reconnect to the primary"
         );
         assert_eq!(
             kind_of_sqlstate(&SqlState::SYNTAX_ERROR),

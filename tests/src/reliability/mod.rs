@@ -22,13 +22,19 @@
 //!   changes nothing (the tables are checksummed before and after).
 //! - [`workers`] — perspective worker processes `kill -9`ed (and stopped) at random while events,
 //!   some of them late, are appended: every perspective state equals the fold of its events,
-//!   nothing lost or applied twice.
+//!   nothing lost or applied twice. The same fleet also runs through primary failovers.
+//! - [`failover`] — the primary of a streaming pair ([`replication`]) killed and its standby
+//!   promoted under commands (the aggregate lock, the combiner) and under a worker fleet: no
+//!   acknowledged write lost (with synchronous replication), no wrong answer, exact folds, and a
+//!   fence that refuses a holder whose epoch the new primary never saw.
 
 pub mod audit;
 pub mod bad_input;
 pub mod cancel;
+pub mod failover;
 pub mod faults;
 pub mod model;
+pub mod replication;
 pub mod server;
 pub mod workers;
 
@@ -49,6 +55,8 @@ pub struct Tally {
     pub panics: u64,
     /// Cases run (a lease cycle, a fault injected, a cancellation point, a bad input).
     pub cases: u64,
+    /// Primary failovers survived (a standby promoted while the work went on).
+    pub failovers: u64,
     /// One line per failure, for the report (kept short: the first few hundred).
     pub details: Vec<String>,
 }
@@ -94,6 +102,7 @@ impl Tally {
         self.duplicated += other.duplicated;
         self.panics += other.panics;
         self.cases += other.cases;
+        self.failovers += other.failovers;
         for d in other.details {
             self.note(d);
         }
@@ -106,13 +115,13 @@ impl Tally {
 }
 
 /// The long run's last line: `reliability violations=<n> lost=<n> duplicated=<n> panics=<n>
-/// cases=<n>`.
+/// cases=<n> failovers=<n>`.
 impl fmt::Display for Tally {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "reliability violations={} lost={} duplicated={} panics={} cases={}",
-            self.violations, self.lost, self.duplicated, self.panics, self.cases
+            "reliability violations={} lost={} duplicated={} panics={} cases={} failovers={}",
+            self.violations, self.lost, self.duplicated, self.panics, self.cases, self.failovers
         )
     }
 }

@@ -1,8 +1,8 @@
 //! A private PostgreSQL 15 cluster for the fault scenarios that must stop the server
-//! ([`super::faults`]): `initdb` into a temporary directory, `pg_ctl start` on a free port of
-//! 127.0.0.1 with its Unix socket in that directory, `stop -m fast` or `-m immediate`, restart on
-//! the same port, and removal (stop + delete) on drop. The shared server at 5432 is never
-//! touched.
+//! ([`super::faults`], [`super::failover`]): `initdb` into a temporary directory, `pg_ctl start`
+//! on a free port of 127.0.0.1 with its Unix socket in that directory, `stop -m fast` or `-m
+//! immediate`, restart on the same port, a streaming standby made with `pg_basebackup` and its
+//! promotion, and removal (stop + delete) on drop. The shared server at 5432 is never touched.
 //!
 //! `initdb` refuses to run as root, so when this process is root every PostgreSQL program runs
 //! as the `postgres` OS user (`runuser -u postgres --`) and the directory is handed to that user
@@ -55,34 +55,20 @@ pub struct PrivateServer {
     port: u16,
     as_postgres: bool,
     running: bool,
+    /// Settings given at every start (`-c name=value`), besides the fixed ones.
+    settings: Vec<(String, String)>,
 }
 
 impl PrivateServer {
     /// `initdb` a fresh cluster into a temporary directory and start it on a free port.
     pub async fn start() -> anyhow::Result<PrivateServer> {
-        let bindir = find_bindir().with_context(|| {
-            format!(
-                "no initdb found (looked in ${BINDIR_ENV}, {DEBIAN_BINDIR} and PATH): cannot \
-                 start a private PostgreSQL server"
-            )
-        })?;
-        let dir =
-            std::env::temp_dir().join(format!("lockstep-faults-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut server = PrivateServer {
-            dir,
-            bindir,
-            port: 0,
-            as_postgres: is_root(),
-            running: false,
-        };
-        if server.as_postgres {
-            let out = run(tokio::process::Command::new("chown")
-                .arg("postgres:postgres")
-                .arg(&server.dir))
-            .await?;
-            check(&out, "chown postgres of the server directory")?;
-        }
+        PrivateServer::start_with(&[]).await
+    }
+
+    /// [`PrivateServer::start`] with `settings` given at every start (`name`, `value`; the
+    /// value must not need shell quoting).
+    pub async fn start_with(settings: &[(&str, &str)]) -> anyhow::Result<PrivateServer> {
+        let mut server = PrivateServer::empty(settings).await?;
         let data = server.data_dir();
         let out = run(server.command("initdb").arg("-D").arg(&data).args([
             "-U",
@@ -95,12 +81,108 @@ impl PrivateServer {
         ]))
         .await?;
         check(&out, "initdb")?;
-        // A free port can be taken by someone else before the server binds it: try a few.
+        server.start_on_a_free_port().await?;
+        Ok(server)
+    }
+
+    /// A streaming standby of `primary`: `pg_basebackup` of it (with `standby.signal`), its
+    /// `primary_conninfo` naming it `application_name` (what `synchronous_standby_names`
+    /// matches), started on `port` (a free one when `None`) with `settings`.
+    pub async fn standby_of(
+        primary: &PrivateServer,
+        application_name: &str,
+        port: Option<u16>,
+        settings: &[(&str, &str)],
+    ) -> anyhow::Result<PrivateServer> {
+        let mut server = PrivateServer::empty(settings).await?;
+        let out = run(server
+            .command("pg_basebackup")
+            .arg("-D")
+            .arg(server.data_dir())
+            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+            .args([
+                "-U",
+                "postgres",
+                "-X",
+                "stream",
+                "-R",
+                "--no-sync",
+                "--checkpoint=fast",
+            ]))
+        .await?;
+        check(&out, "pg_basebackup")?;
+        // `-R` wrote a primary_conninfo without an application name; a later line wins.
+        let auto_conf = server.data_dir().join("postgresql.auto.conf");
+        let mut conf = std::fs::read_to_string(&auto_conf)
+            .with_context(|| format!("reading {}", auto_conf.display()))?;
+        conf.push_str(&format!(
+            "primary_conninfo = 'host=127.0.0.1 port={} user=postgres \
+             application_name={application_name}'\n",
+            primary.port
+        ));
+        std::fs::write(&auto_conf, conf)
+            .with_context(|| format!("writing {}", auto_conf.display()))?;
+        match port {
+            Some(port) => {
+                server.port = port;
+                server.start_again().await?;
+            }
+            None => server.start_on_a_free_port().await?,
+        }
+        Ok(server)
+    }
+
+    /// Promotes a standby to a primary (`pg_ctl promote`, waiting until it accepts writes).
+    pub async fn promote(&mut self) -> anyhow::Result<()> {
+        let out = run(self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.data_dir())
+            .args(["-w", "-t", "30", "promote"]))
+        .await?;
+        check(&out, "pg_ctl promote")
+    }
+
+    /// A directory of its own (handed to `postgres` when this process is root), no cluster yet.
+    async fn empty(settings: &[(&str, &str)]) -> anyhow::Result<PrivateServer> {
+        let bindir = find_bindir().with_context(|| {
+            format!(
+                "no initdb found (looked in ${BINDIR_ENV}, {DEBIAN_BINDIR} and PATH): cannot \
+                 start a private PostgreSQL server"
+            )
+        })?;
+        let dir =
+            std::env::temp_dir().join(format!("lockstep-faults-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let server = PrivateServer {
+            dir,
+            bindir,
+            port: 0,
+            as_postgres: is_root(),
+            running: false,
+            settings: settings
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        };
+        if server.as_postgres {
+            let out = run(tokio::process::Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(&server.dir))
+            .await?;
+            check(&out, "chown postgres of the server directory")?;
+        }
+        Ok(server)
+    }
+
+    /// Starts the cluster on a free port: one can be taken by someone else before the server
+    /// binds it, so a few are tried.
+    async fn start_on_a_free_port(&mut self) -> anyhow::Result<()> {
         let mut last = None;
         for _ in 0..3 {
-            server.port = free_port()?;
-            match server.start_again().await {
-                Ok(()) => return Ok(server),
+            self.port = free_port()?;
+            match self.start_again().await {
+                Ok(()) => return Ok(()),
                 Err(e) => last = Some(e),
             }
         }
@@ -153,6 +235,12 @@ impl PrivateServer {
             self.port,
             self.dir.display()
         );
+        let options = self
+            .settings
+            .iter()
+            .fold(options, |options, (name, value)| {
+                format!("{options} -c {name}={value}")
+            });
         let out = run(self
             .command("pg_ctl")
             .arg("-D")

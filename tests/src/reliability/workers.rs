@@ -33,15 +33,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use lockstep_core::{ExpectedVersion, NewEvent, StreamId};
+use lockstep_core::{ErrorKind, ExpectedVersion, NewEvent, StreamId};
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::PgEventStore;
-use lockstep_testkit::pg_harness::{TestDatabase, test_database};
+use lockstep_testkit::pg_harness::test_database;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use uuid::Uuid;
 
+use super::failover::FailoverStats;
+use super::replication::{ReplicatedPair, Replication};
 use super::{Scale, Tally};
 use crate::{
     APPLY_SLEEP_ENV, NUMBERS, database_url, early_id, expected_folds, number_event,
@@ -115,6 +117,8 @@ const EARLY_EVERY: i64 = 20;
 /// How long a process gets to announce `ready`, and to exit after SIGTERM (its shutdown grace
 /// is 10 s).
 const PROCESS_WAIT: Duration = Duration::from_secs(20);
+/// How long an appender retries one batch through retryable failures (a failover included).
+const RETRY_FOR: Duration = Duration::from_secs(60);
 /// The pause of an appender between two batches (about 450 events per second in all: the
 /// workers, sleeping per event, keep up and rewinds stay short enough to finish between kills).
 const APPEND_PAUSE: Duration = Duration::from_millis(10);
@@ -188,9 +192,10 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
 
     let mut report = WorkersReport::default();
     let rewinds = Arc::new(AtomicU64::new(0));
+    let url = database_url(db.config());
     let mut processes = Vec::new();
     for _ in 0..plan.workers {
-        processes.push(start(command, &db, &rewinds).await?);
+        processes.push(start(command, &url, false, &rewinds).await?);
     }
 
     // Appenders, until `appending` is over.
@@ -203,11 +208,15 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
     );
     let until = Instant::now() + plan.appending;
     // A `JoinSet`: an early return (a process that does not start) aborts the appenders.
+    let acknowledged = Arc::new(Mutex::new(Vec::new()));
     let mut appenders = tokio::task::JoinSet::new();
     for _ in 0..2 {
         let (pool, streams) = (db.pool(1), Arc::clone(&streams));
         let (numbers, late) = (Arc::clone(&numbers), Arc::clone(&late));
-        appenders.spawn(async move { append_until(until, &pool, &streams, &numbers, &late).await });
+        let acknowledged = Arc::clone(&acknowledged);
+        appenders.spawn(async move {
+            append_until(until, &pool, &streams, &numbers, &late, &acknowledged).await
+        });
     }
 
     // The chaos: kill or stop one process at a time, and replace it. (`StdRng`: the thread-local
@@ -243,7 +252,7 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
                     .violation(format!("worker {}: {e:#}", process.instance)),
             }
         }
-        processes.push(start(command, &db, &rewinds).await?);
+        processes.push(start(command, &url, false, &rewinds).await?);
     }
     while let Some(appender) = appenders.join_next().await {
         let (appended, failure) = appender?;
@@ -297,12 +306,283 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
     Ok(report)
 }
 
+/// The worker fleet through primary failovers: the same processes, appenders and late events
+/// as [`run`], on a [`ReplicatedPair`] reached through its multi-host URL, every process also
+/// running the [`crate::NumberRows`] table perspective. Instead of killing processes, the
+/// primary fails over (once in the short run, [`FAILOVERS_LONG`] times in the long one) while
+/// they catch up and rewind with leases held; each time, the time until a worker applies an
+/// event on the new primary is measured, and every pair's lease epoch read on the old primary
+/// just before must not be lower on the new one (with asynchronous replication it may be: that
+/// is counted, [`FailoverStats::epochs_back`]). At the end, every process must still be running
+/// and stop cleanly, and both the JSON states and the application's table must equal the fold
+/// of the events on the final primary. Acknowledged appends missing from it are lost (with
+/// asynchronous replication, counted as [`FailoverStats::lost_acknowledged`] instead).
+pub async fn run_through_failovers(
+    scale: Scale,
+    replication: Replication,
+    command: &WorkerCommand,
+) -> anyhow::Result<(WorkersReport, FailoverStats)> {
+    const DB: &str = "lockstep_failover_workers";
+    let plan = Plan::new(scale);
+    let failovers = match scale {
+        Scale::Short => 1,
+        Scale::Long => FAILOVERS_LONG,
+    };
+    let mut pair = ReplicatedPair::start(replication).await?;
+    pair.create_database(DB).await?;
+    let url = pair.url(DB);
+    let config: tokio_postgres::Config = url.parse().context("the pair's URL")?;
+    let pool = |size| {
+        let manager = deadpool_postgres::Manager::from_config(
+            config.clone(),
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        lockstep_pg::pool::bounded_pool(manager, size)
+    };
+    lockstep_pg::migrate(&pool(1)?).await?;
+    pair.connect_primary(DB)
+        .await?
+        .batch_execute(crate::NUMBER_ROWS_TABLE)
+        .await?;
+
+    let mut report = WorkersReport::default();
+    let mut stats = FailoverStats {
+        replication: replication.name(),
+        ..FailoverStats::default()
+    };
+    let rewinds = Arc::new(AtomicU64::new(0));
+    let mut processes = Vec::new();
+    for _ in 0..plan.workers {
+        processes.push(start(command, &url, true, &rewinds).await?);
+    }
+    let numbers = Arc::new(AtomicI64::new(0));
+    let late = Arc::new(AtomicU64::new(0));
+    let streams: Arc<Vec<StreamId>> = Arc::new(
+        (0..plan.streams)
+            .map(|_| StreamId::new_v7())
+            .collect::<Vec<_>>(),
+    );
+    let until = Instant::now() + plan.appending;
+    let acknowledged = Arc::new(Mutex::new(Vec::new()));
+    let mut appenders = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let (pool, streams) = (pool(1)?, Arc::clone(&streams));
+        let (numbers, late) = (Arc::clone(&numbers), Arc::clone(&late));
+        let acknowledged = Arc::clone(&acknowledged);
+        appenders.spawn(async move {
+            append_until(until, &pool, &streams, &numbers, &late, &acknowledged).await
+        });
+    }
+
+    // The failovers, spread over the appending time.
+    let mut epochs_before: HashMap<(Uuid, String), i64> = HashMap::new();
+    let gap = plan.appending / (u32::try_from(failovers).unwrap_or(1) + 1);
+    for _ in 0..failovers {
+        tokio::time::sleep(gap).await;
+        let old = pair.connect_primary(DB).await?;
+        for (pair_key, epoch) in lease_epochs(&old).await? {
+            epochs_before.insert(pair_key, epoch);
+        }
+        report.tally.cases += 1;
+        let promotion = pair.fail_over().await?;
+        let promoted = Instant::now();
+        stats.failovers += 1;
+        stats.promote_ms = stats.promote_ms.max(millis(promotion));
+        let new = pair.connect_primary(DB).await?;
+        let at_promotion = applied_count(&new).await?;
+        let resumed = tokio::time::timeout(RESUME_LIMIT, async {
+            loop {
+                if applied_count(&new).await.is_ok_and(|n| n > at_promotion) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        match resumed {
+            Ok(()) => stats.resume_ms = stats.resume_ms.max(millis(promoted.elapsed())),
+            Err(_) => report.tally.violation(format!(
+                "no worker applied an event within {RESUME_LIMIT:?} of the promotion"
+            )),
+        }
+        pair.rebuild_standby().await?;
+    }
+    while let Some(appender) = appenders.join_next().await {
+        let (appended, failure) = appender?;
+        report.stats.events += appended;
+        if let Some(e) = failure {
+            report
+                .tally
+                .violation(format!("an appender gave up: {e:#}"));
+        }
+    }
+    report.stats.late = late.load(Ordering::Relaxed);
+    report.tally.failovers = stats.failovers;
+
+    let admin = pair.connect_primary(DB).await?;
+    let drain_started = Instant::now();
+    let drained = tokio::time::timeout(plan.drain, async {
+        loop {
+            match queue_is_empty(&admin).await {
+                Ok(true) => return Ok(()),
+                Ok(false) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await;
+    report.stats.drain_seconds = drain_started.elapsed().as_secs_f64();
+    match drained {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => report.tally.violation(format!("reading the queue: {e:#}")),
+        Err(_) => report.tally.violation(format!(
+            "the queue did not drain within {:?} of the last append",
+            plan.drain
+        )),
+    }
+    // Every process lived through the failovers and stops cleanly.
+    for mut process in processes {
+        report.tally.cases += 1;
+        if let Err(e) = stop(&mut process).await {
+            report
+                .tally
+                .violation(format!("worker {}: {e:#}", process.instance));
+        }
+    }
+    report.stats.rewind_leases = rewinds.load(Ordering::Relaxed);
+
+    // Epochs continue on the new primary.
+    for (pair_key, epoch) in lease_epochs(&admin).await? {
+        if let Some(before) = epochs_before.get(&pair_key) {
+            report.tally.cases += 1;
+            if epoch < *before {
+                match replication {
+                    Replication::Asynchronous => stats.epochs_back += 1,
+                    Replication::Synchronous => report.tally.violation(format!(
+                        "pair {pair_key:?}: lease epoch {before} on the old primary, {epoch} on \
+                         the new one"
+                    )),
+                }
+            }
+        }
+    }
+
+    // Acknowledged appends on the final primary; with asynchronous replication the missing
+    // ones are what the failover lost, and the folds are compared with what is there.
+    let stored: std::collections::HashSet<Uuid> = admin
+        .query("SELECT event_id FROM wh_events", &[])
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<Result<_, _>>()?;
+    let acknowledged: Vec<Uuid> = acknowledged
+        .lock()
+        .map(|ids| ids.clone())
+        .unwrap_or_default();
+    let missing = acknowledged
+        .iter()
+        .filter(|id| !stored.contains(id))
+        .count() as u64;
+    stats.acknowledged = acknowledged.len() as u64;
+    match replication {
+        Replication::Asynchronous => {
+            stats.lost_acknowledged = missing;
+            report.stats.events -= missing;
+        }
+        Replication::Synchronous => {
+            for id in acknowledged.iter().filter(|id| !stored.contains(id)) {
+                report.tally.lost(format!(
+                    "event {id}: acknowledged, missing on the new primary"
+                ));
+            }
+            report.stats.events -= missing;
+        }
+    }
+    compare(&admin, &mut report).await?;
+    compare_rows(&admin, &mut report).await?;
+    Ok((report, stats))
+}
+
+/// How many failovers the long run of [`run_through_failovers`] goes through.
+pub const FAILOVERS_LONG: u64 = 4;
+/// How long the workers may take to apply an event on a promoted primary before it counts as a
+/// violation.
+const RESUME_LIMIT: Duration = Duration::from_secs(60);
+
+/// Every cursor's lease epoch, by (stream, perspective).
+async fn lease_epochs(
+    client: &tokio_postgres::Client,
+) -> anyhow::Result<Vec<((Uuid, String), i64)>> {
+    let rows = client
+        .query(
+            "SELECT stream_id, perspective_name, stream_lock_epoch FROM wh_perspective_cursors",
+            &[],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| Ok(((row.try_get(0)?, row.try_get(1)?), row.try_get(2)?)))
+        .collect()
+}
+
+/// How many events the JSON states hold in all.
+async fn applied_count(client: &tokio_postgres::Client) -> anyhow::Result<i64> {
+    let row = client
+        .query_one(
+            "SELECT coalesce(sum(jsonb_array_length(state)), 0)::bigint \
+             FROM wh_perspective_states WHERE perspective_name = $1",
+            &[&NUMBERS],
+        )
+        .await?;
+    Ok(row.try_get(0)?)
+}
+
+/// Compares the application's table ([`crate::NumberRows`]) with the fold of the events.
+async fn compare_rows(
+    client: &tokio_postgres::Client,
+    report: &mut WorkersReport,
+) -> anyhow::Result<()> {
+    let expected = expected_folds(client).await?;
+    let rows = match crate::number_rows(client).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            report
+                .tally
+                .violation(format!("reading number_rows: {e:#}"));
+            BTreeMap::new()
+        }
+    };
+    for (stream, fold) in &expected {
+        report.tally.cases += 1;
+        let table = rows.get(stream).map(Vec::as_slice).unwrap_or_default();
+        let (lost, duplicated) = differences(fold, table);
+        for n in &lost {
+            report.tally.lost(format!(
+                "stream {stream}: event n={n} has no row in the table"
+            ));
+        }
+        for n in &duplicated {
+            report
+                .tally
+                .duplicated(format!("stream {stream}: event n={n} has two rows"));
+        }
+    }
+    Ok(())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Starts a worker process and waits (bounded) for its `ready` line; a reader task keeps
 /// draining its standard output (a full pipe would block the process) and notes every `rewind`
 /// lease it announces.
 async fn start(
     command: &WorkerCommand,
-    db: &TestDatabase,
+    url: &str,
+    table_rows: bool,
     rewinds: &Arc<AtomicU64>,
 ) -> anyhow::Result<Process> {
     let instance = Uuid::now_v7();
@@ -315,12 +595,13 @@ async fn start(
     };
     let mut child = Command::new(&command.program)
         .args(&command.args)
-        .args(["--database-url", &database_url(db.config())])
+        .args(["--database-url", url])
         .args(["--instance", &instance.to_string()])
         .args(["--lock-timeout-ms", &LOCK_TIMEOUT_MS.to_string()])
         .args(["--keepalive-ms", &KEEPALIVE_MS.to_string()])
         .args(["--poll-ms", "20"])
         .args(["--rewind-debounce-ms", &debounce_ms.to_string()])
+        .args(table_rows.then_some("--table-rows"))
         .env(APPLY_SLEEP_ENV, APPLY_SLEEP_MS.to_string())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -430,9 +711,20 @@ async fn append_until(
     streams: &[StreamId],
     numbers: &AtomicI64,
     late: &AtomicU64,
+    acknowledged: &Mutex<Vec<Uuid>>,
 ) -> (u64, Option<anyhow::Error>) {
     let mut appended = 0;
-    match append_batches(until, pool, streams, numbers, late, &mut appended).await {
+    match append_batches(
+        until,
+        pool,
+        streams,
+        numbers,
+        late,
+        acknowledged,
+        &mut appended,
+    )
+    .await
+    {
         Ok(()) => (appended, None),
         Err(e) => (appended, Some(e)),
     }
@@ -444,6 +736,7 @@ async fn append_batches(
     streams: &[StreamId],
     numbers: &AtomicI64,
     late: &AtomicU64,
+    acknowledged: &Mutex<Vec<Uuid>>,
     appended: &mut u64,
 ) -> anyhow::Result<()> {
     let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
@@ -464,26 +757,38 @@ async fn append_batches(
             }
             (stream, batch)
         };
-        let mut attempts = 0;
+        // A retryable failure (two `Any` appends picking one version, a lost connection) or a
+        // lost COMMIT reply: the same events again, for a while. Stored ids at their place make
+        // the second append a replay, accepted without writing anything twice.
+        let deadline = Instant::now() + RETRY_FOR;
         loop {
-            attempts += 1;
-            let tx = PgTransaction::begin(pool).await?;
-            let outcome = match store
-                .append(&tx, stream, ExpectedVersion::Any, &batch)
-                .await
-            {
-                Ok(_) => tx.commit().await,
-                Err(e) => {
-                    let _ = tx.rollback().await;
-                    Err(e)
+            let outcome = async {
+                let tx = PgTransaction::begin(pool).await?;
+                match store
+                    .append(&tx, stream, ExpectedVersion::Any, &batch)
+                    .await
+                {
+                    Ok(_) => tx.commit().await,
+                    Err(e) => {
+                        let _ = tx.rollback().await;
+                        Err(e)
+                    }
                 }
-            };
+            }
+            .await;
             match outcome {
                 Ok(()) => break,
-                // Two `Any` appends to one stream can pick the same version: again.
-                Err(e) if e.is_retryable() && attempts < 50 => {}
+                Err(e)
+                    if (e.is_retryable() || e.kind() == ErrorKind::CommitUnknown)
+                        && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 Err(e) => return Err(e).context("appending"),
             }
+        }
+        if let Ok(mut acknowledged) = acknowledged.lock() {
+            acknowledged.extend(batch.iter().map(NewEvent::event_id));
         }
         *appended += batch.len() as u64;
         tokio::time::sleep(APPEND_PAUSE).await;
