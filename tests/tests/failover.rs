@@ -121,3 +121,114 @@ async fn failover_async_worker_fleet_resumes_with_exact_folds_of_what_survived()
     assert_eq!(stats.failovers, 1, "{stats}");
     assert!(report.tally.is_clean(), "{}", report.tally);
 }
+
+/// A primary made read-only (as a switchover fences the old primary with
+/// `default_transaction_read_only`): a write fails as a lost connection (retryable), its
+/// connection is closed instead of pooled, and once the server accepts writes again the next
+/// unit of work connects anew and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_a_primary_made_read_only_gets_its_connections_dropped_from_the_pool() {
+    use lockstep_core::TransactionSource as _;
+    use lockstep_core::{ErrorKind, EventStore as _, ExpectedVersion, StreamId, Transaction as _};
+    use lockstep_tests::reliability::server::PrivateServer;
+
+    let _one = ONE_PAIR_AT_A_TIME.lock().await;
+    let server = PrivateServer::start().await.expect("a private server");
+    let url = lockstep_tests::database_url(&server.config());
+    let outcome = tokio::spawn(async move {
+        let (admin, connection) = server
+            .config()
+            .connect(tokio_postgres::NoTls)
+            .await
+            .expect("admin connection");
+        tokio::spawn(connection);
+        let db = lockstep_pg::PgDatabase::builder()
+            .url(&url)
+            .max_connections(2)
+            .build()
+            .expect("database");
+        db.migrate().await.expect("migrate");
+        let store = lockstep_pg_store::PgEventStore::new(&db);
+        let stream = StreamId::new_v7();
+        let append = |n: i64| {
+            let (db, store) = (db.clone(), store.clone());
+            async move {
+                let tx = db.begin().await?;
+                let appended = store
+                    .append(
+                        &tx,
+                        stream,
+                        ExpectedVersion::Any,
+                        &[lockstep_tests::number_event(n)],
+                    )
+                    .await;
+                match appended {
+                    Ok(_) => tx.commit().await,
+                    Err(e) => {
+                        let _ = tx.rollback().await;
+                        Err(e)
+                    }
+                }
+            }
+        };
+        append(1).await.expect("a write on the primary");
+        assert_eq!(db.pool().status().size, 1, "one pooled connection");
+
+        let set_read_only = |on: bool| {
+            let admin = &admin;
+            async move {
+                let setting = if on {
+                    "ALTER SYSTEM SET default_transaction_read_only = on"
+                } else {
+                    "ALTER SYSTEM RESET default_transaction_read_only"
+                };
+                admin.batch_execute(setting).await.expect("alter system");
+                admin
+                    .batch_execute("SELECT pg_reload_conf()")
+                    .await
+                    .expect("reload");
+                // The reload reaches every session: wait until this one sees it.
+                let wanted = if on { "on" } else { "off" };
+                for _ in 0..500 {
+                    let row = admin
+                        .query_one("SHOW default_transaction_read_only", &[])
+                        .await
+                        .expect("show");
+                    if row.get::<_, String>(0) == wanted {
+                        return;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                panic!("the server did not take default_transaction_read_only = {wanted}");
+            }
+        };
+        set_read_only(true).await;
+        let refused = append(2)
+            .await
+            .expect_err("a write on a read-only server fails");
+        assert_eq!(refused.kind(), ErrorKind::ConnectionLost, "{refused}");
+        assert!(refused.is_retryable(), "{refused}");
+        assert_eq!(
+            db.pool().status().size,
+            0,
+            "the connection to the read-only server was closed, not pooled"
+        );
+
+        set_read_only(false).await;
+        append(3)
+            .await
+            .expect("a write once the server accepts writes again");
+        let count: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM wh_events WHERE stream_id = $1",
+                &[&stream.as_uuid()],
+            )
+            .await
+            .expect("count")
+            .get(0);
+        assert_eq!(count, 2, "the refused write left nothing");
+        drop(server);
+    })
+    .await;
+    outcome.expect("the test body does not panic");
+}

@@ -12,7 +12,7 @@
 //! `reliability` is not a benchmark but the long run of the reliability suite (the
 //! scenarios of `lockstep_tests::reliability`): a table of cases and failures per scenario,
 //! ending with the line `reliability violations=<n> lost=<n> duplicated=<n> panics=<n>
-//! cases=<n>`.
+//! cases=<n> failovers=<n>`.
 //!
 //! One module per subcommand; the modules below them (`bench_db`, `pgbench`, `server_stats`,
 //! `report`) are shared: a throwaway database, a pgbench driver fed with a backend's SQL
@@ -56,7 +56,7 @@ enum Command {
     /// statements per interval.
     Worker(worker::Args),
     /// The long run of the reliability suite: every scenario, a table, and the last line
-    /// `reliability violations=… lost=… duplicated=… panics=… cases=…`.
+    /// `reliability violations=… lost=… duplicated=… panics=… cases=… failovers=…`.
     Reliability(reliability::Args),
     /// One perspective worker process for the reliability run's `workers` scenario, which
     /// starts and kills these (`lockstep_tests::worker_process`).

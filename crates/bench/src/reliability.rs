@@ -1,14 +1,15 @@
 //! `reliability`: the long run of the reliability suite.
 //!
 //! Runs every scenario of [`lockstep_tests::reliability`] (`audit`, `faults`, `cancel`,
-//! `bad_input`, `model`, `workers`), long by default, each in a spawned task so that a scenario
+//! `bad_input`, `model`, `workers`, `failover`), long by default, each in a spawned task so that a scenario
 //! that panics or fails is counted and the run goes on, and prints:
 //!
 //! - one Markdown table row per scenario: cases, violations, lost, duplicated, panics, seconds;
 //! - the details of every failure, and a scenario's own figures when it has some (the audit's
 //!   lease cycles, takeovers and refused stale commits);
 //! - last, exactly one line: the merged [`Tally`],
-//!   `reliability violations=<n> lost=<n> duplicated=<n> panics=<n> cases=<n>`.
+//!   `reliability violations=<n> lost=<n> duplicated=<n> panics=<n> cases=<n> failovers=<n>`
+//!   (`failovers`: primary promotions the work went through).
 //!
 //! A scenario that returns an error counts as one violation, one that panics as one panic. The
 //! command fails (exit status 1, [`ProblemsFound`], nothing printed after the last line) unless
@@ -27,8 +28,11 @@ use std::time::{Duration, Instant};
 use std::ffi::OsString;
 
 use anyhow::{Context as _, Result, bail};
+use lockstep_tests::reliability::replication::Replication;
 use lockstep_tests::reliability::workers::{self, WorkerCommand};
-use lockstep_tests::reliability::{Scale, Tally, audit, bad_input, cancel, faults, model};
+use lockstep_tests::reliability::{
+    Scale, Tally, audit, bad_input, cancel, failover, faults, model,
+};
 
 /// Options of the `reliability` command.
 #[derive(clap::Args, Debug, Clone)]
@@ -119,7 +123,35 @@ fn scenarios() -> Vec<Scenario> {
                 })
             },
         },
+        Scenario {
+            name: "failover",
+            start: |scale| Box::pin(failovers(scale)),
+        },
     ]
+}
+
+/// The failover scenarios, one after the other (each starts a primary and a standby of its
+/// own): commands and the worker fleet with synchronous and with asynchronous replication, and
+/// the lost epoch increment. Their failovers add up in the tally's `failovers`.
+async fn failovers(scale: Scale) -> Result<Finished> {
+    let mut tally = Tally::default();
+    let mut figures = Vec::new();
+    for replication in [Replication::Synchronous, Replication::Asynchronous] {
+        let report = failover::commands(replication, scale).await?;
+        figures.push(format!("failover commands: {}", report.stats));
+        tally.merge(report.tally);
+        let (report, stats) =
+            workers::run_through_failovers(scale, replication, &this_program_as_worker()?).await?;
+        figures.push(format!("failover workers: {}; {stats}", report.stats));
+        tally.merge(report.tally);
+    }
+    let report = failover::lost_epoch().await?;
+    figures.push(format!("failover lost epoch: {}", report.stats));
+    tally.merge(report.tally);
+    Ok(Finished {
+        tally,
+        figures: Some(figures.join("\n")),
+    })
 }
 
 /// How the `workers` scenario starts its worker processes: this very program, with the

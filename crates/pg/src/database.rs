@@ -15,6 +15,20 @@
 //!
 //! Clones share everything (the pool, the queue).
 //!
+//! # A primary with standbys
+//!
+//! Give every server of the cluster and ask for the one that writes:
+//! `postgres://app@db-a:5432,db-b:5432/app?target_session_attrs=read-write&connect_timeout=2`.
+//! Each new connection tries the hosts in order and keeps the first that accepts writes, so
+//! after a failover the pool's new connections reach the promoted standby. The pool's old
+//! connections to the failed primary are closed with it and never handed out again; a statement
+//! that reaches a server that cannot write (`read_only_sql_transaction`, a standby or a demoted
+//! primary behind a name that moved) is [`ErrorKind::ConnectionLost`] — retryable — and its
+//! connection is discarded rather than pooled. `connect_timeout` bounds the time a new
+//! connection spends on a host that does not answer at all (a machine that vanished rather than
+//! refused). What each replication setting guarantees through a failover is in the operations
+//! guide.
+//!
 //! ```no_run
 //! # async fn demo() -> lockstep_core::Result<()> {
 //! use lockstep_core::{Transaction, TransactionSource};

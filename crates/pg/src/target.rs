@@ -166,6 +166,29 @@ mod tests {
         }
     }
 
+    /// A primary with standbys: every host is kept, with its port, and so is
+    /// `target_session_attrs`, so new connections skip a server that cannot write.
+    #[test]
+    fn a_multi_host_url_keeps_every_host_and_asks_for_the_primary() {
+        let parsed = parse_url(
+            "postgres://app:Zq7KxWv9Pm@db-a:5432,db-b:5433/prod?target_session_attrs=read-write\
+             &connect_timeout=2",
+        )
+        .expect("valid");
+        assert_eq!(
+            connection_target(&parsed),
+            r#"database "prod" on db-a:5432,db-b:5433 as user "app""#
+        );
+        assert_eq!(
+            parsed.get_target_session_attrs(),
+            tokio_postgres::config::TargetSessionAttrs::ReadWrite
+        );
+        assert_eq!(
+            parsed.get_connect_timeout(),
+            Some(&std::time::Duration::from_secs(2))
+        );
+    }
+
     /// Issue 19, defect 3: a URL the driver would read wrongly (part of the password as the
     /// host, database or user) or cannot read is refused without repeating any of it.
     #[test]

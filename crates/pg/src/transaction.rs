@@ -35,6 +35,12 @@
 //! as well. The reply is at most two messages, which tokio-postgres buffers per request, so an
 //! unread reply never holds up the replies after it.
 //!
+//! **A connection to a server that cannot write is not pooled again.** Every `ROLLBACK` asks, in
+//! the same round trip, whether the server still accepts writes (`transaction_read_only`); a
+//! standby, or a primary made read-only to fence it during a switchover, gets its connection
+//! closed, so the next checkout connects anew — with `target_session_attrs=read-write`, to the
+//! primary.
+//!
 //! [`PgTransactionRef`] is the view that statements which never wait for a lock take (event
 //! store load and append, the lease fence), so they also run on a transaction the application
 //! manages itself: a borrowed `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`.
@@ -549,9 +555,12 @@ impl PgTransaction {
                 self.release(conn.disarm());
                 Ok(rows)
             }
-            // A write failed at the server: the COMMIT rolled the transaction back.
+            // A write failed at the server: the COMMIT rolled the transaction back. A server
+            // that cannot write (a lost connection's kind) does not get the connection back.
             (Some(write_error), Ok(())) => {
-                self.release(conn.disarm());
+                if write_error.kind() != ErrorKind::ConnectionLost {
+                    self.release(conn.disarm());
+                }
                 Err(write_error)
             }
             (failed, Err(e)) => {
@@ -594,7 +603,7 @@ impl PgTransaction {
     /// Sends `ROLLBACK` (harmless when no transaction is open) and pools the connection, or
     /// closes it if that fails.
     async fn roll_back_and_release(&self, mut conn: DetachOnDrop) {
-        if conn.client().batch_execute("ROLLBACK").await.is_ok() {
+        if matches!(roll_back(conn.client()).await, Ok(Writable::Yes)) {
             self.release(conn.disarm());
         }
         // Otherwise the guard closes the connection.
@@ -628,22 +637,21 @@ impl PgTransaction {
         }
         // A connection whose ROLLBACK fails or is dropped mid-flight is closed, never pooled.
         let mut conn = DetachOnDrop(Some(conn));
-        let (refused, rolled_back) = futures_util::future::join(
-            self.begin_refused(),
-            conn.client().batch_execute("ROLLBACK"),
-        )
-        .await;
+        let (refused, rolled_back) =
+            futures_util::future::join(self.begin_refused(), roll_back(conn.client())).await;
         if let Some(e) = refused {
             // Reported before a failed ROLLBACK: it says more (what ran may be applied).
-            if rolled_back.is_ok() {
+            if matches!(rolled_back, Ok(Writable::Yes)) {
                 self.release(conn.disarm());
             }
             return Err(refused_begin(e));
         }
-        if let Err(e) = rolled_back {
-            return Err(map_error(e, "rolling back"));
+        match rolled_back {
+            Ok(Writable::Yes) => self.release(conn.disarm()),
+            // Rolled back; the guard closes the connection to a server that cannot write.
+            Ok(Writable::No) => {}
+            Err(e) => return Err(map_error(e, "rolling back")),
         }
-        self.release(conn.disarm());
         Ok(())
     }
 
@@ -690,6 +698,34 @@ impl Transaction for PgTransaction {
 /// instead of pooled (a statement dropped mid-flight is still running ahead of it).
 pub const DROPPED_ROLLBACK_WAIT: Duration = Duration::from_secs(5);
 
+/// Whether the server behind a connection accepts writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writable {
+    Yes,
+    /// A standby, or a primary made read-only (`default_transaction_read_only`, as a
+    /// switchover may do to fence the old primary): its connection must not be pooled again,
+    /// so that the next checkout connects anew (and, with `target_session_attrs=read-write`,
+    /// finds the primary).
+    No,
+}
+
+/// `ROLLBACK` (harmless when no transaction is open), and in the same round trip whether the
+/// server still accepts writes: a connection is pooled again only if it does.
+async fn roll_back(client: &tokio_postgres::Client) -> Result<Writable, tokio_postgres::Error> {
+    let messages = client
+        .simple_query("ROLLBACK; SELECT current_setting('transaction_read_only')")
+        .await?;
+    let read_only = messages.iter().any(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0) == Some("on"),
+        _ => false,
+    });
+    Ok(if read_only {
+        Writable::No
+    } else {
+        Writable::Yes
+    })
+}
+
 impl Drop for PgTransaction {
     fn drop(&mut self) {
         let Some(conn) = self.conn.take() else {
@@ -709,12 +745,9 @@ impl Drop for PgTransaction {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    let rolled_back = tokio::time::timeout(
-                        DROPPED_ROLLBACK_WAIT,
-                        conn.client().batch_execute("ROLLBACK"),
-                    )
-                    .await;
-                    if matches!(rolled_back, Ok(Ok(()))) {
+                    let rolled_back =
+                        tokio::time::timeout(DROPPED_ROLLBACK_WAIT, roll_back(conn.client())).await;
+                    if matches!(rolled_back, Ok(Ok(Writable::Yes))) {
                         drop(conn.disarm()); // back to the pool, outside any transaction
                     }
                     // Otherwise (or if this task is dropped) the guard closes the connection.

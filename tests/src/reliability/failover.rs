@@ -37,7 +37,7 @@ use lockstep_pg_stream::PgStreamLocker;
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use super::replication::{ReplicatedPair, Replication};
+use super::replication::{Failover, ReplicatedPair, Replication};
 use super::{Scale, Tally};
 use lockstep_core::EventStore as _;
 
@@ -69,6 +69,8 @@ pub struct FailoverStats {
     pub epochs_back: u64,
     /// The longest `pg_ctl promote` (milliseconds).
     pub promote_ms: u64,
+    /// The most WAL the standby had not flushed when a primary was killed (bytes).
+    pub unflushed_bytes: i64,
     /// The longest time from a promotion to the first work done on the new primary
     /// (milliseconds): a command acknowledged, or an event applied by a worker.
     pub resume_ms: u64,
@@ -80,7 +82,7 @@ impl std::fmt::Display for FailoverStats {
             f,
             "replication={} failovers={} acknowledged={} commit_unknown={} \
              commit_unknown_committed={} failed={} lost_acknowledged={} epochs_back={} \
-             promote_ms={} resume_ms={}",
+             promote_ms={} unflushed_bytes={} resume_ms={}",
             self.replication,
             self.failovers,
             self.acknowledged,
@@ -90,8 +92,19 @@ impl std::fmt::Display for FailoverStats {
             self.lost_acknowledged,
             self.epochs_back,
             self.promote_ms,
+            self.unflushed_bytes,
             self.resume_ms
         )
+    }
+}
+
+impl FailoverStats {
+    /// Adds one failover's figures (the maxima).
+    pub fn note(&mut self, failover: Failover) {
+        self.promote_ms = self.promote_ms.max(millis(failover.promotion));
+        self.unflushed_bytes = self
+            .unflushed_bytes
+            .max(failover.unflushed_bytes.unwrap_or(0));
     }
 }
 
@@ -263,10 +276,10 @@ pub async fn commands(replication: Replication, scale: Scale) -> anyhow::Result<
 
     for _ in 0..plan.failovers {
         tokio::time::sleep(plan.before).await;
-        let promotion = pair.fail_over().await?;
+        let failover = pair.fail_over().await?;
         let promoted = Instant::now();
         report.stats.failovers += 1;
-        report.stats.promote_ms = report.stats.promote_ms.max(millis(promotion));
+        report.stats.note(failover);
         // The writers resume on their own; the first acknowledgement of a command started after
         // the promotion says when.
         let resumed = until(STEP_LIMIT, || {
@@ -461,10 +474,10 @@ pub async fn lost_epoch() -> anyhow::Result<FailoverReport> {
         tx.commit().await?;
     }
 
-    let promotion = pair.fail_over().await?;
+    let failover = pair.fail_over().await?;
     report.stats.failovers = 1;
     report.tally.failovers = 1;
-    report.stats.promote_ms = millis(promotion);
+    report.stats.note(failover);
 
     // On the new primary: A's epoch and appends are gone; B takes the pair at the same epoch.
     let lease_b = until(STEP_LIMIT, || {

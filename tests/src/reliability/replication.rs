@@ -50,6 +50,17 @@ impl Replication {
     }
 }
 
+/// What a failover took and what it left behind.
+#[derive(Debug, Clone, Copy)]
+pub struct Failover {
+    /// How long `pg_ctl promote` took.
+    pub promotion: Duration,
+    /// The primary's WAL the standby had not flushed just before the kill, in bytes (`None`:
+    /// the standby was not connected). With synchronous replication, no acknowledged commit
+    /// is in it.
+    pub unflushed_bytes: Option<i64>,
+}
+
 /// A primary and its standby; dropped, both are stopped and removed.
 #[derive(Debug)]
 pub struct ReplicatedPair {
@@ -143,13 +154,15 @@ impl ReplicatedPair {
         Ok(())
     }
 
-    /// Kills the primary (every process at once) and promotes the standby; returns how long
-    /// the promotion took. A stopped standby (see [`ReplicatedPair::stop_standby`]) is started
-    /// first: it is promoted with whatever WAL it had.
-    pub async fn fail_over(&mut self) -> anyhow::Result<Duration> {
+    /// Kills the primary (every process at once) and promotes the standby; says how long the
+    /// promotion took and how much WAL the standby had not flushed just before the kill. A
+    /// stopped standby (see [`ReplicatedPair::stop_standby`]) is started first: it is promoted
+    /// with whatever WAL it had.
+    pub async fn fail_over(&mut self) -> anyhow::Result<Failover> {
         let Some(mut standby) = self.standby.take() else {
             bail!("no standby to promote: rebuild_standby after a failover");
         };
+        let unflushed_bytes = self.unflushed_bytes().await.ok().flatten();
         self.primary
             .stop(StopMode::Immediate)
             .await
@@ -169,7 +182,24 @@ impl ReplicatedPair {
         if self.replication == Replication::Synchronous {
             self.set_synchronous(false).await?;
         }
-        Ok(promotion)
+        Ok(Failover {
+            promotion,
+            unflushed_bytes,
+        })
+    }
+
+    /// The primary's WAL the standby has not flushed yet, in bytes (`None`: no standby
+    /// connected).
+    async fn unflushed_bytes(&self) -> anyhow::Result<Option<i64>> {
+        let client = self.connect_primary("postgres").await?;
+        let row = client
+            .query_opt(
+                "SELECT (pg_current_wal_lsn() - flush_lsn)::bigint FROM pg_stat_replication \
+                 WHERE application_name = $1",
+                &[&STANDBY_NAME],
+            )
+            .await?;
+        Ok(row.map(|r| r.try_get(0)).transpose()?)
     }
 
     /// Makes a new standby of the current primary on the old primary's port (the old cluster

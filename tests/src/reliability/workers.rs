@@ -387,10 +387,10 @@ pub async fn run_through_failovers(
             epochs_before.insert(pair_key, epoch);
         }
         report.tally.cases += 1;
-        let promotion = pair.fail_over().await?;
+        let failover = pair.fail_over().await?;
         let promoted = Instant::now();
         stats.failovers += 1;
-        stats.promote_ms = stats.promote_ms.max(millis(promotion));
+        stats.note(failover);
         let new = pair.connect_primary(DB).await?;
         let at_promotion = applied_count(&new).await?;
         let resumed = tokio::time::timeout(RESUME_LIMIT, async {
