@@ -177,8 +177,8 @@ impl PgDatabase {
     /// server connection again looks direct), so it answers `false` then without proving
     /// anything: a deployment behind PgBouncer in transaction mode says so with
     /// [`PgDatabaseBuilder::transaction_pooler`]. Four short statements; nothing named or
-    /// left behind. When it cannot run (no second connection free) it answers `false` and
-    /// probes again next time.
+    /// left behind. When it cannot run (a pool of one connection, or no second connection
+    /// free at once) it answers `false` and probes again next time.
     pub async fn detect_transaction_pooler(&self) -> Result<bool> {
         self.inner
             .pooler

@@ -139,10 +139,15 @@ pub fn session_state_refused(what: &str) -> Error {
 
 /// Whether the sessions behind `pool` change between statements: `Some(true)` when a
 /// transaction pooler was seen, `Some(false)` when the probe ran and saw none, `None` when it
-/// could not run (fewer than two connections free within `wait`, or its statement waited
-/// longer than 2 s). Sends four short statements on two connections (simple queries: nothing
-/// named, nothing left behind) and rolls back the one transaction it opens.
+/// could not run (a pool of one connection, fewer than two connections free within `wait`, or
+/// its statement waited longer than 2 s). Sends four short statements on two connections
+/// (simple queries: nothing named, nothing left behind) and rolls back the one transaction it
+/// opens.
 pub async fn probe(pool: &Pool, wait: Duration) -> Result<Option<bool>> {
+    if pool.status().max_size < 2 {
+        // Two connections at once are the probe: a pool of one cannot run it.
+        return Ok(None);
+    }
     let a = crate::pool::checkout(pool, wait).await?;
     // The second connection only if one is free or can be opened now: the probe never makes a
     // caller wait for another borrower.
