@@ -197,3 +197,39 @@ async fn backend_pid(client: &tokio_postgres::Client, doing: &str) -> Result<i32
         })
         .ok_or_else(|| Error::new(ErrorKind::Backend, format!("{doing}: no backend pid")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn told_probed_and_seen_states_are_shared_and_a_pooler_seen_stays_seen() {
+        assert_eq!(PoolerState::told(None).get(), None);
+        assert_eq!(PoolerState::told(Some(true)).get(), Some(true));
+        let direct = PoolerState::told(Some(false));
+        assert_eq!(direct.get(), Some(false));
+        let clone = direct.clone();
+        clone.seen("a vanished prepared statement");
+        assert_eq!(direct.get(), Some(true), "clones share what is known");
+        direct.set(false);
+        assert!(
+            direct.is_transaction_pooler(),
+            "a pooler once seen stays seen"
+        );
+        let unknown = PoolerState::default();
+        unknown.set(false);
+        assert_eq!(unknown.get(), Some(false));
+    }
+
+    #[test]
+    fn the_refusal_names_the_pooler_and_the_way_out() {
+        let e = session_state_refused("a session-scoped advisory lock");
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        let message = e.to_string();
+        assert!(
+            message.contains("PgBouncer pool_mode = transaction"),
+            "{message}"
+        );
+        assert!(message.contains("transaction_pooler(false)"), "{message}");
+    }
+}

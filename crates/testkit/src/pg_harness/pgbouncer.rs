@@ -4,10 +4,12 @@
 //! waits until it accepts a connection, and kills it when dropped.
 //!
 //! The pooler is set up so that a statement relying on session state fails instead of passing
-//! by luck: `pool_mode = transaction`, and `server_round_robin = 1` with `min_pool_size = 3`, so
-//! a client's consecutive transactions run on different server connections (by default
-//! PgBouncer hands a client the server connection it used last, which hides a named prepared
-//! statement or a session setting that another server connection lacks).
+//! by luck: `pool_mode = transaction`, and `server_round_robin = 1`, so a client's consecutive
+//! transactions run on different server connections (by default PgBouncer hands a client the
+//! server connection it used last, which hides a named prepared statement or a session setting
+//! that another server connection lacks). [`PgBouncer::for_database`] opens
+//! [`WARM_SERVER_CONNECTIONS`] server connections to the test's database before it returns, so
+//! there are several to rotate through from the first statement on.
 //!
 //! `pgbouncer` refuses to run as root: a test process running as root starts it as the
 //! `postgres` user (the server package's user). The program is looked up as `pgbouncer` on the
@@ -44,6 +46,9 @@ pub const START_WAIT: Duration = Duration::from_secs(20);
 /// database of its own, so a pool of its own at the pooler).
 pub const DEFAULT_POOL_SIZE: usize = 20;
 
+/// Server connections [`PgBouncer::for_database`] opens to the test's database up front.
+pub const WARM_SERVER_CONNECTIONS: usize = 3;
+
 const HOW_TO_GET: &str = "install PgBouncer (Debian: apt-get install pgbouncer; scripts/test \
 installs it when run as root)";
 
@@ -69,15 +74,39 @@ pub struct PgBouncer {
 }
 
 impl PgBouncer {
-    /// A pooler in front of `db`'s server (panics, saying how to get PgBouncer, when it cannot
-    /// start: test code).
+    /// A pooler in front of `db`'s server, with [`WARM_SERVER_CONNECTIONS`] server
+    /// connections to `db` open ([`PgBouncer::warm`]). Panics, saying how to get PgBouncer, when
+    /// it cannot start (test code).
     pub async fn for_database(db: &TestDatabase) -> PgBouncer {
         let server = db
             .server_address()
             .unwrap_or_else(|e| panic!("PgBouncer needs the test server on TCP: {e}"));
-        PgBouncer::start(server)
+        let bouncer = PgBouncer::start(server)
             .await
-            .unwrap_or_else(|e| panic!("starting PgBouncer failed: {e}"))
+            .unwrap_or_else(|e| panic!("starting PgBouncer failed: {e}"));
+        bouncer.warm(db, WARM_SERVER_CONNECTIONS).await;
+        bouncer
+    }
+
+    /// Makes the pooler open at least `n` server connections to `db`: `n` clients each hold a
+    /// transaction open at once (the pooler gives each a server connection of its own), then
+    /// roll back. The connections stay in the pooler's pool for the clients that follow.
+    pub async fn warm(&self, db: &TestDatabase, n: usize) {
+        let mut clients = Vec::with_capacity(n);
+        for _ in 0..n {
+            let client = self.connect(db).await;
+            client
+                .batch_execute("BEGIN; SELECT 1")
+                .await
+                .unwrap_or_else(|e| panic!("a transaction through PgBouncer: {e}"));
+            clients.push(client);
+        }
+        for client in clients {
+            client
+                .batch_execute("ROLLBACK")
+                .await
+                .unwrap_or_else(|e| panic!("a rollback through PgBouncer: {e}"));
+        }
     }
 
     /// Starts `pgbouncer` in transaction mode forwarding every database to `server` (host,
@@ -273,7 +302,6 @@ fn write_files(dir: &Path, port: u16, server: &(String, u16)) -> Result<(), PgBo
          pool_mode = transaction\n\
          max_client_conn = 1000\n\
          default_pool_size = {DEFAULT_POOL_SIZE}\n\
-         min_pool_size = 3\n\
          reserve_pool_size = 5\n\
          server_round_robin = 1\n\
          server_reset_query = DISCARD ALL\n\
