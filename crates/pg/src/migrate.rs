@@ -257,6 +257,7 @@ pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
     )
     .await
     .map_err(|e| map_error(e, "locking the migration run"))?;
+    tracing::debug!("migration run: the migration lock is held");
     let report = migrate_locked(&tx).await?;
     tx.commit()
         .await
@@ -659,6 +660,7 @@ impl MigrationStatus {
 pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
     let conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
     let conn: &tokio_postgres::Client = &conn;
+    tracing::debug!("reading where each migration and function file stands");
     let mut recorded: Vec<(i32, String, String, String)> = Vec::new();
     if table_exists(conn, MIGRATION_TABLE).await? {
         let rows = conn
