@@ -82,6 +82,11 @@ pub(crate) struct Args {
     /// Keep the benchmark database instead of dropping it.
     #[arg(long)]
     keep_database: bool,
+    /// Run the locker as behind a transaction pooler: its statements sent unnamed
+    /// (`query_typed`, parsed on every call) instead of prepared once per connection. The
+    /// connection is still direct: this measures the unnamed statements' cost, not a pooler's.
+    #[arg(long)]
+    unnamed: bool,
 }
 
 /// The stream all benchmark rows belong to.
@@ -388,8 +393,16 @@ async fn measure_all(setup: &Setup, args: &Args) -> Result<String> {
     lines.push(setup.counter.describe().to_owned());
     lines.push(format!(
         "{} rounds of {} s per client, workload and concurrency (sides alternate: ABBA...); \
-         {} rows; pgbench -M prepared; synchronous_commit = {}",
-        args.rounds, args.duration_secs, args.rows, args.synchronous_commit
+         {} rows; pgbench -M prepared; synchronous_commit = {}; locker statements {}",
+        args.rounds,
+        args.duration_secs,
+        args.rows,
+        args.synchronous_commit,
+        if args.unnamed {
+            "unnamed (--unnamed: as behind a transaction pooler)"
+        } else {
+            "prepared once per connection"
+        }
     ));
     lines.push(
         "ratio = median over rounds of (lockstep ops/s / pgbench ops/s) of the same round; \
@@ -501,7 +514,9 @@ async fn measure(
 ) -> Result<Measurement> {
     let before = setup.counter.read(&setup.db).await?;
     let mut m = match side {
-        Side::Locker => run_locker(setup, workload, concurrency, duration, epoch).await?,
+        Side::Locker => {
+            run_locker(setup, workload, concurrency, duration, epoch, args.unnamed).await?
+        }
         Side::Pgbench => run_pgbench(setup, args, workload, concurrency, duration, epoch).await?,
     };
     let after = setup.counter.read(&setup.db).await?;
@@ -515,9 +530,18 @@ async fn run_locker(
     concurrency: usize,
     duration: Duration,
     epoch: Option<i64>,
+    unnamed: bool,
 ) -> Result<Measurement> {
     let pool = setup.db.pool(concurrency)?;
-    let locker = PgStreamLocker::from_pool(pool.clone(), setup.options);
+    let locker = if unnamed {
+        let db = lockstep_pg::PgDatabase::builder()
+            .pool(pool.clone())
+            .transaction_pooler(true)
+            .build()?;
+        PgStreamLocker::new(&db, setup.options)
+    } else {
+        PgStreamLocker::from_pool(pool.clone(), setup.options)
+    };
     // Open every connection and prepare the statements before the clock starts (pgbench also
     // reports its rate without connection set-up).
     {

@@ -120,7 +120,10 @@
 //! pooling mode (the lock lives and dies with the transaction, which stays on one server
 //! connection). Session-scoped locks do **not**: the unlock may run on another server
 //! connection, and the lock stays with a connection another client now uses. Use session
-//! locks only on direct connections or session-pooled ones.
+//! locks only on direct connections or session-pooled ones: behind a transaction pooler a
+//! session acquire refuses with `ErrorKind::Unsupported` naming the pooler (the handle is told
+//! with `PgDatabaseBuilder::transaction_pooler(true)`, or finds out by itself where it can; see
+//! [`session`]).
 
 mod lock;
 pub mod session;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use lockstep_core::{DistributedAggregateWriteLock, DistributedLock, ResourceKey, Result};
-use lockstep_pg::internal;
+use lockstep_pg::internal::{self, PoolerState};
 use lockstep_pg::{LockQueue, PgDatabase, PgTransaction};
 use tokio_postgres::Socket;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
@@ -58,6 +58,9 @@ pub struct PgDistributedLock {
     pub(crate) pool: Pool,
     pub(crate) queue: LockQueue,
     pub(crate) checkout_wait: Duration,
+    // What is known about a transaction pooler in front of the server (session locks refuse
+    // behind one): the handle's, shared.
+    pub(crate) pooler: PoolerState,
 }
 
 impl std::fmt::Debug for PgDistributedLock {
@@ -80,8 +83,10 @@ impl PgDistributedLock {
     /// from its pool (checkouts waiting its checkout wait), queueing in its lock queue — shared
     /// with every other backend built from `db` — and cancelling abandoned waits with its TLS.
     pub fn new(db: &PgDatabase) -> PgDistributedLock {
-        PgDistributedLock::with_queue(db.pool().clone(), db.lock_queue().clone())
-            .with_checkout_wait(db.checkout_wait())
+        let mut lock = PgDistributedLock::with_queue(db.pool().clone(), db.lock_queue().clone())
+            .with_checkout_wait(db.checkout_wait());
+        lock.pooler = lockstep_pg::internal::pooler_state(db).clone();
+        lock
     }
 
     /// For wiring by hand (prefer [`PgDistributedLock::new`]): locks on connections from
@@ -99,6 +104,7 @@ impl PgDistributedLock {
             pool,
             queue,
             checkout_wait: lockstep_pg::DEFAULT_CHECKOUT_WAIT,
+            pooler: PoolerState::default(),
         }
     }
 

@@ -4,7 +4,11 @@
 //!
 //! Session locks need a session that stays the same: they do **not** work behind a
 //! transaction-pooling proxy (PgBouncer `pool_mode = transaction`), which may run the unlock on
-//! another server connection. Transaction-scoped locks work there.
+//! another server connection and hand the locked one to other clients. There every session
+//! acquire refuses with [`ErrorKind::Unsupported`] naming the pooler, before anything is locked:
+//! when the handle was built with `PgDatabaseBuilder::transaction_pooler(true)`, or when it was
+//! not told and its probe before the first session lock
+//! (`PgDatabase::detect_transaction_pooler`) sees one. Transaction-scoped locks work there.
 //!
 //! # A lock lost with its connection
 //!
@@ -219,6 +223,19 @@ impl Drop for Waiting {
     }
 }
 
+impl PgDistributedLock {
+    /// [`ErrorKind::Unsupported`] behind a transaction pooler (known, or seen by the probe the
+    /// first time the handle is asked).
+    async fn refuse_behind_transaction_pooler(&self) -> Result<()> {
+        if self.pooler.detect(&self.pool, self.checkout_wait).await? {
+            return Err(internal::session_state_refused(
+                "a session-scoped advisory lock",
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl SessionLocks for PgDistributedLock {
     type Guard = PgSessionGuard;
 
@@ -231,6 +248,7 @@ impl SessionLocks for PgDistributedLock {
         if let Some(limit) = timeout {
             lock_timeout_setting(limit)?;
         }
+        self.refuse_behind_transaction_pooler().await?;
         let advisory = key.advisory_key();
         let deadline = timeout.map(internal::deadline_after);
         // Queue in process before taking a connection: local waiters hold no connection.
@@ -279,6 +297,7 @@ impl SessionLocks for PgDistributedLock {
     }
 
     async fn try_acquire_session(&self, key: &ResourceKey) -> Result<Option<PgSessionGuard>> {
+        self.refuse_behind_transaction_pooler().await?;
         let conn = lockstep_pg::checkout(&self.pool, self.checkout_wait).await?;
         let advisory = key.advisory_key();
         let outcome = match conn

@@ -14,6 +14,7 @@ use lockstep_core::{
     PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
 };
 use tokio_postgres::Row;
+use tokio_postgres::types::Type;
 
 use crate::locker::{PgStreamLocker, stored_holder, stored_name, stored_reason};
 use crate::sql;
@@ -71,7 +72,10 @@ impl StreamLockAdmin for PgStreamLocker {
         let row: Option<Row> = self
             .run(
                 sql::INSPECT,
-                &[&stream_id.as_uuid(), &perspective.as_str()],
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
                 "inspecting a cursor's lease",
             )
             .await?;
@@ -97,7 +101,10 @@ impl StreamLockAdmin for PgStreamLocker {
         let cleared: u64 = self
             .run(
                 sql::FORCE_RELEASE,
-                &[&stream_id.as_uuid(), &perspective.as_str()],
+                &[
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                ],
                 "force-releasing a stream lease",
             )
             .await?;
@@ -113,7 +120,7 @@ impl StreamLockAdmin for PgStreamLocker {
         let cleared: u64 = self
             .run(
                 sql::RELEASE_ALL_HELD_BY,
-                &[&instance.as_uuid()],
+                &[(&instance.as_uuid(), Type::UUID)],
                 "releasing an instance's stream leases",
             )
             .await?;

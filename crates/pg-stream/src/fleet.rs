@@ -17,7 +17,7 @@ use lockstep_core::{
 };
 use time::OffsetDateTime;
 use tokio_postgres::Row;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
 use crate::interval::PgInterval;
@@ -44,13 +44,13 @@ impl Fleet for PgStreamLocker {
             .run(
                 sql::KEEPALIVE,
                 &[
-                    &streams,
-                    &perspectives,
-                    &holders,
-                    &epochs,
-                    &self.timeout,
-                    &instance.as_uuid(),
-                    &token,
+                    (&streams, Type::UUID_ARRAY),
+                    (&perspectives, Type::TEXT_ARRAY),
+                    (&holders, Type::UUID_ARRAY),
+                    (&epochs, Type::INT8_ARRAY),
+                    (&self.timeout, Type::INTERVAL),
+                    (&instance.as_uuid(), Type::UUID),
+                    (&token, Type::UUID),
                 ],
                 "renewing stream leases and marking the instance seen",
             )
@@ -74,7 +74,7 @@ impl Fleet for PgStreamLocker {
         let deleted: u64 = self
             .run(
                 sql::DEPART,
-                &[&instance.as_uuid(), &token],
+                &[(&instance.as_uuid(), Type::UUID), (&token, Type::UUID)],
                 "removing a worker instance's announcement",
             )
             .await?;
@@ -105,16 +105,16 @@ impl PgStreamLocker {
         let forget = interval(FORGET_STALE_AFTER, "FORGET_STALE_AFTER")?;
         let perspectives: Vec<&str> = a.perspectives.iter().map(PerspectiveName::as_str).collect();
         let pid = i64::from(a.pid);
-        let params: [&(dyn ToSql + Sync); 9] = [
-            &a.instance.as_uuid(),
-            &a.name,
-            &a.host,
-            &pid,
-            &a.version,
-            &perspectives,
-            &stale_after,
-            &forget,
-            &a.token,
+        let params: [(&(dyn ToSql + Sync), Type); 9] = [
+            (&a.instance.as_uuid(), Type::UUID),
+            (&a.name, Type::TEXT),
+            (&a.host, Type::TEXT),
+            (&pid, Type::INT8),
+            (&a.version, Type::TEXT),
+            (&perspectives, Type::TEXT_ARRAY),
+            (&stale_after, Type::INTERVAL),
+            (&forget, Type::INTERVAL),
+            (&a.token, Type::UUID),
         ];
         for _ in 0..3 {
             let row: Option<Row> = self
@@ -193,7 +193,7 @@ impl PgStreamLocker {
         let row: Option<Row> = self
             .run(
                 sql::FORGET_INSTANCE,
-                &[&instance.as_uuid()],
+                &[(&instance.as_uuid(), Type::UUID)],
                 "forgetting a worker instance",
             )
             .await?;
@@ -225,7 +225,7 @@ impl PgStreamLocker {
         let rows: Vec<Row> = self
             .run(
                 sql::FORGET_STALE_INSTANCES,
-                &[&unseen_for],
+                &[(&unseen_for, Type::INTERVAL)],
                 "pruning stale worker instances",
             )
             .await?;

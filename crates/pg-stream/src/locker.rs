@@ -14,12 +14,14 @@ use lockstep_core::{
     PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
     StreamLockOptions, StreamLocker,
 };
+use lockstep_pg::internal::PoolerState;
 use lockstep_pg::{LockQueue, PgDatabase};
 use time::OffsetDateTime;
 use tokio_postgres::Row;
 use tokio_postgres::Socket;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 use crate::interval::PgInterval;
@@ -38,6 +40,8 @@ pub struct PgStreamLocker {
     pub(crate) timeout: PgInterval,
     // Only its cancel requests are used (their TLS connector).
     pub(crate) cancel: LockQueue,
+    // Whether statements must go unnamed (behind a transaction pooler): shared with the handle.
+    pub(crate) pooler: PoolerState,
 }
 
 impl std::fmt::Debug for PgStreamLocker {
@@ -58,6 +62,7 @@ impl PgStreamLocker {
     pub fn new(db: &PgDatabase, options: StreamLockOptions) -> PgStreamLocker {
         let mut locker = PgStreamLocker::from_pool(db.pool().clone(), options);
         locker.cancel = db.lock_queue().clone();
+        locker.pooler = lockstep_pg::internal::pooler_state(db).clone();
         locker
     }
 
@@ -75,6 +80,7 @@ impl PgStreamLocker {
             options,
             timeout,
             cancel: LockQueue::new(),
+            pooler: PoolerState::default(),
         }
     }
 
@@ -154,11 +160,11 @@ impl StreamLocker for PgStreamLocker {
             .run_statement::<Option<Row>>(
                 sql::TRY_ACQUIRE,
                 &[
-                    &stream_id.as_uuid(),
-                    &perspective.as_str(),
-                    &instance.as_uuid(),
-                    &reason.as_str(),
-                    &self.timeout,
+                    (&stream_id.as_uuid(), Type::UUID),
+                    (&perspective.as_str(), Type::TEXT),
+                    (&instance.as_uuid(), Type::UUID),
+                    (&reason.as_str(), Type::TEXT),
+                    (&self.timeout, Type::INTERVAL),
                 ],
                 DOING,
             )
@@ -229,11 +235,11 @@ impl StreamLocker for PgStreamLocker {
             .run(
                 sql::RENEW,
                 &[
-                    &lease.stream_id.as_uuid(),
-                    &lease.perspective.as_str(),
-                    &lease.holder.as_uuid(),
-                    &lease.epoch.get(),
-                    &self.timeout,
+                    (&lease.stream_id.as_uuid(), Type::UUID),
+                    (&lease.perspective.as_str(), Type::TEXT),
+                    (&lease.holder.as_uuid(), Type::UUID),
+                    (&lease.epoch.get(), Type::INT8),
+                    (&self.timeout, Type::INTERVAL),
                 ],
                 "renewing a stream lease",
             )
@@ -256,10 +262,10 @@ impl StreamLocker for PgStreamLocker {
             .run(
                 sql::RELEASE,
                 &[
-                    &lease.stream_id.as_uuid(),
-                    &lease.perspective.as_str(),
-                    &lease.holder.as_uuid(),
-                    &lease.epoch.get(),
+                    (&lease.stream_id.as_uuid(), Type::UUID),
+                    (&lease.perspective.as_str(), Type::TEXT),
+                    (&lease.holder.as_uuid(), Type::UUID),
+                    (&lease.epoch.get(), Type::INT8),
                 ],
                 "releasing a stream lease",
             )
@@ -280,7 +286,13 @@ impl StreamLocker for PgStreamLocker {
         let rows: Vec<Row> = self
             .run(
                 sql::RENEW_MANY,
-                &[&streams, &perspectives, &holders, &epochs, &self.timeout],
+                &[
+                    (&streams, Type::UUID_ARRAY),
+                    (&perspectives, Type::TEXT_ARRAY),
+                    (&holders, Type::UUID_ARRAY),
+                    (&epochs, Type::INT8_ARRAY),
+                    (&self.timeout, Type::INTERVAL),
+                ],
                 "renewing stream leases",
             )
             .await?;

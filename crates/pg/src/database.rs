@@ -56,6 +56,7 @@ use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 
 use crate::advisory::LockQueue;
 use crate::migrate::MigrationReport;
+use crate::pooler::PoolerState;
 use crate::transaction::PgTransaction;
 
 /// The one Postgres handle: a pool, how long checkouts wait, and the lock queue (with the TLS
@@ -75,6 +76,8 @@ struct Inner {
     // Set once `ensure_schema` found a schema this build runs on; a failure is not remembered
     // (a `migrate` may fix it).
     schema_checked: std::sync::atomic::AtomicBool,
+    // What is known about a transaction pooler in front of the server (told, probed or seen).
+    pooler: PoolerState,
 }
 
 impl fmt::Debug for PgDatabase {
@@ -85,6 +88,7 @@ impl fmt::Debug for PgDatabase {
             .field("pool_status", &self.inner.pool.status())
             .field("checkout_wait", &self.inner.checkout_wait)
             .field("queue", &self.inner.queue)
+            .field("transaction_pooler", &self.inner.pooler.get())
             .finish()
     }
 }
@@ -159,6 +163,45 @@ impl PgDatabase {
             self.inner.target.as_deref(),
         )
         .await
+    }
+
+    /// What the handle knows about a transaction pooler (PgBouncer `pool_mode = transaction`)
+    /// in front of the server: `Some(true)` behind one (told by
+    /// [`PgDatabaseBuilder::transaction_pooler`], detected, or seen when a prepared statement
+    /// vanished between two statements), `Some(false)` not (told, or a probe saw none), `None`
+    /// not known yet.
+    ///
+    /// Behind a transaction pooler, lockstep's statements outside a transaction are sent unnamed
+    /// (no prepared statement to lose between two statements) and session-scoped advisory locks
+    /// refuse with [`ErrorKind::Unsupported`]; everything that runs in a transaction works as
+    /// without the pooler. The operations guide's section "Behind PgBouncer" has the details.
+    pub fn transaction_pooler(&self) -> Option<bool> {
+        self.inner.pooler.get()
+    }
+
+    /// Whether the handle is behind a transaction pooler, probing the server when it does not
+    /// know yet ([`PgDatabase::transaction_pooler`] is `None`); the answer is remembered by the
+    /// handle and its clones. The session locks call it before their first lock.
+    ///
+    /// The probe checks out two connections (the second only if one is free at once: it never
+    /// waits for another borrower) and asks for their server backend's process id while one of
+    /// them holds a transaction open: connected directly, a client always sees its own backend;
+    /// behind a transaction pooler it sees another client's, or a different one each time. It
+    /// proves a pooler when it sees one but can miss one (a pooler that hands a client the same
+    /// server connection again looks direct), so it answers `false` then without proving
+    /// anything: a deployment behind PgBouncer in transaction mode says so with
+    /// [`PgDatabaseBuilder::transaction_pooler`]. Four short statements; nothing named or
+    /// left behind. When it cannot run (a pool of one connection, or no second connection
+    /// free at once) it answers `false` and probes again next time.
+    pub async fn detect_transaction_pooler(&self) -> Result<bool> {
+        self.inner
+            .pooler
+            .detect(&self.inner.pool, self.inner.checkout_wait)
+            .await
+    }
+
+    pub(crate) fn pooler_state(&self) -> &PoolerState {
+        &self.inner.pooler
     }
 
     /// Applies lockstep's schema ([`crate::migrate()`]).
@@ -245,6 +288,7 @@ pub struct PgDatabaseBuilder {
     queue: LockQueue,
     make_manager: Option<MakeManager>,
     application_name: Option<String>,
+    transaction_pooler: Option<bool>,
 }
 
 impl Default for PgDatabaseBuilder {
@@ -257,6 +301,7 @@ impl Default for PgDatabaseBuilder {
             queue: LockQueue::new(),
             application_name: None,
             make_manager: None,
+            transaction_pooler: None,
         }
     }
 }
@@ -269,6 +314,7 @@ impl fmt::Debug for PgDatabaseBuilder {
             .field("max_connections", &self.max_connections)
             .field("checkout_wait", &self.checkout_wait)
             .field("queue", &self.queue)
+            .field("transaction_pooler", &self.transaction_pooler)
             .finish_non_exhaustive()
     }
 }
@@ -350,6 +396,24 @@ impl PgDatabaseBuilder {
         self
     }
 
+    /// Whether the connections go through a transaction pooler (PgBouncer
+    /// `pool_mode = transaction`): `true` says so, `false` says they do not (connected directly,
+    /// or through a pooler in session mode, where a client keeps its server session). Not set,
+    /// the handle finds out itself where it can ([`PgDatabase::detect_transaction_pooler`]),
+    /// which may miss a pooler: set it when you know.
+    ///
+    /// Behind a transaction pooler, lockstep's statements outside a transaction are sent unnamed
+    /// (one round trip each, parsed every time: no prepared statement that another server
+    /// session lacks), and session-scoped advisory locks (`SessionLocks` of
+    /// `lockstep-pg-advisory`) refuse with [`ErrorKind::Unsupported`] naming the pooler: a
+    /// session lock would stay on a server connection that other clients then use. Units of
+    /// work, transaction-scoped advisory locks, stream leases, the event and perspective
+    /// stores, the worker, the combiner and [`PgDatabase::migrate`] work as without it.
+    pub fn transaction_pooler(mut self, behind: bool) -> Self {
+        self.transaction_pooler = Some(behind);
+        self
+    }
+
     /// The handle. Fails with [`ErrorKind::InvalidInput`] for a URL that does not parse, for
     /// no target at all, for both a target and a pool, or for `max_connections(0)`. Sends
     /// nothing to the server. Needs a tokio runtime (the pool's timeouts run on it).
@@ -396,6 +460,7 @@ impl PgDatabaseBuilder {
                         queue: self.queue,
                         target: Some(target),
                         schema_checked: Default::default(),
+                        pooler: PoolerState::told(self.transaction_pooler),
                     }),
                 })
             }
@@ -414,6 +479,7 @@ impl PgDatabaseBuilder {
                 queue: self.queue,
                 target: None,
                 schema_checked: Default::default(),
+                pooler: PoolerState::told(self.transaction_pooler),
             }),
         }
     }

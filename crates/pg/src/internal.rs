@@ -15,6 +15,13 @@ pub use crate::advisory::{
     lock_error, lock_statement, lock_timeout_setting, try_lock_statement,
 };
 pub use crate::cancel::CancelOnDrop;
+pub use crate::pooler::{PoolerState, probe as probe_pooler, session_state_refused};
+
+/// What `db` knows about a transaction pooler in front of its server, shared with the backends
+/// built from it.
+pub fn pooler_state(db: &crate::PgDatabase) -> &PoolerState {
+    db.pooler_state()
+}
 
 /// A driver error of one of lockstep's own statements: [`crate::map_error`], and a database
 /// without lockstep's schema (undefined table, column or function) says to run

@@ -56,6 +56,7 @@ pub mod error;
 pub mod internal;
 pub mod migrate;
 pub mod pool;
+mod pooler;
 mod queue;
 pub mod target;
 pub mod transaction;

@@ -25,8 +25,11 @@
 //! breaking.
 //!
 //! Applying is explicit: call [`migrate`] (`lockstep migrate`); no constructor does it behind
-//! your back. It is idempotent, and safe from two processes at once: the run holds a session
-//! advisory lock on [`MIGRATION_LOCK_KEY`], so concurrent runs queue instead of racing. Every
+//! your back. It is idempotent, and safe from two processes at once: a run is one transaction
+//! that first takes a transaction-scoped advisory lock on [`MIGRATION_LOCK_KEY`], so concurrent
+//! runs queue instead of racing, and a run that fails leaves nothing half applied. Holding no
+//! session state, it runs through a transaction pooler (PgBouncer `pool_mode = transaction`)
+//! as well as on a direct connection. Every
 //! object is created in the first schema of the `search_path`. An application that runs its
 //! own refinery migrations in the same database keeps its `refinery_schema_history` to itself.
 //!
@@ -49,10 +52,11 @@
 
 use std::fmt;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Pool;
 use lockstep_core::{Error, ErrorKind, Result, advisory_key};
 use tokio_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
 
 use crate::error::map_error;
 
@@ -237,27 +241,36 @@ impl std::error::Error for SchemaMismatch {}
 /// that schema still serves this build, and [`SchemaMismatch::Newer`] when it does not. On a
 /// database of a development snapshot from before 0.1 it returns
 /// [`SchemaMismatch::Snapshot`].
+///
+/// The whole run is one transaction: it begins with `pg_advisory_xact_lock` on
+/// [`MIGRATION_LOCK_KEY`] (a concurrent run waits there until this one commits, then finds
+/// nothing left to do), applies what is due, and commits; a failure rolls everything back.
 pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
     let mut conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
-    let key = advisory_key(MIGRATION_LOCK_KEY);
-    conn.execute("SELECT pg_advisory_lock($1)", &[&key])
+    let tx = conn
+        .transaction()
         .await
-        .map_err(|e| map_error(e, "locking the migration run"))?;
-    let outcome = migrate_locked(&mut conn).await;
-    // Unlock on every path; if even that fails, do not return the connection to the pool
-    // still holding the lock.
-    let unlocked = conn.execute("SELECT pg_advisory_unlock($1)", &[&key]).await;
-    if unlocked.is_err() {
-        let _ = Object::take(conn);
-    }
-    outcome
+        .map_err(|e| map_error(e, "beginning the migration run"))?;
+    tx.query_typed(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[(&advisory_key(MIGRATION_LOCK_KEY), Type::INT8)],
+    )
+    .await
+    .map_err(|e| map_error(e, "locking the migration run"))?;
+    tracing::debug!("migration run: the migration lock is held");
+    let report = migrate_locked(&tx).await?;
+    tx.commit()
+        .await
+        .map_err(|e| map_error(e, "committing the migration run"))?;
+    Ok(report)
 }
 
-async fn migrate_locked(conn: &mut Object) -> Result<MigrationReport> {
-    if is_snapshot(&***conn).await? {
+async fn migrate_locked(tx: &deadpool_postgres::Transaction<'_>) -> Result<MigrationReport> {
+    let conn: &tokio_postgres::Transaction<'_> = tx;
+    if is_snapshot(conn).await? {
         return Err(SchemaMismatch::Snapshot.into_error());
     }
-    if let Some(installed) = installed_schema(&***conn).await?
+    if let Some(installed) = installed_schema(conn).await?
         && installed.version > SCHEMA_VERSION
     {
         if let Some(newer) = installed.breaks_this_build() {
@@ -272,9 +285,8 @@ async fn migrate_locked(conn: &mut Object) -> Result<MigrationReport> {
             schema_version: installed.version,
         });
     }
-    let client: &mut tokio_postgres::Client = conn;
     let report = runner()
-        .run_async(client)
+        .run_async(&mut InRun(conn))
         .await
         .map_err(|e| Error::new(ErrorKind::Backend, "applying migrations failed").with_source(e))?;
     let applied = report
@@ -282,7 +294,7 @@ async fn migrate_locked(conn: &mut Object) -> Result<MigrationReport> {
         .iter()
         .map(|m| (m.version(), m.name().to_owned()))
         .collect();
-    let (functions_applied, functions_dropped) = apply_function_files(conn).await?;
+    let (functions_applied, functions_dropped) = apply_function_files(tx).await?;
     Ok(MigrationReport {
         applied,
         functions_applied,
@@ -292,14 +304,12 @@ async fn migrate_locked(conn: &mut Object) -> Result<MigrationReport> {
 }
 
 /// Applies the new and changed function files, drops what no file defines, and records the
-/// schema version: one transaction, so a database never has half of a build's functions.
-async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<String>)> {
+/// schema version, in the run's transaction: a database never has half of a build's functions.
+async fn apply_function_files(
+    tx: &deadpool_postgres::Transaction<'_>,
+) -> Result<(Vec<String>, Vec<String>)> {
     let names: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.name).collect();
     let texts: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.sql).collect();
-    let tx = conn
-        .transaction()
-        .await
-        .map_err(|e| map_error(e, "beginning the function files' transaction"))?;
     let due: Vec<String> = tx
         .query(
             &format!(
@@ -323,7 +333,7 @@ async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<Str
         // A function whose result type changed (42P13), or a view that lost a column (42P16),
         // cannot be replaced in place: drop the old definition and create the new one. The
         // savepoint lets the transaction go on after the first attempt failed.
-        let before = overloads(&tx, name).await?;
+        let before = overloads(tx, name).await?;
         tx.batch_execute("SAVEPOINT lockstep_function_file")
             .await
             .map_err(|e| map_error(e, "setting a savepoint"))?;
@@ -336,7 +346,7 @@ async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<Str
             tx.batch_execute("ROLLBACK TO SAVEPOINT lockstep_function_file")
                 .await
                 .map_err(|e| map_error(e, "rolling back to the savepoint"))?;
-            dropped.extend(drop_functions(&tx, &overloads(&tx, name).await?).await?);
+            dropped.extend(drop_functions(tx, &overloads(tx, name).await?).await?);
             tx.batch_execute(&format!("DROP VIEW IF EXISTS {}", quote_ident(name)))
                 .await
                 .map_err(|e| map_error(e, &format!("dropping the view {name}")))?;
@@ -346,12 +356,12 @@ async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<Str
         }
         // Overloads of the name that the file did not create or replace (their catalog rows
         // are the rows from before it ran): the file no longer defines them.
-        let after = overloads(&tx, name).await?;
+        let after = overloads(tx, name).await?;
         let stale: Vec<(String, String)> = before
             .into_iter()
             .filter(|old| after.contains(old))
             .collect();
-        dropped.extend(drop_functions(&tx, &stale).await?);
+        dropped.extend(drop_functions(tx, &stale).await?);
         tx.execute(
             &format!(
                 "INSERT INTO {FUNCTIONS_TABLE} (name, checksum, applied_at) \
@@ -377,7 +387,7 @@ async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<Str
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| map_error(e, "reading a recorded function file's name"))?;
     for name in &gone {
-        dropped.extend(drop_functions(&tx, &overloads(&tx, name).await?).await?);
+        dropped.extend(drop_functions(tx, &overloads(tx, name).await?).await?);
         tx.execute(&format!("DROP VIEW IF EXISTS {}", quote_ident(name)), &[])
             .await
             .map_err(|e| map_error(e, "dropping a view whose file is gone"))?;
@@ -408,9 +418,6 @@ async fn apply_function_files(conn: &mut Object) -> Result<(Vec<String>, Vec<Str
     )
     .await
     .map_err(|e| map_error(e, "recording the schema version"))?;
-    tx.commit()
-        .await
-        .map_err(|e| map_error(e, "committing the function files"))?;
     Ok((due, dropped))
 }
 
@@ -461,7 +468,7 @@ async fn is_snapshot<C: GenericClient + Sync>(conn: &C) -> Result<bool> {
         return Ok(false);
     }
     let row = conn
-        .query_one(
+        .query_typed_one(
             &format!(
                 "SELECT EXISTS (SELECT 1 FROM {MIGRATION_TABLE} \
                  WHERE version = 1 AND name <> 'baseline')"
@@ -477,7 +484,10 @@ async fn is_snapshot<C: GenericClient + Sync>(conn: &C) -> Result<bool> {
 async fn table_exists<C: GenericClient + Sync>(conn: &C, table: &str) -> Result<bool> {
     // `to_regclass` resolves the name on the search_path as refinery does; NULL when absent.
     let row = conn
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+        .query_typed_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[(&table, Type::TEXT)],
+        )
         .await
         .map_err(|e| map_error(e, "looking for lockstep's schema"))?;
     row.try_get(0)
@@ -490,7 +500,7 @@ async fn installed_schema<C: GenericClient + Sync>(conn: &C) -> Result<Option<In
         return Ok(None);
     }
     let row = conn
-        .query_opt(
+        .query_typed_opt(
             &format!("SELECT version, last_breaking, installed_by FROM {VERSION_TABLE}"),
             &[],
         )
@@ -650,10 +660,11 @@ impl MigrationStatus {
 pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
     let conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
     let conn: &tokio_postgres::Client = &conn;
+    tracing::debug!("reading where each migration and function file stands");
     let mut recorded: Vec<(i32, String, String, String)> = Vec::new();
     if table_exists(conn, MIGRATION_TABLE).await? {
         let rows = conn
-            .query(
+            .query_typed(
                 &format!(
                     "SELECT version, coalesce(name, ''), coalesce(applied_on, ''), \
                      coalesce(checksum, '') FROM {MIGRATION_TABLE} ORDER BY version"
@@ -726,7 +737,7 @@ async fn function_states<C: GenericClient + Sync>(conn: &C) -> Result<Vec<Functi
     }
     let texts: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.sql).collect();
     let rows = conn
-        .query(
+        .query_typed(
             &format!(
                 "SELECT coalesce(f.name, s.name), f.name IS NOT NULL, s.name IS NOT NULL, \
                         s.checksum IS NOT DISTINCT FROM md5(f.body), \
@@ -736,7 +747,7 @@ async fn function_states<C: GenericClient + Sync>(conn: &C) -> Result<Vec<Functi
                    FULL JOIN {FUNCTIONS_TABLE} s ON s.name = f.name \
                   ORDER BY f.o NULLS LAST, s.name"
             ),
-            &[&names, &texts],
+            &[(&names, Type::TEXT_ARRAY), (&texts, Type::TEXT_ARRAY)],
         )
         .await
         .map_err(|e| map_error(e, "reading the applied function files"))?;
@@ -781,3 +792,86 @@ fn runner() -> refinery::Runner {
     runner.set_migration_table_name(MIGRATION_TABLE);
     runner
 }
+
+/// refinery's runner on the migration run's transaction: its statements run in that
+/// transaction (refinery's own driver would begin and commit one per migration on the client),
+/// so the run's transaction-scoped lock covers them and a failure rolls the whole run back.
+struct InRun<'a, 't>(&'a tokio_postgres::Transaction<'t>);
+
+/// A failure of a statement refinery sent, or a history row it cannot read.
+#[derive(Debug)]
+enum RunError {
+    Statement(tokio_postgres::Error),
+    History(String),
+}
+
+impl fmt::Display for RunError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RunError::Statement(e) => write!(f, "{e}"),
+            RunError::History(what) => write!(f, "reading {MIGRATION_TABLE}: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for RunError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RunError::Statement(e) => Some(e),
+            RunError::History(_) => None,
+        }
+    }
+}
+
+impl refinery_core::traits::r#async::AsyncTransaction for InRun<'_, '_> {
+    type Error = RunError;
+
+    async fn execute<'a, T: Iterator<Item = &'a str> + Send + 'a>(
+        &'a mut self,
+        queries: T,
+    ) -> std::result::Result<usize, RunError> {
+        let mut count = 0;
+        for query in queries {
+            self.0
+                .batch_execute(query)
+                .await
+                .map_err(RunError::Statement)?;
+            count += 1;
+        }
+        Ok(count)
+    }
+}
+
+impl refinery_core::traits::r#async::AsyncQuery<Vec<refinery_core::Migration>> for InRun<'_, '_> {
+    async fn query<'a>(
+        &'a mut self,
+        query: &'a str,
+    ) -> std::result::Result<Vec<refinery_core::Migration>, RunError> {
+        let rows = self
+            .0
+            .query_typed(query, &[])
+            .await
+            .map_err(RunError::Statement)?;
+        rows.iter()
+            .map(|row| {
+                let read = |e: tokio_postgres::Error| RunError::History(e.to_string());
+                let applied_on: String = row.try_get(2).map_err(read)?;
+                let checksum: String = row.try_get(3).map_err(read)?;
+                Ok(refinery_core::Migration::applied(
+                    row.try_get(0).map_err(read)?,
+                    row.try_get(1).map_err(read)?,
+                    time::OffsetDateTime::parse(
+                        &applied_on,
+                        &time::format_description::well_known::Rfc3339,
+                    )
+                    .map_err(|e| RunError::History(format!("applied_on {applied_on:?}: {e}")))?,
+                    checksum
+                        .parse::<u64>()
+                        .map_err(|e| RunError::History(format!("checksum {checksum:?}: {e}")))?,
+                ))
+            })
+            .collect()
+    }
+}
+
+impl refinery_core::AsyncMigrate for InRun<'_, '_> {}

@@ -19,6 +19,9 @@
 //! [`TestDatabase::pool_through`] or [`TestDatabase::config_through`] (or the free functions
 //! [`server_address`] and [`config_through`] for a `Config` from elsewhere).
 //!
+//! To run a test through PgBouncer in transaction mode: [`pgbouncer::PgBouncer`] starts one in
+//! front of the test's server and gives the test's database through it.
+//!
 //! ```no_run
 //! # async fn demo() {
 //! let db = lockstep_testkit::pg_harness::test_database().await;
@@ -36,6 +39,8 @@ use std::time::Duration;
 use tokio::sync::OnceCell;
 use tokio_postgres::config::Host;
 use tokio_postgres::{Config, NoTls};
+
+pub mod pgbouncer;
 
 /// The local server tried when `DATABASE_URL` is not set.
 pub const LOCAL_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
