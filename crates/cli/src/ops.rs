@@ -637,8 +637,9 @@ pub(crate) async fn advisory_rows(
     names: &[String],
 ) -> Result<Vec<serde_json::Value>> {
     let client = pool.get().await.context("checking out a connection")?;
+    // Unnamed (one round trip, no prepared statement): works behind a transaction pooler too.
     let rows = client
-        .query(
+        .query_typed(
             "SELECT advisory_key, pid, granted, mode, state, \
              extract(epoch FROM transaction_age)::float8 AS age_s, application_name \
              FROM lockstep_advisory_locks ORDER BY advisory_key, granted DESC, pid",
