@@ -308,16 +308,26 @@ pub async fn commands(replication: Replication, scale: Scale) -> anyhow::Result<
     }
     tokio::time::sleep(plan.after).await;
     stop.store(true, Ordering::Relaxed);
-    while let Some(joined) = writers.join_next().await {
-        if let Err(e) = joined {
-            if e.is_panic() {
-                report.tally.panic(format!("a writer panicked: {e}"));
-            } else {
-                report
-                    .tally
-                    .violation(format!("a writer was cancelled: {e}"));
+    // Each writer ends after its command in flight; one that does not within the step limit
+    // hangs (aborted when the set is dropped).
+    let joined_all = tokio::time::timeout(STEP_LIMIT, async {
+        while let Some(joined) = writers.join_next().await {
+            if let Err(e) = joined {
+                if e.is_panic() {
+                    report.tally.panic(format!("a writer panicked: {e}"));
+                } else {
+                    report
+                        .tally
+                        .violation(format!("a writer was cancelled: {e}"));
+                }
             }
         }
+    })
+    .await;
+    if joined_all.is_err() {
+        report.tally.violation(format!(
+            "a writer's command did not end within {STEP_LIMIT:?} of the stop"
+        ));
     }
 
     report.tally.failovers = report.stats.failovers;
