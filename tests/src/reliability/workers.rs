@@ -254,46 +254,9 @@ pub async fn run(scale: Scale, command: &WorkerCommand) -> anyhow::Result<Worker
         }
         processes.push(start(command, &url, false, &rewinds).await?);
     }
-    while let Some(appender) = appenders.join_next().await {
-        let (appended, failure) = appender?;
-        report.stats.events += appended;
-        if let Some(e) = failure {
-            report
-                .tally
-                .violation(format!("an appender gave up: {e:#}"));
-        }
-    }
+    // Leases of killed processes expire after the lock timeout and are taken over.
+    finish(appenders, &admin, plan.drain, processes, &mut report).await?;
     report.stats.late = late.load(Ordering::Relaxed);
-
-    // Drain (leases of killed processes expire after the lock timeout and are taken over).
-    let drain_started = Instant::now();
-    let drained = tokio::time::timeout(plan.drain, async {
-        loop {
-            match queue_is_empty(&admin).await {
-                Ok(true) => return Ok(()),
-                Ok(false) => tokio::time::sleep(Duration::from_millis(100)).await,
-                Err(e) => return Err(e),
-            }
-        }
-    })
-    .await;
-    report.stats.drain_seconds = drain_started.elapsed().as_secs_f64();
-    match drained {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => report.tally.violation(format!("reading the queue: {e:#}")),
-        Err(_) => report.tally.violation(format!(
-            "the queue did not drain within {:?} of the last append",
-            plan.drain
-        )),
-    }
-    for mut process in processes {
-        report.tally.cases += 1;
-        if let Err(e) = stop(&mut process).await {
-            report
-                .tally
-                .violation(format!("worker {}: {e:#}", process.instance));
-        }
-    }
     report.stats.rewind_leases = rewinds.load(Ordering::Relaxed);
 
     compare(&admin, &mut report).await?;
@@ -410,48 +373,11 @@ pub async fn run_through_failovers(
         }
         pair.rebuild_standby().await?;
     }
-    while let Some(appender) = appenders.join_next().await {
-        let (appended, failure) = appender?;
-        report.stats.events += appended;
-        if let Some(e) = failure {
-            report
-                .tally
-                .violation(format!("an appender gave up: {e:#}"));
-        }
-    }
-    report.stats.late = late.load(Ordering::Relaxed);
     report.tally.failovers = stats.failovers;
-
     let admin = pair.connect_primary(DB).await?;
-    let drain_started = Instant::now();
-    let drained = tokio::time::timeout(plan.drain, async {
-        loop {
-            match queue_is_empty(&admin).await {
-                Ok(true) => return Ok(()),
-                Ok(false) => tokio::time::sleep(Duration::from_millis(100)).await,
-                Err(e) => return Err(e),
-            }
-        }
-    })
-    .await;
-    report.stats.drain_seconds = drain_started.elapsed().as_secs_f64();
-    match drained {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => report.tally.violation(format!("reading the queue: {e:#}")),
-        Err(_) => report.tally.violation(format!(
-            "the queue did not drain within {:?} of the last append",
-            plan.drain
-        )),
-    }
-    // Every process lived through the failovers and stops cleanly.
-    for mut process in processes {
-        report.tally.cases += 1;
-        if let Err(e) = stop(&mut process).await {
-            report
-                .tally
-                .violation(format!("worker {}: {e:#}", process.instance));
-        }
-    }
+    // Every process lived through the failovers: it must stop cleanly.
+    finish(appenders, &admin, plan.drain, processes, &mut report).await?;
+    report.stats.late = late.load(Ordering::Relaxed);
     report.stats.rewind_leases = rewinds.load(Ordering::Relaxed);
 
     // Epochs continue on the new primary.
@@ -504,6 +430,54 @@ pub async fn run_through_failovers(
     compare(&admin, &mut report).await?;
     compare_rows(&admin, &mut report).await?;
     Ok((report, stats))
+}
+
+/// The end of a run: the appenders' counts (one that gave up is a violation), the queue drained
+/// within `drain` (bounded), and every process stopped with SIGTERM (it must exit cleanly).
+async fn finish(
+    mut appenders: tokio::task::JoinSet<(u64, Option<anyhow::Error>)>,
+    admin: &tokio_postgres::Client,
+    drain: Duration,
+    processes: Vec<Process>,
+    report: &mut WorkersReport,
+) -> anyhow::Result<()> {
+    while let Some(appender) = appenders.join_next().await {
+        let (appended, failure) = appender?;
+        report.stats.events += appended;
+        if let Some(e) = failure {
+            report
+                .tally
+                .violation(format!("an appender gave up: {e:#}"));
+        }
+    }
+    let drain_started = Instant::now();
+    let drained = tokio::time::timeout(drain, async {
+        loop {
+            match queue_is_empty(admin).await {
+                Ok(true) => return Ok(()),
+                Ok(false) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await;
+    report.stats.drain_seconds = drain_started.elapsed().as_secs_f64();
+    match drained {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => report.tally.violation(format!("reading the queue: {e:#}")),
+        Err(_) => report.tally.violation(format!(
+            "the queue did not drain within {drain:?} of the last append"
+        )),
+    }
+    for mut process in processes {
+        report.tally.cases += 1;
+        if let Err(e) = stop(&mut process).await {
+            report
+                .tally
+                .violation(format!("worker {}: {e:#}", process.instance));
+        }
+    }
+    Ok(())
 }
 
 /// How many failovers the long run of [`run_through_failovers`] goes through.
