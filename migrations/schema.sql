@@ -164,6 +164,79 @@ BEGIN
 END
 $$;
 
+CREATE TABLE public.wh_perspective_versions (
+    perspective_name text NOT NULL,
+    version integer NOT NULL,
+    stored_name text NOT NULL,
+    status text NOT NULL,
+    automatic boolean NOT NULL,
+    previous text NOT NULL,
+    promote_requested_at timestamp with time zone,
+    promote_forced boolean DEFAULT false NOT NULL,
+    declared_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    changed_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT wh_perspective_versions_check CHECK (((version = 1) = (stored_name = perspective_name))),
+    CONSTRAINT wh_perspective_versions_perspective_name_check CHECK ((btrim(perspective_name) <> ''::text)),
+    CONSTRAINT wh_perspective_versions_previous_check CHECK ((previous = ANY (ARRAY['keep'::text, 'retire'::text, 'drop'::text]))),
+    CONSTRAINT wh_perspective_versions_status_check CHECK ((status = ANY (ARRAY['building'::text, 'serving'::text, 'kept'::text, 'retired'::text, 'abandoned'::text]))),
+    CONSTRAINT wh_perspective_versions_version_check CHECK ((version >= 1))
+);
+
+CREATE FUNCTION public.lockstep_declare_perspective_versions(p_names text[], p_versions integer[], p_automatic boolean[], p_previous text[]) RETURNS SETOF public.wh_perspective_versions
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_name text;
+    v_serving boolean;
+    d record;
+BEGIN
+    FOR v_name IN SELECT DISTINCT n COLLATE "C" FROM unnest(p_names) n ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock(
+            lockstep_advisory_key('lockstep:perspective-versions:' || v_name));
+    END LOOP;
+    FOR v_name IN SELECT DISTINCT n COLLATE "C" FROM unnest(p_names) n ORDER BY 1 LOOP
+        v_serving := EXISTS (SELECT 1 FROM wh_perspective_versions
+                              WHERE perspective_name = v_name AND status = 'serving');
+        IF NOT v_serving
+           AND NOT EXISTS (SELECT 1 FROM wh_perspective_versions
+                            WHERE perspective_name = v_name AND version = 1)
+           AND (EXISTS (SELECT 1 FROM wh_perspectives WHERE perspective_name = v_name)
+                OR EXISTS (SELECT 1 FROM wh_retired_perspectives
+                            WHERE perspective_name = v_name)) THEN
+            INSERT INTO wh_perspective_versions
+                   (perspective_name, version, stored_name, status, automatic, previous)
+            SELECT v_name, 1, v_name, 'serving',
+                   coalesce((SELECT u.a FROM unnest(p_names, p_versions, p_automatic)
+                                          AS u(n, v, a) WHERE u.n = v_name AND u.v = 1
+                              LIMIT 1), true),
+                   coalesce((SELECT u.p FROM unnest(p_names, p_versions, p_previous)
+                                          AS u(n, v, p) WHERE u.n = v_name AND u.v = 1
+                              LIMIT 1), 'retire');
+            v_serving := true;
+        END IF;
+        FOR d IN SELECT u.v, u.a, u.p
+                   FROM unnest(p_names, p_versions, p_automatic, p_previous) AS u(n, v, a, p)
+                  WHERE u.n = v_name
+                  ORDER BY u.v LOOP
+            INSERT INTO wh_perspective_versions AS w
+                   (perspective_name, version, stored_name, status, automatic, previous)
+            VALUES (v_name, d.v,
+                    CASE WHEN d.v = 1 THEN v_name ELSE v_name || '@v' || d.v END,
+                    CASE WHEN v_serving THEN 'building' ELSE 'serving' END,
+                    d.a, d.p)
+            ON CONFLICT (perspective_name, version) DO UPDATE
+               SET automatic = EXCLUDED.automatic, previous = EXCLUDED.previous
+             WHERE (w.automatic, w.previous) IS DISTINCT FROM (EXCLUDED.automatic, EXCLUDED.previous);
+            v_serving := true;
+        END LOOP;
+    END LOOP;
+    RETURN QUERY
+        SELECT * FROM wh_perspective_versions
+         WHERE perspective_name = ANY (p_names)
+         ORDER BY perspective_name COLLATE "C", version;
+END;
+$$;
+
 CREATE FUNCTION public.lockstep_load_from_snapshot(p_key bigint, p_lock_timeout text, p_stream_id uuid, p_aggregate_type text, p_schema_version integer) RETURNS TABLE(refused_isolation text, snapshot_state jsonb, event_id uuid, version bigint, event_type text, payload jsonb, recorded_at timestamp with time zone, schema_version integer)
     LANGUAGE plpgsql
     AS $$
@@ -1778,6 +1851,12 @@ ALTER TABLE ONLY public.wh_perspective_states
 ALTER TABLE ONLY public.wh_perspective_throughput
     ADD CONSTRAINT wh_perspective_throughput_pkey PRIMARY KEY (perspective_name);
 
+ALTER TABLE ONLY public.wh_perspective_versions
+    ADD CONSTRAINT wh_perspective_versions_pkey PRIMARY KEY (perspective_name, version);
+
+ALTER TABLE ONLY public.wh_perspective_versions
+    ADD CONSTRAINT wh_perspective_versions_stored_name_key UNIQUE (stored_name);
+
 ALTER TABLE ONLY public.wh_perspectives
     ADD CONSTRAINT wh_perspectives_pkey PRIMARY KEY (perspective_name);
 
@@ -1796,3 +1875,5 @@ CREATE INDEX wh_perspective_cursors_held_leases ON public.wh_perspective_cursors
 CREATE INDEX wh_perspective_cursors_parked ON public.wh_perspective_cursors USING btree (parked_at) WHERE (parked_at IS NOT NULL);
 
 CREATE INDEX wh_perspective_cursors_rewind_requested ON public.wh_perspective_cursors USING btree (rewind_flagged_at) WHERE (rewind_trigger_event_id IS NOT NULL);
+
+CREATE UNIQUE INDEX wh_perspective_versions_serving ON public.wh_perspective_versions USING btree (perspective_name) WHERE (status = 'serving'::text);

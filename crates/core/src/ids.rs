@@ -141,6 +141,36 @@ impl PerspectiveName {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The name version `version` of this perspective is stored under: the name itself for
+    /// version 1, `{name}@v{version}` for a later one (see [`crate::perspective_version`]).
+    /// Version 0, and a versioned name longer than [`PerspectiveName::MAX_CHARS`], are
+    /// [`crate::ErrorKind::InvalidInput`].
+    pub fn versioned(&self, version: u32) -> Result<PerspectiveName> {
+        match version {
+            0 => Err(Error::new(
+                crate::ErrorKind::InvalidInput,
+                format!("perspective {self}: versions start at 1, not 0"),
+            )),
+            1 => Ok(self.clone()),
+            n => PerspectiveName::new(format!("{}@v{n}", self.0)),
+        }
+    }
+
+    /// Splits a stored name of a later version (`Statement@v2`) into the perspective's name
+    /// and the version; `None` for any other name (a version 1 is stored under the plain
+    /// name).
+    pub fn version_suffix(&self) -> Option<(&str, u32)> {
+        let (base, digits) = self.0.rsplit_once("@v")?;
+        if base.is_empty() || digits.is_empty() || digits.starts_with('0') {
+            return None;
+        }
+        if !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let version: u32 = digits.parse().ok()?;
+        (version >= 2).then_some((base, version))
+    }
 }
 
 impl fmt::Display for PerspectiveName {

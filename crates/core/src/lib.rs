@@ -113,6 +113,7 @@ pub mod json;
 pub mod options;
 pub mod perspective;
 pub mod perspective_store;
+pub mod perspective_version;
 pub mod reason;
 pub mod resource_key;
 pub mod retry;
@@ -150,6 +151,10 @@ pub use perspective_store::{
     Rebuild, Registration, Release, RetireStates, Retired, RewindDebounce, RewindLoad,
     RewindProgress, RewindReads, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
     THROUGHPUT_WINDOW, Throughput, WorkQueue, check_progress_limit, check_states_page,
+};
+pub use perspective_version::{
+    PerspectiveVersion, PerspectiveVersions, PreviousVersion, Promotion, PromotionRequest,
+    VersionDeclaration, VersionPolicy, VersionStatus,
 };
 pub use reason::{CustomReason, LockReason};
 pub use resource_key::{ADVISORY_KEY_GOLDEN_VECTORS, ResourceKey, advisory_key};

@@ -48,6 +48,7 @@ use crate::apply_error::ApplyError;
 use crate::error::{Error, ErrorKind, Result};
 use crate::event_store::RecordedEvent;
 use crate::ids::PerspectiveName;
+use crate::perspective_version::{VersionDeclaration, VersionPolicy};
 use crate::table_perspective::{DynTablePerspective, TablePerspective};
 
 /// A read model: folds a stream's events, in event-id order, into a state.
@@ -62,6 +63,14 @@ pub trait Perspective: Send + Sync + 'static {
     /// whitespace at either end, no control or format character, in NFC).
     fn name(&self) -> &str;
 
+    /// The version of this perspective's code (1 unless overridden). A new version of a
+    /// perspective registered beside the serving one is built beside it, under the stored
+    /// name [`PerspectiveName::versioned`], and takes over once promoted; see
+    /// [`crate::perspective_version`].
+    fn version(&self) -> u32 {
+        1
+    }
+
     /// Applies one event to the state. Deterministic: a replay must reach the same state.
     fn apply(&self, state: &mut Self::State, event: &RecordedEvent) -> Result<(), Self::Error>;
 }
@@ -70,6 +79,11 @@ pub trait Perspective: Send + Sync + 'static {
 pub trait DynPerspective: Send + Sync {
     /// The perspective's name, as given by [`Perspective::name`].
     fn name(&self) -> &str;
+
+    /// The version of its code, as given by [`Perspective::version`].
+    fn version(&self) -> u32 {
+        1
+    }
 
     /// The state before any event, as JSON.
     fn initial_state(&self) -> Result<serde_json::Value>;
@@ -135,6 +149,10 @@ impl<P: Perspective> DynPerspective for P {
         Perspective::name(self)
     }
 
+    fn version(&self) -> u32 {
+        Perspective::version(self)
+    }
+
     fn initial_state(&self) -> Result<serde_json::Value> {
         serde_json::to_value(P::State::default()).map_err(|e| {
             Error::new(
@@ -182,14 +200,26 @@ impl<P: Perspective> DynPerspective for P {
     }
 }
 
-/// A table perspective by its name, as [`PerspectiveRegistry::tables`] lists them.
+/// A table perspective by its stored name, as [`PerspectiveRegistry::tables`] lists them.
 pub type NamedTable<Tx> = (PerspectiveName, Arc<dyn DynTablePerspective<Tx>>);
 
-/// The perspectives a worker runs, by name (names are unique across both kinds): JSON
-/// perspectives ([`Perspective`]) and table perspectives ([`crate::TablePerspective`]).
+/// The perspectives a worker runs, by stored name: JSON perspectives ([`Perspective`]) and
+/// table perspectives ([`crate::TablePerspective`]), one namespace for both kinds. Two versions
+/// of one perspective are two entries, stored under their own names
+/// ([`PerspectiveName::versioned`]: `Statement` and `Statement@v2`).
 #[derive(Clone, Default)]
 pub struct PerspectiveRegistry {
-    entries: Vec<(PerspectiveName, Entry)>,
+    entries: Vec<Registered>,
+}
+
+/// One registered perspective version.
+#[derive(Clone)]
+struct Registered {
+    /// The name it is stored under.
+    stored: PerspectiveName,
+    /// Its perspective's name, its version and its promotion policy.
+    declaration: VersionDeclaration,
+    entry: Entry,
 }
 
 /// One registered perspective.
@@ -208,7 +238,7 @@ enum Entry {
 impl fmt::Debug for PerspectiveRegistry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list()
-            .entries(self.entries.iter().map(|(name, _)| name.as_str()))
+            .entries(self.entries.iter().map(|r| r.stored.as_str()))
             .finish()
     }
 }
@@ -219,16 +249,42 @@ impl PerspectiveRegistry {
         PerspectiveRegistry::default()
     }
 
-    /// Adds `perspective`. Fails with [`ErrorKind::InvalidInput`] when its name is not a valid
-    /// [`PerspectiveName`] or is already registered.
+    /// Adds `perspective` (its [`Perspective::version`], promoted as
+    /// [`VersionPolicy::default`] says when it is a new version). Fails with
+    /// [`ErrorKind::InvalidInput`] when its name is not a valid [`PerspectiveName`], ends in a
+    /// version suffix (`@v2`: the stored names of later versions), or is already registered
+    /// with that version, and when its version is 0.
     pub fn register<P: Perspective>(&mut self, perspective: P) -> Result<&mut Self> {
         self.register_dyn(Arc::new(perspective))
     }
 
+    /// [`PerspectiveRegistry::register`] with the promotion policy of a new version.
+    pub fn register_with<P: Perspective>(
+        &mut self,
+        perspective: P,
+        policy: VersionPolicy,
+    ) -> Result<&mut Self> {
+        self.register_dyn_with(Arc::new(perspective), policy)
+    }
+
     /// Adds a perspective already erased to [`DynPerspective`].
     pub fn register_dyn(&mut self, perspective: Arc<dyn DynPerspective>) -> Result<&mut Self> {
-        let name = self.new_name(perspective.name())?;
-        self.entries.push((name, Entry::Json(perspective)));
+        self.register_dyn_with(perspective, VersionPolicy::default())
+    }
+
+    /// [`PerspectiveRegistry::register_dyn`] with the promotion policy of a new version.
+    pub fn register_dyn_with(
+        &mut self,
+        perspective: Arc<dyn DynPerspective>,
+        policy: VersionPolicy,
+    ) -> Result<&mut Self> {
+        let (stored, declaration) =
+            self.new_version(perspective.name(), perspective.version(), policy)?;
+        self.entries.push(Registered {
+            stored,
+            declaration,
+            entry: Entry::Json(perspective),
+        });
         Ok(self)
     }
 
@@ -242,33 +298,66 @@ impl PerspectiveRegistry {
         Tx: Sync + 'static,
         T: TablePerspective<Tx>,
     {
-        let name = self.new_name(TablePerspective::name(&perspective))?;
+        self.register_table_with(perspective, VersionPolicy::default())
+    }
+
+    /// [`PerspectiveRegistry::register_table`] with the promotion policy of a new version.
+    pub fn register_table_with<Tx, T>(
+        &mut self,
+        perspective: T,
+        policy: VersionPolicy,
+    ) -> Result<&mut Self>
+    where
+        Tx: Sync + 'static,
+        T: TablePerspective<Tx>,
+    {
+        let (stored, declaration) = self.new_version(
+            TablePerspective::name(&perspective),
+            TablePerspective::version(&perspective),
+            policy,
+        )?;
         let erased: Arc<dyn DynTablePerspective<Tx>> = Arc::new(perspective);
-        self.entries.push((
-            name,
-            Entry::Table {
+        self.entries.push(Registered {
+            stored,
+            declaration,
+            entry: Entry::Table {
                 perspective: Arc::new(erased),
                 tx_type: std::any::type_name::<Tx>(),
             },
-        ));
+        });
         Ok(self)
     }
 
-    fn new_name(&self, name: &str) -> Result<PerspectiveName> {
+    fn new_version(
+        &self,
+        name: &str,
+        version: u32,
+        policy: VersionPolicy,
+    ) -> Result<(PerspectiveName, VersionDeclaration)> {
         let name = PerspectiveName::new(name)?;
-        if self.entries.iter().any(|(n, _)| *n == name) {
+        if name.version_suffix().is_some() {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
-                format!("perspective {name} is registered twice"),
+                format!(
+                    "perspective name {name} ends in a version suffix, which names the stored \
+                     versions: give the version with `version()` instead"
+                ),
             ));
         }
-        Ok(name)
+        let stored = name.versioned(version)?;
+        if self.entries.iter().any(|r| r.stored == stored) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!("perspective {name} version {version} is registered twice"),
+            ));
+        }
+        Ok((stored, VersionDeclaration::new(name, version, policy)))
     }
 
     /// The JSON perspective called `name` (`None` for a table perspective).
     pub fn get(&self, name: &PerspectiveName) -> Option<&Arc<dyn DynPerspective>> {
-        self.entries.iter().find_map(|(n, e)| match e {
-            Entry::Json(p) if n == name => Some(p),
+        self.entries.iter().find_map(|r| match &r.entry {
+            Entry::Json(p) if &r.stored == name => Some(p),
             _ => None,
         })
     }
@@ -277,7 +366,7 @@ impl PerspectiveRegistry {
     pub fn is_table(&self, name: &PerspectiveName) -> bool {
         self.entries
             .iter()
-            .any(|(n, e)| n == name && matches!(e, Entry::Table { .. }))
+            .any(|r| &r.stored == name && matches!(r.entry, Entry::Table { .. }))
     }
 
     /// Every table perspective, for transactions of type `Tx`. Fails with
@@ -285,7 +374,12 @@ impl PerspectiveRegistry {
     /// registered for another transaction type.
     pub fn tables<Tx: 'static>(&self) -> Result<Vec<NamedTable<Tx>>> {
         let mut out = Vec::new();
-        for (name, entry) in &self.entries {
+        for Registered {
+            stored: name,
+            entry,
+            ..
+        } in &self.entries
+        {
             let Entry::Table {
                 perspective,
                 tx_type,
@@ -308,9 +402,22 @@ impl PerspectiveRegistry {
         Ok(out)
     }
 
-    /// Every registered name, in registration order.
+    /// Every registered version's stored name, in registration order.
     pub fn names(&self) -> Vec<PerspectiveName> {
-        self.entries.iter().map(|(n, _)| n.clone()).collect()
+        self.entries.iter().map(|r| r.stored.clone()).collect()
+    }
+
+    /// Every registered version, in registration order (what a worker declares).
+    pub fn versions(&self) -> Vec<VersionDeclaration> {
+        self.entries.iter().map(|r| r.declaration.clone()).collect()
+    }
+
+    /// The registered version stored under `stored`, if any.
+    pub fn version_of(&self, stored: &PerspectiveName) -> Option<&VersionDeclaration> {
+        self.entries
+            .iter()
+            .find(|r| &r.stored == stored)
+            .map(|r| &r.declaration)
     }
 
     /// How many perspectives are registered.

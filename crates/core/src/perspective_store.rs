@@ -42,6 +42,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result, ValidationError};
 use crate::event_store::RecordedEvent;
 use crate::ids::{InstanceId, PerspectiveName, StreamId};
+use crate::perspective_version::PerspectiveVersions;
 use crate::stream_lease::{CursorLease, LeaseId};
 use crate::unit_of_work::Transaction;
 
@@ -1186,7 +1187,7 @@ pub const DEFAULT_KEEP_SNAPSHOTS: usize = 3;
 
 /// The perspective worker's storage, on the unit-of-work transaction `Tx`: the union of the
 /// capability traits [`WorkQueue`], [`PairWork`], [`PerspectiveReads`], [`RewindReads`],
-/// [`PerspectiveAdmin`] and [`PerspectiveLifecycle`], implemented for every type that
+/// [`PerspectiveAdmin`], [`PerspectiveLifecycle`] and [`PerspectiveVersions`], implemented for every type that
 /// implements all of them. A backend implements the capabilities; code that needs them all
 /// (the worker) takes this one bound. To call a concrete store's methods, bring the traits into
 /// scope: `use lockstep_core::perspective_store::prelude::*;`.
@@ -1200,6 +1201,7 @@ pub trait PerspectiveStore<Tx: ?Sized + Sync>:
     + RewindReads<Tx>
     + PerspectiveAdmin<Tx>
     + PerspectiveLifecycle<Tx>
+    + PerspectiveVersions<Tx>
 {
 }
 
@@ -1210,6 +1212,7 @@ impl<Tx: ?Sized + Sync, S> PerspectiveStore<Tx> for S where
         + RewindReads<Tx>
         + PerspectiveAdmin<Tx>
         + PerspectiveLifecycle<Tx>
+        + PerspectiveVersions<Tx>
 {
 }
 
@@ -1675,4 +1678,5 @@ pub mod prelude {
         CursorRows as _, PairWork as _, PerspectiveAdmin as _, PerspectiveLifecycle as _,
         PerspectiveReads as _, PerspectiveStore, RewindReads as _, WorkQueue as _,
     };
+    pub use crate::perspective_version::PerspectiveVersions as _;
 }

@@ -71,6 +71,25 @@ pub trait TablePerspective<Tx: Sync>: Send + Sync + 'static {
     /// [`crate::PerspectiveName`].
     fn name(&self) -> &str;
 
+    /// The version of this perspective's code (1 unless overridden); see
+    /// [`crate::perspective_version`]. A new version writes its own tables (name them after
+    /// the version, e.g. `statement_v2`), so that it builds beside the serving one.
+    fn version(&self) -> u32 {
+        1
+    }
+
+    /// Runs in the transaction that makes this version the serving one, after the switch:
+    /// repoint what the application reads (Postgres: `CREATE OR REPLACE VIEW statement AS
+    /// SELECT … FROM statement_v2`), so that readers switch in the same commit. Failing
+    /// rolls the promotion back. Does nothing by default.
+    fn promote<'a>(
+        &'a self,
+        tx: &'a Tx,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a {
+        let _ = tx;
+        std::future::ready(Ok(()))
+    }
+
     /// Writes the effect of one event, in `tx`. Deterministic in what it leaves behind: a
     /// rewind resets the stream and applies the same events again.
     fn apply<'a>(
@@ -93,6 +112,12 @@ pub trait DynTablePerspective<Tx>: Send + Sync {
     /// The perspective's name, as given by [`TablePerspective::name`].
     fn name(&self) -> &str;
 
+    /// The version of its code, as given by [`TablePerspective::version`].
+    fn version(&self) -> u32;
+
+    /// Runs [`TablePerspective::promote`]; a failure is its error's text.
+    fn promote_version<'a>(&'a self, tx: &'a Tx) -> BoxFuture<'a, Result<(), String>>;
+
     /// Applies one event; a failure is [`ApplyError::Apply`] naming it.
     fn apply_one<'a>(
         &'a self,
@@ -111,6 +136,14 @@ pub trait DynTablePerspective<Tx>: Send + Sync {
 impl<Tx: Sync, T: TablePerspective<Tx>> DynTablePerspective<Tx> for T {
     fn name(&self) -> &str {
         TablePerspective::name(self)
+    }
+
+    fn version(&self) -> u32 {
+        TablePerspective::version(self)
+    }
+
+    fn promote_version<'a>(&'a self, tx: &'a Tx) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move { self.promote(tx).await.map_err(|e| with_sources(&e)) })
     }
 
     fn apply_one<'a>(

@@ -828,6 +828,71 @@ impl<Tx: ?Sized + Sync, T: PerspectiveAdmin<Tx>> PerspectiveAdmin<Tx> for Observ
     }
 }
 
+impl<Tx: ?Sized + Sync, T: lockstep_core::PerspectiveVersions<Tx>>
+    lockstep_core::PerspectiveVersions<Tx> for Observed<T>
+{
+    fn declare<'a>(
+        &'a self,
+        tx: &'a Tx,
+        versions: &'a [lockstep_core::VersionDeclaration],
+    ) -> impl Future<Output = Result<Vec<lockstep_core::PerspectiveVersion>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "declare", versions = versions.len());
+        let call = self.inner.declare(tx, versions);
+        observe("perspective_store", "declare", span, ok, call)
+    }
+
+    fn versions<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: Option<&'a PerspectiveName>,
+        lock: bool,
+    ) -> impl Future<Output = Result<Vec<lockstep_core::PerspectiveVersion>>> + Send + 'a {
+        let span = tracing::info_span!("lockstep", op = "versions", lock);
+        let call = self.inner.versions(tx, perspective, lock);
+        observe("perspective_store", "versions", span, ok, call)
+    }
+
+    fn set_version_status<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        version: u32,
+        status: lockstep_core::VersionStatus,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "set_version_status",
+            perspective = %perspective,
+            version,
+            status = status.as_str()
+        );
+        let call = self
+            .inner
+            .set_version_status(tx, perspective, version, status);
+        observe("perspective_store", "set_version_status", span, ok, call)
+    }
+
+    fn request_promotion<'a>(
+        &'a self,
+        tx: &'a Tx,
+        perspective: &'a PerspectiveName,
+        version: u32,
+        force: bool,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        let span = tracing::info_span!(
+            "lockstep",
+            op = "request_promotion",
+            perspective = %perspective,
+            version,
+            force
+        );
+        let call = self
+            .inner
+            .request_promotion(tx, perspective, version, force);
+        observe("perspective_store", "request_promotion", span, ok, call)
+    }
+}
+
 impl<Tx: ?Sized + Sync, T: PerspectiveLifecycle<Tx>> PerspectiveLifecycle<Tx> for Observed<T> {
     fn register<'a>(
         &'a self,

@@ -66,6 +66,7 @@
 
 mod batch;
 mod life;
+mod versions;
 
 use std::time::Duration;
 

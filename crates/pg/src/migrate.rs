@@ -71,7 +71,7 @@ mod embedded {
 
 /// The schema version this build installs and runs on. A release that changes any file of
 /// `migrations/` raises it by one (`docs/adr/0039-schema-files.md`).
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// The newest schema version that older builds cannot run on: the version of the last breaking
 /// change (a function's signature or result, a column an older build reads or writes). A

@@ -46,9 +46,10 @@ use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Committed, Cursor, CursorRows,
     Error, ErrorKind, EventPage, InstanceId, LeaseId, PageLimits, Pair, PairFailure, PairWork,
     PendingPair, PendingThrough, PerspectiveAdmin, PerspectiveLifecycle, PerspectiveName,
-    PerspectiveReads, PerspectiveStatus, ProgressReport, Rebuild, RecordedEvent, Release, Result,
-    RetireStates, Retired, RewindDebounce, RewindLoad, RewindProgress, RewindReads, SkippedEvent,
-    Snapshot, StateCommit, StoredState, StreamId, Throughput, Transaction, WorkQueue,
+    PerspectiveReads, PerspectiveStatus, PerspectiveVersion, PerspectiveVersions, ProgressReport,
+    Rebuild, RecordedEvent, Release, Result, RetireStates, Retired, RewindDebounce, RewindLoad,
+    RewindProgress, RewindReads, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId,
+    Throughput, Transaction, VersionDeclaration, VersionStatus, WorkQueue,
 };
 use uuid::Uuid;
 
@@ -487,6 +488,61 @@ where
             .before(PerspectiveMethod::RewindProgress)
             .await?;
         self.inner.rewind_progress(tx, perspectives, limit).await
+    }
+}
+
+impl<Tx, S> PerspectiveVersions<Tx> for FaultyPerspectiveStore<S>
+where
+    Tx: ?Sized + Sync,
+    S: PerspectiveVersions<Tx>,
+{
+    async fn declare(
+        &self,
+        tx: &Tx,
+        versions: &[VersionDeclaration],
+    ) -> Result<Vec<PerspectiveVersion>> {
+        self.faults.before(PerspectiveMethod::Declare).await?;
+        self.inner.declare(tx, versions).await
+    }
+
+    async fn versions(
+        &self,
+        tx: &Tx,
+        perspective: Option<&PerspectiveName>,
+        lock: bool,
+    ) -> Result<Vec<PerspectiveVersion>> {
+        self.faults.before(PerspectiveMethod::Versions).await?;
+        self.inner.versions(tx, perspective, lock).await
+    }
+
+    async fn set_version_status(
+        &self,
+        tx: &Tx,
+        perspective: &PerspectiveName,
+        version: u32,
+        status: VersionStatus,
+    ) -> Result<bool> {
+        self.faults
+            .before(PerspectiveMethod::SetVersionStatus)
+            .await?;
+        self.inner
+            .set_version_status(tx, perspective, version, status)
+            .await
+    }
+
+    async fn request_promotion(
+        &self,
+        tx: &Tx,
+        perspective: &PerspectiveName,
+        version: u32,
+        force: bool,
+    ) -> Result<bool> {
+        self.faults
+            .before(PerspectiveMethod::RequestPromotion)
+            .await?;
+        self.inner
+            .request_promotion(tx, perspective, version, force)
+            .await
     }
 }
 

@@ -68,6 +68,8 @@ use lockstep_core::Transaction as _;
 use crate::fake_lock::{FakeDatabase, FakeDistributedLock, FakeTransaction, TxEnd};
 use crate::stream_locker::InMemoryStreamLocker;
 
+mod versions;
+
 type Key = (StreamId, PerspectiveName);
 
 /// One pair's stored data: its cursor (without the lease, which the locker keeps), state,
@@ -114,6 +116,8 @@ struct Staged {
     done: HashMap<Key, HashSet<Uuid>>,
     /// Retirements, applied at commit before the registrations.
     retire: Vec<(PerspectiveName, RetireStates)>,
+    /// Version rows written.
+    versions: BTreeMap<(PerspectiveName, u32), lockstep_core::PerspectiveVersion>,
 }
 
 /// A rewind's last progress report, as stored.
@@ -145,6 +149,8 @@ struct State {
     staged: HashMap<u64, Staged>,
     /// The page limits of every `rewind_events` call, by pair, in order.
     rewind_pages: HashMap<Key, Vec<PageLimits>>,
+    /// Perspective versions, by perspective and version.
+    versions: BTreeMap<(PerspectiveName, u32), lockstep_core::PerspectiveVersion>,
 }
 
 /// The in-memory perspective store. Clones share state.
@@ -360,6 +366,7 @@ impl InMemoryPerspectiveStore {
                         state.retired.remove(name);
                     }
                     state.registered.extend(staged.registered);
+                    state.versions.extend(staged.versions);
                     state.pairs.extend(staged.pairs);
                     for (key, ids) in staged.done {
                         state.done.entry(key).or_default().extend(ids);

@@ -50,9 +50,10 @@ use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, Claim, ClaimedBatch, Committed, Cursor, CursorRows,
     EventPage, InstanceId, LeaseId, PageLimits, Pair, PairFailure, PairWork, PendingPair,
     PendingThrough, PerspectiveAdmin, PerspectiveLifecycle, PerspectiveName, PerspectiveReads,
-    PerspectiveStatus, ProgressReport, Rebuild, RecordedEvent, Release, Result, RetireStates,
-    Retired, RewindDebounce, RewindLoad, RewindProgress, RewindReads, SkippedEvent, Snapshot,
-    StateCommit, StoredState, StreamId, Throughput, Transaction, WorkQueue,
+    PerspectiveStatus, PerspectiveVersion, PerspectiveVersions, ProgressReport, Rebuild,
+    RecordedEvent, Release, Result, RetireStates, Retired, RewindDebounce, RewindLoad,
+    RewindProgress, RewindReads, SkippedEvent, Snapshot, StateCommit, StoredState, StreamId,
+    Throughput, Transaction, VersionDeclaration, VersionStatus, WorkQueue,
 };
 use uuid::Uuid;
 
@@ -125,6 +126,14 @@ pub enum PerspectiveMethod {
     RecordApplied,
     /// [`PerspectiveLifecycle::throughput`].
     Throughput,
+    /// [`PerspectiveVersions::declare`].
+    Declare,
+    /// [`PerspectiveVersions::versions`].
+    Versions,
+    /// [`PerspectiveVersions::set_version_status`].
+    SetVersionStatus,
+    /// [`PerspectiveVersions::request_promotion`].
+    RequestPromotion,
     /// [`CursorRows::pending_pairs`].
     PendingPairs,
     /// [`CursorRows::ensure_cursor`].
@@ -169,6 +178,10 @@ impl PerspectiveMethod {
             M::Rebuild => "rebuild",
             M::RecordApplied => "record_applied",
             M::Throughput => "throughput",
+            M::Declare => "declare",
+            M::Versions => "versions",
+            M::SetVersionStatus => "set_version_status",
+            M::RequestPromotion => "request_promotion",
             M::PendingPairs => "pending_pairs",
             M::EnsureCursor => "ensure_cursor",
             M::DeleteCursor => "delete_cursor",
@@ -215,7 +228,8 @@ pub enum Returned {
     Done,
     /// The `bool` of `record_failure` (parked), `save_snapshot` (saved), `unpark`,
     /// `skip_event`, `request_rewind` (the pair was there), `ensure_cursor` (created),
-    /// `delete_cursor` (deleted).
+    /// `delete_cursor` (deleted), `set_version_status` and `request_promotion` (the version
+    /// was there).
     Flag(bool),
     /// The new revision of `commit`, and whether the lease was released with it.
     Committed {
@@ -235,7 +249,8 @@ pub enum Returned {
     Found(bool),
     /// How many items a read returned: `states`, `pending_events`, `stream_events`,
     /// `skipped_events`, `rewind_events` (the page's events), `failing_pairs`, `parked_pairs`,
-    /// `perspective_status`, `rewind_progress`, `retired`, `throughput`, `pending_pairs`.
+    /// `perspective_status`, `rewind_progress`, `retired`, `throughput`, `pending_pairs`,
+    /// `declare`, `versions`.
     Count(usize),
     /// Whether `pending_through` found everything applied
     /// ([`PendingThrough::is_caught_up`]).
@@ -755,6 +770,79 @@ where
         let result = self.inner.throughput(tx).await;
         let method = PerspectiveMethod::Throughput;
         self.record(method, Vec::new(), Vec::new(), &result, count);
+        result
+    }
+}
+
+impl<Tx, S> PerspectiveVersions<Tx> for RecordingPerspectiveStore<S>
+where
+    Tx: ?Sized + Sync,
+    S: PerspectiveVersions<Tx>,
+{
+    async fn declare(
+        &self,
+        tx: &Tx,
+        versions: &[VersionDeclaration],
+    ) -> Result<Vec<PerspectiveVersion>> {
+        let result = self.inner.declare(tx, versions).await;
+        let perspectives = versions.iter().map(|v| v.perspective.clone()).collect();
+        self.record(
+            PerspectiveMethod::Declare,
+            Vec::new(),
+            perspectives,
+            &result,
+            count,
+        );
+        result
+    }
+
+    async fn versions(
+        &self,
+        tx: &Tx,
+        perspective: Option<&PerspectiveName>,
+        lock: bool,
+    ) -> Result<Vec<PerspectiveVersion>> {
+        let result = self.inner.versions(tx, perspective, lock).await;
+        let perspectives = perspective.into_iter().cloned().collect();
+        self.record(
+            PerspectiveMethod::Versions,
+            Vec::new(),
+            perspectives,
+            &result,
+            count,
+        );
+        result
+    }
+
+    async fn set_version_status(
+        &self,
+        tx: &Tx,
+        perspective: &PerspectiveName,
+        version: u32,
+        status: VersionStatus,
+    ) -> Result<bool> {
+        let result = self
+            .inner
+            .set_version_status(tx, perspective, version, status)
+            .await;
+        let method = PerspectiveMethod::SetVersionStatus;
+        self.record(method, Vec::new(), vec![perspective.clone()], &result, flag);
+        result
+    }
+
+    async fn request_promotion(
+        &self,
+        tx: &Tx,
+        perspective: &PerspectiveName,
+        version: u32,
+        force: bool,
+    ) -> Result<bool> {
+        let result = self
+            .inner
+            .request_promotion(tx, perspective, version, force)
+            .await;
+        let method = PerspectiveMethod::RequestPromotion;
+        self.record(method, Vec::new(), vec![perspective.clone()], &result, flag);
         result
     }
 }

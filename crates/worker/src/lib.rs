@@ -62,6 +62,7 @@ pub mod life;
 pub mod options;
 pub mod reads;
 pub mod telemetry;
+pub mod versions;
 pub mod worker;
 
 pub use coordinator::{ApplyCoordinator, PairGuard};
@@ -70,8 +71,10 @@ pub use fleet::InstanceIdentity;
 pub use lease::{HeldLease, LeaseKeeper, Leased};
 pub use options::WorkerOptions;
 pub use reads::{ReadModels, WaitError, WaitOptions};
+pub use versions::{Promoted, VersionError};
 pub use worker::{
-    CycleReport, FailedPair, PairOutcome, PerspectiveWorker, PurgeOutcome, SkipReason,
+    CycleReport, FailedPair, PairOutcome, PerspectiveWorker, PromoteOptions, PurgeOutcome,
+    SkipReason,
 };
 
 /// Re-exported: the worker's shutdown signal and the lost signal of a lease.

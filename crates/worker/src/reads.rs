@@ -28,6 +28,7 @@
 use lockstep_core::Pair;
 use std::time::Duration;
 
+use lockstep_core::perspective_version::serving_name;
 use lockstep_core::{
     Error, ErrorKind, PendingThrough, Perspective, PerspectiveName, PerspectiveStore, Registration,
     StreamId, TransactionSource,
@@ -196,10 +197,10 @@ where
     ) -> Result<Option<Pn::State>, Error> {
         let name = PerspectiveName::new(perspective.name())?;
         let tx = self.source.begin().await?;
-        let read = self
-            .store
-            .state(&tx, &Pair::new(stream_id, name.clone()))
-            .await;
+        let read = match self.serving(&tx, &name).await {
+            Ok(stored) => self.store.state(&tx, &Pair::new(stream_id, stored)).await,
+            Err(err) => Err(err),
+        };
         // Read only: a rollback that fails still ends it, and changes nothing.
         crate::worker::rollback(tx, "a read of a perspective state").await;
         match read? {
@@ -219,7 +220,10 @@ where
     ) -> Result<Vec<(StreamId, Pn::State)>, Error> {
         let name = PerspectiveName::new(perspective.name())?;
         let tx = self.source.begin().await?;
-        let read = self.store.states(&tx, &name, after, limit).await;
+        let read = match self.serving(&tx, &name).await {
+            Ok(stored) => self.store.states(&tx, &stored, after, limit).await,
+            Err(err) => Err(err),
+        };
         // Read only: a rollback that fails still ends it, and changes nothing.
         crate::worker::rollback(tx, "a read of perspective states").await;
         read?
@@ -231,6 +235,28 @@ where
             .collect()
     }
 
+    /// The version of `perspective` that serves (`None`: no version is recorded, the
+    /// perspective serves under its plain name as version 1, or is not registered).
+    pub async fn serving_version(
+        &self,
+        perspective: &PerspectiveName,
+    ) -> Result<Option<u32>, Error> {
+        let tx = self.source.begin().await?;
+        let read = self.store.versions(&tx, Some(perspective), false).await;
+        crate::worker::rollback(tx, "a read of perspective versions").await;
+        Ok(serving_name(perspective, &read?).0)
+    }
+
+    /// The name the serving version of `perspective` is stored under, read in `tx`.
+    async fn serving(
+        &self,
+        tx: &S::Tx,
+        perspective: &PerspectiveName,
+    ) -> Result<PerspectiveName, Error> {
+        let versions = self.store.versions(tx, Some(perspective), false).await?;
+        Ok(serving_name(perspective, &versions).1)
+    }
+
     /// What `perspective` (one stream of it) has not applied yet of the events up to `up_to`.
     pub async fn pending_through(
         &self,
@@ -239,10 +265,14 @@ where
         up_to: Uuid,
     ) -> Result<PendingThrough, Error> {
         let tx = self.source.begin().await?;
-        let read = self
-            .store
-            .pending_through(&tx, perspective, stream_id, up_to)
-            .await;
+        let read = match self.serving(&tx, perspective).await {
+            Ok(stored) => {
+                self.store
+                    .pending_through(&tx, &stored, stream_id, up_to)
+                    .await
+            }
+            Err(err) => Err(err),
+        };
         // Read only: a rollback that fails still ends it, and changes nothing.
         crate::worker::rollback(tx, "a read of pending events").await;
         read

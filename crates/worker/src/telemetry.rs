@@ -5,7 +5,9 @@
 //!
 //! Reported through the `metrics` facade (install any recorder, e.g. a Prometheus exporter;
 //! without one they cost next to nothing). They carry one label, `perspective`, whose
-//! cardinality is the number of registered perspectives.
+//! cardinality is the number of registered perspective versions: a version after the first
+//! reports under its stored name (`Statement@v2`), so a build beside the serving version has
+//! series of its own.
 //!
 //! | constant | name | kind | counts / measures |
 //! |---|---|---|---|
@@ -29,6 +31,7 @@
 //! | [`REWINDS_RUNNING`] | `lockstep_worker_rewinds_running` | gauge | replays of this instance running for more than a progress interval (1 s) |
 //! | [`REWIND_EVENTS_REMAINING`] | `lockstep_worker_rewind_events_remaining` | gauge | events those replays still have to replay, at their last progress report |
 //! | [`PAIRS_RETRIED`] | `lockstep_worker_pairs_processed_alone_total` | counter | pairs whose batch was rolled back because a table perspective failed in it, then processed alone |
+//! | [`VERSIONS_PROMOTED`] | `lockstep_worker_versions_promoted_total` | counter | promotions of a version to the serving one performed by this instance |
 //!
 //! [`describe`] gives every family its `# HELP` (the worker calls it when it starts running,
 //! and exports every counter from zero for each of its perspectives); histogram buckets are the
@@ -86,7 +89,7 @@ pub const LEASES_LOST: &str = "lockstep_worker_leases_lost_total";
 pub const LAG_SECONDS: &str = "lockstep_worker_lag_seconds";
 
 /// Every counter, with its `# HELP` text.
-const COUNTERS: [(&str, &str); 15] = [
+const COUNTERS: [(&str, &str); 16] = [
     (EVENTS_APPLIED, "Events applied by the normal path"),
     (REWINDS, "Rewinds committed"),
     (
@@ -132,7 +135,14 @@ const COUNTERS: [(&str, &str); 15] = [
         PAIRS_RETRIED,
         "Pairs whose failing batch was rolled back and that were then processed alone",
     ),
+    (
+        VERSIONS_PROMOTED,
+        "Promotions of a perspective version to the serving one performed by this instance",
+    ),
 ];
+
+/// Promotions of a perspective version to the serving one performed by this instance.
+pub const VERSIONS_PROMOTED: &str = "lockstep_worker_versions_promoted_total";
 
 /// Pairs whose batch was rolled back because a table perspective failed in it, then processed
 /// alone.

@@ -50,11 +50,13 @@
 pub mod batch;
 mod bootstrap;
 mod pair;
+mod promote;
 mod purge;
 mod rate;
 mod rewind;
 mod table;
 
+pub use promote::PromoteOptions;
 pub use rewind::{PROGRESS_EVERY, SHORT_REPLAY_EVENTS, SHORT_REPLAY_TIME};
 
 use std::panic::AssertUnwindSafe;
@@ -255,6 +257,8 @@ pub struct PerspectiveWorker<S: TransactionSource, P> {
     identity: InstanceIdentity,
     /// Events applied since the last catch-up report, and when that was ([`rate`]).
     applied: rate::Unreported,
+    /// When the worker last looked for versions to promote ([`promote`]).
+    version_checks: promote::VersionChecks,
 }
 
 impl<S: TransactionSource, P> std::fmt::Debug for PerspectiveWorker<S, P> {
@@ -310,6 +314,7 @@ where
             suspects: Mutex::default(),
             identity: InstanceIdentity::detect(),
             applied: rate::Unreported::default(),
+            version_checks: promote::VersionChecks::default(),
         })
     }
 
@@ -401,15 +406,6 @@ where
     /// The transaction source.
     pub fn source(&self) -> &S {
         &self.source
-    }
-
-    /// Registers the worker's perspectives in the store (idempotent; a new one catches up on
-    /// existing events).
-    pub async fn register(&self) -> Result<()> {
-        let names = self.registry.names();
-        let tx = self.source.begin().await?;
-        self.store.register(&tx, &names).await?;
-        tx.commit().await
     }
 
     /// Runs until `shutdown` fires: announces the instance to the fleet (with a fleet), then
@@ -537,6 +533,7 @@ where
             report.merge(one);
         }
         self.report_applied(&report).await;
+        self.check_versions().await;
         report
     }
 

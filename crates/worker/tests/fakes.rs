@@ -977,6 +977,45 @@ impl PerspectiveAdmin<FakeTransaction> for Slow {
     }
 }
 
+impl lockstep_core::PerspectiveVersions<FakeTransaction> for Slow {
+    async fn declare(
+        &self,
+        tx: &FakeTransaction,
+        v: &[lockstep_core::VersionDeclaration],
+    ) -> Result<Vec<lockstep_core::PerspectiveVersion>> {
+        self.inner.declare(tx, v).await
+    }
+
+    async fn versions(
+        &self,
+        tx: &FakeTransaction,
+        p: Option<&PerspectiveName>,
+        lock: bool,
+    ) -> Result<Vec<lockstep_core::PerspectiveVersion>> {
+        self.inner.versions(tx, p, lock).await
+    }
+
+    async fn set_version_status(
+        &self,
+        tx: &FakeTransaction,
+        p: &PerspectiveName,
+        v: u32,
+        s: lockstep_core::VersionStatus,
+    ) -> Result<bool> {
+        self.inner.set_version_status(tx, p, v, s).await
+    }
+
+    async fn request_promotion(
+        &self,
+        tx: &FakeTransaction,
+        p: &PerspectiveName,
+        v: u32,
+        force: bool,
+    ) -> Result<bool> {
+        self.inner.request_promotion(tx, p, v, force).await
+    }
+}
+
 impl PerspectiveLifecycle<FakeTransaction> for Slow {
     async fn retire(
         &self,

@@ -39,6 +39,7 @@ pub const FUNCTION_FILES: &[FunctionFile] = function_files![
     "lockstep_register_perspectives",
     "lockstep_retire_perspective",
     "lockstep_rebuild_perspective",
+    "lockstep_declare_perspective_versions",
     // The perspective store: the fence check and snapshot pruning the commits share, failures
     // and throughput, claims, commits, snapshots, purges, rewind reads.
     "lockstep_perspective_check",

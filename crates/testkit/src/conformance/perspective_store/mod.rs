@@ -9,6 +9,7 @@
 //! | [`rewind_reads`] | [`RewindReads`](lockstep_core::RewindReads) | `load_rewind`, rewind pages, a rewind's progress |
 //! | [`admin`] | [`PerspectiveAdmin`](lockstep_core::PerspectiveAdmin) | parking and `unpark`, skipped events, `perspective_status` |
 //! | [`lifecycle`] | [`PerspectiveLifecycle`](lockstep_core::PerspectiveLifecycle) | catch-up on registration, retire (keeping or dropping states), register again, rebuild, catch-up rates |
+//! | [`versions`] | [`PerspectiveVersions`](lockstep_core::PerspectiveVersions) | the first version serves, later ones build, a plain name serves as version 1, one serving version at a time, promotion requests, the versions lock |
 //! | [`cursor_rows`] | [`CursorRows`] | `pending_pairs`, `ensure_cursor`, `delete_cursor` |
 //!
 //! Every case is also reachable here (`perspective_store::CASE`), which is the path the macro
@@ -35,6 +36,7 @@ pub mod lifecycle;
 pub mod pair_work;
 pub mod reads;
 pub mod rewind_reads;
+pub mod versions;
 pub mod work_queue;
 
 pub use admin::*;
@@ -43,6 +45,7 @@ pub use lifecycle::*;
 pub use pair_work::*;
 pub use reads::*;
 pub use rewind_reads::*;
+pub use versions::*;
 pub use work_queue::*;
 
 use std::sync::Arc;
@@ -817,6 +820,11 @@ macro_rules! __lockstep_perspective_store_cases {
             a_claim_hands_out_upcast_events_and_stops_at_one_an_upcaster_fails_on,
             a_batch_hands_out_upcast_events_and_a_pair_unreadable_at_the_failing_event,
             rewind_reads_hand_out_upcast_events_up_to_one_an_upcaster_fails_on,
+            the_first_version_declared_serves_and_a_later_one_builds,
+            a_perspective_registered_before_versions_serves_as_version_one,
+            two_versions_never_serve_at_once,
+            a_promotion_request_is_recorded_until_the_status_changes,
+            a_locking_read_of_versions_waits_for_the_transaction_holding_them,
         ] }
     };
 }
