@@ -159,9 +159,10 @@ pub mod prelude {
         AcquireOutcome, AggregateType, AggregateWriteLock, Decider, DistributedAggregateWriteLock,
         DistributedLock, EventStore, ExpectedVersion, Fleet, FleetAdmin, InstanceId, LeaseFence,
         LockReason, NewEvent, Perspective, PerspectiveName, PerspectiveRegistry, PerspectiveStore,
-        RecordedEvent, RetryPolicy, Retryable, SessionLocks, SnapshotPolicy, SnapshotStore,
-        StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker, TablePerspective, Transaction,
-        TransactionSource, Upcasters,
+        PreviousVersion, Promotion, RecordedEvent, RetireStates, RetryPolicy, Retryable,
+        SessionLocks, SnapshotPolicy, SnapshotStore, StreamId, StreamLockAdmin, StreamLockOptions,
+        StreamLocker, TablePerspective, Transaction, TransactionSource, Upcasters, VersionPolicy,
+        VersionStatus,
     };
     // The perspective store's capability traits, so a concrete store's methods resolve.
     pub use lockstep_core::perspective_store::prelude::*;
@@ -177,7 +178,8 @@ pub mod prelude {
 
     #[cfg(feature = "worker")]
     pub use crate::worker::{
-        CancellationToken, LeaseKeeper, PerspectiveWorker, ReadModels, WaitOptions, WorkerOptions,
+        CancellationToken, LeaseKeeper, PerspectiveWorker, PromoteOptions, Promoted, ReadModels,
+        VersionError, WaitOptions, WorkerOptions,
     };
 
     #[cfg(feature = "combiner")]

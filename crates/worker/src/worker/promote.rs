@@ -113,15 +113,28 @@ where
                 version,
             });
         }
-        let up_to = if options.force {
-            None
-        } else {
-            let up_to = event_id_at(OffsetDateTime::now_utc());
-            self.wait_caught_up(perspective, version, &stored, up_to, options.wait)
+        if options.force {
+            return self.promote_now(perspective, version, &stored, None).await;
+        }
+        let up_to = event_id_at(OffsetDateTime::now_utc());
+        let deadline = Instant::now().checked_add(options.wait);
+        loop {
+            let left = deadline.map_or(options.wait, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            self.wait_caught_up(perspective, version, &stored, up_to, left)
                 .await?;
-            Some(up_to)
-        };
-        self.promote_now(perspective, version, &stored, up_to).await
+            match self
+                .promote_now(perspective, version, &stored, Some(up_to))
+                .await
+            {
+                // An append whose event id was made before `up_to` committed after the wait
+                // saw it caught up: wait for it too, while time is left.
+                Err(VersionError::NotCaughtUp { .. })
+                    if deadline.is_none_or(|d| Instant::now() < d) => {}
+                other => return other,
+            }
+        }
     }
 
     /// Polls until `stored` has applied every event up to `up_to`, for at most `wait`.
