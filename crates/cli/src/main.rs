@@ -2,7 +2,7 @@
 //!
 //! The operator's command for a PostgreSQL database that lockstep runs on: apply the schema
 //! (and see which migrations are applied), see and force-release stream leases, see advisory
-//! locks, delete aggregate snapshots no build reads, list the worker instances, see how far each perspective lags and check it, request a rewind, purge a pair, deal
+//! locks, delete aggregate snapshots no build reads, list the worker instances, see how far each perspective lags and check it, list, promote and abandon its versions, request a rewind, purge a pair, deal
 //! with parked pairs, serve a status page and metrics. `lockstep --help` lists the commands with
 //! their exit codes.
 //!
@@ -17,6 +17,7 @@ mod ops;
 mod pg;
 mod serve;
 mod snapshots;
+mod versions;
 mod workers;
 
 use std::process::ExitCode;
@@ -73,7 +74,8 @@ enum Command {
     /// Stream leases and advisory locks.
     #[command(subcommand, after_help = EXIT_CODES)]
     Locks(ops::LocksCommand),
-    /// Perspectives: status (and --check), rewind, rebuild, retire, purge, parked, retry, skip.
+    /// Perspectives: status (and --check), rewind, rebuild, retire, purge, parked, retry, skip,
+    /// and their versions: versions, promote, abandon.
     #[command(subcommand, after_help = EXIT_CODES)]
     Perspectives(ops::PerspectivesCommand),
     /// Aggregate snapshots: `drop` deletes those of an aggregate type that no build reads any

@@ -87,6 +87,53 @@ pub(crate) enum PerspectivesCommand {
         /// themselves only when they run with a stream locker.
         #[arg(long, default_value_t = 0, value_name = "EVENTS")]
         max_unserved: u64,
+        /// --check: the most seconds a requested promotion of a perspective version may wait
+        /// for a worker to perform it (no worker runs the version, or it cannot catch up).
+        #[arg(long, default_value_t = crate::versions::PROMOTION_WAIT_S, value_name = "SECONDS")]
+        max_promotion_wait: f64,
+    },
+    /// Every version of every perspective (or of NAME): version, stored name, status (building,
+    /// serving, kept, retired, abandoned; the serving one marked `*`), policy (automatic or
+    /// manual promotion, what happens to the previous version), a promotion requested and not
+    /// performed yet, and each live version's progress (pairs, pending, lag, rewinds, parked).
+    #[command(after_help = crate::EXIT_CODES)]
+    Versions {
+        /// Only this perspective's versions (its name without a version).
+        perspective: Option<String>,
+    },
+    /// Promotes a version to the serving one: records the request, which a worker running that
+    /// version performs once the version has caught up (running the table perspective's
+    /// hook), and waits until it serves. A rollback is the promotion of the kept previous
+    /// version. Exit 1 when the version does not exist, is retired or abandoned, or does not
+    /// serve within --wait (the request stays recorded; the message says what is pending).
+    #[command(after_help = crate::EXIT_CODES)]
+    Promote {
+        /// The perspective's name (without a version).
+        perspective: String,
+        /// The version to promote.
+        #[arg(value_parser = clap::value_parser!(u32).range(1..))]
+        version: u32,
+        /// Promote without waiting for the version to catch up (it may serve stale states).
+        #[arg(long)]
+        force: bool,
+        /// Seconds to wait for the version to serve (0: record the request and return).
+        #[arg(long, default_value_t = 30, value_name = "SECONDS",
+              value_parser = clap::value_parser!(u64).range(0..=86_400))]
+        wait: u64,
+    },
+    /// Abandons a version that does not serve: its work stops and its states are dropped
+    /// (kept with --keep-states); a version that never served is abandoned, a kept one
+    /// retired. The serving version is refused (exit 1): promote another first.
+    #[command(after_help = crate::EXIT_CODES)]
+    Abandon {
+        /// The perspective's name (without a version).
+        perspective: String,
+        /// The version to abandon.
+        #[arg(value_parser = clap::value_parser!(u32).range(1..))]
+        version: u32,
+        /// Keep its cursors, states and snapshots.
+        #[arg(long)]
+        keep_states: bool,
     },
     /// Requests a rewind of a pair from an event (from the start without --from); a worker
     /// carries it out under a 'rewind' lease.
@@ -761,16 +808,35 @@ pub(crate) async fn perspectives(
     | PerspectivesCommand::Rebuild { perspective: name }
     | PerspectivesCommand::Retire {
         perspective: name, ..
+    }
+    | PerspectivesCommand::Versions {
+        perspective: Some(name),
+    }
+    | PerspectivesCommand::Promote {
+        perspective: name, ..
+    }
+    | PerspectivesCommand::Abandon {
+        perspective: name, ..
     } = &cmd
     {
         perspective(name)?;
     }
-    if let PerspectivesCommand::Status { max_lag, .. } = &cmd
-        && !(max_lag.is_finite() && *max_lag >= 0.0)
+    if let PerspectivesCommand::Status {
+        max_lag,
+        max_promotion_wait,
+        ..
+    } = &cmd
     {
-        return Err(bad_argument(format!(
-            "--max-lag {max_lag}: expected a number of seconds, 0 or more"
-        )));
+        for (flag, value) in [
+            ("--max-lag", max_lag),
+            ("--max-promotion-wait", max_promotion_wait),
+        ] {
+            if !(value.is_finite() && *value >= 0.0) {
+                return Err(bad_argument(format!(
+                    "{flag} {value}: expected a number of seconds, 0 or more"
+                )));
+            }
+        }
     }
     let db = url.handle(4).await?;
     let pool = db.pool().clone();
@@ -819,6 +885,7 @@ pub(crate) async fn perspectives(
             max_in_error,
             max_parked,
             max_unserved,
+            max_promotion_wait,
         } => {
             let limits = check.then_some(Limits {
                 max_lag,
@@ -826,8 +893,35 @@ pub(crate) async fn perspectives(
                 max_in_error,
                 max_parked,
                 max_unserved,
+                max_promotion_wait,
             });
             perspective_status(&pool, json, limits).await
+        }
+        PerspectivesCommand::Versions { perspective: name } => {
+            let name = name.as_deref().map(perspective).transpose()?;
+            crate::versions::list(&pool, name.as_ref(), json).await
+        }
+        PerspectivesCommand::Promote {
+            perspective: name,
+            version,
+            force,
+            wait,
+        } => {
+            let wait = std::time::Duration::from_secs(wait);
+            crate::versions::promote(&source, &perspective(&name)?, version, force, wait, json)
+                .await
+        }
+        PerspectivesCommand::Abandon {
+            perspective: name,
+            version,
+            keep_states,
+        } => {
+            let states = if keep_states {
+                lockstep_core::RetireStates::Keep
+            } else {
+                lockstep_core::RetireStates::Drop
+            };
+            crate::versions::abandon(&source, &perspective(&name)?, version, states, json).await
         }
         PerspectivesCommand::Rebuild { perspective: name } => {
             crate::life::rebuild(&source, url, &perspective(&name)?, json).await
@@ -1176,6 +1270,7 @@ struct Limits {
     max_in_error: u64,
     max_parked: u64,
     max_unserved: u64,
+    max_promotion_wait: f64,
 }
 
 /// The checks `rows` (from [`status_rows`]) fail under `limits`: perspective, check, value, limit.
@@ -1197,7 +1292,11 @@ fn failed_checks(rows: &[serde_json::Value], limits: &Limits) -> Vec<serde_json:
             failed.push(json!({ "perspective": name, "check": "in_error", "value": count("in_error"), "limit": limits.max_in_error }));
         }
         if count("parked") > limits.max_parked {
-            failed.push(json!({ "perspective": name, "check": "parked", "value": count("parked"), "limit": limits.max_parked }));
+            let mut f = json!({ "perspective": name, "check": "parked", "value": count("parked"), "limit": limits.max_parked });
+            if let Some(note) = crate::versions::parked_note(p) {
+                f["why"] = json!(note);
+            }
+            failed.push(f);
         }
         if p["live_workers"].as_array().is_some_and(Vec::is_empty)
             && count("pending_events") > limits.max_unserved
@@ -1214,14 +1313,26 @@ async fn perspective_status(
     json: bool,
     limits: Option<Limits>,
 ) -> Result<ExitCode> {
-    let out = status_rows(pool).await?;
-    let failed = limits.map(|l| failed_checks(&out, &l));
+    let mut out = status_rows(pool).await?;
+    let versions = crate::versions::version_rows(pool, None, &out).await?;
+    crate::versions::mark_versions(&mut out, &versions);
+    let failed = limits.map(|l| {
+        let mut failed = failed_checks(&out, &l);
+        failed.extend(crate::versions::failed_checks(
+            &versions,
+            l.max_promotion_wait,
+        ));
+        failed
+    });
     if json {
         match &failed {
             None => say!("{}", serde_json::Value::Array(out)),
             Some(failed) => say!(
                 "{}",
-                json!({ "healthy": failed.is_empty(), "failed": failed, "perspectives": out })
+                json!({
+                    "healthy": failed.is_empty(), "failed": failed, "perspectives": out,
+                    "versions": versions,
+                })
             ),
         }
         return Ok(check_code(failed.as_deref()));
@@ -1288,6 +1399,9 @@ async fn perspective_status(
             }
         }
     }
+    for line in crate::versions::summary_lines(&versions) {
+        say!("{line}");
+    }
     if !retired.is_empty() {
         say!("retired with their states kept: {}", retired.join(", "));
     }
@@ -1297,11 +1411,14 @@ async fn perspective_status(
         } else {
             for f in failed {
                 say!(
-                    "UNHEALTHY {}: {} is {} (limit {})",
+                    "UNHEALTHY {}: {} is {} (limit {}){}",
                     f["perspective"].as_str().unwrap_or(""),
                     f["check"].as_str().unwrap_or(""),
                     f["value"],
-                    f["limit"]
+                    f["limit"],
+                    f["why"]
+                        .as_str()
+                        .map_or_else(String::new, |why| format!(": {why}"))
                 );
             }
         }

@@ -5,7 +5,9 @@
 //!   locks
 //!   grouped per key (holder, waiters, longest wait, each connection's `application_name`),
 //!   perspectives (lag highlighted, failures, backoff, parking, the live workers that run it or
-//!   "no live worker") and the parked pairs. It is
+//!   "no live worker"), the versions of each perspective (which serves, each building
+//!   version's progress and parked pairs, promotions requested and how long ago) and the
+//!   parked pairs. It is
 //!   rendered on the server (so it reads without JavaScript) and then updates itself in place
 //!   from `GET /fragment` every 2 s — no reload, the scroll position stays — saying when it last
 //!   refreshed and how long the database took. While the database is unreachable or not
@@ -243,6 +245,8 @@ pub(crate) struct Snapshot {
     workers: Vec<Value>,
     advisory: Vec<Value>,
     perspectives: Vec<Value>,
+    /// Every version of every perspective (`perspectives versions --json` rows).
+    versions: Vec<Value>,
     parked: Vec<Value>,
     /// How long reading it took.
     took_ms: f64,
@@ -255,6 +259,7 @@ impl Snapshot {
             "workers": self.workers,
             "advisory_locks": render::group_advisory(&self.advisory),
             "perspectives": self.perspectives,
+            "versions": self.versions,
             "parked": self.parked,
             "summary": render::summary(self),
             "took_ms": self.took_ms,
@@ -336,17 +341,19 @@ async fn read_snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavail
         let pool = shared.db.pool();
         let leases = lease_rows(pool).await?;
         let advisory = advisory_rows(pool, &shared.names).await?;
-        let perspectives = status_rows(pool).await?;
+        let mut perspectives = status_rows(pool).await?;
+        let versions = crate::versions::version_rows(pool, None, &perspectives).await?;
+        crate::versions::mark_versions(&mut perspectives, &versions);
         let parked = parked_rows(&shared.db).await?;
         let workers: Vec<Value> = crate::workers::instances(pool)
             .await?
             .iter()
             .map(|e| crate::workers::entry_json(e, &leases))
             .collect();
-        Ok::<_, anyhow::Error>((leases, workers, advisory, perspectives, parked))
+        Ok::<_, anyhow::Error>((leases, workers, advisory, perspectives, versions, parked))
     };
     match read.await {
-        Ok((mut leases, workers, advisory, perspectives, parked)) => Ok(Snapshot {
+        Ok((mut leases, workers, advisory, perspectives, versions, parked)) => Ok(Snapshot {
             leases: {
                 started_and_progress(&mut leases, &perspectives);
                 leases
@@ -354,6 +361,7 @@ async fn read_snapshot(shared: &Shared) -> std::result::Result<Snapshot, Unavail
             workers,
             advisory,
             perspectives,
+            versions,
             parked,
             took_ms: started.elapsed().as_secs_f64() * 1000.0,
         }),

@@ -1,6 +1,6 @@
 //! The status page's HTML: the shell (styles and the script that refreshes it in place and runs
 //! the actions) and the fragment it refreshes (summary, workers, leases, advisory locks,
-//! perspectives, parked pairs). Everything from the database is escaped.
+//! perspectives, perspective versions, parked pairs). Everything from the database is escaped.
 
 use std::fmt::Write as _;
 
@@ -107,7 +107,18 @@ pub(super) fn summary(snap: &Snapshot) -> Value {
         "workers_stale": snap.workers.iter().filter(|w| w["state"] == "stale").count(),
         "workers_unreadable": snap.workers.iter().filter(|w| w["state"] == "unreadable").count(),
         "perspectives_unserved": snap.perspectives.iter().filter(|p| p["unserved"] == true).count(),
+        "versions_building": snap.versions.iter().filter(|v| v["status"] == "building").count(),
+        "promotions_waiting": snap.versions.iter().filter(|v| v["promotion_requested"].is_object()).count(),
+        "promotions_stale": snap.versions.iter().filter(|v| promotion_stale(v)).count(),
     })
+}
+
+/// Whether a version's promotion was requested longer ago than `status --check` allows by
+/// default, and is still not performed.
+fn promotion_stale(v: &Value) -> bool {
+    v["promotion_requested"]["requested_s_ago"]
+        .as_f64()
+        .is_some_and(|ago| ago > crate::versions::PROMOTION_WAIT_S)
 }
 
 /// A badge: `ok`, `warn` or `bad`.
@@ -225,6 +236,17 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
         &mut html,
         level(n("pairs_parked") > 0, false),
         &format!("{} parked", n("pairs_parked")),
+    );
+    badge(
+        &mut html,
+        level(n("promotions_stale") > 0, n("promotions_waiting") > 0),
+        &format!(
+            "{} versions building, {} promotions requested ({} waiting over {:.0} s)",
+            n("versions_building"),
+            n("promotions_waiting"),
+            n("promotions_stale"),
+            crate::versions::PROMOTION_WAIT_S
+        ),
     );
     badge(
         &mut html,
@@ -565,6 +587,25 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
         &perspectives,
     );
 
+    let versions: Vec<Vec<String>> = snap.versions.iter().map(version_cells).collect();
+    table(
+        &mut html,
+        "versions",
+        "Perspective versions",
+        &[
+            "perspective",
+            "version",
+            "status",
+            "stored name",
+            "policy",
+            "pending",
+            "lag",
+            "parked",
+            "promotion requested",
+        ],
+        &versions,
+    );
+
     let parked: Vec<Vec<String>> = snap
         .parked
         .iter()
@@ -623,6 +664,69 @@ pub(super) fn fragment(snap: &Snapshot, actions: bool) -> String {
         snap.took_ms
     );
     html
+}
+
+/// A row of the versions table: the serving version in green, a building version's progress
+/// (its parked pairs in red: they block its promotion), a promotion requested (red once it has
+/// waited longer than `status --check` allows by default).
+fn version_cells(v: &Value) -> Vec<String> {
+    let status = text(&v["status"]);
+    let building = status == "building";
+    let p = &v["progress"];
+    let figure = |key: &str| {
+        if p.is_object() {
+            escape(&text(&p[key]))
+        } else {
+            "-".to_owned()
+        }
+    };
+    let parked = p["parked"].as_u64().unwrap_or(0);
+    let lag = p["lag_s"].as_f64();
+    let requested = &v["promotion_requested"];
+    vec![
+        escape(&text(&v["perspective"])),
+        escape(&format!("v{}", text(&v["version"]))),
+        match status.as_str() {
+            "serving" => "<span class=\"ok serving\">serving</span>".to_owned(),
+            "building" => "<span class=\"warn\">building</span>".to_owned(),
+            other => escape(other),
+        },
+        escape(&text(&v["stored_name"])),
+        escape(&format!(
+            "{}, previous: {}",
+            text(&v["promotion"]),
+            text(&v["previous"])
+        )),
+        figure("pending_events"),
+        lag.map_or_else(
+            || "-".to_owned(),
+            |lag| {
+                format!(
+                    "<span class=\"{}\">{lag:.1} s</span>",
+                    level(lag > LAG_BAD_S, lag > LAG_WARN_S)
+                )
+            },
+        ),
+        if parked > 0 && building {
+            format!("<span class=\"bad\">{parked}</span> <small>(block its promotion)</small>")
+        } else if parked > 0 {
+            format!("<span class=\"bad\">{parked}</span>")
+        } else {
+            figure("parked")
+        },
+        match requested["requested_s_ago"].as_f64() {
+            Some(ago) => format!(
+                "<span class=\"{}\">{ago:.0} s ago{}</span>",
+                if promotion_stale(v) { "bad" } else { "warn" },
+                if requested["force"] == true {
+                    " (forced)"
+                } else {
+                    ""
+                }
+            ),
+            None => "-".to_owned(),
+        },
+    ]
 }
 
 /// What the page shows while the database cannot be shown.
