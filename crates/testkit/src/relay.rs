@@ -97,15 +97,6 @@ struct Connection {
     hold_back: Mutex<Duration>,
 }
 
-/// How the client-to-server direction of a connection ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Flow {
-    /// The client closed (or a side failed): the other direction may still finish.
-    Closed,
-    /// The cut fired: the whole connection ends now.
-    Cut,
-}
-
 /// A chunk read from a client, on its way to the server.
 struct Chunk {
     /// When it may be written (read time + hold-back); `None`: a hold-back too long for the
@@ -303,7 +294,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-/// Relays one connection until both directions have ended, or the cut fires.
+/// Relays one connection until both directions have ended (after a cut: the server's end).
 async fn relay_connection(
     client: TcpStream,
     shared: Arc<Shared>,
@@ -336,13 +327,13 @@ async fn relay_connection(
     while reading || writing || replying {
         tokio::select! {
             () = &mut read_client, if reading => reading = false,
-            flow = &mut write_server, if writing => {
+            () = &mut write_server, if writing => {
+                // After the cut's chunk the server's write side is shut down (a FIN behind the
+                // chunk): the server reads the request, acts on it and sees the end. The
+                // connection ends once `to_client` has drained the server's replies to its
+                // end, so that no unread byte makes the relay's close a reset that could reach
+                // the server before it read the request.
                 writing = false;
-                if flow == Flow::Cut {
-                    // Returning drops every half: both sockets close (the cut's chunk is
-                    // already in the kernel's send buffer, ahead of the FIN).
-                    break;
-                }
             }
             () = &mut to_client, if replying => replying = false,
         }
@@ -389,7 +380,7 @@ async fn write_server(
     mut queued: mpsc::Receiver<Chunk>,
     shared: &Shared,
     cut: &AtomicBool,
-) -> Flow {
+) {
     let mut paused = shared.paused.subscribe();
     while let Some(chunk) = queued.recv().await {
         match chunk.due {
@@ -398,24 +389,25 @@ async fn write_server(
             None => std::future::pending().await,
         }
         if paused.wait_for(|paused| !*paused).await.is_err() {
-            return Flow::Closed;
+            return;
         }
         if chunk.cut {
             cut.store(true, Ordering::SeqCst);
         }
         if to.write_all(&chunk.bytes).await.is_err() {
-            return Flow::Closed;
+            return;
         }
         if chunk.cut {
-            return Flow::Cut;
+            let _ = to.shutdown().await;
+            return;
         }
     }
     let _ = to.shutdown().await;
-    Flow::Closed
 }
 
 /// Copies the server's bytes to the client, holding them while paused; after the cut, relays
-/// nothing more. Ends at the server's EOF (shutting the client's write side down).
+/// nothing more: it closes the client's side and reads the server's bytes to their end,
+/// dropping them. Ends at the server's EOF (shutting the client's write side down).
 async fn to_client(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
@@ -425,6 +417,7 @@ async fn to_client(
 ) {
     let mut paused = shared.paused.subscribe();
     let mut buf = vec![0_u8; CHUNK];
+    let mut client_closed = false;
     loop {
         // Paused: read nothing more (the server's bytes wait in the kernel's buffers).
         if paused.wait_for(|paused| !*paused).await.is_err() {
@@ -440,8 +433,13 @@ async fn to_client(
             return;
         }
         if cut.load(Ordering::SeqCst) {
-            // The reply the cut must never deliver (the connection is being closed).
-            return;
+            // The reply the cut must never deliver: the client hears the end instead, and the
+            // server's bytes are read to its end and dropped.
+            if !client_closed {
+                let _ = to.shutdown().await;
+                client_closed = true;
+            }
+            continue;
         }
         if to
             .write_all(buf.get(..n).unwrap_or_default())
@@ -451,7 +449,9 @@ async fn to_client(
             break;
         }
     }
-    let _ = to.shutdown().await;
+    if !client_closed {
+        let _ = to.shutdown().await;
+    }
 }
 
 #[cfg(test)]
