@@ -5,6 +5,7 @@
 //! - A version 2 builds while version 1 serves and appends go on; reads during the build and
 //!   across the switch never see two versions, nor a half-built one; after the promotion every
 //!   state is version 2's fold of every event, and version 1 is retired.
+//! - A worker killed during the build leaves nothing wrong behind: another finishes the build.
 //! - Two instances promoting at once promote once.
 //! - A promotion dropped inside its hook changes nothing and holds no lock.
 //! - An abandoned version stops, stays abandoned when a worker runs its code again, and the
@@ -362,6 +363,58 @@ async fn a_version_builds_beside_the_serving_one_and_takes_over_at_once_on_the_f
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_builds_beside_the_serving_one_and_takes_over_at_once_on_postgres() {
     on_postgres(a_version_builds_beside_the_serving_one_and_takes_over_at_once).await;
+}
+
+/// A worker killed while version 2 builds (its task dropped mid-batch, as a killed process
+/// leaves it) leaves nothing half applied: another worker finishes the build, and version 2,
+/// promoted, is its fold of every event.
+async fn a_worker_killed_during_the_build_leaves_nothing_wrong_behind<B: Backend>(b: B) {
+    let name = tally();
+    let (_, last) = streams(&b, 40).await;
+    let v2 = name.versioned(2).expect("versioned");
+    let registry = || tallies(&[(1, manual()), (2, manual())]);
+    let killed = Running::start(&b, registry());
+    // Killed once version 2 has applied some of its work, not all.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let pending = pending(&b, &v2, last).await;
+        if pending.registration == Some(Registration::Registered) && pending.events < 120 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{pending:?}");
+        tokio::task::yield_now().await;
+    }
+    killed.task.abort();
+    assert!(killed.task.await.is_err(), "killed, not stopped");
+    let next = Running::start(&b, registry());
+    caught_up(&b, &v2, last).await;
+    let promoted = next
+        .worker
+        .promote(&name, 2, PromoteOptions::waiting(Duration::from_secs(60)))
+        .await
+        .expect("promote");
+    assert_eq!(promoted, Promoted::Promoted { previous: Some(1) });
+    next.stop().await;
+    let states = states(&b).await;
+    assert_eq!(states.len(), 40);
+    for (stream, state) in states {
+        assert_eq!(
+            state,
+            fold(&b, stream, 2).await,
+            "stream {stream} on {}",
+            B::NAME
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_the_build_leaves_nothing_wrong_behind_on_the_fakes() {
+    on_fakes(a_worker_killed_during_the_build_leaves_nothing_wrong_behind).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_the_build_leaves_nothing_wrong_behind_on_postgres() {
+    on_postgres(a_worker_killed_during_the_build_leaves_nothing_wrong_behind).await;
 }
 
 /// Two instances promoting the same version at once: one promotes, the other finds it serving.

@@ -16,7 +16,11 @@
 //! - [`ApplyCoordinator`] — serializes every apply path of a pair inside one instance
 //!   ([`coordinator`]).
 //! - [`ReadModels`] — typed reads of a perspective's states and waits until it has caught up
-//!   with an append, so a request handler reads its own write ([`reads`]).
+//!   with an append, so a request handler reads its own write ([`reads`]); they read the
+//!   version of the perspective that serves.
+//! - Versions of a perspective ([`versions`]): a new version builds beside the serving one and
+//!   is promoted at once ([`PerspectiveWorker::promote`], [`Promoted`], [`VersionError`]), by
+//!   the worker itself when automatic or requested; `abandon` stops one that does not serve.
 //! - [`PairError`] — why a pair failed, by kind ([`PairErrorKind`]: apply, panic, state, an
 //!   unreadable event, a lost lease, the store), as [`PairOutcome::Failed`] and
 //!   [`CycleReport::failures`] carry it; [`CycleError`] — an error of a cycle itself ([`error`]).

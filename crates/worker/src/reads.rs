@@ -7,8 +7,15 @@
 //! [`lockstep_core::PerspectiveReads::pending_through`]), so it works on Postgres and on the testkit's fakes
 //! alike.
 //!
+//! - **The serving version**: every read and wait names a perspective and reads the version of
+//!   it that serves ([`lockstep_core::perspective_version`]): the versions of the name are read
+//!   first, in the read's transaction, then that version's rows. A read is of one version, the
+//!   one serving when it began; a promotion switches every later read at once.
+//!   [`ReadModels::serving_version`] says which one serves.
 //! - **Typed reads**: [`ReadModels::state`] decodes a JSON perspective's state into its
-//!   `State`; [`ReadModels::states`] pages through every stream's state in stream order.
+//!   `State`; [`ReadModels::states`] pages through every stream's state in stream order (each
+//!   page of one version: a paging loop across a promotion reads later pages from the new
+//!   version).
 //! - **Waits**: [`ReadModels::wait_for_stream`] returns once the pair has applied every event
 //!   whose id is at most the given one (the last event of your append), and
 //!   [`ReadModels::wait_for_perspective`] once every pair of the perspective has. Each wait is

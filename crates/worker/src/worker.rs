@@ -36,8 +36,13 @@
 //!   operator retries it, skips its failing event or requests a rewind. A commit that loses the
 //!   cursor's compare-and-set (another applier moved it first) is no failure, on either path:
 //!   the pair is skipped and looked at again, nothing stored, nothing backed off.
+//! - **Versions**: [`PerspectiveWorker::register`] declares the worker's perspective versions
+//!   and registers the ones that still apply events; after a cycle, at most once a second, the
+//!   worker promotes the versions it runs that are due (automatic and caught up, or requested),
+//!   and [`PerspectiveWorker::promote`] promotes one now (see [`crate::versions`]).
 //! - Where each path lives: [`batch`] (the cycles' normal path), `pair` (one pair now,
-//!   [`PerspectiveWorker::process_pair`]), `rewind`, `bootstrap` and `purge`; this file holds
+//!   [`PerspectiveWorker::process_pair`]), `rewind`, `bootstrap`, `purge` and `promote`
+//!   (versions); this file holds
 //!   the worker, its cycle, the failure bookkeeping and the blocking-pool helpers they share.
 //! - The locker is optional (`Option<Arc<dyn StreamLocker>>`, a nullable dependency):
 //!   without one, rewind, bootstrap and purge run unlocked; the coordinator still serializes
