@@ -81,7 +81,9 @@ pub trait TablePerspective<Tx: Sync>: Send + Sync + 'static {
     /// Runs in the transaction that makes this version the serving one, after the switch:
     /// repoint what the application reads (Postgres: `CREATE OR REPLACE VIEW statement AS
     /// SELECT … FROM statement_v2`), so that readers switch in the same commit. Failing
-    /// rolls the promotion back. Does nothing by default.
+    /// rolls the promotion back. Keep it short: when the promotion retires the previous
+    /// version in the same transaction, appends wait for that transaction (on Postgres), hook
+    /// included. Does nothing by default.
     fn promote<'a>(
         &'a self,
         tx: &'a Tx,
