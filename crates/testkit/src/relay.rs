@@ -13,8 +13,8 @@
 //!   (which travels on a connection of its own) is made to reach the server before the
 //!   statement it is meant for.
 //! - [`Relay::cut_after_client_sends`]: a lost reply. Armed once, it forwards the next client
-//!   chunk containing a pattern (say `COMMIT`), then closes both sides of that connection
-//!   without relaying the server's answer.
+//!   chunk containing a pattern (say `COMMIT`), then ends that connection without relaying
+//!   the server's answer: the client hears the end once the server has acted on the request.
 //! - [`Relay::round_trips`]: counts round trips — every burst of client bytes that follows
 //!   server bytes, or opens a connection, is one (pipelined statements travel in one burst).
 //!
@@ -185,10 +185,12 @@ impl Relay {
     }
 
     /// Arms a one-shot cut: the next chunk a client sends (on any connection) that contains
-    /// `pattern` is forwarded to the server, then both sides of that connection are closed and
-    /// nothing the server sends afterwards is relayed — the server acts on the request, the
-    /// client never hears back (a lost reply). Later chunks and other connections are not
-    /// affected; arming again replaces a pattern that has not fired yet.
+    /// `pattern` is forwarded to the server, then the server's side is shut down behind it and
+    /// nothing the server sends afterwards is relayed; once the server has acted on the
+    /// request and closed, the client's side is closed — the server acts on the request, the
+    /// client never hears back (a lost reply), and by the time it notices, the request's effect
+    /// is visible to everyone. Later chunks and other connections are not affected; arming
+    /// again replaces a pattern that has not fired yet.
     ///
     /// The pattern is found also when split across two reads of the same connection, if it is
     /// at most 1025 bytes long. An empty pattern cuts after the next chunk.
@@ -406,8 +408,9 @@ async fn write_server(
 }
 
 /// Copies the server's bytes to the client, holding them while paused; after the cut, relays
-/// nothing more: it closes the client's side and reads the server's bytes to their end,
-/// dropping them. Ends at the server's EOF (shutting the client's write side down).
+/// nothing more: it reads the server's bytes to their end and drops them. Ends at the server's
+/// EOF (shutting the client's write side down: after a cut, the client hears the end only once
+/// the server has acted on the request and closed).
 async fn to_client(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
@@ -417,7 +420,6 @@ async fn to_client(
 ) {
     let mut paused = shared.paused.subscribe();
     let mut buf = vec![0_u8; CHUNK];
-    let mut client_closed = false;
     loop {
         // Paused: read nothing more (the server's bytes wait in the kernel's buffers).
         if paused.wait_for(|paused| !*paused).await.is_err() {
@@ -433,12 +435,10 @@ async fn to_client(
             return;
         }
         if cut.load(Ordering::SeqCst) {
-            // The reply the cut must never deliver: the client hears the end instead, and the
-            // server's bytes are read to its end and dropped.
-            if !client_closed {
-                let _ = to.shutdown().await;
-                client_closed = true;
-            }
+            // A reply the cut must never deliver: the server's bytes are read to its end and
+            // dropped, and only then does the client hear the end — after the server has acted
+            // on everything it was sent (a reply to an earlier statement of the same chunk
+            // must not end the connection before the server has read the rest).
             continue;
         }
         if to
@@ -449,9 +449,7 @@ async fn to_client(
             break;
         }
     }
-    if !client_closed {
-        let _ = to.shutdown().await;
-    }
+    let _ = to.shutdown().await;
 }
 
 #[cfg(test)]
