@@ -40,11 +40,16 @@
 //!   timed) to show where its time goes.
 //! - **upcast** (`upcast`): the catch-up with one upcaster lifting every event against the same
 //!   catch-up without, sides alternating, in one run (`catchup_upcast_vs_plain`).
+//! - **blue/green** (`blue_green`): version 2 of a table perspective built over 1 000 000 events
+//!   while appends go on and version 1 serves, then promoted; reads of the view checked across
+//!   the switch, version 2 checked against the events, the build against a plain catch-up and
+//!   version 1's lag against its lag without a build (`bluegreen_*`).
 //! - **keepalive**: one `LeaseKeeper` holding `--leases` leases (1 000) for several keepalive
 //!   intervals; statements per interval counted by the server (`pg_stat_database` transaction
 //!   deltas of a run with `--keepalive-intervals` intervals minus a run with none: acquires,
 //!   releases and connection set-up cancel out) and by the keeper (`renew_calls`).
 
+mod blue_green;
 mod claims;
 mod io_bound;
 mod rewind_parts;
@@ -177,12 +182,39 @@ pub(crate) struct Args {
     /// alternating).
     #[arg(long, default_value_t = 6)]
     upcast_rounds: usize,
+    /// Events of the blue/green measurement, spread evenly over `--blue-green-streams` (a
+    /// multiple of it).
+    #[arg(long, default_value_t = 1_000_000)]
+    blue_green_events: usize,
+    /// Streams of the blue/green measurement.
+    #[arg(long, default_value_t = 10_000)]
+    blue_green_streams: usize,
+    /// Appends per second during the blue/green measurement (one event each).
+    #[arg(long, default_value_t = 200)]
+    blue_green_rate: u32,
+    /// Tasks sending the blue/green appends (each to streams of its own).
+    #[arg(long, default_value_t = 4)]
+    blue_green_appenders: usize,
+    /// Seconds of the blue/green idle phase (version 1's lag without a build).
+    #[arg(long, default_value_t = 20)]
+    blue_green_idle_secs: u64,
+    /// Seconds the blue/green appends go on after the promotion.
+    #[arg(long, default_value_t = 5)]
+    blue_green_after_secs: u64,
+    /// Run `ANALYZE` on the work queue and the cursors as soon as the blue/green build's
+    /// registration is seen (not what the library does: shows what stale plans cost the
+    /// serving instance).
+    #[arg(long)]
+    blue_green_analyze: bool,
+    /// The versions the blue/green building instance runs.
+    #[arg(long, value_enum, default_value_t = blue_green::Builder::V1AndV2)]
+    blue_green_builder: blue_green::Builder,
     /// Sections to run, comma-separated (default: all). The key=value lines of the others
     /// are not printed.
     #[arg(long, value_delimiter = ',', value_enum,
           default_values_t = vec![Section::CatchUp, Section::IoBound, Section::Claims,
                                   Section::Starved, Section::Rewind, Section::Keepalive,
-                                  Section::Upcast])]
+                                  Section::Upcast, Section::BlueGreen])]
     only: Vec<Section>,
     /// `plan_cache_mode` of the benchmark databases: `auto` (default: the server's setting
     /// is left alone), or `force_custom_plan` / `force_generic_plan` to see how the store's
@@ -213,6 +245,8 @@ pub(crate) enum Section {
     Keepalive,
     /// Catch-up with one upcaster lifting every event against the same without.
     Upcast,
+    /// Version 2 of a table perspective built while version 1 serves, then promoted.
+    BlueGreen,
 }
 
 /// The catch-up's perspective: the list of the events' numbers, in the order applied (the SQL
@@ -359,8 +393,20 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         lines.push(String::new());
         keys.push(format!("catchup_upcast_vs_plain={ratio:.3}"));
     }
+    if wants(Section::BlueGreen) {
+        let bg = blue_green::run(&url, &args).await?;
+        lines.extend(bg.lines);
+        lines.push(String::new());
+        keys.push(format!("bluegreen_mixed_reads={}", bg.mixed_reads));
+        keys.push(format!("bluegreen_lost_or_doubled={}", bg.lost_or_doubled));
+        keys.push(format!(
+            "bluegreen_build_vs_catchup={:.3}",
+            bg.build_vs_catchup
+        ));
+        keys.push(format!("bluegreen_v1_lag_vs_idle={:.3}", bg.lag_vs_idle));
+    }
     // The existing lines first, in their old order, then the ones added with batches.
-    const ORDER: [&str; 12] = [
+    const ORDER: [&str; 16] = [
         "catchup_events_per_s",
         "catchup_vs_sql_floor",
         "catchup_2_vs_1",
@@ -373,6 +419,10 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         "starved_vs_clean",
         "share_max_vs_min",
         "catchup_upcast_vs_plain",
+        "bluegreen_mixed_reads",
+        "bluegreen_lost_or_doubled",
+        "bluegreen_build_vs_catchup",
+        "bluegreen_v1_lag_vs_idle",
     ];
     keys.sort_by_key(|k| {
         ORDER
