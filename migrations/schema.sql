@@ -1504,6 +1504,7 @@ CREATE FUNCTION public.lockstep_register_perspectives(p_names text[], p_queue_at
     AS $$
 DECLARE
     added integer;
+    enqueued bigint;
 BEGIN
     LOCK TABLE wh_perspectives IN SHARE ROW EXCLUSIVE MODE;
     IF NOT EXISTS (
@@ -1545,11 +1546,15 @@ BEGIN
                                AND s.perspective_name = new.perspective_name
                                AND s.event_id = e.event_id)
         ON CONFLICT DO NOTHING
+        RETURNING 1
     ), unretired AS (
         DELETE FROM wh_retired_perspectives r USING new
          WHERE r.perspective_name = new.perspective_name
     )
-    SELECT count(*) INTO added FROM new;
+    SELECT (SELECT count(*) FROM new), (SELECT count(*) FROM work) INTO added, enqueued;
+    IF enqueued > 10000 THEN
+        ANALYZE wh_perspective_events;
+    END IF;
     RETURN added;
 END
 $$;

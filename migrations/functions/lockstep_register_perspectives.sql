@@ -24,6 +24,13 @@
 -- this transaction commits and fans out to them itself: no event is missed. Appends wait for
 -- the rest of this transaction: a new name's catch-up writes one work row per event of the
 -- database, which is what a registration costs.
+--
+-- A catch-up of more than 10 000 work rows also analyzes wh_perspective_events before it
+-- returns: the plans the workers' sessions cached for their claims were made for the queue as
+-- it was, and over a queue grown by a million rows they can run orders of magnitude slower
+-- (seconds per claim, the serving perspectives stalled behind them) until the table's
+-- statistics change. ANALYZE counts this transaction's own rows, and its new statistics make
+-- every session plan those statements again.
 CREATE OR REPLACE FUNCTION lockstep_register_perspectives(
     p_names         text[],
     p_queue_at_most interval DEFAULT interval '50 milliseconds',
@@ -32,6 +39,7 @@ CREATE OR REPLACE FUNCTION lockstep_register_perspectives(
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     added integer;
+    enqueued bigint;
 BEGIN
     LOCK TABLE wh_perspectives IN SHARE ROW EXCLUSIVE MODE;
     IF NOT EXISTS (
@@ -73,11 +81,15 @@ BEGIN
                                AND s.perspective_name = new.perspective_name
                                AND s.event_id = e.event_id)
         ON CONFLICT DO NOTHING
+        RETURNING 1
     ), unretired AS (
         DELETE FROM wh_retired_perspectives r USING new
          WHERE r.perspective_name = new.perspective_name
     )
-    SELECT count(*) INTO added FROM new;
+    SELECT (SELECT count(*) FROM new), (SELECT count(*) FROM work) INTO added, enqueued;
+    IF enqueued > 10000 THEN
+        ANALYZE wh_perspective_events;
+    END IF;
     RETURN added;
 END
 $$;
