@@ -264,6 +264,11 @@ pub struct PerspectiveWorker<S: TransactionSource, P> {
     applied: rate::Unreported,
     /// When the worker last looked for versions to promote ([`promote`]).
     version_checks: promote::VersionChecks,
+    /// The stored names of the versions this worker runs that are being built (as the store
+    /// said at registration and at the last version check): claimed apart from the others.
+    building: Mutex<std::collections::BTreeSet<PerspectiveName>>,
+    /// Whether the next batch claims the versions being built first ([`batch`]).
+    build_first: std::sync::atomic::AtomicBool,
 }
 
 impl<S: TransactionSource, P> std::fmt::Debug for PerspectiveWorker<S, P> {
@@ -320,6 +325,8 @@ where
             identity: InstanceIdentity::detect(),
             applied: rate::Unreported::default(),
             version_checks: promote::VersionChecks::default(),
+            building: Mutex::default(),
+            build_first: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

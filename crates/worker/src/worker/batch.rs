@@ -104,13 +104,18 @@ where
         limits
     }
 
-    /// The next claim's request: the perspectives in turn, each from where its walk stopped.
-    fn next_request(&self) -> BatchClaim {
+    /// The next claim's request: the perspectives in turn, each from where its walk stopped,
+    /// of those `wanted` says.
+    fn next_request(&self, wanted: &dyn Fn(&lockstep_core::PerspectiveName) -> bool) -> BatchClaim {
         let mut positions = self
             .positions
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let request_positions = positions.clone();
+        let request_positions = positions
+            .iter()
+            .filter(|(name, _)| wanted(name))
+            .cloned()
+            .collect();
         // The next claim is led by the next perspective.
         let lead = 1.min(positions.len());
         positions.rotate_left(lead);
@@ -119,6 +124,30 @@ where
         request.debounce = self.options.debounce();
         request.limits = self.current_limits();
         request
+    }
+
+    /// The claims of the next batch, in turn: the versions that serve (or stopped) and the
+    /// versions being built beside them, alternately first, so that a serving version's pairs
+    /// are never held in a batch behind a build's backlog (another instance serves them
+    /// meanwhile) and a build is never starved by a steady trickle of new events. Without a
+    /// build: one claim of every perspective.
+    fn next_requests(&self) -> (BatchClaim, Option<BatchClaim>) {
+        let building = self
+            .building
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let all = self.registry.names();
+        if building.is_empty() || all.iter().all(|n| building.contains(n)) {
+            return (self.next_request(&|_| true), None);
+        }
+        let serving = self.next_request(&|n| !building.contains(n));
+        let built = self.next_request(&|n| building.contains(n));
+        if self.build_first.fetch_xor(true, Ordering::Relaxed) {
+            (built, Some(serving))
+        } else {
+            (serving, Some(built))
+        }
     }
 
     fn remember_positions(
@@ -142,11 +171,18 @@ where
     /// Claims, applies and commits one batch, then runs its rewinds; adds what
     /// it did to `report`. `Err`: the claim itself failed (nothing was claimed).
     pub(super) async fn run_batch(&self, report: &mut CycleReport) -> Result<()> {
-        let request = self.next_request();
+        let (mut request, then) = self.next_requests();
         let limits = request.limits;
         // A `?` drops the guard, which rolls back: nothing claimed stays claimed.
         let tx = self.source.begin().await?;
-        let batch = self.store.claim_batch(&tx, &request).await?;
+        let mut batch = self.store.claim_batch(&tx, &request).await?;
+        if batch.pairs.is_empty()
+            && let Some(then) = then
+        {
+            self.remember_positions(std::mem::take(&mut batch.positions));
+            request = then;
+            batch = self.store.claim_batch(&tx, &request).await?;
+        }
         let clock = StoreClock::new(batch.claimed_at);
         self.remember_positions(batch.positions);
         if batch.pairs.is_empty() {

@@ -81,6 +81,7 @@ where
     pub async fn register(&self) -> Result<()> {
         let tx = self.source.begin().await?;
         let rows = self.store.declare(&tx, &self.registry.versions()).await?;
+        self.note_building(&rows);
         let names: Vec<PerspectiveName> = self
             .registry
             .names()
@@ -186,6 +187,10 @@ where
         let promoted =
             promote_in(&self.source, &self.store, perspective, version, up_to, hook).await?;
         if let Promoted::Promoted { previous } = promoted {
+            self.building
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(stored);
             count(telemetry::VERSIONS_PROMOTED, stored.as_str(), 1);
             tracing::info!(%perspective, version, ?previous, forced = up_to.is_none(), "perspective version promoted");
         }
@@ -217,6 +222,7 @@ where
                 return;
             }
         };
+        self.note_building(&rows);
         for row in rows {
             if self.registry.version_of(&row.stored_name).is_none() {
                 continue;
@@ -249,6 +255,20 @@ where
                 }
             }
         }
+    }
+
+    /// Remembers which of this worker's versions are being built, as `rows` say.
+    fn note_building(&self, rows: &[lockstep_core::PerspectiveVersion]) {
+        let building = rows
+            .iter()
+            .filter(|v| v.status == VersionStatus::Building)
+            .filter(|v| self.registry.version_of(&v.stored_name).is_some())
+            .map(|v| v.stored_name.clone())
+            .collect();
+        *self
+            .building
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = building;
     }
 
     fn checked_recently(&self, stored: &PerspectiveName, now: Instant) -> bool {
