@@ -168,7 +168,13 @@ where
             }
             let left = deadline.map_or(pause, |d| d.saturating_duration_since(Instant::now()));
             tokio::time::sleep(pause.min(left)).await;
-            pause = (pause * 2).min(Duration::from_millis(100));
+            // Each check counts the version's pending work: far behind, check once a second.
+            let most = if pending.events > 10_000 {
+                Duration::from_secs(1)
+            } else {
+                Duration::from_millis(100)
+            };
+            pause = (pause * 2).min(most);
         }
     }
 
