@@ -2,9 +2,12 @@
 //! purge, status, and the actionable errors. Postgres commands run against a database of the
 //! test's own.
 
+mod support;
+
 use lockstep_core::perspective_store::prelude::*;
 use std::os::unix::process::CommandExt as _;
 use std::process::{Command, Output};
+use support::{doc, lockstep, lockstep_on, migrated, serve_with, text, url_of};
 
 use lockstep_core::EventStore as _;
 use lockstep_core::Pair;
@@ -16,45 +19,7 @@ use lockstep_core::{
 use lockstep_pg::PgTransaction;
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
 use lockstep_pg_stream::PgStreamLocker;
-use lockstep_testkit::pg_harness::{TestDatabase, test_database};
-
-fn lockstep(args: &[&str], url: Option<&str>) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockstep"));
-    cmd.args(args).env_remove("DATABASE_URL");
-    if let Some(url) = url {
-        cmd.env("DATABASE_URL", url);
-    }
-    cmd.output().expect("running lockstep")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// A URL for the test database (trust auth: no password).
-fn url_of(db: &TestDatabase) -> String {
-    let config = db.config();
-    let host = match config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".to_owned(),
-    };
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let user = config.get_user().unwrap_or("postgres");
-    format!("postgres://{user}@{host}:{port}/{}", db.name())
-}
-
-async fn migrated() -> (TestDatabase, String, deadpool_postgres::Pool) {
-    let db = test_database().await;
-    let url = url_of(&db);
-    let out = lockstep(&["migrate"], Some(&url));
-    assert!(out.status.success(), "{}", text(&out));
-    let pool = db.pool(4);
-    (db, url, pool)
-}
+use lockstep_testkit::pg_harness::test_database;
 
 #[test]
 fn an_unreachable_database_is_an_actionable_error_without_the_password() {
@@ -614,41 +579,6 @@ async fn serve(url: &str) -> (std::process::Child, String) {
     serve_with(url, &[], &[]).await
 }
 
-/// `lockstep serve` on a free port with `envs` set (standard error piped): the process and the
-/// address it printed.
-async fn serve_with(
-    url: &str,
-    envs: &[(&str, &str)],
-    args: &[&str],
-) -> (std::process::Child, String) {
-    use std::io::{BufRead, BufReader};
-    let mut server = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(["serve", "--addr", "127.0.0.1:0"])
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env_remove("LOCKSTEP_SERVE_TOKEN")
-        .envs(envs.iter().copied())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting lockstep serve");
-    let stdout = server.stdout.take().expect("stdout");
-    let line = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).map(|_| line)
-    })
-    .await
-    .expect("task")
-    .expect("the serve banner");
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("the banner names the address: {line}"))
-        .to_owned();
-    (server, addr)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_advisory_names_a_key_a_test_holds() {
     let (_db, url, pool) = migrated().await;
@@ -763,20 +693,6 @@ async fn perspectives_rewind_purge_and_status() {
     .expect("task");
     assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
     assert!(text(&refused).contains("holds the lease"));
-}
-
-/// Runs `lockstep` with `args` on `url` off the runtime's threads.
-async fn lockstep_on(url: &str, args: &[&str]) -> Output {
-    let (url, args): (String, Vec<String>) = (
-        url.to_owned(),
-        args.iter().map(|a| (*a).to_owned()).collect(),
-    );
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        lockstep(&args, Some(&url))
-    })
-    .await
-    .expect("task")
 }
 
 /// Issue 18: a parked pair shows in `status` and `parked` (with its failing event), `skip`
@@ -1556,11 +1472,6 @@ async fn the_servers_survive_descriptor_exhaustion_without_spinning() {
 }
 
 /// The JSON document a command printed on standard output.
-fn doc(out: &Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("one JSON document on stdout ({e}): {}", text(out)))
-}
-
 /// Issue 21: every command answers `--json` with one document, also when it refuses (exit 1),
 /// when an argument is bad (exit 2) and when the database is unreachable (exit 3); refusals
 /// name what was wrong and change nothing: a perspective that is not registered, `--from`

@@ -2,7 +2,6 @@
 //! `perspectives status` (and its `--check`) and on the status page, against a database of the
 //! test's own. A promotion is performed by a worker running the version, started in the test.
 
-use std::process::{Command, Output};
 use std::time::Duration;
 
 use lockstep_core::EventStore as _;
@@ -15,64 +14,11 @@ use lockstep_core::{
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
-use lockstep_testkit::pg_harness::{TestDatabase, test_database};
 use lockstep_worker::{CancellationToken, PerspectiveWorker, WorkerOptions};
 
-fn lockstep(args: &[&str], url: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .output()
-        .expect("running lockstep")
-}
+mod support;
 
-/// Runs `lockstep` off the runtime's threads.
-async fn run(url: &str, args: &[&str]) -> Output {
-    let (url, args): (String, Vec<String>) = (
-        url.to_owned(),
-        args.iter().map(|a| (*a).to_owned()).collect(),
-    );
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        lockstep(&args, &url)
-    })
-    .await
-    .expect("task")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn doc(out: &Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("one JSON document on stdout ({e}): {}", text(out)))
-}
-
-/// A URL for the test database (trust auth: no password).
-fn url_of(db: &TestDatabase) -> String {
-    let config = db.config();
-    let host = match config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".to_owned(),
-    };
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let user = config.get_user().unwrap_or("postgres");
-    format!("postgres://{user}@{host}:{port}/{}", db.name())
-}
-
-async fn migrated() -> (TestDatabase, String, deadpool_postgres::Pool) {
-    let db = test_database().await;
-    let url = url_of(&db);
-    let out = run(&url, &["migrate"]).await;
-    assert!(out.status.success(), "{}", text(&out));
-    let pool = db.pool(4);
-    (db, url, pool)
-}
+use support::{doc, lockstep_on, migrated, serve_with, text};
 
 fn statement() -> PerspectiveName {
     PerspectiveName::new("Statement").expect("valid")
@@ -160,7 +106,7 @@ fn line_with<'a>(out: &'a str, needle: &str) -> &'a str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn versions_lists_every_version_marks_the_serving_one_and_status_shows_them() {
     let (_db, url, pool) = migrated().await;
-    let out = run(&url, &["perspectives", "versions"]).await;
+    let out = lockstep_on(&url, &["perspectives", "versions"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(
         text(&out).contains("no perspective versions recorded"),
@@ -169,7 +115,7 @@ async fn versions_lists_every_version_marks_the_serving_one_and_status_shows_the
     );
     declared(&pool, &[2]).await;
 
-    let out = run(&url, &["perspectives", "versions"]).await;
+    let out = lockstep_on(&url, &["perspectives", "versions"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let listing = String::from_utf8_lossy(&out.stdout).into_owned();
     let v1 = line_with(&listing, " v1 ");
@@ -183,7 +129,7 @@ async fn versions_lists_every_version_marks_the_serving_one_and_status_shows_the
     assert!(v2.contains("manual, previous kept"), "{listing}");
     assert!(!v2.contains("SERVING"), "{listing}");
 
-    let out = run(&url, &["perspectives", "versions", "Statement", "--json"]).await;
+    let out = lockstep_on(&url, &["perspectives", "versions", "Statement", "--json"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let rows = doc(&out);
     let rows = rows.as_array().expect("an array");
@@ -207,10 +153,10 @@ async fn versions_lists_every_version_marks_the_serving_one_and_status_shows_the
     assert!(rows[1]["progress"]["lag_s"].is_f64(), "{rows:?}");
     assert!(rows[1]["declared_at"].is_string(), "{rows:?}");
 
-    let out = run(&url, &["perspectives", "versions", "Ledger", "--json"]).await;
+    let out = lockstep_on(&url, &["perspectives", "versions", "Ledger", "--json"]).await;
     assert_eq!(doc(&out), serde_json::json!([]), "{}", text(&out));
 
-    let out = run(&url, &["perspectives", "status"]).await;
+    let out = lockstep_on(&url, &["perspectives", "status"]).await;
     assert!(
         text(&out).contains(
             "versions of Statement: v1 SERVING (Statement); v2 building (Statement@v2): 1 \
@@ -219,7 +165,7 @@ async fn versions_lists_every_version_marks_the_serving_one_and_status_shows_the
         "{}",
         text(&out)
     );
-    let out = run(&url, &["perspectives", "status", "--json"]).await;
+    let out = lockstep_on(&url, &["perspectives", "status", "--json"]).await;
     let rows = doc(&out);
     let v2 = rows
         .as_array()
@@ -237,7 +183,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
     let (_db, url, pool) = migrated().await;
     let stream = declared(&pool, &[2]).await;
 
-    let out = run(
+    let out = lockstep_on(
         &url,
         &["perspectives", "promote", "Statement", "2", "--wait", "1"],
     )
@@ -256,7 +202,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
     assert_eq!(v2.status, VersionStatus::Building);
     assert!(v2.promotion_requested.is_some_and(|r| !r.force), "{v2:?}");
 
-    let out = run(
+    let out = lockstep_on(
         &url,
         &[
             "perspectives",
@@ -271,7 +217,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
     .await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert_eq!(doc(&out)["outcome"], "requested");
-    let out = run(
+    let out = lockstep_on(
         &url,
         &["perspectives", "promote", "Statement", "7", "--json"],
     )
@@ -283,7 +229,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
         "{}",
         text(&out)
     );
-    let out = run(&url, &["perspectives", "promote", "Statement", "0"]).await;
+    let out = lockstep_on(&url, &["perspectives", "promote", "Statement", "0"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 
     // A request made a moment ago passes the check; the same request two minutes old fails it.
@@ -296,7 +242,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
         "--max-unserved",
         "1000",
     ];
-    let out = run(&url, &lenient).await;
+    let out = lockstep_on(&url, &lenient).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     pool.get()
         .await
@@ -309,7 +255,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
         )
         .await
         .expect("backdate the request");
-    let out = run(&url, &lenient).await;
+    let out = lockstep_on(&url, &lenient).await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let said = text(&out);
     let unhealthy = line_with(&said, "UNHEALTHY Statement@v2: promotion_pending_s is 1");
@@ -325,7 +271,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
     );
     let mut json_args = lenient.to_vec();
     json_args.push("--json");
-    let out = run(&url, &json_args).await;
+    let out = lockstep_on(&url, &json_args).await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let answer = doc(&out);
     assert_eq!(answer["healthy"], false);
@@ -334,7 +280,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
     assert_eq!(answer["versions"][1]["stored_name"], "Statement@v2");
     let mut patient = lenient.to_vec();
     patient.extend(["--max-promotion-wait", "3600"]);
-    let out = run(&url, &patient).await;
+    let out = lockstep_on(&url, &patient).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 
     // A parked pair of the building version fails the check, saying it blocks the promotion.
@@ -349,7 +295,7 @@ async fn promote_with_no_worker_times_out_keeps_the_request_and_check_reports_it
         .await;
     parked.expect("park");
     tx.commit().await.expect("commit");
-    let out = run(&url, &patient).await;
+    let out = lockstep_on(&url, &patient).await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
         text(&out).contains(
@@ -366,7 +312,7 @@ async fn abandon_stops_a_version_and_refuses_the_serving_one() {
     let (_db, url, pool) = migrated().await;
     declared(&pool, &[2, 3]).await;
 
-    let out = run(&url, &["perspectives", "abandon", "Statement", "1"]).await;
+    let out = lockstep_on(&url, &["perspectives", "abandon", "Statement", "1"]).await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
         text(&out).contains(
@@ -377,7 +323,7 @@ async fn abandon_stops_a_version_and_refuses_the_serving_one() {
         text(&out)
     );
     assert_eq!(status_of(&pool, 1).await, Some(VersionStatus::Serving));
-    let out = run(
+    let out = lockstep_on(
         &url,
         &["perspectives", "abandon", "Statement", "1", "--json"],
     )
@@ -385,7 +331,7 @@ async fn abandon_stops_a_version_and_refuses_the_serving_one() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert_eq!(doc(&out)["outcome"], "serving");
 
-    let out = run(&url, &["perspectives", "abandon", "Statement", "2"]).await;
+    let out = lockstep_on(&url, &["perspectives", "abandon", "Statement", "2"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(
         text(&out)
@@ -394,7 +340,7 @@ async fn abandon_stops_a_version_and_refuses_the_serving_one() {
         text(&out)
     );
     assert_eq!(status_of(&pool, 2).await, Some(VersionStatus::Abandoned));
-    let out = run(
+    let out = lockstep_on(
         &url,
         &[
             "perspectives",
@@ -421,21 +367,21 @@ async fn abandon_stops_a_version_and_refuses_the_serving_one() {
     assert!(kept.contains(&"Statement@v3"), "{kept:?}");
     assert!(!kept.contains(&"Statement@v2"), "{kept:?}");
 
-    let out = run(
+    let out = lockstep_on(
         &url,
         &["perspectives", "abandon", "Statement", "2", "--json"],
     )
     .await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert_eq!(doc(&out)["outcome"], "already_abandoned");
-    let out = run(&url, &["perspectives", "promote", "Statement", "2"]).await;
+    let out = lockstep_on(&url, &["perspectives", "promote", "Statement", "2"]).await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
         text(&out).contains("perspective Statement version 2 is abandoned: it cannot be promoted"),
         "{}",
         text(&out)
     );
-    let out = run(&url, &["perspectives", "versions", "--json"]).await;
+    let out = lockstep_on(&url, &["perspectives", "versions", "--json"]).await;
     let rows = doc(&out);
     assert_eq!(rows[1]["status"], "abandoned");
     assert_eq!(rows[1]["progress"], serde_json::Value::Null);
@@ -502,7 +448,7 @@ async fn a_worker_running_the_version_performs_the_promotion_and_the_rollback() 
     })
     .await;
 
-    let out = run(
+    let out = lockstep_on(
         &url,
         &["perspectives", "promote", "Statement", "2", "--wait", "30"],
     )
@@ -525,7 +471,7 @@ async fn a_worker_running_the_version_performs_the_promotion_and_the_rollback() 
 
     // The rollback: the kept version promoted again (its own policy retires the one it
     // replaces).
-    let out = run(
+    let out = lockstep_on(
         &url,
         &[
             "perspectives",
@@ -549,7 +495,7 @@ async fn a_worker_running_the_version_performs_the_promotion_and_the_rollback() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_shows_the_versions_escaped() {
-    use std::io::{BufRead, BufReader, Read, Write};
+    use std::io::{Read, Write};
     let (_db, url, pool) = migrated().await;
     declared(&pool, &[2]).await;
     let tx = PgTransaction::begin(&pool).await.expect("begin");
@@ -563,28 +509,7 @@ async fn the_status_page_shows_the_versions_escaped() {
         .expect("declare");
     tx.commit().await.expect("commit");
 
-    let mut server = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args(["serve", "--addr", "127.0.0.1:0"])
-        .env("DATABASE_URL", &url)
-        .env_remove("LOCKSTEP_SERVE_TOKEN")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("starting lockstep serve");
-    let stdout = server.stdout.take().expect("stdout");
-    let banner = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).map(|_| line)
-    })
-    .await
-    .expect("task")
-    .expect("the banner");
-    let addr = banner
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("the banner names the address: {banner}"))
-        .to_owned();
+    let (mut server, addr) = serve_with(&url, &[], &[]).await;
     let get = |path: &str| {
         let mut stream = std::net::TcpStream::connect(&addr).expect("connect");
         write!(
