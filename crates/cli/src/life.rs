@@ -21,25 +21,8 @@ use lockstep_pg::PgDatabase;
 use lockstep_pg_store::PgPerspectiveStore;
 use serde_json::json;
 
+use crate::ops::outcome as finish;
 use crate::pg::{DbUrl, explain};
-use crate::say;
-
-/// Prints the outcome (`--json`: one document; else a sentence on standard output when done,
-/// on standard error when refused) and gives the exit code (0 done, 1 refused).
-fn finish(json: bool, done: bool, doc: &serde_json::Value, sentence: &str) -> ExitCode {
-    if json {
-        say!("{doc}");
-    } else if done {
-        say!("{sentence}");
-    } else {
-        eprintln!("{sentence}");
-    }
-    if done {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
-}
 
 fn not_registered(json: bool, url: &DbUrl, name: &PerspectiveName) -> ExitCode {
     finish(

@@ -386,10 +386,10 @@ pub(crate) async fn migration_status(url: &DbUrl, json: bool) -> Result<ExitCode
     })
 }
 
-/// The end of a command that acts on one pair: its outcome as one JSON document (`--json`) or
-/// a sentence (standard output when it was done, standard error when refused), and the exit
+/// The end of a command that acts on one pair, a perspective or a version: its outcome as one
+/// JSON document (`--json`) or a sentence (standard output when it was done, standard error when refused), and the exit
 /// code (0 done, 1 refused).
-fn outcome(json: bool, done: bool, doc: &serde_json::Value, sentence: &str) -> ExitCode {
+pub(crate) fn outcome(json: bool, done: bool, doc: &serde_json::Value, sentence: &str) -> ExitCode {
     if json {
         say!("{doc}");
     } else if done {

@@ -20,6 +20,7 @@ use lockstep_pg_store::PgPerspectiveStore;
 use lockstep_worker::VersionError;
 use serde_json::{Value, json};
 
+use crate::ops::outcome as finish;
 use crate::pg::explain;
 use crate::say;
 
@@ -386,24 +387,6 @@ pub(crate) async fn list(
     }
     say!("* serves: reads by the perspective's name read this version");
     Ok(ExitCode::SUCCESS)
-}
-
-/// Prints the outcome of `promote` or `abandon` (`--json`: one document; else a sentence on
-/// standard output when done, on standard error when not) and gives the exit code (0 done,
-/// 1 not).
-fn finish(json: bool, done: bool, doc: &Value, sentence: &str) -> ExitCode {
-    if json {
-        say!("{doc}");
-    } else if done {
-        say!("{sentence}");
-    } else {
-        eprintln!("{sentence}");
-    }
-    if done {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
 }
 
 fn doc(name: &PerspectiveName, version: u32, outcome: &str, extra: Value) -> Value {
