@@ -268,10 +268,17 @@ async fn a_table_version_builds_in_its_own_table_and_the_view_switches_in_the_pr
         event_id_at(lockstep_core::OffsetDateTime::now_utc()),
     )
     .await;
-    let outcome = both
-        .promote(&name, 2, PromoteOptions::waiting(Duration::from_secs(60)))
-        .await
-        .expect("promote");
+    // From a task of its own, as a request handler or an admin endpoint calls it.
+    let outcome = tokio::spawn({
+        let (both, name) = (Arc::clone(&both), name.clone());
+        async move {
+            both.promote(&name, 2, PromoteOptions::waiting(Duration::from_secs(60)))
+                .await
+        }
+    })
+    .await
+    .expect("task")
+    .expect("promote");
     assert_eq!(outcome, Promoted::Promoted { previous: Some(1) });
     promoted.store(true, Ordering::Release);
     let after_switch = appended.load(Ordering::Acquire) + 5;
@@ -318,13 +325,17 @@ async fn a_table_version_builds_in_its_own_table_and_the_view_switches_in_the_pr
         matches!(refused, Err(VersionError::Hook { version: 3, .. })),
         "{refused:?}"
     );
-    let statuses: Vec<(u32, VersionStatus)> =
-        versions::versions(&db, &PgPerspectiveStore::new(), Some(&name))
-            .await
-            .expect("versions")
-            .iter()
-            .map(|v| (v.version, v.status))
-            .collect();
+    let listed = tokio::spawn({
+        let (db, name) = (db.clone(), name.clone());
+        async move { versions::versions(&db, &PgPerspectiveStore::new(), Some(&name)).await }
+    });
+    let statuses: Vec<(u32, VersionStatus)> = listed
+        .await
+        .expect("task")
+        .expect("versions")
+        .iter()
+        .map(|v| (v.version, v.status))
+        .collect();
     assert_eq!(
         statuses,
         [
@@ -334,4 +345,13 @@ async fn a_table_version_builds_in_its_own_table_and_the_view_switches_in_the_pr
         ]
     );
     assert_eq!(read_view(&admin).await, [(2, STREAMS as i64, total_events)]);
+    let serving = tokio::spawn({
+        let (db, name) = (db.clone(), name.clone());
+        async move {
+            lockstep_worker::ReadModels::new(db, PgPerspectiveStore::new())
+                .serving_version(&name)
+                .await
+        }
+    });
+    assert_eq!(serving.await.expect("task").expect("serving"), Some(2));
 }
