@@ -128,6 +128,8 @@
 mod lock;
 pub mod session;
 mod sql;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 
 pub use lock::{PgAggregateWriteLock, PgDistributedLock};
 pub use session::PgSessionGuard;

@@ -93,12 +93,17 @@ use lockstep_core::{
     Error, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent, ResourceKey, Result,
     StreamId, Upcasters, VersionConflict,
 };
-use lockstep_pg::internal::{self, check_isolation};
+use lockstep_pg::driver::{Columns, DbError, Executor, Tp, query_one, query_opt};
+use lockstep_pg::internal::{self, LockingTransaction, check_isolation};
+#[cfg(feature = "sqlx")]
+use lockstep_pg::sqlx::SqlxTransaction;
 use lockstep_pg::{LockQueue, PgDatabase, PgTransaction, PgTransactionRef, WriteAtCommit};
 use time::OffsetDateTime;
-use tokio_postgres::GenericClient;
 use tokio_postgres::types::Type;
 use uuid::Uuid;
+
+/// SQLSTATE `unique_violation`.
+const UNIQUE_VIOLATION: &str = "23505";
 
 const LOAD: &str = "SELECT event_id, version, event_type, payload, recorded_at, schema_version \
      FROM wh_events WHERE stream_id = $1 ORDER BY version";
@@ -135,6 +140,14 @@ impl PgEventStore {
     /// queue, shared with the aggregate write lock built from the same handle
     /// (`lockstep_pg_advisory::PgDistributedLock::new(&db)`).
     pub fn new(db: &PgDatabase) -> PgEventStore {
+        PgEventStore::with_queue(db.lock_queue().clone())
+    }
+
+    /// The event store of an application on sqlx (feature `sqlx`): its
+    /// [`EventStore::load_locked`] queues in the handle's lock queue, shared with the aggregate
+    /// lock built from the same handle (`lockstep_pg_advisory::sqlx::SqlxDistributedLock::new`).
+    #[cfg(feature = "sqlx")]
+    pub fn for_sqlx(db: &lockstep_pg::sqlx::SqlxDatabase) -> PgEventStore {
         PgEventStore::with_queue(db.lock_queue().clone())
     }
 
@@ -175,9 +188,17 @@ impl PgEventStore {
         tx: &T,
         stream_id: StreamId,
     ) -> Result<Vec<RecordedEvent>> {
-        let rows = tx
-            .executor()
-            .query_typed(LOAD, &[(&stream_id.as_uuid(), Type::UUID)])
+        self.load_with(&Tp(tx.executor()), stream_id).await
+    }
+
+    /// [`PgEventStore::load_on`] on either driver's executor.
+    async fn load_with<E: Executor + ?Sized>(
+        &self,
+        executor: &E,
+        stream_id: StreamId,
+    ) -> Result<Vec<RecordedEvent>> {
+        let rows = executor
+            .query(LOAD, &[&stream_id.as_uuid()])
             .await
             .map_err(|e| statement_error(e, "loading stream", stream_id))?;
         rows.iter()
@@ -193,12 +214,10 @@ impl PgEventStore {
         tx: &T,
         event_id: Uuid,
     ) -> Result<Option<StreamId>> {
-        let row = tx
-            .executor()
-            .query_typed_opt(STREAM_OF_EVENT, &[(&event_id, Type::UUID)])
+        let row = query_opt(&Tp(tx.executor()), STREAM_OF_EVENT, &[&event_id])
             .await
-            .map_err(|e| lockstep_pg::internal::statement_error(e, "looking up an event"))?;
-        row.map(|r| r.try_get::<_, Uuid>(0).map(StreamId::from_uuid))
+            .map_err(|e| internal::db_statement_error(e, "looking up an event"))?;
+        row.map(|r| r.get::<Uuid>(0).map(StreamId::from_uuid))
             .transpose()
             .map_err(decode_error)
     }
@@ -213,7 +232,7 @@ impl PgEventStore {
         events: &[NewEvent],
     ) -> Result<u64> {
         let append = AppendCall::new(stream_id, expected, events)?;
-        append.run(tx.executor()).await
+        append.run(&Tp(tx.executor())).await
     }
 
     /// Appends `events` at `expected` as the transaction's last write: the append is held
@@ -236,7 +255,7 @@ impl PgEventStore {
                 .bind(append.types, Type::TEXT_ARRAY)
                 .bind(append.payloads, Type::JSONB_ARRAY)
                 .bind(append.schema_versions, Type::INT4_ARRAY)
-                .map_error(move |e| append_error(e, stream_id, expected)),
+                .map_error(move |e| append_error(DbError::from(e), stream_id, expected)),
         );
         Ok(())
     }
@@ -292,22 +311,22 @@ impl AppendCall {
     }
 
     /// Runs `lockstep_append_events`: one statement, the stream's new version.
-    async fn run<C: GenericClient + Sync + ?Sized>(&self, client: &C) -> Result<u64> {
-        let row = client
-            .query_typed_one(
-                APPEND,
-                &[
-                    (&self.stream_id.as_uuid(), Type::UUID),
-                    (&self.expected_version, Type::INT8),
-                    (&self.ids, Type::UUID_ARRAY),
-                    (&self.types, Type::TEXT_ARRAY),
-                    (&self.payloads, Type::JSONB_ARRAY),
-                    (&self.schema_versions, Type::INT4_ARRAY),
-                ],
-            )
-            .await
-            .map_err(|e| append_error(e, self.stream_id, self.expected))?;
-        let version: i64 = row.try_get(0).map_err(decode_error)?;
+    async fn run<E: Executor + ?Sized>(&self, executor: &E) -> Result<u64> {
+        let row = query_one(
+            executor,
+            APPEND,
+            &[
+                &self.stream_id.as_uuid(),
+                &self.expected_version,
+                &self.ids,
+                &self.types,
+                &self.payloads,
+                &self.schema_versions,
+            ],
+        )
+        .await
+        .map_err(|e| append_error(e, self.stream_id, self.expected))?;
+        let version: i64 = row.get(0).map_err(decode_error)?;
         u64::try_from(version)
             .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))
     }
@@ -316,30 +335,90 @@ impl AppendCall {
 /// An event row whose columns start at `offset` (id, version, type, payload, recorded_at,
 /// schema_version), in the current shape of its type: lifted by `upcasters`, whose failure is
 /// the error of this event ([`ErrorKind::InvalidInput`]).
-fn decode(
-    row: &tokio_postgres::Row,
+fn decode<R: Columns>(
+    row: &R,
     offset: usize,
     stream_id: StreamId,
     upcasters: &Upcasters,
 ) -> Result<RecordedEvent> {
-    let version: i64 = row.try_get(offset + 1).map_err(decode_error)?;
-    let schema_version: i32 = row.try_get(offset + 5).map_err(decode_error)?;
+    let version: i64 = row.column(offset + 1).map_err(decode_error)?;
+    let schema_version: i32 = row.column(offset + 5).map_err(decode_error)?;
     let stored = RecordedEvent {
-        event_id: row.try_get::<_, Uuid>(offset).map_err(decode_error)?,
+        event_id: row.column::<Uuid>(offset).map_err(decode_error)?,
         stream_id,
         version: u64::try_from(version)
             .map_err(|_| Error::new(ErrorKind::Backend, "stored version is negative"))?,
-        event_type: row.try_get(offset + 2).map_err(decode_error)?,
+        event_type: row.column(offset + 2).map_err(decode_error)?,
         payload: row
-            .try_get::<_, serde_json::Value>(offset + 3)
+            .column::<serde_json::Value>(offset + 3)
             .map_err(decode_error)?,
         recorded_at: row
-            .try_get::<_, OffsetDateTime>(offset + 4)
+            .column::<OffsetDateTime>(offset + 4)
             .map_err(decode_error)?,
         schema_version: u32::try_from(schema_version)
             .map_err(|_| Error::new(ErrorKind::Backend, "stored schema version is negative"))?,
     };
     upcasters.upcast(stored)
+}
+
+impl PgEventStore {
+    /// [`EventStore::load_locked`] on either driver's transaction: one statement — the function
+    /// checks the isolation level, locks, then loads in a fresh snapshot; `acquire_with` adds
+    /// the in-process queue, the deadline and cancel-on-drop.
+    async fn lock_and_load<T: LockingTransaction + ?Sized>(
+        &self,
+        tx: &T,
+        stream_id: StreamId,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<RecordedEvent>> {
+        internal::acquire_with(&self.queue, tx, key, timeout, |call| async move {
+            let rows = tx
+                .query(
+                    LOCK_AND_LOAD,
+                    &[&call.advisory_key, &call.lock_timeout, &stream_id.as_uuid()],
+                )
+                .await
+                .map_err(|e| statement_error(e, "locking and loading stream", stream_id))?;
+            if let Some(first) = rows.first() {
+                let refused: Option<String> = first.get(0).map_err(decode_error)?;
+                check_isolation(refused.as_deref(), key)?;
+            }
+            rows.iter()
+                .map(|row| decode(row, 1, stream_id, &self.upcasters))
+                .collect()
+        })
+        .await
+    }
+}
+
+/// The event store on an sqlx transaction: the same statements, decoding and error mapping.
+/// `append_at_commit` appends at once (sqlx does not pipeline a write with the `COMMIT`).
+#[cfg(feature = "sqlx")]
+impl EventStore<SqlxTransaction> for PgEventStore {
+    async fn load(&self, tx: &SqlxTransaction, stream_id: StreamId) -> Result<Vec<RecordedEvent>> {
+        self.load_with(tx, stream_id).await
+    }
+
+    async fn load_locked(
+        &self,
+        tx: &SqlxTransaction,
+        stream_id: StreamId,
+        key: &ResourceKey,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<RecordedEvent>> {
+        self.lock_and_load(tx, stream_id, key, timeout).await
+    }
+
+    async fn append(
+        &self,
+        tx: &SqlxTransaction,
+        stream_id: StreamId,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<u64> {
+        AppendCall::new(stream_id, expected, events)?.run(tx).await
+    }
 }
 
 impl EventStore<PgTransaction> for PgEventStore {
@@ -354,29 +433,7 @@ impl EventStore<PgTransaction> for PgEventStore {
         key: &ResourceKey,
         timeout: Option<Duration>,
     ) -> Result<Vec<RecordedEvent>> {
-        // One statement: the function checks the isolation level, locks, then loads in a fresh
-        // snapshot; acquire_with adds the in-process queue, the deadline and cancel-on-drop.
-        internal::acquire_with(&self.queue, tx, key, timeout, |call| async move {
-            let rows = tx
-                .client()
-                .query_typed(
-                    LOCK_AND_LOAD,
-                    &[
-                        (&call.advisory_key, Type::INT8),
-                        (&call.lock_timeout, Type::TEXT),
-                        (&stream_id.as_uuid(), Type::UUID),
-                    ],
-                )
-                .await
-                .map_err(|e| statement_error(e, "locking and loading stream", stream_id))?;
-            if let Some(first) = rows.first() {
-                check_isolation(first.try_get(0).map_err(decode_error)?, key)?;
-            }
-            rows.iter()
-                .map(|row| decode(row, 1, stream_id, &self.upcasters))
-                .collect()
-        })
-        .await
+        self.lock_and_load(tx, stream_id, key, timeout).await
     }
 
     async fn append(
@@ -403,11 +460,11 @@ impl EventStore<PgTransaction> for PgEventStore {
 /// What was being done to which stream, with the database's message and SQLSTATE; a database
 /// without lockstep's schema says to run the migrations (the helper every lockstep Postgres
 /// backend shares).
-fn statement_error(err: tokio_postgres::Error, doing: &str, stream_id: StreamId) -> Error {
-    internal::statement_error(err, &format!("{doing} {stream_id}"))
+fn statement_error(err: DbError, doing: &str, stream_id: StreamId) -> Error {
+    internal::db_statement_error(err, &format!("{doing} {stream_id}"))
 }
 
-fn decode_error(err: tokio_postgres::Error) -> Error {
+fn decode_error(err: DbError) -> Error {
     Error::new(ErrorKind::Backend, "decoding an event row").with_source(err)
 }
 
@@ -436,20 +493,14 @@ fn refuse_repeated_ids(ids: &[Uuid]) -> Result<()> {
 ///   finds the ids stored and is a no-op replay or the refusal above;
 ///
 /// anything else by its SQLSTATE.
-fn append_error(
-    err: tokio_postgres::Error,
-    stream_id: StreamId,
-    expected: ExpectedVersion,
-) -> Error {
-    let constraint = err.as_db_error().and_then(|db| db.constraint());
-    let detail = err.as_db_error().and_then(|db| db.detail());
-    let unique = err.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION);
+fn append_error(err: DbError, stream_id: StreamId, expected: ExpectedVersion) -> Error {
+    let constraint = err.constraint();
+    let detail = err.detail();
+    let unique = err.code() == Some(UNIQUE_VIOLATION);
     if unique && constraint == Some(EVENT_ID_CONSTRAINT) {
         if detail == Some(NOT_A_REPLAY_DETAIL) {
-            let message = err
-                .as_db_error()
-                .map_or_else(String::new, |db| db.message().to_owned());
-            return Error::new(ErrorKind::InvalidInput, message).with_source(err);
+            let message = err.message().unwrap_or_default().to_owned();
+            return Error::new(ErrorKind::InvalidInput, message).with_source(err.into_source());
         }
         return Error::new(
             ErrorKind::Conflict,
@@ -458,18 +509,16 @@ fn append_error(
                  event ids first"
             ),
         )
-        .with_source(err);
+        .with_source(err.into_source());
     }
     if unique && constraint == Some(STREAM_VERSION_CONSTRAINT) {
         // The function reports the version it saw in a machine-readable DETAIL of its own;
         // a race lost on the index has none.
-        let actual = err
-            .as_db_error()
-            .and_then(|db| db.detail())
+        let actual = detail
             .and_then(|d| d.strip_prefix(ACTUAL_VERSION_DETAIL))
             .and_then(|v| v.parse::<u64>().ok());
         return VersionConflict::new(stream_id, expected, actual)
-            .with_source(err)
+            .with_source(err.into_source())
             .into_error();
     }
     statement_error(err, "appending to stream", stream_id)

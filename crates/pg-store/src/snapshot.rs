@@ -15,6 +15,7 @@ use lockstep_core::{
     AggregateSnapshot, AggregateType, Error, ErrorKind, LoadedStream, LockFirst, Result,
     SnapshotKey, SnapshotStore,
 };
+use lockstep_pg::driver::Columns as _;
 use lockstep_pg::internal::{self, check_isolation};
 use lockstep_pg::{PgTransaction, PgTransactionRef};
 use tokio_postgres::Row;
@@ -96,7 +97,10 @@ impl SnapshotStore<PgTransaction> for PgEventStore {
                             )
                         })?;
                     if let Some(first) = rows.first() {
-                        check_isolation(first.try_get(0).map_err(decode_error)?, lock_key)?;
+                        check_isolation(
+                            first.try_get(0).map_err(|e| decode_error(e.into()))?,
+                            lock_key,
+                        )?;
                     }
                     Ok(rows)
                 })
@@ -153,7 +157,7 @@ impl SnapshotStore<PgTransaction> for PgEventStore {
                 internal::statement_error(e, &format!("deleting the snapshots of {aggregate_type}"))
             })?;
         let deleted: i64 = match rows.first() {
-            Some(row) => row.try_get(0).map_err(decode_error)?,
+            Some(row) => row.try_get(0).map_err(|e| decode_error(e.into()))?,
             None => 0,
         };
         Ok(u64::try_from(deleted).unwrap_or(0))
@@ -166,9 +170,9 @@ impl PgEventStore {
         let mut loaded = LoadedStream::default();
         let mut rows = rows.iter().peekable();
         if let Some(first) = rows.peek() {
-            let state: Option<serde_json::Value> = first.try_get(1).map_err(decode_error)?;
+            let state: Option<serde_json::Value> = first.column(1).map_err(decode_error)?;
             if let Some(state) = state {
-                let version: i64 = first.try_get(EVENT_AT + 1).map_err(decode_error)?;
+                let version: i64 = first.column(EVENT_AT + 1).map_err(decode_error)?;
                 loaded.snapshot = Some(AggregateSnapshot {
                     version: u64::try_from(version).map_err(|_| {
                         Error::new(

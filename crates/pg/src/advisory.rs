@@ -19,10 +19,12 @@ use std::time::Duration;
 use lockstep_core::{Error, ErrorKind, ResourceKey, Result, ValidationError};
 use tokio::time::Instant;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tokio_postgres::types::Type;
 use tokio_postgres::{Row, Socket};
 
-use crate::cancel::Canceller;
+use futures_util::future::BoxFuture;
+
+use crate::cancel::{CancelOnDrop, Canceller};
+use crate::driver::{Column, DbError, Executor, Param, query_one};
 use crate::queue::LocalQueue;
 use crate::transaction::PgTransaction;
 
@@ -177,14 +179,15 @@ const TRY_XACT: &str = "SELECT refused_isolation, acquired FROM lockstep_advisor
 /// Dropped before the statement returns, a cancel request ends the server-side wait, and the
 /// transaction's connection is closed rather than pooled when the transaction ends.
 #[doc(hidden)]
-pub async fn acquire_with<R, F, Fut>(
+pub async fn acquire_with<T, R, F, Fut>(
     queue: &LockQueue,
-    tx: &PgTransaction,
+    tx: &T,
     key: &ResourceKey,
     timeout: Option<Duration>,
     mut locking: F,
 ) -> Result<R>
 where
+    T: LockingTransaction + ?Sized,
     F: FnMut(LockCall) -> Fut,
     Fut: Future<Output = Result<R>>,
 {
@@ -223,7 +226,7 @@ where
     // Dropped before the statement returns: a cancel request ends the server-side wait, and
     // the connection is closed rather than pooled when the transaction ends (the request may
     // arrive late and would cancel the next borrower's statement).
-    let cancel = queue.canceller.arm(tx.client().cancel_token());
+    let cancel = tx.cancel_on_drop(queue);
     let discard = DiscardOnDrop(Some(tx));
     let outcome = locking(LockCall {
         advisory_key: advisory,
@@ -234,7 +237,10 @@ where
     discard.disarm();
     match &outcome {
         Ok(_) => tx.note_lock_held(advisory),
-        Err(e) if e.kind() != ErrorKind::ConnectionLost => await_abort(tx).await,
+        Err(e) if e.kind() != ErrorKind::ConnectionLost => {
+            // Bounded: the error stands whatever becomes of this.
+            let _ = tokio::time::timeout(ABORT_SYNC_WAIT, tx.await_abort()).await;
+        }
         Err(_) => {}
     }
     drop(permit);
@@ -246,47 +252,32 @@ where
 /// anyway (the release then happens a little later, as PostgreSQL itself would have it).
 const ABORT_SYNC_WAIT: Duration = Duration::from_secs(1);
 
-/// Returns once the server has finished aborting `tx`'s transaction after a failed statement.
-///
-/// PostgreSQL sends a statement's error *before* it aborts the transaction and releases its
-/// locks, so a caller that acts on a lock timeout at once (another transaction tries a key the
-/// failed one held) could still find it held. The server reads the next message only after the
-/// abort: an empty query — which even an aborted transaction answers without error — marks the
-/// moment. It costs a round trip on the failure path only, and dropping it leaves nothing
-/// running (there is no statement). Its own failure changes nothing: the lock error stands.
-async fn await_abort(tx: &PgTransaction) {
-    let _ = tokio::time::timeout(ABORT_SYNC_WAIT, tx.client().simple_query("")).await;
-}
-
 /// The blocking lock statement for `tx` (isolation check, `lock_timeout` for the wait when
 /// set), to run inside [`acquire_with`].
 #[doc(hidden)]
-pub async fn lock_statement(tx: &PgTransaction, key: &ResourceKey, call: LockCall) -> Result<()> {
-    let row = tx
-        .client()
-        .query_typed_one(
-            LOCK_XACT,
-            &[
-                (&call.advisory_key, Type::INT8),
-                (&call.lock_timeout, Type::TEXT),
-            ],
-        )
+pub async fn lock_statement<T: LockingTransaction + ?Sized>(
+    tx: &T,
+    key: &ResourceKey,
+    call: LockCall,
+) -> Result<()> {
+    let row = query_one(tx, LOCK_XACT, &[&call.advisory_key, &call.lock_timeout])
         .await
-        .map_err(|e| lock_error(e, key, "waiting for"))?;
-    check_isolation(column(&row, 0)?, key)
+        .map_err(|e| lock_db_error(e, key, "waiting for"))?;
+    check_isolation(db_column::<Option<String>>(&row, 0)?.as_deref(), key)
 }
 
 /// One try of `key` for `tx`, never waiting (with the isolation check): whether `tx` holds it
 /// now.
 #[doc(hidden)]
-pub async fn try_lock_statement(tx: &PgTransaction, key: &ResourceKey) -> Result<bool> {
-    let row = tx
-        .client()
-        .query_typed_one(TRY_XACT, &[(&key.advisory_key(), Type::INT8)])
+pub async fn try_lock_statement<T: LockingTransaction + ?Sized>(
+    tx: &T,
+    key: &ResourceKey,
+) -> Result<bool> {
+    let row = query_one(tx, TRY_XACT, &[&key.advisory_key()])
         .await
-        .map_err(|e| lock_error(e, key, "trying"))?;
-    check_isolation(column(&row, 0)?, key)?;
-    let acquired = column(&row, 1)?;
+        .map_err(|e| lock_db_error(e, key, "trying"))?;
+    check_isolation(db_column::<Option<String>>(&row, 0)?.as_deref(), key)?;
+    let acquired = db_column(&row, 1)?;
     if acquired {
         tx.note_lock_held(key.advisory_key());
     }
@@ -389,6 +380,20 @@ pub fn lock_error(err: tokio_postgres::Error, key: &ResourceKey, doing: &str) ->
     crate::error::map_statement_error(err, &format!("{doing} advisory lock {key}"))
 }
 
+/// [`lock_error`] of either driver.
+#[doc(hidden)]
+pub fn lock_db_error(err: DbError, key: &ResourceKey, doing: &str) -> Error {
+    crate::error::map_db_statement_error(err, &format!("{doing} advisory lock {key}"))
+}
+
+/// Column `idx` of a lock statement's row of either driver, or a typed error (never a panic).
+#[doc(hidden)]
+pub fn db_column<T: Column>(row: &crate::driver::Row, idx: usize) -> Result<T> {
+    row.get(idx).map_err(|e| {
+        Error::new(ErrorKind::Backend, "decoding a lock statement's result").with_source(e)
+    })
+}
+
 /// Column `idx` of a lock statement's row, or a typed error (never a panic).
 #[doc(hidden)]
 pub fn column<'r, T: tokio_postgres::types::FromSql<'r>>(row: &'r Row, idx: usize) -> Result<T> {
@@ -397,16 +402,81 @@ pub fn column<'r, T: tokio_postgres::types::FromSql<'r>>(row: &'r Row, idx: usiz
     })
 }
 
-/// Marks the transaction's connection for closing if the lock statement is abandoned.
-struct DiscardOnDrop<'a>(Option<&'a PgTransaction>);
+/// A transaction that can wait for an advisory lock through [`acquire_with`]: it owns its
+/// connection, so it can close it instead of pooling it after an abandoned wait (a late cancel
+/// request must not reach the next borrower), and it keeps the keys it holds. Implemented by
+/// [`PgTransaction`] and, with feature `sqlx`, `SqlxTransaction`.
+#[doc(hidden)]
+pub trait LockingTransaction: Executor {
+    /// Whether this transaction took `key` through lockstep already.
+    fn holds_lock(&self, key: i64) -> bool;
 
-impl DiscardOnDrop<'_> {
+    /// Notes that this transaction holds `key`.
+    fn note_lock_held(&self, key: i64);
+
+    /// A guard that ends the statement running on this transaction's connection when dropped
+    /// armed (a cancel request, sent with `queue`'s settings where the driver needs them).
+    fn cancel_on_drop(&self, queue: &LockQueue) -> CancelOnDrop;
+
+    /// Closes the connection when the transaction ends instead of pooling it.
+    fn discard_connection_after_end(&self);
+
+    /// Returns once the server has finished aborting the transaction after a failed
+    /// statement.
+    ///
+    /// PostgreSQL sends a statement's error *before* it aborts the transaction and releases
+    /// its locks, so a caller that acts on a lock timeout at once (another transaction tries a
+    /// key the failed one held) could still find it held. The server reads the next message
+    /// only after the abort: an empty query — which even an aborted transaction answers
+    /// without error — marks the moment. It costs a round trip on the failure path only, and
+    /// dropping it leaves nothing running. Its own failure changes nothing.
+    fn await_abort(&self) -> BoxFuture<'_, ()>;
+}
+
+impl Executor for PgTransaction {
+    fn query<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a [&'a dyn Param],
+    ) -> BoxFuture<'a, std::result::Result<Vec<crate::driver::Row>, DbError>> {
+        crate::driver::tokio_postgres_query(self.client(), sql, params)
+    }
+}
+
+impl LockingTransaction for PgTransaction {
+    fn holds_lock(&self, key: i64) -> bool {
+        PgTransaction::holds_lock(self, key)
+    }
+
+    fn note_lock_held(&self, key: i64) {
+        PgTransaction::note_lock_held(self, key);
+    }
+
+    fn cancel_on_drop(&self, queue: &LockQueue) -> CancelOnDrop {
+        queue.canceller.arm(self.client().cancel_token())
+    }
+
+    fn discard_connection_after_end(&self) {
+        PgTransaction::discard_connection_after_end(self);
+    }
+
+    fn await_abort(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = self.client().simple_query("").await;
+        })
+    }
+}
+
+/// Marks the transaction's connection for closing if the lock statement is abandoned.
+struct DiscardOnDrop<'a, T: LockingTransaction + ?Sized>(Option<&'a T>);
+
+impl<T: LockingTransaction + ?Sized> DiscardOnDrop<'_, T> {
     fn disarm(mut self) {
         self.0 = None;
     }
 }
 
-impl Drop for DiscardOnDrop<'_> {
+impl<T: LockingTransaction + ?Sized> Drop for DiscardOnDrop<'_, T> {
     fn drop(&mut self) {
         if let Some(tx) = self.0 {
             tx.discard_connection_after_end();

@@ -64,34 +64,54 @@ impl Canceller {
 
     /// Arms a guard that cancels what runs on `token`'s connection unless disarmed.
     pub(crate) fn arm(&self, token: CancelToken) -> CancelOnDrop {
-        CancelOnDrop {
-            token: Some(token),
-            canceller: self.clone(),
-        }
+        let canceller = self.clone();
+        CancelOnDrop::new(
+            canceller.tls,
+            Arc::new(move || {
+                let send = (canceller.send)(token.clone());
+                Box::pin(async move { send.await.map_err(|e| e.to_string()) })
+            }),
+        )
     }
 }
+
+/// Sends one cancel request for the statement a guard watches: a cancel request with the
+/// connection's key (tokio-postgres), or `pg_cancel_backend` of its backend from another pooled
+/// connection (sqlx, which does not hand out the key). The error says why it could not be sent.
+pub type SendCancel =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
 
 /// Sends a cancel request for its connection when dropped while armed.
 #[doc(hidden)]
 #[must_use = "dropping the guard at once cancels the statement"]
 pub struct CancelOnDrop {
-    token: Option<CancelToken>,
-    canceller: Canceller,
+    send: Option<SendCancel>,
+    // How the requests are sent (for the log).
+    how: &'static str,
 }
 
 impl std::fmt::Debug for CancelOnDrop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CancelOnDrop")
-            .field("armed", &self.token.is_some())
-            .field("canceller", &self.canceller)
+            .field("armed", &self.send.is_some())
+            .field("how", &self.how)
             .finish()
     }
 }
 
 impl CancelOnDrop {
+    /// A guard that, dropped armed, calls `send` on the schedule below; `how` names the way
+    /// the requests travel, for the log.
+    pub fn new(how: &'static str, send: SendCancel) -> CancelOnDrop {
+        CancelOnDrop {
+            send: Some(send),
+            how,
+        }
+    }
+
     /// The statement finished: nothing to cancel.
     pub fn disarm(mut self) {
-        self.token = None;
+        self.send = None;
     }
 }
 
@@ -115,11 +135,11 @@ const CANCEL_SCHEDULE: [Duration; 5] = [
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        let Some(token) = self.token.take() else {
+        let Some(cancel) = self.send.take() else {
             return;
         };
         tracing::debug!("waiting lock statement abandoned; sending cancel requests");
-        let canceller = self.canceller.clone();
+        let how = self.how;
         let send = async move {
             let dropped = tokio::time::Instant::now();
             for after in CANCEL_SCHEDULE {
@@ -127,14 +147,14 @@ impl Drop for CancelOnDrop {
                 if let Some(at) = dropped.checked_add(after) {
                     tokio::time::sleep_until(at).await;
                 }
-                if let Err(error) = (canceller.send)(token.clone()).await {
+                if let Err(error) = cancel().await {
                     // E.g. the server wants TLS and the cancel request was configured without
                     // it: the next attempts would fail the same way. The wait then ends only
                     // when its connection is closed (the caller's transaction discards it at its
                     // end, a session waiter at once) and the backend notices.
                     tracing::warn!(
                         %error,
-                        tls = canceller.tls,
+                        how,
                         "could not send a cancel request for an abandoned lock wait"
                     );
                     return;

@@ -4,6 +4,8 @@
 use lockstep_core::{Error, ErrorKind};
 use tokio_postgres::error::SqlState;
 
+use crate::driver::DbError;
+
 /// The kind of a driver error: by SQLSTATE when the server sent one, else connection loss for
 /// closed connections and I/O failures. (Sibling crates reach it through
 /// `lockstep_pg::internal`; applications use [`map_error`].)
@@ -19,7 +21,12 @@ pub(crate) fn kind_of(err: &tokio_postgres::Error) -> ErrorKind {
 
 /// The kind of one SQLSTATE.
 pub(crate) fn kind_of_sqlstate(code: &SqlState) -> ErrorKind {
-    match code.code() {
+    kind_of_code(code.code())
+}
+
+/// The kind of one SQLSTATE, as text (what both drivers report).
+pub(crate) fn kind_of_code(code: &str) -> ErrorKind {
+    match code {
         "55P03" => ErrorKind::LockTimeout,        // lock_not_available
         "57014" => ErrorKind::Cancelled,          // query_canceled
         "40P01" => ErrorKind::Deadlock,           // deadlock_detected
@@ -81,22 +88,58 @@ pub fn map_error(err: tokio_postgres::Error, doing: &str) -> Error {
 /// run, or not all of them — and what to do about it. Not for an application's own SQL, where
 /// a missing table is the application's.
 pub(crate) fn map_statement_error(err: tokio_postgres::Error, doing: &str) -> Error {
-    let missing_schema = err.code().is_some_and(|code| {
-        *code == SqlState::UNDEFINED_TABLE
-            || *code == SqlState::UNDEFINED_COLUMN
-            || *code == SqlState::UNDEFINED_FUNCTION
-    });
-    let kind = kind_of(&err);
+    map_db_statement_error(DbError::from(err), doing)
+}
+
+/// The kind of a driver error of either driver ([`DbError`]): by SQLSTATE when the server sent
+/// one, else connection loss when the connection is gone.
+pub(crate) fn kind_of_db(err: &DbError) -> ErrorKind {
+    match err.code() {
+        Some(code) => kind_of_code(code),
+        None if err.is_connection_lost() => ErrorKind::ConnectionLost,
+        None => ErrorKind::Backend,
+    }
+}
+
+/// A driver error of either driver as text: the server's message with its SQLSTATE and
+/// detail, or the driver's error and its innermost cause.
+pub(crate) fn describe_db(err: &DbError) -> String {
+    if let (Some(code), Some(message)) = (err.code(), err.message()) {
+        let mut text = format!("{message} (SQLSTATE {code})");
+        if let Some(detail) = err.detail() {
+            text.push_str("; ");
+            text.push_str(detail);
+        }
+        return text;
+    }
+    let source = std::error::Error::source(err);
+    let mut innermost: Option<&(dyn std::error::Error + 'static)> = None;
+    let mut next = source.and_then(std::error::Error::source);
+    while let Some(cause) = next {
+        innermost = Some(cause);
+        next = cause.source();
+    }
+    match (source, innermost) {
+        (Some(top), Some(cause)) => format!("{top}: {cause}"),
+        (Some(top), None) => top.to_string(),
+        (None, _) => "driver error".to_owned(),
+    }
+}
+
+/// [`map_statement_error`] of either driver.
+pub(crate) fn map_db_statement_error(err: DbError, doing: &str) -> Error {
+    let missing_schema = matches!(err.code(), Some("42P01" | "42703" | "42883"));
+    let kind = kind_of_db(&err);
     let message = if missing_schema {
         format!(
             "{doing}: {}; the database lacks lockstep's schema: run the migrations first \
              (lockstep_pg::migrate)",
-            describe(&err)
+            describe_db(&err)
         )
     } else {
-        format!("{doing}: {}", describe(&err))
+        format!("{doing}: {}", describe_db(&err))
     };
-    Error::new(kind, message).with_cause_in_message(err)
+    Error::new(kind, message).with_cause_in_message(err.into_source())
 }
 
 /// Wraps a pool error: a failed checkout is a lost connection (retryable), a bad pool setup is

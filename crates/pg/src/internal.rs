@@ -11,10 +11,11 @@
 //! [`crate::map_error`] instead. (sqlx-core carries the same note for the same reason.)
 
 pub use crate::advisory::{
-    LockCall, acquire_with, cancel_on_drop, check_isolation, column, deadline_after, in_turn,
-    lock_error, lock_statement, lock_timeout_setting, try_lock_statement,
+    LockCall, LockingTransaction, acquire_with, cancel_on_drop, check_isolation, column, db_column,
+    deadline_after, in_turn, lock_db_error, lock_error, lock_statement, lock_timeout_setting,
+    try_lock_statement,
 };
-pub use crate::cancel::CancelOnDrop;
+pub use crate::cancel::{CancelOnDrop, SendCancel};
 pub use crate::pooler::{PoolerState, probe as probe_pooler, session_state_refused};
 
 /// What `db` knows about a transaction pooler in front of its server, shared with the backends
@@ -28,6 +29,16 @@ pub fn pooler_state(db: &crate::PgDatabase) -> &PoolerState {
 /// [`crate::migrate()`].
 pub fn statement_error(err: tokio_postgres::Error, doing: &str) -> lockstep_core::Error {
     crate::error::map_statement_error(err, doing)
+}
+
+/// [`statement_error`] of either driver ([`crate::driver::DbError`]).
+pub fn db_statement_error(err: crate::driver::DbError, doing: &str) -> lockstep_core::Error {
+    crate::error::map_db_statement_error(err, doing)
+}
+
+/// The [`ErrorKind`](lockstep_core::ErrorKind) of a driver error of either driver.
+pub fn db_kind_of(err: &crate::driver::DbError) -> lockstep_core::ErrorKind {
+    crate::error::kind_of_db(err)
 }
 
 /// The [`ErrorKind`](lockstep_core::ErrorKind) of a driver error: by SQLSTATE when the server

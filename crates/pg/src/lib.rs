@@ -51,6 +51,8 @@
 mod advisory;
 mod cancel;
 pub mod database;
+#[doc(hidden)]
+pub mod driver;
 pub mod error;
 #[doc(hidden)]
 pub mod internal;
@@ -58,6 +60,8 @@ pub mod migrate;
 pub mod pool;
 mod pooler;
 mod queue;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 pub mod target;
 pub mod transaction;
 

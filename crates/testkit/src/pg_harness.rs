@@ -141,6 +141,20 @@ impl TestDatabase {
         pool(self.config_through(relay), max_size)
     }
 
+    /// An sqlx pool of at most `max_size` connections to this database (feature `sqlx`),
+    /// connecting lazily: for running lockstep's backends, or an application's table
+    /// perspective, on sqlx.
+    #[cfg(feature = "sqlx")]
+    pub fn sqlx_pool(&self, max_size: u32) -> sqlx::PgPool {
+        sqlx_pool(&self.config, max_size)
+    }
+
+    /// [`sqlx_pool`](Self::sqlx_pool) through the relay listening on `relay`.
+    #[cfg(feature = "sqlx")]
+    pub fn sqlx_pool_through(&self, relay: SocketAddr, max_size: u32) -> sqlx::PgPool {
+        sqlx_pool(&self.config_through(relay), max_size)
+    }
+
     /// One direct connection (its connection task runs on the current runtime).
     pub async fn connect(&self) -> tokio_postgres::Client {
         connect(&self.config)
@@ -304,6 +318,36 @@ fn pool(config: Config, max_size: usize) -> deadpool_postgres::Pool {
         .max_size(max_size)
         .build()
         .unwrap_or_else(|e| panic!("building a pool failed: {e}"))
+}
+
+/// An sqlx pool with the settings of `config` (host or socket directory, port, user, password,
+/// database, application name), connecting lazily.
+#[cfg(feature = "sqlx")]
+fn sqlx_pool(config: &Config, max_size: u32) -> sqlx::PgPool {
+    use tokio_postgres::config::Host;
+    let mut options = sqlx::postgres::PgConnectOptions::new_without_pgpass();
+    match config.get_hosts().first() {
+        Some(Host::Tcp(host)) => options = options.host(host),
+        #[cfg(unix)]
+        Some(Host::Unix(dir)) => options = options.socket(dir),
+        None => {}
+    }
+    if let Some(port) = config.get_ports().first() {
+        options = options.port(*port);
+    }
+    if let Some(user) = config.get_user() {
+        options = options.username(user);
+    }
+    if let Some(password) = config.get_password() {
+        options = options.password(&String::from_utf8_lossy(password));
+    }
+    if let Some(dbname) = config.get_dbname() {
+        options = options.database(dbname);
+    }
+    options = options.application_name(config.get_application_name().unwrap_or("lockstep-test"));
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_size)
+        .connect_lazy_with(options)
 }
 
 async fn connect(config: &Config) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
