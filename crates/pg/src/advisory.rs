@@ -24,7 +24,7 @@ use tokio_postgres::{Row, Socket};
 use futures_util::future::BoxFuture;
 
 use crate::cancel::{CancelOnDrop, Canceller};
-use crate::driver::{Column, DbError, Executor, Param, query_one};
+use crate::driver::{Column, DbError, Executor, query_one};
 use crate::queue::LocalQueue;
 use crate::transaction::PgTransaction;
 
@@ -431,16 +431,6 @@ pub trait LockingTransaction: Executor {
     /// without error — marks the moment. It costs a round trip on the failure path only, and
     /// dropping it leaves nothing running. Its own failure changes nothing.
     fn await_abort(&self) -> BoxFuture<'_, ()>;
-}
-
-impl Executor for PgTransaction {
-    fn query<'a>(
-        &'a self,
-        sql: &'a str,
-        params: &'a [&'a dyn Param],
-    ) -> BoxFuture<'a, std::result::Result<Vec<crate::driver::Row>, DbError>> {
-        crate::driver::tokio_postgres_query(self.client(), sql, params)
-    }
 }
 
 impl LockingTransaction for PgTransaction {

@@ -54,7 +54,7 @@ use tokio::sync::{MappedMutexGuard, MutexGuard};
 
 use crate::advisory::{LockQueue, LockingTransaction};
 use crate::cancel::CancelOnDrop;
-use crate::driver::{DbError, Executor, Param, Row};
+use crate::driver::{CommitReturning, DbError, Executor, Param, Row};
 use crate::error::{describe_db, kind_of_db};
 
 /// The handle of a process whose application is on sqlx: its `PgPool`, the in-process lock
@@ -388,6 +388,41 @@ impl Executor for SqlxTransaction {
             let rows = ::sqlx::Executor::fetch_all(conn, ::sqlx::query_with(sql, args)).await?;
             Ok(rows.into_iter().map(Row::Sqlx).collect())
         })
+    }
+}
+
+/// The last statement, then the commit: two round trips (sqlx does not pipeline).
+impl CommitReturning for SqlxTransaction {
+    fn commit_returning_rows<'a>(
+        self,
+        sql: &'a str,
+        params: &'a [&'a dyn Param],
+        map_error: impl FnOnce(DbError) -> Error + Send + 'a,
+    ) -> impl std::future::Future<Output = Result<Vec<Row>>> + Send + 'a {
+        async move {
+            let rows = match self.query(sql, params).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    let err = if e.is_connection_lost() {
+                        Error::new(
+                            ErrorKind::ConnectionLost,
+                            format!(
+                                "running a transaction's last statement: {}",
+                                describe_db(&e)
+                            ),
+                        )
+                        .with_source(e)
+                    } else {
+                        map_error(e)
+                    };
+                    // The transaction ends either way (dropping it rolls it back).
+                    drop(self);
+                    return Err(err);
+                }
+            };
+            self.commit_now().await?;
+            Ok(rows)
+        }
     }
 }
 

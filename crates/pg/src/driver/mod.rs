@@ -17,93 +17,17 @@
 
 use std::fmt;
 
+use std::future::Future;
+
 use futures_util::future::BoxFuture;
-use serde_json::Value as Json;
-use time::OffsetDateTime;
+use lockstep_core::{Error, Result as LockstepResult, Transaction};
 use tokio_postgres::types::{ToSql, Type};
-use uuid::Uuid;
 
-/// A statement parameter that both drivers can bind, with its Postgres type (tokio-postgres
-/// sends the type with the statement — `query_typed`, one round trip; sqlx binds by type).
-pub trait Param: Sync + Send {
-    /// The value as tokio-postgres binds it, with its type.
-    fn tokio_postgres(&self) -> (&(dyn ToSql + Sync), Type);
+use crate::transaction::PgTransactionRef;
 
-    /// Binds the value to an sqlx query.
-    #[cfg(feature = "sqlx")]
-    fn bind_sqlx(&self, args: &mut sqlx::postgres::PgArguments) -> Result<(), DbError>;
-}
+mod values;
 
-/// A value decoded from a result column by either driver.
-pub trait Column: Sized {
-    /// Decodes column `idx` of a tokio-postgres row.
-    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError>;
-
-    /// Decodes column `idx` of an sqlx row.
-    #[cfg(feature = "sqlx")]
-    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError>;
-}
-
-macro_rules! param_and_column {
-    ($($t:ty => $pg:expr),* $(,)?) => {$(
-        impl Param for $t {
-            fn tokio_postgres(&self) -> (&(dyn ToSql + Sync), Type) {
-                (self, $pg)
-            }
-
-            #[cfg(feature = "sqlx")]
-            fn bind_sqlx(&self, args: &mut sqlx::postgres::PgArguments) -> Result<(), DbError> {
-                sqlx::Arguments::add(args, self).map_err(DbError::encode)
-            }
-        }
-
-        impl Column for $t {
-            fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
-                row.try_get(idx).map_err(DbError::from)
-            }
-
-            #[cfg(feature = "sqlx")]
-            fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
-                sqlx::Row::try_get(row, idx).map_err(DbError::from)
-            }
-        }
-    )*};
-}
-
-param_and_column! {
-    bool => Type::BOOL,
-    i32 => Type::INT4,
-    Option<i32> => Type::INT4,
-    i64 => Type::INT8,
-    Option<i64> => Type::INT8,
-    f64 => Type::FLOAT8,
-    String => Type::TEXT,
-    Option<String> => Type::TEXT,
-    Uuid => Type::UUID,
-    Option<Uuid> => Type::UUID,
-    Json => Type::JSONB,
-    Option<Json> => Type::JSONB,
-    OffsetDateTime => Type::TIMESTAMPTZ,
-    Option<OffsetDateTime> => Type::TIMESTAMPTZ,
-    Vec<u8> => Type::BYTEA,
-    Vec<Uuid> => Type::UUID_ARRAY,
-    Vec<String> => Type::TEXT_ARRAY,
-    Vec<i32> => Type::INT4_ARRAY,
-    Option<Vec<i32>> => Type::INT4_ARRAY,
-    Vec<i64> => Type::INT8_ARRAY,
-    Vec<Json> => Type::JSONB_ARRAY,
-}
-
-impl Param for &str {
-    fn tokio_postgres(&self) -> (&(dyn ToSql + Sync), Type) {
-        (self, Type::TEXT)
-    }
-
-    #[cfg(feature = "sqlx")]
-    fn bind_sqlx(&self, args: &mut sqlx::postgres::PgArguments) -> Result<(), DbError> {
-        sqlx::Arguments::add(args, *self).map_err(DbError::encode)
-    }
-}
+pub use values::{Column, Interval, Param};
 
 /// A result row of either driver.
 pub enum Row {
@@ -216,7 +140,7 @@ impl DbError {
     }
 
     #[cfg(feature = "sqlx")]
-    fn encode(source: Box<dyn std::error::Error + Send + Sync + 'static>) -> Self {
+    pub(crate) fn encode(source: Box<dyn std::error::Error + Send + Sync + 'static>) -> Self {
         DbError::client(source)
     }
 }
@@ -343,6 +267,54 @@ impl<C: tokio_postgres::GenericClient + Sync + ?Sized> Executor for Tp<'_, C> {
         params: &'a [&'a dyn Param],
     ) -> BoxFuture<'a, Result<Vec<Row>, DbError>> {
         tokio_postgres_query(self.0, sql, params)
+    }
+}
+
+/// Every transaction lockstep's tokio-postgres statements run on ([`PgTransactionRef`]: the owned
+/// [`PgTransaction`](crate::PgTransaction), a borrowed `tokio_postgres::Transaction` or
+/// `deadpool_postgres::Transaction`) is an executor of the seam.
+impl<T: PgTransactionRef + ?Sized> Executor for T {
+    fn query<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a [&'a dyn Param],
+    ) -> BoxFuture<'a, Result<Vec<Row>, DbError>> {
+        tokio_postgres_query(self.executor(), sql, params)
+    }
+}
+
+/// An owned transaction that can run a last statement together with its `COMMIT` and return
+/// the statement's rows once committed ([`PgTransaction::commit_returning`](crate::PgTransaction::commit_returning):
+/// one round trip on tokio-postgres; on sqlx the statement, then the commit).
+///
+/// A statement that fails at the server leaves nothing of the transaction committed and
+/// returns its error mapped by `map_error` (a lost connection is not passed to it).
+pub trait CommitReturning: Executor + Transaction {
+    /// Runs `sql` as the transaction's last statement and commits.
+    fn commit_returning_rows<'a>(
+        self,
+        sql: &'a str,
+        params: &'a [&'a dyn Param],
+        map_error: impl FnOnce(DbError) -> Error + Send + 'a,
+    ) -> impl Future<Output = LockstepResult<Vec<Row>>> + Send + 'a;
+}
+
+impl CommitReturning for crate::PgTransaction {
+    fn commit_returning_rows<'a>(
+        self,
+        sql: &'a str,
+        params: &'a [&'a dyn Param],
+        map_error: impl FnOnce(DbError) -> Error + Send + 'a,
+    ) -> impl Future<Output = LockstepResult<Vec<Row>>> + Send + 'a {
+        async move {
+            let typed: Vec<(&(dyn ToSql + Sync), Type)> =
+                params.iter().map(|p| p.tokio_postgres()).collect();
+            let rows = crate::PgTransaction::commit_returning(self, sql, &typed, |e| {
+                map_error(DbError::from(e))
+            })
+            .await?;
+            Ok(rows.into_iter().map(Row::TokioPostgres).collect())
+        }
     }
 }
 
