@@ -393,36 +393,34 @@ impl Executor for SqlxTransaction {
 
 /// The last statement, then the commit: two round trips (sqlx does not pipeline).
 impl CommitReturning for SqlxTransaction {
-    fn commit_returning_rows<'a>(
+    async fn commit_returning_rows<'a>(
         self,
         sql: &'a str,
         params: &'a [&'a dyn Param],
         map_error: impl FnOnce(DbError) -> Error + Send + 'a,
-    ) -> impl std::future::Future<Output = Result<Vec<Row>>> + Send + 'a {
-        async move {
-            let rows = match self.query(sql, params).await {
-                Ok(rows) => rows,
-                Err(e) => {
-                    let err = if e.is_connection_lost() {
-                        Error::new(
-                            ErrorKind::ConnectionLost,
-                            format!(
-                                "running a transaction's last statement: {}",
-                                describe_db(&e)
-                            ),
-                        )
-                        .with_source(e)
-                    } else {
-                        map_error(e)
-                    };
-                    // The transaction ends either way (dropping it rolls it back).
-                    drop(self);
-                    return Err(err);
-                }
-            };
-            self.commit_now().await?;
-            Ok(rows)
-        }
+    ) -> Result<Vec<Row>> {
+        let rows = match self.query(sql, params).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                let err = if e.is_connection_lost() {
+                    Error::new(
+                        ErrorKind::ConnectionLost,
+                        format!(
+                            "running a transaction's last statement: {}",
+                            describe_db(&e)
+                        ),
+                    )
+                    .with_source(e)
+                } else {
+                    map_error(e)
+                };
+                // The transaction ends either way (dropping it rolls it back).
+                drop(self);
+                return Err(err);
+            }
+        };
+        self.commit_now().await?;
+        Ok(rows)
     }
 }
 

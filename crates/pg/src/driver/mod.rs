@@ -300,21 +300,19 @@ pub trait CommitReturning: Executor + Transaction {
 }
 
 impl CommitReturning for crate::PgTransaction {
-    fn commit_returning_rows<'a>(
+    async fn commit_returning_rows<'a>(
         self,
         sql: &'a str,
         params: &'a [&'a dyn Param],
         map_error: impl FnOnce(DbError) -> Error + Send + 'a,
-    ) -> impl Future<Output = LockstepResult<Vec<Row>>> + Send + 'a {
-        async move {
-            let typed: Vec<(&(dyn ToSql + Sync), Type)> =
-                params.iter().map(|p| p.tokio_postgres()).collect();
-            let rows = crate::PgTransaction::commit_returning(self, sql, &typed, |e| {
-                map_error(DbError::from(e))
-            })
-            .await?;
-            Ok(rows.into_iter().map(Row::TokioPostgres).collect())
-        }
+    ) -> LockstepResult<Vec<Row>> {
+        let typed: Vec<(&(dyn ToSql + Sync), Type)> =
+            params.iter().map(|p| p.tokio_postgres()).collect();
+        let rows = crate::PgTransaction::commit_returning(self, sql, &typed, |e| {
+            map_error(DbError::from(e))
+        })
+        .await?;
+        Ok(rows.into_iter().map(Row::TokioPostgres).collect())
     }
 }
 
