@@ -23,6 +23,7 @@
 //! |---|---|---|
 //! | *(none, the default)* | `lockstep-core` | the crate root: every name of `lockstep-core` — contracts, ids, options, errors (`lockstep::EventStore`, `lockstep::StreamId`, `lockstep::Error`, …), its modules (`lockstep::stream_lease`, …) and re-exports (`lockstep::Uuid`, `lockstep::serde_json`, …), documented in `lockstep_core`; [`prelude`] |
 //! | `postgres` | `lockstep-pg`, `lockstep-pg-advisory`, `lockstep-pg-store`, `lockstep-pg-stream` | `lockstep::postgres`: `PgDatabase`, `migrate`, `PgTransaction`, `PgDistributedLock`, `PgAggregateWriteLock`, `PgEventStore`, `PgPerspectiveStore`, `PgStreamLocker`, … |
+//! | `sqlx` | the four Postgres crates (their `sqlx`) | `lockstep::postgres::sqlx`: `SqlxDatabase` (on the application's `sqlx::PgPool`), `SqlxTransaction`; `lockstep::postgres::SqlxDistributedLock`, …: the same backends on sqlx transactions; implies `postgres` |
 //! | `worker` | `lockstep-worker` | `lockstep::worker`: `PerspectiveWorker`, `WorkerOptions`, `ReadModels`, `LeaseKeeper`, … |
 //! | `combiner` | `lockstep-combiner` | `lockstep::combiner`: `Combiner`, `CombinerOptions`, `CombineError`, … |
 //! | `command` | `lockstep-command` | `lockstep::command`: `CommandRunner`, `Mode`, `RunnerOptions`, `Handled`, `CommandError` |
@@ -30,7 +31,7 @@
 //! | `prometheus` | `lockstep-observe` (its `prometheus`) | `lockstep::observe::prometheus::install`; implies `observe` |
 //! | `tokio` | `lockstep-core` (its `tokio`) | `lockstep::tokio_sleep`, the sleep between retries |
 //! | `testkit` | `lockstep-testkit` | `lockstep::testkit`: `FakeDatabase`, `InMemoryEventStore`, recording and faulty wrappers, …; `lockstep::testing`: one test body on the fakes and (with `postgres`) on a fresh, migrated database — `Backend`, `on_fakes`, `on_postgres`, `fresh_database` (for `[dev-dependencies]`) |
-//! | `full` | all of the above but `testkit` | |
+//! | `full` | all of the above but `testkit` and `sqlx` (a second driver is the application's choice) | |
 //!
 //! With `testkit` and `postgres` both on, the testkit's `pg-harness` is on too: `lockstep::testing`
 //! creates a database per test. The testkit's other features (`conformance`, `relay`,
@@ -211,6 +212,10 @@ pub mod postgres {
 
     // Named one by one: `lockstep-pg` also has a hidden `internal` module for its sibling
     // crates, which is not an API and is not re-exported.
+    /// The backends on an application's own sqlx pool (feature `sqlx`): `SqlxDatabase`,
+    /// `SqlxTransaction`, `map_sqlx_error`.
+    #[cfg(feature = "sqlx")]
+    pub use lockstep_pg::sqlx;
     pub use lockstep_pg::{
         DEFAULT_CHECKOUT_WAIT, LockQueue, PgDatabase, PgDatabaseBuilder, PgTransaction,
         PgTransactionRef, WriteAtCommit, checkout, database, deadpool_postgres, describe,

@@ -126,10 +126,12 @@
 //! [`session`]).
 
 mod lock;
+#[cfg(feature = "sqlx")]
+mod on_sqlx;
 pub mod session;
 mod sql;
-#[cfg(feature = "sqlx")]
-pub mod sqlx;
 
 pub use lock::{PgAggregateWriteLock, PgDistributedLock};
+#[cfg(feature = "sqlx")]
+pub use on_sqlx::{SqlxAggregateWriteLock, SqlxDistributedLock};
 pub use session::PgSessionGuard;

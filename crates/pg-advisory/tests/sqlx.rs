@@ -10,7 +10,7 @@ use lockstep_core::{
     TransactionSource as _,
 };
 use lockstep_pg::sqlx::{SqlxDatabase, SqlxTransaction};
-use lockstep_pg_advisory::sqlx::SqlxDistributedLock;
+use lockstep_pg_advisory::SqlxDistributedLock;
 use lockstep_testkit::conformance::distributed_lock::DistributedLockFixture;
 use lockstep_testkit::pg_harness::{TestDatabase, lock_waiters, test_database, until_lock_waiters};
 use uuid::Uuid;
