@@ -1,0 +1,87 @@
+//! The composition root: the routes and the perspective worker on the application's
+//! `sqlx::PgPool`, through one [`SqlxDatabase`] every lockstep backend is built from (one lock
+//! queue for the write lock and the locked loads). Not generic, so axum checks each handler for
+//! the concrete types.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::{get, post};
+use lockstep::postgres::sqlx::{SqlxDatabase, SqlxTransaction, map_sqlx_error};
+use lockstep::postgres::{PgEventStore, PgPerspectiveStore};
+use lockstep::worker::{CancellationToken, PerspectiveWorker, ReadModels, WorkerOptions};
+use lockstep::{
+    InstanceId, PerspectiveRegistry, RetryPolicy, Transaction as _, TransactionSource as _,
+};
+use lockstep_example_service::http::{App, balance};
+pub use lockstep_example_service::wiring::Service;
+use sqlx::PgPool;
+
+use crate::command::{Commands, KEYS_SCHEMA, execute};
+use crate::statement::{DailyStatement, SCHEMA, Statement, daily};
+
+/// The service on `pool`, whose database lockstep's migrations have run on: creates the
+/// application's tables if missing (in one transaction), registers the daily statement and
+/// starts the worker (call within a tokio runtime; it stops when `shutdown` fires).
+pub async fn service(pool: PgPool, shutdown: CancellationToken) -> lockstep::Result<Service> {
+    let db = SqlxDatabase::new(pool.clone());
+    create_tables(&db).await?;
+
+    let mut registry = PerspectiveRegistry::new();
+    registry.register_table::<SqlxTransaction, _>(DailyStatement)?;
+    let worker = PerspectiveWorker::new(
+        db.clone(),
+        PgPerspectiveStore::new(),
+        registry,
+        WorkerOptions::default(),
+        InstanceId::process(),
+        None,
+    )?;
+    // Registered before the first request: every command's event then queues its work.
+    worker.register().await?;
+    let worker = tokio::spawn(async move { worker.run(shutdown).await });
+
+    let commands = Commands::new(&db, RetryPolicy::default());
+    let app = Arc::new(App {
+        source: db.clone(),
+        accounts: commands.accounts().clone(),
+    });
+    let statement = Arc::new(Statement {
+        pool,
+        reads: ReadModels::new(db, PgPerspectiveStore::new()),
+    });
+    let router = Router::new()
+        .route("/accounts/{id}/commands", post(execute))
+        .with_state(Arc::new(commands))
+        .merge(
+            Router::new()
+                .route(
+                    "/accounts/{id}",
+                    get(balance::<SqlxDatabase, PgEventStore>),
+                )
+                .with_state(app),
+        )
+        .merge(
+            Router::new()
+                .route("/statements/daily", get(daily))
+                .with_state(statement),
+        );
+    Ok(Service { router, worker })
+}
+
+/// The statement's and the idempotency keys' tables, with sqlx in a unit of work.
+async fn create_tables(db: &SqlxDatabase) -> lockstep::Result<()> {
+    let tx = db.begin().await?;
+    {
+        let mut conn = tx.connection().await?;
+        sqlx::raw_sql(SCHEMA)
+            .execute(&mut *conn)
+            .await
+            .map_err(map_sqlx_error)?;
+        sqlx::raw_sql(KEYS_SCHEMA)
+            .execute(&mut *conn)
+            .await
+            .map_err(map_sqlx_error)?;
+    }
+    tx.commit().await
+}
