@@ -126,6 +126,13 @@ pub(crate) fn describe_db(err: &DbError) -> String {
     }
 }
 
+/// [`map_error`] of either driver.
+pub(crate) fn map_db_error(err: DbError, doing: &str) -> Error {
+    let kind = kind_of_db(&err);
+    Error::new(kind, format!("{doing}: {}", describe_db(&err)))
+        .with_cause_in_message(err.into_source())
+}
+
 /// [`map_statement_error`] of either driver.
 pub(crate) fn map_db_statement_error(err: DbError, doing: &str) -> Error {
     let missing_schema = matches!(err.code(), Some("42P01" | "42703" | "42883"));

@@ -55,10 +55,10 @@ use std::fmt;
 use deadpool_postgres::Pool;
 use lockstep_core::{Error, ErrorKind, Result, advisory_key};
 use tokio_postgres::GenericClient;
-use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
-use crate::error::map_error;
+use crate::driver::{DbError, Executor, Tp, query_one, query_opt};
+use crate::error::{map_db_error, map_error};
 
 mod files;
 
@@ -258,15 +258,16 @@ pub async fn migrate(pool: &Pool) -> Result<MigrationReport> {
     .await
     .map_err(|e| map_error(e, "locking the migration run"))?;
     tracing::debug!("migration run: the migration lock is held");
-    let report = migrate_locked(&tx).await?;
+    let report = migrate_locked(&Tp(&*tx)).await?;
     tx.commit()
         .await
         .map_err(|e| map_error(e, "committing the migration run"))?;
     Ok(report)
 }
 
-async fn migrate_locked(tx: &deadpool_postgres::Transaction<'_>) -> Result<MigrationReport> {
-    let conn: &tokio_postgres::Transaction<'_> = tx;
+/// The run on `tx`, the migration lock held: either driver's transaction.
+pub(crate) async fn migrate_locked<E: Executor + ?Sized>(tx: &E) -> Result<MigrationReport> {
+    let conn = tx;
     if is_snapshot(conn).await? {
         return Err(SchemaMismatch::Snapshot.into_error());
     }
@@ -286,7 +287,7 @@ async fn migrate_locked(tx: &deadpool_postgres::Transaction<'_>) -> Result<Migra
         });
     }
     let report = runner()
-        .run_async(&mut InRun(conn))
+        .run_async(&mut InRun(tx))
         .await
         .map_err(|e| Error::new(ErrorKind::Backend, "applying migrations failed").with_source(e))?;
     let applied = report
@@ -305,11 +306,9 @@ async fn migrate_locked(tx: &deadpool_postgres::Transaction<'_>) -> Result<Migra
 
 /// Applies the new and changed function files, drops what no file defines, and records the
 /// schema version, in the run's transaction: a database never has half of a build's functions.
-async fn apply_function_files(
-    tx: &deadpool_postgres::Transaction<'_>,
-) -> Result<(Vec<String>, Vec<String>)> {
-    let names: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.name).collect();
-    let texts: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.sql).collect();
+async fn apply_function_files<E: Executor + ?Sized>(tx: &E) -> Result<(Vec<String>, Vec<String>)> {
+    let names: Vec<String> = FUNCTION_FILES.iter().map(|f| f.name.to_owned()).collect();
+    let texts: Vec<String> = FUNCTION_FILES.iter().map(|f| f.sql.to_owned()).collect();
     let due: Vec<String> = tx
         .query(
             &format!(
@@ -320,11 +319,11 @@ async fn apply_function_files(
             &[&names, &texts],
         )
         .await
-        .map_err(|e| map_error(e, "comparing the function files with the installed ones"))?
+        .map_err(|e| map_db_error(e, "comparing the function files with the installed ones"))?
         .iter()
-        .map(|row| row.try_get(0))
+        .map(|row| row.get(0))
         .collect::<std::result::Result<_, _>>()
-        .map_err(|e| map_error(e, "reading a function file's name"))?;
+        .map_err(|e| map_db_error(e, "reading a function file's name"))?;
     let mut dropped = Vec::new();
     for name in &due {
         let Some(file) = FUNCTION_FILES.iter().find(|f| f.name == name) else {
@@ -334,25 +333,25 @@ async fn apply_function_files(
         // cannot be replaced in place: drop the old definition and create the new one. The
         // savepoint lets the transaction go on after the first attempt failed.
         let before = overloads(tx, name).await?;
-        tx.batch_execute("SAVEPOINT lockstep_function_file")
+        tx.batch("SAVEPOINT lockstep_function_file")
             .await
-            .map_err(|e| map_error(e, "setting a savepoint"))?;
-        if let Err(e) = tx.batch_execute(file.sql).await {
-            let replaceable = e.code() == Some(&SqlState::INVALID_FUNCTION_DEFINITION)
-                || e.code() == Some(&SqlState::INVALID_TABLE_DEFINITION);
+            .map_err(|e| map_db_error(e, "setting a savepoint"))?;
+        if let Err(e) = tx.batch(file.sql).await {
+            // invalid_function_definition, invalid_table_definition
+            let replaceable = matches!(e.code(), Some("42P13" | "42P16"));
             if !replaceable {
-                return Err(map_error(e, &format!("applying functions/{name}.sql")));
+                return Err(map_db_error(e, &format!("applying functions/{name}.sql")));
             }
-            tx.batch_execute("ROLLBACK TO SAVEPOINT lockstep_function_file")
+            tx.batch("ROLLBACK TO SAVEPOINT lockstep_function_file")
                 .await
-                .map_err(|e| map_error(e, "rolling back to the savepoint"))?;
+                .map_err(|e| map_db_error(e, "rolling back to the savepoint"))?;
             dropped.extend(drop_functions(tx, &overloads(tx, name).await?).await?);
-            tx.batch_execute(&format!("DROP VIEW IF EXISTS {}", quote_ident(name)))
+            tx.batch(&format!("DROP VIEW IF EXISTS {}", quote_ident(name)))
                 .await
-                .map_err(|e| map_error(e, &format!("dropping the view {name}")))?;
-            tx.batch_execute(file.sql)
+                .map_err(|e| map_db_error(e, &format!("dropping the view {name}")))?;
+            tx.batch(file.sql)
                 .await
-                .map_err(|e| map_error(e, &format!("applying functions/{name}.sql")))?;
+                .map_err(|e| map_db_error(e, &format!("applying functions/{name}.sql")))?;
         }
         // Overloads of the name that the file did not create or replace (their catalog rows
         // are the rows from before it ran): the file no longer defines them.
@@ -362,7 +361,7 @@ async fn apply_function_files(
             .filter(|old| after.contains(old))
             .collect();
         dropped.extend(drop_functions(tx, &stale).await?);
-        tx.execute(
+        tx.query(
             &format!(
                 "INSERT INTO {FUNCTIONS_TABLE} (name, checksum, applied_at) \
                  VALUES ($1, md5($2), clock_timestamp()) \
@@ -372,7 +371,7 @@ async fn apply_function_files(
             &[&file.name, &file.sql],
         )
         .await
-        .map_err(|e| map_error(e, "recording a function file"))?;
+        .map_err(|e| map_db_error(e, "recording a function file"))?;
     }
     // Names recorded by an earlier build whose file is gone.
     let gone: Vec<String> = tx
@@ -381,24 +380,24 @@ async fn apply_function_files(
             &[&names],
         )
         .await
-        .map_err(|e| map_error(e, "listing the recorded function files"))?
+        .map_err(|e| map_db_error(e, "listing the recorded function files"))?
         .iter()
-        .map(|row| row.try_get(0))
+        .map(|row| row.get(0))
         .collect::<std::result::Result<_, _>>()
-        .map_err(|e| map_error(e, "reading a recorded function file's name"))?;
+        .map_err(|e| map_db_error(e, "reading a recorded function file's name"))?;
     for name in &gone {
         dropped.extend(drop_functions(tx, &overloads(tx, name).await?).await?);
-        tx.execute(&format!("DROP VIEW IF EXISTS {}", quote_ident(name)), &[])
+        tx.batch(&format!("DROP VIEW IF EXISTS {}", quote_ident(name)))
             .await
-            .map_err(|e| map_error(e, "dropping a view whose file is gone"))?;
-        tx.execute(
+            .map_err(|e| map_db_error(e, "dropping a view whose file is gone"))?;
+        tx.query(
             &format!("DELETE FROM {FUNCTIONS_TABLE} WHERE name = $1"),
             &[name],
         )
         .await
-        .map_err(|e| map_error(e, "forgetting a function file"))?;
+        .map_err(|e| map_db_error(e, "forgetting a function file"))?;
     }
-    tx.execute(
+    tx.query(
         &format!(
             "INSERT INTO {VERSION_TABLE} (version, last_breaking, installed_by, installed_at) \
              VALUES ($1, $2, $3, clock_timestamp()) \
@@ -417,16 +416,13 @@ async fn apply_function_files(
         ],
     )
     .await
-    .map_err(|e| map_error(e, "recording the schema version"))?;
+    .map_err(|e| map_db_error(e, "recording the schema version"))?;
     Ok((due, dropped))
 }
 
 /// The functions named `name` in the current schema: each one's signature and the version of
 /// its catalog row (`xmin`), which `CREATE OR REPLACE` changes and leaves alone otherwise.
-async fn overloads(
-    tx: &deadpool_postgres::Transaction<'_>,
-    name: &str,
-) -> Result<Vec<(String, String)>> {
+async fn overloads<E: Executor + ?Sized>(tx: &E, name: &str) -> Result<Vec<(String, String)>> {
     tx.query(
         "SELECT p.oid::regprocedure::text, p.xmin::text FROM pg_proc p \
               WHERE p.proname = $1 AND p.pronamespace = current_schema()::regnamespace \
@@ -434,24 +430,24 @@ async fn overloads(
         &[&name],
     )
     .await
-    .map_err(|e| map_error(e, "listing a function's overloads"))?
+    .map_err(|e| map_db_error(e, "listing a function's overloads"))?
     .iter()
-    .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-    .collect::<std::result::Result<_, tokio_postgres::Error>>()
-    .map_err(|e| map_error(e, "reading a function's overloads"))
+    .map(|row| Ok((row.get(0)?, row.get(1)?)))
+    .collect::<std::result::Result<_, DbError>>()
+    .map_err(|e| map_db_error(e, "reading a function's overloads"))
 }
 
 /// Drops the given functions; returns their signatures.
-async fn drop_functions(
-    tx: &deadpool_postgres::Transaction<'_>,
+async fn drop_functions<E: Executor + ?Sized>(
+    tx: &E,
     functions: &[(String, String)],
 ) -> Result<Vec<String>> {
     let mut dropped = Vec::with_capacity(functions.len());
     for (signature, _) in functions {
         // `regprocedure::text` is a qualified, quoted signature, safe to splice.
-        tx.batch_execute(&format!("DROP FUNCTION {signature}"))
+        tx.batch(&format!("DROP FUNCTION {signature}"))
             .await
-            .map_err(|e| map_error(e, &format!("dropping {signature}")))?;
+            .map_err(|e| map_db_error(e, &format!("dropping {signature}")))?;
         dropped.push(signature.clone());
     }
     Ok(dropped)
@@ -463,55 +459,51 @@ fn quote_ident(name: &str) -> String {
 
 /// Whether the history table holds migrations of a development snapshot from before 0.1
 /// (whose first migration was not the baseline).
-async fn is_snapshot<C: GenericClient + Sync>(conn: &C) -> Result<bool> {
+async fn is_snapshot<E: Executor + ?Sized>(conn: &E) -> Result<bool> {
     if !table_exists(conn, MIGRATION_TABLE).await? {
         return Ok(false);
     }
-    let row = conn
-        .query_typed_one(
-            &format!(
-                "SELECT EXISTS (SELECT 1 FROM {MIGRATION_TABLE} \
-                 WHERE version = 1 AND name <> 'baseline')"
-            ),
-            &[],
-        )
-        .await
-        .map_err(|e| map_error(e, "reading the migration history"))?;
-    row.try_get(0)
-        .map_err(|e| map_error(e, "reading the migration history"))
+    let row = query_one(
+        conn,
+        &format!(
+            "SELECT EXISTS (SELECT 1 FROM {MIGRATION_TABLE} \
+             WHERE version = 1 AND name <> 'baseline')"
+        ),
+        &[],
+    )
+    .await
+    .map_err(|e| map_db_error(e, "reading the migration history"))?;
+    row.get(0)
+        .map_err(|e| map_db_error(e, "reading the migration history"))
 }
 
-async fn table_exists<C: GenericClient + Sync>(conn: &C, table: &str) -> Result<bool> {
+async fn table_exists<E: Executor + ?Sized>(conn: &E, table: &str) -> Result<bool> {
     // `to_regclass` resolves the name on the search_path as refinery does; NULL when absent.
-    let row = conn
-        .query_typed_one(
-            "SELECT to_regclass($1) IS NOT NULL",
-            &[(&table, Type::TEXT)],
-        )
+    let row = query_one(conn, "SELECT to_regclass($1) IS NOT NULL", &[&table])
         .await
-        .map_err(|e| map_error(e, "looking for lockstep's schema"))?;
-    row.try_get(0)
-        .map_err(|e| map_error(e, "looking for lockstep's schema"))
+        .map_err(|e| map_db_error(e, "looking for lockstep's schema"))?;
+    row.get(0)
+        .map_err(|e| map_db_error(e, "looking for lockstep's schema"))
 }
 
 /// The version row, when the table and the row exist.
-async fn installed_schema<C: GenericClient + Sync>(conn: &C) -> Result<Option<InstalledSchema>> {
+async fn installed_schema<E: Executor + ?Sized>(conn: &E) -> Result<Option<InstalledSchema>> {
     if !table_exists(conn, VERSION_TABLE).await? {
         return Ok(None);
     }
-    let row = conn
-        .query_typed_opt(
-            &format!("SELECT version, last_breaking, installed_by FROM {VERSION_TABLE}"),
-            &[],
-        )
-        .await
-        .map_err(|e| map_error(e, "reading the schema version"))?;
-    let read = |e| map_error(e, "reading the schema version");
+    let row = query_opt(
+        conn,
+        &format!("SELECT version, last_breaking, installed_by FROM {VERSION_TABLE}"),
+        &[],
+    )
+    .await
+    .map_err(|e| map_db_error(e, "reading the schema version"))?;
+    let read = |e| map_db_error(e, "reading the schema version");
     row.map(|row| {
         Ok(InstalledSchema {
-            version: row.try_get(0).map_err(read)?,
-            last_breaking: row.try_get(1).map_err(read)?,
-            installed_by: row.try_get(2).map_err(read)?,
+            version: row.get(0).map_err(read)?,
+            last_breaking: row.get(1).map_err(read)?,
+            installed_by: row.get(2).map_err(read)?,
         })
     })
     .transpose()
@@ -529,6 +521,11 @@ pub async fn check_schema(pool: &Pool) -> Result<InstalledSchema> {
 
 /// [`check_schema`] on a connection the caller holds (in a transaction or not): it only reads.
 pub async fn check_schema_on<C: GenericClient + Sync>(conn: &C) -> Result<InstalledSchema> {
+    check_schema_with(&Tp(conn)).await
+}
+
+/// [`check_schema_on`] on either driver's executor.
+pub(crate) async fn check_schema_with<E: Executor + ?Sized>(conn: &E) -> Result<InstalledSchema> {
     if is_snapshot(conn).await? {
         return Err(SchemaMismatch::Snapshot.into_error());
     }
@@ -555,7 +552,7 @@ pub async fn check_schema_on<C: GenericClient + Sync>(conn: &C) -> Result<Instal
 }
 
 /// This build's function files whose installed text differs or is missing.
-async fn differing_functions<C: GenericClient + Sync>(conn: &C) -> Result<Vec<String>> {
+async fn differing_functions<E: Executor + ?Sized>(conn: &E) -> Result<Vec<String>> {
     Ok(function_states(conn)
         .await?
         .into_iter()
@@ -659,12 +656,12 @@ impl MigrationStatus {
 /// pending) and nothing is created or locked.
 pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
     let conn = crate::pool::checkout(pool, MIGRATE_CHECKOUT_WAIT).await?;
-    let conn: &tokio_postgres::Client = &conn;
+    let conn = &Tp(&**conn);
     tracing::debug!("reading where each migration and function file stands");
     let mut recorded: Vec<(i32, String, String, String)> = Vec::new();
     if table_exists(conn, MIGRATION_TABLE).await? {
         let rows = conn
-            .query_typed(
+            .query(
                 &format!(
                     "SELECT version, coalesce(name, ''), coalesce(applied_on, ''), \
                      coalesce(checksum, '') FROM {MIGRATION_TABLE} ORDER BY version"
@@ -672,14 +669,14 @@ pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
                 &[],
             )
             .await
-            .map_err(|e| map_error(e, "reading the migration history"))?;
+            .map_err(|e| map_db_error(e, "reading the migration history"))?;
         for row in rows {
-            let read = |e| map_error(e, "reading a migration history row");
+            let read = |e| map_db_error(e, "reading a migration history row");
             recorded.push((
-                row.try_get(0).map_err(read)?,
-                row.try_get(1).map_err(read)?,
-                row.try_get(2).map_err(read)?,
-                row.try_get(3).map_err(read)?,
+                row.get(0).map_err(read)?,
+                row.get(1).map_err(read)?,
+                row.get(2).map_err(read)?,
+                row.get(3).map_err(read)?,
             ));
         }
     }
@@ -724,20 +721,20 @@ pub async fn migration_status(pool: &Pool) -> Result<MigrationStatus> {
 }
 
 /// Every function file and where it stands; then the recorded names this build lacks.
-async fn function_states<C: GenericClient + Sync>(conn: &C) -> Result<Vec<FunctionEntry>> {
-    let names: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.name).collect();
+async fn function_states<E: Executor + ?Sized>(conn: &E) -> Result<Vec<FunctionEntry>> {
+    let names: Vec<String> = FUNCTION_FILES.iter().map(|f| f.name.to_owned()).collect();
     if !table_exists(conn, FUNCTIONS_TABLE).await? {
         return Ok(names
             .iter()
             .map(|name| FunctionEntry {
-                name: (*name).to_owned(),
+                name: name.clone(),
                 state: MigrationState::Pending,
             })
             .collect());
     }
-    let texts: Vec<&str> = FUNCTION_FILES.iter().map(|f| f.sql).collect();
+    let texts: Vec<String> = FUNCTION_FILES.iter().map(|f| f.sql.to_owned()).collect();
     let rows = conn
-        .query_typed(
+        .query(
             &format!(
                 "SELECT coalesce(f.name, s.name), f.name IS NOT NULL, s.name IS NOT NULL, \
                         s.checksum IS NOT DISTINCT FROM md5(f.body), \
@@ -747,18 +744,18 @@ async fn function_states<C: GenericClient + Sync>(conn: &C) -> Result<Vec<Functi
                    FULL JOIN {FUNCTIONS_TABLE} s ON s.name = f.name \
                   ORDER BY f.o NULLS LAST, s.name"
             ),
-            &[(&names, Type::TEXT_ARRAY), (&texts, Type::TEXT_ARRAY)],
+            &[&names, &texts],
         )
         .await
-        .map_err(|e| map_error(e, "reading the applied function files"))?;
+        .map_err(|e| map_db_error(e, "reading the applied function files"))?;
     rows.iter()
         .map(|row| {
-            let read = |e| map_error(e, "reading an applied function file");
+            let read = |e| map_db_error(e, "reading an applied function file");
             let (embedded, recorded, same, on): (bool, bool, bool, String) = (
-                row.try_get(1).map_err(read)?,
-                row.try_get(2).map_err(read)?,
-                row.try_get(3).map_err(read)?,
-                row.try_get(4).map_err(read)?,
+                row.get(1).map_err(read)?,
+                row.get(2).map_err(read)?,
+                row.get(3).map_err(read)?,
+                row.get(4).map_err(read)?,
             );
             let state = match (embedded, recorded, same) {
                 (true, false, _) => MigrationState::Pending,
@@ -767,7 +764,7 @@ async fn function_states<C: GenericClient + Sync>(conn: &C) -> Result<Vec<Functi
                 (false, _, _) => MigrationState::Unknown { applied_on: on },
             };
             Ok(FunctionEntry {
-                name: row.try_get(0).map_err(read)?,
+                name: row.get(0).map_err(read)?,
                 state,
             })
         })
@@ -796,12 +793,12 @@ fn runner() -> refinery::Runner {
 /// refinery's runner on the migration run's transaction: its statements run in that
 /// transaction (refinery's own driver would begin and commit one per migration on the client),
 /// so the run's transaction-scoped lock covers them and a failure rolls the whole run back.
-struct InRun<'a, 't>(&'a tokio_postgres::Transaction<'t>);
+struct InRun<'a, E: ?Sized>(&'a E);
 
 /// A failure of a statement refinery sent, or a history row it cannot read.
 #[derive(Debug)]
 enum RunError {
-    Statement(tokio_postgres::Error),
+    Statement(DbError),
     History(String),
 }
 
@@ -823,7 +820,7 @@ impl std::error::Error for RunError {
     }
 }
 
-impl refinery_core::traits::r#async::AsyncTransaction for InRun<'_, '_> {
+impl<E: Executor + ?Sized> refinery_core::traits::r#async::AsyncTransaction for InRun<'_, E> {
     type Error = RunError;
 
     async fn execute<'a, T: Iterator<Item = &'a str> + Send + 'a>(
@@ -832,34 +829,33 @@ impl refinery_core::traits::r#async::AsyncTransaction for InRun<'_, '_> {
     ) -> std::result::Result<usize, RunError> {
         let mut count = 0;
         for query in queries {
-            self.0
-                .batch_execute(query)
-                .await
-                .map_err(RunError::Statement)?;
+            self.0.batch(query).await.map_err(RunError::Statement)?;
             count += 1;
         }
         Ok(count)
     }
 }
 
-impl refinery_core::traits::r#async::AsyncQuery<Vec<refinery_core::Migration>> for InRun<'_, '_> {
+impl<E: Executor + ?Sized> refinery_core::traits::r#async::AsyncQuery<Vec<refinery_core::Migration>>
+    for InRun<'_, E>
+{
     async fn query<'a>(
         &'a mut self,
         query: &'a str,
     ) -> std::result::Result<Vec<refinery_core::Migration>, RunError> {
         let rows = self
             .0
-            .query_typed(query, &[])
+            .query(query, &[])
             .await
             .map_err(RunError::Statement)?;
         rows.iter()
             .map(|row| {
-                let read = |e: tokio_postgres::Error| RunError::History(e.to_string());
-                let applied_on: String = row.try_get(2).map_err(read)?;
-                let checksum: String = row.try_get(3).map_err(read)?;
+                let read = |e: DbError| RunError::History(e.to_string());
+                let applied_on: String = row.get(2).map_err(read)?;
+                let checksum: String = row.get(3).map_err(read)?;
                 Ok(refinery_core::Migration::applied(
-                    row.try_get(0).map_err(read)?,
-                    row.try_get(1).map_err(read)?,
+                    row.get(0).map_err(read)?,
+                    row.get(1).map_err(read)?,
                     time::OffsetDateTime::parse(
                         &applied_on,
                         &time::format_description::well_known::Rfc3339,
@@ -874,4 +870,4 @@ impl refinery_core::traits::r#async::AsyncQuery<Vec<refinery_core::Migration>> f
     }
 }
 
-impl refinery_core::AsyncMigrate for InRun<'_, '_> {}
+impl<E: Executor + ?Sized> refinery_core::AsyncMigrate for InRun<'_, E> {}

@@ -49,13 +49,17 @@ use ::sqlx::pool::PoolConnection;
 use ::sqlx::postgres::{PgArguments, PgConnection, PgPool, Postgres};
 use ::sqlx::{Connection as _, Row as _};
 use futures_util::future::BoxFuture;
-use lockstep_core::{Error, ErrorKind, Result, Transaction, TransactionSource};
+use lockstep_core::{Error, ErrorKind, Result, Transaction, TransactionSource, advisory_key};
 use tokio::sync::{MappedMutexGuard, MutexGuard};
 
 use crate::advisory::{LockQueue, LockingTransaction};
 use crate::cancel::CancelOnDrop;
-use crate::driver::{CommitReturning, DbError, Executor, Param, Row};
-use crate::error::{describe_db, kind_of_db};
+use crate::driver::{CommitReturning, DbError, Executor, Param, Row, query_one};
+use crate::error::{describe_db, kind_of_db, map_db_error};
+use crate::migrate::{
+    InstalledSchema, MIGRATE_CHECKOUT_WAIT, MIGRATION_LOCK_KEY, MigrationReport, check_schema_with,
+    migrate_locked,
+};
 
 /// The handle of a process whose application is on sqlx: its `PgPool`, the in-process lock
 /// queue every lock built from it shares, and how long a checkout may wait. Cheap to clone.
@@ -117,6 +121,33 @@ impl SqlxDatabase {
     /// How long a checkout waits for a pooled connection.
     pub fn checkout_wait(&self) -> Duration {
         self.checkout_wait
+    }
+
+    /// Applies lockstep's schema on this pool: what [`crate::migrate()`] does on a deadpool
+    /// pool — one transaction under the migration lock (a concurrent run waits, then finds
+    /// nothing to do), refinery's runner inside it, the function files, the schema version;
+    /// a failure rolls everything back. Explicit and idempotent.
+    pub async fn migrate(&self) -> Result<MigrationReport> {
+        let tx = SqlxTransaction::begin_within(&self.pool, MIGRATE_CHECKOUT_WAIT).await?;
+        query_one(
+            &tx,
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&advisory_key(MIGRATION_LOCK_KEY)],
+        )
+        .await
+        .map_err(|e| map_db_error(e, "locking the migration run"))?;
+        let report = migrate_locked(&tx).await?;
+        tx.commit().await?;
+        Ok(report)
+    }
+
+    /// Whether this build can run on the database behind this pool, read only
+    /// ([`crate::migrate::check_schema`]).
+    pub async fn check_schema(&self) -> Result<InstalledSchema> {
+        let tx = SqlxTransaction::begin_within(&self.pool, MIGRATE_CHECKOUT_WAIT).await?;
+        let checked = check_schema_with(&tx).await;
+        tx.rollback().await?;
+        checked
     }
 }
 
@@ -387,6 +418,17 @@ impl Executor for SqlxTransaction {
                 .ok_or_else(|| DbError::client("the transaction has ended"))?;
             let rows = ::sqlx::Executor::fetch_all(conn, ::sqlx::query_with(sql, args)).await?;
             Ok(rows.into_iter().map(Row::Sqlx).collect())
+        })
+    }
+
+    fn batch<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, std::result::Result<(), DbError>> {
+        Box::pin(async move {
+            let mut guard = self.conn.lock().await;
+            let conn = guard
+                .as_deref_mut()
+                .ok_or_else(|| DbError::client("the transaction has ended"))?;
+            ::sqlx::Executor::execute(conn, ::sqlx::raw_sql(sql)).await?;
+            Ok(())
         })
     }
 }

@@ -253,3 +253,40 @@ async fn a_connection_to_a_server_that_cannot_write_is_not_pooled_again() {
     tx.rollback().await.expect("rollback");
     drop(db);
 }
+
+/// `SqlxDatabase::migrate` applies the same schema as the tokio-postgres `migrate` (the dumps
+/// are equal), in one transaction under the migration lock: two runs at once both succeed, one
+/// applies everything and the other nothing; then the schema checks out on both drivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_on_sqlx_applies_the_same_schema_once_even_when_two_runs_race() {
+    let on_sqlx = test_database().await;
+    let source = SqlxDatabase::new(on_sqlx.sqlx_pool(4));
+    let runs: Vec<_> = (0..2)
+        .map(|_| {
+            let source = source.clone();
+            tokio::spawn(async move { source.migrate().await })
+        })
+        .collect();
+    let mut applied = Vec::new();
+    for run in runs {
+        let report = run.await.expect("task").expect("migrate");
+        applied.push(report.applied.len());
+    }
+    applied.sort_unstable();
+    assert_eq!(applied[0], 0, "the second run found nothing to do");
+    assert!(applied[1] > 0, "the first run applied the migrations");
+    let installed = source.check_schema().await.expect("schema");
+    assert_eq!(installed.version, lockstep_pg::migrate::SCHEMA_VERSION);
+    lockstep_pg::migrate::check_schema(&on_sqlx.pool(1))
+        .await
+        .expect("the tokio-postgres check agrees");
+
+    let on_tokio_postgres = test_database().await;
+    lockstep_pg::migrate(&on_tokio_postgres.pool(1))
+        .await
+        .expect("migrate");
+    let normalised = lockstep_testkit::pg_harness::normalise_schema_dump;
+    let sqlx_dump = on_sqlx.schema_dump().await.expect("pg_dump");
+    let tokio_postgres_dump = on_tokio_postgres.schema_dump().await.expect("pg_dump");
+    assert_eq!(normalised(&sqlx_dump), normalised(&tokio_postgres_dump));
+}

@@ -223,6 +223,10 @@ pub trait Executor: Send + Sync {
         sql: &'a str,
         params: &'a [&'a dyn Param],
     ) -> BoxFuture<'a, Result<Vec<Row>, DbError>>;
+
+    /// Runs `sql`, one or more statements without parameters, with the simple query protocol
+    /// (a migration file, `SAVEPOINT`, DDL): nothing is returned.
+    fn batch<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<(), DbError>>;
 }
 
 /// Runs `sql` and returns its one row; no row, or more, is an error.
@@ -268,6 +272,12 @@ impl<C: tokio_postgres::GenericClient + Sync + ?Sized> Executor for Tp<'_, C> {
     ) -> BoxFuture<'a, Result<Vec<Row>, DbError>> {
         tokio_postgres_query(self.0, sql, params)
     }
+
+    fn batch<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<(), DbError>> {
+        Box::pin(
+            async move { Ok(tokio_postgres::GenericClient::batch_execute(self.0, sql).await?) },
+        )
+    }
 }
 
 /// Every transaction lockstep's tokio-postgres statements run on ([`PgTransactionRef`]: the owned
@@ -280,6 +290,12 @@ impl<T: PgTransactionRef + ?Sized> Executor for T {
         params: &'a [&'a dyn Param],
     ) -> BoxFuture<'a, Result<Vec<Row>, DbError>> {
         tokio_postgres_query(self.executor(), sql, params)
+    }
+
+    fn batch<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<(), DbError>> {
+        Box::pin(async move {
+            Ok(tokio_postgres::GenericClient::batch_execute(self.executor(), sql).await?)
+        })
     }
 }
 
