@@ -15,7 +15,8 @@
 //! - [`wiring`]: the routes and the perspective worker on one `SqlxDatabase`.
 //! - `main`: serves on `SERVICE_ADDR` (default `127.0.0.1:3000`) on the database at
 //!   `DATABASE_URL`, which is required: sqlx has no in-memory mode (the tokio-postgres sample
-//!   runs on the testkit's fakes without it).
+//!   runs on the testkit's fakes without it). lockstep's migrations run first, on the
+//!   application's pool (`SqlxDatabase::migrate`).
 //!
 //! `tests/http.rs` runs the service on a fresh database and sends it requests over HTTP.
 

@@ -2,15 +2,15 @@
 //! database at `DATABASE_URL` — required: sqlx has no in-memory mode — with the worker keeping
 //! the daily statement beside it. Stops on Ctrl-C.
 //!
-//! lockstep's migrations run first, through `PgDatabase::migrate` on a short-lived
-//! tokio-postgres pool (lockstep's migration runner is on tokio-postgres; `lockstep migrate`
-//! of the CLI does the same from a deploy step); the service itself runs on the application's
-//! `sqlx::PgPool` only.
+//! The application builds its `sqlx::PgPool`; lockstep is wired from it
+//! (`SqlxDatabase::new(pool)`), and its migrations run on it first
+//! ([`SqlxDatabase::migrate`], idempotent; `lockstep migrate` of the CLI applies the same
+//! schema from a deploy step).
 
 // A demo program: telling the user where it listens is its job.
 #![allow(clippy::print_stdout)]
 
-use lockstep::postgres::PgDatabase;
+use lockstep::postgres::sqlx::SqlxDatabase;
 use lockstep::worker::CancellationToken;
 use lockstep_example_service_sqlx::{serve, wiring};
 use sqlx::postgres::PgPoolOptions;
@@ -26,16 +26,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          which has no in-memory mode (lockstep-example-service runs on the in-memory fakes)"
     })?;
 
-    let migrations = PgDatabase::connect(&url).await?;
-    migrations.migrate().await?;
-    drop(migrations);
-
     let pool = PgPoolOptions::new()
         .max_connections(POOL_SIZE)
         .connect(&url)
         .await?;
+    let db = SqlxDatabase::new(pool);
+    db.migrate().await?;
     let shutdown = CancellationToken::new();
-    let service = wiring::service(pool, shutdown.clone()).await?;
+    let service = wiring::service(&db, shutdown.clone()).await?;
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!("accounts on PostgreSQL through sqlx");
     println!("listening on http://{}", listener.local_addr()?);

@@ -15,17 +15,15 @@ use lockstep::{
 };
 use lockstep_example_service::http::{App, balance};
 pub use lockstep_example_service::wiring::Service;
-use sqlx::PgPool;
 
 use crate::command::{Commands, KEYS_SCHEMA, execute};
 use crate::statement::{DailyStatement, SCHEMA, Statement, daily};
 
-/// The service on `pool`, whose database lockstep's migrations have run on: creates the
-/// application's tables if missing (in one transaction), registers the daily statement and
+/// The service on `db` (the application's pool, migrated: [`SqlxDatabase::migrate`]): creates
+/// the application's tables if missing (in one transaction), registers the daily statement and
 /// starts the worker (call within a tokio runtime; it stops when `shutdown` fires).
-pub async fn service(pool: PgPool, shutdown: CancellationToken) -> lockstep::Result<Service> {
-    let db = SqlxDatabase::new(pool.clone());
-    create_tables(&db).await?;
+pub async fn service(db: &SqlxDatabase, shutdown: CancellationToken) -> lockstep::Result<Service> {
+    create_tables(db).await?;
 
     let mut registry = PerspectiveRegistry::new();
     registry.register_table::<SqlxTransaction, _>(DailyStatement)?;
@@ -41,14 +39,14 @@ pub async fn service(pool: PgPool, shutdown: CancellationToken) -> lockstep::Res
     worker.register().await?;
     let worker = tokio::spawn(async move { worker.run(shutdown).await });
 
-    let commands = Commands::new(&db, RetryPolicy::default());
+    let commands = Commands::new(db, RetryPolicy::default());
     let app = Arc::new(App {
         source: db.clone(),
         accounts: commands.accounts().clone(),
     });
     let statement = Arc::new(Statement {
-        pool,
-        reads: ReadModels::new(db, PgPerspectiveStore::new()),
+        pool: db.pool().clone(),
+        reads: ReadModels::new(db.clone(), PgPerspectiveStore::new()),
     });
     let router = Router::new()
         .route("/accounts/{id}/commands", post(execute))

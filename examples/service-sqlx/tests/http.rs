@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
+use lockstep::postgres::sqlx::SqlxDatabase;
 use lockstep::worker::CancellationToken;
 use lockstep_example_service_sqlx::command::{IDEMPOTENCY_KEY, REPLAYED};
 use lockstep_example_service_sqlx::{serve, wiring};
@@ -35,12 +36,11 @@ struct Running {
 
 async fn start() -> Running {
     let db = test_database().await;
-    lockstep::postgres::migrate(&db.pool(2))
-        .await
-        .expect("lockstep's migrations");
     let pool = db.sqlx_pool(20);
+    let lockstep = SqlxDatabase::new(pool.clone());
+    lockstep.migrate().await.expect("lockstep's migrations");
     let shutdown = CancellationToken::new();
-    let service = wiring::service(pool.clone(), shutdown.clone())
+    let service = wiring::service(&lockstep, shutdown.clone())
         .await
         .expect("the service");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
