@@ -53,10 +53,7 @@ pub async fn service(db: &SqlxDatabase, shutdown: CancellationToken) -> lockstep
         .with_state(Arc::new(commands))
         .merge(
             Router::new()
-                .route(
-                    "/accounts/{id}",
-                    get(balance::<SqlxDatabase, PgEventStore>),
-                )
+                .route("/accounts/{id}", get(balance::<SqlxDatabase, PgEventStore>))
                 .with_state(app),
         )
         .merge(
@@ -72,14 +69,13 @@ async fn create_tables(db: &SqlxDatabase) -> lockstep::Result<()> {
     let tx = db.begin().await?;
     {
         let mut conn = tx.connection().await?;
-        sqlx::raw_sql(SCHEMA)
-            .execute(&mut *conn)
-            .await
-            .map_err(map_sqlx_error)?;
-        sqlx::raw_sql(KEYS_SCHEMA)
-            .execute(&mut *conn)
-            .await
-            .map_err(map_sqlx_error)?;
+        // `Executor::execute(conn, raw_sql(…))`, not `raw_sql(…).execute(conn)`: the method
+        // form's future is not `Send` for every lifetime, so a spawned caller fails to compile.
+        for schema in [SCHEMA, KEYS_SCHEMA] {
+            sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(schema))
+                .await
+                .map_err(map_sqlx_error)?;
+        }
     }
     tx.commit().await
 }

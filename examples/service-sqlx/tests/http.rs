@@ -178,15 +178,24 @@ async fn command(
 }
 
 async fn account(addr: SocketAddr, account: Uuid) -> Value {
-    let answer = call(addr, Method::GET, &format!("/accounts/{account}"), None, None).await;
+    let answer = call(
+        addr,
+        Method::GET,
+        &format!("/accounts/{account}"),
+        None,
+        None,
+    )
+    .await;
     assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
     answer.body
 }
 
-/// Runs `body` in a task of its own, as a handler would run, and resumes its panic here.
-async fn spawned(body: impl Future<Output = ()> + Send + 'static) {
-    if let Err(e) = tokio::spawn(body).await {
-        std::panic::resume_unwind(e.into_panic());
+/// [`start`] in a task of its own, as an application's `main` may wire it: the service's
+/// construction is `Send` for the concrete types (its handlers are spawned by axum).
+async fn spawned_start() -> Running {
+    match tokio::spawn(start()).await {
+        Ok(running) => running,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
     }
 }
 
@@ -196,72 +205,79 @@ async fn spawned(body: impl Future<Output = ()> + Send + 'static) {
 /// after the last withdrawal's event, has every one of them once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_commands_on_one_account_are_all_kept_and_read_back_in_the_statement() {
-    spawned(async {
-        let service = start().await;
-        let addr = service.addr;
-        let id = Uuid::now_v7();
+    let service = spawned_start().await;
+    let addr = service.addr;
+    let id = Uuid::now_v7();
 
-        let deposits = join_all((0..32).map(|_| command(addr, id, None, "deposit", 10))).await;
-        let mut versions: Vec<u64> = deposits
-            .iter()
-            .map(|a| {
-                assert_eq!(a.status, StatusCode::OK, "{a:?}");
-                a.body["version"].as_u64().expect("a version")
-            })
-            .collect();
-        versions.sort_unstable();
-        assert_eq!(versions, (1..=32).collect::<Vec<_>>(), "one version each");
+    let deposits = join_all((0..32).map(|_| command(addr, id, None, "deposit", 10))).await;
+    let mut versions: Vec<u64> = deposits
+        .iter()
+        .map(|a| {
+            assert_eq!(a.status, StatusCode::OK, "{a:?}");
+            a.body["version"].as_u64().expect("a version")
+        })
+        .collect();
+    versions.sort_unstable();
+    assert_eq!(versions, (1..=32).collect::<Vec<_>>(), "one version each");
 
-        let withdrawals = join_all((0..40).map(|_| command(addr, id, None, "withdraw", 10))).await;
-        let ok: Vec<&Answer> = withdrawals
-            .iter()
-            .filter(|a| a.status == StatusCode::OK)
-            .collect();
-        let refused = withdrawals
-            .iter()
-            .filter(|a| {
-                a.status == StatusCode::CONFLICT
-                    && a.body["error"]
-                        .as_str()
-                        .is_some_and(|e| e.contains("insufficient funds"))
-            })
-            .count();
-        assert_eq!((ok.len(), refused), (32, 8), "{withdrawals:?}");
-        assert_eq!(account(addr, id).await, json!({ "balance": 0, "version": 64 }));
-        assert_eq!(service.events_of(id).await, 64);
+    let withdrawals = join_all((0..40).map(|_| command(addr, id, None, "withdraw", 10))).await;
+    let ok: Vec<&Answer> = withdrawals
+        .iter()
+        .filter(|a| a.status == StatusCode::OK)
+        .collect();
+    let refused = withdrawals
+        .iter()
+        .filter(|a| {
+            a.status == StatusCode::CONFLICT
+                && a.body["error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("insufficient funds"))
+        })
+        .count();
+    assert_eq!((ok.len(), refused), (32, 8), "{withdrawals:?}");
+    assert_eq!(
+        account(addr, id).await,
+        json!({ "balance": 0, "version": 64 })
+    );
+    assert_eq!(service.events_of(id).await, 64);
 
-        let last = ok
-            .iter()
-            .filter_map(|a| a.body["event_id"].as_str())
-            .max()
-            .expect("an event id in every receipt")
-            .to_owned();
-        let totals = call(
-            addr,
-            Method::GET,
-            &format!("/statements/daily?after={last}"),
-            None,
-            None,
-        )
-        .await;
-        assert_eq!(totals.status, StatusCode::OK, "{totals:?}");
-        let days = totals.body.as_array().expect("a list of days");
-        let sum = |field: &str| {
-            days.iter()
-                .map(|d| d[field].as_i64().unwrap_or(0))
-                .sum::<i64>()
-        };
-        assert_eq!(
-            (sum("deposited"), sum("withdrawn"), sum("events")),
-            (320, 320, 64),
-            "{totals:?}"
-        );
-        let bad = call(addr, Method::GET, "/statements/daily?after=nope", None, None).await;
-        assert!(bad.status.is_client_error(), "a bad id is refused: {bad:?}");
-
-        service.stop().await;
-    })
+    let last = ok
+        .iter()
+        .filter_map(|a| a.body["event_id"].as_str())
+        .max()
+        .expect("an event id in every receipt")
+        .to_owned();
+    let totals = call(
+        addr,
+        Method::GET,
+        &format!("/statements/daily?after={last}"),
+        None,
+        None,
+    )
     .await;
+    assert_eq!(totals.status, StatusCode::OK, "{totals:?}");
+    let days = totals.body.as_array().expect("a list of days");
+    let sum = |field: &str| {
+        days.iter()
+            .map(|d| d[field].as_i64().unwrap_or(0))
+            .sum::<i64>()
+    };
+    assert_eq!(
+        (sum("deposited"), sum("withdrawn"), sum("events")),
+        (320, 320, 64),
+        "{totals:?}"
+    );
+    let bad = call(
+        addr,
+        Method::GET,
+        "/statements/daily?after=nope",
+        None,
+        None,
+    )
+    .await;
+    assert!(bad.status.is_client_error(), "a bad id is refused: {bad:?}");
+
+    service.stop().await;
 }
 
 /// A keyed deposit stores its key's row with its event; the same request again answers the
@@ -269,81 +285,91 @@ async fn concurrent_commands_on_one_account_are_all_kept_and_read_back_in_the_st
 /// requests with one key run the command once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_command_commits_its_key_with_its_event_and_runs_once() {
-    spawned(async {
-        let service = start().await;
-        let addr = service.addr;
-        let id = Uuid::now_v7();
+    let service = spawned_start().await;
+    let addr = service.addr;
+    let id = Uuid::now_v7();
 
-        let first = command(addr, id, Some("pay-1"), "deposit", 100).await;
-        assert_eq!(first.status, StatusCode::OK, "{first:?}");
-        assert!(!first.replayed);
-        assert_eq!(first.body["version"], 1);
-        let event = first.body["event_id"].as_str().expect("an event id");
-        assert_eq!(
-            service.event_of_key("pay-1").await.map(|e| e.to_string()),
-            Some(event.to_owned()),
-            "the key's row and its event, committed together"
-        );
+    let first = command(addr, id, Some("pay-1"), "deposit", 100).await;
+    assert_eq!(first.status, StatusCode::OK, "{first:?}");
+    assert!(!first.replayed);
+    assert_eq!(first.body["version"], 1);
+    let event = first.body["event_id"].as_str().expect("an event id");
+    assert_eq!(
+        service.event_of_key("pay-1").await.map(|e| e.to_string()),
+        Some(event.to_owned()),
+        "the key's row and its event, committed together"
+    );
 
-        let again = command(addr, id, Some("pay-1"), "deposit", 100).await;
-        assert_eq!(again.status, StatusCode::OK, "{again:?}");
-        assert!(again.replayed, "{again:?}");
-        assert_eq!(
-            (&again.body["event_id"], &again.body["version"]),
-            (&first.body["event_id"], &first.body["version"])
-        );
-        assert_eq!(account(addr, id).await, json!({ "balance": 100, "version": 1 }));
+    let again = command(addr, id, Some("pay-1"), "deposit", 100).await;
+    assert_eq!(again.status, StatusCode::OK, "{again:?}");
+    assert!(again.replayed, "{again:?}");
+    assert_eq!(
+        (&again.body["event_id"], &again.body["version"]),
+        (&first.body["event_id"], &first.body["version"])
+    );
+    assert_eq!(
+        account(addr, id).await,
+        json!({ "balance": 100, "version": 1 })
+    );
 
-        let other = command(addr, id, Some("pay-1"), "deposit", 5).await;
-        assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{other:?}");
-        let elsewhere = command(addr, Uuid::now_v7(), Some("pay-1"), "deposit", 100).await;
-        assert_eq!(elsewhere.status, StatusCode::UNPROCESSABLE_ENTITY, "{elsewhere:?}");
-        let empty = command(addr, id, Some(""), "deposit", 100).await;
-        assert_eq!(empty.status, StatusCode::UNPROCESSABLE_ENTITY, "{empty:?}");
+    let other = command(addr, id, Some("pay-1"), "deposit", 5).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{other:?}");
+    let elsewhere = command(addr, Uuid::now_v7(), Some("pay-1"), "deposit", 100).await;
+    assert_eq!(
+        elsewhere.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{elsewhere:?}"
+    );
+    let empty = command(addr, id, Some(""), "deposit", 100).await;
+    assert_eq!(empty.status, StatusCode::UNPROCESSABLE_ENTITY, "{empty:?}");
 
-        let racing = join_all((0..16).map(|_| command(addr, id, Some("pay-2"), "deposit", 10))).await;
-        assert!(racing.iter().all(|a| a.status == StatusCode::OK), "{racing:?}");
-        let ran: Vec<&Answer> = racing.iter().filter(|a| !a.replayed).collect();
-        assert_eq!(ran.len(), 1, "one request ran the command: {racing:?}");
-        assert!(
-            racing
-                .iter()
-                .all(|a| a.body["event_id"] == ran[0].body["event_id"]),
-            "every answer is the one receipt: {racing:?}"
-        );
-        assert_eq!(account(addr, id).await, json!({ "balance": 110, "version": 2 }));
-        assert_eq!(service.events_of(id).await, 2);
+    let racing = join_all((0..16).map(|_| command(addr, id, Some("pay-2"), "deposit", 10))).await;
+    assert!(
+        racing.iter().all(|a| a.status == StatusCode::OK),
+        "{racing:?}"
+    );
+    let ran: Vec<&Answer> = racing.iter().filter(|a| !a.replayed).collect();
+    assert_eq!(ran.len(), 1, "one request ran the command: {racing:?}");
+    assert!(
+        racing
+            .iter()
+            .all(|a| a.body["event_id"] == ran[0].body["event_id"]),
+        "every answer is the one receipt: {racing:?}"
+    );
+    assert_eq!(
+        account(addr, id).await,
+        json!({ "balance": 110, "version": 2 })
+    );
+    assert_eq!(service.events_of(id).await, 2);
 
-        service.stop().await;
-    })
-    .await;
+    service.stop().await;
 }
 
 /// A keyed withdrawal the balance does not cover is refused, and leaves neither its key's row
 /// nor an event: the same key serves the same withdrawal once the money is there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_keyed_command_leaves_neither_its_key_nor_an_event() {
-    spawned(async {
-        let service = start().await;
-        let addr = service.addr;
-        let id = Uuid::now_v7();
+    let service = spawned_start().await;
+    let addr = service.addr;
+    let id = Uuid::now_v7();
 
-        let refused = command(addr, id, Some("take-1"), "withdraw", 50).await;
-        assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
-        assert_eq!(service.keys("take-1").await, 0);
-        assert_eq!(service.events_of(id).await, 0);
+    let refused = command(addr, id, Some("take-1"), "withdraw", 50).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
+    assert_eq!(service.keys("take-1").await, 0);
+    assert_eq!(service.events_of(id).await, 0);
 
-        let paid = command(addr, id, None, "deposit", 50).await;
-        assert_eq!(paid.status, StatusCode::OK, "{paid:?}");
-        let taken = command(addr, id, Some("take-1"), "withdraw", 50).await;
-        assert_eq!(taken.status, StatusCode::OK, "{taken:?}");
-        assert!(!taken.replayed, "the refusal left the key unused");
-        assert_eq!(account(addr, id).await, json!({ "balance": 0, "version": 2 }));
-        assert!(service.event_of_key("take-1").await.is_some());
+    let paid = command(addr, id, None, "deposit", 50).await;
+    assert_eq!(paid.status, StatusCode::OK, "{paid:?}");
+    let taken = command(addr, id, Some("take-1"), "withdraw", 50).await;
+    assert_eq!(taken.status, StatusCode::OK, "{taken:?}");
+    assert!(!taken.replayed, "the refusal left the key unused");
+    assert_eq!(
+        account(addr, id).await,
+        json!({ "balance": 0, "version": 2 })
+    );
+    assert!(service.event_of_key("take-1").await.is_some());
 
-        service.stop().await;
-    })
-    .await;
+    service.stop().await;
 }
 
 /// A keyed command whose key's row fails after its append leaves no event: the test stores
@@ -353,65 +379,68 @@ async fn a_refused_keyed_command_leaves_neither_its_key_nor_an_event() {
 /// When the test rolls back instead, the request's key and event commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_command_whose_key_row_fails_after_its_append_leaves_no_event() {
-    spawned(async {
-        let service = start().await;
-        let addr = service.addr;
-        let observer = service.db.connect().await;
+    let service = spawned_start().await;
+    let addr = service.addr;
+    let observer = service.db.connect().await;
 
-        // Committed first by the other holder of the key: the request appends, fails, rolls
-        // back, and replays the other's receipt.
-        let id = Uuid::now_v7();
-        let theirs = Uuid::now_v7();
-        let mut other = service.pool.begin().await.expect("begin");
-        sqlx::query(
-            "INSERT INTO idempotency_keys \
-             (key, account, command, amount, event_id, version, balance) \
-             VALUES ('pay-3', $1, 'deposit', 70, $2, 1, 70)",
-        )
-        .bind(id)
-        .bind(theirs)
-        .execute(&mut *other)
-        .await
-        .expect("store the key");
-        let request = tokio::spawn(command(addr, id, Some("pay-3"), "deposit", 70));
-        until_lock_waiters(&observer, 1, "the request at its key's row").await;
-        other.commit().await.expect("commit");
-        let answer = request.await.expect("the request");
-        assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
-        assert!(answer.replayed, "{answer:?}");
-        assert_eq!(answer.body["event_id"], theirs.to_string());
-        assert_eq!(answer.body["attempts"], 2, "the first attempt rolled back");
-        assert_eq!(service.events_of(id).await, 0, "its append rolled back");
-        assert_eq!(account(addr, id).await, json!({ "balance": 0, "version": 0 }));
+    // Committed first by the other holder of the key: the request appends, fails, rolls
+    // back, and replays the other's receipt.
+    let id = Uuid::now_v7();
+    let theirs = Uuid::now_v7();
+    let mut other = service.pool.begin().await.expect("begin");
+    sqlx::query(
+        "INSERT INTO idempotency_keys \
+         (key, account, command, amount, event_id, version, balance) \
+         VALUES ('pay-3', $1, 'deposit', 70, $2, 1, 70)",
+    )
+    .bind(id)
+    .bind(theirs)
+    .execute(&mut *other)
+    .await
+    .expect("store the key");
+    let request = tokio::spawn(command(addr, id, Some("pay-3"), "deposit", 70));
+    until_lock_waiters(&observer, 1, "the request at its key's row").await;
+    other.commit().await.expect("commit");
+    let answer = request.await.expect("the request");
+    assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
+    assert!(answer.replayed, "{answer:?}");
+    assert_eq!(answer.body["event_id"], theirs.to_string());
+    assert_eq!(answer.body["attempts"], 2, "the first attempt rolled back");
+    assert_eq!(service.events_of(id).await, 0, "its append rolled back");
+    assert_eq!(
+        account(addr, id).await,
+        json!({ "balance": 0, "version": 0 })
+    );
 
-        // Rolled back by the other holder: the request's key and event commit together.
-        let id = Uuid::now_v7();
-        let mut other = service.pool.begin().await.expect("begin");
-        sqlx::query(
-            "INSERT INTO idempotency_keys \
-             (key, account, command, amount, event_id, version, balance) \
-             VALUES ('pay-4', $1, 'deposit', 70, $2, 1, 70)",
-        )
-        .bind(id)
-        .bind(Uuid::now_v7())
-        .execute(&mut *other)
-        .await
-        .expect("store the key");
-        let request = tokio::spawn(command(addr, id, Some("pay-4"), "deposit", 70));
-        until_lock_waiters(&observer, 1, "the request at its key's row").await;
-        other.rollback().await.expect("roll back");
-        let answer = request.await.expect("the request");
-        assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
-        assert!(!answer.replayed, "{answer:?}");
-        assert_eq!(answer.body["attempts"], 1);
-        assert_eq!(
-            service.event_of_key("pay-4").await.map(|e| e.to_string()),
-            answer.body["event_id"].as_str().map(str::to_owned)
-        );
-        assert_eq!(account(addr, id).await, json!({ "balance": 70, "version": 1 }));
+    // Rolled back by the other holder: the request's key and event commit together.
+    let id = Uuid::now_v7();
+    let mut other = service.pool.begin().await.expect("begin");
+    sqlx::query(
+        "INSERT INTO idempotency_keys \
+         (key, account, command, amount, event_id, version, balance) \
+         VALUES ('pay-4', $1, 'deposit', 70, $2, 1, 70)",
+    )
+    .bind(id)
+    .bind(Uuid::now_v7())
+    .execute(&mut *other)
+    .await
+    .expect("store the key");
+    let request = tokio::spawn(command(addr, id, Some("pay-4"), "deposit", 70));
+    until_lock_waiters(&observer, 1, "the request at its key's row").await;
+    other.rollback().await.expect("roll back");
+    let answer = request.await.expect("the request");
+    assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
+    assert!(!answer.replayed, "{answer:?}");
+    assert_eq!(answer.body["attempts"], 1);
+    assert_eq!(
+        service.event_of_key("pay-4").await.map(|e| e.to_string()),
+        answer.body["event_id"].as_str().map(str::to_owned)
+    );
+    assert_eq!(
+        account(addr, id).await,
+        json!({ "balance": 70, "version": 1 })
+    );
 
-        drop(observer);
-        service.stop().await;
-    })
-    .await;
+    drop(observer);
+    service.stop().await;
 }
