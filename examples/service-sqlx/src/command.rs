@@ -19,7 +19,9 @@
 //! A request that lost the race for its key (another request with the same key committed
 //! first) fails at step 3 with a unique violation, after its append: its transaction rolls
 //! back, its events with it, and the unit of work runs again and finds the stored key at step
-//! 1. A refused command rolls back too and leaves its key unused.
+//! 1. A refused command rolls back too and leaves its key unused. A request whose `COMMIT` reply
+//! was lost (`500`, the command may or may not have committed) is safe to send again with its
+//! key: it runs once, or answers what was committed.
 
 use std::sync::Arc;
 
