@@ -18,10 +18,10 @@
 //!
 //! A request that lost the race for its key (another request with the same key committed
 //! first) fails at step 3 with a unique violation, after its append: its transaction rolls
-//! back, its events with it, and the unit of work runs again and finds the stored key at step
-//! 1. A refused command rolls back too and leaves its key unused. A request whose `COMMIT` reply
-//! was lost (`500`, the command may or may not have committed) is safe to send again with its
-//! key: it runs once, or answers what was committed.
+//! back, its events with it, and the unit of work runs again and finds the stored key. A
+//! refused command rolls back too and leaves its key unused. A request whose `COMMIT` reply was
+//! lost (`500`: the command may or may not have committed) is safe to send again with its key:
+//! it runs once, or answers what was committed.
 
 use std::sync::Arc;
 
@@ -284,7 +284,7 @@ pub async fn execute(
 ) -> Response {
     let key = match idempotency_key(&headers) {
         Ok(key) => key,
-        Err(why) => return unprocessable(why),
+        Err(why) => return unprocessable(&why),
     };
     let Some(key) = key else {
         return match commands.accounts.execute(account, command).await {
@@ -303,7 +303,7 @@ pub async fn execute(
             response
         }
         Err(KeyedError::Account(e)) => ApiError::from(e).into_response(),
-        Err(reused @ KeyedError::Reused(_)) => unprocessable(reused.to_string()),
+        Err(reused @ KeyedError::Reused(_)) => unprocessable(&reused.to_string()),
     }
 }
 
@@ -323,7 +323,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<&str>, String> {
     Ok(Some(key))
 }
 
-fn unprocessable(why: String) -> Response {
+fn unprocessable(why: &str) -> Response {
     (
         StatusCode::UNPROCESSABLE_ENTITY,
         Json(serde_json::json!({ "error": why })),
