@@ -13,8 +13,11 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
+use lockstep::postgres::SqlxDistributedLock;
 use lockstep::postgres::sqlx::SqlxDatabase;
 use lockstep::worker::CancellationToken;
+use lockstep::{AggregateWriteLock as _, Transaction as _, TransactionSource as _};
+use lockstep_example_service::account::ACCOUNT;
 use lockstep_example_service_sqlx::command::{IDEMPOTENCY_KEY, REPLAYED};
 use lockstep_example_service_sqlx::{serve, wiring};
 use lockstep_testkit::pg_harness::{TestDatabase, test_database, until_lock_waiters};
@@ -277,6 +280,45 @@ async fn concurrent_commands_on_one_account_are_all_kept_and_read_back_in_the_st
     .await;
     assert!(bad.status.is_client_error(), "a bad id is refused: {bad:?}");
 
+    service.stop().await;
+}
+
+/// A command, keyed or not, waits for the account's write lock: the test holds it in a
+/// transaction of its own (`SqlxDistributedLock`, as another writer of the account would), the
+/// request waits at the server until that commits, then commits after it. Another account is
+/// not held up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_wait_for_the_accounts_write_lock() {
+    let service = spawned_start().await;
+    let addr = service.addr;
+    let observer = service.db.connect().await;
+    let id = Uuid::now_v7();
+    // A handle of its own: its lock queue is not the service's, so the request waits at the
+    // server, where the test sees it.
+    let writer = SqlxDatabase::new(service.pool.clone());
+    let lock = SqlxDistributedLock::new(&writer).aggregate_write_lock();
+
+    for (version, key) in [(1, None), (2, Some("pay-5"))] {
+        let held = writer.begin().await.expect("begin");
+        lock.acquire(&held, ACCOUNT, id)
+            .await
+            .expect("the account's write lock");
+        let request = tokio::spawn(command(addr, id, key, "deposit", 10));
+        until_lock_waiters(&observer, 1, "the command at the account's lock").await;
+        let free = command(addr, Uuid::now_v7(), None, "deposit", 10).await;
+        assert_eq!(free.status, StatusCode::OK, "another account: {free:?}");
+        assert!(!request.is_finished(), "the command waits ({key:?})");
+        held.commit().await.expect("commit");
+        let answer = request.await.expect("the command");
+        assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
+        assert_eq!(answer.body["version"], version, "{answer:?}");
+    }
+    assert_eq!(
+        account(addr, id).await,
+        json!({ "balance": 20, "version": 2 })
+    );
+
+    drop(observer);
     service.stop().await;
 }
 
