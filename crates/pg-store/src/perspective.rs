@@ -1,6 +1,9 @@
 //! The perspective store on PostgreSQL: [`PgPerspectiveStore`] implements
-//! [`PerspectiveStore`](lockstep_core::PerspectiveStore) for every [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`],
-//! a borrowed `tokio_postgres::Transaction`).
+//! [`PerspectiveStore`](lockstep_core::PerspectiveStore) for every [`PerspectiveTransaction`]:
+//! the owned [`lockstep_pg::PgTransaction`], a borrowed `tokio_postgres::Transaction` or
+//! `deadpool_postgres::Transaction`, and with feature `sqlx` the owned
+//! `lockstep_pg::sqlx::SqlxTransaction`. Each statement, its parameters, its row decoding and
+//! its error mapping are written once over the driver seam ([`lockstep_pg::driver`]).
 //!
 //! The schema is in `migrations/` (the baseline's tables, one file per SQL function in
 //! `migrations/functions/`), the protocol in `docs/adr/0006-perspective-store.md`:
@@ -23,11 +26,15 @@
 //!   lease lost) raises, which turns the `COMMIT` into a rollback: nothing of the transaction
 //!   is committed.
 //!
-//! Every statement is sent with `query_typed` (parse, bind and execute in one round trip; the
-//! rewind's read with `query_typed_raw`, the same messages with its rows streamed), with
-//! every value bound as a parameter. Bad input (a state that `jsonb` cannot store or that is
-//! nested deeper than a claim can read back, [`lockstep_core::json`]; a count out of range; a
-//! fence naming another pair) is refused with [`ErrorKind::InvalidInput`] before any SQL is sent.
+//! On tokio-postgres every statement is sent with `query_typed` (parse, bind and execute in
+//! one round trip; the rewind's read with `query_typed_raw`, the same messages with its rows
+//! streamed), with every value bound as a parameter. On sqlx each statement is prepared once
+//! per connection (the first use costs a round trip more), a rewind's rows are read in full
+//! before they are decoded, and a state change and its `COMMIT` are two round trips
+//! ([`PerspectiveTransaction`] says what each driver does). Bad input (a state that `jsonb`
+//! cannot store or that is nested deeper than a claim can read back, [`lockstep_core::json`]; a
+//! count out of range; a fence naming another pair) is refused with [`ErrorKind::InvalidInput`]
+//! before any SQL is sent.
 //!
 //! ```no_run
 //! # async fn demo(db: lockstep_pg::PgDatabase) -> lockstep_core::Result<()> {
@@ -66,11 +73,12 @@
 
 mod batch;
 mod life;
+mod transaction;
 mod versions;
 
 use std::time::Duration;
 
-use futures_util::TryStreamExt;
+use futures_util::TryStreamExt as _;
 use lockstep_core::perspective_store::DEFAULT_KEEP_SNAPSHOTS;
 use lockstep_core::perspective_store::{
     CursorRows, PairWork, PerspectiveAdmin, PerspectiveLifecycle, PerspectiveReads, RewindReads,
@@ -84,13 +92,12 @@ use lockstep_core::{
     RewindLoad, RewindProgress, RewindRequest, SkippedEvent, Snapshot, StateCommit, StoredState,
     StreamId, Upcasters, ValidationError,
 };
-use lockstep_pg::PgTransactionRef;
-use lockstep_pg::internal::statement_error;
+use lockstep_pg::driver::{Columns, DbError, Executor, Param, Row, query_one, query_opt};
+use lockstep_pg::internal::db_statement_error as statement_error;
 use time::OffsetDateTime;
-use tokio_postgres::GenericClient;
-use tokio_postgres::Row;
-use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
+
+pub use transaction::PerspectiveTransaction;
 
 /// The statements of [`PgPerspectiveStore`], one per operation. Private to this crate: they
 /// change with the schema, so they are no API.
@@ -507,14 +514,12 @@ impl PgPerspectiveStore {
     /// Whether `name` is a registered perspective: for an operator's tool that refuses a
     /// command on a name nothing serves (`lockstep perspectives purge|rewind|retry|skip`)
     /// rather than report a pair without a cursor. One primary-key lookup.
-    pub async fn is_registered<T: PgTransactionRef + ?Sized>(
+    pub async fn is_registered<T: Executor + ?Sized>(
         &self,
         tx: &T,
         name: &PerspectiveName,
     ) -> Result<bool> {
-        let row = tx
-            .executor()
-            .query_typed_opt(sql::IS_REGISTERED, &[(&name.as_str(), Type::TEXT)])
+        let row = query_opt(tx, sql::IS_REGISTERED, &[&name.as_str()])
             .await
             .map_err(|e| statement_error(e, "reading the registered perspectives"))?;
         Ok(row.is_some())
@@ -617,7 +622,7 @@ impl PgPerspectiveStore {
 
     /// The cursors a listing statement (`$1` perspectives, `$2` limit; stream, perspective, then
     /// the cursor columns) returns.
-    async fn listed_cursors<T: PgTransactionRef>(
+    async fn listed_cursors<T: Executor + ?Sized>(
         &self,
         tx: &T,
         statement: &str,
@@ -628,46 +633,41 @@ impl PgPerspectiveStore {
         let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = tx
-            .executor()
-            .query_typed(
-                statement,
-                &[(&names, Type::TEXT_ARRAY), (&limit, Type::INT8)],
-            )
+            .query(statement, &[&names, &limit])
             .await
             .map_err(|e| statement_error(e, what))?;
         rows.iter()
             .map(|row| {
-                let stream_id = StreamId::from_uuid(row.try_get(0).map_err(decode_error)?);
-                let name = stored_name(row.try_get(1).map_err(decode_error)?)?;
+                let stream_id = StreamId::from_uuid(row.column(0).map_err(decode_error)?);
+                let name = stored_name(row.column(1).map_err(decode_error)?)?;
                 decode_cursor(row, 2, stream_id, &name)
             })
             .collect()
     }
 }
 
-impl<T: PgTransactionRef> WorkQueue<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> WorkQueue<T> for PgPerspectiveStore {
     async fn record_failure(&self, tx: &T, pair: &Pair, failure: &PairFailure) -> Result<bool> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         // Text cannot hold U+0000; the message is diagnostics, so it is kept readable rather
         // than refused (a failure must always be recordable).
         let error = failure.error.replace('\0', "\u{FFFD}");
         let retry_after = backoff_micros(failure.retry_after);
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::RECORD_FAILURE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&error, Type::TEXT),
-                    (&failure.event_id, Type::UUID),
-                    (&retry_after, Type::INT8),
-                    (&failure.park, Type::BOOL),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "recording a perspective failure"))?;
-        row.try_get(0).map_err(decode_error)
+        let row = query_one(
+            tx,
+            sql::RECORD_FAILURE,
+            &[
+                &stream_id.as_uuid(),
+                &perspective.as_str(),
+                &error,
+                &failure.event_id,
+                &retry_after,
+                &failure.park,
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "recording a perspective failure"))?;
+        row.column(0).map_err(decode_error)
     }
 
     async fn claim_batch(&self, tx: &T, request: &BatchClaim) -> Result<ClaimedBatch> {
@@ -679,7 +679,7 @@ impl<T: PgTransactionRef> WorkQueue<T> for PgPerspectiveStore {
     }
 }
 
-impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> PairWork<T> for PgPerspectiveStore {
     async fn claim(
         &self,
         tx: &T,
@@ -697,15 +697,14 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
         let max_events = i64::try_from(max_events).unwrap_or(i64::MAX);
         let (window, max_delay) = (micros(debounce.window)?, micros(debounce.max_delay)?);
         let rows = tx
-            .executor()
-            .query_typed(
+            .query(
                 sql::CLAIM,
                 &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&max_events, Type::INT8),
-                    (&window, Type::INT8),
-                    (&max_delay, Type::INT8),
+                    &stream_id.as_uuid(),
+                    &perspective.as_str(),
+                    &max_events,
+                    &window,
+                    &max_delay,
                 ],
             )
             .await
@@ -713,7 +712,7 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
         let Some((header, event_rows)) = rows.split_first() else {
             return Err(Error::new(ErrorKind::Backend, "a claim returned no row"));
         };
-        let outcome: Option<String> = header.try_get(0).map_err(decode_error)?;
+        let outcome: Option<String> = header.column(0).map_err(decode_error)?;
         match outcome.as_deref() {
             Some("busy") => Ok(Claim::Busy),
             Some("idle") => Ok(Claim::Idle),
@@ -723,7 +722,7 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
             Some("apply") if event_rows.is_empty() => Ok(Claim::Idle),
             Some("apply") => {
                 let cursor = decode_cursor(header, CLAIM_CURSOR_AT, stream_id, perspective)?;
-                let state = header.try_get(CLAIM_STATE_AT).map_err(decode_error)?;
+                let state = header.column(CLAIM_STATE_AT).map_err(decode_error)?;
                 let mut events = Vec::with_capacity(event_rows.len());
                 for row in event_rows {
                     match crate::decode(row, CLAIM_EVENT_AT, stream_id, &self.upcasters) {
@@ -733,7 +732,7 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
                             // The id is read on its own: only the payload (or another column)
                             // is bad.
                             let event_id: Uuid =
-                                row.try_get(CLAIM_EVENT_AT).map_err(decode_error)?;
+                                row.column(CLAIM_EVENT_AT).map_err(decode_error)?;
                             return Ok(Claim::Unreadable {
                                 cursor,
                                 state,
@@ -750,7 +749,7 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
                     cursor,
                     state,
                     events,
-                    claimed_at: Some(header.try_get(CLAIM_CLOCK_AT).map_err(decode_error)?),
+                    claimed_at: Some(header.column(CLAIM_CLOCK_AT).map_err(decode_error)?),
                 })
             }
             other => Err(Error::new(
@@ -796,11 +795,12 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
                 return Ok(Committed::new(revision, false));
             }
             // The change and the COMMIT in one round trip: a refusal is an error at the server,
-            // which makes the COMMIT a rollback. Without a fence nothing is released.
+            // which makes the COMMIT a rollback. Without a fence nothing is released. (On sqlx:
+            // the change, then the COMMIT — a round trip more.)
             let params = CommitParams::new(commit, self.keep_snapshots)?;
             let params = params.as_params();
             let rows = tx
-                .commit_returning(sql::COMMIT_RELEASE_OR_REFUSE, &params, |e| {
+                .commit_last(sql::COMMIT_RELEASE_OR_REFUSE, &params, |e| {
                     refused_or_statement_error(e, commit)
                 })
                 .await?;
@@ -811,7 +811,7 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
                 )
             })?;
             let revision = commit_outcome(row, commit)?;
-            let released: Option<bool> = row.try_get(2).map_err(decode_error)?;
+            let released: Option<bool> = row.column(2).map_err(decode_error)?;
             Ok(Committed::new(revision, released.unwrap_or(false)))
         }
     }
@@ -825,22 +825,21 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
     ) -> Result<bool> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::SAVE_SNAPSHOT,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&expected_revision, Type::INT8),
-                    (&self.keep_snapshots, Type::INT4),
-                    (&holder, Type::UUID),
-                    (&epoch, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "saving a perspective snapshot"))?;
-        let outcome: String = row.try_get(0).map_err(decode_error)?;
+        let row = query_one(
+            tx,
+            sql::SAVE_SNAPSHOT,
+            &[
+                &stream_id.as_uuid(),
+                &perspective.as_str(),
+                &expected_revision,
+                &self.keep_snapshots,
+                &holder,
+                &epoch,
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "saving a perspective snapshot"))?;
+        let outcome: String = row.column(0).map_err(decode_error)?;
         match outcome.as_str() {
             "saved" => Ok(true),
             "unchanged" => Ok(false),
@@ -855,20 +854,14 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
     async fn purge(&self, tx: &T, pair: &Pair, fence: Option<&LeaseId>) -> Result<()> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let (holder, epoch) = fence_params(fence, stream_id, perspective)?;
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::PURGE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&holder, Type::UUID),
-                    (&epoch, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "purging a perspective pair"))?;
-        let outcome: String = row.try_get(0).map_err(decode_error)?;
+        let row = query_one(
+            tx,
+            sql::PURGE,
+            &[&stream_id.as_uuid(), &perspective.as_str(), &holder, &epoch],
+        )
+        .await
+        .map_err(|e| statement_error(e, "purging a perspective pair"))?;
+        let outcome: String = row.column(0).map_err(decode_error)?;
         match outcome.as_str() {
             "purged" | "no_cursor" => Ok(()),
             "lease_lost" => Err(lease_lost()),
@@ -880,20 +873,16 @@ impl<T: PgTransactionRef> PairWork<T> for PgPerspectiveStore {
     }
 }
 
-impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> PerspectiveReads<T> for PgPerspectiveStore {
     async fn cursor(&self, tx: &T, pair: &Pair) -> Result<Option<Cursor>> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::CURSOR,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
+        let row = query_opt(
+            tx,
+            sql::CURSOR,
+            &[&stream_id.as_uuid(), &perspective.as_str()],
+        )
+        .await
+        .map_err(|e| statement_error(e, "reading a perspective cursor"))?;
         row.map(|row| decode_cursor(&row, 0, stream_id, perspective))
             .transpose()
     }
@@ -904,21 +893,17 @@ impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
         pair: &Pair,
     ) -> Result<Option<(Cursor, Option<serde_json::Value>)>> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::STATE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading a perspective state"))?;
+        let row = query_opt(
+            tx,
+            sql::STATE,
+            &[&stream_id.as_uuid(), &perspective.as_str()],
+        )
+        .await
+        .map_err(|e| statement_error(e, "reading a perspective state"))?;
         row.map(|row| {
             Ok((
                 decode_cursor(&row, 0, stream_id, perspective)?,
-                row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
+                row.column(CURSOR_COLUMNS).map_err(decode_error)?,
             ))
         })
         .transpose()
@@ -927,18 +912,14 @@ impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
     async fn pending_events(&self, tx: &T, pair: &Pair) -> Result<Vec<Uuid>> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let rows = tx
-            .executor()
-            .query_typed(
+            .query(
                 sql::PENDING_EVENTS,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
+                &[&stream_id.as_uuid(), &perspective.as_str()],
             )
             .await
             .map_err(|e| statement_error(e, "reading a pair's pending work"))?;
         rows.iter()
-            .map(|row| row.try_get(0).map_err(decode_error))
+            .map(|row| row.column(0).map_err(decode_error))
             .collect()
     }
 
@@ -949,11 +930,7 @@ impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
         after: Option<Uuid>,
     ) -> Result<Vec<RecordedEvent>> {
         let rows = tx
-            .executor()
-            .query_typed(
-                sql::STREAM_EVENTS,
-                &[(&stream_id.as_uuid(), Type::UUID), (&after, Type::UUID)],
-            )
+            .query(sql::STREAM_EVENTS, &[&stream_id.as_uuid(), &after])
             .await
             .map_err(|e| statement_error(e, "reading a stream in event-id order"))?;
         rows.iter()
@@ -973,34 +950,25 @@ impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
         let limit = limit as i64;
         let rows = match after {
             None => {
-                tx.executor()
-                    .query_typed(
-                        sql::STATES_FIRST,
-                        &[(&perspective.as_str(), Type::TEXT), (&limit, Type::INT8)],
-                    )
+                tx.query(sql::STATES_FIRST, &[&perspective.as_str(), &limit])
                     .await
             }
             Some(after) => {
-                tx.executor()
-                    .query_typed(
-                        sql::STATES_AFTER,
-                        &[
-                            (&perspective.as_str(), Type::TEXT),
-                            (&limit, Type::INT8),
-                            (&after.as_uuid(), Type::UUID),
-                        ],
-                    )
-                    .await
+                tx.query(
+                    sql::STATES_AFTER,
+                    &[&perspective.as_str(), &limit, &after.as_uuid()],
+                )
+                .await
             }
         }
         .map_err(|e| statement_error(e, "reading a page of perspective states"))?;
         rows.iter()
             .map(|row| {
-                let stream: Uuid = row.try_get(CURSOR_COLUMNS + 1).map_err(decode_error)?;
+                let stream: Uuid = row.column(CURSOR_COLUMNS + 1).map_err(decode_error)?;
                 let stream_id = StreamId::from_uuid(stream);
                 Ok(StoredState::new(
                     decode_cursor(row, 0, stream_id, perspective)?,
-                    row.try_get(CURSOR_COLUMNS).map_err(decode_error)?,
+                    row.column(CURSOR_COLUMNS).map_err(decode_error)?,
                 ))
             })
             .collect()
@@ -1014,29 +982,24 @@ impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
         up_to: Uuid,
     ) -> Result<PendingThrough> {
         let stream = stream_id.map(|s| s.as_uuid());
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::PENDING_THROUGH,
-                &[
-                    (&perspective.as_str(), Type::TEXT),
-                    (&stream, Type::UUID),
-                    (&up_to, Type::UUID),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading what a perspective has not applied yet"))?;
+        let row = query_one(
+            tx,
+            sql::PENDING_THROUGH,
+            &[&perspective.as_str(), &stream, &up_to],
+        )
+        .await
+        .map_err(|e| statement_error(e, "reading what a perspective has not applied yet"))?;
         let count = |i: usize| -> Result<u64> {
-            let n: i64 = row.try_get(i).map_err(decode_error)?;
+            let n: i64 = row.column(i).map_err(decode_error)?;
             Ok(u64::try_from(n).unwrap_or(0))
         };
         let mut pending = PendingThrough::default();
         pending.events = count(0)?;
         pending.rewinds = count(1)?;
         pending.parked = count(2)?;
-        pending.error = row.try_get(3).map_err(decode_error)?;
-        let registration: &str = row.try_get(4).map_err(decode_error)?;
-        pending.registration = Some(match registration {
+        pending.error = row.column(3).map_err(decode_error)?;
+        let registration: String = row.column(4).map_err(decode_error)?;
+        pending.registration = Some(match registration.as_str() {
             "registered" => Registration::Registered,
             "retired" => Registration::Retired,
             _ => Registration::NotRegistered,
@@ -1048,29 +1011,25 @@ impl<T: PgTransactionRef> PerspectiveReads<T> for PgPerspectiveStore {
     async fn skipped_events(&self, tx: &T, pair: &Pair) -> Result<Vec<SkippedEvent>> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let rows = tx
-            .executor()
-            .query_typed(
+            .query(
                 sql::SKIPPED_EVENTS,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
+                &[&stream_id.as_uuid(), &perspective.as_str()],
             )
             .await
             .map_err(|e| statement_error(e, "reading a pair's skipped events"))?;
         rows.iter()
             .map(|row| {
                 Ok(SkippedEvent::new(
-                    row.try_get(0).map_err(decode_error)?,
-                    row.try_get::<_, String>(1).map_err(decode_error)?,
-                    row.try_get(2).map_err(decode_error)?,
+                    row.column(0).map_err(decode_error)?,
+                    row.column::<String>(1).map_err(decode_error)?,
+                    row.column(2).map_err(decode_error)?,
                 ))
             })
             .collect()
     }
 }
 
-impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> RewindReads<T> for PgPerspectiveStore {
     async fn load_rewind(
         &self,
         tx: &T,
@@ -1086,19 +1045,8 @@ impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
         // page's rows would otherwise all be held (with their share of the connection's read
         // buffers) next to the events decoded from them (ADR 0029: a full replay of 20 000
         // events 24 % faster).
-        let rows = tx
-            .executor()
-            .query_typed_raw(
-                sql::LOAD_REWIND,
-                [
-                    (&stream as &(dyn ToSql + Sync), Type::UUID),
-                    (&name as &(dyn ToSql + Sync), Type::TEXT),
-                    (&rows_limit as &(dyn ToSql + Sync), Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, DOING))?;
-        let mut rows = std::pin::pin!(rows);
+        let params: [&dyn Param; 3] = [&stream, &name, &rows_limit];
+        let mut rows = tx.query_rows(sql::LOAD_REWIND, &params);
         // The header is the row of part 0 (the function returns it first); checked here, not
         // assumed. The events stop at the first that
         // does not fit the page: the rest of the rows are not read (the connection discards
@@ -1110,7 +1058,7 @@ impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
             .await
             .map_err(|e| statement_error(e, DOING))?
         {
-            let part: i32 = row.try_get(0).map_err(decode_error)?;
+            let part: i32 = row.column(0).map_err(decode_error)?;
             if part == 0 && header.is_none() {
                 header = Some(decode_rewind_header(&row, stream_id, perspective)?);
             } else if !events.take(&row, LOAD_EVENT_AT, stream_id, &self.upcasters)?
@@ -1147,18 +1095,8 @@ impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let (stream, name) = (stream_id.as_uuid(), perspective.as_str());
         let rows_limit = page_rows(page);
-        let params: [(&(dyn ToSql + Sync), Type); 4] = [
-            (&stream, Type::UUID),
-            (&name, Type::TEXT),
-            (&rows_limit, Type::INT8),
-            (&after, Type::UUID),
-        ];
-        let rows = tx
-            .executor()
-            .query_typed_raw(sql::REWIND_EVENTS, params)
-            .await
-            .map_err(|e| statement_error(e, DOING))?;
-        let mut rows = std::pin::pin!(rows);
+        let params: [&dyn Param; 4] = [&stream, &name, &rows_limit, &after];
+        let mut rows = tx.query_rows(sql::REWIND_EVENTS, &params);
         let mut events = PageCut::new(page);
         while let Some(row) = rows
             .try_next()
@@ -1177,23 +1115,18 @@ impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
 
     async fn snapshot_before(&self, tx: &T, pair: &Pair, before: Uuid) -> Result<Option<Snapshot>> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::SNAPSHOT_BEFORE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&before, Type::UUID),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "reading a perspective snapshot"))?;
+        let row = query_opt(
+            tx,
+            sql::SNAPSHOT_BEFORE,
+            &[&stream_id.as_uuid(), &perspective.as_str(), &before],
+        )
+        .await
+        .map_err(|e| statement_error(e, "reading a perspective snapshot"))?;
         row.map(|row| {
-            let applied: i64 = row.try_get(2).map_err(decode_error)?;
+            let applied: i64 = row.column(2).map_err(decode_error)?;
             Ok(Snapshot {
-                event_id: row.try_get(0).map_err(decode_error)?,
-                state: row.try_get(1).map_err(decode_error)?,
+                event_id: row.column(0).map_err(decode_error)?,
+                state: row.column(1).map_err(decode_error)?,
                 applied_count: stored_count(applied)?,
             })
         })
@@ -1205,41 +1138,35 @@ impl<T: PgTransactionRef> RewindReads<T> for PgPerspectiveStore {
     }
 }
 
-impl<T: PgTransactionRef> PerspectiveAdmin<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> PerspectiveAdmin<T> for PgPerspectiveStore {
     async fn request_rewind(&self, tx: &T, pair: &Pair, from: Option<Uuid>) -> Result<bool> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let from = from.unwrap_or(Uuid::nil());
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::REQUEST_REWIND,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&from, Type::UUID),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "requesting a rewind"))?;
+        let row = query_opt(
+            tx,
+            sql::REQUEST_REWIND,
+            &[&stream_id.as_uuid(), &perspective.as_str(), &from],
+        )
+        .await
+        .map_err(|e| statement_error(e, "requesting a rewind"))?;
         Ok(row.is_some())
     }
 
     async fn perspective_status(&self, tx: &T) -> Result<Vec<PerspectiveStatus>> {
         let rows = tx
-            .executor()
-            .query_typed(sql::PERSPECTIVE_STATUS, &[])
+            .query(sql::PERSPECTIVE_STATUS, &[])
             .await
             .map_err(|e| statement_error(e, "reading the perspectives' status"))?;
         rows.iter()
             .map(|row| {
                 let count = |i: usize| -> Result<u64> {
-                    stored_count(row.try_get(i).map_err(decode_error)?)
+                    stored_count(row.column(i).map_err(decode_error)?)
                 };
                 let mut status =
-                    PerspectiveStatus::new(stored_name(row.try_get(0).map_err(decode_error)?)?);
+                    PerspectiveStatus::new(stored_name(row.column(0).map_err(decode_error)?)?);
                 status.pairs = count(1)?;
                 status.pending_events = count(2)?;
-                let age: Option<i64> = row.try_get(3).map_err(decode_error)?;
+                let age: Option<i64> = row.column(3).map_err(decode_error)?;
                 // A clock that went back makes an age below zero: none waited.
                 status.oldest_pending_age =
                     age.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)));
@@ -1286,17 +1213,13 @@ impl<T: PgTransactionRef> PerspectiveAdmin<T> for PgPerspectiveStore {
 
     async fn unpark(&self, tx: &T, pair: &Pair) -> Result<bool> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::UNPARK,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "retrying a perspective pair"))?;
+        let row = query_opt(
+            tx,
+            sql::UNPARK,
+            &[&stream_id.as_uuid(), &perspective.as_str()],
+        )
+        .await
+        .map_err(|e| statement_error(e, "retrying a perspective pair"))?;
         Ok(row.is_some())
     }
 
@@ -1304,20 +1227,19 @@ impl<T: PgTransactionRef> PerspectiveAdmin<T> for PgPerspectiveStore {
         SkippedEvent::check_reason(reason)?;
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
         let reason = reason.replace('\0', "\u{FFFD}");
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::SKIP_EVENT,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&event_id, Type::UUID),
-                    (&reason, Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "skipping an event of a perspective pair"))?;
-        let skipped: i64 = row.try_get(0).map_err(decode_error)?;
+        let row = query_one(
+            tx,
+            sql::SKIP_EVENT,
+            &[
+                &stream_id.as_uuid(),
+                &perspective.as_str(),
+                &event_id,
+                &reason,
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "skipping an event of a perspective pair"))?;
+        let skipped: i64 = row.column(0).map_err(decode_error)?;
         Ok(skipped > 0)
     }
 
@@ -1331,25 +1253,21 @@ impl<T: PgTransactionRef> PerspectiveAdmin<T> for PgPerspectiveStore {
     }
 }
 
-impl<T: PgTransactionRef> PerspectiveLifecycle<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> PerspectiveLifecycle<T> for PgPerspectiveStore {
     async fn register(&self, tx: &T, perspectives: &[PerspectiveName]) -> Result<()> {
         use std::sync::atomic::Ordering;
         if !self.schema_checked.load(Ordering::Acquire) {
-            lockstep_pg::migrate::check_schema_on(tx.executor()).await?;
+            tx.check_schema().await?;
             self.schema_checked.store(true, Ordering::Release);
         }
         let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
-        tx.executor()
-            .query_typed_one(
-                sql::REGISTER,
-                &[
-                    (&names, Type::TEXT_ARRAY),
-                    (&self.change_queue_us, Type::INT8),
-                    (&self.change_give_up_us, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "registering perspectives"))?;
+        query_one(
+            tx,
+            sql::REGISTER,
+            &[&names, &self.change_queue_us, &self.change_give_up_us],
+        )
+        .await
+        .map_err(|e| statement_error(e, "registering perspectives"))?;
         Ok(())
     }
 
@@ -1385,7 +1303,7 @@ impl<T: PgTransactionRef> PerspectiveLifecycle<T> for PgPerspectiveStore {
     }
 }
 
-impl<T: PgTransactionRef> CursorRows<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> CursorRows<T> for PgPerspectiveStore {
     async fn pending_pairs(
         &self,
         tx: &T,
@@ -1398,30 +1316,23 @@ impl<T: PgTransactionRef> CursorRows<T> for PgPerspectiveStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
         let rows = tx
-            .executor()
-            .query_typed(
+            .query(
                 sql::PENDING_PAIRS,
-                &[
-                    (&instance.as_uuid(), Type::UUID),
-                    (&window, Type::INT8),
-                    (&limit, Type::INT8),
-                    (&max_delay, Type::INT8),
-                    (&names, Type::TEXT_ARRAY),
-                ],
+                &[&instance.as_uuid(), &window, &limit, &max_delay, &names],
             )
             .await
             .map_err(|e| statement_error(e, "listing pending perspective pairs"))?;
         rows.iter()
             .map(|row| {
-                let name: String = row.try_get(1).map_err(decode_error)?;
-                let pending: i64 = row.try_get(2).map_err(decode_error)?;
+                let name: String = row.column(1).map_err(decode_error)?;
+                let pending: i64 = row.column(2).map_err(decode_error)?;
                 Ok(PendingPair {
                     pair: Pair::new(
-                        StreamId::from_uuid(row.try_get(0).map_err(decode_error)?),
+                        StreamId::from_uuid(row.column(0).map_err(decode_error)?),
                         stored_name(name)?,
                     ),
                     pending: stored_count(pending)?,
-                    rewind: row.try_get(3).map_err(decode_error)?,
+                    rewind: row.column(3).map_err(decode_error)?,
                 })
             })
             .collect()
@@ -1429,48 +1340,40 @@ impl<T: PgTransactionRef> CursorRows<T> for PgPerspectiveStore {
 
     async fn ensure_cursor(&self, tx: &T, pair: &Pair) -> Result<bool> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::ENSURE_CURSOR,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "creating a perspective cursor"))?;
+        let row = query_opt(
+            tx,
+            sql::ENSURE_CURSOR,
+            &[&stream_id.as_uuid(), &perspective.as_str()],
+        )
+        .await
+        .map_err(|e| statement_error(e, "creating a perspective cursor"))?;
         Ok(row.is_some())
     }
 
     async fn delete_cursor(&self, tx: &T, pair: &Pair) -> Result<bool> {
         let (stream_id, perspective) = (pair.stream_id, &pair.perspective);
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::DELETE_CURSOR,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "deleting a perspective cursor"))?;
+        let row = query_opt(
+            tx,
+            sql::DELETE_CURSOR,
+            &[&stream_id.as_uuid(), &perspective.as_str()],
+        )
+        .await
+        .map_err(|e| statement_error(e, "deleting a perspective cursor"))?;
         Ok(row.is_some())
     }
 }
 
 /// The cursor columns of [`sql`] (`CURSOR_COLUMNS` of them, in the order of `cursor_columns!`),
 /// starting at `at`.
-fn decode_cursor(
-    row: &Row,
+fn decode_cursor<R: Columns>(
+    row: &R,
     at: usize,
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> Result<Cursor> {
-    let trigger: Option<Uuid> = row.try_get(at + 3).map_err(decode_error)?;
-    let flagged_at: Option<OffsetDateTime> = row.try_get(at + 4).map_err(decode_error)?;
-    let first_flagged_at: Option<OffsetDateTime> = row.try_get(at + 5).map_err(decode_error)?;
+    let trigger: Option<Uuid> = row.column(at + 3).map_err(decode_error)?;
+    let flagged_at: Option<OffsetDateTime> = row.column(at + 4).map_err(decode_error)?;
+    let first_flagged_at: Option<OffsetDateTime> = row.column(at + 5).map_err(decode_error)?;
     let rewind = match (trigger, flagged_at, first_flagged_at) {
         (None, _, _) => None,
         (Some(trigger), Some(flagged_at), first) => Some(RewindRequest {
@@ -1485,22 +1388,22 @@ fn decode_cursor(
             ));
         }
     };
-    let applied: i64 = row.try_get(at + 2).map_err(decode_error)?;
-    let failures: i32 = row.try_get(at + 7).map_err(decode_error)?;
-    let holder: Option<Uuid> = row.try_get(at + 9).map_err(decode_error)?;
-    let reason: Option<String> = row.try_get(at + 10).map_err(decode_error)?;
+    let applied: i64 = row.column(at + 2).map_err(decode_error)?;
+    let failures: i32 = row.column(at + 7).map_err(decode_error)?;
+    let holder: Option<Uuid> = row.column(at + 9).map_err(decode_error)?;
+    let reason: Option<String> = row.column(at + 10).map_err(decode_error)?;
     let mut cursor = Cursor::new(Pair::new(stream_id, perspective.clone()));
-    cursor.last_event_id = row.try_get(at).map_err(decode_error)?;
-    cursor.revision = row.try_get(at + 1).map_err(decode_error)?;
+    cursor.last_event_id = row.column(at).map_err(decode_error)?;
+    cursor.revision = row.column(at + 1).map_err(decode_error)?;
     cursor.applied_count = stored_count(applied)?;
     cursor.rewind = rewind;
-    cursor.error = row.try_get(at + 6).map_err(decode_error)?;
+    cursor.error = row.column(at + 6).map_err(decode_error)?;
     cursor.failures = u32::try_from(failures)
         .map_err(|_| Error::new(ErrorKind::Backend, "a stored failure count is negative"))?;
-    cursor.latest_snapshot = row.try_get(at + 8).map_err(decode_error)?;
-    cursor.failed_event_id = row.try_get(at + 13).map_err(decode_error)?;
-    cursor.retry_at = row.try_get(at + 14).map_err(decode_error)?;
-    cursor.parked_at = row.try_get(at + 15).map_err(decode_error)?;
+    cursor.latest_snapshot = row.column(at + 8).map_err(decode_error)?;
+    cursor.failed_event_id = row.column(at + 13).map_err(decode_error)?;
+    cursor.retry_at = row.column(at + 14).map_err(decode_error)?;
+    cursor.parked_at = row.column(at + 15).map_err(decode_error)?;
     cursor.lease = CursorLease {
         holder: holder.map(InstanceId::from_uuid).transpose()?,
         reason: reason
@@ -1511,8 +1414,8 @@ fn decode_cursor(
                 })
             })
             .transpose()?,
-        expires_at: row.try_get(at + 11).map_err(decode_error)?,
-        epoch: LeaseEpoch::new(row.try_get(at + 12).map_err(decode_error)?),
+        expires_at: row.column(at + 11).map_err(decode_error)?,
+        epoch: LeaseEpoch::new(row.column(at + 12).map_err(decode_error)?),
     };
     Ok(cursor)
 }
@@ -1540,10 +1443,9 @@ fn fence_params(
 
 impl PgPerspectiveStore {
     /// Sends a state change (`COMMIT`) after checking it: the row of outcome and revision.
-    async fn send_commit<T: PgTransactionRef>(&self, tx: &T, commit: &StateCommit) -> Result<Row> {
+    async fn send_commit<T: Executor + ?Sized>(&self, tx: &T, commit: &StateCommit) -> Result<Row> {
         let params = CommitParams::new(commit, self.keep_snapshots)?;
-        tx.executor()
-            .query_typed_one(sql::COMMIT, &params.as_params())
+        query_one(tx, sql::COMMIT, &params.as_params())
             .await
             .map_err(|e| statement_error(e, "committing a perspective state"))
     }
@@ -1580,21 +1482,21 @@ impl<'c> CommitParams<'c> {
         })
     }
 
-    fn as_params(&self) -> [(&(dyn ToSql + Sync), Type); 12] {
+    fn as_params(&self) -> [&dyn Param; 12] {
         let c = self.commit;
         [
-            (&self.stream, Type::UUID),
-            (&self.perspective, Type::TEXT),
-            (&c.expected_revision, Type::INT8),
-            (&c.state, Type::JSONB),
-            (&c.last_event_id, Type::UUID),
-            (&self.applied_count, Type::INT8),
-            (&c.applied_events, Type::UUID_ARRAY),
-            (&c.rewound_from, Type::UUID),
-            (&c.snapshot, Type::BOOL),
-            (&self.keep, Type::INT4),
-            (&self.holder, Type::UUID),
-            (&self.epoch, Type::INT8),
+            &self.stream,
+            &self.perspective,
+            &c.expected_revision,
+            &c.state,
+            &c.last_event_id,
+            &self.applied_count,
+            &c.applied_events,
+            &c.rewound_from,
+            &c.snapshot,
+            &self.keep,
+            &self.holder,
+            &self.epoch,
         ]
     }
 }
@@ -1602,20 +1504,18 @@ impl<'c> CommitParams<'c> {
 /// A refusal of `lockstep_perspective_commit_release_or_refuse` (SQLSTATE `LSREF`: the outcome
 /// in the message, the revision found in the detail) as the error a refused row gives;
 /// anything else as a statement error.
-fn refused_or_statement_error(err: tokio_postgres::Error, commit: &StateCommit) -> Error {
-    if let Some(db) = err.as_db_error()
-        && db.code().code() == "LSREF"
-    {
-        let found = db.detail().and_then(|d| d.parse::<i64>().ok());
-        return refusal(db.message(), found, commit);
+fn refused_or_statement_error(err: DbError, commit: &StateCommit) -> Error {
+    if err.code() == Some("LSREF") {
+        let found = err.detail().and_then(|d| d.parse::<i64>().ok());
+        return refusal(err.message().unwrap_or_default(), found, commit);
     }
     statement_error(err, "committing a perspective state")
 }
 
 /// The new revision of a commit's row (outcome, revision), or its refusal as an error.
 fn commit_outcome(row: &Row, commit: &StateCommit) -> Result<i64> {
-    let outcome: String = row.try_get(0).map_err(decode_error)?;
-    let revision: Option<i64> = row.try_get(1).map_err(decode_error)?;
+    let outcome: String = row.column(0).map_err(decode_error)?;
+    let revision: Option<i64> = row.column(1).map_err(decode_error)?;
     match (outcome.as_str(), revision) {
         ("committed", Some(revision)) => Ok(revision),
         (other, found) => Err(refusal(other, found, commit)),
@@ -1694,21 +1594,21 @@ fn stored_name(name: String) -> Result<PerspectiveName> {
 
 /// The header row of a rewind's read ([`sql::LOAD_REWIND`]): the cursor, and the latest
 /// snapshot before the request's trigger.
-fn decode_rewind_header(
-    header: &Row,
+fn decode_rewind_header<R: Columns>(
+    header: &R,
     stream_id: StreamId,
     perspective: &PerspectiveName,
 ) -> Result<(Cursor, Option<Snapshot>)> {
     let cursor = decode_cursor(header, LOAD_CURSOR_AT, stream_id, perspective)?;
     let snapshot = match header
-        .try_get::<_, Option<Uuid>>(LOAD_SNAPSHOT_AT)
+        .column::<Option<Uuid>>(LOAD_SNAPSHOT_AT)
         .map_err(decode_error)?
     {
         Some(event_id) => {
-            let applied: i64 = header.try_get(LOAD_SNAPSHOT_AT + 2).map_err(decode_error)?;
+            let applied: i64 = header.column(LOAD_SNAPSHOT_AT + 2).map_err(decode_error)?;
             Some(Snapshot {
                 event_id,
-                state: header.try_get(LOAD_SNAPSHOT_AT + 1).map_err(decode_error)?,
+                state: header.column(LOAD_SNAPSHOT_AT + 1).map_err(decode_error)?,
                 applied_count: stored_count(applied)?,
             })
         }
@@ -1717,7 +1617,7 @@ fn decode_rewind_header(
     Ok((cursor, snapshot))
 }
 
-fn decode_error(err: tokio_postgres::Error) -> Error {
+fn decode_error(err: DbError) -> Error {
     Error::new(ErrorKind::Backend, "decoding a perspective-store row").with_source(err)
 }
 
@@ -1756,7 +1656,7 @@ impl PageCut {
     /// the rewind fails at that event, which an operator can skip, rather than at no event.
     fn take(
         &mut self,
-        row: &tokio_postgres::Row,
+        row: &Row,
         offset: usize,
         stream_id: StreamId,
         upcasters: &Upcasters,
@@ -1764,7 +1664,7 @@ impl PageCut {
         if self.more || self.unreadable.is_some() {
             return Ok(false);
         }
-        let size: Option<i64> = row.try_get(offset + 6).map_err(decode_error)?;
+        let size: Option<i64> = row.column(offset + 6).map_err(decode_error)?;
         let bytes = self
             .bytes
             .saturating_add(size.and_then(|n| u64::try_from(n).ok()).unwrap_or(0));
@@ -1778,7 +1678,7 @@ impl PageCut {
             Ok(event) => event,
             Err(err) => {
                 // The id is read on its own: only the payload (or another column) is bad.
-                let id: Uuid = row.try_get(offset).map_err(decode_error)?;
+                let id: Uuid = row.column(offset).map_err(decode_error)?;
                 self.unreadable = Some((
                     id,
                     lockstep_core::perspective_store::unreadable_event_message(id, &err),
@@ -1891,7 +1791,16 @@ mod tests {
     fn implemented_for_owned_and_borrowed_transactions<'t>()
     where
         PgPerspectiveStore: lockstep_core::PerspectiveStore<lockstep_pg::PgTransaction>
-            + lockstep_core::PerspectiveStore<tokio_postgres::Transaction<'t>>,
+            + lockstep_core::PerspectiveStore<tokio_postgres::Transaction<'t>>
+            + lockstep_core::PerspectiveStore<lockstep_pg::deadpool_postgres::Transaction<'t>>,
+    {
+    }
+
+    #[cfg(feature = "sqlx")]
+    #[allow(dead_code)]
+    fn implemented_for_sqlx_transactions()
+    where
+        PgPerspectiveStore: lockstep_core::PerspectiveStore<lockstep_pg::sqlx::SqlxTransaction>,
     {
     }
 }

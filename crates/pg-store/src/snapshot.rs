@@ -15,11 +15,11 @@ use lockstep_core::{
     AggregateSnapshot, AggregateType, Error, ErrorKind, LoadedStream, LockFirst, Result,
     SnapshotKey, SnapshotStore,
 };
-use lockstep_pg::driver::Columns as _;
-use lockstep_pg::internal::{self, check_isolation};
-use lockstep_pg::{PgTransaction, PgTransactionRef};
-use tokio_postgres::Row;
-use tokio_postgres::types::{ToSql, Type};
+use lockstep_pg::PgTransaction;
+use lockstep_pg::driver::{Columns, Executor, query_opt};
+use lockstep_pg::internal::{self, LockingTransaction, check_isolation};
+#[cfg(feature = "sqlx")]
+use lockstep_pg::sqlx::SqlxTransaction;
 
 use crate::{PgEventStore, decode_error};
 
@@ -53,61 +53,7 @@ impl SnapshotStore<PgTransaction> for PgEventStore {
         key: &SnapshotKey,
         lock: Option<LockFirst<'_>>,
     ) -> Result<LoadedStream> {
-        let stream = key.stream_id();
-        let schema_version = schema_int(key.schema_version())?;
-        let rows = match lock {
-            None => tx
-                .executor()
-                .query_typed(
-                    LOAD_FROM_SNAPSHOT,
-                    &[
-                        (&None::<i64> as &(dyn ToSql + Sync), Type::INT8),
-                        (&None::<String>, Type::TEXT),
-                        (&stream.as_uuid(), Type::UUID),
-                        (&key.aggregate_type().as_str(), Type::TEXT),
-                        (&schema_version, Type::INT4),
-                    ],
-                )
-                .await
-                .map_err(|e| {
-                    internal::statement_error(e, &format!("loading the snapshot of {stream}"))
-                })?,
-            Some(LockFirst {
-                key: lock_key,
-                timeout,
-            }) => {
-                internal::acquire_with(self.queue(), tx, lock_key, timeout, |call| async move {
-                    let rows = tx
-                        .client()
-                        .query_typed(
-                            LOAD_FROM_SNAPSHOT,
-                            &[
-                                (&Some(call.advisory_key) as &(dyn ToSql + Sync), Type::INT8),
-                                (&call.lock_timeout, Type::TEXT),
-                                (&stream.as_uuid(), Type::UUID),
-                                (&key.aggregate_type().as_str(), Type::TEXT),
-                                (&schema_version, Type::INT4),
-                            ],
-                        )
-                        .await
-                        .map_err(|e| {
-                            internal::statement_error(
-                                e,
-                                &format!("locking and loading the snapshot of {stream}"),
-                            )
-                        })?;
-                    if let Some(first) = rows.first() {
-                        check_isolation(
-                            first.try_get(0).map_err(|e| decode_error(e.into()))?,
-                            lock_key,
-                        )?;
-                    }
-                    Ok(rows)
-                })
-                .await?
-            }
-        };
-        self.decode_loaded(&rows, key)
+        self.load_snapshot_with(tx, key, lock).await
     }
 
     async fn save_snapshot(
@@ -116,27 +62,7 @@ impl SnapshotStore<PgTransaction> for PgEventStore {
         key: &SnapshotKey,
         snapshot: &AggregateSnapshot,
     ) -> Result<bool> {
-        check_snapshot(snapshot)?;
-        let version = i64::try_from(snapshot.version).map_err(|_| {
-            Error::new(ErrorKind::InvalidInput, "a snapshot's version is too large")
-        })?;
-        let stored = tx
-            .executor()
-            .query_typed_opt(
-                SAVE,
-                &[
-                    (&key.stream_id().as_uuid(), Type::UUID),
-                    (&key.aggregate_type().as_str(), Type::TEXT),
-                    (&schema_int(key.schema_version())?, Type::INT4),
-                    (&version, Type::INT8),
-                    (&snapshot.state, Type::JSONB),
-                ],
-            )
-            .await
-            .map_err(|e| {
-                internal::statement_error(e, &format!("saving the snapshot of {}", key.stream_id()))
-            })?;
-        Ok(stored.is_some())
+        save_with(tx, key, snapshot).await
     }
 
     async fn delete_snapshots(
@@ -145,28 +71,156 @@ impl SnapshotStore<PgTransaction> for PgEventStore {
         aggregate_type: &AggregateType,
         below_schema_version: Option<u32>,
     ) -> Result<u64> {
-        let below = below_schema_version.map(schema_int).transpose()?;
-        let rows = tx
-            .executor()
-            .query_typed(
-                DELETE,
-                &[(&aggregate_type.as_str(), Type::TEXT), (&below, Type::INT4)],
-            )
-            .await
-            .map_err(|e| {
-                internal::statement_error(e, &format!("deleting the snapshots of {aggregate_type}"))
-            })?;
-        let deleted: i64 = match rows.first() {
-            Some(row) => row.try_get(0).map_err(|e| decode_error(e.into()))?,
-            None => 0,
-        };
-        Ok(u64::try_from(deleted).unwrap_or(0))
+        delete_with(tx, aggregate_type, below_schema_version).await
+    }
+}
+
+/// The snapshot store on an sqlx transaction: the same statements, decoding and error mapping.
+#[cfg(feature = "sqlx")]
+impl SnapshotStore<SqlxTransaction> for PgEventStore {
+    async fn load_from_snapshot(
+        &self,
+        tx: &SqlxTransaction,
+        key: &SnapshotKey,
+        lock: Option<LockFirst<'_>>,
+    ) -> Result<LoadedStream> {
+        self.load_snapshot_with(tx, key, lock).await
+    }
+
+    async fn save_snapshot(
+        &self,
+        tx: &SqlxTransaction,
+        key: &SnapshotKey,
+        snapshot: &AggregateSnapshot,
+    ) -> Result<bool> {
+        save_with(tx, key, snapshot).await
+    }
+
+    async fn delete_snapshots(
+        &self,
+        tx: &SqlxTransaction,
+        aggregate_type: &AggregateType,
+        below_schema_version: Option<u32>,
+    ) -> Result<u64> {
+        delete_with(tx, aggregate_type, below_schema_version).await
     }
 }
 
 impl PgEventStore {
+    /// [`SnapshotStore::load_from_snapshot`] on either driver's transaction: one statement,
+    /// with the lock first (under `acquire_with`: the queue, the deadline, cancel-on-drop)
+    /// when asked.
+    async fn load_snapshot_with<T: LockingTransaction + ?Sized>(
+        &self,
+        tx: &T,
+        key: &SnapshotKey,
+        lock: Option<LockFirst<'_>>,
+    ) -> Result<LoadedStream> {
+        let stream = key.stream_id();
+        let schema_version = schema_int(key.schema_version())?;
+        let aggregate_type = key.aggregate_type().as_str();
+        let rows = match lock {
+            None => tx
+                .query(
+                    LOAD_FROM_SNAPSHOT,
+                    &[
+                        &None::<i64>,
+                        &None::<String>,
+                        &stream.as_uuid(),
+                        &aggregate_type,
+                        &schema_version,
+                    ],
+                )
+                .await
+                .map_err(|e| {
+                    internal::db_statement_error(e, &format!("loading the snapshot of {stream}"))
+                })?,
+            Some(LockFirst {
+                key: lock_key,
+                timeout,
+            }) => {
+                internal::acquire_with(self.queue(), tx, lock_key, timeout, |call| async move {
+                    let rows = tx
+                        .query(
+                            LOAD_FROM_SNAPSHOT,
+                            &[
+                                &Some(call.advisory_key),
+                                &call.lock_timeout,
+                                &stream.as_uuid(),
+                                &aggregate_type,
+                                &schema_version,
+                            ],
+                        )
+                        .await
+                        .map_err(|e| {
+                            internal::db_statement_error(
+                                e,
+                                &format!("locking and loading the snapshot of {stream}"),
+                            )
+                        })?;
+                    if let Some(first) = rows.first() {
+                        let refused: Option<String> = first.get(0).map_err(decode_error)?;
+                        check_isolation(refused.as_deref(), lock_key)?;
+                    }
+                    Ok(rows)
+                })
+                .await?
+            }
+        };
+        self.decode_loaded(&rows, key)
+    }
+}
+
+/// [`SnapshotStore::save_snapshot`] on either driver's transaction.
+async fn save_with<T: Executor + ?Sized>(
+    tx: &T,
+    key: &SnapshotKey,
+    snapshot: &AggregateSnapshot,
+) -> Result<bool> {
+    check_snapshot(snapshot)?;
+    let version = i64::try_from(snapshot.version)
+        .map_err(|_| Error::new(ErrorKind::InvalidInput, "a snapshot's version is too large"))?;
+    let stored = query_opt(
+        tx,
+        SAVE,
+        &[
+            &key.stream_id().as_uuid(),
+            &key.aggregate_type().as_str(),
+            &schema_int(key.schema_version())?,
+            &version,
+            &snapshot.state,
+        ],
+    )
+    .await
+    .map_err(|e| {
+        internal::db_statement_error(e, &format!("saving the snapshot of {}", key.stream_id()))
+    })?;
+    Ok(stored.is_some())
+}
+
+/// [`SnapshotStore::delete_snapshots`] on either driver's transaction.
+async fn delete_with<T: Executor + ?Sized>(
+    tx: &T,
+    aggregate_type: &AggregateType,
+    below_schema_version: Option<u32>,
+) -> Result<u64> {
+    let below = below_schema_version.map(schema_int).transpose()?;
+    let rows = tx
+        .query(DELETE, &[&aggregate_type.as_str(), &below])
+        .await
+        .map_err(|e| {
+            internal::db_statement_error(e, &format!("deleting the snapshots of {aggregate_type}"))
+        })?;
+    let deleted: i64 = match rows.first() {
+        Some(row) => row.get(0).map_err(decode_error)?,
+        None => 0,
+    };
+    Ok(u64::try_from(deleted).unwrap_or(0))
+}
+
+impl PgEventStore {
     /// The snapshot row (if first) and the events after it.
-    fn decode_loaded(&self, rows: &[Row], key: &SnapshotKey) -> Result<LoadedStream> {
+    fn decode_loaded<R: Columns>(&self, rows: &[R], key: &SnapshotKey) -> Result<LoadedStream> {
         let mut loaded = LoadedStream::default();
         let mut rows = rows.iter().peekable();
         if let Some(first) = rows.peek() {

@@ -184,3 +184,42 @@ async fn a_stale_expected_version_is_the_same_typed_conflict_on_sqlx() {
     let conflict = lockstep_core::version_conflict(&err).expect("a version conflict");
     assert_eq!(conflict.actual(), Some(1));
 }
+
+/// On a database that was never migrated, the stores on sqlx say what to do, as on
+/// tokio-postgres: the event store with the server's message and SQLSTATE, a registration (a
+/// worker's start) with the schema check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_an_unmigrated_database_the_stores_on_sqlx_say_to_run_the_migrations() {
+    use lockstep_core::perspective_store::prelude::*;
+
+    let db = test_database().await;
+    let source = SqlxDatabase::new(db.sqlx_pool(2));
+    let task = tokio::spawn(async move {
+        let store = PgEventStore::for_sqlx(&source);
+        let tx: SqlxTransaction = source.begin().await?;
+        let event = NewEvent::new("Happened", serde_json::json!({}))?;
+        let append = store
+            .append(&tx, StreamId::new_v7(), ExpectedVersion::Any, &[event])
+            .await
+            .expect_err("no schema");
+        tx.rollback().await?;
+
+        let tx: SqlxTransaction = source.begin().await?;
+        let name = lockstep_core::PerspectiveName::new("Unmigrated")?;
+        let register = lockstep_pg_store::PgPerspectiveStore::new()
+            .register(&tx, std::slice::from_ref(&name))
+            .await
+            .expect_err("no schema");
+        tx.rollback().await?;
+        Ok::<_, lockstep_core::Error>((append, register))
+    });
+    let (append, register) = task.await.expect("task").expect("transactions");
+    let shown = append.to_string();
+    assert!(shown.contains("lockstep_pg::migrate"), "{shown}");
+    assert!(shown.contains("SQLSTATE 42"), "{shown}");
+    assert_eq!(
+        lockstep_pg::migrate::SchemaMismatch::of(&register),
+        Some(&lockstep_pg::migrate::SchemaMismatch::NotInstalled),
+        "{register:?}"
+    );
+}

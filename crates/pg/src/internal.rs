@@ -46,3 +46,10 @@ pub fn db_kind_of(err: &crate::driver::DbError) -> lockstep_core::ErrorKind {
 pub fn kind_of(err: &tokio_postgres::Error) -> lockstep_core::ErrorKind {
     crate::error::kind_of(err)
 }
+
+/// [`crate::migrate::check_schema_on`] on either driver's executor.
+pub async fn check_schema_with<E: crate::driver::Executor + ?Sized>(
+    conn: &E,
+) -> lockstep_core::Result<crate::migrate::InstalledSchema> {
+    crate::migrate::check_schema_with(conn).await
+}

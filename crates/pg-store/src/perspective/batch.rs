@@ -10,35 +10,14 @@ use lockstep_core::{
     BatchClaim, BatchCommitted, BatchEntry, ClaimedBatch, ClaimedPair, ClaimedWork, Error,
     ErrorKind, PerspectiveName, RecordedEvent, Result, StreamId, Upcasters,
 };
-use lockstep_pg::PgTransactionRef;
-use lockstep_pg::internal::statement_error;
-use tokio_postgres::GenericClient;
-use tokio_postgres::Row;
-use tokio_postgres::types::{FromSql, Type};
+use lockstep_pg::driver::{Columns as _, Executor, ReceivedLen, Row};
+use lockstep_pg::internal::db_statement_error as statement_error;
 use uuid::Uuid;
 
 use super::{
     BATCH_CURSOR_AT, BATCH_STATE_AT, BATCH_WORK_AT, backoff_micros, check_json, count_param,
     decode_cursor, decode_error, fence_params, micros, sql,
 };
-
-/// The length of a column's value as it arrived, whatever its type: for `jsonb`, a version
-/// byte and the JSON text — what decoding it holds, where `pg_column_size` on the server
-/// counts a large value compressed.
-struct ReceivedLen(usize);
-
-impl<'a> FromSql<'a> for ReceivedLen {
-    fn from_sql(
-        _: &Type,
-        raw: &'a [u8],
-    ) -> std::result::Result<Self, Box<dyn std::error::Error + Sync + Send>> {
-        Ok(ReceivedLen(raw.len()))
-    }
-
-    fn accepts(_: &Type) -> bool {
-        true
-    }
-}
 
 /// A pair to apply, claimed by the first statement, waiting for its events.
 struct Apply {
@@ -67,7 +46,7 @@ enum Claimed {
 /// Claims a batch in two statements (ADR 0022 §2): `lockstep_perspective_claim_pairs` walks,
 /// locks and judges the pairs and gives each pair to apply its work rows' ids; `CLAIM_EVENTS`
 /// reads their events, each pair's as one range of `wh_events`, within the byte bound.
-pub(super) async fn claim<T: PgTransactionRef>(
+pub(super) async fn claim<T: Executor + ?Sized>(
     tx: &T,
     request: &BatchClaim,
     upcasters: &Upcasters,
@@ -88,18 +67,17 @@ pub(super) async fn claim<T: PgTransactionRef>(
         .map(|(_, s)| s.map(|s| s.as_uuid()))
         .collect();
     let rows = tx
-        .executor()
-        .query_typed(
+        .query(
             sql::CLAIM_PAIRS,
             &[
-                (&names, Type::TEXT_ARRAY),
-                (&after, Type::UUID_ARRAY),
-                (&int(limits.pairs), Type::INT4),
-                (&int(limits.events_per_pair), Type::INT4),
-                (&int(limits.events), Type::INT4),
-                (&int(limits.scan), Type::INT4),
-                (&window, Type::INT8),
-                (&max_delay, Type::INT8),
+                &names,
+                &after,
+                &int(limits.pairs),
+                &int(limits.events_per_pair),
+                &int(limits.events),
+                &int(limits.scan),
+                &window,
+                &max_delay,
             ],
         )
         .await
@@ -122,9 +100,9 @@ pub(super) async fn claim<T: PgTransactionRef>(
     let mut claimed = Vec::new();
     let mut applies: Vec<Apply> = Vec::new();
     for row in &rows {
-        let kind: String = row.try_get(0).map_err(decode_error)?;
-        let stream: Option<Uuid> = row.try_get(1).map_err(decode_error)?;
-        let name: String = row.try_get(2).map_err(decode_error)?;
+        let kind: String = row.column(0).map_err(decode_error)?;
+        let stream: Option<Uuid> = row.column(1).map_err(decode_error)?;
+        let name: String = row.column(2).map_err(decode_error)?;
         let name = requested(&name)?;
         match kind.as_str() {
             "position" => positions.push((name, stream.map(StreamId::from_uuid))),
@@ -140,23 +118,24 @@ pub(super) async fn claim<T: PgTransactionRef>(
                     continue;
                 }
                 let work: Vec<Uuid> = row
-                    .try_get::<_, Option<Vec<Uuid>>>(BATCH_WORK_AT)
+                    .column::<Option<Vec<Uuid>>>(BATCH_WORK_AT)
                     .map_err(decode_error)?
                     .unwrap_or_default();
                 if work.is_empty() || !work.windows(2).all(|w| w[0] < w[1]) {
                     return Err(unexpected("a pair to apply without ascending work ids"));
                 }
                 let walk_from: Option<Uuid> =
-                    row.try_get(BATCH_WORK_AT + 2).map_err(decode_error)?;
+                    row.column(BATCH_WORK_AT + 2).map_err(decode_error)?;
                 claimed.push(Claimed::Apply(applies.len()));
                 applies.push(Apply {
                     cursor,
-                    state: row.try_get(BATCH_STATE_AT).map_err(decode_error)?,
+                    state: row.column(BATCH_STATE_AT).map_err(decode_error)?,
                     work,
                     state_bytes: row
-                        .try_get::<_, Option<ReceivedLen>>(BATCH_STATE_AT)
+                        .column::<ReceivedLen>(BATCH_STATE_AT)
                         .map_err(decode_error)?
-                        .map_or(0, |n| i64::try_from(n.0).unwrap_or(i64::MAX)),
+                        .0
+                        .map_or(0, |n| i64::try_from(n).unwrap_or(i64::MAX)),
                     walk_from: walk_from.map(StreamId::from_uuid),
                     events: Vec::new(),
                     unreadable: None,
@@ -223,7 +202,7 @@ pub(super) async fn claim<T: PgTransactionRef>(
 /// the batch there; a pair with none is left out by the caller) or could not be read (the
 /// pair is then handed out up to it, [`ClaimedWork::Unreadable`]: one bad row fails its pair,
 /// not the claim). Returns the database's clock when it read them (`None`: no row).
-async fn read_events<T: PgTransactionRef>(
+async fn read_events<T: Executor + ?Sized>(
     tx: &T,
     applies: &mut [Apply],
     bytes: i64,
@@ -243,28 +222,21 @@ async fn read_events<T: PgTransactionRef>(
         state_bytes.push(total);
     }
     let rows = tx
-        .executor()
-        .query_typed(
+        .query(
             sql::CLAIM_EVENTS,
-            &[
-                (&streams, Type::UUID_ARRAY),
-                (&first, Type::UUID_ARRAY),
-                (&last, Type::UUID_ARRAY),
-                (&state_bytes, Type::INT8_ARRAY),
-                (&bytes, Type::INT8),
-            ],
+            &[&streams, &first, &last, &state_bytes, &bytes],
         )
         .await
         .map_err(|e| statement_error(e, "reading a claimed batch's events"))?;
     let claimed_at = match rows.first() {
-        Some(row) => Some(row.try_get(7).map_err(decode_error)?),
+        Some(row) => Some(row.column(7).map_err(decode_error)?),
         None => None,
     };
     // How far each pair's work ids have been matched; a pair stops at its first gap.
     let mut matched = vec![0_usize; applies.len()];
     let mut stopped = vec![false; applies.len()];
     for row in &rows {
-        let ordinal: i64 = row.try_get(0).map_err(decode_error)?;
+        let ordinal: i64 = row.column(0).map_err(decode_error)?;
         let i = usize::try_from(ordinal)
             .ok()
             .and_then(|o| o.checked_sub(1))
@@ -278,7 +250,7 @@ async fn read_events<T: PgTransactionRef>(
             Ok(event) => event,
             Err(err) => {
                 // The id is read on its own: only the payload (or another column) is bad.
-                let id: Uuid = row.try_get(1).map_err(decode_error)?;
+                let id: Uuid = row.column(1).map_err(decode_error)?;
                 match apply.work.get(matched[i]) {
                     Some(next) if *next == id => {
                         apply.unreadable = Some((
@@ -335,7 +307,7 @@ fn unexpected(what: &str) -> Error {
     )
 }
 
-pub(super) async fn commit<T: PgTransactionRef>(
+pub(super) async fn commit<T: Executor + ?Sized>(
     tx: &T,
     entries: &[BatchEntry],
     keep: i32,
@@ -441,28 +413,27 @@ pub(super) async fn commit<T: PgTransactionRef>(
         }
     }
     let rows = tx
-        .executor()
-        .query_typed(
+        .query(
             sql::COMMIT_BATCH,
             &[
-                (&stream_ids, Type::UUID_ARRAY),
-                (&perspectives, Type::TEXT_ARRAY),
-                (&has_commit, Type::BOOL_ARRAY),
-                (&expected, Type::INT8_ARRAY),
-                (&states, Type::JSONB_ARRAY),
-                (&last_event_ids, Type::UUID_ARRAY),
-                (&applied_counts, Type::INT8_ARRAY),
-                (&applied_lens, Type::INT4_ARRAY),
-                (&applied, Type::UUID_ARRAY),
-                (&rewound_from, Type::UUID_ARRAY),
-                (&snapshots, Type::BOOL_ARRAY),
-                (&fence_holders, Type::UUID_ARRAY),
-                (&fence_epochs, Type::INT8_ARRAY),
-                (&keep, Type::INT4),
-                (&errors, Type::TEXT_ARRAY),
-                (&failed_events, Type::UUID_ARRAY),
-                (&retry_after, Type::INT8_ARRAY),
-                (&park, Type::BOOL_ARRAY),
+                &stream_ids,
+                &perspectives,
+                &has_commit,
+                &expected,
+                &states,
+                &last_event_ids,
+                &applied_counts,
+                &applied_lens,
+                &applied,
+                &rewound_from,
+                &snapshots,
+                &fence_holders,
+                &fence_epochs,
+                &keep,
+                &errors,
+                &failed_events,
+                &retry_after,
+                &park,
             ],
         )
         .await
@@ -475,9 +446,9 @@ pub(super) async fn commit<T: PgTransactionRef>(
     }
     rows.iter()
         .map(|row| {
-            let outcome: String = row.try_get(1).map_err(decode_error)?;
-            let revision: Option<i64> = row.try_get(2).map_err(decode_error)?;
-            let parked: bool = row.try_get(3).map_err(decode_error)?;
+            let outcome: String = row.column(1).map_err(decode_error)?;
+            let revision: Option<i64> = row.column(2).map_err(decode_error)?;
+            let parked: bool = row.column(3).map_err(decode_error)?;
             Ok(match (outcome.as_str(), revision) {
                 ("committed", Some(revision)) => BatchCommitted::Committed { revision, parked },
                 ("recorded", _) => BatchCommitted::FailureRecorded { parked },

@@ -7,11 +7,9 @@ use lockstep_core::{
     Error, ErrorKind, InstanceId, PerspectiveName, ProgressReport, Rebuild, Result, RetireStates,
     Retired, RewindProgress, StreamId, THROUGHPUT_WINDOW, Throughput,
 };
-use lockstep_pg::PgTransactionRef;
-use lockstep_pg::internal::statement_error;
+use lockstep_pg::driver::{Columns as _, Executor, query_one, query_opt};
+use lockstep_pg::internal::db_statement_error as statement_error;
 use time::OffsetDateTime;
-use tokio_postgres::GenericClient;
-use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 use super::{decode_error, stored_count, stored_name};
@@ -88,58 +86,49 @@ SELECT p.stream_id, p.perspective_name, p.instance_id, p.replayed, p.to_replay,
  LIMIT $2";
 }
 
-pub(super) async fn retire<T: PgTransactionRef>(
+pub(super) async fn retire<T: Executor + ?Sized>(
     tx: &T,
     perspective: &PerspectiveName,
     states: RetireStates,
     (queue_us, give_up_us): (i64, i64),
 ) -> Result<Retired> {
     let keep = states == RetireStates::Keep;
-    let row = tx
-        .executor()
-        .query_typed_opt(
-            sql::RETIRE,
-            &[
-                (&perspective.as_str(), Type::TEXT),
-                (&keep, Type::BOOL),
-                (&queue_us, Type::INT8),
-                (&give_up_us, Type::INT8),
-            ],
-        )
-        .await
-        .map_err(|e| statement_error(e, "retiring a perspective"))?;
+    let row = query_opt(
+        tx,
+        sql::RETIRE,
+        &[&perspective.as_str(), &keep, &queue_us, &give_up_us],
+    )
+    .await
+    .map_err(|e| statement_error(e, "retiring a perspective"))?;
     let Some(row) = row else {
         return Ok(Retired::NotRegistered);
     };
-    let work: i64 = row.try_get(0).map_err(decode_error)?;
-    let pairs: i64 = row.try_get(1).map_err(decode_error)?;
+    let work: i64 = row.column(0).map_err(decode_error)?;
+    let pairs: i64 = row.column(1).map_err(decode_error)?;
     Ok(Retired::Retired {
         work_removed: stored_count(work)?,
         pairs: stored_count(pairs)?,
     })
 }
 
-pub(super) async fn retired<T: PgTransactionRef>(tx: &T) -> Result<Vec<PerspectiveName>> {
+pub(super) async fn retired<T: Executor + ?Sized>(tx: &T) -> Result<Vec<PerspectiveName>> {
     let rows = tx
-        .executor()
-        .query_typed(sql::RETIRED, &[])
+        .query(sql::RETIRED, &[])
         .await
         .map_err(|e| statement_error(e, "listing retired perspectives"))?;
     rows.iter()
-        .map(|row| stored_name(row.try_get(0).map_err(decode_error)?))
+        .map(|row| stored_name(row.column(0).map_err(decode_error)?))
         .collect()
 }
 
-pub(super) async fn rebuild<T: PgTransactionRef>(
+pub(super) async fn rebuild<T: Executor + ?Sized>(
     tx: &T,
     perspective: &PerspectiveName,
 ) -> Result<Rebuild> {
-    let row = tx
-        .executor()
-        .query_typed_one(sql::REBUILD, &[(&perspective.as_str(), Type::TEXT)])
+    let row = query_one(tx, sql::REBUILD, &[&perspective.as_str()])
         .await
         .map_err(|e| statement_error(e, "requesting a perspective's rebuild"))?;
-    let pairs: Option<i64> = row.try_get(0).map_err(decode_error)?;
+    let pairs: Option<i64> = row.column(0).map_err(decode_error)?;
     Ok(match pairs {
         None => Rebuild::NotRegistered,
         Some(n) => Rebuild::Requested {
@@ -148,7 +137,7 @@ pub(super) async fn rebuild<T: PgTransactionRef>(
     })
 }
 
-pub(super) async fn record_progress<T: PgTransactionRef>(
+pub(super) async fn record_progress<T: Executor + ?Sized>(
     tx: &T,
     report: &ProgressReport,
 ) -> Result<()> {
@@ -162,26 +151,25 @@ pub(super) async fn record_progress<T: PgTransactionRef>(
     let epoch: Option<i64> = report.lease.as_ref().map(|l| l.epoch.get());
     // At most a century (validated): fits.
     let elapsed = i64::try_from(report.elapsed.as_micros()).unwrap_or(i64::MAX);
-    tx.executor()
-        .query_typed(
-            sql::RECORD_PROGRESS,
-            &[
-                (&report.pair.stream_id.as_uuid(), Type::UUID),
-                (&report.pair.perspective.as_str(), Type::TEXT),
-                (&report.run, Type::UUID),
-                (&holder, Type::UUID),
-                (&epoch, Type::INT8),
-                (&replayed, Type::INT8),
-                (&to_replay, Type::INT8),
-                (&elapsed, Type::INT8),
-            ],
-        )
-        .await
-        .map_err(|e| statement_error(e, "recording a rewind's progress"))?;
+    tx.query(
+        sql::RECORD_PROGRESS,
+        &[
+            &report.pair.stream_id.as_uuid(),
+            &report.pair.perspective.as_str(),
+            &report.run,
+            &holder,
+            &epoch,
+            &replayed,
+            &to_replay,
+            &elapsed,
+        ],
+    )
+    .await
+    .map_err(|e| statement_error(e, "recording a rewind's progress"))?;
     Ok(())
 }
 
-pub(super) async fn rewind_progress<T: PgTransactionRef>(
+pub(super) async fn rewind_progress<T: Executor + ?Sized>(
     tx: &T,
     perspectives: &[PerspectiveName],
     limit: usize,
@@ -190,22 +178,18 @@ pub(super) async fn rewind_progress<T: PgTransactionRef>(
     let names: Vec<&str> = perspectives.iter().map(PerspectiveName::as_str).collect();
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = tx
-        .executor()
-        .query_typed(
-            sql::PROGRESS,
-            &[(&names, Type::TEXT_ARRAY), (&limit, Type::INT8)],
-        )
+        .query(sql::PROGRESS, &[&names, &limit])
         .await
         .map_err(|e| statement_error(e, "reading rewinds' progress"))?;
     rows.iter()
         .map(|row| {
-            let stream: Uuid = row.try_get(0).map_err(decode_error)?;
-            let name: String = row.try_get(1).map_err(decode_error)?;
-            let holder: Option<Uuid> = row.try_get(2).map_err(decode_error)?;
-            let replayed: i64 = row.try_get(3).map_err(decode_error)?;
-            let to_replay: i64 = row.try_get(4).map_err(decode_error)?;
-            let started_at: OffsetDateTime = row.try_get(5).map_err(decode_error)?;
-            let updated_at: OffsetDateTime = row.try_get(6).map_err(decode_error)?;
+            let stream: Uuid = row.column(0).map_err(decode_error)?;
+            let name: String = row.column(1).map_err(decode_error)?;
+            let holder: Option<Uuid> = row.column(2).map_err(decode_error)?;
+            let replayed: i64 = row.column(3).map_err(decode_error)?;
+            let to_replay: i64 = row.column(4).map_err(decode_error)?;
+            let started_at: OffsetDateTime = row.column(5).map_err(decode_error)?;
+            let updated_at: OffsetDateTime = row.column(6).map_err(decode_error)?;
             let mut progress = RewindProgress::new(
                 lockstep_core::Pair::new(StreamId::from(stream), stored_name(name)?),
                 stored_count(replayed)?,
@@ -213,7 +197,7 @@ pub(super) async fn rewind_progress<T: PgTransactionRef>(
                 started_at,
                 updated_at,
             );
-            progress.read_at = Some(row.try_get(7).map_err(decode_error)?);
+            progress.read_at = Some(row.column(7).map_err(decode_error)?);
             progress.holder = holder.map(InstanceId::from_uuid).transpose().map_err(|e| {
                 Error::new(ErrorKind::Backend, "a stored instance id is invalid").with_source(e)
             })?;
@@ -226,7 +210,7 @@ fn window_micros() -> i64 {
     i64::try_from(THROUGHPUT_WINDOW.as_micros()).unwrap_or(i64::MAX)
 }
 
-pub(super) async fn record_applied<T: PgTransactionRef>(
+pub(super) async fn record_applied<T: Executor + ?Sized>(
     tx: &T,
     counts: &[(PerspectiveName, u64)],
 ) -> Result<()> {
@@ -241,32 +225,23 @@ pub(super) async fn record_applied<T: PgTransactionRef>(
                 .map_err(|_| Error::new(ErrorKind::InvalidInput, "applied count out of range"))
         })
         .collect::<Result<Vec<i64>>>()?;
-    tx.executor()
-        .query_typed(
-            sql::RECORD_APPLIED,
-            &[
-                (&names, Type::TEXT_ARRAY),
-                (&numbers, Type::INT8_ARRAY),
-                (&window_micros(), Type::INT8),
-            ],
-        )
+    tx.query(sql::RECORD_APPLIED, &[&names, &numbers, &window_micros()])
         .await
         .map_err(|e| statement_error(e, "recording applied events"))?;
     Ok(())
 }
 
-pub(super) async fn throughput<T: PgTransactionRef>(tx: &T) -> Result<Vec<Throughput>> {
+pub(super) async fn throughput<T: Executor + ?Sized>(tx: &T) -> Result<Vec<Throughput>> {
     let rows = tx
-        .executor()
-        .query_typed(sql::THROUGHPUT, &[(&window_micros(), Type::INT8)])
+        .query(sql::THROUGHPUT, &[&window_micros()])
         .await
         .map_err(|e| statement_error(e, "reading catch-up rates"))?;
     rows.iter()
         .map(|row| {
-            let name: String = row.try_get(0).map_err(decode_error)?;
-            let applied: i64 = row.try_get(1).map_err(decode_error)?;
-            let started: OffsetDateTime = row.try_get(2).map_err(decode_error)?;
-            let rate: Option<f64> = row.try_get(3).map_err(decode_error)?;
+            let name: String = row.column(0).map_err(decode_error)?;
+            let applied: i64 = row.column(1).map_err(decode_error)?;
+            let started: OffsetDateTime = row.column(2).map_err(decode_error)?;
+            let rate: Option<f64> = row.column(3).map_err(decode_error)?;
             Ok(Throughput::new(
                 stored_name(name)?,
                 rate,

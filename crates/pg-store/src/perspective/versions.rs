@@ -7,14 +7,11 @@ use lockstep_core::{
     Error, ErrorKind, PerspectiveName, PerspectiveVersion, PerspectiveVersions, PreviousVersion,
     Promotion, PromotionRequest, Result, VersionDeclaration, VersionPolicy, VersionStatus,
 };
-use lockstep_pg::PgTransactionRef;
-use lockstep_pg::internal::statement_error;
+use lockstep_pg::driver::{Columns, query_one};
+use lockstep_pg::internal::db_statement_error as statement_error;
 use time::OffsetDateTime;
-use tokio_postgres::GenericClient;
-use tokio_postgres::Row;
-use tokio_postgres::types::Type;
 
-use super::{PgPerspectiveStore, decode_error, stored_name};
+use super::{PerspectiveTransaction, PgPerspectiveStore, decode_error, stored_name};
 
 /// The statements of this module.
 mod sql {
@@ -66,34 +63,38 @@ WITH other AS (
 )
 SELECT (SELECT count(*) FROM updated), (SELECT min(version) FROM other)";
 
-    /// Requests the promotion of `$1` version `$2`, forced when `$3`.
+    /// Requests the promotion of `$1` version `$2`, forced when `$3`: a row when that version
+    /// is stored.
     pub(super) const REQUEST: &str = "\
 UPDATE wh_perspective_versions
    SET promote_requested_at = clock_timestamp(), promote_forced = $3
- WHERE perspective_name = $1 AND version = $2";
+ WHERE perspective_name = $1 AND version = $2
+RETURNING 1";
 }
 
 /// A version as stored.
-fn decode(row: &Row) -> Result<PerspectiveVersion> {
-    let perspective = stored_name(row.try_get(0).map_err(decode_error)?)?;
-    let version: i32 = row.try_get(1).map_err(decode_error)?;
+fn decode<R: Columns>(row: &R) -> Result<PerspectiveVersion> {
+    let perspective = stored_name(row.column(0).map_err(decode_error)?)?;
+    let version: i32 = row.column(1).map_err(decode_error)?;
     let version = u32::try_from(version).map_err(|_| {
         Error::new(
             ErrorKind::Backend,
             "a stored perspective version is negative",
         )
     })?;
-    let status = VersionStatus::parse(row.try_get(3).map_err(decode_error)?)?;
-    let automatic: bool = row.try_get(4).map_err(decode_error)?;
-    let previous = PreviousVersion::parse(row.try_get(5).map_err(decode_error)?)?;
-    let requested_at: Option<OffsetDateTime> = row.try_get(6).map_err(decode_error)?;
-    let forced: bool = row.try_get(7).map_err(decode_error)?;
-    let declared_at: OffsetDateTime = row.try_get(8).map_err(decode_error)?;
-    let changed_at: OffsetDateTime = row.try_get(9).map_err(decode_error)?;
+    let status: String = row.column(3).map_err(decode_error)?;
+    let status = VersionStatus::parse(&status)?;
+    let automatic: bool = row.column(4).map_err(decode_error)?;
+    let previous: String = row.column(5).map_err(decode_error)?;
+    let previous = PreviousVersion::parse(&previous)?;
+    let requested_at: Option<OffsetDateTime> = row.column(6).map_err(decode_error)?;
+    let forced: bool = row.column(7).map_err(decode_error)?;
+    let declared_at: OffsetDateTime = row.column(8).map_err(decode_error)?;
+    let changed_at: OffsetDateTime = row.column(9).map_err(decode_error)?;
     let policy = VersionPolicy::new().previous(previous);
     let policy = if automatic { policy } else { policy.manual() };
     let mut out = PerspectiveVersion::new(perspective, version, status, policy, declared_at)?;
-    let stored = stored_name(row.try_get(2).map_err(decode_error)?)?;
+    let stored = stored_name(row.column(2).map_err(decode_error)?)?;
     if stored != out.stored_name {
         return Err(Error::new(
             ErrorKind::Backend,
@@ -117,7 +118,7 @@ fn version_param(version: u32) -> Result<i32> {
     })
 }
 
-impl<T: PgTransactionRef> PerspectiveVersions<T> for PgPerspectiveStore {
+impl<T: PerspectiveTransaction> PerspectiveVersions<T> for PgPerspectiveStore {
     async fn declare(
         &self,
         tx: &T,
@@ -135,16 +136,7 @@ impl<T: PgTransactionRef> PerspectiveVersions<T> for PgPerspectiveStore {
             previous.push(declared.policy.previous.as_str());
         }
         let rows = tx
-            .executor()
-            .query_typed(
-                sql::DECLARE,
-                &[
-                    (&names, Type::TEXT_ARRAY),
-                    (&numbers, Type::INT4_ARRAY),
-                    (&automatic, Type::BOOL_ARRAY),
-                    (&previous, Type::TEXT_ARRAY),
-                ],
-            )
+            .query(sql::DECLARE, &[&names, &numbers, &automatic, &previous])
             .await
             .map_err(|e| statement_error(e, "declaring perspective versions"))?;
         rows.iter().map(decode).collect()
@@ -156,19 +148,15 @@ impl<T: PgTransactionRef> PerspectiveVersions<T> for PgPerspectiveStore {
         perspective: Option<&PerspectiveName>,
         lock: bool,
     ) -> Result<Vec<PerspectiveVersion>> {
-        let client = tx.executor();
         let rows = match perspective {
-            None => client.query_typed(sql::ALL, &[]).await,
+            None => tx.query(sql::ALL, &[]).await,
             Some(name) => {
                 if lock {
-                    client
-                        .query_typed(sql::LOCK, &[(&name.as_str(), Type::TEXT)])
+                    tx.query(sql::LOCK, &[&name.as_str()])
                         .await
                         .map_err(|e| statement_error(e, "locking a perspective's versions"))?;
                 }
-                client
-                    .query_typed(sql::OF, &[(&name.as_str(), Type::TEXT)])
-                    .await
+                tx.query(sql::OF, &[&name.as_str()]).await
             }
         }
         .map_err(|e| statement_error(e, "reading perspective versions"))?;
@@ -182,20 +170,19 @@ impl<T: PgTransactionRef> PerspectiveVersions<T> for PgPerspectiveStore {
         version: u32,
         status: VersionStatus,
     ) -> Result<bool> {
-        let row = tx
-            .executor()
-            .query_typed_one(
-                sql::SET_STATUS,
-                &[
-                    (&perspective.as_str(), Type::TEXT),
-                    (&version_param(version)?, Type::INT4),
-                    (&status.as_str(), Type::TEXT),
-                ],
-            )
-            .await
-            .map_err(|e| statement_error(e, "setting a perspective version's status"))?;
-        let updated: i64 = row.try_get(0).map_err(decode_error)?;
-        let other: Option<i32> = row.try_get(1).map_err(decode_error)?;
+        let row = query_one(
+            tx,
+            sql::SET_STATUS,
+            &[
+                &perspective.as_str(),
+                &version_param(version)?,
+                &status.as_str(),
+            ],
+        )
+        .await
+        .map_err(|e| statement_error(e, "setting a perspective version's status"))?;
+        let updated: i64 = row.column(0).map_err(decode_error)?;
+        let other: Option<i32> = row.column(1).map_err(decode_error)?;
         if let Some(other) = other {
             return Err(Error::new(
                 ErrorKind::Conflict,
@@ -216,17 +203,12 @@ impl<T: PgTransactionRef> PerspectiveVersions<T> for PgPerspectiveStore {
         force: bool,
     ) -> Result<bool> {
         let updated = tx
-            .executor()
-            .execute_typed(
+            .query(
                 sql::REQUEST,
-                &[
-                    (&perspective.as_str(), Type::TEXT),
-                    (&version_param(version)?, Type::INT4),
-                    (&force, Type::BOOL),
-                ],
+                &[&perspective.as_str(), &version_param(version)?, &force],
             )
             .await
             .map_err(|e| statement_error(e, "requesting a perspective version's promotion"))?;
-        Ok(updated > 0)
+        Ok(!updated.is_empty())
     }
 }

@@ -27,7 +27,7 @@ use crate::transaction::PgTransactionRef;
 
 mod values;
 
-pub use values::{Column, Interval, Param};
+pub use values::{Column, Interval, Param, ReceivedLen};
 
 /// A result row of either driver.
 pub enum Row {

@@ -86,6 +86,31 @@ param_and_column! {
     Option<Vec<Uuid>> => Type::UUID_ARRAY,
     Option<Vec<String>> => Type::TEXT_ARRAY,
     Option<Vec<i64>> => Type::INT8_ARRAY,
+    Option<f64> => Type::FLOAT8,
+    Vec<Option<Uuid>> => Type::UUID_ARRAY,
+    Vec<Option<i64>> => Type::INT8_ARRAY,
+    Vec<Option<String>> => Type::TEXT_ARRAY,
+}
+
+/// Parameters that borrow (bound only, never decoded).
+macro_rules! param_only {
+    ($($t:ty => $pg:expr),* $(,)?) => {$(
+        impl Param for $t {
+            fn tokio_postgres(&self) -> (&(dyn ToSql + Sync), Type) {
+                (self, $pg)
+            }
+
+            #[cfg(feature = "sqlx")]
+            fn bind_sqlx(&self, args: &mut sqlx::postgres::PgArguments) -> Result<(), DbError> {
+                sqlx::Arguments::add(args, self).map_err(DbError::encode)
+            }
+        }
+    )*};
+}
+
+param_only! {
+    Vec<&str> => Type::TEXT_ARRAY,
+    Vec<Option<&Json>> => Type::JSONB_ARRAY,
 }
 
 impl Param for &str {
@@ -96,6 +121,43 @@ impl Param for &str {
     #[cfg(feature = "sqlx")]
     fn bind_sqlx(&self, args: &mut sqlx::postgres::PgArguments) -> Result<(), DbError> {
         sqlx::Arguments::add(args, *self).map_err(DbError::encode)
+    }
+}
+
+/// The length of a column's value as it arrived, whatever its type, `None` for NULL: for
+/// `jsonb`, a version byte and the JSON text — what decoding it holds, where `pg_column_size`
+/// on the server counts a large value compressed. Both drivers receive results in binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReceivedLen(pub Option<usize>);
+
+impl<'a> tokio_postgres::types::FromSql<'a> for ReceivedLen {
+    fn from_sql(_: &Type, raw: &'a [u8]) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(ReceivedLen(Some(raw.len())))
+    }
+
+    fn from_sql_null(_: &Type) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(ReceivedLen(None))
+    }
+
+    fn accepts(_: &Type) -> bool {
+        true
+    }
+}
+
+impl Column for ReceivedLen {
+    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
+        row.try_get(idx).map_err(DbError::from)
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
+        use sqlx::{Row as _, ValueRef as _};
+        let value = row.try_get_raw(idx).map_err(DbError::from)?;
+        if value.is_null() {
+            return Ok(ReceivedLen(None));
+        }
+        let bytes = value.as_bytes().map_err(DbError::client)?;
+        Ok(ReceivedLen(Some(bytes.len())))
     }
 }
 
