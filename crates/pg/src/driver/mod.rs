@@ -25,8 +25,10 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::transaction::PgTransactionRef;
 
+pub mod pool;
 mod values;
 
+pub use pool::{Connections, PooledConnection, Sending};
 pub use values::{Column, Interval, Param};
 
 /// A result row of either driver.
