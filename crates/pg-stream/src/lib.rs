@@ -97,13 +97,14 @@
 pub mod admin;
 pub mod fence;
 mod fleet;
-pub mod interval;
 pub mod locker;
 mod sql;
 mod statement;
 
 pub use fleet::ForgetInstance;
-pub use interval::PgInterval;
+/// The lock timeout as the statements bind it: a `Duration` as a PostgreSQL `interval` of
+/// microseconds (the driver seam's [`Interval`](lockstep_pg::driver::Interval)).
+pub use lockstep_pg::driver::Interval as PgInterval;
 pub use locker::PgStreamLocker;
 
 #[cfg(test)]

@@ -99,6 +99,18 @@ impl Param for &str {
     }
 }
 
+/// A `text[]` of borrowed names (the stream locker's batched renew binds its perspectives so).
+impl Param for Vec<&str> {
+    fn tokio_postgres(&self) -> (&(dyn ToSql + Sync), Type) {
+        (self, Type::TEXT_ARRAY)
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn bind_sqlx(&self, args: &mut sqlx::postgres::PgArguments) -> Result<(), DbError> {
+        sqlx::Arguments::add(args, self.as_slice()).map_err(DbError::encode)
+    }
+}
+
 /// A [`Duration`] bound as a PostgreSQL `interval` parameter (microseconds only: no days, no
 /// months, so adding it never depends on calendars or time zones), so a timeout is added to
 /// `clock_timestamp()` on the server, exactly, to the microsecond.
