@@ -13,11 +13,11 @@ use lockstep_core::{
     CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo, LeaseStatus,
     PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
 };
-use lockstep_pg::driver::Row;
+use lockstep_pg::driver::{Row, Timestamp};
 
 use crate::locker::{PgStreamLocker, stored_holder, stored_name, stored_reason};
 use crate::sql;
-use crate::statement::{RowName, column};
+use crate::statement::{RowName, column, opt_time_column, time_column};
 
 #[async_trait]
 impl StreamLockAdmin for PgStreamLocker {
@@ -71,10 +71,7 @@ impl StreamLockAdmin for PgStreamLocker {
         let row: Option<Row> = self
             .run(
                 sql::INSPECT,
-                &[
-                    &stream_id.as_uuid(),
-                    &perspective.as_str(),
-                ],
+                &[&stream_id.as_uuid(), &perspective.as_str()],
                 "inspecting a cursor's lease",
             )
             .await?;
@@ -87,7 +84,7 @@ impl StreamLockAdmin for PgStreamLocker {
         Ok(Some(CursorLease {
             holder: holder.map(|h| stored_holder(h, at)).transpose()?,
             reason: reason.map(stored_reason).transpose()?,
-            expires_at: column(&row, 2, "stream_lock_expiry", at)?,
+            expires_at: opt_time_column(&row, 2, "stream_lock_expiry", at)?,
             epoch: LeaseEpoch::new(column(&row, 3, "stream_lock_epoch", at)?),
         }))
     }
@@ -100,10 +97,7 @@ impl StreamLockAdmin for PgStreamLocker {
         let cleared: u64 = self
             .run(
                 sql::FORCE_RELEASE,
-                &[
-                    &stream_id.as_uuid(),
-                    &perspective.as_str(),
-                ],
+                &[&stream_id.as_uuid(), &perspective.as_str()],
                 "force-releasing a stream lease",
             )
             .await?;
@@ -140,7 +134,7 @@ fn listed_key(row: &Row) -> Result<(StreamId, String)> {
 fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<LeaseInfo> {
     let at = RowName::Pair(stream_id, &perspective);
     let live: bool = column(row, 8, "live", at)?;
-    let expires_at = column(row, 5, "stream_lock_expiry", at)?;
+    let expires_at = time_column(row, 5, "stream_lock_expiry", at)?;
     let time_left_us: i64 = column(row, 7, "time_left_us", at)?;
     let holder = stored_holder(column(row, 2, "stream_lock_instance_id", at)?, at)?;
     let reason = stored_reason(column(row, 3, "stream_lock_reason", at)?)?;
@@ -153,7 +147,7 @@ fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<L
     };
     // Informational only: a start that cannot be read (an operator's `'infinity'`) lists as not
     // recorded rather than making the whole lease unreadable.
-    let acquired_at = match row.get::<Option<time::OffsetDateTime>>(6) {
+    let acquired_at = match row.get::<Option<Timestamp>>(6).map(|t| t.map(|t| t.0)) {
         Ok(at) => at,
         Err(err) => {
             tracing::warn!(%stream_id, %perspective, error = %err, "a lease's start cannot be read");

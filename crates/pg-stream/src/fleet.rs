@@ -15,13 +15,13 @@ use lockstep_core::{
     InstanceId, InstanceInUse, InstanceState, KeepaliveOutcome, LeaseId, PerspectiveName, Result,
     StreamLocker, UnreadableInstance, WorkerInstance,
 };
-use time::OffsetDateTime;
 use lockstep_pg::driver::{Interval, Param, Row};
+use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::locker::{PgStreamLocker, lease_arrays, renew_outcomes, stored_holder, stored_name};
 use crate::sql;
-use crate::statement::{RowName, column};
+use crate::statement::{RowName, column, time_column};
 
 #[async_trait]
 impl Fleet for PgStreamLocker {
@@ -307,8 +307,8 @@ fn listed_instance(row: &Row) -> Result<WorkerInstance> {
     .map_err(stored)?
     // A row announced without a token (before tokens were stored) lists the nil token.
     .with_token(token.unwrap_or(Uuid::nil()));
-    let started_at: OffsetDateTime = column(row, 6, "started_at", at)?;
-    let last_seen_at: OffsetDateTime = column(row, 7, "last_seen_at", at)?;
+    let started_at: OffsetDateTime = time_column(row, 6, "started_at", at)?;
+    let last_seen_at: OffsetDateTime = time_column(row, 7, "last_seen_at", at)?;
     let stale_after = micros(column(row, 9, "stale_after_us", at)?, "stale_after", id)?;
     let since_seen = micros(column(row, 10, "since_seen_us", at)?, "last_seen_at", id)?;
     let live: bool = column(row, 11, "live", at)?;

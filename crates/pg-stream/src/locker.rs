@@ -25,7 +25,7 @@ use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use uuid::Uuid;
 
 use crate::sql;
-use crate::statement::{RowName, column, statement_error};
+use crate::statement::{RowName, column, opt_time_column, statement_error, time_column};
 
 /// Stream leases on `wh_perspective_cursors`, one atomic statement per operation, on the
 /// database clock.
@@ -226,9 +226,8 @@ impl StreamLocker for PgStreamLocker {
         let at = RowName::Pair(stream_id, perspective.as_str());
         let acquired_epoch: Option<i64> = column(&row, 0, "acquired_epoch", at)?;
         if let Some(epoch) = acquired_epoch {
-            let expires_at: OffsetDateTime =
-                column::<Option<OffsetDateTime>>(&row, 1, "acquired_expiry", at)?
-                    .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
+            let expires_at: OffsetDateTime = opt_time_column(&row, 1, "acquired_expiry", at)?
+                .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
             let took_over: Option<bool> = column(&row, 2, "took_over", at)?;
             let reentered: Option<bool> = column(&row, 3, "reentered", at)?;
             if took_over == Some(true) {
@@ -254,7 +253,7 @@ impl StreamLocker for PgStreamLocker {
         // Denied: `cur` is the row as locked, i.e. its latest committed version.
         let holder: Option<Uuid> = column(&row, 4, "holder", at)?;
         let stored: Option<String> = column(&row, 5, "reason", at)?;
-        let expires_at: Option<OffsetDateTime> = column(&row, 6, "expiry", at)?;
+        let expires_at: Option<OffsetDateTime> = opt_time_column(&row, 6, "expiry", at)?;
         let epoch: i64 = column(&row, 7, "epoch", at)?;
         let (Some(holder), Some(stored), Some(expires_at)) = (holder, stored, expires_at) else {
             return Err(inconsistent(
@@ -287,7 +286,7 @@ impl StreamLocker for PgStreamLocker {
         match row {
             Some(row) => {
                 let at = RowName::Pair(lease.stream_id, lease.perspective.as_str());
-                let expires_at = column(&row, 0, "stream_lock_expiry", at)?;
+                let expires_at = time_column(&row, 0, "stream_lock_expiry", at)?;
                 Ok(RenewOutcome::Renewed { expires_at })
             }
             None => {
@@ -326,13 +325,7 @@ impl StreamLocker for PgStreamLocker {
         let rows: Vec<Row> = self
             .run(
                 sql::RENEW_MANY,
-                &[
-                    &streams,
-                    &perspectives,
-                    &holders,
-                    &epochs,
-                    &self.timeout,
-                ],
+                &[&streams, &perspectives, &holders, &epochs, &self.timeout],
                 "renewing stream leases",
             )
             .await?;
@@ -369,7 +362,12 @@ pub(crate) fn renew_outcomes(leases: &[LeaseId], rows: &[Row]) -> Result<Vec<Ren
                 column(row, 2, "stream_lock_instance_id", at)?,
                 column(row, 3, "stream_lock_epoch", at)?,
             );
-            let expires_at = column(row, 4, "stream_lock_expiry", RowName::Pair(StreamId::from_uuid(key.0), &key.1))?;
+            let expires_at = time_column(
+                row,
+                4,
+                "stream_lock_expiry",
+                RowName::Pair(StreamId::from_uuid(key.0), &key.1),
+            )?;
             Ok((key, expires_at))
         })
         .collect::<Result<_>>()?;

@@ -19,7 +19,8 @@
 //! [`lockstep_pg::driver::pool`].
 
 use lockstep_core::{Error, ErrorKind, Result, StreamId};
-use lockstep_pg::driver::{Column, DbError, Param, PooledConnection, Row, Sending};
+use lockstep_pg::driver::{Column, DbError, Param, PooledConnection, Row, Sending, Timestamp};
+use time::OffsetDateTime;
 
 use crate::locker::PgStreamLocker;
 
@@ -182,6 +183,27 @@ impl std::fmt::Display for RowName<'_> {
             RowName::Instance(id) => write!(f, "the fleet row of worker instance {id}"),
         }
     }
+}
+
+/// A `timestamptz` column: [`column`], read on either driver without a panic on a time lockstep
+/// cannot hold (`'infinity'`, past year 9999).
+pub(crate) fn time_column(
+    row: &Row,
+    idx: usize,
+    name: &str,
+    at: RowName<'_>,
+) -> Result<OffsetDateTime> {
+    column::<Timestamp>(row, idx, name, at).map(|t| t.0)
+}
+
+/// A nullable `timestamptz` column, as [`time_column`].
+pub(crate) fn opt_time_column(
+    row: &Row,
+    idx: usize,
+    name: &str,
+    at: RowName<'_>,
+) -> Result<Option<OffsetDateTime>> {
+    column::<Option<Timestamp>>(row, idx, name, at).map(|t| t.map(|t| t.0))
 }
 
 /// Column `idx` (named `name`) of `row` (the cursor row `at`), or a typed

@@ -29,7 +29,7 @@ pub mod pool;
 mod values;
 
 pub use pool::{Connections, PooledConnection, Sending};
-pub use values::{Column, Interval, Param};
+pub use values::{Column, Interval, Param, Timestamp};
 
 /// A result row of either driver.
 pub enum Row {

@@ -185,7 +185,10 @@ impl PooledConnection {
         sending: Sending,
         cancel: &LockQueue,
     ) -> std::result::Result<u64, DbError> {
-        match self.run(sql, params, sending, cancel, Want::Affected).await? {
+        match self
+            .run(sql, params, sending, cancel, Want::Affected)
+            .await?
+        {
             Ran::Affected(n) => Ok(n),
             Ran::Rows(_) => unreachable!("the count was asked for"),
         }
@@ -226,7 +229,11 @@ async fn tokio_postgres_run(
             let values: Vec<&(dyn ToSql + Sync)> = typed.iter().map(|(v, _)| *v).collect();
             let guard = Abandon::arm(conn, cancel);
             let outcome = match want {
-                Want::Rows => guard.client().query(&statement, &values).await.map(TpRan::Rows),
+                Want::Rows => guard
+                    .client()
+                    .query(&statement, &values)
+                    .await
+                    .map(TpRan::Rows),
                 Want::Affected => guard
                     .client()
                     .execute(&statement, &values)

@@ -111,6 +111,60 @@ impl Param for Vec<&str> {
     }
 }
 
+/// A `timestamptz` column read without a panic on a value `time` cannot hold: on sqlx,
+/// whose own decoding of `'infinity'` or a time past year 9999 overflows and panics, it is read
+/// as the server's microseconds and checked; on tokio-postgres it is an `OffsetDateTime` (whose
+/// decoding already fails with an error). Such a value is an error naming the column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timestamp(pub OffsetDateTime);
+
+impl Column for Timestamp {
+    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
+        row.try_get(idx).map(Timestamp).map_err(DbError::from)
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
+        Option::<Timestamp>::from_sqlx(row, idx)?
+            .ok_or_else(|| DbError::client(format!("column {idx} is NULL")))
+    }
+}
+
+impl Column for Option<Timestamp> {
+    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
+        row.try_get::<_, Option<OffsetDateTime>>(idx)
+            .map(|t| t.map(Timestamp))
+            .map_err(DbError::from)
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
+        use sqlx::{Row as _, TypeInfo as _, ValueRef as _};
+        let raw = row.try_get_raw(idx).map_err(DbError::from)?;
+        if raw.is_null() {
+            return Ok(None);
+        }
+        let ty = raw.type_info().name().to_owned();
+        if ty != "TIMESTAMPTZ" {
+            return Err(DbError::client(format!(
+                "column {idx} is a {ty}, not a TIMESTAMPTZ"
+            )));
+        }
+        // Binary `timestamptz`: int64 microseconds since 2000-01-01 00:00 UTC.
+        let micros: i64 = row.try_get_unchecked(idx).map_err(DbError::from)?;
+        const UNIX_MICROS_AT_2000: i128 = 946_684_800_000_000;
+        let unix_nanos = (i128::from(micros) + UNIX_MICROS_AT_2000) * 1000;
+        OffsetDateTime::from_unix_timestamp_nanos(unix_nanos)
+            .map(|t| Some(Timestamp(t)))
+            .map_err(|_| {
+                DbError::client(format!(
+                    "column {idx} holds a time out of the range lockstep reads \
+                     ({micros} µs after 2000-01-01, e.g. 'infinity')"
+                ))
+            })
+    }
+}
+
 /// A [`Duration`] bound as a PostgreSQL `interval` parameter (microseconds only: no days, no
 /// months, so adding it never depends on calendars or time zones), so a timeout is added to
 /// `clock_timestamp()` on the server, exactly, to the microsecond.
