@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use lockstep_core::{
     AcquireOutcome, InstanceId, LeaseFence as _, LockReason, PerspectiveName, ReleaseOutcome,
-    RenewOutcome, StreamId, StreamLockOptions, StreamLocker as _, Transaction as _,
-    TransactionSource as _,
+    RenewOutcome, StreamId, StreamLockAdmin as _, StreamLockOptions, StreamLocker as _,
+    Transaction as _, TransactionSource as _,
 };
 use lockstep_pg::sqlx::{SqlxDatabase, SqlxTransaction};
 use lockstep_pg_stream::PgStreamLocker;
@@ -247,4 +247,72 @@ async fn an_abandoned_statement_on_sqlx_closes_its_connection() {
         "the abandoned renew's connection is closed, not pooled"
     );
     fenced.rollback().await.expect("rollback");
+}
+
+/// An expiry lockstep cannot read (an operator's `'infinity'`) is a typed error naming the row
+/// on sqlx too, never a panic (sqlx's own decoding of such a time would panic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_infinite_expiry_on_sqlx_is_a_typed_error_naming_the_row() {
+    let (_db, source) = migrated(2).await;
+    let (stream, perspective) = (StreamId::new_v7(), name("OrderPerspective"));
+    create_cursor(&source, stream, &perspective).await;
+    let options = StreamLockOptions::new(Duration::from_secs(60), Duration::from_secs(20))
+        .expect("60 s / 20 s is a valid pair");
+    let locker = PgStreamLocker::for_sqlx(&source, options);
+    let AcquireOutcome::Acquired(lease) = locker
+        .try_acquire(
+            stream,
+            &perspective,
+            InstanceId::random(),
+            &LockReason::Rewind,
+        )
+        .await
+        .expect("try-acquire")
+    else {
+        panic!("a free pair is acquired");
+    };
+    sqlx::query("UPDATE wh_perspective_cursors SET stream_lock_expiry = 'infinity'")
+        .execute(source.pool())
+        .await
+        .expect("operator update");
+
+    let unreadable = |err: lockstep_core::Error| {
+        assert_eq!(err.kind(), lockstep_core::ErrorKind::Backend, "{err}");
+        assert!(err.message().contains(&stream.to_string()), "{err}");
+        assert!(err.message().contains("expiry"), "{err}");
+    };
+    unreadable(locker.list_leases().await.expect_err("unreadable"));
+    unreadable(
+        locker
+            .inspect(stream, &perspective)
+            .await
+            .expect_err("unreadable"),
+    );
+    unreadable(
+        locker
+            .try_acquire(
+                stream,
+                &perspective,
+                InstanceId::random(),
+                &LockReason::Rewind,
+            )
+            .await
+            .expect_err("unreadable"),
+    );
+    let entries = locker.list_lease_entries().await.expect("listing");
+    assert!(
+        matches!(
+            entries.as_slice(),
+            [lockstep_core::LeaseEntry::Unreadable(_)]
+        ),
+        "{entries:?}"
+    );
+    assert!(locker.renew(&lease.id).await.expect("renew").is_renewed());
+    assert!(
+        locker
+            .release(&lease.id)
+            .await
+            .expect("release")
+            .is_released()
+    );
 }
