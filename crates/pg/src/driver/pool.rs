@@ -19,12 +19,16 @@
 //! (behind PgBouncer, configure the pool with `statement_cache_capacity(0)`, or use PgBouncer
 //! ≥ 1.21 with `max_prepared_statements`). An abandoned statement's connection is closed, never
 //! pooled, and **no cancel is sent**: sqlx hands out no cancel key, and `pg_cancel_backend`
-//! needs the backend's pid, one more round trip per checkout — as much again as the
-//! statement itself, on every call, to speed up the end of a statement whose caller is gone.
-//! Such a statement runs to its end at the server (the server notices the closed socket when
-//! it replies): it is one of the statements a later call of the same caller would run, and
-//! the lease statements act only on the caller's own lease at its epoch, so what it leaves is
-//! what that later call would have left (a lease the caller holds, expiring on its own).
+//! needs the backend's pid, one more round trip per checkout (sqlx does not expose the pid it
+//! received). Measured against a local server, that round trip is 0.1–0.3 ms on a 0.65–1.3 ms
+//! renew (checkout and statement); over a network, where the round trip is the cost, it
+//! doubles every call — to end sooner a statement whose caller is gone. Such a statement runs
+//! to its end at the server (a lease statement never waits long: try-acquire is `NOWAIT`, the
+//! others wait at most for one fenced commit's row lock), keeping its backend until then; it
+//! is a statement a later call of the same caller would run, and the lease statements act only
+//! on the caller's own lease at its epoch, so what it may leave behind is what that later call
+//! would have left: a renewed expiry, a released lease, or a lease taken for the caller, which
+//! its next try-acquire re-enters and which otherwise expires on its own.
 
 use std::fmt;
 use std::time::Duration;
