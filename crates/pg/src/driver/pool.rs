@@ -23,8 +23,8 @@
 //! received). Measured against a local server, that round trip is 0.1–0.3 ms on a 0.65–1.3 ms
 //! renew (checkout and statement); over a network, where the round trip is the cost, it
 //! doubles every call — to end sooner a statement whose caller is gone. Such a statement runs
-//! to its end at the server (a lease statement never waits long: try-acquire is `NOWAIT`, the
-//! others wait at most for one fenced commit's row lock), keeping its backend until then; it
+//! to its end at the server (try-acquire is `NOWAIT`; the others wait only while another
+//! transaction holds the cursor row, such as a fenced commit), keeping its backend until then; it
 //! is a statement a later call of the same caller would run, and the lease statements act only
 //! on the caller's own lease at its epoch, so what it may leave behind is what that later call
 //! would have left: a renewed expiry, a released lease, or a lease taken for the caller, which
