@@ -9,7 +9,7 @@
 //!
 //! The same statements, row decoding and error mapping run on either driver: on tokio-postgres
 //! ([`PgStreamLocker::new`] from a [`lockstep_pg::PgDatabase`]) or, with feature `sqlx`, on an
-//! application's `sqlx::PgPool` ([`PgStreamLocker::for_sqlx`] from a
+//! application's `sqlx::PgPool` (`PgStreamLocker::for_sqlx` from a
 //! `lockstep_pg::sqlx::SqlxDatabase`); the fenced commit works in a transaction of either.
 //!
 //! What it guarantees, beyond the contract in [`lockstep_core::stream_lease`]:
@@ -41,7 +41,7 @@
 //!   on a lease the caller still holds at that epoch, and a try-acquire's lease is the caller's
 //!   own, re-entered by its next try-acquire. On sqlx, which hands out no cancel key, the
 //!   connection is closed but no cancel request is sent: the statement runs to its end at the
-//!   server, with the same consequences as that later call (see [`PgStreamLocker::for_sqlx`]).
+//!   server, with the same consequences as that later call (see `PgStreamLocker::for_sqlx`).
 //! - **No panics on stored values**: a row lockstep cannot read (an expiry past year 9999 or
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run

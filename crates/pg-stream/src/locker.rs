@@ -1,6 +1,6 @@
 //! [`PgStreamLocker`]: the hot path (try-acquire, renew, release, batched renew) over a pool of
 //! either driver: a `deadpool_postgres` pool, or (feature `sqlx`) an application's
-//! `sqlx::PgPool` ([`PgStreamLocker::for_sqlx`]).
+//! `sqlx::PgPool` (`PgStreamLocker::for_sqlx`).
 //!
 //! Each call checks a connection out of the pool, runs exactly one statement (one round trip)
 //! and returns the connection. On tokio-postgres the statements are prepared once per
@@ -32,7 +32,7 @@ use crate::statement::{RowName, column, opt_time_column, statement_error, time_c
 ///
 /// Built from a [`PgDatabase`] ([`PgStreamLocker::new`]), a `deadpool_postgres` pool
 /// ([`PgStreamLocker::from_pool`]) or, with feature `sqlx`, an
-/// [`SqlxDatabase`](lockstep_pg::sqlx::SqlxDatabase) ([`PgStreamLocker::for_sqlx`]): the same
+/// `lockstep_pg::sqlx::SqlxDatabase` (`PgStreamLocker::for_sqlx`): the same
 /// statements, decoding and error mapping on either driver.
 ///
 /// Cheap to clone (the pool is reference-counted). The locker holds no lease state of its own:
@@ -132,7 +132,7 @@ impl PgStreamLocker {
     ///
     /// # Panics
     ///
-    /// For a locker built [`for_sqlx`](Self::for_sqlx), which has none: use
+    /// For a locker built `for_sqlx`, which has none: use
     /// [`connections`](Self::connections).
     pub fn pool(&self) -> &Pool {
         match &self.connections {

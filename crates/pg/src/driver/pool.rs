@@ -3,7 +3,7 @@
 //!
 //! - [`Connections`]: a `deadpool_postgres` pool, or (feature `sqlx`) an `sqlx::PgPool`.
 //! - [`Connections::checkout`]: a connection, waiting at most a bounded time (an exhausted
-//!   pool is a retryable [`ErrorKind::ConnectionLost`], never a hang).
+//!   pool is a retryable [`ErrorKind::ConnectionLost`](lockstep_core::ErrorKind::ConnectionLost), never a hang).
 //! - [`PooledConnection`]: an [`Executor`] of the seam; [`PooledConnection::query`] and
 //!   [`PooledConnection::execute`] run one statement cancel-safely and hand the connection
 //!   back — to the pool, or closed when the connection was lost or the caller gave up.
