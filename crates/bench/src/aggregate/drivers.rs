@@ -286,7 +286,9 @@ async fn step_round_trips(db: &BenchDatabase, relay: &Relay, opts: &Options) -> 
                 let pool = db.pool_through(relay.addr(), 1)?;
                 warm_up(&pool, 1).await?;
                 let pg = PgDatabase::from_pool(pool);
-                let counts = count_steps(relay, &pg, &PgEventStore::new(&pg), sku, later).await;
+                // deadpool takes a connection back as it is dropped.
+                let counts =
+                    count_steps(relay, &pg, &PgEventStore::new(&pg), sku, later, || true).await;
                 pg.pool().close();
                 counts?
             }
@@ -294,8 +296,17 @@ async fn step_round_trips(db: &BenchDatabase, relay: &Relay, opts: &Options) -> 
                 let pool = db.sqlx_pool_through(relay.addr(), 1, opts.sqlx_test_before_acquire);
                 warm_up_sqlx(&pool, 1).await?;
                 let sqlx = SqlxDatabase::new(pool);
-                let counts =
-                    count_steps(relay, &sqlx, &PgEventStore::for_sqlx(&sqlx), sku, later).await;
+                let pool = sqlx.pool().clone();
+                let idle = move || pool.num_idle() == pool.size() as usize;
+                let counts = count_steps(
+                    relay,
+                    &sqlx,
+                    &PgEventStore::for_sqlx(&sqlx),
+                    sku,
+                    later,
+                    idle,
+                )
+                .await;
                 sqlx.pool().close().await;
                 counts?
             }
@@ -311,6 +322,7 @@ async fn step_round_trips(db: &BenchDatabase, relay: &Relay, opts: &Options) -> 
         "`load_locked` (lock + load, one statement)",
         "`append_at_commit`",
         "commit",
+        "back in the pool",
         "the command",
     ];
     for (k, name) in names.iter().enumerate() {
@@ -322,22 +334,25 @@ async fn step_round_trips(db: &BenchDatabase, relay: &Relay, opts: &Options) -> 
     }
     out.push_str(
         "(a step's figure is the bursts of client bytes the relay saw while it ran: a statement \
-         sent along with an earlier one counts 0; sqlx pings a connection as it goes back to \
-         the pool, a round trip seen in the commit row or the next begin)\n",
+         sent along with an earlier one counts 0; *back in the pool* is from the commit's \
+         return until the pool has the connection idle again — sqlx pings every connection \
+         given back to it)\n",
     );
     Ok(out)
 }
 
 /// Runs `1 + later` commands of the unit of work on one connection of `source`, counting the
 /// relay's round trips step by step: `[first command's, mean of the later ones]`, each as
-/// `[begin, load_locked, append_at_commit, commit, total]`.
+/// `[begin, load_locked, append_at_commit, commit, back in the pool, total]`. `idle` says
+/// whether the pool has its connection back.
 async fn count_steps<D>(
     relay: &Relay,
     source: &D,
     store: &PgEventStore,
     sku: Uuid,
     later: usize,
-) -> Result<[[f64; 5]; 2]>
+    idle: impl Fn() -> bool,
+) -> Result<[[f64; 6]; 2]>
 where
     D: lockstep_core::TransactionSource,
     PgEventStore: EventStore<D::Tx>,
@@ -345,10 +360,9 @@ where
     use lockstep_core::Transaction as _;
     let stream = StreamId::from_uuid(sku);
     let key = aggregate_key(&AggregateType::new(AGGREGATE)?, sku);
-    let mut first = [0.0; 5];
-    let mut sum = [0.0; 5];
+    let mut first = [0.0; 6];
+    let mut sum = [0.0; 6];
     for n in 0..=later {
-        let mut steps = [0u64; 5];
         let t0 = relay.round_trips();
         let tx = source.begin().await?;
         let t1 = relay.round_trips();
@@ -366,11 +380,12 @@ where
         let t3 = relay.round_trips();
         tx.commit().await?;
         let t4 = relay.round_trips();
-        steps[0] = t1 - t0;
-        steps[1] = t2 - t1;
-        steps[2] = t3 - t2;
-        steps[3] = t4 - t3;
-        steps[4] = t4 - t0;
+        let waited = std::time::Instant::now();
+        while !idle() && waited.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let t5 = relay.round_trips();
+        let steps = [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0];
         let target = if n == 0 { &mut first } else { &mut sum };
         for (total, step) in target.iter_mut().zip(steps) {
             *total += step as f64;
