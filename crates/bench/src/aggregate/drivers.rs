@@ -360,6 +360,14 @@ where
     use lockstep_core::Transaction as _;
     let stream = StreamId::from_uuid(sku);
     let key = aggregate_key(&AggregateType::new(AGGREGATE)?, sku);
+    let settle = async || {
+        let waited = std::time::Instant::now();
+        while !idle() && waited.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    // The warm-up's connection back in the pool first.
+    settle().await;
     let mut first = [0.0; 6];
     let mut sum = [0.0; 6];
     for n in 0..=later {
@@ -380,10 +388,7 @@ where
         let t3 = relay.round_trips();
         tx.commit().await?;
         let t4 = relay.round_trips();
-        let waited = std::time::Instant::now();
-        while !idle() && waited.elapsed() < Duration::from_secs(5) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        settle().await;
         let t5 = relay.round_trips();
         let steps = [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0];
         let target = if n == 0 { &mut first } else { &mut sum };
