@@ -79,10 +79,12 @@ use deadpool_postgres::Pool;
 use hdrhistogram::Histogram;
 use lockstep_combiner::Combiner;
 use lockstep_command::{CommandRunner, RunnerOptions};
+use lockstep_core::TransactionSource as _;
 use lockstep_core::{
     AggregateType, Decider, ErrorKind, EventStore, ExpectedVersion, NewEvent, RecordedEvent,
     RetryPolicy, StreamId, aggregate_key,
 };
+use lockstep_pg::sqlx::SqlxDatabase;
 use lockstep_pg::{LockQueue, PgDatabase, PgTransaction};
 use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
@@ -90,6 +92,7 @@ use lockstep_testkit::pg_harness::server_address;
 use lockstep_testkit::relay::Relay;
 use uuid::Uuid;
 
+pub(crate) mod drivers;
 mod runner;
 
 use crate::append_cost;
@@ -302,6 +305,20 @@ struct Setup {
     random_ids: bool,
     /// Who runs the commands.
     via: Via,
+    /// Which driver the hand-written commands begin their transactions on.
+    driver: Driver,
+}
+
+/// The driver of the hand-written commands' transactions (module `drivers`). The scenario's
+/// pool seeds the streams either way.
+#[derive(Clone)]
+enum Driver {
+    /// `PgTransaction::begin` on the scenario's pool.
+    Pool,
+    /// A `PgDatabase` (tokio-postgres) of its own.
+    TokioPostgres(PgDatabase),
+    /// An sqlx pool: `SqlxTransaction`, the same statements one round trip each.
+    Sqlx(SqlxDatabase),
 }
 
 const AGGREGATE: &str = "BenchItem";
@@ -315,7 +332,8 @@ pub(crate) async fn run(args: Args) -> Result<()> {
     result
 }
 
-async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
+/// Migrates the benchmark database and sets its `synchronous_commit` (`on` or `off`).
+pub(crate) async fn prepare(db: &BenchDatabase, synchronous_commit: &str) -> Result<()> {
     let setup_pool = db.pool(2)?;
     lockstep_pg::migrate(&setup_pool)
         .await
@@ -324,13 +342,17 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
     db.client()
         .await?
         .batch_execute(&format!(
-            "ALTER DATABASE \"{}\" SET synchronous_commit = {}",
+            "ALTER DATABASE \"{}\" SET synchronous_commit = {synchronous_commit}",
             db.name(),
-            args.synchronous_commit
         ))
         .await
         .context("setting synchronous_commit")?;
     setup_pool.close();
+    Ok(())
+}
+
+async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
+    prepare(db, &args.synchronous_commit).await?;
     let retry = RetryPolicy::new(
         std::num::NonZeroU32::new(args.max_attempts.max(1)).unwrap_or(std::num::NonZeroU32::MIN),
         Duration::from_millis(args.initial_backoff_ms),
@@ -401,6 +423,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                         hold,
                         random_ids: args.random_event_ids,
                         via: Via::Handwritten,
+                        driver: Driver::Pool,
                     };
                     warm_up(&pool, writers).await?;
                     if peer && mode == Mode::Pessimistic {
@@ -454,6 +477,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
                     hold,
                     random_ids: args.random_event_ids,
                     via: Via::Handwritten,
+                    driver: Driver::Pool,
                 };
                 // Warm the pool up (connection start-up is not a command's round trip).
                 warm_up(&rt_pool, writers).await?;
@@ -599,6 +623,7 @@ async fn run_on(args: &Args, db: &BenchDatabase) -> Result<()> {
             hold,
             random_ids: false,
             via: Via::Handwritten,
+            driver: Driver::Pool,
         };
         runner_lines.extend(
             runner::runner_vs_handwritten(
@@ -976,7 +1001,7 @@ async fn scenario(
                         (None, None) => retry
                             .run(tokio::time::sleep, |_| {
                                 attempts.fetch_add(1, Ordering::Relaxed);
-                                Box::pin(command(&pool, &setup, sku, mode, &conflicts, &holds))
+                                Box::pin(command_via(&pool, &setup, sku, mode, &conflicts, &holds))
                             })
                             .await
                             .map_err(drop),
@@ -1210,9 +1235,8 @@ async fn hold_for(hold: Duration) -> Duration {
     started.elapsed()
 }
 
-/// One unit of work: begin, (lock,) load, decide (fold and hold), append + commit in one round
-/// trip.
-async fn command(
+/// [`command`] on the setup's driver.
+async fn command_via(
     pool: &Pool,
     setup: &Setup,
     sku: Uuid,
@@ -1220,10 +1244,42 @@ async fn command(
     conflicts: &AtomicU64,
     holds: &Holds,
 ) -> lockstep_core::Result<()> {
+    match &setup.driver {
+        Driver::Pool => {
+            command(
+                PgTransaction::begin(pool),
+                setup,
+                sku,
+                mode,
+                conflicts,
+                holds,
+            )
+            .await
+        }
+        Driver::TokioPostgres(db) => command(db.begin(), setup, sku, mode, conflicts, holds).await,
+        Driver::Sqlx(db) => command(db.begin(), setup, sku, mode, conflicts, holds).await,
+    }
+}
+
+/// One unit of work: begin, (lock,) load, decide (fold and hold), append + commit — in one
+/// round trip on tokio-postgres, which holds the append back for the `COMMIT`; on sqlx
+/// `append_at_commit` appends at once.
+async fn command<Tx>(
+    begin: impl Future<Output = lockstep_core::Result<Tx>>,
+    setup: &Setup,
+    sku: Uuid,
+    mode: Mode,
+    conflicts: &AtomicU64,
+    holds: &Holds,
+) -> lockstep_core::Result<()>
+where
+    Tx: lockstep_core::Transaction,
+    PgEventStore: EventStore<Tx>,
+{
     let (store, hold, random_ids) = (&setup.store, setup.hold, setup.random_ids);
     let stream = StreamId::from_uuid(sku);
     let started = Instant::now();
-    let tx = PgTransaction::begin(pool).await?;
+    let tx = begin.await?;
     let begun = Instant::now();
     let events = match mode {
         Mode::Optimistic => store.load(&tx, stream).await,
@@ -1304,7 +1360,7 @@ async fn command(
 /// rolls back; nothing of it was committed), so its error is logged at `debug`. Awaited rather
 /// than left to the guard's drop, which rolls back in the background and may close the
 /// connection instead of pooling it.
-async fn rollback(tx: PgTransaction, what: &'static str) {
+async fn rollback(tx: impl lockstep_core::Transaction, what: &'static str) {
     if let Err(err) = tx.rollback().await {
         tracing::debug!(error = %err, transaction = what, "rolling back failed; the transaction ended all the same");
     }

@@ -66,6 +66,27 @@ impl BenchDatabase {
         pool(config_through(&self.config, relay), size)
     }
 
+    /// An sqlx pool of `size` connections to the benchmark database, connecting lazily.
+    /// `test_before_acquire` is sqlx's option of that name (a ping, one round trip, on every
+    /// checkout of an idle connection); the deadpool pools here check nothing on checkout.
+    pub(crate) fn sqlx_pool(&self, size: usize, test_before_acquire: bool) -> sqlx::PgPool {
+        sqlx_pool(&self.config, size, test_before_acquire)
+    }
+
+    /// [`sqlx_pool`](Self::sqlx_pool) through the relay listening on `relay`.
+    pub(crate) fn sqlx_pool_through(
+        &self,
+        relay: SocketAddr,
+        size: usize,
+        test_before_acquire: bool,
+    ) -> sqlx::PgPool {
+        sqlx_pool(
+            &config_through(&self.config, relay),
+            size,
+            test_before_acquire,
+        )
+    }
+
     /// A direct connection to the server's admin database (not the benchmark database, so its
     /// queries never count in the benchmark database's statistics).
     pub(crate) async fn admin_client(&self) -> Result<Client> {
@@ -140,4 +161,32 @@ fn pool(config: Config, size: usize) -> Result<Pool> {
         .max_size(size)
         .build()
         .context("building a pool")
+}
+
+/// An sqlx pool with the settings of `config` (host or socket directory, port, user, password,
+/// database), connecting lazily.
+fn sqlx_pool(config: &Config, size: usize, test_before_acquire: bool) -> sqlx::PgPool {
+    let mut options = sqlx::postgres::PgConnectOptions::new_without_pgpass();
+    match config.get_hosts().first() {
+        Some(Host::Tcp(host)) => options = options.host(host),
+        #[cfg(unix)]
+        Some(Host::Unix(dir)) => options = options.socket(dir),
+        None => {}
+    }
+    if let Some(port) = config.get_ports().first() {
+        options = options.port(*port);
+    }
+    if let Some(user) = config.get_user() {
+        options = options.username(user);
+    }
+    if let Some(password) = config.get_password() {
+        options = options.password(&String::from_utf8_lossy(password));
+    }
+    if let Some(dbname) = config.get_dbname() {
+        options = options.database(dbname);
+    }
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(u32::try_from(size).unwrap_or(u32::MAX))
+        .test_before_acquire(test_before_acquire)
+        .connect_lazy_with(options)
 }

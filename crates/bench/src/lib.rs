@@ -9,6 +9,10 @@
 //! cargo run --release -p lockstep-bench -- locker [--duration-secs 5] [--rounds 2]
 //! ```
 //!
+//! `drivers` compares two lockstep stacks rather than lockstep with pgbench: the backends on
+//! sqlx against the same backends on tokio-postgres, ending with `sqlx_vs_tokio_postgres_*`
+//! lines.
+//!
 //! `reliability` is not a benchmark but the long run of the reliability suite (the
 //! scenarios of `lockstep_tests::reliability`): a table of cases and failures per scenario,
 //! ending with the line `reliability violations=<n> lost=<n> duplicated=<n> panics=<n>
@@ -24,6 +28,7 @@
 mod aggregate;
 mod append_cost;
 mod bench_db;
+mod drivers;
 mod locker;
 mod pgbench;
 mod reliability;
@@ -35,7 +40,7 @@ use clap::Subcommand;
 
 pub use reliability::ProblemsFound;
 
-/// The benchmarks' command line: `locker`, `aggregate`, `worker` or `reliability` with their
+/// The benchmarks' command line: `locker`, `aggregate`, `drivers`, `worker` or `reliability` with their
 /// flags. Used by this crate's binary.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -50,6 +55,9 @@ enum Command {
     Locker(locker::Args),
     /// Aggregate write lock: pessimistic (advisory lock pipelined with the load) vs optimistic + retry.
     Aggregate(aggregate::Args),
+    /// sqlx against tokio-postgres: the pessimistic unit of work, hot 32 and cold 16, on each
+    /// driver in the same run (ratios, round trips per command and per step).
+    Drivers(drivers::Args),
     /// Perspective worker: catch-up by 1 and 2 instances vs one set-based SQL statement,
     /// I/O-bound catch-up on 1, 2 and 4 instances, claim latency vs queue length, healthy pairs
     /// next to failing and unserved ones, rewind from a snapshot vs full replay, keepalive
@@ -69,6 +77,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
         Command::Locker(args) => locker::run(args).await,
         Command::Aggregate(args) => aggregate::run(args).await,
+        Command::Drivers(args) => drivers::run(args).await,
         // Boxed: every section's state lives in this one future (clippy's large_futures).
         Command::Worker(args) => Box::pin(worker::run(args)).await,
         Command::Reliability(args) => reliability::run(args).await,

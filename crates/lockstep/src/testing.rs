@@ -12,6 +12,9 @@
 //!   of `DATABASE_URL` or the local one (`lockstep_testkit::pg_harness`), migrated, one
 //!   `PgDatabase` on it and every Postgres backend built from that handle. The database is
 //!   dropped after the test.
+//! - `Sqlx` (with `sqlx`): the same on an `sqlx::PgPool` — one `SqlxDatabase` and every backend
+//!   on `SqlxTransaction`s; `on_sqlx` runs the same body on the application's driver. A table
+//!   perspective written with sqlx is tested there, on a real database, with no in-memory twin.
 //!
 //! [`on_fakes`] and `on_postgres` build a stack, run the body **in a task of its own**
 //! (`tokio::spawn`: the body's future must be `Send` for the stack's concrete types, as a web
@@ -83,20 +86,24 @@ use lockstep_core::{
 mod fakes;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "sqlx")]
+mod sqlx;
 
 pub use fakes::{Fakes, on_fakes};
 #[cfg(feature = "postgres")]
 pub use postgres::{FreshDatabase, Postgres, fresh_database, fresh_database_with, on_postgres};
+#[cfg(feature = "sqlx")]
+pub use sqlx::{FreshSqlxDatabase, Sqlx, fresh_sqlx_database, on_sqlx};
 
 /// One backend stack: what an application wires at its composition root, by type, on one
-/// transaction type. Implemented by [`Fakes`] and, with `postgres`, `Postgres`; see the
-/// [module docs](self).
+/// transaction type. Implemented by [`Fakes`], with `postgres` `Postgres`, with `sqlx` `Sqlx`;
+/// see the [module docs](self).
 ///
 /// Every backend the methods return is built from the stack's one transaction source, so they
 /// share its transactions (and, on Postgres, its lock queue). A stack is cheap to clone: the
 /// clones share everything.
 pub trait Backend: Clone + Send + Sync + 'static {
-    /// The stack's name in messages: `"fakes"` or `"postgres"`.
+    /// The stack's name in messages: `"fakes"`, `"postgres"` or `"sqlx"`.
     const NAME: &'static str;
 
     /// The transaction every contract below runs on.

@@ -1,6 +1,7 @@
 //! Versions of a perspective, built beside the serving one and promoted at once: each case once
-//! over a `Backend`, on the fakes and on a fresh PostgreSQL database, with workers running as
-//! an application runs them (`run` in a task of its own).
+//! over a `Backend`, on the fakes and on a fresh PostgreSQL database on either driver
+//! (tokio-postgres, sqlx), with workers running as an application runs them (`run` in a task of
+//! its own).
 //!
 //! - A version 2 builds while version 1 serves and appends go on; reads during the build and
 //!   across the switch never see two versions, nor a half-built one; after the promotion every
@@ -20,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use lockstep::prelude::*;
-use lockstep::testing::{Backend, on_fakes, on_postgres};
+use lockstep::testing::{Backend, on_fakes, on_postgres, on_sqlx};
 use lockstep::worker::versions::{self, Promoted, VersionError};
 use lockstep::{PendingThrough, Registration, Uuid, serde_json::json};
 use tokio::sync::Notify;
@@ -365,6 +366,11 @@ async fn a_version_builds_beside_the_serving_one_and_takes_over_at_once_on_postg
     on_postgres(a_version_builds_beside_the_serving_one_and_takes_over_at_once).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_builds_beside_the_serving_one_and_takes_over_at_once_on_sqlx() {
+    on_sqlx(a_version_builds_beside_the_serving_one_and_takes_over_at_once).await;
+}
+
 /// A worker killed while version 2 builds (its task dropped mid-batch, as a killed process
 /// leaves it) leaves nothing half applied: another worker finishes the build, and version 2,
 /// promoted, is its fold of every event.
@@ -417,6 +423,11 @@ async fn a_worker_killed_during_the_build_leaves_nothing_wrong_behind_on_postgre
     on_postgres(a_worker_killed_during_the_build_leaves_nothing_wrong_behind).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_the_build_leaves_nothing_wrong_behind_on_sqlx() {
+    on_sqlx(a_worker_killed_during_the_build_leaves_nothing_wrong_behind).await;
+}
+
 /// Two instances promoting the same version at once: one promotes, the other finds it serving.
 async fn two_instances_promoting_at_once_promote_once<B: Backend>(b: B) {
     let name = tally();
@@ -463,6 +474,11 @@ async fn two_instances_promoting_at_once_promote_once_on_the_fakes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_promoting_at_once_promote_once_on_postgres() {
     on_postgres(two_instances_promoting_at_once_promote_once).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_promoting_at_once_promote_once_on_sqlx() {
+    on_sqlx(two_instances_promoting_at_once_promote_once).await;
 }
 
 /// A table perspective that writes nothing, whose promotion hook says it was entered and then
@@ -579,6 +595,11 @@ async fn a_promotion_dropped_inside_its_hook_changes_nothing_on_postgres() {
     on_postgres(a_promotion_dropped_inside_its_hook_changes_nothing).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promotion_dropped_inside_its_hook_changes_nothing_on_sqlx() {
+    on_sqlx(a_promotion_dropped_inside_its_hook_changes_nothing).await;
+}
+
 /// An abandoned version stops (its work and states are gone, reads are untouched) and stays
 /// abandoned when a worker running its code starts again; the serving version cannot be
 /// abandoned, an unknown one is named, and an abandoned one cannot be promoted.
@@ -651,6 +672,11 @@ async fn an_abandoned_version_stops_and_stays_abandoned_on_postgres() {
     on_postgres(an_abandoned_version_stops_and_stays_abandoned).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_version_stops_and_stays_abandoned_on_sqlx() {
+    on_sqlx(an_abandoned_version_stops_and_stays_abandoned).await;
+}
+
 /// Version 2 promoted with version 1 kept: version 1 keeps applying new events; an operator's
 /// request to promote it again (a rollback) is performed by a running worker, and reads are
 /// version 1's, current with every event.
@@ -702,6 +728,11 @@ async fn a_kept_version_rolls_back_when_its_promotion_is_requested_on_postgres()
     on_postgres(a_kept_version_rolls_back_when_its_promotion_is_requested).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_version_rolls_back_when_its_promotion_is_requested_on_sqlx() {
+    on_sqlx(a_kept_version_rolls_back_when_its_promotion_is_requested).await;
+}
+
 /// A version registered with automatic promotion is promoted by the worker once it has caught
 /// up, and reads are its fold of every event.
 async fn an_automatic_version_is_promoted_once_caught_up<B: Backend>(b: B) {
@@ -738,4 +769,9 @@ async fn an_automatic_version_is_promoted_once_caught_up_on_the_fakes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_automatic_version_is_promoted_once_caught_up_on_postgres() {
     on_postgres(an_automatic_version_is_promoted_once_caught_up).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_automatic_version_is_promoted_once_caught_up_on_sqlx() {
+    on_sqlx(an_automatic_version_is_promoted_once_caught_up).await;
 }

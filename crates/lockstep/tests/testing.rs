@@ -7,7 +7,9 @@
 use std::sync::Arc;
 
 use lockstep::prelude::*;
-use lockstep::testing::{Backend, Fakes, Postgres, fresh_database, on_fakes, on_postgres};
+use lockstep::testing::{
+    Backend, Fakes, Postgres, fresh_database, fresh_sqlx_database, on_fakes, on_postgres, on_sqlx,
+};
 use lockstep::worker::{PerspectiveWorker, ReadModels, WorkerOptions};
 use lockstep::{Uuid, serde_json::json};
 
@@ -51,6 +53,11 @@ async fn an_append_is_read_back_on_the_fakes() {
 #[tokio::test]
 async fn an_append_is_read_back_on_postgres() {
     assert_eq!(on_postgres(an_append_is_read_back).await, 7);
+}
+
+#[tokio::test]
+async fn an_append_is_read_back_on_sqlx() {
+    assert_eq!(on_sqlx(an_append_is_read_back).await, 7);
 }
 
 /// Units stocked per stream.
@@ -121,6 +128,11 @@ async fn a_worker_applies_what_was_appended_on_postgres() {
     on_postgres(a_worker_applies_what_was_appended).await;
 }
 
+#[tokio::test]
+async fn a_worker_applies_what_was_appended_on_sqlx() {
+    on_sqlx(a_worker_applies_what_was_appended).await;
+}
+
 /// A second writer of the same aggregate queues (the stack shows it waiting) until the first
 /// commits, then gets the lock.
 async fn a_second_writer_queues_until_the_first_commits<B: Backend>(b: B) {
@@ -153,6 +165,11 @@ async fn a_second_writer_queues_until_the_first_commits_on_the_fakes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_writer_queues_until_the_first_commits_on_postgres() {
     on_postgres(a_second_writer_queues_until_the_first_commits).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_queues_until_the_first_commits_on_sqlx() {
+    on_sqlx(a_second_writer_queues_until_the_first_commits).await;
 }
 
 /// The helpers are called from a spawned task, with the concrete stacks, as a test harness of
@@ -192,6 +209,30 @@ async fn the_helpers_run_from_a_spawned_task() {
 #[should_panic(expected = "the body's own message")]
 async fn a_panic_in_the_body_fails_the_test_with_its_message() {
     on_fakes(|_| async { panic!("the body's own message") }).await
+}
+
+/// `fresh_sqlx_database` hands over a migrated `SqlxDatabase` whose pool serves the
+/// application's own tables too, usable from a spawned task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_sqlx_database_is_migrated_and_serves_the_applications_tables() {
+    let fresh = tokio::spawn(fresh_sqlx_database()).await.expect("no panic");
+    let db = fresh.database().clone();
+    tokio::spawn(async move {
+        db.check_schema().await?;
+        let mut conn = db
+            .pool()
+            .acquire()
+            .await
+            .map_err(lockstep::postgres::sqlx::map_sqlx_error)?;
+        sqlx::query("CREATE TABLE mine (x int)")
+            .execute(&mut *conn)
+            .await
+            .map_err(lockstep::postgres::sqlx::map_sqlx_error)?;
+        Ok::<_, lockstep::Error>(())
+    })
+    .await
+    .expect("no panic")
+    .expect("migrated, and the pool is the application's");
 }
 
 /// `fresh_database` hands over a migrated `PgDatabase`, usable from a spawned task.

@@ -13,12 +13,11 @@ use lockstep_core::{
     CursorLease, InstanceId, LeaseEntry, LeaseEpoch, LeaseId, LeaseInfo, LeaseStatus,
     PerspectiveName, ReleaseOutcome, Result, StreamId, StreamLockAdmin, UnreadableLease,
 };
-use tokio_postgres::Row;
-use tokio_postgres::types::Type;
+use lockstep_pg::driver::{Row, Timestamp};
 
 use crate::locker::{PgStreamLocker, stored_holder, stored_name, stored_reason};
 use crate::sql;
-use crate::statement::{RowName, column};
+use crate::statement::{RowName, column, opt_time_column, time_column};
 
 #[async_trait]
 impl StreamLockAdmin for PgStreamLocker {
@@ -72,10 +71,7 @@ impl StreamLockAdmin for PgStreamLocker {
         let row: Option<Row> = self
             .run(
                 sql::INSPECT,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
+                &[&stream_id.as_uuid(), &perspective.as_str()],
                 "inspecting a cursor's lease",
             )
             .await?;
@@ -83,13 +79,13 @@ impl StreamLockAdmin for PgStreamLocker {
             return Ok(None);
         };
         let at = RowName::Pair(stream_id, perspective.as_str());
-        let holder: Option<uuid::Uuid> = column(&row, "stream_lock_instance_id", at)?;
-        let reason: Option<String> = column(&row, "stream_lock_reason", at)?;
+        let holder: Option<uuid::Uuid> = column(&row, 0, "stream_lock_instance_id", at)?;
+        let reason: Option<String> = column(&row, 1, "stream_lock_reason", at)?;
         Ok(Some(CursorLease {
             holder: holder.map(|h| stored_holder(h, at)).transpose()?,
             reason: reason.map(stored_reason).transpose()?,
-            expires_at: column(&row, "stream_lock_expiry", at)?,
-            epoch: LeaseEpoch::new(column(&row, "stream_lock_epoch", at)?),
+            expires_at: opt_time_column(&row, 2, "stream_lock_expiry", at)?,
+            epoch: LeaseEpoch::new(column(&row, 3, "stream_lock_epoch", at)?),
         }))
     }
 
@@ -101,10 +97,7 @@ impl StreamLockAdmin for PgStreamLocker {
         let cleared: u64 = self
             .run(
                 sql::FORCE_RELEASE,
-                &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                ],
+                &[&stream_id.as_uuid(), &perspective.as_str()],
                 "force-releasing a stream lease",
             )
             .await?;
@@ -120,7 +113,7 @@ impl StreamLockAdmin for PgStreamLocker {
         let cleared: u64 = self
             .run(
                 sql::RELEASE_ALL_HELD_BY,
-                &[(&instance.as_uuid(), Type::UUID)],
+                &[&instance.as_uuid()],
                 "releasing an instance's stream leases",
             )
             .await?;
@@ -132,20 +125,20 @@ impl StreamLockAdmin for PgStreamLocker {
 /// The key of a listed row: its stream id and its perspective name as stored.
 fn listed_key(row: &Row) -> Result<(StreamId, String)> {
     let listed = RowName::Listed;
-    let stream_id = StreamId::from_uuid(column(row, "stream_id", listed)?);
-    let perspective: String = column(row, "perspective_name", listed)?;
+    let stream_id = StreamId::from_uuid(column(row, 0, "stream_id", listed)?);
+    let perspective: String = column(row, 1, "perspective_name", listed)?;
     Ok((stream_id, perspective))
 }
 
 /// The lease of a listed row, or a typed error naming the row.
 fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<LeaseInfo> {
     let at = RowName::Pair(stream_id, &perspective);
-    let live: bool = column(row, "live", at)?;
-    let expires_at = column(row, "stream_lock_expiry", at)?;
-    let time_left_us: i64 = column(row, "time_left_us", at)?;
-    let holder = stored_holder(column(row, "stream_lock_instance_id", at)?, at)?;
-    let reason = stored_reason(column(row, "stream_lock_reason", at)?)?;
-    let epoch = LeaseEpoch::new(column(row, "stream_lock_epoch", at)?);
+    let live: bool = column(row, 8, "live", at)?;
+    let expires_at = time_column(row, 5, "stream_lock_expiry", at)?;
+    let time_left_us: i64 = column(row, 7, "time_left_us", at)?;
+    let holder = stored_holder(column(row, 2, "stream_lock_instance_id", at)?, at)?;
+    let reason = stored_reason(column(row, 3, "stream_lock_reason", at)?)?;
+    let epoch = LeaseEpoch::new(column(row, 4, "stream_lock_epoch", at)?);
     let time_left = Duration::from_micros(u64::try_from(time_left_us).unwrap_or(0));
     let status = if live {
         LeaseStatus::Held
@@ -154,9 +147,7 @@ fn listed_lease(row: &Row, stream_id: StreamId, perspective: String) -> Result<L
     };
     // Informational only: a start that cannot be read (an operator's `'infinity'`) lists as not
     // recorded rather than making the whole lease unreadable.
-    let acquired_at = match row
-        .try_get::<_, Option<time::OffsetDateTime>>("stream_lock_acquired_at")
-    {
+    let acquired_at = match row.get::<Option<Timestamp>>(6).map(|t| t.map(|t| t.0)) {
         Ok(at) => at,
         Err(err) => {
             tracing::warn!(%stream_id, %perspective, error = %err, "a lease's start cannot be read");

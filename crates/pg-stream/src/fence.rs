@@ -1,6 +1,8 @@
-//! The fenced commit on PostgreSQL: [`LeaseFence`] for [`PgStreamLocker`] over any
-//! [`PgTransactionRef`] (the owned [`lockstep_pg::PgTransaction`], or a borrowed
-//! `tokio_postgres::Transaction` or `deadpool_postgres::Transaction`, passed as `&tx`).
+//! The fenced commit on PostgreSQL: [`LeaseFence`] for [`PgStreamLocker`] over every
+//! transaction of the driver seam ([`Executor`]): on tokio-postgres the owned
+//! [`lockstep_pg::PgTransaction`], or a borrowed `tokio_postgres::Transaction` or
+//! `deadpool_postgres::Transaction`, passed as `&tx`; on sqlx (feature `sqlx`) a
+//! `lockstep_pg::sqlx::SqlxTransaction`. Whichever driver the locker itself runs on.
 //!
 //! Inside the caller's transaction, one statement selects the cursor row where the
 //! holder and epoch match and the lease is live on the database clock, `FOR NO KEY UPDATE`.
@@ -18,35 +20,24 @@
 //! then deadlock upgrading it; `FOR NO KEY UPDATE` is the lock that update needs anyway, and it
 //! still lets foreign-key checks (`FOR KEY SHARE`) on the cursor row through.
 //!
-//! The check is one round trip: an unnamed statement with typed parameters (the transaction's
-//! connection is not the pool's, so there is no per-connection statement cache to use).
+//! The check is one round trip: on tokio-postgres an unnamed statement with typed parameters
+//! (the transaction's connection is not the pool's, so there is no per-connection statement
+//! cache to use); on sqlx the statement as sqlx runs any (prepared and cached per connection).
 
 use lockstep_core::{Error, ErrorKind, LeaseFence, LeaseId, Result};
-use lockstep_pg::PgTransactionRef;
-use tokio_postgres::GenericClient;
-use tokio_postgres::types::Type;
+use lockstep_pg::driver::{Executor, query_opt};
 
 use crate::locker::PgStreamLocker;
 use crate::sql;
 use crate::statement::statement_error;
 
-impl<T: PgTransactionRef> LeaseFence<T> for PgStreamLocker {
+impl<T: Executor> LeaseFence<T> for PgStreamLocker {
     async fn check_lease(&self, tx: &T, lease: &LeaseId) -> Result<()> {
         let stream = lease.stream_id.as_uuid();
         let perspective = lease.perspective.as_str();
         let holder = lease.holder.as_uuid();
         let epoch = lease.epoch.get();
-        let row = tx
-            .executor()
-            .query_typed_opt(
-                sql::FENCE,
-                &[
-                    (&stream, Type::UUID),
-                    (&perspective, Type::TEXT),
-                    (&holder, Type::UUID),
-                    (&epoch, Type::INT8),
-                ],
-            )
+        let row = query_opt(tx, sql::FENCE, &[&stream, &perspective, &holder, &epoch])
             .await
             .map_err(|e| statement_error(e, "checking the stream lease fence"))?;
         match row {

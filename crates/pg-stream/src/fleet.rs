@@ -15,15 +15,13 @@ use lockstep_core::{
     InstanceId, InstanceInUse, InstanceState, KeepaliveOutcome, LeaseId, PerspectiveName, Result,
     StreamLocker, UnreadableInstance, WorkerInstance,
 };
+use lockstep_pg::driver::{Interval, Param, Row};
 use time::OffsetDateTime;
-use tokio_postgres::Row;
-use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
-use crate::interval::PgInterval;
 use crate::locker::{PgStreamLocker, lease_arrays, renew_outcomes, stored_holder, stored_name};
 use crate::sql;
-use crate::statement::{RowName, column};
+use crate::statement::{RowName, column, time_column};
 
 #[async_trait]
 impl Fleet for PgStreamLocker {
@@ -44,13 +42,13 @@ impl Fleet for PgStreamLocker {
             .run(
                 sql::KEEPALIVE,
                 &[
-                    (&streams, Type::UUID_ARRAY),
-                    (&perspectives, Type::TEXT_ARRAY),
-                    (&holders, Type::UUID_ARRAY),
-                    (&epochs, Type::INT8_ARRAY),
-                    (&self.timeout, Type::INTERVAL),
-                    (&instance.as_uuid(), Type::UUID),
-                    (&token, Type::UUID),
+                    &streams,
+                    &perspectives,
+                    &holders,
+                    &epochs,
+                    &self.timeout,
+                    &instance.as_uuid(),
+                    &token,
                 ],
                 "renewing stream leases and marking the instance seen",
             )
@@ -58,7 +56,7 @@ impl Fleet for PgStreamLocker {
         let mut seen = false;
         let mut renewed = Vec::with_capacity(rows.len());
         for row in rows {
-            if column::<bool, _>(&row, "seen", RowName::Listed)? {
+            if column::<bool>(&row, 5, "seen", RowName::Listed)? {
                 seen = true;
             } else {
                 renewed.push(row);
@@ -74,7 +72,7 @@ impl Fleet for PgStreamLocker {
         let deleted: u64 = self
             .run(
                 sql::DEPART,
-                &[(&instance.as_uuid(), Type::UUID), (&token, Type::UUID)],
+                &[&instance.as_uuid(), &token],
                 "removing a worker instance's announcement",
             )
             .await?;
@@ -105,16 +103,17 @@ impl PgStreamLocker {
         let forget = interval(FORGET_STALE_AFTER, "FORGET_STALE_AFTER")?;
         let perspectives: Vec<&str> = a.perspectives.iter().map(PerspectiveName::as_str).collect();
         let pid = i64::from(a.pid);
-        let params: [(&(dyn ToSql + Sync), Type); 9] = [
-            (&a.instance.as_uuid(), Type::UUID),
-            (&a.name, Type::TEXT),
-            (&a.host, Type::TEXT),
-            (&pid, Type::INT8),
-            (&a.version, Type::TEXT),
-            (&perspectives, Type::TEXT_ARRAY),
-            (&stale_after, Type::INTERVAL),
-            (&forget, Type::INTERVAL),
-            (&a.token, Type::UUID),
+        let instance = a.instance.as_uuid();
+        let params: [&dyn Param; 9] = [
+            &instance,
+            &a.name,
+            &a.host,
+            &pid,
+            &a.version,
+            &perspectives,
+            &stale_after,
+            &forget,
+            &a.token,
         ];
         for _ in 0..3 {
             let row: Option<Row> = self
@@ -124,18 +123,18 @@ impl PgStreamLocker {
                 continue; // the conflicting row is newer than the snapshot: look again
             };
             let at = RowName::Listed;
-            if column::<bool, _>(&row, "announced", at)? {
+            if column::<bool>(&row, 0, "announced", at)? {
                 return Ok(());
             }
             let id = a.instance.as_uuid();
-            let pid: i64 = column(&row, "pid", at)?;
+            let pid: i64 = column(&row, 3, "pid", at)?;
             return Err(InstanceInUse::new(
                 a.instance,
-                column::<String, _>(&row, "name", at)?,
-                column::<String, _>(&row, "host", at)?,
+                column::<String>(&row, 1, "name", at)?,
+                column::<String>(&row, 2, "host", at)?,
                 u32::try_from(pid).unwrap_or(0),
-                micros(column(&row, "since_seen_us", at)?, "last_seen_at", id)?,
-                micros(column(&row, "stale_after_us", at)?, "stale_after", id)?,
+                micros(column(&row, 4, "since_seen_us", at)?, "last_seen_at", id)?,
+                micros(column(&row, 5, "stale_after_us", at)?, "stale_after", id)?,
             )
             .into_error());
         }
@@ -165,7 +164,7 @@ impl PgStreamLocker {
             .await?;
         rows.iter()
             .map(|row| {
-                let id: Uuid = column(row, "instance_id", RowName::Listed)?;
+                let id: Uuid = column(row, 0, "instance_id", RowName::Listed)?;
                 Ok(match listed_instance(row) {
                     Ok(instance) => InstanceEntry::Instance(instance),
                     Err(err) => {
@@ -176,7 +175,7 @@ impl PgStreamLocker {
                         );
                         InstanceEntry::Unreadable(UnreadableInstance::new(
                             id,
-                            row.try_get::<_, String>("name").ok(),
+                            row.get::<String>(1).ok(),
                             crate::admin::problem(&err),
                         ))
                     }
@@ -193,7 +192,7 @@ impl PgStreamLocker {
         let row: Option<Row> = self
             .run(
                 sql::FORGET_INSTANCE,
-                &[(&instance.as_uuid(), Type::UUID)],
+                &[&instance.as_uuid()],
                 "forgetting a worker instance",
             )
             .await?;
@@ -201,8 +200,8 @@ impl PgStreamLocker {
             return Ok(ForgetInstance::NotAnnounced);
         };
         let at = RowName::Instance(instance.as_uuid());
-        let live: bool = column(&row, "live", at)?;
-        let forgotten: bool = column(&row, "forgotten", at)?;
+        let live: bool = column(&row, 0, "live", at)?;
+        let forgotten: bool = column(&row, 1, "forgotten", at)?;
         Ok(match (live, forgotten) {
             (_, true) => {
                 tracing::info!(instance = %instance, "worker instance forgotten");
@@ -225,14 +224,19 @@ impl PgStreamLocker {
         let rows: Vec<Row> = self
             .run(
                 sql::FORGET_STALE_INSTANCES,
-                &[(&unseen_for, Type::INTERVAL)],
+                &[&unseen_for],
                 "pruning stale worker instances",
             )
             .await?;
         let at = RowName::Listed;
         let mut forgotten = rows
             .iter()
-            .map(|row| Ok((column(row, "instance_id", at)?, column(row, "name", at)?)))
+            .map(|row| {
+                Ok((
+                    column(row, 0, "instance_id", at)?,
+                    column(row, 1, "name", at)?,
+                ))
+            })
             .collect::<Result<Vec<(Uuid, String)>>>()?;
         forgotten.sort_by(|a, b| (a.1.as_bytes(), a.0).cmp(&(b.1.as_bytes(), b.0)));
         if !forgotten.is_empty() {
@@ -254,8 +258,8 @@ pub enum ForgetInstance {
     NotAnnounced,
 }
 
-fn interval(duration: Duration, what: &str) -> Result<PgInterval> {
-    PgInterval::from_duration(duration).ok_or_else(|| {
+fn interval(duration: Duration, what: &str) -> Result<Interval> {
+    Interval::from_duration(duration).ok_or_else(|| {
         Error::new(
             ErrorKind::InvalidInput,
             format!("{what} does not fit a PostgreSQL interval"),
@@ -274,15 +278,15 @@ fn micros(value: Option<i64>, what: &str, id: Uuid) -> Result<Duration> {
 }
 
 fn listed_instance(row: &Row) -> Result<WorkerInstance> {
-    let id: Uuid = column(row, "instance_id", RowName::Listed)?;
+    let id: Uuid = column(row, 0, "instance_id", RowName::Listed)?;
     let at = RowName::Instance(id);
     let instance = stored_holder(id, at)?;
-    let names: Vec<String> = column(row, "perspectives", at)?;
+    let names: Vec<String> = column(row, 5, "perspectives", at)?;
     let perspectives = names
         .into_iter()
         .map(stored_name)
         .collect::<Result<Vec<_>>>()?;
-    let pid: i64 = column(row, "pid", at)?;
+    let pid: i64 = column(row, 3, "pid", at)?;
     let stored = |e: Error| {
         Error::new(
             ErrorKind::Backend,
@@ -290,24 +294,24 @@ fn listed_instance(row: &Row) -> Result<WorkerInstance> {
         )
         .with_source(e)
     };
-    let token: Option<Uuid> = column(row, "token", at)?;
+    let token: Option<Uuid> = column(row, 8, "token", at)?;
     let announcement = InstanceAnnouncement::new(
         instance,
-        column::<String, _>(row, "name", at)?,
-        column::<String, _>(row, "host", at)?,
+        column::<String>(row, 1, "name", at)?,
+        column::<String>(row, 2, "host", at)?,
         // A pid written by hand out of range reads as 0 rather than failing the listing.
         u32::try_from(pid).unwrap_or(0),
-        column::<String, _>(row, "version", at)?,
+        column::<String>(row, 4, "version", at)?,
         perspectives,
     )
     .map_err(stored)?
     // A row announced without a token (before tokens were stored) lists the nil token.
     .with_token(token.unwrap_or(Uuid::nil()));
-    let started_at: OffsetDateTime = column(row, "started_at", at)?;
-    let last_seen_at: OffsetDateTime = column(row, "last_seen_at", at)?;
-    let stale_after = micros(column(row, "stale_after_us", at)?, "stale_after", id)?;
-    let since_seen = micros(column(row, "since_seen_us", at)?, "last_seen_at", id)?;
-    let live: bool = column(row, "live", at)?;
+    let started_at: OffsetDateTime = time_column(row, 6, "started_at", at)?;
+    let last_seen_at: OffsetDateTime = time_column(row, 7, "last_seen_at", at)?;
+    let stale_after = micros(column(row, 9, "stale_after_us", at)?, "stale_after", id)?;
+    let since_seen = micros(column(row, 10, "since_seen_us", at)?, "last_seen_at", id)?;
+    let live: bool = column(row, 11, "live", at)?;
     Ok(WorkerInstance::new(
         announcement,
         started_at,

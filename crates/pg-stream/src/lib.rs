@@ -7,6 +7,11 @@
 //! lease on its `(stream_id, perspective_name)` row of `wh_perspective_cursors` (the schema is
 //! applied by [`lockstep_pg::migrate()`]).
 //!
+//! The same statements, row decoding and error mapping run on either driver: on tokio-postgres
+//! ([`PgStreamLocker::new`] from a [`lockstep_pg::PgDatabase`]) or, with feature `sqlx`, on an
+//! application's `sqlx::PgPool` (`PgStreamLocker::for_sqlx` from a
+//! `lockstep_pg::sqlx::SqlxDatabase`); the fenced commit works in a transaction of either.
+//!
 //! What it guarantees, beyond the contract in [`lockstep_core::stream_lease`]:
 //!
 //! - **One statement, one round trip** per try-acquire, renew, release and batched renew: an
@@ -34,7 +39,9 @@
 //!   server (a cancel request can arrive first; it is sent again for 2 s) may run once it
 //!   arrives — exactly as the same call made a moment later would: renew and release act only
 //!   on a lease the caller still holds at that epoch, and a try-acquire's lease is the caller's
-//!   own, re-entered by its next try-acquire.
+//!   own, re-entered by its next try-acquire. On sqlx, which hands out no cancel key, the
+//!   connection is closed but no cancel request is sent: the statement runs to its end at the
+//!   server, with the same consequences as that later call (see `PgStreamLocker::for_sqlx`).
 //! - **No panics on stored values**: a row lockstep cannot read (an expiry past year 9999 or
 //!   `'infinity'` written by hand) is an [`ErrorKind::Backend`](lockstep_core::ErrorKind::Backend)
 //!   error naming the row; a database without lockstep's schema says to run
@@ -97,14 +104,15 @@
 pub mod admin;
 pub mod fence;
 mod fleet;
-pub mod interval;
 pub mod locker;
 mod sql;
 mod statement;
 
 pub use fleet::ForgetInstance;
-pub use interval::PgInterval;
 pub use locker::PgStreamLocker;
+/// The lock timeout as the statements bind it: a `Duration` as a PostgreSQL `interval` of
+/// microseconds (the driver seam's [`Interval`](lockstep_pg::driver::Interval)).
+pub use lockstep_pg::driver::Interval as PgInterval;
 
 #[cfg(test)]
 mod tests {
@@ -125,6 +133,14 @@ mod tests {
         PgStreamLocker: lockstep_core::LeaseFence<lockstep_pg::PgTransaction>
             + lockstep_core::LeaseFence<tokio_postgres::Transaction<'t>>
             + lockstep_core::LeaseFence<deadpool_postgres::Transaction<'t>>,
+    {
+    }
+
+    #[cfg(feature = "sqlx")]
+    #[allow(dead_code)]
+    fn fences_sqlx_transactions()
+    where
+        PgStreamLocker: lockstep_core::LeaseFence<lockstep_pg::sqlx::SqlxTransaction>,
     {
     }
 }

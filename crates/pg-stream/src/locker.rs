@@ -1,9 +1,11 @@
-//! [`PgStreamLocker`]: the hot path (try-acquire, renew, release, batched renew) over a
-//! `deadpool_postgres` pool.
+//! [`PgStreamLocker`]: the hot path (try-acquire, renew, release, batched renew) over a pool of
+//! either driver: a `deadpool_postgres` pool, or (feature `sqlx`) an application's
+//! `sqlx::PgPool` (`PgStreamLocker::for_sqlx`).
 //!
-//! Each call checks a connection out of the pool, runs exactly one prepared statement (one round
-//! trip) and returns the connection. The statements are prepared once
-//! per connection (`prepare_cached`). That block is one helper, `PgStreamLocker::run`.
+//! Each call checks a connection out of the pool, runs exactly one statement (one round trip)
+//! and returns the connection. On tokio-postgres the statements are prepared once per
+//! connection (`prepare_cached`); sqlx prepares and caches them itself. That block is one
+//! helper, `PgStreamLocker::run`.
 
 use std::collections::HashMap;
 
@@ -14,30 +16,32 @@ use lockstep_core::{
     PerspectiveName, ReleaseOutcome, RenewOutcome, Result, StreamId, StreamLease,
     StreamLockOptions, StreamLocker,
 };
+use lockstep_pg::driver::{Connections, Interval, Row};
 use lockstep_pg::internal::PoolerState;
 use lockstep_pg::{LockQueue, PgDatabase};
 use time::OffsetDateTime;
-use tokio_postgres::Row;
 use tokio_postgres::Socket;
-use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tokio_postgres::types::Type;
 use uuid::Uuid;
 
-use crate::interval::PgInterval;
 use crate::sql;
-use crate::statement::{RowName, column, statement_error};
+use crate::statement::{RowName, column, opt_time_column, statement_error, time_column};
 
 /// Stream leases on `wh_perspective_cursors`, one atomic statement per operation, on the
 /// database clock.
+///
+/// Built from a [`PgDatabase`] ([`PgStreamLocker::new`]), a `deadpool_postgres` pool
+/// ([`PgStreamLocker::from_pool`]) or, with feature `sqlx`, an
+/// `lockstep_pg::sqlx::SqlxDatabase` (`PgStreamLocker::for_sqlx`): the same
+/// statements, decoding and error mapping on either driver.
 ///
 /// Cheap to clone (the pool is reference-counted). The locker holds no lease state of its own:
 /// the instance is passed to every call, so one locker serves a whole process.
 #[derive(Clone)]
 pub struct PgStreamLocker {
-    pub(crate) pool: Pool,
+    pub(crate) connections: Connections,
     options: StreamLockOptions,
-    pub(crate) timeout: PgInterval,
+    pub(crate) timeout: Interval,
     // Only its cancel requests are used (their TLS connector).
     pub(crate) cancel: LockQueue,
     // Whether statements must go unnamed (behind a transaction pooler): shared with the handle.
@@ -48,7 +52,7 @@ impl std::fmt::Debug for PgStreamLocker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgStreamLocker")
             .field("options", &self.options)
-            .field("pool_status", &self.pool.status())
+            .field("connections", &self.connections)
             .finish_non_exhaustive()
     }
 }
@@ -70,13 +74,35 @@ impl PgStreamLocker {
     /// leases with `options`, cancelling without TLS unless told
     /// ([`PgStreamLocker::with_cancel_tls`]).
     pub fn from_pool(pool: Pool, options: StreamLockOptions) -> PgStreamLocker {
-        let timeout = match PgInterval::from_duration(options.lock_timeout()) {
+        PgStreamLocker::on(Connections::TokioPostgres(pool), options)
+    }
+
+    /// The stream locker of an application on sqlx, granting leases with `options` (already
+    /// validated): on `db`'s pool, the same statements as on tokio-postgres.
+    ///
+    /// What differs, because sqlx does not hand out a connection's cancel key and prepares
+    /// statements itself (see [`lockstep_pg::driver::pool`]): an operation whose future is
+    /// dropped closes its connection but sends no cancel request, so its statement runs to its
+    /// end at the server — what a later call of the same caller would do, on its own lease only;
+    /// behind a transaction pooler, configure the sqlx pool for it (`statement_cache_capacity(0)`,
+    /// or PgBouncer ≥ 1.21 with `max_prepared_statements`).
+    ///
+    /// Does not touch the database: apply the schema first ([`lockstep_pg::migrate()`]).
+    #[cfg(feature = "sqlx")]
+    pub fn for_sqlx(db: &lockstep_pg::sqlx::SqlxDatabase, options: StreamLockOptions) -> Self {
+        let mut locker = PgStreamLocker::on(Connections::Sqlx(db.pool().clone()), options);
+        locker.cancel = db.lock_queue().clone();
+        locker
+    }
+
+    fn on(connections: Connections, options: StreamLockOptions) -> PgStreamLocker {
+        let timeout = match Interval::from_duration(options.lock_timeout()) {
             Some(timeout) => timeout,
             // `StreamLockOptions::new` refuses timeouts beyond i64 microseconds.
             None => unreachable!("StreamLockOptions guarantees the lock timeout fits"),
         };
         PgStreamLocker {
-            pool,
+            connections,
             options,
             timeout,
             cancel: LockQueue::new(),
@@ -102,9 +128,19 @@ impl PgStreamLocker {
         self
     }
 
-    /// The pool the locker runs on.
-    pub fn pool(&self) -> &Pool {
-        &self.pool
+    /// The `deadpool_postgres` pool the locker runs on; `None` for a locker built `for_sqlx`
+    /// (its pool is the application's `sqlx::PgPool`).
+    pub fn pool(&self) -> Option<&Pool> {
+        match &self.connections {
+            Connections::TokioPostgres(pool) => Some(pool),
+            #[cfg(feature = "sqlx")]
+            Connections::Sqlx(_) => None,
+        }
+    }
+
+    /// The pool the locker runs on, of either driver.
+    pub fn connections(&self) -> &Connections {
+        &self.connections
     }
 }
 
@@ -160,11 +196,11 @@ impl StreamLocker for PgStreamLocker {
             .run_statement::<Option<Row>>(
                 sql::TRY_ACQUIRE,
                 &[
-                    (&stream_id.as_uuid(), Type::UUID),
-                    (&perspective.as_str(), Type::TEXT),
-                    (&instance.as_uuid(), Type::UUID),
-                    (&reason.as_str(), Type::TEXT),
-                    (&self.timeout, Type::INTERVAL),
+                    &stream_id.as_uuid(),
+                    &perspective.as_str(),
+                    &instance.as_uuid(),
+                    &reason.as_str(),
+                    &self.timeout,
                 ],
                 DOING,
             )
@@ -173,7 +209,7 @@ impl StreamLocker for PgStreamLocker {
             Ok(row) => row,
             // `FOR NO KEY UPDATE NOWAIT` on the cursor row: another transaction holds its lock
             // right now. The statement wrote nothing; an outcome, not an error (ADR 0002).
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+            Err(e) if e.code() == Some("55P03") => {
                 tracing::debug!("cursor row busy");
                 return Ok(AcquireOutcome::Busy);
             }
@@ -184,13 +220,12 @@ impl StreamLocker for PgStreamLocker {
             return Ok(AcquireOutcome::NoCursor);
         };
         let at = RowName::Pair(stream_id, perspective.as_str());
-        let acquired_epoch: Option<i64> = column(&row, "acquired_epoch", at)?;
+        let acquired_epoch: Option<i64> = column(&row, 0, "acquired_epoch", at)?;
         if let Some(epoch) = acquired_epoch {
-            let expires_at: OffsetDateTime =
-                column::<Option<OffsetDateTime>, _>(&row, "acquired_expiry", at)?
-                    .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
-            let took_over: Option<bool> = column(&row, "took_over", at)?;
-            let reentered: Option<bool> = column(&row, "reentered", at)?;
+            let expires_at: OffsetDateTime = opt_time_column(&row, 1, "acquired_expiry", at)?
+                .ok_or_else(|| inconsistent("an acquired lease has no expiry"))?;
+            let took_over: Option<bool> = column(&row, 2, "took_over", at)?;
+            let reentered: Option<bool> = column(&row, 3, "reentered", at)?;
             if took_over == Some(true) {
                 tracing::info!(stream_id = %stream_id, perspective = %perspective, epoch, "took over an expired lease");
             } else {
@@ -212,10 +247,10 @@ impl StreamLocker for PgStreamLocker {
             ));
         }
         // Denied: `cur` is the row as locked, i.e. its latest committed version.
-        let holder: Option<Uuid> = column(&row, "holder", at)?;
-        let stored: Option<String> = column(&row, "reason", at)?;
-        let expires_at: Option<OffsetDateTime> = column(&row, "expiry", at)?;
-        let epoch: i64 = column(&row, "epoch", at)?;
+        let holder: Option<Uuid> = column(&row, 4, "holder", at)?;
+        let stored: Option<String> = column(&row, 5, "reason", at)?;
+        let expires_at: Option<OffsetDateTime> = opt_time_column(&row, 6, "expiry", at)?;
+        let epoch: i64 = column(&row, 7, "epoch", at)?;
         let (Some(holder), Some(stored), Some(expires_at)) = (holder, stored, expires_at) else {
             return Err(inconsistent(
                 "try-acquire was denied but the cursor row holds no lease",
@@ -235,11 +270,11 @@ impl StreamLocker for PgStreamLocker {
             .run(
                 sql::RENEW,
                 &[
-                    (&lease.stream_id.as_uuid(), Type::UUID),
-                    (&lease.perspective.as_str(), Type::TEXT),
-                    (&lease.holder.as_uuid(), Type::UUID),
-                    (&lease.epoch.get(), Type::INT8),
-                    (&self.timeout, Type::INTERVAL),
+                    &lease.stream_id.as_uuid(),
+                    &lease.perspective.as_str(),
+                    &lease.holder.as_uuid(),
+                    &lease.epoch.get(),
+                    &self.timeout,
                 ],
                 "renewing a stream lease",
             )
@@ -247,7 +282,7 @@ impl StreamLocker for PgStreamLocker {
         match row {
             Some(row) => {
                 let at = RowName::Pair(lease.stream_id, lease.perspective.as_str());
-                let expires_at = column(&row, "stream_lock_expiry", at)?;
+                let expires_at = time_column(&row, 0, "stream_lock_expiry", at)?;
                 Ok(RenewOutcome::Renewed { expires_at })
             }
             None => {
@@ -262,10 +297,10 @@ impl StreamLocker for PgStreamLocker {
             .run(
                 sql::RELEASE,
                 &[
-                    (&lease.stream_id.as_uuid(), Type::UUID),
-                    (&lease.perspective.as_str(), Type::TEXT),
-                    (&lease.holder.as_uuid(), Type::UUID),
-                    (&lease.epoch.get(), Type::INT8),
+                    &lease.stream_id.as_uuid(),
+                    &lease.perspective.as_str(),
+                    &lease.holder.as_uuid(),
+                    &lease.epoch.get(),
                 ],
                 "releasing a stream lease",
             )
@@ -286,13 +321,7 @@ impl StreamLocker for PgStreamLocker {
         let rows: Vec<Row> = self
             .run(
                 sql::RENEW_MANY,
-                &[
-                    (&streams, Type::UUID_ARRAY),
-                    (&perspectives, Type::TEXT_ARRAY),
-                    (&holders, Type::UUID_ARRAY),
-                    (&epochs, Type::INT8_ARRAY),
-                    (&self.timeout, Type::INTERVAL),
-                ],
+                &[&streams, &perspectives, &holders, &epochs, &self.timeout],
                 "renewing stream leases",
             )
             .await?;
@@ -324,12 +353,17 @@ pub(crate) fn renew_outcomes(leases: &[LeaseId], rows: &[Row]) -> Result<Vec<Ren
         .map(|row| {
             let at = RowName::Listed;
             let key: (Uuid, String, Uuid, i64) = (
-                column(row, 0, at)?,
-                column(row, 1, at)?,
-                column(row, 2, at)?,
-                column(row, 3, at)?,
+                column(row, 0, "stream_id", at)?,
+                column(row, 1, "perspective_name", at)?,
+                column(row, 2, "stream_lock_instance_id", at)?,
+                column(row, 3, "stream_lock_epoch", at)?,
             );
-            let expires_at = column(row, 4, RowName::Pair(StreamId::from_uuid(key.0), &key.1))?;
+            let expires_at = time_column(
+                row,
+                4,
+                "stream_lock_expiry",
+                RowName::Pair(StreamId::from_uuid(key.0), &key.1),
+            )?;
             Ok((key, expires_at))
         })
         .collect::<Result<_>>()?;

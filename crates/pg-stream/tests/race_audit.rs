@@ -300,7 +300,9 @@ async fn run_task(
             .push((instance.as_uuid(), epoch));
 
         // The held section: work committed only under the fence.
-        let tx = PgTransaction::begin(locker.pool()).await.expect("begin");
+        let tx = PgTransaction::begin(locker.pool().expect("a deadpool pool"))
+            .await
+            .expect("begin");
         match locker.check_lease(&tx, &lease.id).await {
             Ok(()) => {
                 tx.client()

@@ -7,7 +7,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockstep::testing::{Backend, Fakes, on_fakes, on_postgres};
+use lockstep::testing::{Backend, Fakes, on_fakes, on_postgres, on_sqlx};
 use lockstep_combiner::{CombineError, Combiner};
 use lockstep_core::TransactionSource as _;
 use lockstep_core::{AggregateWriteLock, EventStore, RetryPolicy, StreamId, Transaction as _};
@@ -98,6 +98,17 @@ async fn thirty_two_concurrent_writers_never_oversell_on_postgres_in_any_mode() 
         Duration::from_millis(50),
     );
     on_postgres(|b| every_mode(b, retry, |_, _| {})).await;
+}
+
+/// The same domain code on the application's sqlx pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_concurrent_writers_never_oversell_on_sqlx_in_any_mode() {
+    let retry = RetryPolicy::new(
+        NonZeroU32::new(200).expect("non-zero"),
+        Duration::from_millis(1),
+        Duration::from_millis(50),
+    );
+    on_sqlx(|b| every_mode(b, retry, |_, _| {})).await;
 }
 
 /// Fail-fast answers "busy" while another transaction holds the SKU's write lock, and

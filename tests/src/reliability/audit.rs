@@ -880,7 +880,10 @@ impl Racer {
         stalled: bool,
         stall_inside: Option<Duration>,
     ) -> Fenced {
-        let tx = match PgTransaction::begin(self.locker.pool()).await {
+        let Some(pool) = self.locker.pool() else {
+            return Fenced::Failed("the audit's locker has no deadpool pool".to_owned());
+        };
+        let tx = match PgTransaction::begin(pool).await {
             Ok(tx) => tx,
             Err(e) => return Fenced::Failed(format!("begin: {e}")),
         };

@@ -25,9 +25,11 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::transaction::PgTransactionRef;
 
+pub mod pool;
 mod values;
 
-pub use values::{Column, Interval, Param, ReceivedLen};
+pub use pool::{Connections, PooledConnection, Sending};
+pub use values::{Column, Interval, Param, ReceivedLen, Timestamp};
 
 /// A result row of either driver.
 pub enum Row {

@@ -72,8 +72,6 @@ param_and_column! {
     Option<Uuid> => Type::UUID,
     Json => Type::JSONB,
     Option<Json> => Type::JSONB,
-    OffsetDateTime => Type::TIMESTAMPTZ,
-    Option<OffsetDateTime> => Type::TIMESTAMPTZ,
     Vec<u8> => Type::BYTEA,
     Vec<Uuid> => Type::UUID_ARRAY,
     Vec<String> => Type::TEXT_ARRAY,
@@ -92,7 +90,7 @@ param_and_column! {
     Vec<Option<String>> => Type::TEXT_ARRAY,
 }
 
-/// Parameters that borrow (bound only, never decoded).
+/// Parameters that are bound only: borrowed values, and timestamps (read through [`Timestamp`]).
 macro_rules! param_only {
     ($($t:ty => $pg:expr),* $(,)?) => {$(
         impl Param for $t {
@@ -109,6 +107,8 @@ macro_rules! param_only {
 }
 
 param_only! {
+    OffsetDateTime => Type::TIMESTAMPTZ,
+    Option<OffsetDateTime> => Type::TIMESTAMPTZ,
     Vec<&str> => Type::TEXT_ARRAY,
     Vec<Option<&Json>> => Type::JSONB_ARRAY,
 }
@@ -158,6 +158,84 @@ impl Column for ReceivedLen {
         }
         let bytes = value.as_bytes().map_err(DbError::client)?;
         Ok(ReceivedLen(Some(bytes.len())))
+    }
+}
+
+/// A `timestamptz` column read without a panic on a value `time` cannot hold: on sqlx,
+/// whose own decoding of `'infinity'` or a time past year 9999 overflows and panics, it is read
+/// as the server's microseconds and checked; on tokio-postgres it is an `OffsetDateTime` (whose
+/// decoding already fails with an error). Such a value is an error naming the column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timestamp(pub OffsetDateTime);
+
+impl Column for Timestamp {
+    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
+        row.try_get(idx).map(Timestamp).map_err(DbError::from)
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
+        Option::<Timestamp>::from_sqlx(row, idx)?
+            .ok_or_else(|| DbError::client(format!("column {idx} is NULL")))
+    }
+}
+
+/// Read as a [`Timestamp`]: never a panic, on either driver.
+impl Column for OffsetDateTime {
+    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
+        Timestamp::from_tokio_postgres(row, idx).map(|t| t.0)
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
+        Timestamp::from_sqlx(row, idx).map(|t| t.0)
+    }
+}
+
+/// Read as an optional [`Timestamp`]: never a panic, on either driver.
+impl Column for Option<OffsetDateTime> {
+    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
+        Option::<Timestamp>::from_tokio_postgres(row, idx).map(|t| t.map(|t| t.0))
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
+        Option::<Timestamp>::from_sqlx(row, idx).map(|t| t.map(|t| t.0))
+    }
+}
+
+impl Column for Option<Timestamp> {
+    fn from_tokio_postgres(row: &tokio_postgres::Row, idx: usize) -> Result<Self, DbError> {
+        row.try_get::<_, Option<OffsetDateTime>>(idx)
+            .map(|t| t.map(Timestamp))
+            .map_err(DbError::from)
+    }
+
+    #[cfg(feature = "sqlx")]
+    fn from_sqlx(row: &sqlx::postgres::PgRow, idx: usize) -> Result<Self, DbError> {
+        use sqlx::{Row as _, TypeInfo as _, ValueRef as _};
+        let raw = row.try_get_raw(idx).map_err(DbError::from)?;
+        if raw.is_null() {
+            return Ok(None);
+        }
+        let ty = raw.type_info().name().to_owned();
+        if ty != "TIMESTAMPTZ" {
+            return Err(DbError::client(format!(
+                "column {idx} is a {ty}, not a TIMESTAMPTZ"
+            )));
+        }
+        // Binary `timestamptz`: int64 microseconds since 2000-01-01 00:00 UTC.
+        let micros: i64 = row.try_get_unchecked(idx).map_err(DbError::from)?;
+        const UNIX_MICROS_AT_2000: i128 = 946_684_800_000_000;
+        let unix_nanos = (i128::from(micros) + UNIX_MICROS_AT_2000) * 1000;
+        OffsetDateTime::from_unix_timestamp_nanos(unix_nanos)
+            .map(|t| Some(Timestamp(t)))
+            .map_err(|_| {
+                DbError::client(format!(
+                    "column {idx} holds a time out of the range lockstep reads \
+                     ({micros} µs after 2000-01-01, e.g. 'infinity')"
+                ))
+            })
     }
 }
 
