@@ -1,17 +1,18 @@
 //! The composition root: the routes and the perspective worker on the application's
 //! `sqlx::PgPool`, through one [`SqlxDatabase`] every lockstep backend is built from (one lock
-//! queue for the write lock and the locked loads). Not generic, so axum checks each handler for
-//! the concrete types.
+//! queue for the write lock and the locked loads; the stream locker's statements on the same
+//! pool). Not generic, so axum checks each handler for the concrete types.
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{get, post};
 use lockstep::postgres::sqlx::{SqlxDatabase, SqlxTransaction, map_sqlx_error};
-use lockstep::postgres::{PgEventStore, PgPerspectiveStore};
+use lockstep::postgres::{PgEventStore, PgPerspectiveStore, PgStreamLocker};
 use lockstep::worker::{CancellationToken, PerspectiveWorker, ReadModels, WorkerOptions};
 use lockstep::{
-    InstanceId, PerspectiveRegistry, RetryPolicy, Transaction as _, TransactionSource as _,
+    Fleet, InstanceId, PerspectiveRegistry, RetryPolicy, StreamLockOptions, Transaction as _,
+    TransactionSource as _,
 };
 use lockstep_example_service::http::{App, balance};
 pub use lockstep_example_service::wiring::Service;
@@ -25,6 +26,10 @@ use crate::statement::{DailyStatement, SCHEMA, Statement, daily};
 pub async fn service(db: &SqlxDatabase, shutdown: CancellationToken) -> lockstep::Result<Service> {
     create_tables(db).await?;
 
+    // The locker keeps the fleet too: the worker takes its leases through it and announces
+    // itself (`lockstep workers` lists it; a wait that times out says whether one runs).
+    let fleet: Arc<dyn Fleet> =
+        Arc::new(PgStreamLocker::for_sqlx(db, StreamLockOptions::default()));
     let mut registry = PerspectiveRegistry::new();
     registry.register_table::<SqlxTransaction, _>(DailyStatement)?;
     let worker = PerspectiveWorker::new(
@@ -34,7 +39,8 @@ pub async fn service(db: &SqlxDatabase, shutdown: CancellationToken) -> lockstep
         WorkerOptions::default(),
         InstanceId::process(),
         None,
-    )?;
+    )?
+    .with_fleet(fleet);
     // Registered before the first request: every command's event then queues its work.
     worker.register().await?;
     let worker = tokio::spawn(async move { worker.run(shutdown).await });

@@ -13,12 +13,16 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
-use lockstep::postgres::SqlxDistributedLock;
 use lockstep::postgres::sqlx::SqlxDatabase;
+use lockstep::postgres::{PgStreamLocker, SqlxDistributedLock};
 use lockstep::worker::CancellationToken;
-use lockstep::{AggregateWriteLock as _, Transaction as _, TransactionSource as _};
+use lockstep::{
+    AggregateWriteLock as _, FleetAdmin as _, PerspectiveName, StreamLockOptions, Transaction as _,
+    TransactionSource as _,
+};
 use lockstep_example_service::account::ACCOUNT;
 use lockstep_example_service_sqlx::command::{IDEMPOTENCY_KEY, REPLAYED};
+use lockstep_example_service_sqlx::statement::DAILY_STATEMENT;
 use lockstep_example_service_sqlx::{serve, wiring};
 use lockstep_testkit::pg_harness::{TestDatabase, test_database, until_lock_waiters};
 use serde_json::{Value, json};
@@ -205,7 +209,8 @@ async fn spawned_start() -> Running {
 /// 32 concurrent deposits of 10, then 40 concurrent withdrawals of 10 on one account: every
 /// deposit commits at its own version, exactly 32 withdrawals commit and 8 are told
 /// "insufficient funds", the balance ends at 0 with 64 events — and the daily statement, read
-/// after the last withdrawal's event, has every one of them once.
+/// after the last withdrawal's event, has every one of them once; the worker that applied them
+/// is listed in the fleet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_commands_on_one_account_are_all_kept_and_read_back_in_the_statement() {
     let service = spawned_start().await;
@@ -279,6 +284,18 @@ async fn concurrent_commands_on_one_account_are_all_kept_and_read_back_in_the_st
     )
     .await;
     assert!(bad.status.is_client_error(), "a bad id is refused: {bad:?}");
+
+    // The worker that applied them announced itself through the stream locker on sqlx.
+    let fleet = PgStreamLocker::for_sqlx(
+        &SqlxDatabase::new(service.pool.clone()),
+        StreamLockOptions::default(),
+    );
+    let instances = fleet.list_instances().await.expect("the fleet");
+    let statement = PerspectiveName::new(DAILY_STATEMENT).expect("a valid name");
+    assert!(
+        instances.iter().any(|i| i.is_live() && i.runs(&statement)),
+        "{instances:?}"
+    );
 
     service.stop().await;
 }
