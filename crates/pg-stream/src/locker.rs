@@ -137,11 +137,6 @@ impl PgStreamLocker {
             Connections::Sqlx(_) => None,
         }
     }
-
-    /// The pool the locker runs on, of either driver.
-    pub fn connections(&self) -> &Connections {
-        &self.connections
-    }
 }
 
 pub(crate) fn stored_reason(reason: String) -> Result<LockReason> {
