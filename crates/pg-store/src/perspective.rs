@@ -3,7 +3,7 @@
 //! the owned [`lockstep_pg::PgTransaction`], a borrowed `tokio_postgres::Transaction` or
 //! `deadpool_postgres::Transaction`, and with feature `sqlx` the owned
 //! `lockstep_pg::sqlx::SqlxTransaction`. Each statement, its parameters, its row decoding and
-//! its error mapping are written once over the driver seam ([`lockstep_pg::driver`]).
+//! its error mapping are written once over the driver seam (`lockstep_pg::driver`).
 //!
 //! The schema is in `migrations/` (the baseline's tables, one file per SQL function in
 //! `migrations/functions/`), the protocol in `docs/adr/0006-perspective-store.md`:

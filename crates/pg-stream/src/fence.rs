@@ -1,5 +1,5 @@
 //! The fenced commit on PostgreSQL: [`LeaseFence`] for [`PgStreamLocker`] over every
-//! transaction of the driver seam ([`Executor`]): on tokio-postgres the owned
+//! transaction of the driver seam (`lockstep_pg::driver::Executor`): on tokio-postgres the owned
 //! [`lockstep_pg::PgTransaction`], or a borrowed `tokio_postgres::Transaction` or
 //! `deadpool_postgres::Transaction`, passed as `&tx`; on sqlx (feature `sqlx`) a
 //! `lockstep_pg::sqlx::SqlxTransaction`. Whichever driver the locker itself runs on.

@@ -81,7 +81,7 @@ impl PgStreamLocker {
     /// validated): on `db`'s pool, the same statements as on tokio-postgres.
     ///
     /// What differs, because sqlx does not hand out a connection's cancel key and prepares
-    /// statements itself (see [`lockstep_pg::driver::pool`]): an operation whose future is
+    /// statements itself (see `lockstep_pg::driver::pool`): an operation whose future is
     /// dropped closes its connection but sends no cancel request, so its statement runs to its
     /// end at the server — what a later call of the same caller would do, on its own lease only;
     /// behind a transaction pooler, configure the sqlx pool for it (`statement_cache_capacity(0)`,
@@ -133,14 +133,11 @@ impl PgStreamLocker {
     pub fn pool(&self) -> Option<&Pool> {
         match &self.connections {
             Connections::TokioPostgres(pool) => Some(pool),
-            #[cfg(feature = "sqlx")]
-            Connections::Sqlx(_) => None,
+            // An sqlx pool: the variant exists whenever lockstep-pg has its `sqlx` feature, which
+            // another crate of the build may have turned on without this crate's.
+            #[allow(unreachable_patterns)]
+            _ => None,
         }
-    }
-
-    /// The pool the locker runs on, of either driver.
-    pub fn connections(&self) -> &Connections {
-        &self.connections
     }
 }
 

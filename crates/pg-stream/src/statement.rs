@@ -16,7 +16,7 @@
 //! On sqlx the statement runs as the application's pool runs any query (sqlx prepares and
 //! caches it per connection; behind a transaction pooler the pool is configured for it), and an
 //! abandoned statement's connection is closed without a cancel request: see
-//! [`lockstep_pg::driver::pool`].
+//! `lockstep_pg::driver::pool`.
 
 use lockstep_core::{Error, ErrorKind, Result, StreamId};
 use lockstep_pg::driver::{Column, DbError, Param, PooledConnection, Row, Sending, Timestamp};

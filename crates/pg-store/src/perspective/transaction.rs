@@ -1,6 +1,6 @@
 //! The transactions [`PgPerspectiveStore`](super::PgPerspectiveStore) runs on
 //! ([`PerspectiveTransaction`]): every statement goes through the driver seam
-//! ([`Executor`]); the three things a driver does its own way are here, once per driver.
+//! (`lockstep_pg::driver::Executor`); the three things a driver does its own way are here, once per driver.
 
 use std::future::Future;
 
@@ -18,7 +18,7 @@ mod sealed {
 /// borrowed `tokio_postgres::Transaction` or `deadpool_postgres::Transaction` the application
 /// manages itself, and with feature `sqlx` the owned `lockstep_pg::sqlx::SqlxTransaction`.
 /// Sealed: the store's statements, decoding and error mapping are written once over the
-/// seam's [`Executor`]; the methods here are what each driver does its own way.
+/// seam's `lockstep_pg::driver::Executor`; the methods here are what each driver does its own way.
 pub trait PerspectiveTransaction: Executor + sealed::Sealed {
     /// Runs `sql`: its rows as they arrive. tokio-postgres streams them (`query_typed_raw`: a
     /// reader that stops early leaves the rest to the connection, which discards them); sqlx
