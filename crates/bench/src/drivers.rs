@@ -252,7 +252,7 @@ impl Wiring {
                     pg.clone(),
                     PgPerspectiveStore::new(),
                     locker,
-                    options.clone(),
+                    *options,
                     perspectives,
                 )?;
                 let started = Instant::now();
@@ -265,7 +265,7 @@ impl Wiring {
                     sqlx.clone(),
                     PgPerspectiveStore::new(),
                     locker,
-                    options.clone(),
+                    *options,
                     perspectives,
                 )?;
                 let started = Instant::now();
