@@ -64,7 +64,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use lockstep_core::{
     ExpectedVersion, InstanceId, LockReason, NewEvent, Perspective, PerspectiveName,
-    PerspectiveRegistry, RecordedEvent, StreamId, StreamLockOptions, StreamLocker,
+    PerspectiveRegistry, PerspectiveStore, RecordedEvent, StreamId, StreamLockOptions,
+    StreamLocker, TransactionSource,
 };
 use lockstep_pg::{PgDatabase, PgTransaction};
 use lockstep_pg_store::{PgEventStore, PgPerspectiveStore};
@@ -251,7 +252,7 @@ pub(crate) enum Section {
 
 /// The catch-up's perspective: the list of the events' numbers, in the order applied (the SQL
 /// floor builds the same list with `jsonb_agg`).
-struct Numbers(String);
+pub(crate) struct Numbers(pub(crate) String);
 
 impl Perspective for Numbers {
     type State = Vec<i64>;
@@ -489,7 +490,11 @@ fn number_event(n: i64) -> Result<NewEvent> {
 }
 
 /// Appends `per_stream` numbered events to each stream, 500 per statement.
-async fn append(db: &BenchDatabase, streams: &[StreamId], per_stream: usize) -> Result<()> {
+pub(crate) async fn append(
+    db: &BenchDatabase,
+    streams: &[StreamId],
+    per_stream: usize,
+) -> Result<()> {
     append_with(db, streams, per_stream, &|_, _, n| number_event(n), None).await
 }
 
@@ -538,7 +543,7 @@ async fn append_with(
 }
 
 /// Registers `names` (each new one gets work for every event already appended).
-async fn register(db: &BenchDatabase, names: &[PerspectiveName]) -> Result<()> {
+pub(crate) async fn register(db: &BenchDatabase, names: &[PerspectiveName]) -> Result<()> {
     let pool = db.pool(1)?;
     let tx = PgTransaction::begin(&pool).await?;
     PgPerspectiveStore::new().register(&tx, names).await?;
@@ -549,7 +554,7 @@ async fn register(db: &BenchDatabase, names: &[PerspectiveName]) -> Result<()> {
 
 /// `VACUUM ANALYZE` of the work queue and the cursors (after a registration or an append filled
 /// them, so that the planner knows their size).
-async fn vacuum(db: &BenchDatabase) -> Result<()> {
+pub(crate) async fn vacuum(db: &BenchDatabase) -> Result<()> {
     db.client()
         .await?
         .batch_execute("VACUUM ANALYZE wh_perspective_events, wh_perspective_cursors")
@@ -584,7 +589,7 @@ async fn worker(
 }
 
 /// A pool of `size` connections to the benchmark database, every one of them open.
-async fn open_pool(db: &BenchDatabase, size: usize) -> Result<deadpool_postgres::Pool> {
+pub(crate) async fn open_pool(db: &BenchDatabase, size: usize) -> Result<deadpool_postgres::Pool> {
     let pool = db.pool(size)?;
     let mut open = Vec::with_capacity(size);
     for _ in 0..size {
@@ -617,13 +622,35 @@ fn worker_with_store(
     lock: StreamLockOptions,
     store: PgPerspectiveStore,
 ) -> Result<PgWorker> {
+    let locker: Arc<dyn StreamLocker> = Arc::new(PgStreamLocker::from_pool(pool.clone(), lock));
+    worker_from(
+        PgDatabase::from_pool(pool),
+        store,
+        locker,
+        options,
+        perspectives,
+    )
+}
+
+/// A worker instance for `perspectives` on any transaction source (either driver), with
+/// `locker` and a random `InstanceId`.
+pub(crate) fn worker_from<S>(
+    source: S,
+    store: PgPerspectiveStore,
+    locker: Arc<dyn StreamLocker>,
+    options: WorkerOptions,
+    perspectives: &[Arc<dyn lockstep_core::DynPerspective>],
+) -> Result<PerspectiveWorker<S, PgPerspectiveStore>>
+where
+    S: TransactionSource,
+    PgPerspectiveStore: PerspectiveStore<S::Tx>,
+{
     let mut registry = PerspectiveRegistry::new();
     for p in perspectives {
         registry.register_dyn(Arc::clone(p))?;
     }
-    let locker: Arc<dyn StreamLocker> = Arc::new(PgStreamLocker::from_pool(pool.clone(), lock));
     Ok(PerspectiveWorker::new(
-        PgDatabase::from_pool(pool),
+        source,
         store,
         registry,
         options,
@@ -633,13 +660,13 @@ fn worker_with_store(
 }
 
 /// The work rows left of some perspectives, on a connection opened before the clock starts.
-struct WorkLeft {
+pub(crate) struct WorkLeft {
     client: tokio_postgres::Client,
     names: Vec<String>,
 }
 
 impl WorkLeft {
-    async fn new(db: &BenchDatabase, names: &[PerspectiveName]) -> Result<WorkLeft> {
+    pub(crate) async fn new(db: &BenchDatabase, names: &[PerspectiveName]) -> Result<WorkLeft> {
         Ok(WorkLeft {
             client: db.client().await?,
             names: names.iter().map(|n| n.as_str().to_owned()).collect(),
@@ -667,7 +694,29 @@ const STALLED_AFTER: Duration = Duration::from_secs(60);
 /// `PerspectiveWorker::run` does. Returns the events this instance applied. Any failure or cycle
 /// error is an error of the benchmark.
 async fn drain(worker: &PgWorker, left: &WorkLeft, poll: Duration) -> Result<usize> {
+    Ok(drain_counted(worker, left, poll).await?.applied)
+}
+
+/// What a [`drain_counted`] did.
+pub(crate) struct Drained {
+    /// Events this instance applied.
+    pub(crate) applied: usize,
+    /// Its cycles that claimed at least one pair.
+    pub(crate) busy_cycles: usize,
+}
+
+/// [`drain`] on any transaction source, counting the cycles that claimed work as well.
+pub(crate) async fn drain_counted<S, P>(
+    worker: &PerspectiveWorker<S, P>,
+    left: &WorkLeft,
+    poll: Duration,
+) -> Result<Drained>
+where
+    S: TransactionSource,
+    P: PerspectiveStore<S::Tx>,
+{
     let mut applied = 0;
+    let mut busy_cycles = 0;
     let mut last: Option<(i64, Instant)> = None;
     loop {
         let report = worker.run_once().await;
@@ -683,11 +732,15 @@ async fn drain(worker: &PgWorker, left: &WorkLeft, poll: Duration) -> Result<usi
         }
         applied += report.applied;
         if report.pairs > 0 {
+            busy_cycles += 1;
             continue;
         }
         let n = left.count().await?;
         if n == 0 {
-            return Ok(applied);
+            return Ok(Drained {
+                applied,
+                busy_cycles,
+            });
         }
         match last {
             Some((m, since)) if m == n => {
@@ -1150,7 +1203,7 @@ fn busy_share(before: (u64, u64), after: (u64, u64)) -> f64 {
     after.0.saturating_sub(before.0) as f64 / total as f64
 }
 
-fn check(got: usize, want: usize) -> Result<()> {
+pub(crate) fn check(got: usize, want: usize) -> Result<()> {
     if got != want {
         bail!("expected {want}, got {got}");
     }
@@ -1158,7 +1211,11 @@ fn check(got: usize, want: usize) -> Result<()> {
 }
 
 /// Every state of the run's perspective is its stream's fold, and no work is left.
-async fn verify(db: &BenchDatabase, perspective: &PerspectiveName, streams: usize) -> Result<()> {
+pub(crate) async fn verify(
+    db: &BenchDatabase,
+    perspective: &PerspectiveName,
+    streams: usize,
+) -> Result<()> {
     let client = db.client().await?;
     let row = client
         .query_one(
