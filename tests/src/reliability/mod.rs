@@ -126,6 +126,31 @@ impl fmt::Display for Tally {
     }
 }
 
+/// The driver a scenario's stack runs on: the same scenario code, with its backends built from
+/// a deadpool pool (`PgStreamLocker::from_pool`, `PgTransaction`) or from an application's
+/// `sqlx::PgPool` (`SqlxDatabase::new`, `PgStreamLocker::for_sqlx`, `SqlxTransaction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Driver {
+    /// tokio-postgres on a deadpool pool.
+    TokioPostgres,
+    /// sqlx on an `sqlx::PgPool`.
+    Sqlx,
+}
+
+impl Driver {
+    /// Both drivers, tokio-postgres first.
+    pub const ALL: [Driver; 2] = [Driver::TokioPostgres, Driver::Sqlx];
+}
+
+impl fmt::Display for Driver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Driver::TokioPostgres => "tokio-postgres",
+            Driver::Sqlx => "sqlx",
+        })
+    }
+}
+
 /// How long a scenario runs: the short suite in `cargo test`, the long run in the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scale {
