@@ -15,10 +15,10 @@
 //! command fails (exit status 1, [`ProblemsFound`], nothing printed after the last line) unless
 //! the merged tally is clean.
 //!
-//! The scenarios that exercise a backend (`audit`) run on both drivers, tokio-postgres and then
-//! sqlx (rows `audit` and `audit on sqlx`), unless `--driver` picks one; the others run on
-//! tokio-postgres (the worker processes of `workers` and `failover` are tokio-postgres
-//! programs). The last line merges every row. The scenarios create their
+//! The scenarios that exercise a backend on a pool of their own (`audit`, `cancel`, and the
+//! lost-`COMMIT` part of `faults`) run on both drivers, tokio-postgres and then sqlx (rows
+//! `audit` and `audit on sqlx`), unless `--driver` picks one; the others run on tokio-postgres
+//! (the worker processes of `workers` and `failover` are tokio-postgres programs). The last line merges every row. The scenarios create their
 //! own databases on the test server (`DATABASE_URL`, else the local server; see
 //! `lockstep_testkit::pg_harness`).
 //!
@@ -145,8 +145,30 @@ fn scenarios() -> Vec<Scenario> {
                 })
             },
         },
-        tally_only!("faults", faults),
-        tally_only!("cancel", cancel),
+        Scenario {
+            name: "faults",
+            drivers: &Driver::ALL,
+            start: |scale, driver| {
+                Box::pin(async move {
+                    Ok(Finished {
+                        tally: faults::run_on(scale, driver).await?,
+                        figures: None,
+                    })
+                })
+            },
+        },
+        Scenario {
+            name: "cancel",
+            drivers: &Driver::ALL,
+            start: |scale, driver| {
+                Box::pin(async move {
+                    Ok(Finished {
+                        tally: cancel::run_on(scale, driver).await?,
+                        figures: None,
+                    })
+                })
+            },
+        },
         tally_only!("bad_input", bad_input),
         tally_only!("model", model),
         Scenario {

@@ -42,6 +42,12 @@
 //!    another transaction holds the cursor row — the lease must still be released once the
 //!    row is free, and a shutdown started meanwhile waits for that release and counts it.
 //!
+//! On sqlx ([`run_on`] with [`Driver::Sqlx`]) part 4 runs, its relay in front of an
+//! `sqlx::PgPool` (`SqlxTransaction`s, `PgEventStore::for_sqlx`): the same rounds and checks.
+//! The other parts stay on tokio-postgres: the restart and termination parts drive the
+//! `PgDistributedLock` and the aggregate lock on deadpool pools, and the keepalive parts the
+//! worker's `LeaseKeeper` over a deadpool locker.
+//!
 //! Each fault × check is one case in the [`Tally`]. Setup failures (no database, a server that
 //! does not start again) are errors of [`run`], not violations.
 //!
@@ -62,6 +68,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod};
+use lockstep_core::TransactionSource;
 use lockstep_core::{
     AcquireOutcome, AggregateWriteLock, DistributedAggregateWriteLock, DistributedLock, Error,
     ErrorKind, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LockReason, NewEvent,
@@ -69,6 +76,7 @@ use lockstep_core::{
     StreamLocker,
 };
 use lockstep_pg::PgTransaction;
+use lockstep_pg::sqlx::SqlxDatabase;
 use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
 use lockstep_pg_stream::PgStreamLocker;
@@ -80,8 +88,8 @@ use tokio_postgres::{Client, Config, NoTls};
 use uuid::Uuid;
 
 use super::server::{PrivateServer, StopMode};
-use super::{Scale, Tally};
-use lockstep_core::EventStore as _;
+use super::{Driver, Scale, Tally};
+use lockstep_core::EventStore;
 use lockstep_core::Transaction as _;
 
 /// The perspective of every cursor row the scenario creates.
@@ -101,9 +109,22 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     restart::run(scale, &mut tally).await?;
     terminate(scale, &mut tally).await?;
     stall(scale, &mut tally).await?;
-    lost_commit(scale, &mut tally).await?;
+    lost_commit(scale, &mut tally, Driver::TokioPostgres).await?;
     dropped_release(scale, &mut tally).await?;
     Ok(tally)
+}
+
+/// [`run`] on `driver`: every part on tokio-postgres; on sqlx, the lost `COMMIT` replies (part
+/// 4), the part that applies to an application's sqlx pool (see the module docs).
+pub async fn run_on(scale: Scale, driver: Driver) -> anyhow::Result<Tally> {
+    match driver {
+        Driver::TokioPostgres => run(scale).await,
+        Driver::Sqlx => {
+            let mut tally = Tally::default();
+            lost_commit(scale, &mut tally, Driver::Sqlx).await?;
+            Ok(tally)
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1530,7 +1551,7 @@ async fn stall_round(
 // ---------------------------------------------------------------------------------------------
 
 /// Part 4: a lost `COMMIT` reply, then the caller's retry with the same events.
-async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
+async fn lost_commit(scale: Scale, tally: &mut Tally, driver: Driver) -> anyhow::Result<()> {
     let rounds = match scale {
         Scale::Short => 4,
         Scale::Long => 100,
@@ -1542,8 +1563,46 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
     let relay = Relay::start(db.server_address().context("the commit relay")?)
         .await
         .context("starting the commit relay")?;
-    let relayed = db.pool_through(relay.addr(), 2);
-    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+    match driver {
+        Driver::TokioPostgres => {
+            let relayed = PoolSource(db.pool_through(relay.addr(), 2));
+            let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+            lost_commit_rounds(rounds, tally, &observer, &relay, relayed, store).await
+        }
+        Driver::Sqlx => {
+            let relayed = SqlxDatabase::new(db.sqlx_pool_through(relay.addr(), 2));
+            let store = PgEventStore::for_sqlx(&relayed);
+            lost_commit_rounds(rounds, tally, &observer, &relay, relayed, store).await
+        }
+    }
+}
+
+/// Begins [`PgTransaction`]s on a deadpool pool (`PgTransaction::begin`), as part 4 always has.
+#[derive(Clone)]
+struct PoolSource(Pool);
+
+impl TransactionSource for PoolSource {
+    type Tx = PgTransaction;
+
+    async fn begin(&self) -> lockstep_core::Result<PgTransaction> {
+        PgTransaction::begin(&self.0).await
+    }
+}
+
+/// Part 4's rounds on `relayed`, a source whose connections go through `relay`.
+async fn lost_commit_rounds<S>(
+    rounds: usize,
+    tally: &mut Tally,
+    observer: &Client,
+    relay: &Relay,
+    relayed: S,
+    store: PgEventStore,
+) -> anyhow::Result<()>
+where
+    S: TransactionSource + Clone + 'static,
+    S::Tx: Sync + 'static,
+    PgEventStore: EventStore<S::Tx>,
+{
     for round in 0..rounds {
         let at_commit = round % 2 == 1;
         let expected = match round % 4 {
@@ -1562,7 +1621,7 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         let events: Vec<NewEvent> = (0..3).map(crate::number_event).collect();
 
         // The first attempt: the server commits, the reply never arrives.
-        let tx = PgTransaction::begin(&relayed).await?;
+        let tx = relayed.begin().await?;
         // A unit of work reads before it writes: the load also makes sure the unawaited
         // `BEGIN` (ADR 0024) and its reply are through before the cut is armed. Without it,
         // `BEGIN`, the held-back append and `COMMIT` leave in one burst, the server's replies
@@ -1611,7 +1670,7 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
                 loop {
                     attempt += 1;
                     let outcome: lockstep_core::Result<u64> = async {
-                        let tx = PgTransaction::begin(&relayed).await?;
+                        let tx = relayed.begin().await?;
                         let version = store.append(&tx, stream, expected, &events).await?;
                         tx.commit().await?;
                         lockstep_core::Result::Ok(version)
@@ -1661,7 +1720,7 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         expect_recovery(tally, &format!("{what}: the relayed pool"), || {
             let relayed = relayed.clone();
             async move {
-                let tx = PgTransaction::begin(&relayed).await?;
+                let tx = relayed.begin().await?;
                 tx.rollback().await
             }
         })
