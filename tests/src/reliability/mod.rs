@@ -27,6 +27,13 @@
 //!   promoted under commands (the aggregate lock, the combiner) and under a worker fleet: no
 //!   acknowledged write lost (with synchronous replication), no wrong answer, exact folds, and a
 //!   fence that refuses a holder whose epoch the new primary never saw.
+//!
+//! The scenarios that exercise a backend on pools of their own run on either [`Driver`], one
+//! implementation each: [`audit`] ([`audit::AuditConfig::driver`]), [`cancel`]
+//! ([`cancel::run_on`]) and the relay parts of [`faults`] ([`faults::run_on`]) build their stack
+//! from a deadpool pool or from an `sqlx::PgPool` (`SqlxDatabase::new`,
+//! `PgStreamLocker::for_sqlx`, `PgEventStore::for_sqlx`, `SqlxTransaction`). The worker
+//! processes of [`workers`] and [`failover`] are tokio-postgres programs.
 
 pub mod audit;
 pub mod bad_input;
