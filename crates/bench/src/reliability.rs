@@ -138,9 +138,13 @@ fn scenarios() -> Vec<Scenario> {
                         ..audit::AuditConfig::new(scale)
                     };
                     let report = audit::run_report(&config).await?;
+                    let figures = match driver {
+                        Driver::TokioPostgres => report.stats.to_string(),
+                        Driver::Sqlx => format!("{} (on sqlx)", report.stats),
+                    };
                     Ok(Finished {
                         tally: report.tally,
-                        figures: Some(report.stats.to_string()),
+                        figures: Some(figures),
                     })
                 })
             },
