@@ -13,12 +13,18 @@
 //!
 //! A scenario that returns an error counts as one violation, one that panics as one panic. The
 //! command fails (exit status 1, [`ProblemsFound`], nothing printed after the last line) unless
-//! the merged tally is clean. The scenarios create their
+//! the merged tally is clean.
+//!
+//! The scenarios that exercise a backend on a pool of their own (`audit`, `cancel`, and the
+//! lost-`COMMIT` part of `faults`) run on both drivers, tokio-postgres and then sqlx (rows
+//! `audit` and `audit on sqlx`), unless `--driver` picks one; the others run on tokio-postgres
+//! (the worker processes of `workers` and `failover` are tokio-postgres programs). The last line merges every row. The scenarios create their
 //! own databases on the test server (`DATABASE_URL`, else the local server; see
 //! `lockstep_testkit::pg_harness`).
 //!
 //! ```text
 //! cargo run --release -p lockstep-bench -- reliability [--only audit] [--scale short|long]
+//!     [--driver all|tokio-postgres|sqlx]
 //! ```
 
 use std::future::Future;
@@ -31,7 +37,7 @@ use anyhow::{Context as _, Result, bail};
 use lockstep_tests::reliability::replication::Replication;
 use lockstep_tests::reliability::workers::{self, WorkerCommand};
 use lockstep_tests::reliability::{
-    Scale, Tally, audit, bad_input, cancel, failover, faults, model,
+    Driver, Scale, Tally, audit, bad_input, cancel, failover, faults, model,
 };
 
 /// Options of the `reliability` command.
@@ -44,6 +50,27 @@ pub(crate) struct Args {
     /// few seconds each of `cargo test`).
     #[arg(long, value_enum, default_value_t = ScaleArg::Long)]
     scale: ScaleArg,
+    /// The drivers the scenarios that exercise a backend run on: `all` (tokio-postgres, then
+    /// sqlx), or one of them. Scenarios that run on tokio-postgres only are skipped with `sqlx`.
+    #[arg(long, value_enum, default_value_t = DriverArg::All)]
+    driver: DriverArg,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum DriverArg {
+    All,
+    TokioPostgres,
+    Sqlx,
+}
+
+impl DriverArg {
+    fn includes(self, driver: Driver) -> bool {
+        match self {
+            DriverArg::All => true,
+            DriverArg::TokioPostgres => driver == Driver::TokioPostgres,
+            DriverArg::Sqlx => driver == Driver::Sqlx,
+        }
+    }
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,18 +96,24 @@ struct Finished {
 
 type Running = Pin<Box<dyn Future<Output = Result<Finished>> + Send>>;
 
-/// A scenario: its name and how to start it.
+/// A scenario: its name, the drivers it runs on and how to start it on one.
+#[derive(Clone, Copy)]
 struct Scenario {
     name: &'static str,
-    start: fn(Scale) -> Running,
+    drivers: &'static [Driver],
+    start: fn(Scale, Driver) -> Running,
 }
 
-/// A scenario that reports a [`Tally`] only.
+/// The drivers of a scenario that runs on tokio-postgres only.
+const TOKIO_POSTGRES: &[Driver] = &[Driver::TokioPostgres];
+
+/// A scenario on tokio-postgres that reports a [`Tally`] only.
 macro_rules! tally_only {
     ($name:literal, $module:ident) => {
         Scenario {
             name: $name,
-            start: |scale| {
+            drivers: TOKIO_POSTGRES,
+            start: |scale, _| {
                 Box::pin(async move {
                     Ok(Finished {
                         tally: $module::run(scale).await?,
@@ -97,23 +130,55 @@ fn scenarios() -> Vec<Scenario> {
     vec![
         Scenario {
             name: "audit",
-            start: |scale| {
+            drivers: &Driver::ALL,
+            start: |scale, driver| {
                 Box::pin(async move {
-                    let report = audit::run_report(&audit::AuditConfig::new(scale)).await?;
+                    let config = audit::AuditConfig {
+                        driver,
+                        ..audit::AuditConfig::new(scale)
+                    };
+                    let report = audit::run_report(&config).await?;
+                    let figures = match driver {
+                        Driver::TokioPostgres => report.stats.to_string(),
+                        Driver::Sqlx => format!("{} (on sqlx)", report.stats),
+                    };
                     Ok(Finished {
                         tally: report.tally,
-                        figures: Some(report.stats.to_string()),
+                        figures: Some(figures),
                     })
                 })
             },
         },
-        tally_only!("faults", faults),
-        tally_only!("cancel", cancel),
+        Scenario {
+            name: "faults",
+            drivers: &Driver::ALL,
+            start: |scale, driver| {
+                Box::pin(async move {
+                    Ok(Finished {
+                        tally: faults::run_on(scale, driver).await?,
+                        figures: None,
+                    })
+                })
+            },
+        },
+        Scenario {
+            name: "cancel",
+            drivers: &Driver::ALL,
+            start: |scale, driver| {
+                Box::pin(async move {
+                    Ok(Finished {
+                        tally: cancel::run_on(scale, driver).await?,
+                        figures: None,
+                    })
+                })
+            },
+        },
         tally_only!("bad_input", bad_input),
         tally_only!("model", model),
         Scenario {
             name: "workers",
-            start: |scale| {
+            drivers: TOKIO_POSTGRES,
+            start: |scale, _| {
                 Box::pin(async move {
                     let report = workers::run(scale, &this_program_as_worker()?).await?;
                     Ok(Finished {
@@ -125,7 +190,8 @@ fn scenarios() -> Vec<Scenario> {
         },
         Scenario {
             name: "failover",
-            start: |scale| Box::pin(failovers(scale)),
+            drivers: TOKIO_POSTGRES,
+            start: |scale, _| Box::pin(failovers(scale)),
         },
     ]
 }
@@ -174,35 +240,44 @@ fn scenario_names() -> Vec<&'static str> {
 
 /// One scenario's result, for the table.
 struct Row {
-    name: &'static str,
+    name: String,
     tally: Tally,
     figures: Option<String>,
     elapsed: Duration,
 }
 
-/// Runs one scenario in a task of its own: an error is counted as a violation and a panic (a
-/// `JoinError`) as a panic, so the run goes on.
-async fn run_one(scenario: &Scenario, scale: Scale) -> Row {
+/// A scenario's row name on `driver`: its name on tokio-postgres, `<name> on sqlx` on sqlx.
+fn row_name(scenario: &Scenario, driver: Driver) -> String {
+    match driver {
+        Driver::TokioPostgres => scenario.name.to_owned(),
+        Driver::Sqlx => format!("{} on sqlx", scenario.name),
+    }
+}
+
+/// Runs one scenario on `driver` in a task of its own: an error is counted as a violation and a
+/// panic (a `JoinError`) as a panic, so the run goes on.
+async fn run_one(scenario: &Scenario, scale: Scale, driver: Driver) -> Row {
+    let name = row_name(scenario, driver);
     let started = Instant::now();
-    let (tally, figures) = match tokio::spawn((scenario.start)(scale)).await {
+    let (tally, figures) = match tokio::spawn((scenario.start)(scale, driver)).await {
         Ok(Ok(finished)) => (finished.tally, finished.figures),
         Ok(Err(e)) => {
             let mut tally = Tally::default();
-            tally.violation(format!("{} failed: {e:#}", scenario.name));
+            tally.violation(format!("{name} failed: {e:#}"));
             (tally, None)
         }
         Err(e) => {
             let mut tally = Tally::default();
             if e.is_panic() {
-                tally.panic(format!("{} panicked: {e}", scenario.name));
+                tally.panic(format!("{name} panicked: {e}"));
             } else {
-                tally.violation(format!("{} was cancelled: {e}", scenario.name));
+                tally.violation(format!("{name} was cancelled: {e}"));
             }
             (tally, None)
         }
     };
     Row {
-        name: scenario.name,
+        name,
         tally,
         figures,
         elapsed: started.elapsed(),
@@ -212,20 +287,39 @@ async fn run_one(scenario: &Scenario, scale: Scale) -> Row {
 /// Runs the scenarios and prints the table, the details and the last line.
 pub(crate) async fn run(args: Args) -> Result<()> {
     let scale = Scale::from(args.scale);
-    let chosen: Vec<Scenario> = scenarios()
+    let named: Vec<Scenario> = scenarios()
         .into_iter()
         .filter(|s| args.only.as_deref().is_none_or(|only| only == s.name))
         .collect();
-    if chosen.is_empty() {
+    if named.is_empty() {
         bail!("no scenario is called {:?}", args.only);
+    }
+    let chosen: Vec<(Scenario, Driver)> = named
+        .into_iter()
+        .flat_map(|s| {
+            s.drivers
+                .iter()
+                .filter(|d| args.driver.includes(**d))
+                .map(move |d| (s, *d))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if chosen.is_empty() {
+        bail!(
+            "{:?} runs on tokio-postgres only",
+            args.only.as_deref().unwrap_or("every scenario")
+        );
     }
 
     println!("| scenario | cases | violations | lost | duplicated | panics | seconds |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
-    for scenario in chosen {
-        eprintln!("reliability: running {} ({scale:?})…", scenario.name);
-        let row = run_one(&scenario, scale).await;
+    for (scenario, driver) in chosen {
+        eprintln!(
+            "reliability: running {} ({scale:?})…",
+            row_name(&scenario, driver)
+        );
+        let row = run_one(&scenario, scale, driver).await;
         println!(
             "| {} | {} | {} | {} | {} | {} | {:.1} |",
             row.name,
@@ -286,9 +380,10 @@ mod tests {
     async fn a_failing_or_panicking_scenario_is_counted_and_the_run_goes_on() {
         let failing = Scenario {
             name: "failing",
-            start: |_| Box::pin(async { bail!("no database") }),
+            drivers: TOKIO_POSTGRES,
+            start: |_, _| Box::pin(async { bail!("no database") }),
         };
-        let row = run_one(&failing, Scale::Short).await;
+        let row = run_one(&failing, Scale::Short, Driver::TokioPostgres).await;
         assert_eq!((row.tally.violations, row.tally.panics), (1, 0));
         assert!(
             row.tally.details[0].contains("no database"),
@@ -298,15 +393,18 @@ mod tests {
 
         let panicking = Scenario {
             name: "panicking",
-            start: |_| Box::pin(async { panic!("boom") }),
+            drivers: TOKIO_POSTGRES,
+            start: |_, _| Box::pin(async { panic!("boom") }),
         };
-        let row = run_one(&panicking, Scale::Short).await;
+        let row = run_one(&panicking, Scale::Short, Driver::Sqlx).await;
+        assert_eq!(row.name, "panicking on sqlx");
         assert_eq!((row.tally.violations, row.tally.panics), (0, 1));
         assert!(!row.tally.is_clean());
 
         let clean = Scenario {
             name: "clean",
-            start: |_| {
+            drivers: TOKIO_POSTGRES,
+            start: |_, _| {
                 Box::pin(async {
                     let tally = Tally {
                         cases: 3,
@@ -319,7 +417,7 @@ mod tests {
                 })
             },
         };
-        let row = run_one(&clean, Scale::Short).await;
+        let row = run_one(&clean, Scale::Short, Driver::TokioPostgres).await;
         assert!(row.tally.is_clean() && row.tally.cases == 3);
     }
 }

@@ -40,6 +40,11 @@
 //! misplaced records) and on a real run whose holders skip the fence ([`Fence::Skipped`]), in
 //! `tests/tests/reliability_audit.rs`.
 //!
+//! The audit runs on either driver ([`AuditConfig::driver`]): each instance's pool is a deadpool
+//! pool with a [`PgStreamLocker::from_pool`] and [`PgTransaction`]s, or an `sqlx::PgPool` with a
+//! [`PgStreamLocker::for_sqlx`] and [`SqlxTransaction`]s; the racers, the fenced commit (the fence
+//! and the insert go through the driver seam) and every check are the same code.
+//!
 //! Times are microseconds since the Unix epoch on the database clock ([`Micros`]), converted in
 //! SQL, so the audit does no date arithmetic of its own.
 
@@ -54,7 +59,10 @@ use lockstep_core::{
     AcquireOutcome, ErrorKind, InstanceId, LeaseFence, LockReason, PerspectiveName, ReleaseOutcome,
     RenewOutcome, StreamId, StreamLease, StreamLockOptions, StreamLocker,
 };
+use lockstep_core::{Transaction, TransactionSource};
 use lockstep_pg::PgTransaction;
+use lockstep_pg::driver::Executor;
+use lockstep_pg::sqlx::{SqlxDatabase, SqlxTransaction};
 use lockstep_pg_stream::PgStreamLocker;
 use lockstep_testkit::pg_harness::test_database;
 use rand::rngs::StdRng;
@@ -62,8 +70,7 @@ use rand::{Rng, SeedableRng};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use super::{Scale, Tally};
-use lockstep_core::Transaction as _;
+use super::{Driver, Scale, Tally};
 
 /// Microseconds since the Unix epoch, on the database clock.
 pub type Micros = i64;
@@ -170,6 +177,8 @@ pub struct AuditConfig {
     pub fence: Fence,
     /// Seed of the tasks' random choices (the interleaving itself is not reproducible).
     pub seed: u64,
+    /// The driver the instances' pools, lockers and fenced transactions run on.
+    pub driver: Driver,
 }
 
 impl AuditConfig {
@@ -192,6 +201,7 @@ impl AuditConfig {
             long_hold_probability: 0.1,
             fence: Fence::Checked,
             seed: rand::random(),
+            driver: Driver::TokioPostgres,
         }
     }
 
@@ -672,9 +682,18 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     Ok(run_report(&AuditConfig::new(scale)).await?.tally)
 }
 
+/// Where an instance begins its fenced transactions: its deadpool pool or its sqlx database
+/// (the one its locker runs on).
+#[derive(Clone)]
+enum Instance {
+    TokioPostgres(deadpool_postgres::Pool),
+    Sqlx(SqlxDatabase),
+}
+
 /// One racing task: one instance's loop on one pair.
 struct Racer {
     locker: PgStreamLocker,
+    pool: Instance,
     instance: InstanceId,
     instance_index: usize,
     stream: StreamId,
@@ -880,13 +899,37 @@ impl Racer {
         stalled: bool,
         stall_inside: Option<Duration>,
     ) -> Fenced {
-        let Some(pool) = self.locker.pool() else {
-            return Fenced::Failed("the audit's locker has no deadpool pool".to_owned());
-        };
-        let tx = match PgTransaction::begin(pool).await {
-            Ok(tx) => tx,
-            Err(e) => return Fenced::Failed(format!("begin: {e}")),
-        };
+        match &self.pool {
+            Instance::TokioPostgres(pool) => match PgTransaction::begin(pool).await {
+                Ok(tx) => {
+                    self.fenced_in(tx, lease, attempt, stalled, stall_inside)
+                        .await
+                }
+                Err(e) => Fenced::Failed(format!("begin: {e}")),
+            },
+            Instance::Sqlx(db) => match db.begin().await {
+                Ok(tx) => {
+                    self.fenced_in::<SqlxTransaction>(tx, lease, attempt, stalled, stall_inside)
+                        .await
+                }
+                Err(e) => Fenced::Failed(format!("begin: {e}")),
+            },
+        }
+    }
+
+    /// [`fenced_commit`](Self::fenced_commit) in `tx`, on either driver.
+    async fn fenced_in<T>(
+        &self,
+        tx: T,
+        lease: &StreamLease,
+        attempt: Uuid,
+        stalled: bool,
+        stall_inside: Option<Duration>,
+    ) -> Fenced
+    where
+        T: Transaction + Executor,
+        PgStreamLocker: LeaseFence<T>,
+    {
         if self.config.fence == Fence::Checked {
             match self.locker.check_lease(&tx, &lease.id).await {
                 Ok(()) => {}
@@ -904,8 +947,7 @@ impl Racer {
             tokio::time::sleep(stall).await;
         }
         let inserted = tx
-            .client()
-            .execute(
+            .query(
                 "INSERT INTO audit_fenced \
                    (attempt, stream_id, perspective_name, instance, epoch, stalled) \
                  VALUES ($1, $2, $3, $4, $5, $6)",
@@ -998,18 +1040,38 @@ pub async fn run_report(config: &AuditConfig) -> anyhow::Result<AuditReport> {
     let mut handles: Vec<(usize, JoinHandle<RacerLog>)> = Vec::new();
     let mut pools = Vec::new();
     for instance_index in 0..config.instances {
-        let pool = db.pool(pairs.len() + 1);
-        let mut warm = Vec::new();
-        for _ in 0..pairs.len() {
-            let conn = tokio::time::timeout(OP_LIMIT, pool.get())
-                .await
-                .context("opening a pool connection timed out")?
-                .context("opening a pool connection")?;
-            warm.push(conn);
-        }
-        drop(warm);
-        let locker = PgStreamLocker::from_pool(pool.clone(), options);
-        pools.push(pool);
+        let (pool, locker) = match config.driver {
+            Driver::TokioPostgres => {
+                let pool = db.pool(pairs.len() + 1);
+                let mut warm = Vec::new();
+                for _ in 0..pairs.len() {
+                    let conn = tokio::time::timeout(OP_LIMIT, pool.get())
+                        .await
+                        .context("opening a pool connection timed out")?
+                        .context("opening a pool connection")?;
+                    warm.push(conn);
+                }
+                drop(warm);
+                let locker = PgStreamLocker::from_pool(pool.clone(), options);
+                (Instance::TokioPostgres(pool), locker)
+            }
+            Driver::Sqlx => {
+                let sqlx_pool = db.sqlx_pool(u32::try_from(pairs.len() + 1)?);
+                let mut warm = Vec::new();
+                for _ in 0..pairs.len() {
+                    let conn = tokio::time::timeout(OP_LIMIT, sqlx_pool.acquire())
+                        .await
+                        .context("opening a pool connection timed out")?
+                        .context("opening a pool connection")?;
+                    warm.push(conn);
+                }
+                drop(warm);
+                let sqlx_db = SqlxDatabase::new(sqlx_pool);
+                let locker = PgStreamLocker::for_sqlx(&sqlx_db, options);
+                (Instance::Sqlx(sqlx_db), locker)
+            }
+        };
+        pools.push(pool.clone());
         let instance = InstanceId::random();
         for (pair, (stream, perspective)) in pairs.iter().enumerate() {
             let task_seed = config
@@ -1017,6 +1079,7 @@ pub async fn run_report(config: &AuditConfig) -> anyhow::Result<AuditReport> {
                 .wrapping_add((instance_index * pairs.len() + pair) as u64);
             let racer = Racer {
                 locker: locker.clone(),
+                pool: pool.clone(),
                 instance,
                 instance_index,
                 stream: *stream,

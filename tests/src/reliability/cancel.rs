@@ -29,6 +29,15 @@
 //! `load_locked` (free and behind a holder), and [`PgTransaction`] begin / commit (of a healthy
 //! and of a failed transaction) / rollback.
 //!
+//! The sweeps run on either driver ([`run_on`]): each case's pool is a deadpool pool (the
+//! locker from `PgStreamLocker::from_pool`, [`PgTransaction`]s) or an `sqlx::PgPool`
+//! (`PgStreamLocker::for_sqlx`, `PgEventStore::for_sqlx`, `SqlxTransaction`s), the same cases
+//! and checks. What differs on sqlx, whose dropped operations close their connection but send
+//! no cancel request: a lease operation dropped while it waited for a row lock keeps waiting at
+//! the server and may run once the row is free, so there it must only have taken effect
+//! entirely or not at all, and have ended once the row is free. The advisory-lock cases
+//! (`LockTry`, `LockAcquire`, `LoadLocked`) run on tokio-postgres only.
+//!
 //! [`demonstrate_checks`] runs deliberately broken operations through the same checks: each must
 //! be caught (a statement left running, a pooled connection inside a transaction, an advisory
 //! lock left, a ghost lease, half an append).
@@ -43,7 +52,10 @@ use deadpool_postgres::Pool;
 use lockstep_core::{
     DistributedLock, ErrorKind, EventStore, ExpectedVersion, InstanceId, LeaseId, LockReason,
     PerspectiveName, ResourceKey, StreamId, StreamLockAdmin, StreamLockOptions, StreamLocker,
+    Transaction, TransactionSource,
 };
+use lockstep_pg::driver::Executor;
+use lockstep_pg::sqlx::SqlxDatabase;
 use lockstep_pg::{LockQueue, PgTransaction};
 use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
@@ -53,9 +65,8 @@ use tokio::sync::Notify;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use super::{Scale, Tally};
+use super::{Driver, Scale, Tally};
 use crate::number_event;
-use lockstep_core::Transaction as _;
 
 /// The most polls a sweep tries before it reports an operation that never completes, with 1 ms
 /// between polls.
@@ -222,6 +233,16 @@ const ALL: [Op; 25] = [
 ];
 
 impl Op {
+    /// Whether the operation runs on `driver` (the advisory-lock cases run on tokio-postgres
+    /// only).
+    fn runs_on(self, driver: Driver) -> bool {
+        driver == Driver::TokioPostgres
+            || !matches!(
+                self,
+                Op::LockTry { .. } | Op::LockAcquire { .. } | Op::LoadLocked { .. }
+            )
+    }
+
     fn name(self) -> String {
         match self {
             Op::RowLocked(w) => format!("{}_rowlocked", w.op().name()),
@@ -256,6 +277,11 @@ fn options() -> anyhow::Result<StreamLockOptions> {
 /// minutes however fast the machine is (every `N` would be thousands of cases per operation on
 /// a quiet machine, where a round trip takes thousands of yields).
 pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
+    run_on(scale, Driver::TokioPostgres).await
+}
+
+/// [`run`] with each case's pool, locker, store and transactions on `driver`.
+pub async fn run_on(scale: Scale, driver: Driver) -> anyhow::Result<Tally> {
     let ctx = Arc::new(Ctx::new().await?);
     let sweeps: &[(Gap, u32)] = match scale {
         Scale::Short => &[(Gap::Sleep, 1)],
@@ -264,10 +290,10 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     let mut tally = Tally::default();
     for &(gap, rounds) in sweeps {
         for _ in 0..rounds {
-            for op in ALL {
+            for op in ALL.into_iter().filter(|op| op.runs_on(driver)) {
                 let ctx = Arc::clone(&ctx);
                 // A task per sweep, so a panic in lockstep code is counted, not fatal.
-                match tokio::spawn(async move { sweep(&ctx, op, gap).await }).await {
+                match tokio::spawn(async move { sweep(&ctx, op, gap, driver).await }).await {
                     Ok(Ok(t)) => tally.merge(t),
                     Ok(Err(e)) => tally.violation(format!("{} ({gap:?}): {e:#}", op.name())),
                     Err(e) if e.is_panic() => {
@@ -295,7 +321,7 @@ fn next_drop_point(n: u32, gap: Gap) -> u32 {
 
 /// `N = 1, 2, …` (or sampled, see [`next_drop_point`]) for one operation until it completes
 /// within `N` polls.
-async fn sweep(ctx: &Ctx, op: Op, gap: Gap) -> anyhow::Result<Tally> {
+async fn sweep(ctx: &Ctx, op: Op, gap: Gap, driver: Driver) -> anyhow::Result<Tally> {
     let mut tally = Tally::default();
     let max = match gap {
         Gap::Sleep => MAX_POLLS,
@@ -305,12 +331,12 @@ async fn sweep(ctx: &Ctx, op: Op, gap: Gap) -> anyhow::Result<Tally> {
     while n < max {
         n = next_drop_point(n, gap);
         let label = format!("{} N={n} ({gap:?})", op.name());
-        let pool = ctx.case_pool(&op.name(), n)?;
+        let pool = ctx.case_pool(&op.name(), n, driver)?;
         let completed = case(ctx, &pool, op, n, gap, &label, &mut tally)
             .await
             .with_context(|| label.clone())?;
-        check_pool_works(&pool, &label, &mut tally).await;
-        pool.close();
+        pool.check_works(&label, &mut tally).await;
+        pool.close().await;
         tally.cases += 1;
         if completed {
             return Ok(tally);
@@ -326,7 +352,7 @@ async fn sweep(ctx: &Ctx, op: Op, gap: Gap) -> anyhow::Result<Tally> {
 /// One case. Returns whether the operation completed within `n` polls.
 async fn case(
     ctx: &Ctx,
-    pool: &Pool,
+    pool: &CasePool,
     op: Op,
     n: u32,
     gap: Gap,
@@ -345,15 +371,114 @@ async fn case(
         Op::RowLocked(wait) => {
             lease_case(ctx, pool, wait.op(), Some(()), n, gap, label, tally).await
         }
-        Op::LockTry { held } => lock_try_case(ctx, pool, held, n, gap, label, tally).await,
+        Op::LockTry { held } => {
+            let pool = pool.deadpool(op)?;
+            lock_try_case(ctx, pool, held, n, gap, label, tally).await
+        }
         Op::LockAcquire { held } | Op::LoadLocked { held } => {
+            let pool = pool.deadpool(op)?;
             let load = matches!(op, Op::LoadLocked { .. });
             lock_wait_case(ctx, pool, load, held, n, gap, label, tally).await
         }
-        Op::Append => append_case(ctx, pool, n, gap, label, tally).await,
-        Op::Begin => begin_case(ctx, pool, n, gap, label, tally).await,
-        Op::Commit | Op::CommitFailed | Op::Rollback => {
-            end_case(ctx, pool, op, n, gap, label, tally).await
+        Op::Append => match pool {
+            CasePool::TokioPostgres(p) => {
+                let store = PgEventStore::with_queue(LockQueue::new());
+                append_case(
+                    ctx,
+                    &store,
+                    PgTransaction::begin(p).await?,
+                    n,
+                    gap,
+                    label,
+                    tally,
+                )
+                .await
+            }
+            CasePool::Sqlx(db) => {
+                let store = PgEventStore::for_sqlx(db);
+                append_case(ctx, &store, db.begin().await?, n, gap, label, tally).await
+            }
+        },
+        Op::Begin => match pool {
+            CasePool::TokioPostgres(p) => {
+                begin_case(ctx, PgTransaction::begin(p), n, gap, label, tally).await
+            }
+            CasePool::Sqlx(db) => begin_case(ctx, db.begin(), n, gap, label, tally).await,
+        },
+        Op::Commit | Op::CommitFailed | Op::Rollback => match pool {
+            CasePool::TokioPostgres(p) => {
+                let store = PgEventStore::with_queue(LockQueue::new());
+                let tx = PgTransaction::begin(p).await?;
+                end_case(ctx, &store, tx, op, n, gap, label, tally).await
+            }
+            CasePool::Sqlx(db) => {
+                let store = PgEventStore::for_sqlx(db);
+                end_case(ctx, &store, db.begin().await?, op, n, gap, label, tally).await
+            }
+        },
+    }
+}
+
+/// A case's pool, on the driver under test; its connections carry the case's
+/// `application_name`.
+enum CasePool {
+    TokioPostgres(Pool),
+    Sqlx(SqlxDatabase),
+}
+
+impl CasePool {
+    /// The stream locker under test, on this pool.
+    fn locker(&self) -> anyhow::Result<PgStreamLocker> {
+        Ok(match self {
+            CasePool::TokioPostgres(pool) => PgStreamLocker::from_pool(pool.clone(), options()?),
+            CasePool::Sqlx(db) => PgStreamLocker::for_sqlx(db, options()?),
+        })
+    }
+
+    /// Whether a dropped statement is cancelled at the server (tokio-postgres sends a cancel
+    /// request; sqlx only closes the connection, and a statement waiting for a lock runs on).
+    fn cancels_at_the_server(&self) -> bool {
+        matches!(self, CasePool::TokioPostgres(_))
+    }
+
+    /// The deadpool pool of a case that runs on tokio-postgres only.
+    fn deadpool(&self, op: Op) -> anyhow::Result<&Pool> {
+        match self {
+            CasePool::TokioPostgres(pool) => Ok(pool),
+            CasePool::Sqlx(_) => anyhow::bail!("{} runs on tokio-postgres only", op.name()),
+        }
+    }
+
+    async fn close(&self) {
+        match self {
+            CasePool::TokioPostgres(pool) => pool.close(),
+            CasePool::Sqlx(db) => db.pool().close().await,
+        }
+    }
+
+    /// The pool serves a checkout, and the connection is outside any transaction (with the
+    /// simple query protocol, `now() = statement_timestamp()` only in a statement's own
+    /// transaction; an open one started earlier).
+    async fn check_works(&self, label: &str, tally: &mut Tally) {
+        match self {
+            CasePool::TokioPostgres(pool) => check_pool_works(pool, label, tally).await,
+            CasePool::Sqlx(db) => {
+                let answer = async {
+                    let mut conn = db.pool().acquire().await?;
+                    let rows = sqlx::Executor::fetch_all(
+                        &mut *conn,
+                        sqlx::raw_sql("SELECT now() = statement_timestamp()"),
+                    )
+                    .await?;
+                    let row = rows.first().context("no row")?;
+                    anyhow::Ok(sqlx::Row::try_get::<bool, _>(row, 0)?)
+                };
+                pool_answer(
+                    tokio::time::timeout(Duration::from_secs(10), answer).await,
+                    label,
+                    tally,
+                );
+            }
         }
     }
 }
@@ -377,9 +502,19 @@ impl Ctx {
         })
     }
 
-    /// A pool of two connections named after the case.
-    fn case_pool(&self, op: &str, n: u32) -> anyhow::Result<Pool> {
-        named_pool(&self.db, &format!("lockstep_cancel_{op}_{n}"), 2)
+    /// A pool of two connections on `driver`, named after the case.
+    fn case_pool(&self, op: &str, n: u32, driver: Driver) -> anyhow::Result<CasePool> {
+        let app = format!("lockstep_cancel_{op}_{n}");
+        Ok(match driver {
+            Driver::TokioPostgres => CasePool::TokioPostgres(named_pool(&self.db, &app, 2)?),
+            Driver::Sqlx => {
+                // The pool connects lazily: no connection exists before its name is set.
+                let pool = self.db.sqlx_pool(2);
+                let options = (*pool.connect_options()).clone().application_name(&app);
+                pool.set_connect_options(options);
+                CasePool::Sqlx(SqlxDatabase::new(pool))
+            }
+        })
     }
 
     /// Two fresh cursor rows.
@@ -560,7 +695,20 @@ async fn check_pool_works(pool: &Pool, label: &str, tally: &mut Tally) {
         });
         anyhow::Ok(own.context("no row")?)
     };
-    match tokio::time::timeout(Duration::from_secs(10), answer).await {
+    pool_answer(
+        tokio::time::timeout(Duration::from_secs(10), answer).await,
+        label,
+        tally,
+    );
+}
+
+/// Records what a pool's check answered.
+fn pool_answer(
+    answer: Result<anyhow::Result<bool>, tokio::time::error::Elapsed>,
+    label: &str,
+    tally: &mut Tally,
+) {
+    match answer {
         Ok(Ok(true)) => {}
         Ok(Ok(false)) => tally.violation(format!(
             "{label}: the pool handed out a connection inside an open transaction"
@@ -647,7 +795,7 @@ fn classify(
 #[allow(clippy::too_many_arguments)]
 async fn lease_case(
     ctx: &Ctx,
-    pool: &Pool,
+    pool: &CasePool,
     op: Op,
     row_locked: Option<()>,
     n: u32,
@@ -674,7 +822,7 @@ async fn lease_case(
         Some(()) => Some(row_holder(ctx, streams[0], Arc::clone(&release)).await?),
         None => None,
     };
-    let locker = PgStreamLocker::from_pool(pool.clone(), options()?);
+    let locker = pool.locker()?;
     let name = &ctx.perspective;
     let fut = async {
         match op {
@@ -710,7 +858,9 @@ async fn lease_case(
     if let Some(Err(e)) = &outcome {
         tally.violation(format!("{label}: the operation failed: {e}"));
     }
-    let early = holder.is_some() && !released && waited;
+    // On sqlx a drop sends no cancel request: the statement waits on and may run once the row
+    // is free, so only the all-or-nothing checks below apply to it.
+    let early = holder.is_some() && !released && waited && pool.cancels_at_the_server();
     if let Some(holder) = holder {
         if early {
             // Dropped while it waited: the wait must end (cancel request) before the row is let
@@ -965,20 +1115,23 @@ async fn lock_wait_case(
 
 /// An append of three events, then a commit of whatever the transaction holds: the stream has
 /// all three events or none.
-async fn append_case(
+async fn append_case<T>(
     ctx: &Ctx,
-    pool: &Pool,
+    store: &PgEventStore,
+    tx: T,
     n: u32,
     gap: Gap,
     label: &str,
     tally: &mut Tally,
-) -> anyhow::Result<bool> {
-    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+) -> anyhow::Result<bool>
+where
+    T: Transaction + Sync,
+    PgEventStore: EventStore<T>,
+{
     let stream = StreamId::new_v7();
     let events = [number_event(1), number_event(2), number_event(3)];
-    let tx = PgTransaction::begin(pool).await?;
     let (outcome, _) = poll_n(
-        EventStore::append(&store, &tx, stream, ExpectedVersion::NoStream, &events),
+        EventStore::append(store, &tx, stream, ExpectedVersion::NoStream, &events),
         n,
         gap,
         None,
@@ -1005,16 +1158,17 @@ async fn append_case(
     Ok(outcome.is_some())
 }
 
-/// `PgTransaction::begin` dropped mid-way: no connection may be left inside a transaction.
-async fn begin_case(
+/// A begin (`PgTransaction::begin`, `SqlxDatabase::begin`) dropped mid-way: no connection may
+/// be left inside a transaction.
+async fn begin_case<T: Transaction>(
     ctx: &Ctx,
-    pool: &Pool,
+    begin: impl Future<Output = lockstep_core::Result<T>>,
     n: u32,
     gap: Gap,
     label: &str,
     tally: &mut Tally,
 ) -> anyhow::Result<bool> {
-    let (outcome, _) = poll_n(PgTransaction::begin(pool), n, gap, None).await;
+    let (outcome, _) = poll_n(begin, n, gap, None).await;
     let completed = outcome.is_some();
     match outcome {
         Some(Ok(tx)) => {
@@ -1033,23 +1187,27 @@ async fn begin_case(
 /// Commit (of a transaction holding two appended events, or of a failed one) or rollback,
 /// dropped mid-way: the events are all there or none, and no connection is pooled inside a
 /// transaction.
-async fn end_case(
+#[allow(clippy::too_many_arguments)]
+async fn end_case<T>(
     ctx: &Ctx,
-    pool: &Pool,
+    store: &PgEventStore,
+    tx: T,
     op: Op,
     n: u32,
     gap: Gap,
     label: &str,
     tally: &mut Tally,
-) -> anyhow::Result<bool> {
-    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+) -> anyhow::Result<bool>
+where
+    T: Transaction + Executor,
+    PgEventStore: EventStore<T>,
+{
     let stream = StreamId::new_v7();
     let events = [number_event(1), number_event(2)];
-    let tx = PgTransaction::begin(pool).await?;
-    EventStore::append(&store, &tx, stream, ExpectedVersion::NoStream, &events).await?;
+    EventStore::append(store, &tx, stream, ExpectedVersion::NoStream, &events).await?;
     if op == Op::CommitFailed {
         // Any failed statement aborts the transaction.
-        let failed = tx.client().batch_execute("SELECT 1 / 0").await;
+        let failed = tx.batch("SELECT 1 / 0").await;
         anyhow::ensure!(failed.is_err(), "division by zero did not fail");
     }
     let (outcome, _) = match op {

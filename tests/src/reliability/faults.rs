@@ -42,6 +42,13 @@
 //!    another transaction holds the cursor row — the lease must still be released once the
 //!    row is free, and a shutdown started meanwhile waits for that release and counts it.
 //!
+//! On sqlx ([`run_on`] with [`Driver::Sqlx`]) the two parts that put a relay in front of the
+//! pool run with an `sqlx::PgPool` behind it, the same rounds and checks: part 3's network
+//! stall (the stalled holder's keeper on `PgStreamLocker::for_sqlx`, its fenced commits in
+//! `SqlxTransaction`s; the successor stays on tokio-postgres) and part 4 (`SqlxTransaction`s,
+//! `PgEventStore::for_sqlx`). The restart, termination, exhausted-pool and dropped-release
+//! parts stay on tokio-postgres: they drive the advisory locks and deadpool pools directly.
+//!
 //! Each fault × check is one case in the [`Tally`]. Setup failures (no database, a server that
 //! does not start again) are errors of [`run`], not violations.
 //!
@@ -62,6 +69,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod};
+use lockstep_core::TransactionSource;
 use lockstep_core::{
     AcquireOutcome, AggregateWriteLock, DistributedAggregateWriteLock, DistributedLock, Error,
     ErrorKind, ExpectedVersion, InstanceId, LeaseFence, LeaseId, LockReason, NewEvent,
@@ -69,6 +77,8 @@ use lockstep_core::{
     StreamLocker,
 };
 use lockstep_pg::PgTransaction;
+use lockstep_pg::driver::Executor;
+use lockstep_pg::sqlx::SqlxDatabase;
 use lockstep_pg_advisory::PgDistributedLock;
 use lockstep_pg_store::PgEventStore;
 use lockstep_pg_stream::PgStreamLocker;
@@ -80,8 +90,8 @@ use tokio_postgres::{Client, Config, NoTls};
 use uuid::Uuid;
 
 use super::server::{PrivateServer, StopMode};
-use super::{Scale, Tally};
-use lockstep_core::EventStore as _;
+use super::{Driver, Scale, Tally};
+use lockstep_core::EventStore;
 use lockstep_core::Transaction as _;
 
 /// The perspective of every cursor row the scenario creates.
@@ -100,10 +110,25 @@ pub async fn run(scale: Scale) -> anyhow::Result<Tally> {
     let mut tally = Tally::default();
     restart::run(scale, &mut tally).await?;
     terminate(scale, &mut tally).await?;
-    stall(scale, &mut tally).await?;
-    lost_commit(scale, &mut tally).await?;
+    stall(scale, &mut tally, Driver::TokioPostgres).await?;
+    lost_commit(scale, &mut tally, Driver::TokioPostgres).await?;
     dropped_release(scale, &mut tally).await?;
     Ok(tally)
+}
+
+/// [`run`] on `driver`: every part on tokio-postgres; on sqlx, the network stalls (part 3) and
+/// the lost `COMMIT` replies (part 4), the parts with a relay in front of the pool (see the
+/// module docs).
+pub async fn run_on(scale: Scale, driver: Driver) -> anyhow::Result<Tally> {
+    match driver {
+        Driver::TokioPostgres => run(scale).await,
+        Driver::Sqlx => {
+            let mut tally = Tally::default();
+            stall(scale, &mut tally, Driver::Sqlx).await?;
+            lost_commit(scale, &mut tally, Driver::Sqlx).await?;
+            Ok(tally)
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -367,31 +392,68 @@ where
 /// fence, write, commit (a refused fence rolls back). `None` if it did not end in time.
 async fn fenced_commit(
     locker: &PgStreamLocker,
-    pool: &Pool,
+    pool: impl Into<TxPool>,
     lease: &LeaseId,
 ) -> (Uuid, Option<lockstep_core::Result<()>>) {
     let mark = Uuid::new_v4();
     let commit = async {
-        let tx = PgTransaction::begin_within(pool, STEP_LIMIT).await?;
-        if let Err(e) = locker.check_lease(&tx, lease).await {
-            let _ = tx.rollback().await;
-            return Err(e);
+        match pool.into() {
+            TxPool::TokioPostgres(pool) => {
+                let tx = PgTransaction::begin_within(&pool, STEP_LIMIT).await?;
+                fenced_write(locker, tx, lease, mark).await
+            }
+            TxPool::Sqlx(db) => fenced_write(locker, db.begin().await?, lease, mark).await,
         }
-        tx.client()
-            .execute(
-                "INSERT INTO faults_marks (mark, stream_id, holder, epoch) VALUES ($1, $2, $3, $4)",
-                &[
-                    &mark,
-                    &lease.stream_id.as_uuid(),
-                    &lease.holder.as_uuid(),
-                    &lease.epoch.get(),
-                ],
-            )
-            .await
-            .map_err(|e| lockstep_pg::map_error(e, "writing a mark"))?;
-        tx.commit().await
     };
     (mark, tokio::time::timeout(STEP_LIMIT, commit).await.ok())
+}
+
+/// Where a fenced commit begins its transaction: a deadpool pool or an sqlx database.
+#[derive(Clone)]
+enum TxPool {
+    TokioPostgres(Pool),
+    Sqlx(SqlxDatabase),
+}
+
+impl From<&Pool> for TxPool {
+    fn from(pool: &Pool) -> TxPool {
+        TxPool::TokioPostgres(pool.clone())
+    }
+}
+
+impl From<&TxPool> for TxPool {
+    fn from(pool: &TxPool) -> TxPool {
+        pool.clone()
+    }
+}
+
+/// [`fenced_commit`] in `tx`, on either driver: check the fence, write `mark`, commit.
+async fn fenced_write<T>(
+    locker: &PgStreamLocker,
+    tx: T,
+    lease: &LeaseId,
+    mark: Uuid,
+) -> lockstep_core::Result<()>
+where
+    T: lockstep_core::Transaction + Executor,
+    PgStreamLocker: LeaseFence<T>,
+{
+    if let Err(e) = locker.check_lease(&tx, lease).await {
+        let _ = tx.rollback().await;
+        return Err(e);
+    }
+    tx.query(
+        "INSERT INTO faults_marks (mark, stream_id, holder, epoch) VALUES ($1, $2, $3, $4)",
+        &[
+            &mark,
+            &lease.stream_id.as_uuid(),
+            &lease.holder.as_uuid(),
+            &lease.epoch.get(),
+        ],
+    )
+    .await
+    .map_err(|e| lockstep_pg::internal::db_statement_error(e, "writing a mark"))?;
+    tx.commit().await
 }
 
 async fn mark_count(client: &Client, mark: Uuid) -> anyhow::Result<i64> {
@@ -410,7 +472,7 @@ async fn expect_fenced_ok(
     tally: &mut Tally,
     what: &str,
     locker: &PgStreamLocker,
-    pool: &Pool,
+    pool: impl Into<TxPool>,
     client: &Client,
     lease: &LeaseId,
 ) -> anyhow::Result<Option<Uuid>> {
@@ -439,7 +501,7 @@ async fn expect_fenced_refused(
     tally: &mut Tally,
     what: &str,
     locker: &PgStreamLocker,
-    pool: &Pool,
+    pool: impl Into<TxPool>,
     client: &Client,
     lease: &LeaseId,
 ) -> anyhow::Result<()> {
@@ -1322,7 +1384,7 @@ enum Stall {
 const STALL_OPTIONS: [(u64, u64); 4] = [(1500, 400), (1200, 400), (2200, 400), (1000, 300)];
 
 /// Part 3: a keepalive that stalls, through a paused relay or an exhausted pool.
-async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
+async fn stall(scale: Scale, tally: &mut Tally, driver: Driver) -> anyhow::Result<()> {
     let db = lockstep_testkit::pg_harness::test_database().await;
     let config = db.config().clone();
     let relay = Relay::start(db.server_address().context("the stall relay")?)
@@ -1364,7 +1426,11 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
             })
             .collect(),
     };
-    for (round, (kind, which, phase, settle)) in rounds.into_iter().enumerate() {
+    // On sqlx, the network stalls: an exhausted pool is a deadpool checkout held elsewhere.
+    let rounds = rounds
+        .into_iter()
+        .filter(|(kind, ..)| driver == Driver::TokioPostgres || *kind == Stall::Network);
+    for (round, (kind, which, phase, settle)) in rounds.enumerate() {
         let (timeout_ms, keepalive_ms) = STALL_OPTIONS
             .get(which)
             .copied()
@@ -1374,17 +1440,26 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
             Duration::from_millis(keepalive_ms),
         )?;
         let at = format!(
-            "stall {round} ({kind:?}, lock timeout {timeout_ms} ms, keepalive {keepalive_ms} ms, \
+            "stall {round} ({kind:?} on {driver}, lock timeout {timeout_ms} ms, keepalive {keepalive_ms} ms, \
              acquired {} ms after the keeper started, stalled {} ms later)",
             phase.as_millis(),
             settle.as_millis()
         );
-        let holder_pool = match kind {
-            Stall::Network => pool(&via_relay, "faults-stalled", 2)?,
-            Stall::PoolExhausted => pool(&config, "faults-stalled", 1)?,
+        let holder_pool = match (kind, driver) {
+            (Stall::Network, Driver::TokioPostgres) => {
+                TxPool::TokioPostgres(pool(&via_relay, "faults-stalled", 2)?)
+            }
+            (Stall::Network, Driver::Sqlx) => {
+                TxPool::Sqlx(SqlxDatabase::new(db.sqlx_pool_through(relay.addr(), 2)))
+            }
+            (Stall::PoolExhausted, _) => TxPool::TokioPostgres(pool(&config, "faults-stalled", 1)?),
+        };
+        let locker_a = match &holder_pool {
+            TxPool::TokioPostgres(pool) => PgStreamLocker::from_pool(pool.clone(), options),
+            TxPool::Sqlx(db) => PgStreamLocker::for_sqlx(db, options),
         };
         let rig = StallRig {
-            locker_a: PgStreamLocker::from_pool(holder_pool.clone(), options),
+            locker_a,
             locker_b: PgStreamLocker::from_pool(other_pool.clone(), options),
             holder_pool,
             other_pool: other_pool.clone(),
@@ -1400,7 +1475,7 @@ async fn stall(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
 struct StallRig<'a> {
     locker_a: PgStreamLocker,
     locker_b: PgStreamLocker,
-    holder_pool: Pool,
+    holder_pool: TxPool,
     other_pool: Pool,
     relay: &'a Relay,
 }
@@ -1440,7 +1515,10 @@ async fn stall_round(
             rig.relay.pause();
             None
         }
-        Stall::PoolExhausted => Some(lockstep_pg::checkout(&rig.holder_pool, STEP_LIMIT).await?),
+        Stall::PoolExhausted => match &rig.holder_pool {
+            TxPool::TokioPostgres(pool) => Some(lockstep_pg::checkout(pool, STEP_LIMIT).await?),
+            TxPool::Sqlx(_) => bail!("an exhausted pool is a deadpool pool's"),
+        },
     };
 
     let other = InstanceId::random();
@@ -1530,7 +1608,7 @@ async fn stall_round(
 // ---------------------------------------------------------------------------------------------
 
 /// Part 4: a lost `COMMIT` reply, then the caller's retry with the same events.
-async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
+async fn lost_commit(scale: Scale, tally: &mut Tally, driver: Driver) -> anyhow::Result<()> {
     let rounds = match scale {
         Scale::Short => 4,
         Scale::Long => 100,
@@ -1542,8 +1620,46 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
     let relay = Relay::start(db.server_address().context("the commit relay")?)
         .await
         .context("starting the commit relay")?;
-    let relayed = db.pool_through(relay.addr(), 2);
-    let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+    match driver {
+        Driver::TokioPostgres => {
+            let relayed = PoolSource(db.pool_through(relay.addr(), 2));
+            let store = PgEventStore::with_queue(lockstep_pg::LockQueue::new());
+            lost_commit_rounds(rounds, tally, &observer, &relay, relayed, store).await
+        }
+        Driver::Sqlx => {
+            let relayed = SqlxDatabase::new(db.sqlx_pool_through(relay.addr(), 2));
+            let store = PgEventStore::for_sqlx(&relayed);
+            lost_commit_rounds(rounds, tally, &observer, &relay, relayed, store).await
+        }
+    }
+}
+
+/// Begins [`PgTransaction`]s on a deadpool pool (`PgTransaction::begin`), as part 4 always has.
+#[derive(Clone)]
+struct PoolSource(Pool);
+
+impl TransactionSource for PoolSource {
+    type Tx = PgTransaction;
+
+    async fn begin(&self) -> lockstep_core::Result<PgTransaction> {
+        PgTransaction::begin(&self.0).await
+    }
+}
+
+/// Part 4's rounds on `relayed`, a source whose connections go through `relay`.
+async fn lost_commit_rounds<S>(
+    rounds: usize,
+    tally: &mut Tally,
+    observer: &Client,
+    relay: &Relay,
+    relayed: S,
+    store: PgEventStore,
+) -> anyhow::Result<()>
+where
+    S: TransactionSource + Clone + 'static,
+    S::Tx: Sync + 'static,
+    PgEventStore: EventStore<S::Tx>,
+{
     for round in 0..rounds {
         let at_commit = round % 2 == 1;
         let expected = match round % 4 {
@@ -1562,7 +1678,7 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         let events: Vec<NewEvent> = (0..3).map(crate::number_event).collect();
 
         // The first attempt: the server commits, the reply never arrives.
-        let tx = PgTransaction::begin(&relayed).await?;
+        let tx = relayed.begin().await?;
         // A unit of work reads before it writes: the load also makes sure the unawaited
         // `BEGIN` (ADR 0024) and its reply are through before the cut is armed. Without it,
         // `BEGIN`, the held-back append and `COMMIT` leave in one burst, the server's replies
@@ -1611,7 +1727,7 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
                 loop {
                     attempt += 1;
                     let outcome: lockstep_core::Result<u64> = async {
-                        let tx = PgTransaction::begin(&relayed).await?;
+                        let tx = relayed.begin().await?;
                         let version = store.append(&tx, stream, expected, &events).await?;
                         tx.commit().await?;
                         lockstep_core::Result::Ok(version)
@@ -1661,7 +1777,7 @@ async fn lost_commit(scale: Scale, tally: &mut Tally) -> anyhow::Result<()> {
         expect_recovery(tally, &format!("{what}: the relayed pool"), || {
             let relayed = relayed.clone();
             async move {
-                let tx = PgTransaction::begin(&relayed).await?;
+                let tx = relayed.begin().await?;
                 tx.rollback().await
             }
         })

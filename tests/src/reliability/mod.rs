@@ -27,6 +27,13 @@
 //!   promoted under commands (the aggregate lock, the combiner) and under a worker fleet: no
 //!   acknowledged write lost (with synchronous replication), no wrong answer, exact folds, and a
 //!   fence that refuses a holder whose epoch the new primary never saw.
+//!
+//! The scenarios that exercise a backend on pools of their own run on either [`Driver`], one
+//! implementation each: [`audit`] ([`audit::AuditConfig::driver`]), [`cancel`]
+//! ([`cancel::run_on`]) and the relay parts of [`faults`] ([`faults::run_on`]) build their stack
+//! from a deadpool pool or from an `sqlx::PgPool` (`SqlxDatabase::new`,
+//! `PgStreamLocker::for_sqlx`, `PgEventStore::for_sqlx`, `SqlxTransaction`). The worker
+//! processes of [`workers`] and [`failover`] are tokio-postgres programs.
 
 pub mod audit;
 pub mod bad_input;
@@ -123,6 +130,31 @@ impl fmt::Display for Tally {
             "reliability violations={} lost={} duplicated={} panics={} cases={} failovers={}",
             self.violations, self.lost, self.duplicated, self.panics, self.cases, self.failovers
         )
+    }
+}
+
+/// The driver a scenario's stack runs on: the same scenario code, with its backends built from
+/// a deadpool pool (`PgStreamLocker::from_pool`, `PgTransaction`) or from an application's
+/// `sqlx::PgPool` (`SqlxDatabase::new`, `PgStreamLocker::for_sqlx`, `SqlxTransaction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Driver {
+    /// tokio-postgres on a deadpool pool.
+    TokioPostgres,
+    /// sqlx on an `sqlx::PgPool`.
+    Sqlx,
+}
+
+impl Driver {
+    /// Both drivers, tokio-postgres first.
+    pub const ALL: [Driver; 2] = [Driver::TokioPostgres, Driver::Sqlx];
+}
+
+impl fmt::Display for Driver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Driver::TokioPostgres => "tokio-postgres",
+            Driver::Sqlx => "sqlx",
+        })
     }
 }
 
