@@ -133,5 +133,5 @@ mod sql;
 
 pub use lock::{PgAggregateWriteLock, PgDistributedLock};
 #[cfg(feature = "sqlx")]
-pub use on_sqlx::{SqlxAggregateWriteLock, SqlxDistributedLock};
+pub use on_sqlx::{SqlxAggregateWriteLock, SqlxDistributedLock, SqlxSessionGuard};
 pub use session::PgSessionGuard;

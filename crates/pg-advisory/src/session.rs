@@ -128,48 +128,47 @@ impl SessionLockGuard for PgSessionGuard {
         // transaction, where transaction_timestamp() equals statement_timestamp() (PostgreSQL
         // documents it); after the holder's BEGIN it is BEGIN's time, an earlier message. The
         // key is an integer, written as a literal.
-        let outcome = match conn.simple_query(&sql::unlock_session(advisory)).await {
+        let flags = match conn.simple_query(&sql::unlock_session(advisory)).await {
             Ok(messages) => unlock_outcome(&messages),
             Err(e) => Err(lock_error(e, &self.key, "releasing")),
         };
-        match outcome {
-            Ok((true, false)) => Ok(()), // unlocked, idle: pooled again
-            Ok((held, true)) => {
-                // Never pool a connection inside a transaction block: closing it rolls the
-                // holder's open transaction back.
-                let _ = Object::take(conn);
-                Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "session lock {} {}, but its connection was inside a transaction block \
-                         the holder never ended: the connection was closed (rolling that \
-                         transaction back) instead of going back to the pool",
-                        self.key,
-                        if held {
-                            "was released"
-                        } else {
-                            "was no longer held at release"
-                        }
-                    ),
-                ))
-            }
-            Ok((false, false)) => {
-                let _ = Object::take(conn);
-                Err(Error::new(
-                    ErrorKind::Backend,
-                    format!("session lock {} was no longer held at release", self.key),
-                ))
-            }
-            Err(e) => {
-                // Not known to be unlocked (or in a failed transaction): never pool it.
-                let _ = Object::take(conn);
-                Err(e)
-            }
+        if matches!(flags, Ok((true, false))) {
+            drop(conn); // unlocked, idle: pooled again
+        } else {
+            // Not known to be unlocked outside a transaction block: never pool it (closing it
+            // rolls back a transaction the holder left open).
+            let _ = Object::take(conn);
         }
+        unlocked(&self.key, flags)
     }
 }
 
-/// The boolean a session statement returns (held, acquired).
+/// The outcome of a session unlock, from its two flags (whether the lock was held, whether the
+/// connection was inside a transaction block), on either driver. The caller pools the
+/// connection again only for `(true, false)`, and closes it otherwise.
+pub(crate) fn unlocked(key: &ResourceKey, flags: Result<(bool, bool)>) -> Result<()> {
+    match flags? {
+        (true, false) => Ok(()),
+        (held, true) => Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "session lock {key} {}, but its connection was inside a transaction block the \
+                 holder never ended: the connection was closed (rolling that transaction back) \
+                 instead of going back to the pool",
+                if held {
+                    "was released"
+                } else {
+                    "was no longer held at release"
+                }
+            ),
+        )),
+        (false, false) => Err(Error::new(
+            ErrorKind::Backend,
+            format!("session lock {key} was no longer held at release"),
+        )),
+    }
+}
+
 fn acquired(row: &tokio_postgres::Row) -> Result<bool> {
     column(row, 0)
 }

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use lockstep_core::{
-    AggregateType, AggregateWriteLock, DistributedLock, ErrorKind, ResourceKey, Transaction as _,
-    TransactionSource as _,
+    AggregateType, AggregateWriteLock, DistributedLock, ErrorKind, ResourceKey, SessionLockGuard,
+    SessionLocks, Transaction as _, TransactionSource as _,
 };
 use lockstep_pg::sqlx::{SqlxDatabase, SqlxTransaction};
 use lockstep_pg_advisory::SqlxDistributedLock;
@@ -60,6 +60,16 @@ mod distributed_lock_suite {
     use super::*;
 
     lockstep_testkit::distributed_lock_conformance! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        fixture: fixture(true).await,
+    }
+}
+
+/// The session-lock conformance suite on sqlx, one test per case.
+mod session_lock_suite {
+    use super::*;
+
+    lockstep_testkit::session_lock_conformance! {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         fixture: fixture(true).await,
     }
@@ -200,4 +210,71 @@ async fn the_aggregate_write_lock_queues_handlers_on_sqlx() {
         .await
         .expect("task")
         .expect("the second handler got the lock");
+}
+
+/// A session acquire abandoned while it waits at the server is ended there (`pg_cancel_backend`),
+/// and the key is free once the holder releases it; a dropped guard's connection is closed and
+/// the server frees its key. From spawned tasks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_session_wait_ends_at_the_server_and_nothing_is_pooled_dirty() {
+    let (db, source) = setup(3, true).await;
+    let lock = SqlxDistributedLock::new(&source);
+    let admin = db.connect().await;
+    let key = fresh_key();
+    let guard = tokio::spawn({
+        let (lock, key) = (lock.clone(), key.clone());
+        async move { lock.acquire_session(&key, None).await }
+    })
+    .await
+    .expect("task")
+    .expect("lock");
+    let waiter = tokio::spawn({
+        let (lock, key) = (lock.clone(), key.clone());
+        async move { lock.acquire_session(&key, None).await }
+    });
+    until_lock_waiters(&admin, 1, "the session waiter").await;
+    waiter.abort();
+    assert!(waiter.await.expect_err("aborted").is_cancelled());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while lock_waiters(&admin).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the server-side wait was not ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    guard.release().await.expect("release");
+    let next = lock
+        .try_acquire_session(&key)
+        .await
+        .expect("try")
+        .expect("free");
+    next.release().await.expect("release");
+
+    // Held, as the server shows; released from a spawned task.
+    let mut guard = lock.acquire_session(&key, None).await.expect("lock");
+    assert!(guard.is_held().await.expect("is_held"));
+    tokio::spawn(async move { guard.release().await })
+        .await
+        .expect("task")
+        .expect("release");
+    let again = lock
+        .try_acquire_session(&key)
+        .await
+        .expect("try")
+        .expect("free after release");
+    drop(again); // dropped: the connection is closed and the server frees the key
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let free = lock.try_acquire_session(&key).await.expect("try");
+        if let Some(guard) = free {
+            guard.release().await.expect("release");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a dropped guard's lock was not freed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -203,22 +203,7 @@ impl SqlxTransaction {
     /// transaction on it. Cancel-safe: dropped while `BEGIN` is in flight, the connection is
     /// closed, never pooled.
     pub async fn begin_within(pool: &PgPool, wait: Duration) -> Result<SqlxTransaction> {
-        let conn = match tokio::time::timeout(wait, pool.acquire()).await {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => return Err(map_sqlx_error_doing(e, "getting a pooled connection")),
-            Err(_) => {
-                return Err(Error::new(
-                    ErrorKind::ConnectionLost,
-                    format!(
-                        "no pooled connection within {wait:?}: pool exhausted ({} open, {} \
-                         idle) or the server is slow to accept connections",
-                        pool.size(),
-                        pool.num_idle()
-                    ),
-                ));
-            }
-        };
-        let mut conn = CloseOnDrop(Some(conn));
+        let mut conn = CloseOnDrop(Some(checkout(pool, wait).await?));
         let rows = ::sqlx::Executor::fetch_all(&mut **conn.get(), ::sqlx::raw_sql(BEGIN))
             .await
             .map_err(|e| map_sqlx_error_doing(e, "beginning a transaction"))?;
@@ -485,28 +470,7 @@ impl LockingTransaction for SqlxTransaction {
     }
 
     fn cancel_on_drop(&self, _queue: &LockQueue) -> CancelOnDrop {
-        let options = self.pool.connect_options();
-        let pid = self.pid;
-        CancelOnDrop::new(
-            "pg_cancel_backend on a new connection",
-            Arc::new(move || {
-                let options = Arc::clone(&options);
-                Box::pin(async move {
-                    let mut conn = PgConnection::connect_with(&options)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let sent = ::sqlx::Executor::execute(
-                        &mut conn,
-                        ::sqlx::query("SELECT pg_cancel_backend($1)").bind(pid),
-                    )
-                    .await
-                    .map(drop)
-                    .map_err(|e| e.to_string());
-                    let _ = conn.close().await;
-                    sent
-                })
-            }),
-        )
+        cancel_backend_on_drop(&self.pool, self.pid)
     }
 
     fn discard_connection_after_end(&self) {
@@ -521,6 +485,53 @@ impl LockingTransaction for SqlxTransaction {
             }
         })
     }
+}
+
+/// A connection of `pool`, waiting at most `wait` (an exhausted pool is then a retryable
+/// [`ErrorKind::ConnectionLost`]). For lockstep's own crates.
+#[doc(hidden)]
+pub async fn checkout(pool: &PgPool, wait: Duration) -> Result<PoolConnection<Postgres>> {
+    match tokio::time::timeout(wait, pool.acquire()).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(map_sqlx_error_doing(e, "getting a pooled connection")),
+        Err(_) => Err(Error::new(
+            ErrorKind::ConnectionLost,
+            format!(
+                "no pooled connection within {wait:?}: pool exhausted ({} open, {} idle) or the \
+                 server is slow to accept connections",
+                pool.size(),
+                pool.num_idle()
+            ),
+        )),
+    }
+}
+
+/// A guard that, dropped armed, ends what backend `pid` runs with `pg_cancel_backend`, sent on a
+/// new connection made with `pool`'s options (sqlx does not hand out a connection's cancel key),
+/// on the schedule of a cancel request. For lockstep's own crates (the session locks on sqlx).
+#[doc(hidden)]
+pub fn cancel_backend_on_drop(pool: &PgPool, pid: i32) -> CancelOnDrop {
+    let options = pool.connect_options();
+    CancelOnDrop::new(
+        "pg_cancel_backend on a new connection",
+        Arc::new(move || {
+            let options = Arc::clone(&options);
+            Box::pin(async move {
+                let mut conn = PgConnection::connect_with(&options)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let sent = ::sqlx::Executor::execute(
+                    &mut conn,
+                    ::sqlx::query("SELECT pg_cancel_backend($1)").bind(pid),
+                )
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string());
+                let _ = conn.close().await;
+                sent
+            })
+        }),
+    )
 }
 
 /// An sqlx error as a lockstep [`Error`], with its [`ErrorKind`] by SQLSTATE (the mapping every
